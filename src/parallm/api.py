@@ -1,0 +1,77 @@
+"""The public entry points: build_model and forward (DESIGN section 2)."""
+
+from __future__ import annotations
+
+import torch
+
+from .families import load_config, spec_from_config
+from .model.decoder import DecoderChunk, build_chunks
+from .parallel.comm import gather_last_dim
+from .parallel.state import Layout, kv_replica_group, require_initialized
+
+
+def build_model(hf_config, *, task: str = "causal_lm", packed: bool = False, sequence_parallel: bool = False,
+                dtype: torch.dtype = torch.float32, vocab_multiple: int = 1) -> list[DecoderChunk]:
+    """Build this rank's share of the model: one chunk per virtual pipeline stage (``len == vpp`` or 1).
+
+    ``hf_config``: a transformers ``PretrainedConfig``, a checkpoint directory, or a config.json path.
+    The parameters are allocated, not initialised: fill them with :func:`parallm.load_hf_weights`.
+    The vocabulary is padded to a multiple of ``vocab_multiple * tp`` (zero rows, never visible in outputs).
+    Collective (every rank calls it): replicated-KV groups are created here when num_key_value_heads < tp.
+    """
+    require_initialized("build_model")
+    config = load_config(hf_config)
+    spec, _family = spec_from_config(config)
+    if packed or sequence_parallel:
+        raise ValueError("packed=True / sequence_parallel=True are not available in this build of parallm yet")
+    chunks = build_chunks(spec, task=task, dtype=dtype, sequence_parallel=sequence_parallel,
+                          vocab_multiple=vocab_multiple)
+    kv_replica_group(spec.num_kv_heads)
+    for chunk in chunks:
+        chunk.hf_config = hf_config if not isinstance(hf_config, (str, bytes)) and hasattr(hf_config, "to_dict") \
+            else (config._raw if hasattr(config, "_raw") else config)
+        chunk.packed = packed
+    return chunks
+
+
+def default_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``cumsum(attention_mask) - 1`` clipped at 0: every sequence counts from its first real token."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
+
+
+def _prepare(chunks, input_ids, attention_mask, position_ids):
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+    device = next(chunks[0].parameters()).device
+    input_ids = input_ids.to(device)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    attention_mask = attention_mask.to(device)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} does not match input_ids "
+                         f"{tuple(input_ids.shape)}")
+    if position_ids is None:
+        position_ids = default_position_ids(attention_mask)
+    position_ids = position_ids.to(device)
+    return input_ids, attention_mask, position_ids
+
+
+def gather_output(chunk: DecoderChunk, out: torch.Tensor) -> torch.Tensor:
+    """Last-stage output -> ``[B, S, V]`` fp32 logits (TP-gathered, vocab padding removed) or ``[B, S]`` values.
+    Differentiable."""
+    if chunk.task == "value":
+        return out.transpose(0, 1).float()
+    logits = gather_last_dim(out, Layout().tp_group)
+    return logits[..., :chunk.spec.vocab_size].transpose(0, 1).float()
+
+
+def forward(chunks, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+    """Whole-batch output on every rank: fp32 logits ``[B, S, V]`` (causal_lm) or values ``[B, S]`` (value)."""
+    require_initialized("forward")
+    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+    input_ids, attention_mask, position_ids = _prepare(chunks, input_ids, attention_mask, position_ids)
+    layout = Layout()
+    if layout.pp == 1:
+        return gather_output(chunks[0], chunks[0](input_ids, position_ids, attention_mask))
+    from .parallel.pipeline import pipeline_forward
+    return pipeline_forward(chunks, input_ids, attention_mask, position_ids)

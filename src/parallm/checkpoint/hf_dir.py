@@ -1,0 +1,121 @@
+"""Reading HF checkpoint directories (single ``model.safetensors`` or sharded with an index), lazily.
+
+Only safetensors are read by default: pickle-based ``.bin`` / ``.pt`` checkpoints can run arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from ..errors import CheckpointError
+from .transforms import Source
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+class SliceSource(Source):
+    """One tensor of a safetensors file; ``read`` touches only the requested slice's bytes."""
+
+    def __init__(self, handle, name: str):
+        self._slice = handle.get_slice(name)
+        self.name = name
+        self.shape = tuple(self._slice.get_shape())
+
+    def read(self, dim, start, stop):
+        index = tuple([slice(None)] * dim + [slice(start, stop)])
+        return self._slice[index]
+
+
+class HFCheckpoint:
+    """Name -> file map of a checkpoint directory; opens each file once, on first use."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.path.abspath(os.fspath(path))
+        if not os.path.isdir(self.path):
+            raise CheckpointError(f"checkpoint directory {self.path} does not exist")
+        index = os.path.join(self.path, INDEX_NAME)
+        single = os.path.join(self.path, SINGLE_NAME)
+        if os.path.isfile(index):
+            with open(index) as f:
+                try:
+                    weight_map = json.load(f)["weight_map"]
+                except (ValueError, KeyError) as e:
+                    raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+            self.weight_map = {}
+            for name, fname in weight_map.items():
+                full = os.path.abspath(os.path.join(self.path, fname))
+                if os.path.dirname(full) != self.path:
+                    raise CheckpointError(f"{index}: {name} points to {fname!r}, outside the checkpoint directory")
+                if not os.path.isfile(full):
+                    raise CheckpointError(f"{index}: {name} is in {fname!r}, which does not exist")
+                self.weight_map[name] = fname
+        elif os.path.isfile(single):
+            with self._open_file(SINGLE_NAME) as h:
+                self.weight_map = {k: SINGLE_NAME for k in h.keys()}
+        else:
+            others = sorted(f for f in os.listdir(self.path) if f.endswith((".bin", ".pt", ".pth", ".safetensors")))
+            hint = (f" (found {', '.join(others)}: pickle checkpoints are not read; convert them to safetensors)"
+                    if others else "")
+            raise CheckpointError(f"{self.path} has neither {SINGLE_NAME} nor {INDEX_NAME}{hint}")
+        self._handles: dict[str, object] = {}
+
+    def _open_file(self, fname: str):
+        full = os.path.join(self.path, fname)
+        try:
+            return safe_open(full, framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise CheckpointError(f"{full}: cannot read safetensors file ({type(e).__name__}: {e})") from None
+
+    def keys(self) -> list[str]:
+        return list(self.weight_map)
+
+    def _handle(self, name: str):
+        fname = self.weight_map[name]
+        if fname not in self._handles:
+            self._handles[fname] = self._open_file(fname)
+        return self._handles[fname]
+
+    def source(self, name: str) -> SliceSource:
+        try:
+            return SliceSource(self._handle(name), name)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{name} in {self.weight_map[name]}: {type(e).__name__}: {e}") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.source(name).shape
+
+    def close(self):
+        self._handles.clear()
+
+
+def check_keys_and_shapes(present: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], *,
+                          strict: bool, ignorable=(), where: str) -> None:
+    """Raise :class:`CheckpointError` naming every missing / unexpected / mis-shaped tensor."""
+    missing = sorted(set(expected) - set(present))
+    unexpected = sorted(k for k in set(present) - set(expected) if not any(k.endswith(s) for s in ignorable)
+                        and k not in ignorable)
+    bad = [f"{k}: checkpoint {tuple(present[k])} vs model {tuple(expected[k])}"
+           for k in sorted(set(present) & set(expected)) if tuple(present[k]) != tuple(expected[k])]
+    msgs = []
+    if missing:
+        msgs.append(f"missing tensor(s): {', '.join(missing[:10])}" + (f" (+{len(missing) - 10} more)"
+                                                                        if len(missing) > 10 else ""))
+    if unexpected and strict:
+        msgs.append(f"unexpected tensor(s): {', '.join(unexpected[:10])}" + (
+            f" (+{len(unexpected) - 10} more)" if len(unexpected) > 10 else "")
+            + " (pass strict=False to ignore them)")
+    if bad:
+        msgs.append("wrong shape: " + "; ".join(bad[:10]))
+    if msgs:
+        raise CheckpointError(f"{where}: " + " | ".join(msgs))
+
+
+def tensor_shapes(state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in state_dict.items()}

@@ -1,0 +1,186 @@
+"""HF weights -> this rank's shards, driven by the family's weight table.
+
+Modes
+    slice      every rank reads only its own slices (a directory every rank can see, or a state dict on every
+               rank).
+    broadcast  global rank 0 alone reads (directory or state dict); for each HF tensor, in table order, it cuts
+               the shard of every rank that owns a piece and sends it there (point to point), so rank 0 holds
+               one full tensor at a time and every rank, data-parallel replicas included, receives only its own
+               shards.
+    auto       slice when every rank sees the directory (or holds the state dict), else broadcast.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CheckpointError
+from ..families import family_of
+from ..parallel.errors import agree, run_local
+from ..parallel.state import Layout, require_initialized
+from .hf_dir import HFCheckpoint, check_keys_and_shapes, tensor_shapes
+from .table import Entry, all_entries, chunk_entries, expected_hf_shapes
+from .transforms import TensorSource, make_shard
+
+# Buffers some checkpoints carry that are recomputed, never loaded.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+MODES = ("auto", "slice", "broadcast")
+
+
+@dataclass
+class LoadReport:
+    mode: str
+    tensors: int          # parameters filled on this rank
+    seconds: float
+
+
+def _as_chunks(chunks):
+    return list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+
+
+def model_entries(chunks, layout: Layout):
+    """(entry, chunk) pairs owned by this rank, plus the whole model's entry list (global order)."""
+    spec, task = chunks[0].spec, chunks[0].task
+    table = family_of(spec).table
+    mine = []
+    for chunk in chunks:
+        for e in chunk_entries(table, spec, task=task, pp=layout.pp, pre_process=chunk.pre_process,
+                               post_process=chunk.post_process, layers=chunk.layer_range):
+            mine.append((e, chunk))
+    return mine, all_entries(table, spec, task=task, pp=layout.pp)
+
+
+def ignorable_names(spec) -> tuple[str, ...]:
+    # A tied checkpoint may still carry lm_head.weight (some exporters write it); the embedding is the truth.
+    return IGNORED_SUFFIXES + (("lm_head.weight",) if spec.tie_word_embeddings else ())
+
+
+def _source_kind(source) -> str:
+    if source is None:
+        return "none"
+    if isinstance(source, (str, os.PathLike)):
+        return "dir" if os.path.isdir(source) else "missing-dir"
+    if isinstance(source, dict):
+        return "dict"
+    raise TypeError(f"load_hf_weights: source must be a checkpoint directory, a state dict or None, "
+                    f"got {type(source).__name__}")
+
+
+def _choose_mode(mode: str, kinds: list[str]) -> str:
+    if kinds[0] in ("none", "missing-dir"):
+        what = "does not exist" if kinds[0] == "missing-dir" else "is None"
+        raise CheckpointError(f"load_hf_weights: the source on global rank 0 {what}; rank 0 must hold the "
+                              "checkpoint directory or the state dict")
+    everywhere = all(k == kinds[0] for k in kinds)
+    if mode == "auto":
+        return "slice" if everywhere else "broadcast"
+    if mode == "slice" and not everywhere:
+        lacking = [r for r, k in enumerate(kinds) if k != kinds[0]]
+        raise CheckpointError(f"load_hf_weights(mode='slice') needs the source on every rank; ranks {lacking} "
+                              "do not have it (use mode='broadcast')")
+    return mode
+
+
+def _copy_into(param: torch.Tensor, shard: torch.Tensor, entry: Entry) -> None:
+    if tuple(shard.shape) != tuple(param.shape):
+        raise CheckpointError(f"{entry.local} <- {', '.join(entry.hf)}: shard shape {tuple(shard.shape)} "
+                              f"does not fit parameter {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(shard)
+
+
+def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True) -> LoadReport:
+    """Fill ``chunks`` (this rank's model) from an HF checkpoint directory or state dict. Collective.
+
+    Strict by default: a tensor the model needs but the checkpoint lacks, a tensor the model does not use
+    (``strict=False`` ignores those), or a tensor of the wrong shape is a :class:`CheckpointError` on every rank,
+    naming the tensor and both shapes. Tied models ignore a stray ``lm_head.weight`` and load the head from
+    ``model.embed_tokens.weight``.
+    """
+    require_initialized("load_hf_weights")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    t0 = time.perf_counter()
+    chunks = _as_chunks(chunks)
+    layout = Layout()
+    spec, task = chunks[0].spec, chunks[0].task
+    table = family_of(spec).table
+    expected = expected_hf_shapes(table, spec, task=task, pp=layout.pp)
+    kind = run_local(lambda: _source_kind(source), what="load_hf_weights")
+    kinds = [None] * layout.world
+    dist.all_gather_object(kinds, kind)
+    mode = run_local(lambda: _choose_mode(mode, kinds), what="load_hf_weights")
+    mine, everything = model_entries(chunks, layout)
+    padded_vocab = chunks[0].padded_vocab_size
+    reader = source if mode == "slice" or layout.rank == 0 else None
+
+    def open_and_check():
+        if reader is None:
+            return None
+        if isinstance(reader, dict):
+            present, where = tensor_shapes(reader), "state dict"
+            get = lambda name: TensorSource(reader[name])  # noqa: E731
+        else:
+            ckpt = HFCheckpoint(reader)
+            present, where = {k: ckpt.shape(k) for k in ckpt.keys()}, ckpt.path
+            get = ckpt.source
+        check_keys_and_shapes(present, expected, strict=strict, ignorable=ignorable_names(spec), where=where)
+        return get
+
+    get = run_local(open_and_check, what="load_hf_weights")
+    if mode == "slice":
+        def fill():
+            for entry, chunk in mine:
+                shard = make_shard(entry.kind, [get(n) for n in entry.hf], layout.tp_rank, layout.tp, spec,
+                                   padded_vocab)
+                _copy_into(chunk.get_parameter(entry.local), shard, entry)
+        run_local(fill, what="load_hf_weights")
+    else:
+        _broadcast_load(mine, everything, get, layout, spec, padded_vocab)
+    for chunk in chunks:
+        chunk.parallm_loaded = True
+    return LoadReport(mode=mode, tensors=len(mine), seconds=time.perf_counter() - t0)
+
+
+def _broadcast_load(mine, everything, get, layout: Layout, spec, padded_vocab: int) -> None:
+    """Rank 0 reads each needed HF tensor once and sends every owner exactly its shard, in global order."""
+    order = {(e.row, e.layer): i for i, e in enumerate(everything)}
+    wanted = sorted((order[(e.row, e.layer)], e, chunk) for e, chunk in mine)
+    requests = [(i, layout.tp_rank) for i, _, _ in wanted]
+    gathered = [None] * layout.world if layout.rank == 0 else None
+    dist.gather_object(requests, gathered, dst=0)
+    if layout.rank != 0:
+        def receive():
+            for _, entry, chunk in wanted:
+                param = chunk.get_parameter(entry.local)
+                buf = param.data if param.data.is_contiguous() else torch.empty_like(param.data)
+                dist.recv(buf, src=0)
+                if buf is not param.data:
+                    param.data.copy_(buf)
+        receive()
+        return
+    wire_dtype = mine[0][1].config.params_dtype
+    wire_device = next(mine[0][1].parameters()).device
+    local = {i: (e, c) for i, e, c in wanted}
+    needers: dict[int, list[tuple[int, int]]] = {}
+    for rank, reqs in enumerate(gathered):
+        for i, tp_rank in reqs:
+            needers.setdefault(i, []).append((rank, tp_rank))
+    for i in sorted(needers):
+        entry = everything[i]
+        sources = [TensorSource(get(n).full()) for n in entry.hf]
+        shards = {}
+        for rank, tp_rank in needers[i]:
+            if tp_rank not in shards:
+                shards[tp_rank] = make_shard(entry.kind, sources, tp_rank, layout.tp, spec, padded_vocab)
+            if rank == 0:
+                e, chunk = local[i]
+                _copy_into(chunk.get_parameter(e.local), shards[tp_rank], e)
+            else:
+                dist.send(shards[tp_rank].to(dtype=wire_dtype, device=wire_device).contiguous(), dst=rank)
+        del sources, shards

@@ -1,0 +1,114 @@
+"""Declarative weight tables: which shard parameter comes from which HF tensors, and how.
+
+A family's table is a tuple of :class:`Row`. A row names the chunk-local parameter (``{l}`` = local layer index
+inside the chunk), its HF source names (``{i}`` = global layer index), the layout transform (``kind``), the stage
+that owns it, and conditions on the spec / task / pipeline under which it exists. Loader, saver and the coverage
+tests all read the same table; tied embeddings and value heads *filter* rows, nothing mutates a table.
+
+Kinds (see :mod:`parallm.checkpoint.transforms`):
+    copy     replicated on every TP rank
+    vocab    split along dim 0 over TP after padding the vocabulary with zero rows
+    column   split along dim 0 (column-parallel output)
+    row      split along dim 1 (row-parallel input)
+    qkv      three HF tensors (q, k, v) fused per rank as [q_r; k_r; v_r] (KV heads replicated when nkv < tp)
+    gate_up  two HF tensors (gate, up) fused per rank as [gate_r; up_r]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..model.spec import DecoderSpec
+
+KINDS = ("copy", "vocab", "column", "row", "qkv", "gate_up")
+STAGES = ("first", "layer", "last")
+
+# Conditions a row may require (all must hold).
+CONDITIONS = {
+    "qkv_bias": lambda spec, task, pp: spec.qkv_bias,
+    "o_bias": lambda spec, task, pp: spec.o_bias,
+    "mlp_bias": lambda spec, task, pp: spec.mlp_bias,
+    "causal_lm": lambda spec, task, pp: task == "causal_lm",
+    "value": lambda spec, task, pp: task == "value",
+    "untied": lambda spec, task, pp: not spec.tie_word_embeddings,
+    # tied and the head lives on another stage than the embedding: the last stage keeps a copy
+    "tied_copy": lambda spec, task, pp: spec.tie_word_embeddings and pp > 1,
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    local: str                      # parameter name inside a DecoderChunk
+    hf: tuple[str, ...]             # HF source names
+    kind: str
+    stage: str
+    shapes: tuple[tuple, ...] = ()  # full HF shape per source: ints or DecoderSpec attribute names
+    when: tuple[str, ...] = ()      # CONDITIONS that must all hold
+    save: bool = True               # False: loaded but not written back (e.g. the tied head copy)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown kind {self.kind!r}")
+        if self.stage not in STAGES:
+            raise ValueError(f"unknown stage {self.stage!r}")
+        if len(self.shapes) != len(self.hf):
+            raise ValueError(f"row {self.local}: {len(self.hf)} sources but {len(self.shapes)} shapes")
+        for c in self.when:
+            if c not in CONDITIONS:
+                raise ValueError(f"unknown condition {c!r}")
+
+    def applies(self, spec: DecoderSpec, task: str, pp: int) -> bool:
+        return all(CONDITIONS[c](spec, task, pp) for c in self.when)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A row made concrete for one parameter (layer indices filled in)."""
+    row: Row
+    local: str                      # parameter name inside its chunk
+    hf: tuple[str, ...]
+    layer: int | None               # global layer index, None for non-layer rows
+
+    @property
+    def kind(self) -> str:
+        return self.row.kind
+
+
+def select_rows(table, spec: DecoderSpec, task: str, pp: int) -> list[Row]:
+    return [r for r in table if r.applies(spec, task, pp)]
+
+
+def chunk_entries(table, spec: DecoderSpec, *, task: str, pp: int, pre_process: bool, post_process: bool,
+                  layers) -> list[Entry]:
+    """Entries owned by one chunk, in table order (layer rows for every layer of the chunk, in order)."""
+    out = []
+    rows = select_rows(table, spec, task, pp)
+    for row in rows:
+        if row.stage == "first" and pre_process or row.stage == "last" and post_process:
+            out.append(Entry(row, row.local, row.hf, None))
+    layer_rows = [r for r in rows if r.stage == "layer"]
+    for local_idx, global_idx in enumerate(layers):
+        for row in layer_rows:
+            out.append(Entry(row, row.local.format(l=local_idx), tuple(h.format(i=global_idx) for h in row.hf),
+                             global_idx))
+    return out
+
+
+def all_entries(table, spec: DecoderSpec, *, task: str, pp: int) -> list[Entry]:
+    """Every entry of the whole model (as if one chunk held everything)."""
+    return chunk_entries(table, spec, task=task, pp=pp, pre_process=True, post_process=True,
+                         layers=range(spec.num_layers))
+
+
+def resolve_shape(shape, spec: DecoderSpec) -> tuple[int, ...]:
+    """A row's declared shape (ints or DecoderSpec attribute names) as numbers."""
+    return tuple(d if isinstance(d, int) else int(getattr(spec, d)) for d in shape)
+
+
+def expected_hf_shapes(table, spec: DecoderSpec, *, task: str, pp: int) -> dict[str, tuple[int, ...]]:
+    """HF name -> full shape of every tensor the model reads, from the rows' declared shapes."""
+    out = {}
+    for e in all_entries(table, spec, task=task, pp=pp):
+        for name, shape in zip(e.hf, e.row.shapes):
+            out[name] = resolve_shape(shape, spec)
+    return out

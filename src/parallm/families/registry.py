@@ -1,0 +1,121 @@
+"""Family registry: HF config -> (DecoderSpec, weight table)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from ..model.rope import rope_spec_from_hf_config
+from ..model.spec import DecoderSpec
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]
+    architectures: tuple[str, ...]
+    spec: Callable[[object], DecoderSpec]
+    table: tuple
+    causal_architecture: str
+    value_architecture: str
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    FAMILIES[family.name] = family
+    return family
+
+
+def supported_architectures() -> list[str]:
+    return sorted(a for f in FAMILIES.values() for a in f.architectures)
+
+
+def _get(config, key, default=None):
+    if isinstance(config, dict):
+        return config.get(key, default)
+    return getattr(config, key, default)
+
+
+def family_for(config) -> Family:
+    """The family of an HF config (object or config.json dict), or a ValueError listing what is supported."""
+    archs = _get(config, "architectures") or []
+    for f in FAMILIES.values():
+        if any(a in f.architectures for a in archs):
+            return f
+    model_type = _get(config, "model_type")
+    if not archs:
+        for f in FAMILIES.values():
+            if model_type in f.model_types:
+                return f
+    got = f"architectures={list(archs)}" if archs else f"model_type={model_type!r}"
+    raise ValueError(f"unsupported architecture ({got}); parallm supports: {', '.join(supported_architectures())}")
+
+
+class _DictConfig:
+    """Attribute access over a config.json dict (so family spec functions read objects and dicts alike)."""
+
+    def __init__(self, d: dict):
+        self.__dict__.update(d)
+        self._raw = d
+
+    def get(self, key, default=None):
+        return self._raw.get(key, default)
+
+
+def load_config(hf_config):
+    """A PretrainedConfig, a checkpoint directory, a config.json path, or a dict -> a config object.
+
+    Directories / files are read as plain JSON (no transformers model code is imported), so config.json files
+    written by transformers 4.x (``rope_theta`` / ``rope_scaling``) and 5.x (``rope_parameters``) both work.
+    """
+    if isinstance(hf_config, (str, os.PathLike)):
+        path = os.fspath(hf_config)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no config.json at {path}")
+        with open(path) as f:
+            return _DictConfig(json.load(f))
+    if isinstance(hf_config, dict):
+        return _DictConfig(hf_config)
+    return hf_config
+
+
+def base_spec_kwargs(config, family: str) -> dict:
+    """Fields every LLaMA-like family reads the same way."""
+    hidden = int(config.hidden_size)
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    archs = getattr(config, "architectures", None) or []
+    act = getattr(config, "hidden_act", "silu")
+    return dict(
+        family=family,
+        architecture=archs[0] if archs else family,
+        model_type=getattr(config, "model_type", family),
+        hidden_size=hidden,
+        num_layers=int(config.num_hidden_layers),
+        num_heads=heads,
+        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=int(head_dim),
+        intermediate_size=int(config.intermediate_size),
+        vocab_size=int(config.vocab_size),
+        rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
+        rope=rope_spec_from_hf_config(config if not isinstance(config, _DictConfig) else config._raw,
+                                      int(head_dim)),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        hidden_act=act,
+    )
+
+
+def spec_from_config(hf_config) -> tuple[DecoderSpec, Family]:
+    config = load_config(hf_config)
+    family = family_for(config if not isinstance(config, _DictConfig) else config._raw)
+    return family.spec(config), family
+
+
+def family_of(spec: DecoderSpec) -> Family:
+    return FAMILIES[spec.family]

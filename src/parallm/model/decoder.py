@@ -1,0 +1,245 @@
+"""One decoder for every family, on Megatron-core's tensor-parallel layers.
+
+Activations are sequence-first, ``[S, B, H]`` (Megatron's convention; the packed path uses ``[nnz, 1, H]``).
+A :class:`DecoderChunk` is one (virtual) pipeline stage: it owns the embedding when it is the first stage
+(``pre_process``), the final norm and the head when it is the last (``post_process``), and a run of layers that
+each know their global index (``layer.layer_number``).
+
+Tensor-parallel layouts (DESIGN section 3): the fused QKV output on TP rank r is ``[q_r; k_r; v_r]`` (r's query
+heads, then the KV heads they use; with fewer KV heads than ranks each rank holds one replicated KV head);
+the fused MLP input projection on rank r is ``[gate_r; up_r]``; o_proj and down_proj are row parallel.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    from megatron.core import ModelParallelConfig, parallel_state
+    from megatron.core import tensor_parallel as mtp
+
+from .rope import apply_rope, rope_cos_sin
+from .spec import TASKS, DecoderSpec, check_tp, layer_numbers, padded_vocab_size
+
+
+def _no_init(_weight):  # parameters are filled by the loader (or by init_weights)
+    return None
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back, as transformers' LlamaRMSNorm / Qwen2RMSNorm."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int):
+        super().__init__()
+        self.head_dim = spec.head_dim
+        self.num_heads_local = spec.num_heads // tp
+        self.num_kv_local = max(1, spec.num_kv_heads // tp)
+        local_out = (self.num_heads_local + 2 * self.num_kv_local) * spec.head_dim
+        self.linear_qkv = mtp.ColumnParallelLinear(
+            spec.hidden_size, local_out * tp, config=config, init_method=_no_init, bias=spec.qkv_bias,
+            gather_output=False)
+        self.linear_proj = mtp.RowParallelLinear(
+            spec.q_size, spec.hidden_size, config=config, init_method=_no_init, bias=spec.o_bias,
+            input_is_parallel=True, skip_bias_add=False)
+
+    def forward(self, x, cos, sin, attn_mask):
+        s, b, _ = x.shape
+        qkv, _ = self.linear_qkv(x)
+        hq, hkv, d = self.num_heads_local, self.num_kv_local, self.head_dim
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q = apply_rope(q.reshape(s, b, hq, d), cos, sin)
+        k = apply_rope(k.reshape(s, b, hkv, d), cos, sin)
+        v = v.reshape(s, b, hkv, d)
+        # [S, B, h, d] -> [B, h, S, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        if hkv != hq:
+            k = k.repeat_interleave(hq // hkv, dim=1)
+            v = v.repeat_interleave(hq // hkv, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=1.0 / math.sqrt(d))
+        out = out.permute(2, 0, 1, 3).reshape(s, b, hq * d)
+        out, _ = self.linear_proj(out)
+        return out
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int):
+        super().__init__()
+        self.linear_fc1 = mtp.ColumnParallelLinear(
+            spec.hidden_size, 2 * spec.intermediate_size, config=config, init_method=_no_init,
+            bias=spec.mlp_bias, gather_output=False)
+        self.linear_fc2 = mtp.RowParallelLinear(
+            spec.intermediate_size, spec.hidden_size, config=config, init_method=_no_init, bias=spec.mlp_bias,
+            input_is_parallel=True, skip_bias_add=False)
+
+    def forward(self, x):
+        h, _ = self.linear_fc1(x)
+        gate, up = h.chunk(2, dim=-1)
+        h, _ = self.linear_fc2(F.silu(gate) * up)
+        return h
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int, layer_number: int, device):
+        super().__init__()
+        self.layer_number = layer_number  # global index in the full model
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
+        self.self_attention = Attention(spec, config, tp)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
+        self.mlp = MLP(spec, config, tp)
+
+    def forward(self, x, cos, sin, attn_mask):
+        x = x + self.self_attention(self.input_layernorm(x), cos, sin, attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def padded_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Boolean ``[B, 1, S, S]`` mask: causal, real keys only, and every query may see itself.
+
+    The diagonal keeps rows of padded queries from being fully masked (which would give NaN that then leaks
+    through 0 * NaN into real tokens); outputs at padded positions are meaningless and callers mask them.
+    """
+    b, s = attention_mask.shape
+    device = attention_mask.device
+    causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
+    allowed = causal[None] & attention_mask.bool()[:, None, :]
+    allowed = allowed | torch.eye(s, dtype=torch.bool, device=device)[None]
+    return allowed[:, None]
+
+
+class DecoderChunk(nn.Module):
+    """One virtual pipeline stage of the decoder (Megatron's model protocol: pre_process / post_process /
+    set_input_tensor). ``forward`` returns, on the last stage, vocab-parallel logits ``[S, B, Vpad/tp]``
+    (causal_lm) or values ``[S, B]`` (value); elsewhere the hidden states ``[S, B, H]`` for the next stage."""
+
+    def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, *, task: str, pre_process: bool,
+                 post_process: bool, layers: range, vpp_rank: int, vocab_multiple: int = 1):
+        super().__init__()
+        tp = config.tensor_model_parallel_size
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        self.spec = spec
+        self.task = task
+        self.config = config
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.vpp_rank = vpp_rank
+        self.layer_range = layers
+        self.padded_vocab_size = padded_vocab_size(spec.vocab_size, tp, vocab_multiple)
+        self.share_embeddings_and_output_weights = spec.tie_word_embeddings and task == "causal_lm"
+        self.input_tensor = None
+        if pre_process:
+            self.embedding = mtp.VocabParallelEmbedding(
+                self.padded_vocab_size, spec.hidden_size, init_method=_no_init, config=config)
+        self.layers = nn.ModuleList(DecoderLayer(spec, config, tp, i, device) for i in layers)
+        if post_process:
+            self.final_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
+            if task == "causal_lm":
+                # Tied and the embedding lives in this chunk: one parameter used twice. Tied across stages:
+                # this chunk owns a copy, loaded from the embedding and kept equal by finalize_grads.
+                reuse = self.share_embeddings_and_output_weights and pre_process
+                self.output_layer = mtp.ColumnParallelLinear(
+                    spec.hidden_size, self.padded_vocab_size, config=config, init_method=_no_init, bias=False,
+                    gather_output=False, skip_weight_param_allocation=reuse)
+                if self.share_embeddings_and_output_weights and not pre_process:
+                    self.output_layer.weight.shared_embedding = True
+                    self.output_layer.weight.shared = True
+            else:
+                self.score = nn.Linear(spec.hidden_size, 1, bias=False, dtype=config.params_dtype, device=device)
+        if self.share_embeddings_and_output_weights and pre_process and not post_process:
+            self.embedding.weight.shared_embedding = True
+            self.embedding.weight.shared = True
+
+    # -- Megatron model protocol -------------------------------------------------------------------------
+    def set_input_tensor(self, input_tensor):
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0] if input_tensor else None
+        self.input_tensor = input_tensor
+
+    def shared_embedding_or_output_weight(self):
+        if self.pre_process:
+            return self.embedding.weight
+        if self.post_process and self.task == "causal_lm":
+            return self.output_layer.weight
+        return None
+
+    # -- forward -------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """input_ids / position_ids / attention_mask: ``[B, S]`` (padded layout)."""
+        if self.pre_process:
+            x = self.embedding(input_ids).transpose(0, 1).contiguous()  # [S, B, H]
+        else:
+            if self.input_tensor is None:
+                raise RuntimeError("DecoderChunk without pre_process needs set_input_tensor() before forward")
+            x = self.input_tensor
+        cos, sin = rope_cos_sin(self.spec.rope, position_ids.transpose(0, 1))  # [S, B, d]
+        cos, sin = cos.to(x.device), sin.to(x.device)
+        mask = padded_attention_mask(attention_mask)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        if not self.post_process:
+            return x
+        x = self.final_norm(x)
+        if self.task == "value":
+            return self.score(x).squeeze(-1)
+        weight = self.embedding.weight if (self.share_embeddings_and_output_weights and self.pre_process) else None
+        logits, _ = self.output_layer(x, weight=weight)
+        return logits
+
+
+def make_config(*, tp: int, pp: int, vpp: int | None, dtype: torch.dtype, sequence_parallel: bool):
+    on_gpu = torch.cuda.is_available() and torch.distributed.get_backend() == "nccl"
+    return ModelParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def build_chunks(spec: DecoderSpec, *, task: str = "causal_lm", dtype=torch.float32, sequence_parallel=False,
+                 vocab_multiple: int = 1) -> list[DecoderChunk]:
+    """Build this rank's chunks (one per virtual stage) from parallel_state's layout."""
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    if spec.hidden_act != "silu":
+        raise ValueError(f"hidden_act={spec.hidden_act!r} is not supported (parallm implements 'silu')")
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    check_tp(spec, tp)
+    layer_numbers(spec.num_layers, pp, vpp, 0, 0)  # raises with the numbers if the split is uneven
+    config = make_config(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, dtype=dtype,
+                         sequence_parallel=sequence_parallel)
+    chunks = []
+    for v in range(vpp):
+        chunks.append(DecoderChunk(
+            spec, config, task=task,
+            pre_process=(pp_rank == 0 and v == 0),
+            post_process=(pp_rank == pp - 1 and v == vpp - 1),
+            layers=layer_numbers(spec.num_layers, pp, vpp, pp_rank, v), vpp_rank=v,
+            vocab_multiple=vocab_multiple))
+    return chunks

@@ -1,0 +1,81 @@
+"""The frozen description of a decoder that the one generic implementation runs.
+
+A family file (``parallm.families.*``) turns a Hugging Face config into a :class:`DecoderSpec`; the decoder reads
+only the spec, never the architecture name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .rope import RopeSpec
+
+TASKS = ("causal_lm", "value")
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    family: str                 # registry key, e.g. "llama", "qwen2"
+    architecture: str           # HF architecture of the checkpoint, e.g. "LlamaForCausalLM"
+    model_type: str             # HF model_type, e.g. "llama"
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int               # config.head_dim when given; may differ from hidden_size / num_heads
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    qkv_bias: bool = False      # Qwen2: True; LLaMA: attention_bias
+    o_bias: bool = False        # LLaMA: attention_bias
+    mlp_bias: bool = False      # LLaMA: mlp_bias
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def check_tp(spec: DecoderSpec, tp: int) -> None:
+    """Raise ValueError when the model cannot be split over ``tp`` ranks, naming the numbers."""
+    problems = []
+    if spec.num_heads % tp:
+        problems.append(f"num_attention_heads={spec.num_heads} is not divisible by tp={tp}")
+    nkv = spec.num_kv_heads
+    if nkv >= tp and nkv % tp:
+        problems.append(f"num_key_value_heads={nkv} is not divisible by tp={tp}")
+    if nkv < tp and tp % nkv:
+        problems.append(f"num_key_value_heads={nkv} < tp={tp} and tp is not a multiple of it "
+                        "(KV heads can only be replicated in equal blocks)")
+    if spec.num_heads % nkv:
+        problems.append(f"num_attention_heads={spec.num_heads} is not a multiple of num_key_value_heads={nkv}")
+    if spec.intermediate_size % tp:
+        problems.append(f"intermediate_size={spec.intermediate_size} is not divisible by tp={tp}")
+    if problems:
+        raise ValueError(f"{spec.architecture} cannot be split with tp={tp}: " + "; ".join(problems))
+
+
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
+    """Vocab rows after padding to a multiple of ``multiple * tp`` (padded rows are zeros, never in outputs)."""
+    unit = multiple * tp
+    return -(-vocab_size // unit) * unit
+
+
+def layer_numbers(num_layers: int, pp: int, vpp: int, pp_rank: int, vpp_rank: int) -> range:
+    """Global indices of the layers owned by virtual stage ``vpp_rank`` of pipeline rank ``pp_rank``.
+
+    Megatron's interleaving: ``offset = vpp_rank * (L / vpp) + pp_rank * (L / pp / vpp)``, each chunk holding
+    ``L / (pp * vpp)`` consecutive layers.
+    """
+    stages = pp * vpp
+    if num_layers % stages:
+        raise ValueError(f"{num_layers} layers do not split into pp={pp} x vpp={vpp} = {stages} equal stages")
+    per = num_layers // stages
+    offset = vpp_rank * (num_layers // vpp) + pp_rank * per
+    return range(offset, offset + per)

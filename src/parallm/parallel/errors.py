@@ -1,0 +1,54 @@
+"""Making one rank's error every rank's error.
+
+Code that may fail on some ranks only (reading files, validating a state dict that only rank 0 holds) runs
+*before* the collectives that depend on it, then every rank calls :func:`agree`: it exchanges a status and
+raises the same exception type, naming the failing rank(s), everywhere. Process-group timeouts stay the last
+resort for a rank that died.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ..errors import CheckpointError, ParallelError
+
+
+def _error_types():
+    return {t.__name__: t for t in (CheckpointError, ValueError, RuntimeError, FileNotFoundError, TypeError,
+                                      KeyError, OSError, ParallelError)}
+
+
+def agree(error: BaseException | None, *, what: str, group=None) -> None:
+    """Collective over ``group`` (default: world). Raises on every member if any member passed an error."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    status = None if error is None else (type(error).__name__, str(error))
+    statuses = [None] * dist.get_world_size(group)
+    dist.all_gather_object(statuses, status, group=group)
+    failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
+    if not failed:
+        return
+    if error is not None:
+        raise error
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    first_rank, (type_name, message) = failed[0]
+    others = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+    etype = _error_types().get(type_name, ParallelError)
+    if etype is KeyError:  # KeyError quotes its message; keep text readable
+        etype = ParallelError
+    raise etype(f"{what} failed on rank {ranks[first_rank]}{others}: {message}")
+
+
+def run_local(fn, *, what: str, group=None):
+    """Run ``fn()`` (local work, no collectives inside) and :func:`agree` on the outcome. Returns fn's result."""
+    try:
+        result, error = fn(), None
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank by agree
+        result, error = None, e
+    agree(error, what=what, group=group)
+    return result
+
+
+__all__ = ["ParallelError", "agree", "run_local"]

@@ -1,0 +1,190 @@
+"""Test helpers: tiny seeded transformers models with non-trivial weights, and a gloo rank launcher."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+
+SPAWN_TIMEOUT_S = float(os.environ.get("PARALLM_TEST_SPAWN_TIMEOUT_S", "420"))
+
+
+# -- tiny HF models ------------------------------------------------------------------------------------------
+
+def tiny_config(family: str, **overrides):
+    import transformers
+    base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=101, max_position_embeddings=64, rms_norm_eps=1e-5,
+                tie_word_embeddings=False, attn_implementation="eager")
+    base.update(overrides)
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]
+    return cls(**base)
+
+
+def randomize_(model, seed: int) -> None:
+    """Every weight non-trivial: norms around 1, biases non-zero, matrices ~N(0, 0.08)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(0.08 * noise)
+
+
+def make_hf_model(config, *, task: str = "causal_lm", seed: int = 0):
+    import transformers
+    torch.manual_seed(seed)
+    if task == "value":
+        config.num_labels = 1
+        if config.pad_token_id is None:
+            config.pad_token_id = 0
+        model = transformers.AutoModelForSequenceClassification.from_config(config, torch_dtype=torch.float32)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = model.float().eval()
+    randomize_(model, seed)
+    if getattr(config, "tie_word_embeddings", False) and task == "causal_lm":
+        model.tie_weights()
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model
+
+
+def save_checkpoint(model, path: str, *, max_shard_size: str | None = None) -> str:
+    kwargs = {"safe_serialization": True}
+    if max_shard_size:
+        kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(path, **kwargs)
+    return path
+
+
+def hf_state_dict(model) -> dict[str, torch.Tensor]:
+    """The state dict an HF checkpoint of this model holds (tied lm_head dropped as save_pretrained does)."""
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        sd.pop("lm_head.weight", None)
+    return sd
+
+
+def rewrite_config_4x(path: str) -> None:
+    """Turn a transformers-5 config.json into the transformers-4.x style (rope_theta / rope_scaling)."""
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    rp = dict(cfg.pop("rope_parameters", None) or {})
+    cfg["rope_theta"] = rp.pop("rope_theta", 10000.0)
+    kind = rp.pop("rope_type", "default")
+    rp.pop("type", None)
+    cfg["rope_scaling"] = None if kind == "default" else {"type": kind, **rp}
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def padded_batch(vocab: int, *, seed: int = 1, batch: int = 4, seq: int = 10):
+    """input_ids and attention_mask with a full row, left padding and right padding."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[1, :3] = 0          # left padding
+    mask[2, -4:] = 0         # right padding
+    if batch > 3:
+        mask[3, :1] = 0
+        mask[3, -2:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    return ids, mask
+
+
+def hf_logits(model, ids, mask):
+    import parallm
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=parallm.default_position_ids(mask))
+    return out.logits.float()
+
+
+def max_diff_real(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    m = mask.bool()
+    return (a[m] - b[m]).abs().max().item()
+
+
+# -- launching gloo ranks ------------------------------------------------------------------------------------
+
+def _worker(fn, rank, world, init_file, queue, args):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                             world_size=world, timeout=timedelta(seconds=180))
+        result = fn(rank, world, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001
+        queue.put((rank, "err", traceback.format_exc()))
+    finally:
+        try:
+            import parallm
+            parallm.destroy_parallel()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+_CTX = None
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "transformers", "megatron.core.tensor_parallel", "parallm",
+                                     "helpers"])
+    return _CTX
+
+
+def run_ranks(fn, world: int, *args, timeout: float = SPAWN_TIMEOUT_S):
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results (list by rank).
+
+    A rank that raises fails the call with its traceback; a run that exceeds ``timeout`` is killed and fails.
+    """
+    ctx = _context()
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_worker, args=(fn, r, world, init_file, queue, args), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        results, errors = {}, {}
+        deadline = time.monotonic() + timeout
+        while len(results) + len(errors) < world:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, status, value = queue.get(timeout=min(remaining, 5.0))
+            except Exception:  # queue.Empty
+                if errors and all(not p.is_alive() for p in procs):
+                    break
+                dead = [i for i, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
+                        and i not in results and i not in errors]
+                for i in dead:
+                    errors[i] = f"rank {i} died with exit code {procs[i].exitcode}"
+                continue
+            (results if status == "ok" else errors)[rank] = value
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        if errors:
+            first = min(errors)
+            raise AssertionError(f"{len(errors)} rank(s) failed; rank {first}:\n{errors[first]}")
+        if len(results) < world:
+            missing = sorted(set(range(world)) - set(results))
+            raise AssertionError(f"ranks {missing} did not finish within {timeout:.0f}s (hang?)")
+        return [results[r] for r in range(world)]
