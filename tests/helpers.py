@@ -117,10 +117,11 @@ def max_diff_real(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float
 
 # -- launching gloo ranks ------------------------------------------------------------------------------------
 
-def _worker(fn, rank, world, init_file, queue, args):
+def _worker(fn, rank, world, init_file, queue, args_file):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
+        args = torch.load(args_file, weights_only=False)
         torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                              world_size=world, timeout=timedelta(seconds=180))
         result = fn(rank, world, *args)
@@ -156,7 +157,10 @@ def run_ranks(fn, world: int, *args, timeout: float = SPAWN_TIMEOUT_S):
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, args=(fn, r, world, init_file, queue, args), daemon=True)
+        # Arguments travel through a file: tensors passed directly would each cost a shared-memory fd.
+        args_file = os.path.join(tmp, "args.pt")
+        torch.save(args, args_file)
+        procs = [ctx.Process(target=_worker, args=(fn, r, world, init_file, queue, args_file), daemon=True)
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -182,8 +186,10 @@ def run_ranks(fn, world: int, *args, timeout: float = SPAWN_TIMEOUT_S):
             if p.is_alive():
                 p.kill()
         if errors:
-            first = min(errors)
-            raise AssertionError(f"{len(errors)} rank(s) failed; rank {first}:\n{errors[first]}")
+            # The root cause is usually the error that is not a lost connection.
+            ranked = sorted(errors, key=lambda r: ("Connection closed" in errors[r], r))
+            raise AssertionError(f"{len(errors)} rank(s) failed ({sorted(errors)}); rank {ranked[0]}:\n"
+                                 f"{errors[ranked[0]]}")
         if len(results) < world:
             missing = sorted(set(range(world)) - set(results))
             raise AssertionError(f"ranks {missing} did not finish within {timeout:.0f}s (hang?)")

@@ -75,3 +75,42 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None) -> torch.
         return gather_output(chunks[0], chunks[0](input_ids, position_ids, attention_mask))
     from .parallel.pipeline import pipeline_forward
     return pipeline_forward(chunks, input_ids, attention_mask, position_ids)
+
+
+def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_microbatches: int = 1,
+                     position_ids=None) -> torch.Tensor:
+    """Forward and backward of ``loss_fn`` over ``num_microbatches`` microbatches (split along dim 0).
+
+    ``loss_fn(output, input_ids_mb, attention_mask_mb)`` receives what :func:`forward` returns for that
+    microbatch (differentiable). Gradients accumulate in ``param.grad`` as the gradient of
+    ``mean_m loss_fn(mb_m)``; call :func:`parallm.finalize_grads` before stepping. Each data-parallel replica
+    passes its own batch. Returns that mean, averaged over data-parallel replicas (the global loss), on every
+    rank.
+    """
+    require_initialized("forward_backward")
+    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+    input_ids, attention_mask, position_ids = _prepare(chunks, input_ids, attention_mask, position_ids)
+    b = input_ids.shape[0]
+    if not isinstance(num_microbatches, int) or num_microbatches < 1 or b % num_microbatches:
+        raise ValueError(f"batch size {b} does not split into num_microbatches={num_microbatches}")
+    size = b // num_microbatches
+    mbs = [(input_ids[i:i + size], position_ids[i:i + size], attention_mask[i:i + size])
+           for i in range(0, b, size)]
+
+    def last_stage(chunk, out, m):
+        ids, _, mask = mbs[m]
+        loss = loss_fn(gather_output(chunk, out), ids, mask)
+        if not (torch.is_tensor(loss) and loss.dim() == 0):
+            raise ValueError("loss_fn must return a scalar tensor")
+        return loss
+
+    from .parallel.pipeline import broadcast_from_last_stage, run_pipeline
+    losses = run_pipeline(chunks, mbs, last_stage_fn=last_stage, backward=True,
+                          num_microbatches=num_microbatches)
+    layout = Layout()
+    mean = torch.stack(losses).float().mean() if losses else None
+    mean = broadcast_from_last_stage(mean, (), torch.float32, input_ids.device)
+    if layout.dp > 1:
+        torch.distributed.all_reduce(mean, group=layout.dp_group)
+        mean /= layout.dp
+    return mean

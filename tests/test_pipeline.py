@@ -1,0 +1,171 @@
+"""Pipeline / virtual pipeline / data parallel: forward parity and one SGD step against transformers."""
+
+import copy
+
+import pytest
+import torch
+
+import helpers
+
+LR = 0.5
+
+
+def ce_loss(logits, ids, mask):
+    """Mean next-token cross entropy over real (unpadded) positions."""
+    lp = logits[:, :-1].float().log_softmax(-1)
+    tgt = ids[:, 1:]
+    m = (mask[:, 1:] * mask[:, :-1]).float()
+    nll = -lp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
+    return (nll * m).sum() / m.sum()
+
+
+def reference_step(model, ids, mask, pieces):
+    """Loss = mean over equal batch pieces of ce_loss(piece); returns (loss, stepped state dict, logits after)."""
+    import parallm
+    model = copy.deepcopy(model)
+    model.zero_grad()
+    pos = parallm.default_position_ids(mask)
+    size = ids.shape[0] // pieces
+    losses = []
+    for i in range(0, ids.shape[0], size):
+        out = model(input_ids=ids[i:i + size], attention_mask=mask[i:i + size], position_ids=pos[i:i + size])
+        losses.append(ce_loss(out.logits, ids[i:i + size], mask[i:i + size]))
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= LR * p.grad
+    after = helpers.hf_logits(model, ids, mask)
+    return loss.item(), helpers.hf_state_dict(model), after
+
+
+def rank_cases(rank, world, cases):
+    import parallm
+    out = []
+    for case in cases:
+        tp, pp, vpp, nmb = case["tp"], case["pp"], case["vpp"], case["nmb"]
+        parallm.init_parallel(tp=tp, pp=pp, vpp=vpp)
+        from parallm.parallel.state import Layout
+        lay = Layout()
+        chunks = parallm.build_model(case["ckpt"])
+        assert len(chunks) == (vpp or 1)
+        parallm.load_hf_weights(chunks, case["ckpt"], mode="slice")
+        ids, mask = case["ids"], case["mask"]
+        logits = parallm.forward(chunks, ids, mask)
+        fwd = helpers.max_diff_real(logits, case["ref_logits"], mask)
+        # round trip before training
+        sd = parallm.save_hf_weights(chunks)
+        if rank == 0:
+            ref_sd = case["ref_sd"]
+            assert sd.keys() == ref_sd.keys(), sorted(set(sd) ^ set(ref_sd))
+            for k in ref_sd:
+                assert torch.equal(sd[k], ref_sd[k]), k
+        # broadcast load of the same layout gives identical outputs
+        chunks_b = parallm.build_model(case["ckpt"])
+        parallm.load_hf_weights(chunks_b, case["ckpt"], mode="broadcast")
+        assert torch.equal(parallm.forward(chunks_b, ids, mask), logits)
+        del chunks_b
+        # one SGD step on this replica's share of the batch
+        per = ids.shape[0] // lay.dp
+        sl = slice(lay.dp_rank * per, (lay.dp_rank + 1) * per)
+        loss = parallm.forward_backward(chunks, ids[sl], mask[sl], loss_fn=ce_loss, num_microbatches=nmb)
+        parallm.finalize_grads(chunks)
+        with torch.no_grad():
+            for c in chunks:
+                for p in c.parameters():
+                    p -= LR * p.grad
+        # both copies of a tied embedding stay identical
+        if case["tied"] and pp > 1:
+            sd_tied = [c.shared_embedding_or_output_weight() for c in chunks
+                       if c.pre_process or c.post_process]
+            assert all(w is not None for w in sd_tied)
+        after = parallm.forward(chunks, ids, mask)
+        new_sd = parallm.save_hf_weights(chunks)
+        wdiff = None
+        if rank == 0:
+            ref_new = case["ref_new_sd"]
+            assert new_sd.keys() == ref_new.keys()
+            wdiff = max((new_sd[k] - ref_new[k]).abs().max().item() for k in ref_new)
+        tied_diff = _tied_copy_diff(chunks, lay) if case["tied"] and pp > 1 else None
+        out.append(dict(name=case["name"], fwd=fwd, loss=abs(loss.item() - case["ref_loss"]),
+                        after=helpers.max_diff_real(after, case["ref_after"], mask), weights=wdiff,
+                        tied=tied_diff))
+    return out
+
+
+def _tied_copy_diff(chunks, lay):
+    """Max |embedding - head copy| between first and last stage (sent over the embedding group)."""
+    from megatron.core import parallel_state as ps
+    shared = [c.shared_embedding_or_output_weight() for c in chunks if c.pre_process or c.post_process]
+    if not shared:
+        return None
+    w = shared[0]
+    other = w.detach().clone()
+    torch.distributed.broadcast(other, src=torch.distributed.get_process_group_ranks(
+        ps.get_embedding_group())[-1], group=ps.get_embedding_group())
+    return (w.detach() - other).abs().max().item()
+
+
+CASES = [
+    # name, family, config overrides, layout, lm_head in tied checkpoint
+    ("llama pp2 dp2 untied", "llama", dict(num_hidden_layers=4), dict(tp=1, pp=2, vpp=None, nmb=1), False),
+    ("qwen2 pp4 tied", "qwen2", dict(num_hidden_layers=4, tie_word_embeddings=True),
+     dict(tp=1, pp=4, vpp=None, nmb=2), False),
+    ("llama pp2 vpp2 dp2 tied+lm_head", "llama", dict(num_hidden_layers=4, tie_word_embeddings=True),
+     dict(tp=1, pp=2, vpp=2, nmb=2), True),
+    ("qwen2 tp2 pp2 tied nkv1", "qwen2",
+     dict(num_hidden_layers=4, tie_word_embeddings=True, num_key_value_heads=1, vocab_size=99),
+     dict(tp=2, pp=2, vpp=None, nmb=2), False),
+]
+
+
+@pytest.mark.timeout(600)
+def test_pipeline_parity_and_sgd_step(tmp_path):
+    world = 4
+    cases = []
+    for i, (name, family, overrides, layout, stray_head) in enumerate(CASES):
+        cfg = helpers.tiny_config(family, **overrides)
+        model = helpers.make_hf_model(cfg, seed=10 + i)
+        ckpt = str(tmp_path / f"m{i}")
+        helpers.save_checkpoint(model, ckpt, max_shard_size="40KB")
+        if stray_head:
+            _add_stray_lm_head(ckpt, model)
+        ids, mask = helpers.padded_batch(cfg.vocab_size, seed=i, batch=8, seq=9)
+        dp = world // (layout["tp"] * layout["pp"])
+        loss, new_sd, after = reference_step(model, ids, mask, dp * layout["nmb"])
+        cases.append(dict(name=name, ckpt=ckpt, ids=ids, mask=mask, tied=cfg.tie_word_embeddings,
+                          ref_logits=helpers.hf_logits(model, ids, mask), ref_sd=helpers.hf_state_dict(model),
+                          ref_loss=loss, ref_new_sd=new_sd, ref_after=after, **layout))
+    results = helpers.run_ranks(rank_cases, world, cases)
+    print()
+    for case_idx, case in enumerate(cases):
+        per_rank = [r[case_idx] for r in results]
+        fwd = max(r["fwd"] for r in per_rank)
+        loss = max(r["loss"] for r in per_rank)
+        after = max(r["after"] for r in per_rank)
+        wdiff = per_rank[0]["weights"]
+        tied = [r["tied"] for r in per_rank if r["tied"] is not None]
+        print(f"{case['name']:<34} fwd {fwd:.2e} loss {loss:.2e} weights {wdiff:.2e} after-step {after:.2e}"
+              + (f" tied-copies {max(tied):.1e}" if tied else ""))
+        assert fwd < 2e-5, case["name"]
+        assert loss < 2e-5, case["name"]
+        assert wdiff < 2e-5, case["name"]
+        assert after < 5e-5, case["name"]
+        if case["tied"] and case["pp"] > 1:
+            assert tied and max(tied) == 0.0, case["name"]
+
+
+def _add_stray_lm_head(ckpt, model):
+    """A tied checkpoint that still carries lm_head.weight (with different values): must not change anything."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+    stray = {"lm_head.weight": torch.randn_like(model.lm_head.weight)}
+    save_file(stray, os.path.join(ckpt, "extra-lm-head.safetensors"), metadata={"format": "pt"})
+    index_path = os.path.join(ckpt, "model.safetensors.index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    index["weight_map"]["lm_head.weight"] = "extra-lm-head.safetensors"
+    with open(index_path, "w") as f:
+        json.dump(index, f)

@@ -1,0 +1,148 @@
+"""The declarative weight tables against real transformers checkpoints (no process group).
+
+Every checkpoint key is read by exactly the table's rows and every row's declared shape is the checkpoint's
+shape: the loader's strictness and the saver's key set both rest on this. (That the rows also cover every
+*parameter* of the built chunks needs parallel groups; tests/test_tp_parity.py checks it per chunk.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from parallm.checkpoint.table import (CONDITIONS, KINDS, Row, all_entries, chunk_entries, expected_hf_shapes,
+                                      select_rows)
+from parallm.families import FAMILIES, family_of, spec_from_config
+from parallm.model.spec import layer_numbers
+
+from helpers import hf_state_dict, make_hf_model, tiny_config
+
+CASES = {
+    "llama-untied": ("llama", dict()),
+    "llama-tied": ("llama", dict(tie_word_embeddings=True)),
+    "llama-attention_bias": ("llama", dict(attention_bias=True)),
+    "llama-mlp_bias": ("llama", dict(mlp_bias=True)),
+    "llama-all-bias-tied-head_dim": ("llama", dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
+                                                   num_attention_heads=8, num_key_value_heads=1, head_dim=32)),
+    "qwen2-untied": ("qwen2", dict(vocab_size=99)),
+    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True, num_key_value_heads=1)),
+}
+TASKS = ("causal_lm", "value")
+
+
+def _shapes(sd):
+    return {k: tuple(v.shape) for k, v in sd.items()}
+
+
+@pytest.fixture(scope="module")
+def hf_shapes():
+    """(case, task) -> (spec, family, HF checkpoint key -> shape); models built once per module."""
+    out = {}
+    for case, (family, overrides) in CASES.items():
+        for task in TASKS:
+            config = tiny_config(family, num_hidden_layers=4, **overrides)
+            model = make_hf_model(config, task=task)
+            spec, fam = spec_from_config(model.config)
+            out[case, task] = (spec, fam, _shapes(hf_state_dict(model)))
+    return out
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("pp", [1, 2])
+def test_expected_shapes_equal_checkpoint(hf_shapes, case, task, pp):
+    spec, family, ckpt = hf_shapes[case, task]
+    expected = expected_hf_shapes(family.table, spec, task=task, pp=pp)
+    missing = sorted(set(ckpt) - set(expected))
+    extra = sorted(set(expected) - set(ckpt))
+    assert not missing, f"checkpoint keys no table row reads (silently skipped): {missing}"
+    assert not extra, f"table rows read keys the checkpoint does not have: {extra}"
+    bad = {k: (ckpt[k], expected[k]) for k in ckpt if ckpt[k] != expected[k]}
+    assert not bad, f"checkpoint vs table shapes: {bad}"
+    if task == "value":
+        assert "score.weight" in expected and expected["score.weight"] == (1, spec.hidden_size)
+        assert "lm_head.weight" not in expected
+    elif spec.tie_word_embeddings:
+        assert "lm_head.weight" not in expected
+    else:
+        assert "lm_head.weight" in expected
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("pp", [1, 2, 4])
+def test_stages_partition_entries(hf_shapes, case, pp):
+    """Chunks of all pipeline stages together hold every entry once (tied pp>1: plus the head copy, not saved)."""
+    spec, family, ckpt = hf_shapes[case, "causal_lm"]
+    everything = all_entries(family.table, spec, task="causal_lm", pp=pp)
+    keys = [(e.row, e.layer) for e in everything]
+    assert len(keys) == len(set(keys))
+    got = []
+    for p in range(pp):
+        layers = layer_numbers(spec.num_layers, pp, 1, p, 0)
+        ents = chunk_entries(family.table, spec, task="causal_lm", pp=pp, pre_process=p == 0,
+                             post_process=p == pp - 1, layers=layers)
+        locals_ = [e.local for e in ents]
+        assert len(locals_) == len(set(locals_)), f"duplicate local names on stage {p}: {locals_}"
+        got += [(e.row, e.layer) for e in ents]
+        # local layer names restart at 0 in every chunk and the HF names carry the global index
+        for e in ents:
+            if e.layer is not None:
+                local_idx = int(e.local.split(".")[1])
+                assert layers[local_idx] == e.layer
+                assert all(f"layers.{e.layer}." in n for n in e.hf)
+    assert sorted(got, key=repr) == sorted(keys, key=repr)
+    saved = [n for e in everything if e.row.save for n in e.hf]
+    assert len(saved) == len(set(saved)), "a checkpoint key would be written twice"
+    assert set(saved) == set(ckpt)
+    head_copies = [e for e in everything if not e.row.save]
+    if spec.tie_word_embeddings and pp > 1:
+        assert [e.hf for e in head_copies] == [("model.embed_tokens.weight",)]
+        assert head_copies[0].local == "output_layer.weight" and head_copies[0].row.stage == "last"
+    else:
+        assert head_copies == []
+
+
+def test_family_tables_are_well_formed():
+    for fam in FAMILIES.values():
+        for row in fam.table:
+            assert row.kind in KINDS
+            assert all(c in CONDITIONS for c in row.when)
+            if row.stage == "layer":
+                assert "{l}" in row.local and all("{i}" in h for h in row.hf)
+            else:
+                assert "{l}" not in row.local and all("{i}" not in h for h in row.hf)
+            if row.kind == "qkv":
+                assert len(row.hf) == 3
+            elif row.kind == "gate_up":
+                assert len(row.hf) == 2
+            else:
+                assert len(row.hf) == 1
+    assert {"llama", "qwen2"} <= set(FAMILIES)
+
+
+def test_tied_filters_rows_without_mutating_table(hf_shapes):
+    spec, family, _ = hf_shapes["llama-tied", "causal_lm"]
+    before = tuple(family.table)
+    rows = select_rows(family.table, spec, "causal_lm", 1)
+    assert not any(r.hf == ("lm_head.weight",) for r in rows)
+    untied, _, _ = hf_shapes["llama-untied", "causal_lm"]
+    assert any(r.hf == ("lm_head.weight",) for r in select_rows(family.table, untied, "causal_lm", 1))
+    assert tuple(family.table) == before
+
+
+def test_qwen2_spec_has_qkv_bias_only(hf_shapes):
+    spec, family, _ = hf_shapes["qwen2-untied", "causal_lm"]
+    assert family.name == "qwen2" and family_of(spec) is family
+    assert spec.qkv_bias and not spec.o_bias and not spec.mlp_bias
+    spec, _, _ = hf_shapes["llama-attention_bias", "causal_lm"]
+    assert spec.qkv_bias and spec.o_bias and not spec.mlp_bias
+
+
+def test_row_validation():
+    with pytest.raises(ValueError, match="unknown kind"):
+        Row("x", ("y",), "splat", "first", ((1,),))
+    with pytest.raises(ValueError, match="unknown stage"):
+        Row("x", ("y",), "copy", "middle", ((1,),))
+    with pytest.raises(ValueError, match="1 sources but 0 shapes"):
+        Row("x", ("y",), "copy", "first")
+    with pytest.raises(ValueError, match="unknown condition"):
+        Row("x", ("y",), "copy", "first", ((1,),), when=("sometimes",))
