@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch
 
-SPAWN_TIMEOUT_S = float(os.environ.get("PARALLM_TEST_SPAWN_TIMEOUT_S", "420"))
+SPAWN_TIMEOUT_S = float(os.environ.get("PARALLM_TEST_SPAWN_TIMEOUT_S", "240"))
 
 
 # -- tiny HF models ------------------------------------------------------------------------------------------
@@ -117,9 +117,12 @@ def max_diff_real(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float
 
 # -- launching gloo ranks ------------------------------------------------------------------------------------
 
-def _worker(fn, rank, world, init_file, queue, args_file):
+def _worker(fn, rank, world, init_file, queue, args_file, timeout):
+    import faulthandler
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    # A hung rank prints where it is stuck, then exits, instead of waiting for the test's timeout.
+    faulthandler.dump_traceback_later(max(timeout - 15, 5), exit=True)
     try:
         args = torch.load(args_file, weights_only=False)
         torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -160,7 +163,8 @@ def run_ranks(fn, world: int, *args, timeout: float = SPAWN_TIMEOUT_S):
         # Arguments travel through a file: tensors passed directly would each cost a shared-memory fd.
         args_file = os.path.join(tmp, "args.pt")
         torch.save(args, args_file)
-        procs = [ctx.Process(target=_worker, args=(fn, r, world, init_file, queue, args_file), daemon=True)
+        procs = [ctx.Process(target=_worker, args=(fn, r, world, init_file, queue, args_file, timeout),
+                             daemon=True)
                  for r in range(world)]
         for p in procs:
             p.start()

@@ -59,7 +59,7 @@ def _prepare(chunks, input_ids, attention_mask, position_ids):
 def gather_output(chunk: DecoderChunk, out: torch.Tensor) -> torch.Tensor:
     """Last-stage output -> ``[B, S, V]`` fp32 logits (TP-gathered, vocab padding removed) or ``[B, S]`` values.
     Differentiable."""
-    if chunk.task == "value":
+    if chunk.task in ("value", "hidden"):
         return out.transpose(0, 1).float()
     logits = gather_last_dim(out, Layout().tp_group)
     return logits[..., :chunk.spec.vocab_size].transpose(0, 1).float()
@@ -72,7 +72,7 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None) -> torch.
     input_ids, attention_mask, position_ids = _prepare(chunks, input_ids, attention_mask, position_ids)
     layout = Layout()
     if layout.pp == 1:
-        return gather_output(chunks[0], chunks[0](input_ids, position_ids, attention_mask))
+        return gather_output(chunks[0], chunks[0].compute(input_ids, position_ids, attention_mask))
     from .parallel.pipeline import pipeline_forward
     return pipeline_forward(chunks, input_ids, attention_mask, position_ids)
 

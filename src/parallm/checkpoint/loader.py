@@ -55,7 +55,9 @@ def model_entries(chunks, layout: Layout):
     return mine, all_entries(table, spec, task=task, pp=layout.pp)
 
 
-def ignorable_names(spec) -> tuple[str, ...]:
+def ignorable_names(spec, task: str) -> tuple[str, ...]:
+    if task == "hidden":  # a headless model reads the decoder only
+        return IGNORED_SUFFIXES + ("lm_head.weight", "score.weight")
     # A tied checkpoint may still carry lm_head.weight (some exporters write it); the embedding is the truth.
     return IGNORED_SUFFIXES + (("lm_head.weight",) if spec.tie_word_embeddings else ())
 
@@ -129,7 +131,7 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True) 
             ckpt = HFCheckpoint(reader)
             present, where = {k: ckpt.shape(k) for k in ckpt.keys()}, ckpt.path
             get = ckpt.source
-        check_keys_and_shapes(present, expected, strict=strict, ignorable=ignorable_names(spec), where=where)
+        check_keys_and_shapes(present, expected, strict=strict, ignorable=ignorable_names(spec, task), where=where)
         return get
 
     get = run_local(open_and_check, what="load_hf_weights")

@@ -151,7 +151,9 @@ class DecoderChunk(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, config, tp, i, device) for i in layers)
         if post_process:
             self.final_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
-            if task == "causal_lm":
+            if task == "hidden":
+                pass  # a headless model (verl's ParallelLlamaModel): final-normed hidden states
+            elif task == "causal_lm":
                 # Tied and the embedding lives in this chunk: one parameter used twice. Tied across stages:
                 # this chunk owns a copy, loaded from the embedding and kept equal by finalize_grads.
                 reuse = self.share_embeddings_and_output_weights and pre_process
@@ -181,8 +183,9 @@ class DecoderChunk(nn.Module):
         return None
 
     # -- forward -------------------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor):
-        """input_ids / position_ids / attention_mask: ``[B, S]`` (padded layout)."""
+    def compute(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """input_ids / position_ids / attention_mask: ``[B, S]`` (padded layout). parallm's engine calls this;
+        ``forward`` is the same unless a subclass (the verl-compatible classes) gives it another signature."""
         if self.pre_process:
             x = self.embedding(input_ids).transpose(0, 1).contiguous()  # [S, B, H]
         else:
@@ -197,11 +200,16 @@ class DecoderChunk(nn.Module):
         if not self.post_process:
             return x
         x = self.final_norm(x)
+        if self.task == "hidden":
+            return x
         if self.task == "value":
             return self.score(x).squeeze(-1)
         weight = self.embedding.weight if (self.share_embeddings_and_output_weights and self.pre_process) else None
         logits, _ = self.output_layer(x, weight=weight)
         return logits
+
+    def forward(self, input_ids, position_ids, attention_mask):
+        return self.compute(input_ids, position_ids, attention_mask)
 
 
 def make_config(*, tp: int, pp: int, vpp: int | None, dtype: torch.dtype, sequence_parallel: bool):
@@ -222,7 +230,7 @@ def make_config(*, tp: int, pp: int, vpp: int | None, dtype: torch.dtype, sequen
 def build_chunks(spec: DecoderSpec, *, task: str = "causal_lm", dtype=torch.float32, sequence_parallel=False,
                  vocab_multiple: int = 1) -> list[DecoderChunk]:
     """Build this rank's chunks (one per virtual stage) from parallel_state's layout."""
-    if task not in TASKS:
+    if task not in TASKS + ("hidden",):
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     if spec.hidden_act != "silu":
         raise ValueError(f"hidden_act={spec.hidden_act!r} is not supported (parallm implements 'silu')")

@@ -77,7 +77,7 @@ def run_pipeline(chunks, microbatches, *, last_stage_fn, backward: bool, num_mic
                     inp = ring.recv(ring.prev, dtype)
                     inp.requires_grad_(backward)
                 chunk.set_input_tensor(inp)
-                out = chunk(ids, pos, mask)
+                out = chunk.compute(ids, pos, mask)
                 chunk.set_input_tensor(None)
                 if chunk.post_process:
                     out = last_stage_fn(chunk, out, m)

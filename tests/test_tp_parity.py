@@ -1,0 +1,246 @@
+"""Tensor-parallel parity against transformers (fp32, gloo, one 4-rank spawn for the whole matrix).
+
+One spawn of 4 ranks runs tp = 1, 2, 4 in turn (dp = 4 / tp) and, for each tp, every model case:
+
+* load from the checkpoint directory (mode="slice"); every parameter is pre-filled with NaN so a parameter the
+  loader skips shows up; vocab padding rows must be zero; the weight table's entries must name exactly the
+  chunk's parameters;
+* ``parallm.forward`` logits (or values) vs transformers at real positions (left / right / both padding) < 2e-5,
+  and identical on every rank;
+* ``save_hf_weights`` on rank 0 == the HF state dict, bit-exact, same key set ({} on other ranks); at tp=4 also
+  written to a directory that the parent loads with ``from_pretrained``;
+* loading from the state dict on rank 0 only (None elsewhere; auto -> broadcast, and explicit broadcast), from the
+  state dict on every rank (auto -> slice) and mode="broadcast" from the directory give forward outputs
+  torch.equal to the slice-loaded ones.
+
+Cases: LLaMA untied + attention_bias + mlp_bias + llama3 rope + vocab 101 + indexed multi-file checkpoint +
+config.json rewritten to 4.x style; LLaMA tied + nkv=1 + head_dim=32 != 64/8 + linear rope; Qwen2 untied nkv=2
+vocab 99; Qwen2 tied nkv=1 dynamic rope (NTK actually triggered: max_position_embeddings < sequence length);
+Qwen2 tied *value* model (score head; tied config must not skip it). With tp=4, nkv < tp in every case.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import helpers
+from helpers import (hf_logits, hf_state_dict, make_hf_model, max_diff_real, padded_batch, rewrite_config_4x,
+                     run_ranks, save_checkpoint, tiny_config)
+
+TPS = (1, 2, 4)
+WORLD = 4
+TOL = 2e-5
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 4, "rope_theta": 500000.0}
+
+CASES = {
+    # name: (family, task, config overrides, save options)
+    "llama-untied-bias-llama3-v101-multifile-4x": (
+        "llama", "causal_lm",
+        dict(attention_bias=True, mlp_bias=True, vocab_size=101, rope_parameters=LLAMA3),
+        dict(max_shard_size="20KB", config_4x=True)),
+    "llama-tied-nkv1-hd32-linear": (
+        "llama", "causal_lm",
+        dict(tie_word_embeddings=True, num_attention_heads=8, num_key_value_heads=1, head_dim=32,
+             rope_parameters={"rope_type": "linear", "factor": 3.0, "rope_theta": 10000.0}),
+        dict()),
+    "qwen2-untied-nkv2-v99": (
+        "qwen2", "causal_lm", dict(num_key_value_heads=2, vocab_size=99), dict()),
+    "qwen2-tied-nkv1-dynamic": (
+        "qwen2", "causal_lm",
+        dict(tie_word_embeddings=True, num_key_value_heads=1, max_position_embeddings=8,
+             rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+        dict()),
+    "qwen2-tied-value": (
+        "qwen2", "value", dict(tie_word_embeddings=True, vocab_size=99), dict()),
+}
+
+
+def hf_values(model, ids, mask):
+    """Per-token values of an HF *ForSequenceClassification(num_labels=1): score(last hidden state)."""
+    import parallm
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, attention_mask=mask,
+                             position_ids=parallm.default_position_ids(mask)).last_hidden_state
+        return model.score(hidden).squeeze(-1).float()
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp_parity")
+    out = {}
+    for i, (name, (family, task, overrides, save)) in enumerate(CASES.items()):
+        config = tiny_config(family, **overrides)
+        model = make_hf_model(config, task=task, seed=10 + i)
+        path = save_checkpoint(model, str(root / name), max_shard_size=save.get("max_shard_size"))
+        if save.get("config_4x"):
+            rewrite_config_4x(path)
+        ids, mask = padded_batch(config.vocab_size, seed=20 + i)
+        ref = hf_values(model, ids, mask) if task == "value" else hf_logits(model, ids, mask)
+        out[name] = dict(name=name, family=family, task=task, path=path, state_dict=hf_state_dict(model),
+                         ids=ids, mask=mask, ref=ref, vocab=config.vocab_size, tied=config.tie_word_embeddings,
+                         out_dirs={tp: str(root / f"saved-{name}-tp{tp}") for tp in TPS})
+    return out
+
+
+# -- rank side ------------------------------------------------------------------------------------------------
+
+def _build_nan(parallm, source, task):
+    chunks = parallm.build_model(source, task=task)
+    with torch.no_grad():
+        for chunk in chunks:
+            for p in chunk.parameters():
+                p.fill_(float("nan"))
+    return chunks
+
+
+def _nan_params(chunks):
+    return sorted(n for c in chunks for n, p in c.named_parameters() if torch.isnan(p).any())
+
+
+def _log(*msg):
+    if os.environ.get("PARALLM_TEST_DEBUG"):
+        import sys
+        print(*msg, file=sys.stderr, flush=True)
+
+
+def _run_case(parallm, case, tp, rank):
+    from parallm.checkpoint.loader import model_entries
+    from parallm.parallel.state import Layout
+
+    layout = Layout()
+    res = {"problems": []}
+    problems = res["problems"]
+    task, ids, mask = case["task"], case["ids"], case["mask"]
+
+    _log(f"rank {rank} tp={tp} {case['name']}: build + slice load")
+    chunks = _build_nan(parallm, case["path"], task)
+    report = parallm.load_hf_weights(chunks, case["path"], mode="slice")
+    if report.mode != "slice":
+        problems.append(f"mode slice reported {report.mode}")
+    nan = _nan_params(chunks)
+    if nan:
+        problems.append(f"parameters not loaded (still NaN): {nan}")
+
+    # the weight table names exactly the chunk's parameters
+    mine, _ = model_entries(chunks, layout)
+    for chunk in chunks:
+        table_names = [e.local for e, c in mine if c is chunk]
+        params = {n for n, _ in chunk.named_parameters()}
+        if len(table_names) != len(set(table_names)) or set(table_names) != params:
+            problems.append(f"table vs parameters: only in table {sorted(set(table_names) - params)}, "
+                            f"only in chunk {sorted(params - set(table_names))}")
+    # vocab padding rows are zero
+    chunk = chunks[0]
+    emb = chunk.embedding.weight
+    per = chunk.padded_vocab_size // tp
+    first_pad = case["vocab"] - layout.tp_rank * per
+    if first_pad < per and torch.count_nonzero(emb[max(first_pad, 0):]).item():
+        problems.append("embedding vocab padding rows are not zero")
+
+    _log(f"rank {rank} tp={tp} {case['name']}: forward")
+    out = parallm.forward(chunks, ids, mask)
+    res["out"] = out
+    res["diff"] = max_diff_real(out, case["ref"], mask)
+    expected_shape = tuple(ids.shape) + ((case["vocab"],) if task == "causal_lm" else ())
+    if tuple(out.shape) != expected_shape:
+        problems.append(f"output shape {tuple(out.shape)} != {expected_shape}")
+
+    # HF -> shards -> HF, bit-exact
+    _log(f"rank {rank} tp={tp} {case['name']}: save")
+    state = parallm.save_hf_weights(chunks)
+    if rank == 0:
+        ref = case["state_dict"]
+        if set(state) != set(ref):
+            problems.append(f"saved keys: missing {sorted(set(ref) - set(state))}, "
+                            f"extra {sorted(set(state) - set(ref))}")
+        unequal = sorted(k for k in set(state) & set(ref) if not torch.equal(state[k], ref[k]))
+        if unequal:
+            problems.append(f"saved tensors differ from HF: {unequal}")
+    elif state != {}:
+        problems.append(f"save_hf_weights returned {len(state)} tensors on rank {rank} (expected {{}})")
+    if tp == 4:
+        parallm.save_hf_weights(chunks, case["out_dirs"][tp])
+
+    # every other way to load gives the same model
+    sd = case["state_dict"]
+    variants = {
+        "dict on rank 0 only (auto)": (sd if rank == 0 else None, "auto", "broadcast"),
+        "dict on rank 0 only (broadcast)": (sd if rank == 0 else None, "broadcast", "broadcast"),
+        "dict on every rank (auto)": (sd, "auto", "slice"),
+        "directory (broadcast)": (case["path"], "broadcast", "broadcast"),
+    }
+    if case["tied"] and task == "causal_lm":
+        # a tied checkpoint that also carries lm_head.weight must not change the result
+        stray = dict(sd, **{"lm_head.weight": torch.randn_like(sd["model.embed_tokens.weight"])})
+        variants["tied dict + stray lm_head (slice)"] = (stray, "slice", "slice")
+    for what, (source, mode, want_mode) in variants.items():
+        _log(f"rank {rank} tp={tp} {case['name']}: {what}")
+        other = _build_nan(parallm, case["path"], task)
+        rep = parallm.load_hf_weights(other, source, mode=mode)
+        if rep.mode != want_mode:
+            problems.append(f"{what}: mode {rep.mode}, expected {want_mode}")
+        nan = _nan_params(other)
+        if nan:
+            problems.append(f"{what}: parameters not loaded: {nan}")
+        if not torch.equal(parallm.forward(other, ids, mask), out):
+            problems.append(f"{what}: forward differs from the slice-loaded model")
+    return res
+
+
+def _parity_rank(rank, world, cases):
+    import parallm
+    results = {}
+    for tp in TPS:
+        parallm.init_parallel(tp=tp)
+        for name, case in cases.items():
+            try:
+                results[tp, name] = _run_case(parallm, case, tp, rank)
+            except Exception as e:  # keep the ranks in step is impossible after a failure; report it
+                raise RuntimeError(f"tp={tp} case {name}: {type(e).__name__}: {e}") from e
+    return results
+
+
+# -- parent side ----------------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(400)
+def test_tp_parity_roundtrip_and_load_modes(cases):
+    import transformers
+
+    results = run_ranks(_parity_rank, WORLD, cases)
+    failures = []
+    rows = []
+    for name, case in cases.items():
+        diffs = []
+        for tp in TPS:
+            per_rank = [r[tp, name] for r in results]
+            for rank, res in enumerate(per_rank):
+                failures += [f"tp={tp} {name} rank {rank}: {p}" for p in res["problems"]]
+            d = per_rank[0]["diff"]
+            diffs.append(d)
+            if not d < TOL:
+                failures.append(f"tp={tp} {name}: max |parallm - HF| at real positions {d:.3g} >= {TOL}")
+            for rank, res in enumerate(per_rank[1:], 1):
+                if not torch.equal(res["out"], per_rank[0]["out"]):
+                    failures.append(f"tp={tp} {name}: forward output on rank {rank} differs from rank 0")
+        rows.append((name, diffs))
+
+        # the directory save_hf_weights wrote at tp=4 loads in transformers, with the same weights
+        out_dir = case["out_dirs"][4]
+        cls = (transformers.AutoModelForSequenceClassification if case["task"] == "value"
+               else transformers.AutoModelForCausalLM)
+        reloaded = cls.from_pretrained(out_dir, dtype=torch.float32)
+        got = hf_state_dict(reloaded)
+        ref = case["state_dict"]
+        if set(got) != set(ref) or any(not torch.equal(got[k], ref[k]) for k in ref):
+            failures.append(f"{name}: from_pretrained(save_hf_weights(out_dir)) != HF weights")
+
+    print("\nmax |parallm - transformers| over real positions (fp32)")
+    print(f"{'case':46s}" + "".join(f"{'tp=' + str(tp):>12s}" for tp in TPS))
+    for name, diffs in rows:
+        print(f"{name:46s}" + "".join(f"{d:12.3g}" for d in diffs))
+    assert not failures, "\n".join(failures)
