@@ -128,6 +128,10 @@ def _worker(fn, rank, world, init_file, queue, args_file, timeout):
         torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                              world_size=world, timeout=timedelta(seconds=180))
         result = fn(rank, world, *args)
+        try:  # the queue's feeder thread would drop an unpicklable result silently and the test would hang
+            mp.reduction.ForkingPickler.dumps(result)
+        except Exception as e:  # noqa: BLE001
+            raise TypeError(f"the rank function's result cannot be sent back to the test process: {e}") from e
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001
         queue.put((rank, "err", traceback.format_exc()))

@@ -34,10 +34,11 @@ def rank_verl(rank, world, ckpt, ref_logits, ref_sd, ids, mask):
     pos = parallm.default_position_ids(mask)
     if ps.is_pipeline_first_stage():
         hidden = model(input_ids=ids, attention_mask=mask, position_ids=pos)
-        assert hidden.shape == (ids.shape[1], ids.shape[0], config.hidden_size)
+        # RmPad: the packed token stream [nnz, 1, H] goes to the next stage
+        assert hidden.shape == (int(mask.sum()), 1, config.hidden_size)
         dist.send(hidden.contiguous(), dst=pp_ranks[1])
     else:
-        hidden = torch.empty(ids.shape[1], ids.shape[0], config.hidden_size)
+        hidden = torch.empty(int(mask.sum()), 1, config.hidden_size)
         dist.recv(hidden, src=pp_ranks[0])
         model.set_input_tensor([hidden])
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits

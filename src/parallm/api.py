@@ -6,15 +6,21 @@ import torch
 
 from .families import load_config, spec_from_config
 from .model.decoder import DecoderChunk, build_chunks
+from .model.spec import TASKS
 from .parallel.comm import gather_last_dim
 from .parallel.state import Layout, kv_replica_group, require_initialized
 
 
-def build_model(hf_config, *, task: str = "causal_lm", packed: bool = False, sequence_parallel: bool = False,
-                dtype: torch.dtype = torch.float32, vocab_multiple: int = 1) -> list[DecoderChunk]:
+def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = False,
+                sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
+                vocab_multiple: int = 1) -> list[DecoderChunk]:
     """Build this rank's share of the model: one chunk per virtual pipeline stage (``len == vpp`` or 1).
 
     ``hf_config``: a transformers ``PretrainedConfig``, a checkpoint directory, or a config.json path.
+    ``task``: ``"causal_lm"`` (logits), ``"value"`` (a ``score`` head ``[1, H]`` giving values ``[B, S]``), or
+    None to follow the config (``*ForSequenceClassification`` -> value). ``packed``: remove padding and run
+    the real tokens as one stream (varlen attention). ``sequence_parallel``: split that stream over the TP
+    ranks between the parallel linears (needs ``packed=True``).
     The parameters are allocated, not initialised: fill them with :func:`parallm.load_hf_weights`.
     The vocabulary is padded to a multiple of ``vocab_multiple * tp`` (zero rows, never visible in outputs).
     Collective (every rank calls it): replicated-KV groups are created here when num_key_value_heads < tp.
@@ -22,16 +28,33 @@ def build_model(hf_config, *, task: str = "causal_lm", packed: bool = False, seq
     require_initialized("build_model")
     config = load_config(hf_config)
     spec, _family = spec_from_config(config)
-    if packed or sequence_parallel:
-        raise ValueError("packed=True / sequence_parallel=True are not available in this build of parallm yet")
+    task = resolve_task(config, task)
     chunks = build_chunks(spec, task=task, dtype=dtype, sequence_parallel=sequence_parallel,
-                          vocab_multiple=vocab_multiple)
+                          vocab_multiple=vocab_multiple, packed=packed)
     kv_replica_group(spec.num_kv_heads)
     for chunk in chunks:
-        chunk.hf_config = hf_config if not isinstance(hf_config, (str, bytes)) and hasattr(hf_config, "to_dict") \
-            else (config._raw if hasattr(config, "_raw") else config)
-        chunk.packed = packed
+        chunk.hf_config = getattr(config, "_raw", config)
     return chunks
+
+
+def resolve_task(config, task):
+    """``None`` -> from the config's architectures; a value task needs ``num_labels`` 1 when it is given."""
+    archs = getattr(config, "architectures", None) or []
+    is_seq_cls = any(a.endswith("ForSequenceClassification") for a in archs)
+    if task is None:
+        task = "value" if is_seq_cls else "causal_lm"
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS} (or None), got {task!r}")
+    if is_seq_cls:
+        labels = getattr(config, "num_labels", None)
+        if labels is None:
+            labels = len(getattr(config, "id2label", None) or {}) or None
+        if task == "value" and labels not in (None, 1):
+            raise ValueError(f"a value model needs num_labels=1; the config has num_labels={labels}")
+        if task == "causal_lm":
+            raise ValueError(f"the config describes {archs[0]} (no language-model head): build it with "
+                             "task='value' (or task=None)")
+    return task
 
 
 def default_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

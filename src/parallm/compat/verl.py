@@ -25,7 +25,8 @@ Differences from verl, on purpose:
   untied config is an error.
 * Vocab-parallel logits of the PP classes carry the vocabulary padding (when ``V % tp != 0``) as columns filled
   with the dtype's lowest value, so a softmax / cross entropy gives them probability exactly 0.
-* RmPad classes compute at padded positions too and return zeros there (verl's pad_input convention).
+* RmPad classes run packed (remove-padding, varlen attention, sequence parallel when megatron_config says so)
+  and return zeros at padded positions (verl's pad_input convention).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from ..families import spec_from_config
 from ..model.decoder import DecoderChunk, make_config
 from ..model.spec import layer_numbers
 from ..parallel.comm import gather_last_dim
+from ..parallel.cpu_compat import enable_megatron_sequence_parallel_on_cpu
 from ..parallel.state import Layout, _import_parallel_state, kv_replica_group
 
 
@@ -79,7 +81,9 @@ class _VerlBase(DecoderChunk):
         if share_embeddings_and_output_weights is False and spec.tie_word_embeddings and self._task == "causal_lm":
             warnings.warn("config.tie_word_embeddings=True: parallm ties the output layer to the embedding "
                           "(share_embeddings_and_output_weights=False is ignored)", stacklevel=2)
-        super().__init__(spec, mp_config, task=self._task, **kw)
+        if mp_config.sequence_parallel:
+            enable_megatron_sequence_parallel_on_cpu()
+        super().__init__(spec, mp_config, task=self._task, packed=self._rmpad, **kw)
         self.hf_config = config
         self.megatron_config = megatron_config
         kv_replica_group(spec.num_kv_heads)
@@ -93,18 +97,10 @@ class _VerlBase(DecoderChunk):
         if not self.post_process:
             return out  # hidden states [S, B, H] for the next stage
         if self._task == "hidden":
-            hidden = out.transpose(0, 1)
-            if self._rmpad:
-                hidden = hidden * attention_mask.unsqueeze(-1).to(hidden.dtype)
-            return BaseModelOutputWithPast(last_hidden_state=hidden)
+            return BaseModelOutputWithPast(last_hidden_state=out.transpose(0, 1))
         if self._task == "value":
-            values = out.transpose(0, 1).float()
-            if self._rmpad:
-                values = values * attention_mask.to(values.dtype)
-            return CausalLMOutputWithPast(logits=values)
-        logits = out.transpose(0, 1).float()  # [B, S, Vpad/tp]
-        if self._rmpad:
-            logits = logits * attention_mask.unsqueeze(-1).to(logits.dtype)
+            return CausalLMOutputWithPast(logits=out.transpose(0, 1).float())
+        logits = out.transpose(0, 1).float()  # [B, S, Vpad/tp]; RmPad: zeros at padded positions
         if self._pipeline:
             logits = self._mask_vocab_padding(logits)
         else:

@@ -24,6 +24,8 @@ with warnings.catch_warnings():
     from megatron.core import ModelParallelConfig, parallel_state
     from megatron.core import tensor_parallel as mtp
 
+from ..parallel.cpu_compat import enable_megatron_sequence_parallel_on_cpu
+from .attention import Packing, make_packing, pack_tokens, padded_attention, unpack_tokens, varlen_attention
 from .rope import apply_rope, rope_cos_sin
 from .spec import TASKS, DecoderSpec, check_tp, layer_numbers, padded_vocab_size
 
@@ -61,22 +63,26 @@ class Attention(nn.Module):
             spec.q_size, spec.hidden_size, config=config, init_method=_no_init, bias=spec.o_bias,
             input_is_parallel=True, skip_bias_add=False)
 
-    def forward(self, x, cos, sin, attn_mask):
-        s, b, _ = x.shape
-        qkv, _ = self.linear_qkv(x)
+    def forward(self, x, cos, sin, ctx):
+        """x: [S, B, H] (or [T/tp, 1, H] under sequence parallelism); ctx: a boolean mask [B, 1, S, S] (padded)
+        or a :class:`Packing` (packed, causal within each sequence)."""
+        qkv, _ = self.linear_qkv(x)  # sequence parallel: all-gathered to [T, 1, ...] here
+        s, b, _ = qkv.shape
         hq, hkv, d = self.num_heads_local, self.num_kv_local, self.head_dim
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         q = apply_rope(q.reshape(s, b, hq, d), cos, sin)
         k = apply_rope(k.reshape(s, b, hkv, d), cos, sin)
         v = v.reshape(s, b, hkv, d)
-        # [S, B, h, d] -> [B, h, S, d]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        if hkv != hq:
-            k = k.repeat_interleave(hq // hkv, dim=1)
-            v = v.repeat_interleave(hq // hkv, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=1.0 / math.sqrt(d))
-        out = out.permute(2, 0, 1, 3).reshape(s, b, hq * d)
-        out, _ = self.linear_proj(out)
+        if isinstance(ctx, Packing):
+            out = varlen_attention(q[:, 0], k[:, 0], v[:, 0], ctx).unsqueeze(1)  # [T, 1, hq, d]
+        else:
+            # [S, B, h, d] -> [B, h, S, d]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+            if hkv != hq:
+                k = k.repeat_interleave(hq // hkv, dim=1)
+                v = v.repeat_interleave(hq // hkv, dim=1)
+            out = padded_attention(q, k, v, ctx).permute(2, 0, 1, 3)
+        out, _ = self.linear_proj(out.reshape(s, b, hq * d))
         return out
 
 
@@ -106,8 +112,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
         self.mlp = MLP(spec, config, tp)
 
-    def forward(self, x, cos, sin, attn_mask):
-        x = x + self.self_attention(self.input_layernorm(x), cos, sin, attn_mask)
+    def forward(self, x, cos, sin, ctx):
+        x = x + self.self_attention(self.input_layernorm(x), cos, sin, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -131,7 +137,8 @@ class DecoderChunk(nn.Module):
     (causal_lm) or values ``[S, B]`` (value); elsewhere the hidden states ``[S, B, H]`` for the next stage."""
 
     def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, *, task: str, pre_process: bool,
-                 post_process: bool, layers: range, vpp_rank: int, vocab_multiple: int = 1):
+                 post_process: bool, layers: range, vpp_rank: int, vocab_multiple: int = 1,
+                 packed: bool = False):
         super().__init__()
         tp = config.tensor_model_parallel_size
         device = None if config.use_cpu_initialization else torch.cuda.current_device()
@@ -142,12 +149,18 @@ class DecoderChunk(nn.Module):
         self.post_process = post_process
         self.vpp_rank = vpp_rank
         self.layer_range = layers
+        self.packed = packed
+        self.sequence_parallel = bool(config.sequence_parallel)
+        if self.sequence_parallel and not packed:
+            raise ValueError("sequence_parallel=True needs packed=True (the packed token stream is what is split "
+                             "over tp ranks)")
         self.padded_vocab_size = padded_vocab_size(spec.vocab_size, tp, vocab_multiple)
         self.share_embeddings_and_output_weights = spec.tie_word_embeddings and task == "causal_lm"
         self.input_tensor = None
         if pre_process:
             self.embedding = mtp.VocabParallelEmbedding(
-                self.padded_vocab_size, spec.hidden_size, init_method=_no_init, config=config)
+                self.padded_vocab_size, spec.hidden_size, init_method=_no_init, config=config,
+                reduce_scatter_embeddings=self.sequence_parallel)
         self.layers = nn.ModuleList(DecoderLayer(spec, config, tp, i, device) for i in layers)
         if post_process:
             self.final_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
@@ -165,6 +178,12 @@ class DecoderChunk(nn.Module):
                     self.output_layer.weight.shared = True
             else:
                 self.score = nn.Linear(spec.hidden_size, 1, bias=False, dtype=config.params_dtype, device=device)
+        if self.sequence_parallel:
+            # Replicated over TP but fed 1/tp of the tokens: finalize_grads sums their gradients over TP.
+            # (Only under sequence parallelism: marking them otherwise would multiply their gradient by tp.)
+            for name, p in self.named_parameters():
+                if name.endswith("layernorm.weight") or name in ("final_norm.weight", "score.weight"):
+                    p.sequence_parallel = True
         if self.share_embeddings_and_output_weights and pre_process and not post_process:
             self.embedding.weight.shared_embedding = True
             self.embedding.weight.shared = True
@@ -186,27 +205,41 @@ class DecoderChunk(nn.Module):
     def compute(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor):
         """input_ids / position_ids / attention_mask: ``[B, S]`` (padded layout). parallm's engine calls this;
         ``forward`` is the same unless a subclass (the verl-compatible classes) gives it another signature."""
+        if self.packed:
+            ctx = make_packing(attention_mask, self.config.tensor_model_parallel_size if self.sequence_parallel
+                               else 1)
+            positions = pack_tokens(position_ids, ctx)[:, None]            # [T, 1]
+        else:
+            ctx = padded_attention_mask(attention_mask)
+            positions = position_ids.transpose(0, 1)                     # [S, B]
         if self.pre_process:
-            x = self.embedding(input_ids).transpose(0, 1).contiguous()  # [S, B, H]
+            ids = pack_tokens(input_ids, ctx)[None] if self.packed else input_ids
+            x = self.embedding(ids)  # sequence parallel: reduce-scattered to [T/tp, 1, H] already
+            if not self.sequence_parallel:
+                x = x.transpose(0, 1).contiguous()                       # [S, B, H] / [T, 1, H]
         else:
             if self.input_tensor is None:
                 raise RuntimeError("DecoderChunk without pre_process needs set_input_tensor() before forward")
             x = self.input_tensor
-        cos, sin = rope_cos_sin(self.spec.rope, position_ids.transpose(0, 1))  # [S, B, d]
+        cos, sin = rope_cos_sin(self.spec.rope, positions)
         cos, sin = cos.to(x.device), sin.to(x.device)
-        mask = padded_attention_mask(attention_mask)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+            x = layer(x, cos, sin, ctx)
         if not self.post_process:
             return x
         x = self.final_norm(x)
-        if self.task == "hidden":
-            return x
-        if self.task == "value":
-            return self.score(x).squeeze(-1)
-        weight = self.embedding.weight if (self.share_embeddings_and_output_weights and self.pre_process) else None
-        logits, _ = self.output_layer(x, weight=weight)
-        return logits
+        if self.task == "causal_lm":
+            weight = self.embedding.weight if (self.share_embeddings_and_output_weights and self.pre_process) \
+                else None
+            out, _ = self.output_layer(x, weight=weight)  # sequence parallel: input all-gathered inside
+        else:
+            out = self.score(x).squeeze(-1) if self.task == "value" else x
+            if self.sequence_parallel:
+                # Every TP rank computes the same loss on the gathered output: the backward keeps the local slice.
+                out = mtp.gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False)
+        if self.packed:
+            out = unpack_tokens(out[:, 0], ctx)                           # [S, B, ...], zeros at padding
+        return out
 
     def forward(self, input_ids, position_ids, attention_mask):
         return self.compute(input_ids, position_ids, attention_mask)
@@ -228,7 +261,7 @@ def make_config(*, tp: int, pp: int, vpp: int | None, dtype: torch.dtype, sequen
 
 
 def build_chunks(spec: DecoderSpec, *, task: str = "causal_lm", dtype=torch.float32, sequence_parallel=False,
-                 vocab_multiple: int = 1) -> list[DecoderChunk]:
+                 vocab_multiple: int = 1, packed: bool = False) -> list[DecoderChunk]:
     """Build this rank's chunks (one per virtual stage) from parallel_state's layout."""
     if task not in TASKS + ("hidden",):
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
@@ -242,6 +275,8 @@ def build_chunks(spec: DecoderSpec, *, task: str = "causal_lm", dtype=torch.floa
     layer_numbers(spec.num_layers, pp, vpp, 0, 0)  # raises with the numbers if the split is uneven
     config = make_config(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, dtype=dtype,
                          sequence_parallel=sequence_parallel)
+    if config.sequence_parallel:
+        enable_megatron_sequence_parallel_on_cpu()
     chunks = []
     for v in range(vpp):
         chunks.append(DecoderChunk(
@@ -249,5 +284,5 @@ def build_chunks(spec: DecoderSpec, *, task: str = "causal_lm", dtype=torch.floa
             pre_process=(pp_rank == 0 and v == 0),
             post_process=(pp_rank == pp - 1 and v == vpp - 1),
             layers=layer_numbers(spec.num_layers, pp, vpp, pp_rank, v), vpp_rank=v,
-            vocab_multiple=vocab_multiple))
+            vocab_multiple=vocab_multiple, packed=packed))
     return chunks
