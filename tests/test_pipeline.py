@@ -19,23 +19,40 @@ def ce_loss(logits, ids, mask):
     return (nll * m).sum() / m.sum()
 
 
-def reference_step(model, ids, mask, pieces):
-    """Loss = mean over equal batch pieces of ce_loss(piece); returns (loss, stepped state dict, logits after)."""
+def value_loss(values, ids, mask):
+    """Mean squared error of the values against a target made from the tokens, over real positions."""
+    target = (ids % 7).float() / 7.0
+    m = mask.float()
+    return (((values - target) ** 2) * m).sum() / m.sum()
+
+
+LOSSES = {"ce": ce_loss, "value": value_loss}
+
+
+def hf_output(model, ids, mask, task="causal_lm"):
+    """What parallm.forward returns, computed by transformers: logits, or score(hidden_states) for values."""
     import parallm
+    pos = parallm.default_position_ids(mask)
+    if task == "value":
+        hidden = model.model(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+        return model.score(hidden).squeeze(-1).float()
+    return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+
+
+def reference_step(model, ids, mask, pieces, task="causal_lm"):
+    """Loss = mean over equal batch pieces of the task loss; returns (loss, stepped state dict, output after)."""
     model = copy.deepcopy(model)
     model.zero_grad()
-    pos = parallm.default_position_ids(mask)
     size = ids.shape[0] // pieces
-    losses = []
-    for i in range(0, ids.shape[0], size):
-        out = model(input_ids=ids[i:i + size], attention_mask=mask[i:i + size], position_ids=pos[i:i + size])
-        losses.append(ce_loss(out.logits, ids[i:i + size], mask[i:i + size]))
+    loss_fn = LOSSES["value" if task == "value" else "ce"]
+    losses = [loss_fn(hf_output(model, ids[i:i + size], mask[i:i + size], task), ids[i:i + size],
+                      mask[i:i + size]) for i in range(0, ids.shape[0], size)]
     loss = torch.stack(losses).mean()
     loss.backward()
     with torch.no_grad():
         for p in model.parameters():
             p -= LR * p.grad
-    after = helpers.hf_logits(model, ids, mask)
+        after = hf_output(model, ids, mask, task)
     return loss.item(), helpers.hf_state_dict(model), after
 
 
@@ -47,7 +64,9 @@ def rank_cases(rank, world, cases):
         parallm.init_parallel(tp=tp, pp=pp, vpp=vpp)
         from parallm.parallel.state import Layout
         lay = Layout()
-        chunks = parallm.build_model(case["ckpt"])
+        build = case.get("build", {})
+        loss_fn = LOSSES[case.get("loss", "ce")]
+        chunks = parallm.build_model(case["ckpt"], **build)
         assert len(chunks) == (vpp or 1)
         parallm.load_hf_weights(chunks, case["ckpt"], mode="slice")
         ids, mask = case["ids"], case["mask"]
@@ -61,14 +80,14 @@ def rank_cases(rank, world, cases):
             for k in ref_sd:
                 assert torch.equal(sd[k], ref_sd[k]), k
         # broadcast load of the same layout gives identical outputs
-        chunks_b = parallm.build_model(case["ckpt"])
+        chunks_b = parallm.build_model(case["ckpt"], **build)
         parallm.load_hf_weights(chunks_b, case["ckpt"], mode="broadcast")
         assert torch.equal(parallm.forward(chunks_b, ids, mask), logits)
         del chunks_b
         # one SGD step on this replica's share of the batch
         per = ids.shape[0] // lay.dp
         sl = slice(lay.dp_rank * per, (lay.dp_rank + 1) * per)
-        loss = parallm.forward_backward(chunks, ids[sl], mask[sl], loss_fn=ce_loss, num_microbatches=nmb)
+        loss = parallm.forward_backward(chunks, ids[sl], mask[sl], loss_fn=loss_fn, num_microbatches=nmb)
         parallm.finalize_grads(chunks)
         with torch.no_grad():
             for c in chunks:
@@ -81,13 +100,17 @@ def rank_cases(rank, world, cases):
             assert all(w is not None for w in sd_tied)
         after = parallm.forward(chunks, ids, mask)
         new_sd = parallm.save_hf_weights(chunks)
+        if case.get("save_dir"):
+            parallm.save_hf_weights(chunks, case["save_dir"])
+        if build.get("packed"):  # packed outputs are exactly zero at padded positions
+            assert torch.all(after[case["mask"] == 0] == 0)
         wdiff = None
         if rank == 0:
             ref_new = case["ref_new_sd"]
             assert new_sd.keys() == ref_new.keys()
             wdiff = max((new_sd[k] - ref_new[k]).abs().max().item() for k in ref_new)
         tied_diff = _tied_copy_diff(chunks, lay) if case["tied"] and pp > 1 else None
-        out.append(dict(name=case["name"], fwd=fwd, loss=abs(loss.item() - case["ref_loss"]),
+        out.append(dict(name=case["name"], fwd=fwd, saved=new_sd if case.get("save_dir") else None, loss=abs(loss.item() - case["ref_loss"]),
                         after=helpers.max_diff_real(after, case["ref_after"], mask), weights=wdiff,
                         tied=tied_diff))
     return out
@@ -107,36 +130,44 @@ def _tied_copy_diff(chunks, lay):
 
 
 CASES = [
-    # name, family, config overrides, layout, lm_head in tied checkpoint
-    ("llama pp2 dp2 untied", "llama", dict(num_hidden_layers=4), dict(tp=1, pp=2, vpp=None, nmb=1), False),
+    # name, family, config overrides, layout, extra (stray_head: tied checkpoint also carries lm_head.weight)
+    ("llama pp2 dp2 untied", "llama", dict(num_hidden_layers=4), dict(tp=1, pp=2, vpp=None, nmb=1), {}),
     ("qwen2 pp4 tied", "qwen2", dict(num_hidden_layers=4, tie_word_embeddings=True),
-     dict(tp=1, pp=4, vpp=None, nmb=2), False),
+     dict(tp=1, pp=4, vpp=None, nmb=2), {}),
     ("llama pp2 vpp2 dp2 tied+lm_head", "llama", dict(num_hidden_layers=4, tie_word_embeddings=True),
-     dict(tp=1, pp=2, vpp=2, nmb=2), True),
+     dict(tp=1, pp=2, vpp=2, nmb=2), {"stray_head": True}),
     ("qwen2 tp2 pp2 tied nkv1", "qwen2",
      dict(num_hidden_layers=4, tie_word_embeddings=True, num_key_value_heads=1, vocab_size=99),
-     dict(tp=2, pp=2, vpp=None, nmb=2), False),
+     dict(tp=2, pp=2, vpp=None, nmb=2), {}),
+    ("llama tp2 dp2 untied nkv1 mb2", "llama", dict(num_key_value_heads=1, attention_bias=True),
+     dict(tp=2, pp=1, vpp=None, nmb=2), {}),
 ]
 
 
-@pytest.mark.timeout(600)
-def test_pipeline_parity_and_sgd_step(tmp_path):
-    world = 4
+def make_cases(tmp_path, specs, world=4):
+    """specs: (name, family, config overrides, layout, extra) -> case dicts with transformers references."""
     cases = []
-    for i, (name, family, overrides, layout, stray_head) in enumerate(CASES):
+    for i, (name, family, overrides, layout, extra) in enumerate(specs):
+        task = extra.get("build", {}).get("task", "causal_lm")
         cfg = helpers.tiny_config(family, **overrides)
-        model = helpers.make_hf_model(cfg, seed=10 + i)
+        model = helpers.make_hf_model(cfg, seed=10 + i, task=task)
         ckpt = str(tmp_path / f"m{i}")
         helpers.save_checkpoint(model, ckpt, max_shard_size="40KB")
-        if stray_head:
+        if extra.get("stray_head"):
             _add_stray_lm_head(ckpt, model)
         ids, mask = helpers.padded_batch(cfg.vocab_size, seed=i, batch=8, seq=9)
         dp = world // (layout["tp"] * layout["pp"])
-        loss, new_sd, after = reference_step(model, ids, mask, dp * layout["nmb"])
-        cases.append(dict(name=name, ckpt=ckpt, ids=ids, mask=mask, tied=cfg.tie_word_embeddings,
-                          ref_logits=helpers.hf_logits(model, ids, mask), ref_sd=helpers.hf_state_dict(model),
-                          ref_loss=loss, ref_new_sd=new_sd, ref_after=after, **layout))
-    results = helpers.run_ranks(rank_cases, world, cases)
+        loss, new_sd, after = reference_step(model, ids, mask, dp * layout["nmb"], task)
+        with torch.no_grad():
+            ref = hf_output(model, ids, mask, task)
+        cases.append(dict(name=name, ckpt=ckpt, ids=ids, mask=mask, tied=cfg.tie_word_embeddings and task != "value",
+                          ref_logits=ref, ref_sd=helpers.hf_state_dict(model), ref_loss=loss, ref_new_sd=new_sd,
+                          ref_after=after, loss="value" if task == "value" else "ce", **layout,
+                          **{k: v for k, v in extra.items() if k != "stray_head"}))
+    return cases
+
+
+def check_results(cases, results):
     print()
     for case_idx, case in enumerate(cases):
         per_rank = [r[case_idx] for r in results]
@@ -145,7 +176,7 @@ def test_pipeline_parity_and_sgd_step(tmp_path):
         after = max(r["after"] for r in per_rank)
         wdiff = per_rank[0]["weights"]
         tied = [r["tied"] for r in per_rank if r["tied"] is not None]
-        print(f"{case['name']:<34} fwd {fwd:.2e} loss {loss:.2e} weights {wdiff:.2e} after-step {after:.2e}"
+        print(f"{case['name']:<40} fwd {fwd:.2e} loss {loss:.2e} weights {wdiff:.2e} after-step {after:.2e}"
               + (f" tied-copies {max(tied):.1e}" if tied else ""))
         assert fwd < 2e-5, case["name"]
         assert loss < 2e-5, case["name"]
@@ -153,6 +184,13 @@ def test_pipeline_parity_and_sgd_step(tmp_path):
         assert after < 5e-5, case["name"]
         if case["tied"] and case["pp"] > 1:
             assert tied and max(tied) == 0.0, case["name"]
+
+
+@pytest.mark.timeout(600)
+def test_pipeline_parity_and_sgd_step(tmp_path):
+    cases = make_cases(tmp_path, CASES)
+    results = helpers.run_ranks(rank_cases, 4, cases)
+    check_results(cases, results)
 
 
 def _add_stray_lm_head(ckpt, model):

@@ -21,16 +21,18 @@ Qwen2 tied *value* model (score head; tied config must not skip it). With tp=4, 
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 import torch
 
-import helpers
 from helpers import (hf_logits, hf_state_dict, make_hf_model, max_diff_real, padded_batch, rewrite_config_4x,
                      run_ranks, save_checkpoint, tiny_config)
 
 TPS = (1, 2, 4)
+PIPELINES = ((2, 2, None), (1, 2, 2))  # (tp, pp, vpp): per-chunk table coverage, round trip, parity
+LAYERS = 4
 WORLD = 4
 TOL = 2e-5
 
@@ -42,7 +44,7 @@ CASES = {
     # name: (family, task, config overrides, save options)
     "llama-untied-bias-llama3-v101-multifile-4x": (
         "llama", "causal_lm",
-        dict(attention_bias=True, mlp_bias=True, vocab_size=101, rope_parameters=LLAMA3),
+        dict(attention_bias=True, mlp_bias=True, vocab_size=101, rope_parameters=LLAMA3, max_position_embeddings=128),
         dict(max_shard_size="20KB", config_4x=True)),
     "llama-tied-nkv1-hd32-linear": (
         "llama", "causal_lm",
@@ -75,11 +77,17 @@ def cases(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp_parity")
     out = {}
     for i, (name, (family, task, overrides, save)) in enumerate(CASES.items()):
-        config = tiny_config(family, **overrides)
+        config = tiny_config(family, num_hidden_layers=LAYERS, **overrides)
         model = make_hf_model(config, task=task, seed=10 + i)
         path = save_checkpoint(model, str(root / name), max_shard_size=save.get("max_shard_size"))
+        if save.get("max_shard_size"):
+            files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+            assert os.path.isfile(os.path.join(path, "model.safetensors.index.json")) and len(files) > 2, files
         if save.get("config_4x"):
             rewrite_config_4x(path)
+            with open(os.path.join(path, "config.json")) as f:
+                raw = json.load(f)
+            assert "rope_parameters" not in raw and raw["rope_scaling"]["type"] == "llama3", raw
         ids, mask = padded_batch(config.vocab_size, seed=20 + i)
         ref = hf_values(model, ids, mask) if task == "value" else hf_logits(model, ids, mask)
         out[name] = dict(name=name, family=family, task=task, path=path, state_dict=hf_state_dict(model),
@@ -200,6 +208,38 @@ def _run_case(parallm, case, tp, rank):
     return res
 
 
+def _run_pipeline_case(parallm, case, rank):
+    """pp > 1: every chunk's parameters are exactly its table entries and all get loaded; round trip; parity."""
+    from parallm.checkpoint.loader import model_entries
+    from parallm.parallel.state import Layout
+
+    layout = Layout()
+    problems = []
+    chunks = _build_nan(parallm, case["path"], case["task"])
+    if len(chunks) != layout.vpp:
+        problems.append(f"{len(chunks)} chunks for vpp={layout.vpp}")
+    parallm.load_hf_weights(chunks, case["path"], mode="slice")
+    nan = _nan_params(chunks)
+    if nan:
+        problems.append(f"parameters not loaded (still NaN): {nan}")
+    mine, _ = model_entries(chunks, layout)
+    for chunk in chunks:
+        table_names = [e.local for e, c in mine if c is chunk]
+        params = {n for n, _ in chunk.named_parameters()}
+        if len(table_names) != len(set(table_names)) or set(table_names) != params:
+            problems.append(f"chunk {chunk.vpp_rank} table vs parameters: only in table "
+                            f"{sorted(set(table_names) - params)}, only in chunk {sorted(params - set(table_names))}")
+    state = parallm.save_hf_weights(chunks)
+    if rank == 0:
+        ref = case["state_dict"]
+        if set(state) != set(ref) or any(not torch.equal(state[k], ref[k]) for k in ref):
+            problems.append(f"round trip: keys {sorted(set(state) ^ set(ref))}, differing "
+                            f"{sorted(k for k in set(state) & set(ref) if not torch.equal(state[k], ref[k]))}")
+    with torch.no_grad():
+        out = parallm.forward(chunks, case["ids"], case["mask"])
+    return {"problems": problems, "diff": max_diff_real(out, case["ref"], case["mask"])}
+
+
 def _parity_rank(rank, world, cases):
     import parallm
     results = {}
@@ -210,10 +250,23 @@ def _parity_rank(rank, world, cases):
                 results[tp, name] = _run_case(parallm, case, tp, rank)
             except Exception as e:  # keep the ranks in step is impossible after a failure; report it
                 raise RuntimeError(f"tp={tp} case {name}: {type(e).__name__}: {e}") from e
+    for layout in PIPELINES:
+        tp, pp, vpp = layout
+        parallm.init_parallel(tp=tp, pp=pp, vpp=vpp)
+        for name, case in cases.items():
+            try:
+                results[layout, name] = _run_pipeline_case(parallm, case, rank)
+            except Exception as e:
+                raise RuntimeError(f"tp={tp} pp={pp} vpp={vpp} case {name}: {type(e).__name__}: {e}") from e
     return results
 
 
 # -- parent side ----------------------------------------------------------------------------------------------
+
+def _fmt(layout):
+    tp, pp, vpp = layout
+    return f"tp{tp}pp{pp}" + (f"vpp{vpp}" if vpp else "")
+
 
 @pytest.mark.timeout(400)
 def test_tp_parity_roundtrip_and_load_modes(cases):
@@ -232,6 +285,14 @@ def test_tp_parity_roundtrip_and_load_modes(cases):
             diffs.append(d)
             if not d < TOL:
                 failures.append(f"tp={tp} {name}: max |parallm - HF| at real positions {d:.3g} >= {TOL}")
+        for layout in PIPELINES:
+            per_rank = [r[layout, name] for r in results]
+            for rank, res in enumerate(per_rank):
+                failures += [f"{_fmt(layout)} {name} rank {rank}: {p}" for p in res["problems"]]
+            d = max(res["diff"] for res in per_rank)
+            diffs.append(d)
+            if not d < TOL:
+                failures.append(f"{_fmt(layout)} {name}: max |parallm - HF| at real positions {d:.3g} >= {TOL}")
         rows.append((name, diffs))
 
         # the directory save_hf_weights wrote at tp=4 loads in transformers, with the same weights
@@ -245,7 +306,9 @@ def test_tp_parity_roundtrip_and_load_modes(cases):
             failures.append(f"{name}: from_pretrained(save_hf_weights(out_dir)) != HF weights")
 
     print("\nmax |parallm - transformers| over real positions (fp32)")
-    print(f"{'case':46s}" + "".join(f"{'tp=' + str(tp):>12s}" for tp in TPS))
+    print(f"{'case':46s}" + "".join(f"{'tp=' + str(tp):>12s}" for tp in TPS)
+          + "".join(f"{_fmt(layout):>14s}" for layout in PIPELINES))
     for name, diffs in rows:
-        print(f"{name:46s}" + "".join(f"{d:12.3g}" for d in diffs))
+        print(f"{name:46s}" + "".join(f"{d:12.3g}" for d in diffs[:len(TPS)])
+              + "".join(f"{d:14.3g}" for d in diffs[len(TPS):]))
     assert not failures, "\n".join(failures)

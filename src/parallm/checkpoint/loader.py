@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,34 @@ class LoadReport:
     mode: str
     tensors: int          # parameters filled on this rank
     seconds: float
+    initialised: tuple[str, ...] = ()   # HF names not in the checkpoint that were initialised (value head)
+
+
+VALUE_HEAD = "score.weight"
+VALUE_HEAD_INIT_STD = 0.02   # when config.initializer_range is absent
+VALUE_HEAD_INIT_SEED = 0
+
+
+def value_head_plan(present: dict, spec, task: str) -> tuple[dict[str, str], tuple[str, ...]]:
+    """Where a value model's head comes from: ``score.weight``; else a verl-style ``lm_head.weight`` of shape
+    ``[1, H]`` (alias); else (a plain causal-LM checkpoint) it is initialised. Returns (aliases, initialised)."""
+    if task != "value" or VALUE_HEAD in present:
+        return {}, ()
+    if tuple(present.get("lm_head.weight", ())) == (1, spec.hidden_size):
+        return {VALUE_HEAD: "lm_head.weight"}, ()
+    return {}, (VALUE_HEAD,)
+
+
+def init_value_head(param: torch.Tensor, hf_config) -> float:
+    """N(0, initializer_range) from a fixed seed: identical on every rank (the head is replicated)."""
+    std = getattr(hf_config, "initializer_range", None)
+    if std is None and isinstance(hf_config, dict):
+        std = hf_config.get("initializer_range")
+    std = float(std or VALUE_HEAD_INIT_STD)
+    g = torch.Generator().manual_seed(VALUE_HEAD_INIT_SEED)
+    with torch.no_grad():
+        param.copy_(torch.randn(param.shape, generator=g, dtype=torch.float32) * std)
+    return std
 
 
 def _as_chunks(chunks):
@@ -56,8 +85,8 @@ def model_entries(chunks, layout: Layout):
 
 
 def ignorable_names(spec, task: str) -> tuple[str, ...]:
-    if task == "hidden":  # a headless model reads the decoder only
-        return IGNORED_SUFFIXES + ("lm_head.weight", "score.weight")
+    if task in ("hidden", "value"):  # a headless model / a critic started from a causal-LM checkpoint
+        return IGNORED_SUFFIXES + ("lm_head.weight",) + ((VALUE_HEAD,) if task == "hidden" else ())
     # A tied checkpoint may still carry lm_head.weight (some exporters write it); the embedding is the truth.
     return IGNORED_SUFFIXES + (("lm_head.weight",) if spec.tie_word_embeddings else ())
 
@@ -123,7 +152,7 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True) 
 
     def open_and_check():
         if reader is None:
-            return None
+            return None, None
         if isinstance(reader, dict):
             present, where = tensor_shapes(reader), "state dict"
             get = lambda name: TensorSource(reader[name])  # noqa: E731
@@ -131,10 +160,25 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True) 
             ckpt = HFCheckpoint(reader)
             present, where = {k: ckpt.shape(k) for k in ckpt.keys()}, ckpt.path
             get = ckpt.source
-        check_keys_and_shapes(present, expected, strict=strict, ignorable=ignorable_names(spec, task), where=where)
-        return get
+        aliases, init = value_head_plan(present, spec, task)
+        seen = {**present, **{k: present[v] for k, v in aliases.items()}}
+        want = {k: v for k, v in expected.items() if k not in init}
+        check_keys_and_shapes(seen, want, strict=strict, ignorable=ignorable_names(spec, task), where=where)
+        return (lambda name: get(aliases.get(name, name))), (aliases, init)
 
-    get = run_local(open_and_check, what="load_hf_weights")
+    get, plan = run_local(open_and_check, what="load_hf_weights")
+    if mode == "broadcast":
+        box = [plan]
+        dist.broadcast_object_list(box, src=0)
+        plan = box[0]
+    aliases, init = plan
+    to_init = [(e, c) for e, c in mine if set(e.hf) & set(init)]
+    mine = [(e, c) for e, c in mine if not set(e.hf) & set(init)]
+    for entry, chunk in to_init:
+        std = init_value_head(chunk.get_parameter(entry.local), chunk.hf_config)
+        if layout.rank == 0 or chunk.post_process and layout.tp_rank == 0 and layout.dp_rank == 0:
+            warnings.warn(f"{', '.join(entry.hf)} is not in the checkpoint (a causal-LM checkpoint loaded as a "
+                          f"value model): initialised N(0, {std}) with seed {VALUE_HEAD_INIT_SEED}", stacklevel=2)
     if mode == "slice":
         def fill():
             for entry, chunk in mine:
@@ -143,10 +187,12 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True) 
                 _copy_into(chunk.get_parameter(entry.local), shard, entry)
         run_local(fill, what="load_hf_weights")
     else:
+        everything = [e for e in everything if not set(e.hf) & set(init)]
         _broadcast_load(mine, everything, get, layout, spec, padded_vocab)
     for chunk in chunks:
         chunk.parallm_loaded = True
-    return LoadReport(mode=mode, tensors=len(mine), seconds=time.perf_counter() - t0)
+    return LoadReport(mode=mode, tensors=len(mine) + len(to_init), seconds=time.perf_counter() - t0,
+                      initialised=tuple(init))
 
 
 def _broadcast_load(mine, everything, get, layout: Layout, spec, padded_vocab: int) -> None:
