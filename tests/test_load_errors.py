@@ -78,7 +78,18 @@ def setup(tmp_path_factory):
         breaker(broken)
         bad[name] = (broken, _write_ckpt(root / f"bad-{name}", broken, config))
     ids, mask = padded_batch(config["vocab_size"])
-    return dict(good_dir=good_dir, sd=sd, arch_dir=arch_dir, split_dirs=split_dirs, bad=bad, ids=ids, mask=mask)
+    # value head sources (DESIGN section 3): score.weight, or a verl-style lm_head.weight of shape [1, H]
+    value_model = make_hf_model(tiny_config("llama"), task="value", seed=4)
+    value_sd = hf_state_dict(value_model)
+    verl_sd = dict(value_sd)
+    verl_sd["lm_head.weight"] = verl_sd.pop("score.weight")
+    with torch.no_grad():
+        import parallm
+        hidden = value_model.model(input_ids=ids, attention_mask=mask,
+                                   position_ids=parallm.default_position_ids(mask)).last_hidden_state
+        value_ref = value_model.score(hidden).squeeze(-1)
+    return dict(good_dir=good_dir, sd=sd, arch_dir=arch_dir, split_dirs=split_dirs, bad=bad, ids=ids, mask=mask,
+                value_sd=value_sd, verl_sd=verl_sd, value_ref=value_ref)
 
 
 def _errors_rank(rank, world, s):
@@ -112,12 +123,83 @@ def _errors_rank(rank, world, s):
     attempt("none-on-rank0", lambda: parallm.load_hf_weights(
         chunks, None if rank == 0 else s["sd"], mode="auto"))
     attempt("missing-dir", lambda: parallm.load_hf_weights(chunks, s["good_dir"] + "-nope", mode="slice"))
+    # strict=False ignores unexpected tensors (and only those)
+    unexpected_sd = s["bad"]["unexpected"][0]
+    for mode in MODES:
+        attempt(("non-strict", mode), lambda: parallm.load_hf_weights(
+            chunks, unexpected_sd if mode == "slice" or rank == 0 else None, mode=mode, strict=False))
+        missing_sd = s["bad"]["missing"][0]
+        attempt(("non-strict-missing", mode), lambda: parallm.load_hf_weights(
+            chunks, missing_sd if mode == "slice" or rank == 0 else None, mode=mode, strict=False))
+    # save into a non-empty directory is refused everywhere (before anything is gathered)
+    attempt("save-nonempty", lambda: parallm.save_hf_weights(chunks, s["good_dir"]))
+    _value_head_sources(parallm, rank, s, out)
+    parallm.init_parallel(tp=2)
+    chunks = parallm.build_model(s["good_dir"])
     # after all those errors the ranks are still in step: a good load and a forward work
     parallm.load_hf_weights(chunks, s["good_dir"], mode="broadcast")
     with torch.no_grad():
         logits = parallm.forward(chunks, s["ids"], s["mask"])
     out["finite"] = bool(torch.isfinite(logits).all())
     return out
+
+
+def _value_head_sources(parallm, rank, s, out):
+    """Value model (tp=2, dp=2) from score.weight, from a verl-style lm_head.weight [1, H], and from a plain
+    causal-LM checkpoint (head initialised, the same on every rank, and the user told)."""
+    import logging
+    import warnings
+
+    from helpers import max_diff_real
+
+    def build():
+        chunks = parallm.build_model(s["good_dir"], task="value")
+        with torch.no_grad():
+            for c in chunks:
+                for p in c.parameters():
+                    p.fill_(float("nan"))
+        return chunks
+
+    for name, sd in (("score", s["value_sd"]), ("verl-lm_head", s["verl_sd"])):
+        for mode in MODES:
+            chunks = build()
+            key = ("value", name, mode)
+            out[key] = None
+            try:
+                parallm.load_hf_weights(chunks, sd if mode == "slice" or rank == 0 else None, mode=mode)
+                with torch.no_grad():
+                    values = parallm.forward(chunks, s["ids"], s["mask"])
+                out[key + ("diff",)] = max_diff_real(values, s["value_ref"], s["mask"])
+            except Exception as e:  # noqa: BLE001
+                out[key] = (type(e).__name__, str(e))
+
+    chunks = build()
+    records = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+    handler = Catch(logging.WARNING)
+    logging.getLogger().addHandler(handler)
+    key = ("value", "causal-checkpoint")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            parallm.load_hf_weights(chunks, s["good_dir"], mode="slice")
+        records += [str(w.message) for w in caught]
+        out[key] = None
+        params = dict(chunks[-1].named_parameters())
+        nan = [n for c in chunks for n, p in c.named_parameters() if torch.isnan(p).any()]
+        score = params["score.weight"].detach().clone()
+        every = [torch.empty_like(score) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(every, score)
+        out[key + ("nan",)] = nan
+        out[key + ("same",)] = all(torch.equal(x, every[0]) for x in every)
+        out[key + ("told",)] = [m for m in records if "score" in m or "value head" in m]
+    except Exception as e:  # noqa: BLE001
+        out[key] = (type(e).__name__, str(e))
+    finally:
+        logging.getLogger().removeHandler(handler)
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +259,39 @@ def test_missing_directory_named_on_every_rank(results):
 @pytest.mark.timeout(300)
 def test_ranks_still_in_step_after_errors(results):
     assert all(r["finite"] for r in results)
+
+
+@pytest.mark.timeout(300)
+def test_non_strict_load(results):
+    for mode in MODES:
+        assert all(r[("non-strict", mode)] is None for r in results), [r[("non-strict", mode)] for r in results]
+        _check(results, ("non-strict-missing", mode), "CheckpointError", ["missing", DOWN1])
+
+
+@pytest.mark.timeout(300)
+def test_save_into_non_empty_directory_refused(results):
+    _check(results, "save-nonempty", "FileExistsError", ["good", "overwrite=True"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("source", ["score", "verl-lm_head"])
+def test_value_head_loads_from_score_or_verl_lm_head(results, source, mode):
+    """DESIGN section 3: the value head loads from score.weight or from a verl-style lm_head.weight [1, H]."""
+    key = ("value", source, mode)
+    errors = [r[key] for r in results if r[key] is not None]
+    assert not errors, errors[0]
+    diffs = [r[key + ("diff",)] for r in results]
+    assert max(diffs) < 2e-5, diffs
+
+
+@pytest.mark.timeout(300)
+def test_value_head_from_causal_lm_checkpoint_is_initialised_and_told(results):
+    """DESIGN section 3: from a plain causal-LM checkpoint the head is initialised and the user is told; a
+    replicated head must be the same on every rank."""
+    key = ("value", "causal-checkpoint")
+    errors = [r[key] for r in results if r[key] is not None]
+    assert not errors, errors[0]
+    assert all(r[key + ("nan",)] == [] for r in results), [r[key + ("nan",)] for r in results]
+    assert all(r[key + ("same",)] for r in results), "score.weight differs across ranks"
+    assert results[0][key + ("told",)], "no warning / log message about the initialised value head on rank 0"

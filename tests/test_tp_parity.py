@@ -44,8 +44,9 @@ CASES = {
     # name: (family, task, config overrides, save options)
     "llama-untied-bias-llama3-v101-multifile-4x": (
         "llama", "causal_lm",
-        dict(attention_bias=True, mlp_bias=True, vocab_size=101, rope_parameters=LLAMA3, max_position_embeddings=128),
-        dict(max_shard_size="20KB", config_4x=True)),
+        dict(attention_bias=True, mlp_bias=True, vocab_size=101, rope_parameters=LLAMA3,
+             max_position_embeddings=128),
+        dict(max_shard_size="20KB", config_4x=True, bf16_check=True)),
     "llama-tied-nkv1-hd32-linear": (
         "llama", "causal_lm",
         dict(tie_word_embeddings=True, num_attention_heads=8, num_key_value_heads=1, head_dim=32,
@@ -92,14 +93,15 @@ def cases(tmp_path_factory):
         ref = hf_values(model, ids, mask) if task == "value" else hf_logits(model, ids, mask)
         out[name] = dict(name=name, family=family, task=task, path=path, state_dict=hf_state_dict(model),
                          ids=ids, mask=mask, ref=ref, vocab=config.vocab_size, tied=config.tie_word_embeddings,
-                         out_dirs={tp: str(root / f"saved-{name}-tp{tp}") for tp in TPS})
+                         out_dirs={tp: str(root / f"saved-{name}-tp{tp}") for tp in TPS},
+                         bf16_check=save.get("bf16_check", False))
     return out
 
 
 # -- rank side ------------------------------------------------------------------------------------------------
 
-def _build_nan(parallm, source, task):
-    chunks = parallm.build_model(source, task=task)
+def _build_nan(parallm, source, task, **kwargs):
+    chunks = parallm.build_model(source, task=task, **kwargs)
     with torch.no_grad():
         for chunk in chunks:
             for p in chunk.parameters():
@@ -192,6 +194,37 @@ def _run_case(parallm, case, tp, rank):
         # a tied checkpoint that also carries lm_head.weight must not change the result
         stray = dict(sd, **{"lm_head.weight": torch.randn_like(sd["model.embed_tokens.weight"])})
         variants["tied dict + stray lm_head (slice)"] = (stray, "slice", "slice")
+    if case["tied"] and task == "causal_lm":
+        variants["tied dict + stray lm_head (broadcast)"] = (stray if rank == 0 else None, "broadcast", "broadcast")
+    if case.get("bf16_check"):
+        # a bf16 checkpoint (the usual HF dtype) is cast the same way by both modes
+        bf16 = {k: v.to(torch.bfloat16) for k, v in sd.items()}
+        bf16_out = {}
+        for mode in ("slice", "broadcast"):
+            other = _build_nan(parallm, case["path"], task)
+            parallm.load_hf_weights(other, bf16 if mode == "slice" or rank == 0 else None, mode=mode)
+            if any(p.dtype != torch.float32 for c in other for p in c.parameters()):
+                problems.append(f"bf16 state dict ({mode}): parameters are no longer fp32")
+            if _nan_params(other):
+                problems.append(f"bf16 state dict ({mode}): parameters not loaded: {_nan_params(other)}")
+            with torch.no_grad():
+                bf16_out[mode] = parallm.forward(other, ids, mask)
+        if not torch.equal(bf16_out["slice"], bf16_out["broadcast"]):
+            problems.append("bf16 state dict: slice and broadcast loads differ")
+        if max_diff_real(bf16_out["slice"], out, mask) > 0.5:
+            problems.append("bf16 state dict: outputs far from the fp32 model's")
+        # a larger vocab padding multiple: same logits, same saved weights
+        other = _build_nan(parallm, case["path"], task, vocab_multiple=16)
+        if other[0].padded_vocab_size % (16 * tp):
+            problems.append(f"vocab_multiple=16: padded vocab {other[0].padded_vocab_size}")
+        parallm.load_hf_weights(other, case["path"], mode="broadcast")
+        with torch.no_grad():
+            d = max_diff_real(parallm.forward(other, ids, mask), case["ref"], mask)
+        if not d < TOL:
+            problems.append(f"vocab_multiple=16: max diff to HF {d:.3g}")
+        state = parallm.save_hf_weights(other)
+        if rank == 0 and (set(state) != set(sd) or any(not torch.equal(state[k], sd[k]) for k in sd)):
+            problems.append("vocab_multiple=16: round trip not bit-exact")
     for what, (source, mode, want_mode) in variants.items():
         _log(f"rank {rank} tp={tp} {case['name']}: {what}")
         other = _build_nan(parallm, case["path"], task)

@@ -294,8 +294,8 @@ def test_check_tp_valid():
      ["num_key_value_heads=3 < tp=4", "tp is not a multiple"]),
     (dict(intermediate_size=90), 4, ["intermediate_size=90 is not divisible by tp=4"]),
     (dict(num_attention_heads=4, num_key_value_heads=3, intermediate_size=91), 2,
-     ["num_attention_heads=4 is not a multiple of num_key_value_heads=3", "num_key_value_heads=3 is not divisible by tp=2",
-      "intermediate_size=91 is not divisible by tp=2"]),
+     ["num_attention_heads=4 is not a multiple of num_key_value_heads=3",
+      "num_key_value_heads=3 is not divisible by tp=2", "intermediate_size=91 is not divisible by tp=2"]),
 ])
 def test_check_tp_errors_name_numbers(overrides, tp, needles):
     spec = _spec(**overrides)

@@ -12,6 +12,7 @@ Modes
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import warnings
@@ -23,10 +24,13 @@ import torch.distributed as dist
 from ..errors import CheckpointError
 from ..families import family_of
 from ..parallel.errors import agree, run_local
+from ..progress import bar
 from ..parallel.state import Layout, require_initialized
 from .hf_dir import HFCheckpoint, check_keys_and_shapes, tensor_shapes
 from .table import Entry, all_entries, chunk_entries, expected_hf_shapes
 from .transforms import TensorSource, make_shard
+
+logger = logging.getLogger("parallm")
 
 # Buffers some checkpoints carry that are recomputed, never loaded.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -125,13 +129,16 @@ def _copy_into(param: torch.Tensor, shard: torch.Tensor, entry: Entry) -> None:
         param.copy_(shard)
 
 
-def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True) -> LoadReport:
+def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
+                    progress: bool | None = None) -> LoadReport:
     """Fill ``chunks`` (this rank's model) from an HF checkpoint directory or state dict. Collective.
 
     Strict by default: a tensor the model needs but the checkpoint lacks, a tensor the model does not use
     (``strict=False`` ignores those), or a tensor of the wrong shape is a :class:`CheckpointError` on every rank,
     naming the tensor and both shapes. Tied models ignore a stray ``lm_head.weight`` and load the head from
-    ``model.embed_tokens.weight``.
+    ``model.embed_tokens.weight``. ``mode="auto"`` picks slice when every rank sees the directory (or holds the
+    state dict) and broadcast otherwise; the returned :class:`LoadReport` says which (rank 0 also logs it).
+    ``progress``: a tqdm bar on rank 0 (see :mod:`parallm.progress`).
     """
     require_initialized("load_hf_weights")
     if mode not in MODES:
@@ -145,7 +152,10 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True) 
     kind = run_local(lambda: _source_kind(source), what="load_hf_weights")
     kinds = [None] * layout.world
     dist.all_gather_object(kinds, kind)
+    requested = mode
     mode = run_local(lambda: _choose_mode(mode, kinds), what="load_hf_weights")
+    if layout.rank == 0:
+        logger.info("load_hf_weights: mode=%s%s", mode, " (chosen by mode='auto')" if requested == "auto" else "")
     mine, everything = model_entries(chunks, layout)
     padded_vocab = chunks[0].padded_vocab_size
     reader = source if mode == "slice" or layout.rank == 0 else None
@@ -181,54 +191,81 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True) 
                           f"value model): initialised N(0, {std}) with seed {VALUE_HEAD_INIT_SEED}", stacklevel=2)
     if mode == "slice":
         def fill():
-            for entry, chunk in mine:
+            for entry, chunk in bar(mine, desc="parallm load (slice)", rank=layout.rank, progress=progress):
                 shard = make_shard(entry.kind, [get(n) for n in entry.hf], layout.tp_rank, layout.tp, spec,
                                    padded_vocab)
                 _copy_into(chunk.get_parameter(entry.local), shard, entry)
         run_local(fill, what="load_hf_weights")
     else:
         everything = [e for e in everything if not set(e.hf) & set(init)]
-        _broadcast_load(mine, everything, get, layout, spec, padded_vocab)
+        _broadcast_load(mine, everything, get, layout, spec, padded_vocab, progress)
     for chunk in chunks:
         chunk.parallm_loaded = True
     return LoadReport(mode=mode, tensors=len(mine) + len(to_init), seconds=time.perf_counter() - t0,
                       initialised=tuple(init))
 
 
-def _broadcast_load(mine, everything, get, layout: Layout, spec, padded_vocab: int) -> None:
-    """Rank 0 reads each needed HF tensor once and sends every owner exactly its shard, in global order."""
+def _broadcast_load(mine, everything, get, layout: Layout, spec, padded_vocab: int, progress) -> None:
+    """Rank 0 streams: for each HF tensor in global order it reads (lazily, slice by slice) the shard of each TP
+    rank that needs one and sends it to every owner (data-parallel replicas included), so rank 0 holds about
+    one shard at a time. Each shard is preceded by a status word; if rank 0 fails mid-stream it sends a failure
+    status to every rank still waiting, and all ranks then raise rank 0's error."""
     order = {(e.row, e.layer): i for i, e in enumerate(everything)}
-    wanted = sorted((order[(e.row, e.layer)], e, chunk) for e, chunk in mine)
+    wanted = sorted(((order[(e.row, e.layer)], e, chunk) for e, chunk in mine), key=lambda t: t[0])
     requests = [(i, layout.tp_rank) for i, _, _ in wanted]
     gathered = [None] * layout.world if layout.rank == 0 else None
     dist.gather_object(requests, gathered, dst=0)
+    device = next(mine[0][1].parameters()).device
+    status = torch.zeros(1, dtype=torch.long, device=device)
     if layout.rank != 0:
-        def receive():
-            for _, entry, chunk in wanted:
-                param = chunk.get_parameter(entry.local)
-                buf = param.data if param.data.is_contiguous() else torch.empty_like(param.data)
-                dist.recv(buf, src=0)
-                if buf is not param.data:
-                    param.data.copy_(buf)
-        receive()
+        error = None
+        for _, entry, chunk in wanted:
+            dist.recv(status, src=0)
+            if status.item() != 0:
+                error = CheckpointError("global rank 0 failed while reading the checkpoint")
+                break
+            param = chunk.get_parameter(entry.local)
+            buf = param.data if param.data.is_contiguous() else torch.empty_like(param.data)
+            dist.recv(buf, src=0)
+            if buf is not param.data:
+                param.data.copy_(buf)
+        agree(error, what="load_hf_weights")
         return
     wire_dtype = mine[0][1].config.params_dtype
-    wire_device = next(mine[0][1].parameters()).device
     local = {i: (e, c) for i, e, c in wanted}
-    needers: dict[int, list[tuple[int, int]]] = {}
+    needers: dict[int, dict[int, list[int]]] = {}   # entry index -> tp rank -> global ranks
+    remaining = {r: len(reqs) for r, reqs in enumerate(gathered)}
     for rank, reqs in enumerate(gathered):
         for i, tp_rank in reqs:
-            needers.setdefault(i, []).append((rank, tp_rank))
-    for i in sorted(needers):
-        entry = everything[i]
-        sources = [TensorSource(get(n).full()) for n in entry.hf]
-        shards = {}
-        for rank, tp_rank in needers[i]:
-            if tp_rank not in shards:
-                shards[tp_rank] = make_shard(entry.kind, sources, tp_rank, layout.tp, spec, padded_vocab)
-            if rank == 0:
-                e, chunk = local[i]
-                _copy_into(chunk.get_parameter(e.local), shards[tp_rank], e)
-            else:
-                dist.send(shards[tp_rank].to(dtype=wire_dtype, device=wire_device).contiguous(), dst=rank)
-        del sources, shards
+            needers.setdefault(i, {}).setdefault(tp_rank, []).append(rank)
+    error = None
+    pbar = bar(total=len(needers), desc="parallm load (broadcast)", rank=0, progress=progress)
+    try:
+        for i in sorted(needers):
+            entry = everything[i]
+            sources = [get(n) for n in entry.hf]
+            for tp_rank, ranks in needers[i].items():
+                shard = make_shard(entry.kind, sources, tp_rank, layout.tp, spec, padded_vocab)
+                wire = None
+                for rank in ranks:
+                    remaining[rank] -= 1
+                    if rank == 0:
+                        e, chunk = local[i]
+                        _copy_into(chunk.get_parameter(e.local), shard, e)
+                        continue
+                    if wire is None:
+                        wire = shard.to(dtype=wire_dtype, device=device).contiguous()
+                    dist.send(status, dst=rank)
+                    dist.send(wire, dst=rank)
+                del shard, wire
+            del sources
+            pbar.update(1)
+    except Exception as e:  # noqa: BLE001 - every waiting rank is told, then all raise it via agree()
+        error = e
+        failed = torch.ones(1, dtype=torch.long, device=device)
+        for rank, left in remaining.items():
+            if rank != 0 and left > 0:
+                dist.send(failed, dst=rank)
+    finally:
+        pbar.close()
+    agree(error, what="load_hf_weights")

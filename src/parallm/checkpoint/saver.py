@@ -1,8 +1,16 @@
 """Shards -> HF tensors (the inverse of the loader), driven by the same weight table.
 
-Each pipeline stage's (tp 0, dp 0) rank gathers its TP pieces and merges them into HF tensors; stages other than
-rank 0's send them to global rank 0 point to point, one tensor at a time. Peers are found through the process
-groups (``get_process_group_ranks``), never by rank arithmetic.
+Three ways out:
+
+* ``save_hf_weights(chunks)``: the full HF state dict on global rank 0. Each pipeline stage's (tp 0, dp 0) rank
+  gathers its TP pieces and merges them; other stages send their tensors to rank 0 point to point.
+* ``save_hf_weights(chunks, out_dir)``: a parallel write. Every data-parallel-rank-0 process merges and writes a
+  share of the tensors of its own stage (entry ``i`` of the table is merged on TP rank ``i % tp``), so
+  ``tp * pp`` processes write at once; files go into a temporary directory beside ``out_dir`` that is moved into
+  place only when every file, the index and config.json are complete.
+* ``export_hf_tensors(chunks)``: a generator of ``(hf_name, full tensor)`` on every rank, one tensor at a time.
+
+Peers are found through the process groups (``get_process_group_ranks``), never by rank arithmetic.
 """
 
 from __future__ import annotations
@@ -17,46 +25,75 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from ..families import family_of
+from ..model.spec import layer_numbers
 from ..parallel.errors import run_local
 from ..parallel.state import Layout, require_initialized
+from ..progress import bar
+from .hf_dir import INDEX_NAME, SINGLE_NAME
 from .loader import _as_chunks, model_entries
+from .table import expected_hf_shapes
 from .transforms import merge_shards
 
+DEFAULT_MAX_SHARD_SIZE = 5 * 1024 ** 3
 
-def _gather_tp(param: torch.Tensor, layout: Layout) -> list[torch.Tensor] | None:
-    """Every TP rank's shard on TP rank 0 (None elsewhere)."""
+
+def parse_size(size) -> int:
+    """``5 * 2**30``, ``"5GB"``, ``"500MB"``, ``"40KB"`` -> bytes (powers of 1000 for KB/MB/GB, as HF)."""
+    if isinstance(size, int):
+        return size
+    text = str(size).strip().upper()
+    for unit, mult in (("GIB", 1024 ** 3), ("MIB", 1024 ** 2), ("KIB", 1024), ("GB", 10 ** 9), ("MB", 10 ** 6),
+                       ("KB", 10 ** 3), ("B", 1)):
+        if text.endswith(unit):
+            return int(float(text[:-len(unit)]) * mult)
+    return int(text)
+
+
+def _ordered_entries(chunks, layout: Layout):
+    """This rank's (global index, entry, chunk), in global table order."""
+    mine, everything = model_entries(chunks, layout)
+    order = {(e.row, e.layer): i for i, e in enumerate(everything)}
+    return sorted(((order[(e.row, e.layer)], e, c) for e, c in mine), key=lambda t: t[0]), everything
+
+
+def _gather_tp(param: torch.Tensor, layout: Layout, dst_tp: int) -> list[torch.Tensor] | None:
+    """Every TP rank's shard on TP rank ``dst_tp`` (None elsewhere)."""
     if layout.tp == 1:
         return [param.detach()]
     t = param.detach().contiguous()
-    dst = dist.get_global_rank(layout.tp_group, 0)
-    out = [torch.empty_like(t) for _ in range(layout.tp)] if layout.tp_rank == 0 else None
-    dist.gather(t, out, dst=dst, group=layout.tp_group)
+    out = [torch.empty_like(t) for _ in range(layout.tp)] if layout.tp_rank == dst_tp else None
+    dist.gather(t, out, dst=dist.get_global_rank(layout.tp_group, dst_tp), group=layout.tp_group)
     return out
 
 
-def gather_stage_tensors(chunks, layout: Layout, dtype=None) -> dict[str, torch.Tensor]:
-    """HF tensors of this stage on its (tp 0, dp 0) rank, in global table order; {} on other ranks."""
+def _merge_entry(entry, chunk, shards, spec, dtype) -> dict[str, torch.Tensor]:
+    param = chunk.get_parameter(entry.local)
+    if entry.kind == "copy":
+        shards = shards[:1]
+    out = {}
+    for name, tensor in zip(entry.hf, merge_shards(entry.kind, shards, spec)):
+        tensor = tensor.to(device="cpu", dtype=dtype or tensor.dtype).contiguous()
+        if tensor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
+            tensor = tensor.clone()  # never hand out a view of a live parameter
+        out[name] = tensor
+    return out
+
+
+def gather_stage_tensors(chunks, layout: Layout, dtype=None, *, spread: bool = False, progress=None):
+    """HF tensors of this rank's stage merged on their writer rank (TP rank 0, or ``i % tp`` with ``spread``);
+    {} on data-parallel replicas other than 0 and on TP ranks that write nothing."""
     if layout.dp_rank != 0:
         return {}
     spec = chunks[0].spec
-    mine, everything = model_entries(chunks, layout)
-    order = {(e.row, e.layer): i for i, e in enumerate(everything)}
-    mine.sort(key=lambda ec: order[(ec[0].row, ec[0].layer)])
+    wanted, _ = _ordered_entries(chunks, layout)
     out = {}
-    for entry, chunk in mine:
+    for i, entry, chunk in bar(wanted, desc="parallm save (gather)", rank=layout.rank, progress=progress):
         if not entry.row.save:
             continue
-        param = chunk.get_parameter(entry.local)
-        shards = _gather_tp(param, layout)
-        if shards is None:
-            continue
-        if entry.kind == "copy":
-            shards = shards[:1]
-        for name, tensor in zip(entry.hf, merge_shards(entry.kind, shards, spec)):
-            tensor = tensor.to(device="cpu", dtype=dtype or tensor.dtype).contiguous()
-            if tensor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
-                tensor = tensor.clone()  # never hand out a view of a live parameter
-            out[name] = tensor
+        dst = i % layout.tp if spread else 0
+        shards = _gather_tp(chunk.get_parameter(entry.local), layout, dst)
+        if shards is not None:
+            out.update(_merge_entry(entry, chunk, shards, spec, dtype))
     return out
 
 
@@ -84,38 +121,129 @@ def _collect_on_rank0(local: dict[str, torch.Tensor], layout: Layout) -> dict[st
     return result
 
 
-def save_hf_weights(chunks, out_dir=None, *, dtype: torch.dtype | None = None, overwrite: bool = False):
-    """Gather the full HF state dict. Collective.
+def save_hf_weights(chunks, out_dir=None, *, dtype: torch.dtype | None = None, overwrite: bool = False,
+                    max_shard_size=DEFAULT_MAX_SHARD_SIZE, progress: bool | None = None):
+    """Gather or write the full HF checkpoint. Collective.
 
     ``out_dir=None``: returns ``{hf_name: cpu tensor}`` on global rank 0 (tied lm_head omitted, vocab padding
-    stripped, each replicated KV head once) and ``{}`` on every other rank. With ``out_dir``: rank 0 writes an HF
-    directory (``model.safetensors`` + ``config.json``) that ``from_pretrained`` loads, via a temporary directory
-    moved into place at the end; a non-empty ``out_dir`` is refused unless ``overwrite=True``. Returns None.
+    stripped, each replicated KV head once) and ``{}`` on every other rank.
+
+    ``out_dir`` given: writes ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` files of at most
+    ``max_shard_size`` each plus ``model.safetensors.index.json``) and ``config.json`` (architectures follow the
+    task: ``*ForSequenceClassification`` with ``num_labels`` 1 for value models), in parallel from ``tp * pp``
+    processes that must share the filesystem of ``out_dir``. The files are written into a temporary directory
+    beside ``out_dir`` and moved into place at the end, so an interrupted save leaves ``out_dir`` as it was. A
+    non-empty ``out_dir`` is refused unless ``overwrite=True``. Returns None.
     """
     require_initialized("save_hf_weights")
     chunks = _as_chunks(chunks)
     layout = Layout()
-    if out_dir is not None:
-        out_dir = os.path.abspath(os.fspath(out_dir))
-
-        def check_target():
-            if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
-                raise FileExistsError(f"{out_dir} is not empty; pass overwrite=True to replace it")
-        run_local(check_target, what="save_hf_weights")
-    local = gather_stage_tensors(chunks, layout, dtype)
-    state = _collect_on_rank0(local, layout)
-    if layout.rank == 0:
-        _, everything = model_entries(chunks, layout)
-        names = [n for e in everything if e.row.save for n in e.hf]
-        state = {n: state[n] for n in names}
     if out_dir is None:
-        return state
-    run_local(lambda: _write_dir(state, out_dir, chunks[0]) if layout.rank == 0 else None,
-              what="save_hf_weights")
+        local = gather_stage_tensors(chunks, layout, dtype, progress=progress)
+        state = _collect_on_rank0(local, layout)
+        if layout.rank != 0:
+            return {}
+        _, everything = model_entries(chunks, layout)
+        return {n: state[n] for e in everything if e.row.save for n in e.hf}
+    _save_dir(chunks, layout, os.path.abspath(os.fspath(out_dir)), dtype=dtype, overwrite=overwrite,
+              max_shard_size=parse_size(max_shard_size), progress=progress)
     return None
 
 
-def hf_config_dict(chunk) -> dict:
+def _plan_files(tensors: dict[str, torch.Tensor], limit: int) -> list[list[str]]:
+    files, current, size = [], [], 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if current and size + n > limit:
+            files.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += n
+    if current:
+        files.append(current)
+    return files
+
+
+def _save_dir(chunks, layout: Layout, out_dir: str, *, dtype, overwrite: bool, max_shard_size: int, progress):
+    def prepare():
+        if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+            raise FileExistsError(f"{out_dir} exists and is not a directory")
+        if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+            raise FileExistsError(f"{out_dir} is not empty; pass overwrite=True to replace it")
+        if layout.rank != 0:
+            return None
+        parent = os.path.dirname(out_dir) or "."
+        os.makedirs(parent, exist_ok=True)
+        return tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.parallm-tmp-", dir=parent)
+
+    box = [run_local(prepare, what="save_hf_weights")]
+    dist.broadcast_object_list(box, src=0)
+    tmp = box[0]
+    try:
+        tensors = gather_stage_tensors(chunks, layout, dtype, spread=True, progress=progress)
+        files = _plan_files(tensors, max_shard_size)
+        counts = [None] * layout.world
+        dist.all_gather_object(counts, len(files))
+        total = sum(counts)
+        first = sum(counts[:layout.rank])
+
+        def write():
+            if files and not os.path.isdir(tmp):
+                raise FileNotFoundError(f"rank {layout.rank} cannot see {tmp}: out_dir must be on a filesystem "
+                                        "shared by all writing ranks")
+            written = {}
+            for k, names in enumerate(files):
+                fname = SINGLE_NAME if total == 1 else f"model-{first + k + 1:05d}-of-{total:05d}.safetensors"
+                save_file({n: tensors[n] for n in names}, os.path.join(tmp, fname), metadata={"format": "pt"})
+                written.update({n: fname for n in names})
+            return written, sum(t.numel() * t.element_size() for t in tensors.values())
+
+        written = run_local(write, what="save_hf_weights")
+        maps = [None] * layout.world
+        dist.all_gather_object(maps, written)
+
+        def finish():
+            if layout.rank != 0:
+                return
+            weight_map, size = {}, 0
+            for part, nbytes in maps:
+                weight_map.update(part)
+                size += nbytes
+            _check_complete(chunks, layout, weight_map)
+            if total > 1:
+                with open(os.path.join(tmp, INDEX_NAME), "w") as f:
+                    json.dump({"metadata": {"total_size": size},
+                               "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(hf_config_dict(chunks[0], dtype), f, indent=2, sort_keys=True, default=str)
+            _move_into_place(tmp, out_dir)
+
+        run_local(finish, what="save_hf_weights")
+    except BaseException:
+        if layout.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _check_complete(chunks, layout, weight_map):
+    _, everything = model_entries(chunks, layout)
+    missing = sorted({n for e in everything if e.row.save for n in e.hf} - set(weight_map))
+    if missing:
+        raise RuntimeError(f"save_hf_weights: internal error, tensors not written: {missing[:5]}")
+
+
+def _move_into_place(tmp: str, out_dir: str) -> None:
+    if os.path.isdir(out_dir):
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.parallm-old-", dir=os.path.dirname(out_dir))
+        os.rmdir(old)
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)
+
+
+def hf_config_dict(chunk, dtype=None) -> dict:
     """The config.json to write next to the weights (architectures follow the task)."""
     cfg = chunk.hf_config
     d = dict(cfg) if isinstance(cfg, dict) else (cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg)))
@@ -129,20 +257,61 @@ def hf_config_dict(chunk) -> dict:
     else:
         d["architectures"] = [family.causal_architecture]
     d.setdefault("model_type", chunk.spec.model_type)
+    d["torch_dtype" if "torch_dtype" in d else "dtype"] = str(dtype or chunk.config.params_dtype).replace("torch.", "")
     return d
 
 
-def _write_dir(state: dict[str, torch.Tensor], out_dir: str, chunk) -> None:
-    parent = os.path.dirname(out_dir) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.parallm-tmp-", dir=parent)
-    try:
-        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf_config_dict(chunk), f, indent=2, sort_keys=True, default=str)
-        if os.path.isdir(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+# -- export stream --------------------------------------------------------------------------------------------
+
+def _owner_stage(entry, layout: Layout, spec) -> int:
+    if entry.row.stage == "first":
+        return 0
+    if entry.row.stage == "last":
+        return layout.pp - 1
+    for p in range(layout.pp):
+        for v in range(layout.vpp):
+            if entry.layer in layer_numbers(spec.num_layers, layout.pp, layout.vpp, p, v):
+                return p
+    raise RuntimeError(f"layer {entry.layer} has no owner")
+
+
+def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None):
+    """Yield ``(hf_name, full tensor)`` for every HF tensor, once, in table order, on every rank. Collective:
+    every rank must consume the generator to the end.
+
+    Each tensor is TP-gathered on its stage and broadcast to the other stages of the pipeline, so a rank holds
+    one full tensor at a time: meant for pushing weights into an inference engine with bounded memory.
+    """
+    require_initialized("export_hf_tensors")
+    chunks = _as_chunks(chunks)
+    layout = Layout()
+    spec = chunks[0].spec
+    dtype = dtype or chunks[0].config.params_dtype
+    device = next(chunks[0].parameters()).device
+    shapes = expected_hf_shapes(family_of(spec).table, spec, task=chunks[0].task, pp=layout.pp)
+    mine, everything = model_entries(chunks, layout)
+    local = {(e.row, e.layer): (e, c) for e, c in mine}
+    pp_ranks = dist.get_process_group_ranks(layout.pp_group)
+    for entry in everything:
+        if not entry.row.save:
+            continue
+        owner = _owner_stage(entry, layout, spec)
+        tensors = {}
+        if owner == layout.pp_rank:
+            e, chunk = local[(entry.row, entry.layer)]
+            param = chunk.get_parameter(e.local).detach().contiguous()
+            shards = [param] if layout.tp == 1 else [torch.empty_like(param) for _ in range(layout.tp)]
+            if layout.tp > 1:
+                dist.all_gather(shards, param, group=layout.tp_group)
+            if e.kind == "copy":
+                shards = shards[:1]
+            # a copy: the consumer may keep it while training changes the parameter
+            tensors = {n: t.to(dtype=dtype, copy=True).contiguous()
+                       for n, t in zip(e.hf, merge_shards(e.kind, shards, spec))}
+        for name in entry.hf:
+            t = tensors.get(name)
+            if layout.pp > 1:
+                if t is None:
+                    t = torch.empty(shapes[name], dtype=dtype, device=device)
+                dist.broadcast(t, src=pp_ranks[owner], group=layout.pp_group)
+            yield name, t
