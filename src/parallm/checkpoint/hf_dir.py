@@ -12,10 +12,13 @@ import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError
-from .transforms import Source
+from .transforms import Source, TensorSource
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
+PICKLE_SINGLE_NAME = "pytorch_model.bin"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 
 
 class SliceSource(Source):
@@ -32,37 +35,70 @@ class SliceSource(Source):
 
 
 class HFCheckpoint:
-    """Name -> file map of a checkpoint directory; opens each file once, on first use."""
+    """Name -> file map of a checkpoint directory; opens each file once, on first use.
 
-    def __init__(self, path: str | os.PathLike):
+    safetensors only, unless ``allow_pickle=True``: then a directory with only ``pytorch_model.bin`` (or its
+    index) is read with ``torch.load(weights_only=True)`` (whole files, no lazy slicing).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, allow_pickle: bool = False):
         self.path = os.path.abspath(os.fspath(path))
+        self.pickle = False
         if not os.path.isdir(self.path):
             raise CheckpointError(f"checkpoint directory {self.path} does not exist")
         index = os.path.join(self.path, INDEX_NAME)
         single = os.path.join(self.path, SINGLE_NAME)
         if os.path.isfile(index):
-            with open(index) as f:
-                try:
-                    weight_map = json.load(f)["weight_map"]
-                except (ValueError, KeyError) as e:
-                    raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
-            self.weight_map = {}
-            for name, fname in weight_map.items():
-                full = os.path.abspath(os.path.join(self.path, fname))
-                if os.path.dirname(full) != self.path:
-                    raise CheckpointError(f"{index}: {name} points to {fname!r}, outside the checkpoint directory")
-                if not os.path.isfile(full):
-                    raise CheckpointError(f"{index}: {name} is in {fname!r}, which does not exist")
-                self.weight_map[name] = fname
+            self.weight_map = self._read_index(index)
         elif os.path.isfile(single):
             with self._open_file(SINGLE_NAME) as h:
                 self.weight_map = {k: SINGLE_NAME for k in h.keys()}
         else:
-            others = sorted(f for f in os.listdir(self.path) if f.endswith((".bin", ".pt", ".pth", ".safetensors")))
-            hint = (f" (found {', '.join(others)}: pickle checkpoints are not read; convert them to safetensors)"
-                    if others else "")
-            raise CheckpointError(f"{self.path} has neither {SINGLE_NAME} nor {INDEX_NAME}{hint}")
+            pickles = sorted(f for f in os.listdir(self.path) if f.endswith(PICKLE_SUFFIXES))
+            if not pickles:
+                raise CheckpointError(f"{self.path} has neither {SINGLE_NAME} nor {INDEX_NAME}")
+            if not allow_pickle:
+                raise CheckpointError(
+                    f"{self.path} holds only pickle checkpoint files ({', '.join(pickles[:4])}); pickle can run "
+                    "arbitrary code, so parallm does not read it by default. Convert it to safetensors, or pass "
+                    "allow_pickle=True (then it is loaded with torch.load(weights_only=True))")
+            self.pickle = True
+            pindex = os.path.join(self.path, PICKLE_INDEX_NAME)
+            if os.path.isfile(pindex):
+                self.weight_map = self._read_index(pindex)
+            else:
+                fname = PICKLE_SINGLE_NAME if PICKLE_SINGLE_NAME in pickles else pickles[0]
+                self.weight_map = {k: fname for k in self._load_pickle(fname)}
         self._handles: dict[str, object] = {}
+
+    def _read_index(self, index: str) -> dict[str, str]:
+        with open(index) as f:
+            try:
+                weight_map = json.load(f)["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a checkpoint index ({type(e).__name__}: {e})") from None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: weight_map is not a mapping")
+        out = {}
+        for name, fname in weight_map.items():
+            full = os.path.realpath(os.path.join(self.path, str(fname)))
+            if os.path.dirname(full) != os.path.realpath(self.path):
+                raise CheckpointError(f"{index}: {name} points to {fname!r}, outside the checkpoint directory")
+            if not os.path.isfile(full):
+                raise CheckpointError(f"{index}: {name} is in {fname!r}, which does not exist")
+            out[name] = str(fname)
+        return out
+
+    def _load_pickle(self, fname: str) -> dict:
+        full = os.path.join(self.path, fname)
+        try:
+            sd = torch.load(full, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # noqa: BLE001 - any unreadable file becomes a named CheckpointError
+            raise CheckpointError(f"{full}: cannot read with torch.load(weights_only=True) "
+                                  f"({type(e).__name__}: {e})") from None
+        if not isinstance(sd, dict):
+            raise CheckpointError(f"{full}: not a state dict")
+        return sd
 
     def _open_file(self, fname: str):
         full = os.path.join(self.path, fname)
@@ -77,11 +113,16 @@ class HFCheckpoint:
     def _handle(self, name: str):
         fname = self.weight_map[name]
         if fname not in self._handles:
-            self._handles[fname] = self._open_file(fname)
+            self._handles[fname] = self._load_pickle(fname) if self.pickle else self._open_file(fname)
         return self._handles[fname]
 
-    def source(self, name: str) -> SliceSource:
+    def source(self, name: str) -> Source:
         try:
+            if self.pickle:
+                tensor = self._handle(name).get(name)
+                if tensor is None:
+                    raise CheckpointError(f"{name}: listed in the index but not in {self.weight_map[name]}")
+                return TensorSource(tensor)
             return SliceSource(self._handle(name), name)
         except CheckpointError:
             raise

@@ -95,30 +95,46 @@ def ignorable_names(spec, task: str) -> tuple[str, ...]:
     return IGNORED_SUFFIXES + (("lm_head.weight",) if spec.tie_word_embeddings else ())
 
 
-def _source_kind(source) -> str:
+def _source_kind(source) -> tuple[str, str]:
+    """(kind, description) of this rank's source: kind is "dir", "missing-dir", "dict" or "none"."""
     if source is None:
-        return "none"
+        return "none", "None"
     if isinstance(source, (str, os.PathLike)):
-        return "dir" if os.path.isdir(source) else "missing-dir"
+        path = os.path.abspath(os.fspath(source))
+        return ("dir" if os.path.isdir(path) else "missing-dir"), path
     if isinstance(source, dict):
-        return "dict"
+        return ("dict" if source else "none"), "a state dict" if source else "an empty state dict"
     raise TypeError(f"load_hf_weights: source must be a checkpoint directory, a state dict or None, "
                     f"got {type(source).__name__}")
 
 
-def _choose_mode(mode: str, kinds: list[str]) -> str:
-    if kinds[0] in ("none", "missing-dir"):
-        what = "does not exist" if kinds[0] == "missing-dir" else "is None"
-        raise CheckpointError(f"load_hf_weights: the source on global rank 0 {what}; rank 0 must hold the "
-                              "checkpoint directory or the state dict")
-    everywhere = all(k == kinds[0] for k in kinds)
+def _choose_mode(mode: str, kinds: list[tuple[str, str]]) -> str:
+    kind0, what0 = kinds[0]
+    if kind0 == "missing-dir":
+        raise CheckpointError(f"load_hf_weights: checkpoint directory {what0} does not exist (on global rank 0)")
+    if kind0 == "none":
+        raise CheckpointError(f"load_hf_weights: global rank 0 passed {what0}; rank 0 must hold the checkpoint "
+                              "directory or the state dict")
+    everywhere = all(k == kind0 for k, _ in kinds)
     if mode == "auto":
         return "slice" if everywhere else "broadcast"
     if mode == "slice" and not everywhere:
-        lacking = [r for r, k in enumerate(kinds) if k != kinds[0]]
-        raise CheckpointError(f"load_hf_weights(mode='slice') needs the source on every rank; ranks {lacking} "
-                              "do not have it (use mode='broadcast')")
+        lacking = [f"rank {r} ({what})" for r, (k, what) in enumerate(kinds) if k != kind0]
+        raise CheckpointError(f"load_hf_weights(mode='slice') needs the source on every rank; "
+                              f"{', '.join(lacking[:8])} lack it (use mode='broadcast' or 'auto')")
     return mode
+
+
+def _fit_dtype(shard: torch.Tensor, dtype: torch.dtype, names) -> torch.Tensor:
+    """Cast to the model dtype; values the dtype cannot hold (e.g. > 65504 into float16) are an error."""
+    if shard.dtype == dtype:
+        return shard
+    cast = shard.to(dtype)
+    if cast.is_floating_point() and not torch.isfinite(cast).all() and torch.isfinite(shard).all():
+        biggest = shard.abs().max().item()
+        raise CheckpointError(f"{', '.join(names)}: values up to {biggest:.6g} overflow {dtype} (max "
+                              f"{torch.finfo(dtype).max:.6g}); build the model in bfloat16 or float32")
+    return cast
 
 
 def _copy_into(param: torch.Tensor, shard: torch.Tensor, entry: Entry) -> None:
@@ -126,11 +142,11 @@ def _copy_into(param: torch.Tensor, shard: torch.Tensor, entry: Entry) -> None:
         raise CheckpointError(f"{entry.local} <- {', '.join(entry.hf)}: shard shape {tuple(shard.shape)} "
                               f"does not fit parameter {tuple(param.shape)}")
     with torch.no_grad():
-        param.copy_(shard)
+        param.copy_(_fit_dtype(shard, param.dtype, entry.hf))
 
 
 def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
-                    progress: bool | None = None) -> LoadReport:
+                    progress: bool | None = None, allow_pickle: bool = False) -> LoadReport:
     """Fill ``chunks`` (this rank's model) from an HF checkpoint directory or state dict. Collective.
 
     Strict by default: a tensor the model needs but the checkpoint lacks, a tensor the model does not use
@@ -138,7 +154,9 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
     naming the tensor and both shapes. Tied models ignore a stray ``lm_head.weight`` and load the head from
     ``model.embed_tokens.weight``. ``mode="auto"`` picks slice when every rank sees the directory (or holds the
     state dict) and broadcast otherwise; the returned :class:`LoadReport` says which (rank 0 also logs it).
-    ``progress``: a tqdm bar on rank 0 (see :mod:`parallm.progress`).
+    ``progress``: a tqdm bar on rank 0 (see :mod:`parallm.progress`). Pickle checkpoints (``.bin`` / ``.pt``)
+    are refused unless ``allow_pickle=True`` (then read with ``torch.load(weights_only=True)``). A value the
+    model dtype cannot hold (float16 overflow) is an error naming the tensor.
     """
     require_initialized("load_hf_weights")
     if mode not in MODES:
@@ -167,7 +185,7 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
             present, where = tensor_shapes(reader), "state dict"
             get = lambda name: TensorSource(reader[name])  # noqa: E731
         else:
-            ckpt = HFCheckpoint(reader)
+            ckpt = HFCheckpoint(reader, allow_pickle=allow_pickle)
             present, where = {k: ckpt.shape(k) for k in ckpt.keys()}, ckpt.path
             get = ckpt.source
         aliases, init = value_head_plan(present, spec, task)
@@ -254,7 +272,7 @@ def _broadcast_load(mine, everything, get, layout: Layout, spec, padded_vocab: i
                         _copy_into(chunk.get_parameter(e.local), shard, e)
                         continue
                     if wire is None:
-                        wire = shard.to(dtype=wire_dtype, device=device).contiguous()
+                        wire = _fit_dtype(shard, wire_dtype, entry.hf).to(device=device).contiguous()
                     dist.send(status, dst=rank)
                     dist.send(wire, dst=rank)
                 del shard, wire
