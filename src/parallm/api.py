@@ -8,6 +8,7 @@ from .families import load_config, spec_from_config
 from .model.decoder import DecoderChunk, build_chunks
 from .model.spec import TASKS
 from .parallel.comm import gather_last_dim
+from .parallel.errors import run_local
 from .parallel.state import Layout, kv_replica_group, require_initialized
 
 
@@ -62,7 +63,15 @@ def default_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
 
 
-def _prepare(chunks, input_ids, attention_mask, position_ids):
+def _prepare(chunks, input_ids, attention_mask, position_ids, *, what: str):
+    """Validate the batch locally, then agree across ranks: a bad batch on one rank is an error on all."""
+    return run_local(lambda: _check_batch(chunks, input_ids, attention_mask, position_ids), what=what)
+
+
+def _check_batch(chunks, input_ids, attention_mask, position_ids):
+    if not torch.is_tensor(input_ids) or input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"input_ids must be an integer tensor [batch, seq], got "
+                        f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
     device = next(chunks[0].parameters()).device
@@ -76,7 +85,14 @@ def _prepare(chunks, input_ids, attention_mask, position_ids):
     if position_ids is None:
         position_ids = default_position_ids(attention_mask)
     position_ids = position_ids.to(device)
-    return input_ids, attention_mask, position_ids
+    if position_ids.shape != input_ids.shape:
+        raise ValueError(f"position_ids {tuple(position_ids.shape)} does not match input_ids "
+                         f"{tuple(input_ids.shape)}")
+    vocab = chunks[0].spec.vocab_size
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+        raise ValueError(f"input_ids must lie in [0, {vocab}); got values in [{int(input_ids.min())}, "
+                         f"{int(input_ids.max())}]")
+    return input_ids.long(), attention_mask, position_ids
 
 
 def gather_output(chunk: DecoderChunk, out: torch.Tensor) -> torch.Tensor:
@@ -92,7 +108,8 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None) -> torch.
     """Whole-batch output on every rank: fp32 logits ``[B, S, V]`` (causal_lm) or values ``[B, S]`` (value)."""
     require_initialized("forward")
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
-    input_ids, attention_mask, position_ids = _prepare(chunks, input_ids, attention_mask, position_ids)
+    input_ids, attention_mask, position_ids = _prepare(chunks, input_ids, attention_mask, position_ids,
+                                                       what="forward")
     layout = Layout()
     if layout.pp == 1:
         return gather_output(chunks[0], chunks[0].compute(input_ids, position_ids, attention_mask))
@@ -112,10 +129,16 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     """
     require_initialized("forward_backward")
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
-    input_ids, attention_mask, position_ids = _prepare(chunks, input_ids, attention_mask, position_ids)
+    def check():
+        batch = _check_batch(chunks, input_ids, attention_mask, position_ids)
+        b = batch[0].shape[0]
+        if not isinstance(num_microbatches, int) or num_microbatches < 1 or b % num_microbatches:
+            raise ValueError(f"batch size {b} does not split into num_microbatches={num_microbatches}")
+        if not callable(loss_fn):
+            raise TypeError("loss_fn must be callable: loss_fn(output, input_ids, attention_mask) -> scalar")
+        return batch
+    input_ids, attention_mask, position_ids = run_local(check, what="forward_backward")
     b = input_ids.shape[0]
-    if not isinstance(num_microbatches, int) or num_microbatches < 1 or b % num_microbatches:
-        raise ValueError(f"batch size {b} does not split into num_microbatches={num_microbatches}")
     size = b // num_microbatches
     mbs = [(input_ids[i:i + size], position_ids[i:i + size], attention_mask[i:i + size])
            for i in range(0, b, size)]

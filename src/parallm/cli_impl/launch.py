@@ -1,7 +1,8 @@
 """Starting the ranks: under torchrun (use its world, in-process) or standalone (spawn local processes).
 
-Standalone: ``world`` processes ``python -m parallm.cli_impl.worker``, each with RANK / WORLD_SIZE / LOCAL_RANK,
-one thread (OMP_NUM_THREADS=1), a ``file://`` rendezvous in a fresh temporary directory (no port to pick, no
+Standalone: ``world`` processes forked from a forkserver that imported torch, megatron-core, parallm and
+transformers once (:mod:`parallm.cli_impl.preload`; a rank starts in well under a second), each with RANK /
+WORLD_SIZE / LOCAL_RANK, one thread (OMP_NUM_THREADS=1), a ``file://`` rendezvous in a fresh temporary directory (no port to pick, no
 race for it), gloo on CPU (GPUs hidden from the ranks) or nccl when there is a GPU per rank. The launcher polls
 them: a rank that exits with an error or dies ends the run after a short grace period (the others get to report
 the same error); past ``timeout`` every rank is killed. It never waits forever.
@@ -12,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -78,41 +78,45 @@ def _is_connection_error(message: str) -> bool:
                                 "socket", "connection refused"))
 
 
+def _context():
+    import multiprocessing as mp
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["parallm.cli_impl.preload"])
+    return ctx
+
+
 def spawn(job: dict, world: int, *, timeout: float, progress, debug: bool = False) -> LaunchResult:
     """Run ``job`` on ``world`` local ranks; never blocks longer than ``timeout`` (plus the grace period)."""
+    from .worker import run_rank
     tmp = tempfile.mkdtemp(prefix="parallm-ranks-")
     job = dict(job, rendezvous=os.path.join(tmp, "rendezvous"))
     job_path = os.path.join(tmp, "job.json")
     with open(job_path, "w") as f:
         json.dump(job, f)
-    env = dict(os.environ)
+    # The forkserver (and so every rank) inherits this process's environment when it starts.
     for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK"):
-        env.pop(k, None)
-    env.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               PARALLM_TIMEOUT_S=str(timeout), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    env.setdefault("HF_HUB_OFFLINE", "1")  # only local directories are read; never wait for a network
+        os.environ.pop(k, None)
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                      PARALLM_TIMEOUT_S=str(timeout), PARALLM_PROGRESS="0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # only local directories are read; never wait for a network
     if job.get("backend") != "nccl":
-        env["CUDA_VISIBLE_DEVICES"] = ""   # CPU ranks: keep the CUDA code paths out entirely
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""   # CPU ranks: keep the CUDA code paths out entirely
+    ctx = _context()
     procs, logs = [], []
     try:
         for r in range(world):
-            log_path = os.path.join(tmp, f"rank-{r}.log")
-            logs.append(log_path)
-            with open(log_path, "w") as log:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "parallm.cli_impl.worker", job_path, tmp],
-                    env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=log, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL))
+            logs.append(os.path.join(tmp, f"rank-{r}.log"))
+            env = dict(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+            p = ctx.Process(target=run_rank, args=(r, world, job_path, tmp, env, logs[-1]), daemon=True)
+            p.start()
+            procs.append(p)
         return _watch(procs, logs, tmp, world, timeout, progress, debug)
     finally:
         for p in procs:
-            if p.poll() is None:
+            if p.is_alive():
                 p.kill()
         for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+            p.join(timeout=10)
         if debug:
             print(f"(--debug: rank logs kept in {tmp})", file=sys.stderr)
         else:
@@ -142,7 +146,7 @@ def _watch(procs, logs, tmp, world, timeout, progress, debug) -> LaunchResult:
 
     while True:
         show_progress()
-        codes = [p.poll() for p in procs]
+        codes = [p.exitcode for p in procs]
         if all(c is not None for c in codes):
             break
         now = time.monotonic()
@@ -155,7 +159,7 @@ def _watch(procs, logs, tmp, world, timeout, progress, debug) -> LaunchResult:
             break
         time.sleep(0.1)
     show_progress()
-    codes = [p.poll() for p in procs]
+    codes = [p.exitcode for p in procs]
     running = [r for r, c in enumerate(codes) if c is None]
 
     results = {}

@@ -1,8 +1,9 @@
-"""Entry point of a rank spawned by ``parallm demo`` / ``parallm verify``:
+"""A rank started by ``parallm demo`` / ``parallm verify`` (standalone launch).
 
-    python -m parallm.cli_impl.worker JOB.json RESULT_DIR
-
-RANK / WORLD_SIZE / LOCAL_RANK come from the environment. The rank joins the others through a ``file://``
+The launcher forks ranks from a forkserver that imported torch, megatron-core, parallm and transformers once
+(:mod:`parallm.cli_impl.preload`), so a rank starts in well under a second instead of paying the imports again;
+:func:`run_rank` is the process target. ``python -m parallm.cli_impl.worker JOB.json RESULT_DIR`` runs the same
+code in a fresh interpreter (RANK / WORLD_SIZE / LOCAL_RANK from the environment). The rank joins the others through a ``file://``
 rendezvous in the launcher's temporary directory (no port to find), runs the job, and writes
 ``RESULT_DIR/rank-<r>.json``: ``{"status": "ok", "rows": [...], "info": {...}}`` or ``{"status": "error",
 "type": ..., "message": ..., "traceback": ..., "rows": [rows finished before the error]}``. Rank 0 appends progress
@@ -33,6 +34,16 @@ def write_json(path: str, data: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(data, f, default=str)
     os.replace(tmp, path)
+
+
+def run_rank(rank: int, world: int, job_path: str, result_dir: str, env: dict, log_path: str) -> None:
+    """Process target: set the rank's environment, send its output to ``log_path``, run :func:`main`."""
+    os.environ.update(env)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    main([job_path, result_dir])
 
 
 def main(argv: list[str]) -> int:

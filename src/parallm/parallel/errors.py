@@ -18,18 +18,38 @@ def _error_types():
                                       KeyError, OSError, ParallelError)}
 
 
+def _flag_device():
+    if dist.get_backend() == "nccl":
+        import torch
+        return torch.device("cuda", torch.cuda.current_device())
+    return "cpu"
+
+
 def agree(error: BaseException | None, *, what: str, group=None) -> None:
-    """Collective over ``group`` (default: world). Raises on every member if any member passed an error."""
+    """Collective over ``group`` (default: world). Raises on every member if any member passed an error.
+
+    Costs one one-element all-reduce when nobody failed; the messages are exchanged only on failure. A peer
+    that died (gloo: "Connection closed by peer") turns into a :class:`ParallelError` saying so.
+    """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         if error is not None:
             raise error
         return
-    status = None if error is None else (type(error).__name__, str(error))
-    statuses = [None] * dist.get_world_size(group)
-    dist.all_gather_object(statuses, status, group=group)
+    import torch
+    try:
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=_flag_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if flag.item() == 0:
+            return
+        status = None if error is None else (type(error).__name__, str(error))
+        statuses = [None] * dist.get_world_size(group)
+        dist.all_gather_object(statuses, status, group=group)
+    except Exception as comm_error:  # noqa: BLE001 - a lost peer
+        if error is not None:
+            raise error from comm_error
+        raise ParallelError(f"{what}: lost contact with another rank (did a rank die or get killed?): "
+                            f"{comm_error}") from comm_error
     failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
-    if not failed:
-        return
     if error is not None:
         raise error
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))

@@ -1,0 +1,52 @@
+"""A bad batch on one rank is an error on every rank (no rank is left waiting in the pipeline)."""
+
+import time
+
+import pytest
+import torch
+
+import helpers
+
+
+def rank_bad_batch(rank, world, ckpt, vocab):
+    import parallm
+    parallm.init_parallel(tp=2, pp=2)
+    chunks = parallm.build_model(ckpt)
+    parallm.load_hf_weights(chunks, ckpt)
+    ids, mask = helpers.padded_batch(vocab)
+    out = {}
+    bad = ids.clone()
+    if rank == 3:
+        bad[0, 0] = vocab + 5                                  # out of range on one rank only
+    for name, call in [
+        ("forward", lambda: parallm.forward(chunks, bad, mask)),
+        ("forward_backward", lambda: parallm.forward_backward(chunks, bad, mask, loss_fn=lambda o, i, m: o.sum())),
+        ("microbatches", lambda: parallm.forward_backward(chunks, ids, mask, loss_fn=lambda o, i, m: o.sum(),
+                                                          num_microbatches=3 if rank == 0 else 1)),
+    ]:
+        t = time.monotonic()
+        try:
+            call()
+            out[name] = None
+        except Exception as e:  # noqa: BLE001
+            out[name] = (type(e).__name__, str(e), time.monotonic() - t)
+    # still in step afterwards: a normal forward works everywhere
+    out["after"] = parallm.forward(chunks, ids, mask).shape
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_bad_batch_on_one_rank_fails_everywhere(tmp_path):
+    cfg = helpers.tiny_config("llama", num_hidden_layers=2)
+    model = helpers.make_hf_model(cfg)
+    ckpt = helpers.save_checkpoint(model, str(tmp_path / "m"))
+    res = helpers.run_ranks(rank_bad_batch, 4, ckpt, cfg.vocab_size)
+    for rank, r in enumerate(res):
+        for name, culprit in [("forward", 3), ("forward_backward", 3), ("microbatches", 0)]:
+            assert r[name] is not None, name
+            etype, msg, elapsed = r[name]
+            needle = "num_microbatches=3" if name == "microbatches" else f"[0, {cfg.vocab_size})"
+            assert etype == "ValueError" and needle in msg and elapsed < 60, (name, r[name])
+            if rank != culprit:                                # the others are told who failed
+                assert f"failed on rank {culprit}" in msg, (name, msg)
+        assert r["after"] == (4, 10, cfg.vocab_size)
