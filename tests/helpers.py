@@ -202,3 +202,86 @@ def run_ranks(fn, world: int, *args, timeout: float = SPAWN_TIMEOUT_S):
             missing = sorted(set(range(world)) - set(results))
             raise AssertionError(f"ranks {missing} did not finish within {timeout:.0f}s (hang?)")
         return [results[r] for r in range(world)]
+
+
+def run_ranks_allow_dead(fn, world: int, *args, timeout: float = SPAWN_TIMEOUT_S):
+    """Like :func:`run_ranks`, for tests where a rank is meant to die (``os._exit``): never raises; returns one
+    outcome per rank (list by rank):
+
+    ``("ok", result)``     the rank function returned
+    ``("err", text)``      it raised (traceback text)
+    ``("dead", exitcode)`` the process ended without a result (killed on purpose, crashed, or stopped by the
+                           faulthandler watchdog after ``timeout - 15`` s: its stack dump is on stderr)
+    ``("hang", None)``     still running at ``timeout`` (then killed)
+    """
+    import queue as queue_mod
+    ctx = _context()
+    q = ctx.Queue()
+    outcomes: dict[int, tuple] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        args_file = os.path.join(tmp, "args.pt")
+        torch.save(args, args_file)
+        procs = [ctx.Process(target=_worker, args=(fn, r, world, init_file, q, args_file, timeout), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while len(outcomes) < world and time.monotonic() < deadline:
+            try:
+                rank, status, value = q.get(timeout=0.5)
+                outcomes[rank] = (status, value)
+                continue
+            except queue_mod.Empty:
+                pass
+            if all(not p.is_alive() for p in procs):
+                break
+        # drain what the ranks sent before they ended (a rank may exit before its result is read)
+        while len(outcomes) < world:
+            try:
+                rank, status, value = q.get(timeout=1.0)
+                outcomes[rank] = (status, value)
+            except queue_mod.Empty:
+                break
+        hung = set()
+        for r, p in enumerate(procs):
+            p.join(timeout=10 if r in outcomes else 0.1)
+            if p.is_alive():
+                if r not in outcomes:
+                    hung.add(r)
+                p.kill()
+                p.join(timeout=10)
+        for r, p in enumerate(procs):
+            if r not in outcomes:
+                outcomes[r] = ("hang", None) if r in hung else ("dead", p.exitcode)
+    return [outcomes[r] for r in range(world)]
+
+
+def file_barrier(directory: str, rank: int, ranks, *, deadline: float) -> bool:
+    """Wait (without torch.distributed) until every rank in ``ranks`` has called this with the same directory,
+    or until ``time.monotonic() >= deadline``. Returns whether all arrived.
+
+    Survivors of a killed peer use it to stay alive until every survivor has finished: a survivor that could
+    only end because another one exited (closing its sockets) would otherwise go unnoticed.
+    """
+    open(os.path.join(directory, f"arrived-{rank}"), "w").close()
+    while True:
+        if all(os.path.exists(os.path.join(directory, f"arrived-{r}")) for r in ranks):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def tree_digest(path: str) -> dict[str, str]:
+    """{relative path: sha256} of every file under ``path`` (directories as ``"<dir>"``), to compare trees."""
+    import hashlib
+    out = {}
+    for root, dirs, files in os.walk(path):
+        for d in dirs:
+            out[os.path.relpath(os.path.join(root, d), path)] = "<dir>"
+        for name in files:
+            full = os.path.join(root, name)
+            with open(full, "rb") as f:
+                out[os.path.relpath(full, path)] = hashlib.sha256(f.read()).hexdigest()
+    return out

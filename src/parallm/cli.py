@@ -353,11 +353,21 @@ def _run_standalone(args, job, world: int, *, title: str, header: str | None = N
                    elapsed=time.perf_counter() - t0)
 
 
+def _quiet_library_warnings() -> None:
+    """Warnings megatron-core / torch.distributed print on every call and that say nothing about the check."""
+    import warnings
+    warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    warnings.filterwarnings("ignore", category=FutureWarning, message=".*torch.distributed.*deprecated.*")
+
+
 def _run_torchrun(args, job) -> int:
     """Every rank of torchrun's world runs the job in place; rank 0 prints; all ranks exit with rank 0's code."""
     import torch.distributed as dist
     rank = int(os.environ["RANK"])
     t0 = time.perf_counter()
+    if not args.debug:
+        _quiet_library_warnings()
     progress = _progress(args) if rank == 0 else (lambda msg: None)
     case = job["cases"][0] if job["kind"] == "verify" else None
     header = None

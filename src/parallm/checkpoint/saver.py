@@ -97,8 +97,9 @@ def gather_stage_tensors(chunks, layout: Layout, dtype=None, *, spread: bool = F
     return out
 
 
-def _collect_on_rank0(local: dict[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
-    """Stage writers (tp 0, dp 0 of each stage) hand their tensors to global rank 0 over rank 0's pp group."""
+def _collect_on_rank0(local: dict[str, torch.Tensor], layout: Layout, device) -> dict[str, torch.Tensor]:
+    """Stage writers (tp 0, dp 0 of each stage) hand their tensors to global rank 0 over rank 0's pp group.
+    ``device``: where tensors travel (the params' device: NCCL cannot send CPU tensors)."""
     if layout.pp == 1 or layout.tp_rank != 0 or layout.dp_rank != 0:
         return local if layout.rank == 0 else {}
     group = layout.pp_group
@@ -110,14 +111,14 @@ def _collect_on_rank0(local: dict[str, torch.Tensor], layout: Layout) -> dict[st
     dist.gather_object(meta, metas, dst=0, group=group)
     if layout.rank != 0:
         for name, _, _ in meta:
-            dist.send(local[name], dst=0)
+            dist.send(local[name].to(device), dst=0)
         return {}
     result = dict(local)
     for src, stage_meta in zip(ranks[1:], metas[1:]):
         for name, shape, dt in stage_meta:
-            buf = torch.empty(shape, dtype=dt)
+            buf = torch.empty(shape, dtype=dt, device=device)
             dist.recv(buf, src=src)
-            result[name] = buf
+            result[name] = buf.cpu()
     return result
 
 
@@ -140,7 +141,7 @@ def save_hf_weights(chunks, out_dir=None, *, dtype: torch.dtype | None = None, o
     layout = Layout()
     if out_dir is None:
         local = gather_stage_tensors(chunks, layout, dtype, progress=progress)
-        state = _collect_on_rank0(local, layout)
+        state = _collect_on_rank0(local, layout, next(chunks[0].parameters()).device)
         if layout.rank != 0:
             return {}
         _, everything = model_entries(chunks, layout)

@@ -175,13 +175,15 @@ def render(report: dict) -> str:
             f" x dp {lay['dp']} = {lay['world']} rank(s)"
         lines.append("")
         lines.append(f"parameter memory per rank, {head}:")
+        same = report["dtype"] == "float32"
         rows = []
-        for s in lay["stages"]:
-            rows.append([str(s["pp_rank"]), s["layers"], fmt_count(s["params"]),
-                         fmt_bytes(s["params"] * b), fmt_bytes(s["params"] * 4),
-                         fmt_bytes(s["params"] * (4 + 4 + 8))])
-        lines.append(render_table(["pp rank", "layers", "params", f"{report['dtype']}", "float32",
-                                   "fp32 + grads + Adam"], rows, right={2, 3, 4, 5}))
+        for st in lay["stages"]:
+            n = st["params"]
+            rows.append([str(st["pp_rank"]), st["layers"], fmt_count(n)]
+                        + ([] if same else [fmt_bytes(n * b)]) + [fmt_bytes(n * 4), fmt_bytes(n * (4 + 4 + 8))])
+        headers = ["pp rank", "layers", "params"] + ([] if same else [f"as {report['dtype']}"]) + [
+            "as float32", "fp32 + grads + Adam"]
+        lines.append(render_table(headers, rows, right=set(range(2, len(headers)))))
         lines.append("(every TP rank of a stage holds the same; data-parallel replicas hold a full copy each. "
                      "Training adds 4 B/param fp32 gradients and 8 B/param Adam moments (last column), plus an "
                      "fp32 master copy (4 B/param) when training in bf16, plus activations.)")

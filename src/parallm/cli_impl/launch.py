@@ -176,20 +176,20 @@ def _watch(procs, logs, tmp, world, timeout, progress, debug) -> LaunchResult:
         return LaunchResult(ok=True, rows=rows, info=info)
 
     errors = {r: res for r, res in results.items() if res.get("status") == "error"}
-    if errors:
+    causes = {r: e for r, e in errors.items() if not _is_connection_error(e["message"])}
+    dead = [r for r, c in enumerate(codes) if c not in (None, 0) and r not in results]
+    if causes or errors and not dead and not timed_out:
         # The root cause: an error that is not a lost connection; rank 0's first (agreed errors name the culprit).
-        r = min(errors, key=lambda r: (_is_connection_error(errors[r]["message"]), r != 0,
-                                       errors[r].get("time", 0)))
-        e = errors[r]
+        pool = causes or errors
+        r = min(pool, key=lambda r: (r != 0, pool[r].get("time", 0)))
+        e = pool[r]
         where = "" if r == 0 else f"rank {r}: "
         message = one_line(e["message"]) or e["type"]
         if e["type"] not in AGREED_TYPES:
             message = f"{e['type']}: {message}"
-        detail = e.get("traceback")
         if timed_out:
             message += f" (and rank(s) {running} were still running after {timeout:.0f} s)"
-        return LaunchResult(ok=False, rows=rows, info=info, error=where + message, detail=detail)
-    dead = [r for r, c in enumerate(codes) if c not in (None, 0) and r not in results]
+        return LaunchResult(ok=False, rows=rows, info=info, error=where + message, detail=e.get("traceback"))
     if dead:
         r = dead[0]
         return LaunchResult(ok=False, rows=rows, info=info,

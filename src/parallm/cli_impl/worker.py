@@ -29,6 +29,20 @@ def _die_with_parent() -> None:
         pass
 
 
+def _test_fault(rank: int) -> None:
+    """Test hook: PARALLM_CLI_FAULT=die:R / hang:R makes rank R exit abruptly / never finish (tests/test_cli.py
+    checks that the launcher reports it and never waits forever)."""
+    fault = os.environ.get("PARALLM_CLI_FAULT", "")
+    kind, _, target = fault.partition(":")
+    if not fault or target != str(rank):
+        return
+    if kind == "die":
+        os._exit(3)
+    if kind == "hang":
+        while True:
+            time.sleep(3600)
+
+
 def write_json(path: str, data: dict) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
@@ -76,6 +90,7 @@ def main(argv: list[str]) -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         dist.init_process_group(backend, init_method=f"file://{job['rendezvous']}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=job["timeout"]))
+        _test_fault(rank)
         info = run_job(job, rows, progress)
         write_json(result_path, {"status": "ok", "rows": rows, "info": info})
         import parallm
