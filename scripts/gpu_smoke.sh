@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# GPU smoke: parity on CUDA + NCCL, bf16 sanity, CUDA attention path. Uses every visible GPU (1, 2 or 4).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+N=$("$PY" -c "import torch; n=torch.cuda.device_count(); print(4 if n>=4 else (2 if n>=2 else 1))")
+exec "$PY" -m torch.distributed.run --standalone --nproc-per-node "$N" scripts/gpu_smoke.py
