@@ -139,6 +139,8 @@ def _worker(fn, rank, world, init_file, queue, args_file, timeout):
         try:
             import parallm
             parallm.destroy_parallel()
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
 

@@ -49,7 +49,7 @@ def rank_verl(rank, world, ckpt, ref_logits, ref_sd, ids, mask):
         full = torch.cat(parts, -1)
         # vocab 99 over tp 2 is padded to 100: the padded column must get probability exactly 0
         assert full.shape[-1] == 100
-        pad_prob = full.softmax(-1)[..., config.vocab_size:].abs().max().item()  # padded rows too
+        pad_prob = full.softmax(-1)[mask.bool()][..., config.vocab_size:].abs().max().item()
         assert pad_prob == 0.0, (pad_prob, full[..., config.vocab_size:].flatten()[:5])
         results["pp_logits"] = helpers.max_diff_real(full[..., :config.vocab_size], ref_logits, mask)
     merged = verl.get_weight_saver("Qwen2ForCausalLM")([model], config, torch.float32)

@@ -247,7 +247,9 @@ def _broadcast_load(mine, everything, get, layout: Layout, spec, padded_vocab: i
             dist.recv(buf, src=0)
             if buf is not param.data:
                 param.data.copy_(buf)
-        agree(error, what="load_hf_weights")
+        agree(None, what="load_hf_weights")  # raises rank 0's own error (with its message) when it failed
+        if error is not None:
+            raise error
         return
     wire_dtype = mine[0][1].config.params_dtype
     local = {i: (e, c) for i, e, c in wanted}

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from .common import UsageError, one_line
 
-GRACE_S = 10.0          # after the first rank fails, how long the others get to write their own report
+GRACE_S = 5.0           # after the first rank fails, how long the others get to write their own report
 AGREED_TYPES = ("CheckpointError", "ValueError", "FileNotFoundError", "ParallelError", "CLIError", "UsageError")
 
 
@@ -178,11 +178,10 @@ def _watch(procs, logs, tmp, world, timeout, progress, debug) -> LaunchResult:
     errors = {r: res for r, res in results.items() if res.get("status") == "error"}
     causes = {r: e for r, e in errors.items() if not _is_connection_error(e["message"])}
     dead = [r for r, c in enumerate(codes) if c not in (None, 0) and r not in results]
-    if causes or errors and not dead and not timed_out:
+    if causes:
         # The root cause: an error that is not a lost connection; rank 0's first (agreed errors name the culprit).
-        pool = causes or errors
-        r = min(pool, key=lambda r: (r != 0, pool[r].get("time", 0)))
-        e = pool[r]
+        r = min(causes, key=lambda r: (r != 0, causes[r].get("time", 0)))
+        e = causes[r]
         where = "" if r == 0 else f"rank {r}: "
         message = one_line(e["message"]) or e["type"]
         if e["type"] not in AGREED_TYPES:
@@ -194,11 +193,19 @@ def _watch(procs, logs, tmp, world, timeout, progress, debug) -> LaunchResult:
         r = dead[0]
         return LaunchResult(ok=False, rows=rows, info=info,
                             error=f"rank {r} died (exit code {codes[r]}{_signal_name(codes[r])}) without a report",
-                            detail=f"last lines of rank {r}'s log:\n{_tail(logs[r])}")
-    if timed_out:
+                            detail=(f"last lines of rank {r}'s log:\n{_tail(logs[r])}" if _tail(logs[r]) else None))
+    if running:
         tails = "\n".join(f"rank {r}:\n{_tail(logs[r], 8)}" for r in running[:2])
-        return LaunchResult(ok=False, rows=rows, info=info,
-                            error=f"timed out after {timeout:.0f} s: rank(s) {running} did not finish (a hang, or "
-                                  "a checkpoint too big for the time: raise --timeout)",
-                            detail=tails if debug else None)
+        if timed_out:
+            error = (f"timed out after {timeout:.0f} s: rank(s) {running} did not finish (a hang, or a checkpoint "
+                     "too big for the time: raise --timeout)")
+        else:
+            error = (f"rank(s) {running} hung: the other ranks timed out after {timeout:.0f} s waiting for them "
+                     "(raise --timeout if they were only slow)")
+        return LaunchResult(ok=False, rows=rows, info=info, error=error, detail=tails if debug else None)
+    if errors:
+        r = min(errors, key=lambda r: (r != 0, errors[r].get("time", 0)))
+        e = errors[r]
+        return LaunchResult(ok=False, rows=rows, info=info, detail=e.get("traceback"),
+                            error=("" if r == 0 else f"rank {r}: ") + f"{e['type']}: {one_line(e['message'])}")
     return LaunchResult(ok=False, rows=rows, info=info, error=f"the ranks exited with codes {codes}")

@@ -15,7 +15,8 @@ Class families (``{F}`` = ``Llama`` or ``Qwen2``)::
     Parallel{F}ForCausalLMRmPadPP    (config, megatron_config, pre_process, post_process,
                                       share_embeddings_and_output_weights=False)
                                      -> last stage: .logits vocab-parallel [B, S, Vpad/tp]; other stages: the
-                                        hidden states [S, B, H] for Megatron's schedule to send
+                                        packed hidden states [T, 1, H] ([T/tp, 1, H] under sequence
+                                        parallelism) for the caller's schedule to send
     Parallel{F}ForValueRmPadPP       (same)  -> last stage: .logits [B, S]
 
 Differences from verl, on purpose:
@@ -24,7 +25,8 @@ Differences from verl, on purpose:
   PP classes trained a random head copy (trap 1). Passing ``share_embeddings_and_output_weights=True`` for an
   untied config is an error.
 * Vocab-parallel logits of the PP classes carry the vocabulary padding (when ``V % tp != 0``) as columns filled
-  with the dtype's lowest value, so a softmax / cross entropy gives them probability exactly 0.
+  with the dtype's lowest value at real positions, so a softmax / cross entropy gives them probability exactly 0
+  (padded positions are all zeros; mask them as usual).
 * RmPad classes run packed (remove-padding, varlen attention, sequence parallel when megatron_config says so)
   and return zeros at padded positions (verl's pad_input convention).
 """
@@ -95,27 +97,15 @@ class _VerlBase(DecoderChunk):
             position_ids = default_position_ids(attention_mask)
         out = self.compute(input_ids, position_ids, attention_mask)
         if not self.post_process:
-            return out  # hidden states [S, B, H] for the next stage
+            return out  # packed hidden states [T, 1, H] ([T/tp, 1, H] with SP) for the next stage
         if self._task == "hidden":
             return BaseModelOutputWithPast(last_hidden_state=out.transpose(0, 1))
         if self._task == "value":
             return CausalLMOutputWithPast(logits=out.transpose(0, 1).float())
         logits = out.transpose(0, 1).float()  # [B, S, Vpad/tp]; RmPad: zeros at padded positions
-        if self._pipeline:
-            logits = self._mask_vocab_padding(logits)
-        else:
+        if not self._pipeline:
             logits = gather_last_dim(logits, Layout().tp_group)[..., :self.spec.vocab_size]
         return CausalLMOutputWithPast(logits=logits)
-
-    def _mask_vocab_padding(self, logits):
-        layout = Layout()
-        per = self.padded_vocab_size // layout.tp
-        start = layout.tp_rank * per
-        real = max(0, min(per, self.spec.vocab_size - start))
-        if real == per:
-            return logits
-        keep = torch.arange(per, device=logits.device) < real
-        return logits.masked_fill(~keep, torch.finfo(logits.dtype).min)
 
 
 def _make(name, task, pipeline, rmpad):

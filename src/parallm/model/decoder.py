@@ -157,6 +157,13 @@ class DecoderChunk(nn.Module):
         self.padded_vocab_size = padded_vocab_size(spec.vocab_size, tp, vocab_multiple)
         self.share_embeddings_and_output_weights = spec.tie_word_embeddings and task == "causal_lm"
         self.input_tensor = None
+        # What Megatron's schedules read from a model: its type and a few TransformerConfig fields.
+        from megatron.core.enums import ModelType
+        self.model_type = ModelType.encoder_or_decoder
+        for name, value in (("hidden_size", spec.hidden_size), ("calculate_per_token_loss", False),
+                            ("fine_grained_activation_offloading", False)):
+            if not hasattr(config, name):
+                setattr(config, name, value)
         if pre_process:
             self.embedding = mtp.VocabParallelEmbedding(
                 self.padded_vocab_size, spec.hidden_size, init_method=_no_init, config=config,
@@ -176,6 +183,11 @@ class DecoderChunk(nn.Module):
                 if self.share_embeddings_and_output_weights and not pre_process:
                     self.output_layer.weight.shared_embedding = True
                     self.output_layer.weight.shared = True
+                # Vocab padding columns of this rank's logits (None: no padding here). They are filled with the
+                # dtype's lowest value, so a softmax / vocab-parallel cross entropy gives them probability 0.
+                per = self.padded_vocab_size // tp
+                real = max(0, min(per, spec.vocab_size - parallel_state.get_tensor_model_parallel_rank() * per))
+                self.real_vocab_columns = real if real < per else None
             else:
                 self.score = nn.Linear(spec.hidden_size, 1, bias=False, dtype=config.params_dtype, device=device)
         if self.sequence_parallel:
@@ -232,6 +244,9 @@ class DecoderChunk(nn.Module):
             weight = self.embedding.weight if (self.share_embeddings_and_output_weights and self.pre_process) \
                 else None
             out, _ = self.output_layer(x, weight=weight)  # sequence parallel: input all-gathered inside
+            if self.real_vocab_columns is not None:
+                pad = torch.arange(out.shape[-1], device=out.device) >= self.real_vocab_columns
+                out = out.masked_fill(pad, torch.finfo(out.dtype).min)
         else:
             out = self.score(x).squeeze(-1) if self.task == "value" else x
             if self.sequence_parallel:

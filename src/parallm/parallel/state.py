@@ -58,6 +58,7 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, backend: 
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+        _OWN["process_group"] = True
     world = dist.get_world_size()
     if world % (tp * pp) != 0:
         raise ValueError(f"world size {world} is not tp*pp*dp: tp={tp} x pp={pp} = {tp * pp} does not divide {world}")
@@ -79,12 +80,13 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, backend: 
 
 
 def destroy_parallel() -> None:
-    """Destroy Megatron's groups and the default process group (if parallm or anyone created it)."""
+    """Destroy Megatron's model-parallel groups, and the default process group if init_parallel created it (a
+    process group the caller created stays theirs to destroy)."""
     ps = _import_parallel_state()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     _GROUP_CACHE.clear()
-    if dist.is_initialized():
+    if _OWN.pop("process_group", False) and dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -117,6 +119,7 @@ class Layout:
 
 
 _GROUP_CACHE: dict = {}
+_OWN: dict = {}   # what parallm created (so destroy_parallel leaves the caller's process group alone)
 
 
 def kv_replica_group(num_kv_heads: int):
