@@ -14,18 +14,31 @@ Public API (a contract, see docs/api.md)::
     parallm.finalize_grads(chunks)
 """
 
-from . import families as _families  # noqa: F401  (registers the model families)
-from .api import build_model, default_position_ids, forward, forward_backward
-from .checkpoint.loader import load_hf_weights
-from .checkpoint.saver import export_hf_tensors, save_hf_weights
+import importlib
+
 from .errors import CheckpointError, ParallelError
-from .parallel.grads import finalize_grads
-from .parallel.state import destroy_parallel, init_parallel
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CheckpointError", "ParallelError", "build_model", "default_position_ids", "destroy_parallel",
-    "export_hf_tensors",
-    "finalize_grads", "forward", "forward_backward", "init_parallel", "load_hf_weights", "save_hf_weights",
-]
+# Imported on first use, so `import parallm` (and `parallm --help`) does not pay for torch / megatron-core.
+_LAZY = {
+    "build_model": "api", "default_position_ids": "api", "forward": "api", "forward_backward": "api",
+    "load_hf_weights": "checkpoint.loader", "save_hf_weights": "checkpoint.saver",
+    "export_hf_tensors": "checkpoint.saver", "finalize_grads": "parallel.grads",
+    "init_parallel": "parallel.state", "destroy_parallel": "parallel.state",
+}
+
+__all__ = ["CheckpointError", "ParallelError", *sorted(_LAZY)]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        importlib.import_module(f"{__name__}.families")  # registers the model families
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "transformers. A broken checkpoint (missing tensor, wrong shape, a layout that does not "
                     "split) is reported in one line naming the problem. bf16 / fp16 checkpoints are loaded "
                     "into an fp32 model: the check is about the weight mapping. Memory: rank 0 also holds the "
-                    "transformers model in fp32 with its gradients (about 3x the fp32 model size)."),
+                    "transformers model in fp32 with its gradients and a gathered copy of the weights (about 4x "
+                    "the fp32 model size)."),
         epilog=LAUNCH_EPILOG)
     verify.add_argument("checkpoint", metavar="CHECKPOINT", help="Hugging Face checkpoint directory")
     verify.add_argument("--tp", type=_positive, default=1,
@@ -147,9 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--vpp", type=_positive, default=None,
                         help="virtual stages per pipeline rank (Megatron's interleaving; needs --pp > 1 and "
                              "layers divisible by pp x vpp)")
-    verify.add_argument("--dp", type=_positive, default=1,
-                        help="data-parallel replicas: each gets its share of the batch, gradients are averaged "
-                             "(default 1; standalone world = tp x pp x dp)")
+    verify.add_argument("--dp", type=_positive, default=None,
+                        help="data-parallel replicas: each gets its share of the batch, gradients are averaged. "
+                             "Standalone: world = tp x pp x dp (default dp 1); under torchrun: default world / "
+                             "(tp x pp), and a given --dp must match")
     verify.add_argument("--packed", action="store_true",
                         help="remove padding: run the real tokens as one stream (varlen attention)")
     verify.add_argument("--sequence-parallel", action="store_true",
@@ -260,7 +262,7 @@ def cmd_verify(args) -> int:
         from .cli_impl.preflight import preflight
         info = preflight(case["ckpt"], tp=case["tp"], pp=case["pp"], vpp=case["vpp"], task=case["task"])
         header = (f"{info['architecture']} ({'/'.join(info['dtypes'])}, loaded in float32), task {info['task']}")
-    world = case["tp"] * case["pp"] * case["dp"]
+    world = case["tp"] * case["pp"] * (case["dp"] or 1)
     return _run_standalone(args, job, world, title=f"parallm verify {case['ckpt']}", header=header)
 
 
@@ -312,8 +314,8 @@ def _report(args, rows: list[dict], *, error: str | None, info: dict, title: str
         print(f"skipped: {s}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(rows=rows, error=error, info=info, ok=error is None and all(r["ok"] for r in rows)),
-                      f, indent=2, default=str)
+            ok = error is None and bool(rows) and all(r["ok"] for r in rows)
+            json.dump(dict(rows=rows, error=error, info=info, ok=ok), f, indent=2, default=str)
     failed = [r for r in rows if not r.get("ok")]
     if error:
         err(error)
@@ -371,10 +373,11 @@ def _run_torchrun(args, job) -> int:
     progress = _progress(args) if rank == 0 else (lambda msg: None)
     case = job["cases"][0] if job["kind"] == "verify" else None
     header = None
-    if case is not None and not args.no_preflight and os.path.isdir(case["ckpt"]):
+    if case is not None and not args.no_preflight and rank == 0:
+        # Rank 0 alone: its error ends the run (torchrun stops the others); the loader checks on every rank.
         from .cli_impl.preflight import preflight
-        info = preflight(case["ckpt"], tp=case["tp"], pp=case["pp"], vpp=case["vpp"], task=case["task"])
-        header = f"{info['architecture']} ({'/'.join(info['dtypes'])}, loaded in float32), task {info['task']}"
+        pre = preflight(case["ckpt"], tp=case["tp"], pp=case["pp"], vpp=case["vpp"], task=case["task"])
+        header = f"{pre['architecture']} ({'/'.join(pre['dtypes'])}, loaded in float32), task {pre['task']}"
     if args.device != "auto":
         job["backend"] = "nccl" if args.device == "cuda" else "gloo"
     from .cli_impl.job import run_job
@@ -400,6 +403,8 @@ def _run_torchrun(args, job) -> int:
         title = f"parallm {job['kind']}" + (f" {case['ckpt']}" if case else "")
         code = _report(args, rows, error=error, info=info, title=title + " (torchrun)", header=header,
                        elapsed=time.perf_counter() - t0)
+        if info.get("temporary") and job.get("keep"):
+            print(f"(kept {info['workdir']})", file=sys.stderr)
     if error is None:
         import parallm
         parallm.destroy_parallel()

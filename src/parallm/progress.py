@@ -13,7 +13,12 @@ def bar(iterable=None, *, total=None, desc: str, rank: int, progress: bool | Non
     if rank != 0 or progress is False or (progress is None and
                                           os.environ.get("PARALLM_PROGRESS", "1").lower() in ("0", "false", "no")):
         return _Silent(iterable)
+    import threading
+
     from tqdm.auto import tqdm
+    # tqdm's default lock is a multiprocessing semaphore, which warns ("leaked semaphore") when a rank exits
+    # abruptly; bars are drawn by rank 0 only, so a thread lock is enough.
+    tqdm.set_lock(threading.RLock())
     return tqdm(iterable, total=total, desc=desc, unit=unit, leave=False,
                 disable=None if progress is None else False)
 

@@ -3,7 +3,8 @@
 Modules:
     common     errors, number formatting, the results table (no torch)
     launch     standalone launching (spawns local ranks) and torchrun detection
-    worker     the entry point of a spawned rank (``python -m parallm.cli_impl.worker JOB RESULTS``)
+    worker     a spawned rank: process target (forked from a forkserver) or ``python -m parallm.cli_impl.worker``
+    preload    what that forkserver imports once (torch, megatron-core, parallm, transformers)
     job        what every rank runs: a list of layout checks, sharing one process group
     checks     one layout check: load, compare with transformers, one SGD step, save, reload
     demo       the tiny demo checkpoints and the demo's layouts

@@ -214,7 +214,7 @@ def layout_name(case: dict) -> str:
         parts.append(f"pp{case['pp']}")
     if (case.get("vpp") or 1) > 1:
         parts.append(f"vpp{case['vpp']}")
-    if case.get("dp", 1) > 1:
+    if (case.get("dp") or 1) > 1:
         parts.append(f"dp{case['dp']}")
     if case.get("sp"):
         parts.append("packed+SP")

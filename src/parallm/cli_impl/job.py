@@ -54,10 +54,12 @@ def run_job(job: dict, rows: list, progress) -> dict:
             cases = job["cases"]
             for case in cases:
                 need = case["tp"] * case["pp"] * (case.get("dp") or 1)
-                if case.get("dp") and world != need or world % need:
-                    raise ValueError(f"the world has {world} rank(s); tp={case['tp']} x pp={case['pp']}"
-                                     + (f" x dp={case['dp']} = {need}" if case.get("dp") else
-                                        f" = {need} does not divide it"))
+                if case.get("dp") and world != need:
+                    raise ValueError(f"the world has {world} rank(s), not tp={case['tp']} x pp={case['pp']} x "
+                                     f"dp={case['dp']} = {need}")
+                if world % need:
+                    raise ValueError(f"the world has {world} rank(s): tp={case['tp']} x pp={case['pp']} = {need} "
+                                     "does not divide it")
             progress(f"{world} ranks up ({dist.get_backend()})")
         for case in cases:
             if not case.get("save_dir"):

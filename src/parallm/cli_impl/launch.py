@@ -2,10 +2,10 @@
 
 Standalone: ``world`` processes forked from a forkserver that imported torch, megatron-core, parallm and
 transformers once (:mod:`parallm.cli_impl.preload`; a rank starts in well under a second), each with RANK /
-WORLD_SIZE / LOCAL_RANK, one thread (OMP_NUM_THREADS=1), a ``file://`` rendezvous in a fresh temporary directory (no port to pick, no
-race for it), gloo on CPU (GPUs hidden from the ranks) or nccl when there is a GPU per rank. The launcher polls
-them: a rank that exits with an error or dies ends the run after a short grace period (the others get to report
-the same error); past ``timeout`` every rank is killed. It never waits forever.
+WORLD_SIZE / LOCAL_RANK, one thread (OMP_NUM_THREADS=1), a ``file://`` rendezvous in a fresh temporary
+directory (no port to pick, no race for it), gloo on CPU (GPUs hidden from the ranks) or nccl when there is a
+GPU per rank. The launcher polls them: a rank that exits with an error or dies ends the run after a short grace
+period (the others get to report the same error); past ``timeout`` every rank is killed. It never waits forever.
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ def spawn(job: dict, world: int, *, timeout: float, progress, debug: bool = Fals
     if job.get("backend") != "nccl":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""   # CPU ranks: keep the CUDA code paths out entirely
     ctx = _context()
+    start = time.monotonic()
     procs, logs = [], []
     try:
         for r in range(world):
@@ -110,7 +111,7 @@ def spawn(job: dict, world: int, *, timeout: float, progress, debug: bool = Fals
             p = ctx.Process(target=run_rank, args=(r, world, job_path, tmp, env, logs[-1]), daemon=True)
             p.start()
             procs.append(p)
-        return _watch(procs, logs, tmp, world, timeout, progress, debug)
+        return _watch(procs, logs, tmp, world, timeout, progress, debug, start)
     finally:
         for p in procs:
             if p.is_alive():
@@ -124,8 +125,7 @@ def spawn(job: dict, world: int, *, timeout: float, progress, debug: bool = Fals
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _watch(procs, logs, tmp, world, timeout, progress, debug) -> LaunchResult:
-    start = time.monotonic()
+def _watch(procs, logs, tmp, world, timeout, progress, debug, start) -> LaunchResult:
     deadline = start + timeout
     progress_path = os.path.join(tmp, "progress.txt")
     shown = 0

@@ -3,8 +3,8 @@
 The launcher forks ranks from a forkserver that imported torch, megatron-core, parallm and transformers once
 (:mod:`parallm.cli_impl.preload`), so a rank starts in well under a second instead of paying the imports again;
 :func:`run_rank` is the process target. ``python -m parallm.cli_impl.worker JOB.json RESULT_DIR`` runs the same
-code in a fresh interpreter (RANK / WORLD_SIZE / LOCAL_RANK from the environment). The rank joins the others through a ``file://``
-rendezvous in the launcher's temporary directory (no port to find), runs the job, and writes
+code in a fresh interpreter (RANK / WORLD_SIZE / LOCAL_RANK from the environment). The rank joins the others
+through a ``file://`` rendezvous in the launcher's temporary directory (no port to find), runs the job, and writes
 ``RESULT_DIR/rank-<r>.json``: ``{"status": "ok", "rows": [...], "info": {...}}`` or ``{"status": "error",
 "type": ..., "message": ..., "traceback": ..., "rows": [rows finished before the error]}``. Rank 0 appends progress
 lines to ``RESULT_DIR/progress.txt``, which the launcher prints as they come.

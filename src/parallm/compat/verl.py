@@ -83,7 +83,7 @@ class _VerlBase(DecoderChunk):
         if share_embeddings_and_output_weights is False and spec.tie_word_embeddings and self._task == "causal_lm":
             warnings.warn("config.tie_word_embeddings=True: parallm ties the output layer to the embedding "
                           "(share_embeddings_and_output_weights=False is ignored)", stacklevel=2)
-        if mp_config.sequence_parallel:
+        if mp_config.sequence_parallel and mp_config.use_cpu_initialization:
             enable_megatron_sequence_parallel_on_cpu()
         super().__init__(spec, mp_config, task=self._task, packed=self._rmpad, **kw)
         self.hf_config = config

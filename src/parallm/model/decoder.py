@@ -290,7 +290,7 @@ def build_chunks(spec: DecoderSpec, *, task: str = "causal_lm", dtype=torch.floa
     layer_numbers(spec.num_layers, pp, vpp, 0, 0)  # raises with the numbers if the split is uneven
     config = make_config(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, dtype=dtype,
                          sequence_parallel=sequence_parallel)
-    if config.sequence_parallel:
+    if config.sequence_parallel and config.use_cpu_initialization:
         enable_megatron_sequence_parallel_on_cpu()
     chunks = []
     for v in range(vpp):

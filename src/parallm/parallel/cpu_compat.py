@@ -2,10 +2,11 @@
 
 megatron-core allocates the buffers of its sequence-parallel all-gather / reduce-scatter (mappings.py,
 layers.py, utils.GlobalMemoryBuffer) with ``device=torch.cuda.current_device()``. On a CPU-only build that call
-raises "Torch not compiled with CUDA enabled". When (and only when) CUDA is unavailable, parallm makes
-``torch.cuda.current_device()`` answer ``"cpu"``, so those buffers are CPU tensors and the collectives run on
-gloo (all_gather_into_tensor / reduce_scatter_tensor, both supported by gloo in torch >= 2.x). With CUDA
-available nothing is changed.
+raises "Torch not compiled with CUDA enabled" (and with a GPU present but the model on CPU under gloo, the buffers
+would land on the GPU). When a sequence-parallel model is built with its parameters on the CPU, parallm makes
+``torch.cuda.current_device()`` answer ``"cpu"`` for the rest of the process, so those buffers are CPU tensors and
+the collectives run on gloo (all_gather_into_tensor / reduce_scatter_tensor). A model built on GPU (NCCL) changes
+nothing.
 """
 
 from __future__ import annotations
@@ -18,9 +19,7 @@ def _cpu_current_device():
 
 
 def enable_megatron_sequence_parallel_on_cpu() -> bool:
-    """Install the accommodation if needed; returns True when it is active."""
-    if torch.cuda.is_available():
-        return False
+    """Install the accommodation (idempotent); returns True."""
     if torch.cuda.current_device is not _cpu_current_device:
         torch.cuda.current_device = _cpu_current_device
     return True
