@@ -5,8 +5,9 @@ collective), (b) name the culprit in its message, and (c) end within ``BOUND_S``
 inside the ranks). Four kinds of checks, each in as few spawns as possible (starting ranks costs seconds):
 
 * the catalog: bad inputs through the public API (one 4-rank spawn, every case timed on every rank);
-* the fuzz: safetensors files with corrupted headers (bit flips, truncations, absurd header lengths), loaded in
-  slice and broadcast mode, all seeds in one 2-rank spawn; never a hang, a crash or a rank out of step;
+* the fuzz: safetensors files with corrupted headers (byte changes, truncations, absurd header lengths, a
+  dtype the layout allows), loaded in slice and broadcast mode, all seeds in one 2-rank spawn; never a hang, a
+  crash or a rank out of step;
 * a rank killed (``os._exit``) in the middle of ``save_hf_weights(..., overwrite=True)``: the old checkpoint
   stays byte-identical and the survivors raise within the bound;
 * a rank killed in the middle of ``load_hf_weights`` (broadcast: a receiver and the reader; slice): the survivors
@@ -457,10 +458,11 @@ def test_fuzz_corrupt_header(fuzz, mode):
     cases, results = fuzz
     valid = results[0]["valid"]
     failures = []
-    for name, _ in cases:
+    for name, path in cases:
         outcomes = [res["loads"][(name, mode)] for res in results]
-        print(f"{name} [{mode}] valid={valid[name]}: " + " | ".join(
-            f"rank {r} {el:.2f}s {err}" for r, (err, el) in enumerate(outcomes)))
+        print(f"{name} [{mode}] valid={valid[name]}: " + " | ".join(  # the catalog of messages (pytest -s)
+            f"rank {r} {el:.2f}s {str(err).replace(os.path.dirname(path) + os.sep, '')}"
+            for r, (err, el) in enumerate(outcomes)))
         slow = [f"rank {r}: {el:.1f}s" for r, (_, el) in enumerate(outcomes) if el >= BOUND_S]
         if slow:
             failures.append(f"{name}: too slow: {slow}")

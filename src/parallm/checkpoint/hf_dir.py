@@ -28,6 +28,11 @@ class SliceSource(Source):
         self._slice = handle.get_slice(name)
         self.name = name
         self.shape = tuple(self._slice.get_shape())
+        self.dtype_code = self._slice.get_dtype()          # safetensors' code: "F32", "BF16", "I32", ...
+
+    @property
+    def is_floating(self) -> bool:
+        return self.dtype_code.startswith(("F", "BF"))
 
     def read(self, dim, start, stop):
         index = tuple([slice(None)] * dim + [slice(start, stop)])
@@ -156,6 +161,14 @@ def check_keys_and_shapes(present: dict[str, tuple[int, ...]], expected: dict[st
         msgs.append("wrong shape: " + "; ".join(bad[:10]))
     if msgs:
         raise CheckpointError(f"{where}: " + " | ".join(msgs))
+
+
+def check_floating(names, is_floating, *, where: str) -> None:
+    """Every weight the model reads must be a floating-point tensor (an integer header is not weights)."""
+    bad = sorted(n for n in names if not is_floating(n))
+    if bad:
+        raise CheckpointError(f"{where}: tensor(s) with a non-floating-point dtype where weights are expected: "
+                              f"{', '.join(bad[:10])}")
 
 
 def tensor_shapes(state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ParallelError
 from ..families import family_of
-from ..parallel.errors import agree, run_local
-from ..progress import bar
+from ..parallel.errors import run_local
 from ..parallel.state import Layout, require_initialized
-from .hf_dir import HFCheckpoint, check_keys_and_shapes, tensor_shapes
+from ..progress import bar
+from .hf_dir import HFCheckpoint, check_floating, check_keys_and_shapes, tensor_shapes
 from .table import Entry, all_entries, chunk_entries, expected_hf_shapes
 from .transforms import TensorSource, make_shard
 
@@ -126,9 +126,13 @@ def _choose_mode(mode: str, kinds: list[tuple[str, str]]) -> str:
 
 
 def _fit_dtype(shard: torch.Tensor, dtype: torch.dtype, names) -> torch.Tensor:
-    """Cast to the model dtype; values the dtype cannot hold (e.g. > 65504 into float16) are an error."""
+    """Cast to the model dtype; values the dtype cannot hold (e.g. > 65504 into float16) are an error, and so
+    is an integer / bool checkpoint tensor for a floating-point parameter (its bits are not weights)."""
     if shard.dtype == dtype:
         return shard
+    if dtype.is_floating_point and not shard.dtype.is_floating_point:
+        raise CheckpointError(f"{', '.join(names)}: checkpoint dtype {shard.dtype} is not a floating-point type "
+                              f"(the model parameter is {dtype})")
     cast = shard.to(dtype)
     if cast.is_floating_point() and not torch.isfinite(cast).all() and torch.isfinite(shard).all():
         biggest = shard.abs().max().item()
@@ -192,6 +196,7 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
         seen = {**present, **{k: present[v] for k, v in aliases.items()}}
         want = {k: v for k, v in expected.items() if k not in init}
         check_keys_and_shapes(seen, want, strict=strict, ignorable=ignorable_names(spec, task), where=where)
+        check_floating([aliases.get(k, k) for k in want], lambda n: get(n).is_floating, where=where)
         return (lambda name: get(aliases.get(name, name))), (aliases, init)
 
     get, plan = run_local(open_and_check, what="load_hf_weights")
@@ -223,11 +228,36 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
                       initialised=tuple(init))
 
 
+def _send_failure(error: BaseException, ranks, device) -> None:
+    """Tell each waiting rank that rank 0 failed, with the error's type and text (best effort per rank)."""
+    payload = f"{type(error).__name__}\0{error}".encode()
+    header = torch.tensor([-len(payload)], dtype=torch.long, device=device)
+    body = torch.tensor(list(payload), dtype=torch.uint8, device=device)
+    for rank in ranks:
+        try:
+            dist.send(header, dst=rank)
+            dist.send(body, dst=rank)
+        except Exception:  # noqa: BLE001 - that rank is gone; tell the others
+            pass
+
+
+def _recv_failure(length: int, device) -> BaseException:
+    body = torch.empty(length, dtype=torch.uint8, device=device)
+    dist.recv(body, src=0)
+    type_name, _, message = bytes(body.cpu().tolist()).decode(errors="replace").partition("\0")
+    etype = {"CheckpointError": CheckpointError, "ValueError": ValueError, "FileNotFoundError": FileNotFoundError,
+             "TypeError": TypeError}.get(type_name, ParallelError)
+    return etype(f"load_hf_weights failed on rank 0: {message}")
+
+
 def _broadcast_load(mine, everything, get, layout: Layout, spec, padded_vocab: int, progress) -> None:
     """Rank 0 streams: for each HF tensor in global order it reads (lazily, slice by slice) the shard of each TP
     rank that needs one and sends it to every owner (data-parallel replicas included), so rank 0 holds about
-    one shard at a time. Each shard is preceded by a status word; if rank 0 fails mid-stream it sends a failure
-    status to every rank still waiting, and all ranks then raise rank 0's error."""
+    one shard at a time.
+
+    Each shard is preceded by a status word. If rank 0 fails mid-stream (a read error, or a receiver that died),
+    it sends every rank still waiting a failure status and its error message, and every rank raises that error
+    at once, with no further collective (which could wait on a dead rank)."""
     order = {(e.row, e.layer): i for i, e in enumerate(everything)}
     wanted = sorted(((order[(e.row, e.layer)], e, chunk) for e, chunk in mine), key=lambda t: t[0])
     requests = [(i, layout.tp_rank) for i, _, _ in wanted]
@@ -236,20 +266,21 @@ def _broadcast_load(mine, everything, get, layout: Layout, spec, padded_vocab: i
     device = next(mine[0][1].parameters()).device
     status = torch.zeros(1, dtype=torch.long, device=device)
     if layout.rank != 0:
-        error = None
-        for _, entry, chunk in wanted:
-            dist.recv(status, src=0)
-            if status.item() != 0:
-                error = CheckpointError("global rank 0 failed while reading the checkpoint")
-                break
-            param = chunk.get_parameter(entry.local)
-            buf = param.data if param.data.is_contiguous() else torch.empty_like(param.data)
-            dist.recv(buf, src=0)
-            if buf is not param.data:
-                param.data.copy_(buf)
-        agree(None, what="load_hf_weights")  # raises rank 0's own error (with its message) when it failed
-        if error is not None:
-            raise error
+        try:
+            for _, entry, chunk in wanted:
+                dist.recv(status, src=0)
+                if status.item() < 0:
+                    raise _recv_failure(-status.item(), device)
+                param = chunk.get_parameter(entry.local)
+                buf = param.data if param.data.is_contiguous() else torch.empty_like(param.data)
+                dist.recv(buf, src=0)
+                if buf is not param.data:
+                    param.data.copy_(buf)
+        except (CheckpointError, ParallelError, ValueError, TypeError, FileNotFoundError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the connection to rank 0 broke
+            raise ParallelError(f"load_hf_weights: lost contact with rank 0 while receiving weights (did it die?):"
+                                f" {e}") from e
         return
     wire_dtype = mine[0][1].config.params_dtype
     local = {i: (e, c) for i, e, c in wanted}
@@ -258,8 +289,8 @@ def _broadcast_load(mine, everything, get, layout: Layout, spec, padded_vocab: i
     for rank, reqs in enumerate(gathered):
         for i, tp_rank in reqs:
             needers.setdefault(i, {}).setdefault(tp_rank, []).append(rank)
-    error = None
     pbar = bar(total=len(needers), desc="parallm load (broadcast)", rank=0, progress=progress)
+    sending_to = None
     try:
         for i in sorted(needers):
             entry = everything[i]
@@ -268,24 +299,26 @@ def _broadcast_load(mine, everything, get, layout: Layout, spec, padded_vocab: i
                 shard = make_shard(entry.kind, sources, tp_rank, layout.tp, spec, padded_vocab)
                 wire = None
                 for rank in ranks:
-                    remaining[rank] -= 1
                     if rank == 0:
                         e, chunk = local[i]
                         _copy_into(chunk.get_parameter(e.local), shard, e)
+                        remaining[rank] -= 1
                         continue
                     if wire is None:
                         wire = _fit_dtype(shard, wire_dtype, entry.hf).to(device=device).contiguous()
+                    sending_to = rank
                     dist.send(status, dst=rank)
                     dist.send(wire, dst=rank)
+                    sending_to = None
+                    remaining[rank] -= 1
                 del shard, wire
             del sources
             pbar.update(1)
-    except Exception as e:  # noqa: BLE001 - every waiting rank is told, then all raise it via agree()
-        error = e
-        failed = torch.ones(1, dtype=torch.long, device=device)
-        for rank, left in remaining.items():
-            if rank != 0 and left > 0:
-                dist.send(failed, dst=rank)
+    except Exception as e:  # noqa: BLE001 - every waiting rank is told, then re-raised here
+        if sending_to is not None:
+            e = ParallelError(f"load_hf_weights: lost contact with rank {sending_to} while sending it weights "
+                              f"(did it die?): {e}")
+        _send_failure(e, [r for r, left in remaining.items() if r != 0 and left > 0], device)
+        raise e
     finally:
         pbar.close()
-    agree(error, what="load_hf_weights")

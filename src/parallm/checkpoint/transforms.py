@@ -23,6 +23,11 @@ class Source(ABC):
     def read(self, dim: int, start: int, stop: int) -> torch.Tensor:
         """Rows/columns ``[start, stop)`` along ``dim`` (all of every other dim)."""
 
+    @property
+    @abstractmethod
+    def is_floating(self) -> bool:
+        """Whether the stored dtype is a floating-point type (read from metadata, no data touched)."""
+
     def full(self) -> torch.Tensor:
         return self.read(0, 0, self.shape[0])
 
@@ -32,6 +37,10 @@ class TensorSource(Source):
         self.tensor = tensor
         self.shape = tuple(tensor.shape)
         self.dtype = tensor.dtype
+
+    @property
+    def is_floating(self) -> bool:
+        return self.tensor.is_floating_point()
 
     def read(self, dim, start, stop):
         return self.tensor.narrow(dim, start, stop - start)

@@ -25,6 +25,29 @@ def _flag_device():
     return "cpu"
 
 
+def abort_process_groups() -> None:
+    """Tear down every process group after a peer was lost.
+
+    A gloo collective with a dead member fails only on the ranks that talk to it directly; the others would
+    wait for a partner that has itself given up. Aborting closes this rank's connections, so the failure
+    spreads to every rank at once instead of after the process-group timeout. Distributed work cannot continue
+    in this process afterwards (a rank died: the job is over).
+    """
+    try:
+        from megatron.core import parallel_state
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+    except Exception:  # noqa: BLE001 - best effort: we are already failing
+        pass
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception:  # noqa: BLE001
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
 def agree(error: BaseException | None, *, what: str, group=None) -> None:
     """Collective over ``group`` (default: world). Raises on every member if any member passed an error.
 
@@ -45,10 +68,12 @@ def agree(error: BaseException | None, *, what: str, group=None) -> None:
         statuses = [None] * dist.get_world_size(group)
         dist.all_gather_object(statuses, status, group=group)
     except Exception as comm_error:  # noqa: BLE001 - a lost peer
+        abort_process_groups()
         if error is not None:
             raise error from comm_error
         raise ParallelError(f"{what}: lost contact with another rank (did a rank die or get killed?): "
-                            f"{comm_error}") from comm_error
+                            f"{comm_error}; the process groups were aborted so that no rank waits for it")\
+            from comm_error
     failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
     if error is not None:
         raise error
