@@ -495,7 +495,7 @@ def _arm(patch: str, calls: int):
     import parallm.checkpoint.loader as loader
     import parallm.checkpoint.saver as saver
     import torch.distributed as dist
-    owner, attr = {"save_file": (saver, "save_file"), "make_shard": (loader, "make_shard"),
+    owner, attr = {"write_block": (saver, "_write_block"), "make_shard": (loader, "make_shard"),
                    "recv": (dist, "recv")}[patch]
     original = getattr(owner, attr)
     count = [0]
@@ -514,7 +514,7 @@ def _killed_rank(rank, world, s, op, victim, patch, barrier_dir):
     chunks = parallm.build_model(s["good"])
     parallm.load_hf_weights(chunks, s["good"], mode="slice")
     if rank == victim:
-        _arm(patch, calls=1 if patch == "save_file" else 3)
+        _arm(patch, calls=3)  # dies midway: after some of its bytes are written
     t = time.monotonic()
     try:
         if op == "save":
@@ -562,10 +562,10 @@ def test_killed_rank_during_save_keeps_old_checkpoint(ckpts, tmp_path):
     before = tree_digest(target)
     barrier = tmp_path / "barrier"
     barrier.mkdir()
-    victim = 1  # TP rank 1 of data-parallel replica 0: a writer (entries i % tp == 1)
+    victim = 1  # TP rank 1 of data-parallel replica 0: a writer (of its own shards' bytes)
     t = time.monotonic()
     outcomes = run_ranks_allow_dead(_killed_rank, WORLD, dict(ckpts, target=target), "save", victim,
-                                    "save_file", str(barrier), timeout=KILL_SPAWN_TIMEOUT_S)
+                                    "write_block", str(barrier), timeout=KILL_SPAWN_TIMEOUT_S)
     print(f"killed save spawn: {time.monotonic() - t:.1f}s")
     failures = _survivor_failures(outcomes, victim, "killed save")
     after = tree_digest(target)

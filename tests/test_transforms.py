@@ -305,3 +305,46 @@ def test_check_tp_errors_name_numbers(overrides, tp, needles):
     assert f"tp={tp}" in msg
     for n in needles:
         assert n in msg, msg
+
+
+# -- shard_blocks: the layout of make_shard as data (used by the direct-write saver) ----------------------------
+
+def _blocks_cases():
+    from types import SimpleNamespace
+    spec_mha = SimpleNamespace(num_heads=8, num_kv_heads=8, head_dim=4)
+    spec_gqa = SimpleNamespace(num_heads=8, num_kv_heads=2, head_dim=4)
+    spec_mqa = SimpleNamespace(num_heads=8, num_kv_heads=1, head_dim=4)
+    g = torch.Generator().manual_seed(7)
+    h = 6
+    for tp in (1, 2, 4, 8):
+        yield "copy", tp, spec_mha, [torch.randn(h, generator=g)], 0
+        yield "vocab", tp, spec_mha, [torch.randn(101, h, generator=g)], -(-101 // tp) * tp
+        yield "column", tp, spec_mha, [torch.randn(16, h, generator=g)], 0
+        yield "row", tp, spec_mha, [torch.randn(h, 16, generator=g)], 0
+        yield "gate_up", tp, spec_mha, [torch.randn(16, h, generator=g), torch.randn(16, h, generator=g)], 0
+        for spec in (spec_mha, spec_gqa, spec_mqa):
+            if spec.num_kv_heads >= tp and spec.num_kv_heads % tp or spec.num_kv_heads < tp and tp % spec.num_kv_heads:
+                continue
+            q = torch.randn(spec.num_heads * 4, h, generator=g)
+            kv = [torch.randn(spec.num_kv_heads * 4, h, generator=g) for _ in range(2)]
+            yield "qkv", tp, spec, [q, *kv], 0
+
+
+@pytest.mark.parametrize("case", list(_blocks_cases()), ids=lambda c: f"{c[0]}-tp{c[1]}-nkv{c[2].num_kv_heads}")
+def test_shard_blocks_describe_make_shard(case):
+    """Rebuilding each shard from its blocks equals make_shard, and the primary blocks tile every HF tensor
+    exactly once (so a direct writer writes each element exactly once)."""
+    from parallm.checkpoint.transforms import make_shard, shard_blocks
+    kind, tp, spec, sources, padded = case
+    covered = [torch.zeros(s.shape, dtype=torch.int32) for s in sources]
+    for rank in range(tp):
+        shard = make_shard(kind, sources, rank, tp, spec, padded)
+        rebuilt = torch.zeros_like(shard)
+        for src, dim, a, b, la, lb, primary in shard_blocks(kind, rank, tp, spec, [s.shape for s in sources],
+                                                            padded):
+            rebuilt.narrow(dim, la, lb - la).copy_(sources[src].narrow(dim, a, b - a))
+            if primary:
+                covered[src].narrow(dim, a, b - a).add_(1)
+        assert torch.equal(rebuilt, shard), (kind, tp, rank)
+    for c in covered:
+        assert torch.equal(c, torch.ones_like(c)), kind

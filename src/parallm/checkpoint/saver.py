@@ -4,10 +4,12 @@ Three ways out:
 
 * ``save_hf_weights(chunks)``: the full HF state dict on global rank 0. Each pipeline stage's (tp 0, dp 0) rank
   gathers its TP pieces and merges them; other stages send their tensors to rank 0 point to point.
-* ``save_hf_weights(chunks, out_dir)``: a parallel write. Every data-parallel-rank-0 process merges and writes a
-  share of the tensors of its own stage (entry ``i`` of the table is merged on TP rank ``i % tp``), so
-  ``tp * pp`` processes write at once; files go into a temporary directory beside ``out_dir`` that is moved into
-  place only when every file, the index and config.json are complete.
+* ``save_hf_weights(chunks, out_dir)``: a parallel write. Every rank can compute the files' layout (names, shapes
+  and offsets follow from the table), so rank 0 writes the safetensors headers and sizes the files, then every
+  data-parallel-rank-0 process writes the bytes of its own shards straight into their places (the
+  ``shard_blocks`` layout; column slices of row-parallel tensors row by row): ``tp * pp`` writers, no gather, no
+  merge copy. Files live in a temporary directory beside ``out_dir`` that is moved into place only when every
+  file, the index and config.json are complete.
 * ``export_hf_tensors(chunks)``: a generator of ``(hf_name, full tensor)`` on every rank, one tensor at a time.
 
 Peers are found through the process groups (``get_process_group_ranks``), never by rank arithmetic.
@@ -32,7 +34,7 @@ from ..progress import bar
 from .hf_dir import INDEX_NAME, SINGLE_NAME
 from .loader import _as_chunks, model_entries
 from .table import expected_hf_shapes
-from .transforms import merge_shards
+from .transforms import merge_shards, shard_blocks
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024 ** 3
 
@@ -79,9 +81,9 @@ def _merge_entry(entry, chunk, shards, spec, dtype) -> dict[str, torch.Tensor]:
     return out
 
 
-def gather_stage_tensors(chunks, layout: Layout, dtype=None, *, spread: bool = False, progress=None):
-    """HF tensors of this rank's stage merged on their writer rank (TP rank 0, or ``i % tp`` with ``spread``);
-    {} on data-parallel replicas other than 0 and on TP ranks that write nothing."""
+def gather_stage_tensors(chunks, layout: Layout, dtype=None, *, progress=None):
+    """HF tensors of this rank's stage merged on its TP rank 0; {} on other TP ranks and on data-parallel
+    replicas other than 0."""
     if layout.dp_rank != 0:
         return {}
     spec = chunks[0].spec
@@ -90,8 +92,7 @@ def gather_stage_tensors(chunks, layout: Layout, dtype=None, *, spread: bool = F
     for i, entry, chunk in bar(wanted, desc="parallm save (gather)", rank=layout.rank, progress=progress):
         if not entry.row.save:
             continue
-        dst = i % layout.tp if spread else 0
-        shards = _gather_tp(chunk.get_parameter(entry.local), layout, dst)
+        shards = _gather_tp(chunk.get_parameter(entry.local), layout, 0)
         if shards is not None:
             out.update(_merge_entry(entry, chunk, shards, spec, dtype))
     return out
@@ -132,7 +133,7 @@ def save_hf_weights(chunks, out_dir=None, *, dtype: torch.dtype | None = None, o
     ``out_dir`` given: writes ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` files of at most
     ``max_shard_size`` each plus ``model.safetensors.index.json``) and ``config.json`` (architectures follow the
     task: ``*ForSequenceClassification`` with ``num_labels`` 1 for value models), in parallel from ``tp * pp``
-    processes that must share the filesystem of ``out_dir``. The files are written into a temporary directory
+    processes that must share the filesystem of ``out_dir``. ``dtype``: float32 / bfloat16 / float16 / float64. The files are written into a temporary directory
     beside ``out_dir`` and moved into place at the end, so an interrupted save leaves ``out_dir`` as it was. A
     non-empty ``out_dir`` is refused unless ``overwrite=True``. Returns None.
     """
@@ -151,21 +152,78 @@ def save_hf_weights(chunks, out_dir=None, *, dtype: torch.dtype | None = None, o
     return None
 
 
-def _plan_files(tensors: dict[str, torch.Tensor], limit: int) -> list[list[str]]:
-    files, current, size = [], [], 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def plan_files(tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, limit: int) -> list[dict]:
+    """Split ``(name, shape)`` (global order) into safetensors files of at most ``limit`` bytes and compute each
+    file's header and tensor offsets. Pure: every rank computes the same plan without talking to the others."""
+    if dtype not in _ST_DTYPES:
+        raise ValueError(f"cannot save dtype {dtype}; use one of {sorted(str(d) for d in _ST_DTYPES)}")
+    elsize = torch.empty((), dtype=dtype).element_size()
+    groups, current, size = [], [], 0
+    for name, shape in tensors:
+        n = elsize
+        for d in shape:
+            n *= d
         if current and size + n > limit:
-            files.append(current)
+            groups.append(current)
             current, size = [], 0
-        current.append(name)
+        current.append((name, tuple(shape), n))
         size += n
     if current:
-        files.append(current)
+        groups.append(current)
+    files = []
+    for k, group in enumerate(groups):
+        fname = SINGLE_NAME if len(groups) == 1 else f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        header, offsets, pos = {"__metadata__": {"format": "pt"}}, {}, 0
+        for name, shape, n in group:
+            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [pos, pos + n]}
+            offsets[name] = (pos, shape)
+            pos += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        base = 8 + len(raw)
+        files.append({"name": fname, "header": len(raw).to_bytes(8, "little") + raw, "size": base + pos,
+                      "tensors": {n: (base + off, shape) for n, (off, shape) in offsets.items()},
+                      "data_bytes": pos})
     return files
 
 
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while len(view):
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def _write_block(fd: int, start: int, hf_shape, elsize: int, block, local: torch.Tensor) -> None:
+    """Write one block of this rank's shard straight into its place in the HF tensor's bytes."""
+    _, dim, a, b, la, lb, _ = block
+    piece = local.narrow(dim, la, lb - la).contiguous()
+    if dim == 0:
+        row_bytes = elsize
+        for d in hf_shape[1:]:
+            row_bytes *= d
+        _pwrite_all(fd, piece.view(torch.uint8).numpy(), start + a * row_bytes)
+        return
+    row_bytes = hf_shape[1] * elsize       # a column block of a 2-D tensor: one write per row
+    rows = piece.view(torch.uint8).numpy().reshape(piece.shape[0], -1)
+    for i in range(rows.shape[0]):
+        _pwrite_all(fd, rows[i], start + i * row_bytes + a * elsize)
+
+
 def _save_dir(chunks, layout: Layout, out_dir: str, *, dtype, overwrite: bool, max_shard_size: int, progress):
+    """Every data-parallel-rank-0 process writes its own shards' bytes directly into their places in the final
+    safetensors files (no TP gather, no merge copies); rank 0 lays the files out first and finishes last."""
+    spec, task = chunks[0].spec, chunks[0].task
+    dtype = dtype or chunks[0].config.params_dtype
+    shapes = expected_hf_shapes(family_of(spec).table, spec, task=task, pp=layout.pp)
+    _, everything = model_entries(chunks, layout)
+    saved = [n for e in everything if e.row.save for n in e.hf]
+    files = plan_files([(n, shapes[n]) for n in saved], dtype, max_shard_size)
+    where = {n: (f["name"], *f["tensors"][n]) for f in files for n in f["tensors"]}
+
     def prepare():
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
             raise FileExistsError(f"{out_dir} exists and is not a directory")
@@ -175,48 +233,55 @@ def _save_dir(chunks, layout: Layout, out_dir: str, *, dtype, overwrite: bool, m
             return None
         parent = os.path.dirname(out_dir) or "."
         os.makedirs(parent, exist_ok=True)
-        return tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.parallm-tmp-", dir=parent)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.parallm-tmp-", dir=parent)
+        for f in files:  # headers written, files sized: writers fill in the tensor bytes at their offsets
+            with open(os.path.join(tmp, f["name"]), "wb") as fh:
+                fh.write(f["header"])
+                fh.truncate(f["size"])
+        return tmp
 
     box = [run_local(prepare, what="save_hf_weights")]
     dist.broadcast_object_list(box, src=0)
     tmp = box[0]
     try:
-        tensors = gather_stage_tensors(chunks, layout, dtype, spread=True, progress=progress)
-        files = _plan_files(tensors, max_shard_size)
-        counts = [None] * layout.world
-        dist.all_gather_object(counts, len(files))
-        total = sum(counts)
-        first = sum(counts[:layout.rank])
-
         def write():
-            if files and not os.path.isdir(tmp):
+            if layout.dp_rank != 0:
+                return
+            wanted, _ = _ordered_entries(chunks, layout)
+            wanted = [(i, e, c) for i, e, c in wanted if e.row.save]
+            if wanted and not os.path.isdir(tmp):
                 raise FileNotFoundError(f"rank {layout.rank} cannot see {tmp}: out_dir must be on a filesystem "
                                         "shared by all writing ranks")
-            written = {}
-            for k, names in enumerate(files):
-                fname = SINGLE_NAME if total == 1 else f"model-{first + k + 1:05d}-of-{total:05d}.safetensors"
-                save_file({n: tensors[n] for n in names}, os.path.join(tmp, fname), metadata={"format": "pt"})
-                written.update({n: fname for n in names})
-            return written, sum(t.numel() * t.element_size() for t in tensors.values())
+            fds = {}
+            elsize = torch.empty((), dtype=dtype).element_size()
+            try:
+                for _, entry, chunk in bar(wanted, desc="parallm save", rank=layout.rank, progress=progress):
+                    local = chunk.get_parameter(entry.local).detach().to(device="cpu", dtype=dtype)
+                    hf_shapes = [shapes[n] for n in entry.hf]
+                    for block in shard_blocks(entry.kind, layout.tp_rank, layout.tp, spec, hf_shapes,
+                                              chunks[0].padded_vocab_size):
+                        if not block[6]:
+                            continue  # a replica: another rank writes these bytes
+                        fname, start, hf_shape = where[entry.hf[block[0]]]
+                        if fname not in fds:
+                            fds[fname] = os.open(os.path.join(tmp, fname), os.O_WRONLY)
+                        _write_block(fds[fname], start, hf_shape, elsize, block, local)
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
 
-        written = run_local(write, what="save_hf_weights")
-        maps = [None] * layout.world
-        dist.all_gather_object(maps, written)
+        run_local(write, what="save_hf_weights")
 
         def finish():
             if layout.rank != 0:
                 return
-            weight_map, size = {}, 0
-            for part, nbytes in maps:
-                weight_map.update(part)
-                size += nbytes
-            _check_complete(chunks, layout, weight_map)
-            if total > 1:
-                with open(os.path.join(tmp, INDEX_NAME), "w") as f:
-                    json.dump({"metadata": {"total_size": size},
-                               "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-            with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump(hf_config_dict(chunks[0], dtype), f, indent=2, sort_keys=True, default=str)
+            if len(files) > 1:
+                weight_map = {n: f["name"] for f in files for n in f["tensors"]}
+                with open(os.path.join(tmp, INDEX_NAME), "w") as fh:
+                    json.dump({"metadata": {"total_size": sum(f["data_bytes"] for f in files)},
+                               "weight_map": dict(sorted(weight_map.items()))}, fh, indent=2)
+            with open(os.path.join(tmp, "config.json"), "w") as fh:
+                json.dump(hf_config_dict(chunks[0], dtype), fh, indent=2, sort_keys=True, default=str)
             _move_into_place(tmp, out_dir)
 
         run_local(finish, what="save_hf_weights")
@@ -224,13 +289,6 @@ def _save_dir(chunks, layout: Layout, out_dir: str, *, dtype, overwrite: bool, m
         if layout.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _check_complete(chunks, layout, weight_map):
-    _, everything = model_entries(chunks, layout)
-    missing = sorted({n for e in everything if e.row.save for n in e.hf} - set(weight_map))
-    if missing:
-        raise RuntimeError(f"save_hf_weights: internal error, tensors not written: {missing[:5]}")
 
 
 def _move_into_place(tmp: str, out_dir: str) -> None:

@@ -182,3 +182,47 @@ def merge_shards(kind: str, shards: list[torch.Tensor], spec) -> list[torch.Tens
     if kind == "gate_up":
         return list(merge_gate_up(shards))
     raise ValueError(f"unknown kind {kind!r}")
+
+
+# -- where each piece of a shard lives in the HF tensors ------------------------------------------------------
+
+class Block(tuple):
+    """``(source, dim, hf_start, hf_stop, local_start, local_stop, primary)``: rows (dim 0) or columns (dim 1)
+    ``[hf_start, hf_stop)`` of HF source ``source`` are rows / columns ``[local_start, local_stop)`` of this
+    rank's shard (along the same dim). ``primary`` is False for a replica another rank also holds (replicated
+    tensors, replicated KV heads), so exactly one rank writes each HF element."""
+
+    __slots__ = ()
+
+    def __new__(cls, source, dim, hf_start, hf_stop, local_start, local_stop, primary=True):
+        return super().__new__(cls, (source, dim, hf_start, hf_stop, local_start, local_stop, primary))
+
+
+def shard_blocks(kind: str, rank: int, tp: int, spec, hf_shapes: list[tuple[int, ...]],
+                 padded_vocab: int) -> list[Block]:
+    """The layout of :func:`make_shard` as data: which HF slices make up TP rank ``rank``'s shard."""
+    if kind == "copy":
+        n = hf_shapes[0][0]
+        return [Block(0, 0, 0, n, 0, n, primary=rank == 0)]
+    if kind == "vocab":
+        per = padded_vocab // tp
+        a = rank * per
+        real = max(0, min(per, hf_shapes[0][0] - a))
+        return [Block(0, 0, a, a + real, 0, real)] if real else []
+    if kind in ("column", "row"):
+        dim = 0 if kind == "column" else 1
+        a, b = _split_range(hf_shapes[0][dim], rank, tp, f"split along dim {dim}")
+        return [Block(0, dim, a, b, 0, b - a)]
+    if kind == "gate_up":
+        a, b = _split_range(hf_shapes[0][0], rank, tp, "gate/up")
+        return [Block(0, 0, a, b, 0, b - a), Block(1, 0, a, b, b - a, 2 * (b - a))]
+    if kind == "qkv":
+        d = spec.head_dim
+        qa, qb = _split_range(spec.num_heads, rank, tp, "query heads")
+        kv = kv_heads_of_rank(rank, tp, spec.num_kv_heads)
+        first_holder = spec.num_kv_heads >= tp or rank % (tp // spec.num_kv_heads) == 0
+        nq, nkv = (qb - qa) * d, len(kv) * d
+        return [Block(0, 0, qa * d, qb * d, 0, nq),
+                Block(1, 0, kv.start * d, kv.stop * d, nq, nq + nkv, primary=first_holder),
+                Block(2, 0, kv.start * d, kv.stop * d, nq + nkv, nq + 2 * nkv, primary=first_holder)]
+    raise ValueError(f"unknown kind {kind!r}")
