@@ -496,6 +496,7 @@ def _arm(patch: str, calls: int):
     import parallm.checkpoint.saver as saver
     import torch.distributed as dist
     owner, attr = {"write_block": (saver, "_write_block"), "make_shard": (loader, "make_shard"),
+                   "fill": (loader, "_fill_from_blocks"),
                    "recv": (dist, "recv")}[patch]
     original = getattr(owner, attr)
     count = [0]
@@ -580,7 +581,7 @@ def test_killed_rank_during_save_keeps_old_checkpoint(ckpts, tmp_path):
 KILLED_LOADS = {
     "broadcast-receiver": ("broadcast", 1, "recv"),       # rank 1 dies on its 3rd receive
     "broadcast-reader": ("broadcast", 0, "make_shard"),   # rank 0 (the reader) dies cutting its 3rd shard
-    "slice": ("slice", 2, "make_shard"),                  # rank 2 dies reading its 3rd slice
+    "slice": ("slice", 2, "fill"),                        # rank 2 dies reading its 3rd parameter
 }
 
 

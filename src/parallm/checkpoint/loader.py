@@ -28,7 +28,7 @@ from ..parallel.state import Layout, require_initialized
 from ..progress import bar
 from .hf_dir import HFCheckpoint, check_floating, check_keys_and_shapes, tensor_shapes
 from .table import Entry, all_entries, chunk_entries, expected_hf_shapes
-from .transforms import TensorSource, make_shard
+from .transforms import TensorSource, make_shard, shard_blocks
 
 logger = logging.getLogger("parallm")
 
@@ -149,6 +149,30 @@ def _copy_into(param: torch.Tensor, shard: torch.Tensor, entry: Entry) -> None:
         param.copy_(_fit_dtype(shard, param.dtype, entry.hf))
 
 
+def _fill_from_blocks(param, entry: Entry, sources, layout: Layout, spec, padded_vocab: int) -> None:
+    """Slice mode: read each piece of this rank's shard (``shard_blocks``) straight into its place in the
+    parameter: one copy per byte, no intermediate shard. Vocab padding rows are zeroed."""
+    blocks = shard_blocks(entry.kind, layout.tp_rank, layout.tp, spec, [s.shape for s in sources], padded_vocab)
+    filled = 0
+    with torch.no_grad():
+        for src, dim, a, b, la, lb, _ in blocks:
+            if lb > param.shape[dim]:
+                raise CheckpointError(f"{entry.local} <- {entry.hf[src]}: the checkpoint's shape "
+                                      f"{tuple(sources[src].shape)} does not fit parameter {tuple(param.shape)}")
+            part = sources[src].read(dim, a, b)
+            target = param.narrow(dim, la, lb - la)
+            if tuple(part.shape) != tuple(target.shape):
+                raise CheckpointError(f"{entry.local} <- {entry.hf[src]}: slice {tuple(part.shape)} does not fit "
+                                      f"{tuple(target.shape)}")
+            target.copy_(_fit_dtype(part, param.dtype, entry.hf))
+            filled = max(filled, lb)
+        if entry.kind == "vocab":
+            param.narrow(0, filled, param.shape[0] - filled).zero_()
+        elif filled != param.shape[1 if entry.kind == "row" else 0]:
+            raise CheckpointError(f"{entry.local} <- {', '.join(entry.hf)}: the checkpoint fills {filled} of "
+                                  f"{tuple(param.shape)}")
+
+
 def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
                     progress: bool | None = None, allow_pickle: bool = False) -> LoadReport:
     """Fill ``chunks`` (this rank's model) from an HF checkpoint directory or state dict. Collective.
@@ -215,9 +239,8 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
     if mode == "slice":
         def fill():
             for entry, chunk in bar(mine, desc="parallm load (slice)", rank=layout.rank, progress=progress):
-                shard = make_shard(entry.kind, [get(n) for n in entry.hf], layout.tp_rank, layout.tp, spec,
-                                   padded_vocab)
-                _copy_into(chunk.get_parameter(entry.local), shard, entry)
+                _fill_from_blocks(chunk.get_parameter(entry.local), entry, [get(n) for n in entry.hf], layout,
+                                  spec, padded_vocab)
         run_local(fill, what="load_hf_weights")
     else:
         everything = [e for e in everything if not set(e.hf) & set(init)]
