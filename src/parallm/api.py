@@ -98,10 +98,11 @@ def _check_batch(chunks, input_ids, attention_mask, position_ids):
 def gather_output(chunk: DecoderChunk, out: torch.Tensor) -> torch.Tensor:
     """Last-stage output -> ``[B, S, V]`` fp32 logits (TP-gathered, vocab padding removed) or ``[B, S]`` values.
     Differentiable."""
+    out = out.transpose(0, 1)  # [B, S, ...]; contiguous for padded logits and packed outputs
     if chunk.task in ("value", "hidden"):
-        return out.transpose(0, 1).float()
+        return out.float()
     logits = gather_last_dim(out, Layout().tp_group)
-    return logits[..., :chunk.spec.vocab_size].transpose(0, 1).float()
+    return logits[..., :chunk.spec.vocab_size].float()
 
 
 def forward(chunks, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:

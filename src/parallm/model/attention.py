@@ -72,8 +72,10 @@ def unpack_tokens(x: torch.Tensor, packing: Packing) -> torch.Tensor:
 
 
 def padded_attention(q, k, v, mask):
-    """q: [B, h, S, d]; k, v: [B, h, S, d] (KV already repeated); mask: boolean [B, 1, S, S]."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(q.shape[-1]))
+    """q: [B, hq, S, d]; k, v: [B, hkv, S, d] (grouped-query: hq a multiple of hkv); mask: boolean
+    [B, 1, S, S]."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(q.shape[-1]),
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 def varlen_attention(q, k, v, packing: Packing):
@@ -84,13 +86,11 @@ def varlen_attention(q, k, v, packing: Packing):
         cu = packing.cu_seqlens.to(device=q.device, dtype=torch.int32)
         return _flash_varlen(q, k, v, cu, cu, packing.max_seqlen, packing.max_seqlen, causal=True)
     LAST_BACKEND["varlen"] = "sdpa-loop"
-    if hkv != hq:
-        k = k.repeat_interleave(hq // hkv, dim=1)
-        v = v.repeat_interleave(hq // hkv, dim=1)
     bounds = packing.cu_seqlens.tolist()
     outs = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         qs, ks, vs = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, h, L, d]
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=1.0 / math.sqrt(d))
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=1.0 / math.sqrt(d),
+                                           enable_gqa=hkv != hq)
         outs.append(o.squeeze(0).transpose(0, 1))
     return torch.cat(outs, dim=0)

@@ -69,18 +69,15 @@ class Attention(nn.Module):
         qkv, _ = self.linear_qkv(x)  # sequence parallel: all-gathered to [T, 1, ...] here
         s, b, _ = qkv.shape
         hq, hkv, d = self.num_heads_local, self.num_kv_local, self.head_dim
-        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        q = apply_rope(q.reshape(s, b, hq, d), cos, sin)
-        k = apply_rope(k.reshape(s, b, hkv, d), cos, sin)
-        v = v.reshape(s, b, hkv, d)
+        heads = qkv.view(s, b, hq + 2 * hkv, d)            # [q_r; k_r; v_r] as heads: views, no copies
+        q = apply_rope(heads[:, :, :hq], cos, sin)
+        k = apply_rope(heads[:, :, hq:hq + hkv], cos, sin)
+        v = heads[:, :, hq + hkv:]
         if isinstance(ctx, Packing):
             out = varlen_attention(q[:, 0], k[:, 0], v[:, 0], ctx).unsqueeze(1)  # [T, 1, hq, d]
         else:
             # [S, B, h, d] -> [B, h, S, d]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-            if hkv != hq:
-                k = k.repeat_interleave(hq // hkv, dim=1)
-                v = v.repeat_interleave(hq // hkv, dim=1)
             out = padded_attention(q, k, v, ctx).permute(2, 0, 1, 3)
         out, _ = self.linear_proj(out.reshape(s, b, hq * d))
         return out
@@ -243,10 +240,17 @@ class DecoderChunk(nn.Module):
         if self.task == "causal_lm":
             weight = self.embedding.weight if (self.share_embeddings_and_output_weights and self.pre_process) \
                 else None
-            out, _ = self.output_layer(x, weight=weight)  # sequence parallel: input all-gathered inside
+            if self.packed:
+                out, _ = self.output_layer(x, weight=weight)  # sequence parallel: input all-gathered inside
+            else:
+                # The logits are the largest activation: compute them batch-first ([B, S, V], contiguous, what
+                # a loss over [B, S, V] wants) and hand back the [S, B, V] view Megatron's convention expects.
+                out, _ = self.output_layer(x.transpose(0, 1), weight=weight)
             if self.real_vocab_columns is not None:
                 pad = torch.arange(out.shape[-1], device=out.device) >= self.real_vocab_columns
                 out = out.masked_fill(pad, torch.finfo(out.dtype).min)
+            if not self.packed:
+                return out.transpose(0, 1)
         else:
             out = self.score(x).squeeze(-1) if self.task == "value" else x
             if self.sequence_parallel:
