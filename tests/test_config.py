@@ -159,3 +159,21 @@ def test_unsupported_rope_kind_rejected():
 def test_load_config_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_config(str(tmp_path))
+
+
+def test_broken_config_json_is_named(tmp_path):
+    """Missing or non-integer size fields and invalid JSON are ValueErrors that say what is wrong."""
+    import json
+
+    from parallm.families import spec_from_config
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}))
+    with pytest.raises(ValueError, match="missing required field.*num_hidden_layers"):
+        spec_from_config(str(tmp_path))
+    path.write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "intermediate_size": "96", "vocab_size": 10}))
+    with pytest.raises(ValueError, match="intermediate_size='96'"):
+        spec_from_config(str(tmp_path))
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        spec_from_config(str(tmp_path))

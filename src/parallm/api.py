@@ -27,6 +27,8 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     Collective (every rank calls it): replicated-KV groups are created here when num_key_value_heads < tp.
     """
     require_initialized("build_model")
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating-point torch.dtype (float32, bfloat16, float16), got {dtype!r}")
     config = load_config(hf_config)
     spec, _family = spec_from_config(config)
     task = resolve_task(config, task)

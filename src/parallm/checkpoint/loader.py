@@ -111,6 +111,8 @@ def _source_kind(source) -> tuple[str, str]:
 def _choose_mode(mode: str, kinds: list[tuple[str, str]]) -> str:
     kind0, what0 = kinds[0]
     if kind0 == "missing-dir":
+        if os.path.isfile(what0):
+            raise CheckpointError(f"load_hf_weights: {what0} is a file; pass the checkpoint directory holding it")
         raise CheckpointError(f"load_hf_weights: checkpoint directory {what0} does not exist (on global rank 0)")
     if kind0 == "none":
         raise CheckpointError(f"load_hf_weights: global rank 0 passed {what0}; rank 0 must hold the checkpoint "

@@ -79,14 +79,31 @@ def load_config(hf_config):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no config.json at {path}")
         with open(path) as f:
-            return _DictConfig(json.load(f))
+            try:
+                raw = json.load(f)
+            except ValueError as e:
+                raise ValueError(f"{path} is not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} does not hold a JSON object")
+        return _DictConfig(raw)
     if isinstance(hf_config, dict):
         return _DictConfig(hf_config)
     return hf_config
 
 
+REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
 def base_spec_kwargs(config, family: str) -> dict:
     """Fields every LLaMA-like family reads the same way."""
+    missing = [k for k in REQUIRED_FIELDS if getattr(config, k, None) is None]
+    if missing:
+        raise ValueError(f"the {family} config is missing required field(s): {', '.join(missing)}")
+    bad = [f"{k}={getattr(config, k)!r}" for k in REQUIRED_FIELDS
+           if not isinstance(getattr(config, k), int) or isinstance(getattr(config, k), bool)
+           or getattr(config, k) <= 0]
+    if bad:
+        raise ValueError(f"the {family} config has invalid value(s): {', '.join(bad)} (positive integers expected)")
     hidden = int(config.hidden_size)
     heads = int(config.num_attention_heads)
     head_dim = getattr(config, "head_dim", None) or hidden // heads
