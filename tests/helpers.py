@@ -23,7 +23,8 @@ def tiny_config(family: str, **overrides):
                 num_key_value_heads=2, vocab_size=101, max_position_embeddings=64, rms_norm_eps=1e-5,
                 tie_word_embeddings=False, attn_implementation="eager")
     base.update(overrides)
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+           "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}[family]
     return cls(**base)
 
 

@@ -114,7 +114,7 @@ def test_value_architecture_maps_to_family():
     assert fam.name == "qwen2" and spec.architecture == "Qwen2ForSequenceClassification"
 
 
-@pytest.mark.parametrize("arch,model_type", [("MistralForCausalLM", "mistral"), ("GPT2LMHeadModel", "gpt2"),
+@pytest.mark.parametrize("arch,model_type", [("GemmaForCausalLM", "gemma"), ("GPT2LMHeadModel", "gpt2"),
                                              (None, "gemma")])
 def test_unsupported_architecture_lists_supported(arch, model_type):
     raw = tiny_config("llama").to_dict()

@@ -69,8 +69,8 @@ def setup(tmp_path_factory):
     with open(os.path.join(good_dir, "config.json")) as f:
         config = json.load(f)
     sd = hf_state_dict(model)
-    arch_dir = _write_config(root / "mistral", dict(config, architectures=["MistralForCausalLM"],
-                                                    model_type="mistral"))
+    arch_dir = _write_config(root / "gemma", dict(config, architectures=["GemmaForCausalLM"],
+                                                    model_type="gemma"))
     split_dirs = {name: _write_config(root / f"split-{name}", dict(config, **over))
                   for name, (over, _) in SPLIT.items()}
     bad = {}
@@ -228,7 +228,7 @@ def _check(results, key, etype, needles, patterns=()):
 
 @pytest.mark.timeout(300)
 def test_unsupported_architecture_on_every_rank(results):
-    _check(results, "arch", "ValueError", ["MistralForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM"])
+    _check(results, "arch", "ValueError", ["GemmaForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM"])
 
 
 @pytest.mark.timeout(300)

@@ -113,7 +113,7 @@ CATALOG = {
     "world-not-tp-pp-dp": ("ValueError", ["world size 4", "tp=3"]),
     "layers-not-pp": ("ValueError", ["3 layers", "pp=2"]),
     "layers-not-pp-vpp": ("ValueError", ["2 layers", "pp=2", "vpp=2"]),
-    "unsupported-arch": ("ValueError", ["MistralForCausalLM", "LlamaForCausalLM"]),
+    "unsupported-arch": ("ValueError", ["GemmaForCausalLM", "LlamaForCausalLM"]),
     "not-divisible-by-tp": ("ValueError", ["intermediate_size=90", "tp=4"]),
     # saving into a non-empty directory without overwrite=True
     "save-nonempty": ("FileExistsError", ["atomic", "target", "overwrite=True"]),
@@ -165,8 +165,8 @@ def ckpts(tmp_path_factory):
     pickle_dir = _write_config(root / "ckpt-pickle", config)
     torch.save(sd, os.path.join(pickle_dir, "pytorch_model.bin"))
     dirs["pickle-refused"] = dirs["pickle"] = pickle_dir
-    mistral = _write_config(root / "mistral", dict(config, architectures=["MistralForCausalLM"],
-                                                   model_type="mistral"))
+    mistral = _write_config(root / "gemma", dict(config, architectures=["GemmaForCausalLM"],
+                                                   model_type="gemma"))
     layers3 = _write_config(root / "layers3", dict(config, num_hidden_layers=3))
     split = _write_config(root / "split-intermediate", dict(config, intermediate_size=90))
     # the atomic-save target holds an older, valid checkpoint

@@ -90,6 +90,12 @@ def _check_batch(chunks, input_ids, attention_mask, position_ids):
     if position_ids.shape != input_ids.shape:
         raise ValueError(f"position_ids {tuple(position_ids.shape)} does not match input_ids "
                          f"{tuple(input_ids.shape)}")
+    window = chunks[0].spec.sliding_window
+    longest = int(attention_mask.sum(-1).max()) if attention_mask.numel() else 0
+    if window is not None and longest > window:
+        raise ValueError(f"a sequence of {longest} tokens is longer than the model's sliding_window={window}: "
+                         "parallm runs full causal attention, which equals sliding-window attention only up to "
+                         "the window")
     vocab = chunks[0].spec.vocab_size
     if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
         raise ValueError(f"input_ids must lie in [0, {vocab}); got values in [{int(input_ids.min())}, "

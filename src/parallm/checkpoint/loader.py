@@ -205,6 +205,11 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
     if layout.rank == 0:
         logger.info("load_hf_weights: mode=%s%s", mode, " (chosen by mode='auto')" if requested == "auto" else "")
     mine, everything = model_entries(chunks, layout)
+    for chunk in chunks:  # the table must cover every parameter: nothing may stay silently uninitialised
+        uncovered = {n for n, _ in chunk.named_parameters()} - {e.local for e, c in mine if c is chunk}
+        if uncovered:
+            raise RuntimeError(f"internal error: the {spec.family} weight table has no row for parameter(s) "
+                               f"{sorted(uncovered)}")
     padded_vocab = chunks[0].padded_vocab_size
     reader = source if mode == "slice" or layout.rank == 0 else None
 

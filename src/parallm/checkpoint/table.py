@@ -28,6 +28,7 @@ CONDITIONS = {
     "qkv_bias": lambda spec, task, pp: spec.qkv_bias,
     "o_bias": lambda spec, task, pp: spec.o_bias,
     "mlp_bias": lambda spec, task, pp: spec.mlp_bias,
+    "qk_norm": lambda spec, task, pp: spec.qk_norm,
     "causal_lm": lambda spec, task, pp: task == "causal_lm",
     "value": lambda spec, task, pp: task == "value",
     "untied": lambda spec, task, pp: not spec.tie_word_embeddings,

@@ -128,6 +128,21 @@ def base_spec_kwargs(config, family: str) -> dict:
     )
 
 
+def refuse_sliding_layers(config, name: str) -> None:
+    """Qwen2 / Qwen3 style: layers transformers would run with sliding-window attention are not supported."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    elif getattr(config, "use_sliding_window", False):
+        sliding = list(range(getattr(config, "max_window_layers", 0) or 0, int(config.num_hidden_layers)))
+    else:
+        sliding = []
+    if sliding:
+        raise ValueError(f"{name} with sliding-window attention on layers {sliding[:8]} is not supported "
+                         "(use_sliding_window=True with max_window_layers < num_hidden_layers); parallm runs full "
+                         "causal attention")
+
+
 def spec_from_config(hf_config) -> tuple[DecoderSpec, Family]:
     config = load_config(hf_config)
     family = family_for(config if not isinstance(config, _DictConfig) else config._raw)

@@ -50,8 +50,15 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int):
+    def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int, device=None):
         super().__init__()
+        if spec.qk_norm:
+            # One weight over head_dim shared by all heads; each TP rank sees only its heads, so finalize_grads
+            # sums these gradients over the TP group (parallm_tp_sum).
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, config.params_dtype, device)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, config.params_dtype, device)
+            for p in (self.q_norm.weight, self.k_norm.weight):
+                p.parallm_tp_sum = True
         self.head_dim = spec.head_dim
         self.num_heads_local = spec.num_heads // tp
         self.num_kv_local = max(1, spec.num_kv_heads // tp)
@@ -70,8 +77,11 @@ class Attention(nn.Module):
         s, b, _ = qkv.shape
         hq, hkv, d = self.num_heads_local, self.num_kv_local, self.head_dim
         heads = qkv.view(s, b, hq + 2 * hkv, d)            # [q_r; k_r; v_r] as heads: views, no copies
-        q = apply_rope(heads[:, :, :hq], cos, sin)
-        k = apply_rope(heads[:, :, hq:hq + hkv], cos, sin)
+        q, k = heads[:, :, :hq], heads[:, :, hq:hq + hkv]
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
         v = heads[:, :, hq + hkv:]
         if isinstance(ctx, Packing):
             out = varlen_attention(q[:, 0], k[:, 0], v[:, 0], ctx).unsqueeze(1)  # [T, 1, hq, d]
@@ -105,7 +115,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number  # global index in the full model
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
-        self.self_attention = Attention(spec, config, tp)
+        self.self_attention = Attention(spec, config, tp, device)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
         self.mlp = MLP(spec, config, tp)
 

@@ -32,6 +32,8 @@ class DecoderSpec:
     mlp_bias: bool = False      # LLaMA: mlp_bias
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
+    qk_norm: bool = False       # Qwen3: RMSNorm over head_dim on every query / key head, before RoPE
+    sliding_window: int | None = None   # Mistral: sequences longer than this are refused (full attention below)
 
     @property
     def q_size(self) -> int:

@@ -8,8 +8,10 @@ equal to the same step on the unsharded model:
    the fused QKV weight (and bias) are summed over the replica group.
 2. Tied embeddings across pipeline stages: the embedding (first stage) and the head copy (last stage) are one
    weight used twice; their gradients are summed over Megatron's embedding group, so both copies step equally.
-3. Sequence parallelism: params replicated over TP but fed a 1/tp slice of the tokens (norms, and any param
-   marked ``sequence_parallel = True``) are summed over the TP group.
+3. Params replicated over TP that see only part of the work on each rank are summed over the TP group: under
+   sequence parallelism those fed a 1/tp slice of the tokens (``sequence_parallel = True``: norms, the value
+   head), and always the per-head q/k norms of qk-norm models, which each rank applies to its own heads only
+   (``parallm_tp_sum = True``).
 4. Data parallelism: gradients are averaged over the data-parallel group (the loss is a mean over replicas).
 """
 
@@ -67,7 +69,8 @@ def finalize_grads(chunks) -> None:
         _all_reduce_coalesced([_grad(p) for p in shared], ps.get_embedding_group())
 
     if layout.tp > 1:
-        sp = [_grad(p) for c in chunks for p in c.parameters() if getattr(p, "sequence_parallel", False)]
+        sp = [_grad(p) for c in chunks for p in c.parameters()
+              if getattr(p, "sequence_parallel", False) or getattr(p, "parallm_tp_sum", False)]
         _all_reduce_coalesced(sp, layout.tp_group)
 
     if layout.dp > 1:
