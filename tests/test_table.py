@@ -25,6 +25,9 @@ CASES = {
                                                    num_attention_heads=8, num_key_value_heads=1, head_dim=32)),
     "qwen2-untied": ("qwen2", dict(vocab_size=99)),
     "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True, num_key_value_heads=1)),
+    "qwen3-tied-head_dim": ("qwen3", dict(tie_word_embeddings=True, head_dim=32)),
+    "qwen3-attention_bias": ("qwen3", dict(attention_bias=True)),
+    "mistral": ("mistral", dict(sliding_window=None)),
 }
 TASKS = ("causal_lm", "value")
 
