@@ -349,3 +349,12 @@ def test_shard_blocks_describe_make_shard(case):
         assert torch.equal(rebuilt, shard), (kind, tp, rank)
     for c in covered:
         assert torch.equal(c, torch.ones_like(c)), kind
+
+
+@pytest.mark.parametrize("layers,pp,vpp", [(8, 2, 2), (8, 4, 1), (12, 2, 3), (4, 1, 1), (16, 4, 2)])
+def test_layer_owner_inverts_layer_numbers(layers, pp, vpp):
+    from parallm.model.spec import layer_numbers, layer_owner
+    for p in range(pp):
+        for v in range(vpp):
+            for i in layer_numbers(layers, pp, vpp, p, v):
+                assert layer_owner(layers, pp, vpp, i) == (p, v)

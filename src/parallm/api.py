@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .families import load_config, spec_from_config
-from .model.decoder import DecoderChunk, build_chunks
+from .model.decoder import DecoderChunk, as_chunks, build_chunks
 from .model.spec import TASKS
 from .parallel.comm import gather_last_dim
 from .parallel.errors import run_local
@@ -65,12 +65,9 @@ def default_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
 
 
-def _prepare(chunks, input_ids, attention_mask, position_ids, *, what: str):
-    """Validate the batch locally, then agree across ranks: a bad batch on one rank is an error on all."""
-    return run_local(lambda: _check_batch(chunks, input_ids, attention_mask, position_ids), what=what)
-
-
 def _check_batch(chunks, input_ids, attention_mask, position_ids):
+    """Validate the batch locally (callers then agree across ranks with run_local: a bad batch on one rank is an
+    error on every rank) and return it on the model's device, position_ids defaulted."""
     if not torch.is_tensor(input_ids) or input_ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"input_ids must be an integer tensor [batch, seq], got "
                         f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
@@ -97,9 +94,9 @@ def _check_batch(chunks, input_ids, attention_mask, position_ids):
                          "parallm runs full causal attention, which equals sliding-window attention only up to "
                          "the window")
     vocab = chunks[0].spec.vocab_size
-    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
-        raise ValueError(f"input_ids must lie in [0, {vocab}); got values in [{int(input_ids.min())}, "
-                         f"{int(input_ids.max())}]")
+    low, high = (int(input_ids.min()), int(input_ids.max())) if input_ids.numel() else (0, 0)
+    if low < 0 or high >= vocab:
+        raise ValueError(f"input_ids must lie in [0, {vocab}); got values in [{low}, {high}]")
     return input_ids.long(), attention_mask, position_ids
 
 
@@ -116,9 +113,9 @@ def gather_output(chunk: DecoderChunk, out: torch.Tensor) -> torch.Tensor:
 def forward(chunks, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
     """Whole-batch output on every rank: fp32 logits ``[B, S, V]`` (causal_lm) or values ``[B, S]`` (value)."""
     require_initialized("forward")
-    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
-    input_ids, attention_mask, position_ids = _prepare(chunks, input_ids, attention_mask, position_ids,
-                                                       what="forward")
+    chunks = as_chunks(chunks)
+    input_ids, attention_mask, position_ids = run_local(
+        lambda: _check_batch(chunks, input_ids, attention_mask, position_ids), what="forward")
     layout = Layout()
     if layout.pp == 1:
         return gather_output(chunks[0], chunks[0].compute(input_ids, position_ids, attention_mask))
@@ -137,7 +134,8 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     rank.
     """
     require_initialized("forward_backward")
-    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+    chunks = as_chunks(chunks)
+
     def check():
         batch = _check_batch(chunks, input_ids, attention_mask, position_ids)
         b = batch[0].shape[0]

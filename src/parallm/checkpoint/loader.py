@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError, ParallelError
 from ..families import family_of
+from ..model.decoder import as_chunks
 from ..parallel.errors import run_local
 from ..parallel.state import Layout, require_initialized
 from ..progress import bar
@@ -60,6 +61,17 @@ def value_head_plan(present: dict, spec, task: str) -> tuple[dict[str, str], tup
     return {}, (VALUE_HEAD,)
 
 
+def check_checkpoint(present: dict, spec, task: str, expected: dict, *, strict: bool, where: str):
+    """The checkpoint's tensor names and shapes against the model's (``expected``), value-head sources
+    included. Raises :class:`CheckpointError` naming every problem; returns ``value_head_plan``'s
+    (aliases, initialised)."""
+    aliases, init = value_head_plan(present, spec, task)
+    seen = {**present, **{k: present[v] for k, v in aliases.items()}}
+    want = {k: v for k, v in expected.items() if k not in init}
+    check_keys_and_shapes(seen, want, strict=strict, ignorable=ignorable_names(spec, task), where=where)
+    return aliases, init
+
+
 def init_value_head(param: torch.Tensor, hf_config) -> float:
     """N(0, initializer_range) from a fixed seed: identical on every rank (the head is replicated)."""
     std = getattr(hf_config, "initializer_range", None)
@@ -70,10 +82,6 @@ def init_value_head(param: torch.Tensor, hf_config) -> float:
     with torch.no_grad():
         param.copy_(torch.randn(param.shape, generator=g, dtype=torch.float32) * std)
     return std
-
-
-def _as_chunks(chunks):
-    return list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
 
 
 def model_entries(chunks, layout: Layout):
@@ -192,7 +200,7 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     t0 = time.perf_counter()
-    chunks = _as_chunks(chunks)
+    chunks = as_chunks(chunks)
     layout = Layout()
     spec, task = chunks[0].spec, chunks[0].task
     table = family_of(spec).table
@@ -223,11 +231,9 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
             ckpt = HFCheckpoint(reader, allow_pickle=allow_pickle)
             present, where = {k: ckpt.shape(k) for k in ckpt.keys()}, ckpt.path
             get = ckpt.source
-        aliases, init = value_head_plan(present, spec, task)
-        seen = {**present, **{k: present[v] for k, v in aliases.items()}}
-        want = {k: v for k, v in expected.items() if k not in init}
-        check_keys_and_shapes(seen, want, strict=strict, ignorable=ignorable_names(spec, task), where=where)
-        check_floating([aliases.get(k, k) for k in want], lambda n: get(n).is_floating, where=where)
+        aliases, init = check_checkpoint(present, spec, task, expected, strict=strict, where=where)
+        check_floating([aliases.get(k, k) for k in expected if k not in init], lambda n: get(n).is_floating,
+                       where=where)
         return (lambda name: get(aliases.get(name, name))), (aliases, init)
 
     get, plan = run_local(open_and_check, what="load_hf_weights")

@@ -27,12 +27,13 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from ..families import family_of
-from ..model.spec import layer_numbers
+from ..model.decoder import as_chunks
+from ..model.spec import layer_owner
 from ..parallel.errors import run_local
 from ..parallel.state import Layout, require_initialized
 from ..progress import bar
 from .hf_dir import INDEX_NAME, SINGLE_NAME
-from .loader import _as_chunks, model_entries
+from .loader import model_entries
 from .table import expected_hf_shapes
 from .transforms import merge_shards, shard_blocks
 
@@ -58,25 +59,31 @@ def _ordered_entries(chunks, layout: Layout):
     return sorted(((order[(e.row, e.layer)], e, c) for e, c in mine), key=lambda t: t[0]), everything
 
 
-def _gather_tp(param: torch.Tensor, layout: Layout, dst_tp: int) -> list[torch.Tensor] | None:
-    """Every TP rank's shard on TP rank ``dst_tp`` (None elsewhere)."""
+def _gather_tp(param: torch.Tensor, layout: Layout, dst_tp: int | None) -> list[torch.Tensor] | None:
+    """Every TP rank's shard on TP rank ``dst_tp`` (None elsewhere), or on every TP rank when ``dst_tp`` is
+    None."""
     if layout.tp == 1:
         return [param.detach()]
     t = param.detach().contiguous()
+    if dst_tp is None:
+        out = [torch.empty_like(t) for _ in range(layout.tp)]
+        dist.all_gather(out, t, group=layout.tp_group)
+        return out
     out = [torch.empty_like(t) for _ in range(layout.tp)] if layout.tp_rank == dst_tp else None
     dist.gather(t, out, dst=dist.get_global_rank(layout.tp_group, dst_tp), group=layout.tp_group)
     return out
 
 
-def _merge_entry(entry, chunk, shards, spec, dtype) -> dict[str, torch.Tensor]:
-    param = chunk.get_parameter(entry.local)
+def _merge_entry(entry, param, shards, spec, *, dtype, device) -> dict[str, torch.Tensor]:
+    """Every TP rank's shard -> this entry's HF tensors, on ``device`` in ``dtype`` (None: the param's). Never
+    a view of the live parameter: the caller may keep the tensors while training changes it."""
     if entry.kind == "copy":
         shards = shards[:1]
     out = {}
     for name, tensor in zip(entry.hf, merge_shards(entry.kind, shards, spec)):
-        tensor = tensor.to(device="cpu", dtype=dtype or tensor.dtype).contiguous()
+        tensor = tensor.to(device=device, dtype=dtype or tensor.dtype).contiguous()
         if tensor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
-            tensor = tensor.clone()  # never hand out a view of a live parameter
+            tensor = tensor.clone()
         out[name] = tensor
     return out
 
@@ -92,9 +99,10 @@ def gather_stage_tensors(chunks, layout: Layout, dtype=None, *, progress=None):
     for i, entry, chunk in bar(wanted, desc="parallm save (gather)", rank=layout.rank, progress=progress):
         if not entry.row.save:
             continue
-        shards = _gather_tp(chunk.get_parameter(entry.local), layout, 0)
+        param = chunk.get_parameter(entry.local)
+        shards = _gather_tp(param, layout, 0)
         if shards is not None:
-            out.update(_merge_entry(entry, chunk, shards, spec, dtype))
+            out.update(_merge_entry(entry, param, shards, spec, dtype=dtype, device="cpu"))
     return out
 
 
@@ -133,12 +141,13 @@ def save_hf_weights(chunks, out_dir=None, *, dtype: torch.dtype | None = None, o
     ``out_dir`` given: writes ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` files of at most
     ``max_shard_size`` each plus ``model.safetensors.index.json``) and ``config.json`` (architectures follow the
     task: ``*ForSequenceClassification`` with ``num_labels`` 1 for value models), in parallel from ``tp * pp``
-    processes that must share the filesystem of ``out_dir``. ``dtype``: float32 / bfloat16 / float16 / float64. The files are written into a temporary directory
-    beside ``out_dir`` and moved into place at the end, so an interrupted save leaves ``out_dir`` as it was. A
-    non-empty ``out_dir`` is refused unless ``overwrite=True``. Returns None.
+    processes that must share the filesystem of ``out_dir``; ``dtype`` float32 / bfloat16 / float16 / float64.
+    The files are written into a temporary directory beside ``out_dir`` and moved into place at the end, so an
+    interrupted save leaves ``out_dir`` as it was. A non-empty ``out_dir`` is refused unless
+    ``overwrite=True``. Returns None.
     """
     require_initialized("save_hf_weights")
-    chunks = _as_chunks(chunks)
+    chunks = as_chunks(chunks)
     layout = Layout()
     if out_dir is None:
         local = gather_stage_tensors(chunks, layout, dtype, progress=progress)
@@ -327,11 +336,7 @@ def _owner_stage(entry, layout: Layout, spec) -> int:
         return 0
     if entry.row.stage == "last":
         return layout.pp - 1
-    for p in range(layout.pp):
-        for v in range(layout.vpp):
-            if entry.layer in layer_numbers(spec.num_layers, layout.pp, layout.vpp, p, v):
-                return p
-    raise RuntimeError(f"layer {entry.layer} has no owner")
+    return layer_owner(spec.num_layers, layout.pp, layout.vpp, entry.layer)[0]
 
 
 def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None):
@@ -342,7 +347,7 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None):
     one full tensor at a time: meant for pushing weights into an inference engine with bounded memory.
     """
     require_initialized("export_hf_tensors")
-    chunks = _as_chunks(chunks)
+    chunks = as_chunks(chunks)
     layout = Layout()
     spec = chunks[0].spec
     dtype = dtype or chunks[0].config.params_dtype
@@ -358,15 +363,8 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None):
         tensors = {}
         if owner == layout.pp_rank:
             e, chunk = local[(entry.row, entry.layer)]
-            param = chunk.get_parameter(e.local).detach().contiguous()
-            shards = [param] if layout.tp == 1 else [torch.empty_like(param) for _ in range(layout.tp)]
-            if layout.tp > 1:
-                dist.all_gather(shards, param, group=layout.tp_group)
-            if e.kind == "copy":
-                shards = shards[:1]
-            # a copy: the consumer may keep it while training changes the parameter
-            tensors = {n: t.to(dtype=dtype, copy=True).contiguous()
-                       for n, t in zip(e.hf, merge_shards(e.kind, shards, spec))}
+            param = chunk.get_parameter(e.local)
+            tensors = _merge_entry(e, param, _gather_tp(param, layout, None), spec, dtype=dtype, device=device)
         for name in entry.hf:
             t = tensors.get(name)
             if layout.pp > 1:

@@ -42,23 +42,22 @@ from ..api import default_position_ids
 from ..checkpoint.loader import load_hf_weights
 from ..checkpoint.saver import save_hf_weights
 from ..families import spec_from_config
-from ..model.decoder import DecoderChunk, make_config
+from ..model.decoder import DecoderChunk, as_chunks, prepare_config
 from ..model.spec import layer_numbers
 from ..parallel.comm import gather_last_dim
-from ..parallel.cpu_compat import enable_megatron_sequence_parallel_on_cpu
 from ..parallel.state import Layout, _import_parallel_state, kv_replica_group
 
 
-def _chunk_kwargs(config, megatron_config, pre_process, post_process):
+def _chunk_kwargs(config, megatron_config, task, pre_process, post_process):
+    """The chunk verl's constructor describes: virtual stage from parallel_state (Megatron's get_model sets it
+    before building each chunk), dtype and sequence parallelism from verl's megatron_config."""
     ps = _import_parallel_state()
     spec, _ = spec_from_config(config)
-    tp = ps.get_tensor_model_parallel_world_size()
-    pp = ps.get_pipeline_model_parallel_world_size()
-    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    mp_config = prepare_config(spec, task=task,
+                               dtype=getattr(megatron_config, "params_dtype", None) or torch.float32,
+                               sequence_parallel=bool(getattr(megatron_config, "sequence_parallel", False)))
+    pp, vpp = mp_config.pipeline_model_parallel_size, mp_config.virtual_pipeline_model_parallel_size or 1
     vpp_rank = (ps.get_virtual_pipeline_model_parallel_rank() or 0) if vpp > 1 else 0
-    dtype = getattr(megatron_config, "params_dtype", None) or torch.float32
-    sp = bool(getattr(megatron_config, "sequence_parallel", False))
-    mp_config = make_config(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, dtype=dtype, sequence_parallel=sp)
     layers = layer_numbers(spec.num_layers, pp, vpp, ps.get_pipeline_model_parallel_rank(), vpp_rank)
     return spec, mp_config, dict(pre_process=pre_process, post_process=post_process, layers=layers,
                                  vpp_rank=vpp_rank)
@@ -76,15 +75,14 @@ class _VerlBase(DecoderChunk):
                 raise ValueError(f"{type(self).__name__} runs without pipeline parallelism; with pp > 1 use "
                                  f"the *PP classes")
             pre_process, post_process = True, True
-        spec, mp_config, kw = _chunk_kwargs(config, megatron_config, bool(pre_process), bool(post_process))
+        spec, mp_config, kw = _chunk_kwargs(config, megatron_config, self._task, bool(pre_process),
+                                            bool(post_process))
         if share_embeddings_and_output_weights and not spec.tie_word_embeddings:
             raise ValueError("share_embeddings_and_output_weights=True but the config has tie_word_embeddings="
                              "False")
         if share_embeddings_and_output_weights is False and spec.tie_word_embeddings and self._task == "causal_lm":
             warnings.warn("config.tie_word_embeddings=True: parallm ties the output layer to the embedding "
                           "(share_embeddings_and_output_weights=False is ignored)", stacklevel=2)
-        if mp_config.sequence_parallel and mp_config.use_cpu_initialization:
-            enable_megatron_sequence_parallel_on_cpu()
         super().__init__(spec, mp_config, task=self._task, packed=self._rmpad, **kw)
         self.hf_config = config
         self.megatron_config = megatron_config
@@ -134,9 +132,8 @@ for _family in ("Llama", "Qwen2"):
 
 def _unwrap(models):
     """verl passes Megatron-wrapped models (DDP, Float16Module): follow ``.module`` down to the chunk."""
-    models = models if isinstance(models, (list, tuple)) else [models]
     out = []
-    for m in models:
+    for m in as_chunks(models):
         while not isinstance(m, DecoderChunk) and hasattr(m, "module"):
             m = m.module
         if not isinstance(m, DecoderChunk):

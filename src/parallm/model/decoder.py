@@ -274,6 +274,11 @@ class DecoderChunk(nn.Module):
         return self.compute(input_ids, position_ids, attention_mask)
 
 
+def as_chunks(chunks) -> list:
+    """The public API accepts a list of chunks or a single chunk."""
+    return list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+
+
 def make_config(*, tp: int, pp: int, vpp: int | None, dtype: torch.dtype, sequence_parallel: bool):
     on_gpu = torch.cuda.is_available() and torch.distributed.get_backend() == "nccl"
     return ModelParallelConfig(
@@ -289,16 +294,15 @@ def make_config(*, tp: int, pp: int, vpp: int | None, dtype: torch.dtype, sequen
     )
 
 
-def build_chunks(spec: DecoderSpec, *, task: str = "causal_lm", dtype=torch.float32, sequence_parallel=False,
-                 vocab_multiple: int = 1, packed: bool = False) -> list[DecoderChunk]:
-    """Build this rank's chunks (one per virtual stage) from parallel_state's layout."""
+def prepare_config(spec: DecoderSpec, *, task: str, dtype, sequence_parallel: bool) -> ModelParallelConfig:
+    """Check that the model runs in parallel_state's layout (naming the numbers when it does not) and make the
+    chunks' shared config. Used by build_chunks and by the verl-compatible classes alike."""
     if task not in TASKS + ("hidden",):
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     if spec.hidden_act != "silu":
         raise ValueError(f"hidden_act={spec.hidden_act!r} is not supported (parallm implements 'silu')")
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
     check_tp(spec, tp)
     layer_numbers(spec.num_layers, pp, vpp, 0, 0)  # raises with the numbers if the split is uneven
@@ -306,6 +310,16 @@ def build_chunks(spec: DecoderSpec, *, task: str = "causal_lm", dtype=torch.floa
                          sequence_parallel=sequence_parallel)
     if config.sequence_parallel and config.use_cpu_initialization:
         enable_megatron_sequence_parallel_on_cpu()
+    return config
+
+
+def build_chunks(spec: DecoderSpec, *, task: str = "causal_lm", dtype=torch.float32, sequence_parallel=False,
+                 vocab_multiple: int = 1, packed: bool = False) -> list[DecoderChunk]:
+    """Build this rank's chunks (one per virtual stage) from parallel_state's layout."""
+    config = prepare_config(spec, task=task, dtype=dtype, sequence_parallel=sequence_parallel)
+    pp = config.pipeline_model_parallel_size
+    vpp = config.virtual_pipeline_model_parallel_size or 1
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     chunks = []
     for v in range(vpp):
         chunks.append(DecoderChunk(

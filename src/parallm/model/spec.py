@@ -81,3 +81,11 @@ def layer_numbers(num_layers: int, pp: int, vpp: int, pp_rank: int, vpp_rank: in
     per = num_layers // stages
     offset = vpp_rank * (num_layers // vpp) + pp_rank * per
     return range(offset, offset + per)
+
+
+def layer_owner(num_layers: int, pp: int, vpp: int, layer: int) -> tuple[int, int]:
+    """(pp_rank, vpp_rank) owning global ``layer``: the inverse of :func:`layer_numbers` (chunk ``k = layer //
+    per`` of the interleaved order is virtual stage ``k // pp`` of pipeline rank ``k % pp``)."""
+    per = num_layers // (pp * vpp)
+    chunk = layer // per
+    return chunk % pp, chunk // pp

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ..model.decoder import as_chunks
 from .state import Layout, _import_parallel_state, kv_replica_group
 
 
@@ -43,7 +44,7 @@ def _all_reduce_coalesced(grads: list[torch.Tensor], group, scale: float | None 
 
 def finalize_grads(chunks) -> None:
     """Collective over the world. See the module docstring for what it does."""
-    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+    chunks = as_chunks(chunks)
     layout = Layout()
     spec = chunks[0].spec
     ps = _import_parallel_state()
