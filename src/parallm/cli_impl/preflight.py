@@ -8,9 +8,7 @@ with it; the loader still checks everything again on the ranks.
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 
 from .common import CLIError
 
@@ -23,21 +21,17 @@ ST_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": 
 
 def read_config(path: str) -> dict:
     """config.json of a checkpoint directory, as a dict; a CLIError saying what is wrong otherwise."""
+    from ..families import load_config
     if not os.path.exists(path):
         raise CLIError(f"{path} does not exist")
     if not os.path.isdir(path):
         raise CLIError(f"{path} is not a directory (give the checkpoint directory, the one with config.json)")
-    cfg = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg):
+    if not os.path.isfile(os.path.join(path, "config.json")):
         raise CLIError(f"{path} has no config.json (is it a Hugging Face checkpoint directory?)")
     try:
-        with open(cfg) as f:
-            data = json.load(f)
+        return load_config(path)._raw
     except ValueError as e:
-        raise CLIError(f"{cfg} is not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise CLIError(f"{cfg} does not hold a JSON object")
-    return data
+        raise CLIError(str(e)) from None
 
 
 def model_spec(config: dict, where: str):
@@ -45,10 +39,7 @@ def model_spec(config: dict, where: str):
     from ..families import spec_from_config
     try:
         return spec_from_config(config)
-    except AttributeError as e:
-        field = str(e).rsplit("'", 2)[-2] if "'" in str(e) else str(e)
-        raise CLIError(f"{where}/config.json lacks {field}, which parallm needs") from None
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CLIError(f"{where}/config.json: {e}") from None
 
 
@@ -61,69 +52,35 @@ def resolve_task(config: dict, task: str | None) -> str:
         raise CLIError(str(e)) from None
 
 
-def safetensors_header(path: str) -> dict:
-    """Name -> {"dtype", "shape", "bytes"} from a safetensors file's header (the tensors are not read)."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise ValueError("file shorter than the 8-byte header length")
-            (n,) = struct.unpack("<Q", raw)
-            size = os.path.getsize(path)
-            if n > size - 8:
-                raise ValueError(f"header length {n} exceeds the file size {size}")
-            header = json.loads(f.read(n))
-    except (OSError, ValueError) as e:
-        raise CLIError(f"{path}: not a readable safetensors file ({e})") from None
-    out = {}
-    data_len = size - 8 - n
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        start, stop = meta["data_offsets"]
-        if stop > data_len:
-            raise CLIError(f"{path}: {name} lies past the end of the file (truncated download?)")
-        out[name] = {"dtype": meta["dtype"], "shape": tuple(meta["shape"]), "bytes": stop - start}
-    return out
-
-
-def checkpoint_files(path: str) -> dict[str, str]:
-    """Tensor name -> file name, from the index or the single model.safetensors (as the loader reads it)."""
+def tensor_table(path: str) -> dict[str, dict]:
+    """Every tensor of the checkpoint: name -> {"dtype", "shape", "bytes", "file"}, read from the safetensors
+    headers the way the loader reads them (no tensor data is touched)."""
     from ..checkpoint.hf_dir import HFCheckpoint
     from ..errors import CheckpointError
     try:
-        return dict(HFCheckpoint(path).weight_map)
+        ckpt = HFCheckpoint(path)
+        out = {}
+        for name, fname in ckpt.weight_map.items():
+            src = ckpt.source(name)
+            n = ST_DTYPE_BYTES.get(src.dtype_code, 4)
+            for d in src.shape:
+                n *= d
+            out[name] = {"dtype": src.dtype_code, "shape": src.shape, "bytes": n, "file": fname}
+        return out
     except CheckpointError as e:
         raise CLIError(str(e)) from None
 
 
-def tensor_table(path: str) -> dict[str, dict]:
-    """Every tensor of the checkpoint: name -> {"dtype", "shape", "bytes", "file"}."""
-    weight_map = checkpoint_files(path)
-    headers = {f: safetensors_header(os.path.join(path, f)) for f in sorted(set(weight_map.values()))}
-    out = {}
-    for name, fname in weight_map.items():
-        meta = headers[fname].get(name)
-        if meta is None:
-            raise CLIError(f"{path}: the index puts {name} in {fname}, which does not contain it")
-        out[name] = dict(meta, file=fname)
-    return out
-
-
 def check_tensors(spec, task: str, pp: int, tensors: dict[str, dict], where: str) -> list[str]:
-    """Problems (missing / unexpected / mis-shaped tensors) as the loader would report them; notes otherwise."""
-    from ..checkpoint.hf_dir import check_keys_and_shapes
-    from ..checkpoint.loader import ignorable_names, value_head_plan
+    """Problems (missing / unexpected / mis-shaped tensors) as the loader reports them; notes otherwise."""
+    from ..checkpoint.loader import check_checkpoint
     from ..checkpoint.table import expected_hf_shapes
     from ..errors import CheckpointError
     from ..families import family_of
-    present = {k: v["shape"] for k, v in tensors.items()}
     expected = expected_hf_shapes(family_of(spec).table, spec, task=task, pp=pp)
-    aliases, init = value_head_plan(present, spec, task)
-    seen = {**present, **{k: present[v] for k, v in aliases.items()}}
-    want = {k: v for k, v in expected.items() if k not in init}
     try:
-        check_keys_and_shapes(seen, want, strict=True, ignorable=ignorable_names(spec, task), where=where)
+        aliases, init = check_checkpoint({k: v["shape"] for k, v in tensors.items()}, spec, task, expected,
+                                         strict=True, where=where)
     except CheckpointError as e:
         raise CLIError(str(e)) from None
     notes = []
