@@ -28,18 +28,24 @@ def tiny_config(family: str, **overrides):
     return cls(**base)
 
 
-def randomize_(model, seed: int) -> None:
-    """Every weight non-trivial: norms around 1, biases non-zero, matrices ~N(0, 0.08)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * noise)
-            elif name.endswith(".bias"):
-                p.copy_(0.1 * noise)
-            else:
-                p.copy_(0.08 * noise)
+# Every weight non-trivial: norms around 1, biases non-zero, matrices ~N(0, 0.08) (the demo's own generator).
+from parallm.cli_impl.demo import randomize_weights as randomize_  # noqa: E402
+
+
+def write_config(path, config: dict) -> str:
+    """A checkpoint directory holding only this config.json."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(path)
+
+
+def write_ckpt(path, state: dict, config: dict) -> str:
+    """A single-file safetensors checkpoint of ``state`` (any keys / shapes: for broken checkpoints)."""
+    from safetensors.torch import save_file
+    write_config(path, config)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(path, "model.safetensors"))
+    return str(path)
 
 
 def make_hf_model(config, *, task: str = "causal_lm", seed: int = 0):

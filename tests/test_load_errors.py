@@ -15,25 +15,12 @@ import re
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from helpers import hf_state_dict, make_hf_model, padded_batch, run_ranks, save_checkpoint, tiny_config
+from helpers import (hf_state_dict, make_hf_model, padded_batch, run_ranks, save_checkpoint, tiny_config, write_ckpt,
+                     write_config)
 
 WORLD = 4
 MODES = ("slice", "broadcast")
-
-
-def _write_config(path, config: dict) -> str:
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    return str(path)
-
-
-def _write_ckpt(path, state: dict, config: dict) -> str:
-    _write_config(path, config)
-    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(path, "model.safetensors"))
-    return str(path)
 
 
 K0 = "model.layers.0.self_attn.k_proj.weight"
@@ -69,15 +56,15 @@ def setup(tmp_path_factory):
     with open(os.path.join(good_dir, "config.json")) as f:
         config = json.load(f)
     sd = hf_state_dict(model)
-    arch_dir = _write_config(root / "gemma", dict(config, architectures=["GemmaForCausalLM"],
+    arch_dir = write_config(root / "gemma", dict(config, architectures=["GemmaForCausalLM"],
                                                     model_type="gemma"))
-    split_dirs = {name: _write_config(root / f"split-{name}", dict(config, **over))
+    split_dirs = {name: write_config(root / f"split-{name}", dict(config, **over))
                   for name, (over, _) in SPLIT.items()}
     bad = {}
     for name, (breaker, _) in BAD.items():
         broken = dict(sd)
         breaker(broken)
-        bad[name] = (broken, _write_ckpt(root / f"bad-{name}", broken, config))
+        bad[name] = (broken, write_ckpt(root / f"bad-{name}", broken, config))
     ids, mask = padded_batch(config["vocab_size"])
     # value head sources (DESIGN section 3): score.weight, or a verl-style lm_head.weight of shape [1, H]
     value_model = make_hf_model(tiny_config("llama"), task="value", seed=4)

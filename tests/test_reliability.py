@@ -28,9 +28,8 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from helpers import (file_barrier, hf_state_dict, make_hf_model, padded_batch, run_ranks, run_ranks_allow_dead,
+from helpers import (write_ckpt, write_config, file_barrier, hf_state_dict, make_hf_model, padded_batch, run_ranks, run_ranks_allow_dead,
                      save_checkpoint, tiny_config, tree_digest)
 
 BOUND_S = 60.0          # a failing call must end within this many seconds on every rank
@@ -47,21 +46,8 @@ EXTRA = "model.layers.0.self_attn.q_norm.weight"
 
 # -- building bad checkpoints --------------------------------------------------------------------------------
 
-def _write_config(path, config: dict) -> str:
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    return str(path)
-
-
-def _write_ckpt(path, state: dict, config: dict) -> str:
-    _write_config(path, config)
-    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(path, SINGLE))
-    return str(path)
-
-
 def _write_bytes_ckpt(path, data: bytes, config: dict) -> str:
-    _write_config(path, config)
+    write_config(path, config)
     with open(os.path.join(path, SINGLE), "wb") as f:
         f.write(data)
     return str(path)
@@ -69,7 +55,7 @@ def _write_bytes_ckpt(path, data: bytes, config: dict) -> str:
 
 def _write_index(path, good_file: str, config: dict, weight_map_override: dict) -> str:
     """A sharded-style checkpoint: one real shard plus an index, with some entries redirected."""
-    _write_config(path, config)
+    write_config(path, config)
     shard = "model-00001-of-00002.safetensors"
     shutil.copy(good_file, os.path.join(path, shard))
     from safetensors import safe_open
@@ -143,7 +129,7 @@ def ckpts(tmp_path_factory):
     def broken(name, fn):
         state = dict(sd)
         fn(state)
-        dirs[name] = _write_ckpt(root / f"ckpt-{name}", state, config)
+        dirs[name] = write_ckpt(root / f"ckpt-{name}", state, config)
 
     broken("missing", lambda s: s.pop(DOWN1))
     broken("unexpected", lambda s: s.__setitem__(EXTRA, torch.ones(16)))
@@ -151,7 +137,7 @@ def ckpts(tmp_path_factory):
     overflow = dict(sd)
     overflow[DOWN1] = overflow[DOWN1].clone()
     overflow[DOWN1][0, 0] = 1e6
-    dirs["overflow"] = _write_ckpt(root / "ckpt-overflow", overflow, config)
+    dirs["overflow"] = write_ckpt(root / "ckpt-overflow", overflow, config)
     dirs["truncated"] = _write_bytes_ckpt(root / "ckpt-truncated", good_bytes[:int(len(good_bytes) * 0.6)], config)
     n = _header_len(good_bytes)
     garbage = random.Random(0).randbytes(n)
@@ -162,20 +148,20 @@ def ckpts(tmp_path_factory):
                                          {EMB: "../x.safetensors"})
     dirs["index-missing-file"] = _write_index(root / "ckpt-index-missing-file", good_file, config,
                                               {EMB: "model-00002-of-00002.safetensors"})
-    pickle_dir = _write_config(root / "ckpt-pickle", config)
+    pickle_dir = write_config(root / "ckpt-pickle", config)
     torch.save(sd, os.path.join(pickle_dir, "pytorch_model.bin"))
     dirs["pickle-refused"] = dirs["pickle"] = pickle_dir
-    mistral = _write_config(root / "gemma", dict(config, architectures=["GemmaForCausalLM"],
+    unsupported = write_config(root / "gemma", dict(config, architectures=["GemmaForCausalLM"],
                                                    model_type="gemma"))
-    layers3 = _write_config(root / "layers3", dict(config, num_hidden_layers=3))
-    split = _write_config(root / "split-intermediate", dict(config, intermediate_size=90))
+    layers3 = write_config(root / "layers3", dict(config, num_hidden_layers=3))
+    split = write_config(root / "split-intermediate", dict(config, intermediate_size=90))
     # the atomic-save target holds an older, valid checkpoint
     target = save_checkpoint(make_hf_model(tiny_config("llama"), seed=5), str(root / "atomic" / "target"))
     missing_sd = dict(sd)
     missing_sd.pop(DOWN1)
     ids, mask = padded_batch(config["vocab_size"])
     return dict(root=str(root), good=good, good_file=good_file, good_bytes=good_bytes, config=config, sd=sd,
-                dirs=dirs, mistral=mistral, layers3=layers3, split=split, target=target, missing_sd=missing_sd,
+                dirs=dirs, unsupported=unsupported, layers3=layers3, split=split, target=target, missing_sd=missing_sd,
                 ids=ids, mask=mask)
 
 
@@ -215,7 +201,7 @@ def _catalog_rank(rank, world, s):
     parallm.init_parallel(tp=1, pp=2, vpp=2)
     attempt("layers-not-pp-vpp", lambda: parallm.build_model(s["good"]))
     parallm.init_parallel(tp=1)
-    attempt("unsupported-arch", lambda: parallm.build_model(s["mistral"]))
+    attempt("unsupported-arch", lambda: parallm.build_model(s["unsupported"]))
     parallm.init_parallel(tp=4)
     attempt("not-divisible-by-tp", lambda: parallm.build_model(s["split"]))
 

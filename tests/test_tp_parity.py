@@ -109,6 +109,23 @@ def _build_nan(parallm, source, task, **kwargs):
     return chunks
 
 
+def _load_coverage_problems(chunks, layout) -> list[str]:
+    """Every parameter was loaded (none still NaN) and the weight table names exactly the chunk's parameters."""
+    from parallm.checkpoint.loader import model_entries
+    problems = []
+    nan = _nan_params(chunks)
+    if nan:
+        problems.append(f"parameters not loaded (still NaN): {nan}")
+    mine, _ = model_entries(chunks, layout)
+    for chunk in chunks:
+        table_names = [e.local for e, c in mine if c is chunk]
+        params = {n for n, _ in chunk.named_parameters()}
+        if len(table_names) != len(set(table_names)) or set(table_names) != params:
+            problems.append(f"chunk {chunk.vpp_rank} table vs parameters: only in table "
+                            f"{sorted(set(table_names) - params)}, only in chunk {sorted(params - set(table_names))}")
+    return problems
+
+
 def _nan_params(chunks):
     return sorted(n for c in chunks for n, p in c.named_parameters() if torch.isnan(p).any())
 
@@ -120,7 +137,6 @@ def _log(*msg):
 
 
 def _run_case(parallm, case, tp, rank):
-    from parallm.checkpoint.loader import model_entries
     from parallm.parallel.state import Layout
 
     layout = Layout()
@@ -133,18 +149,7 @@ def _run_case(parallm, case, tp, rank):
     report = parallm.load_hf_weights(chunks, case["path"], mode="slice")
     if report.mode != "slice":
         problems.append(f"mode slice reported {report.mode}")
-    nan = _nan_params(chunks)
-    if nan:
-        problems.append(f"parameters not loaded (still NaN): {nan}")
-
-    # the weight table names exactly the chunk's parameters
-    mine, _ = model_entries(chunks, layout)
-    for chunk in chunks:
-        table_names = [e.local for e, c in mine if c is chunk]
-        params = {n for n, _ in chunk.named_parameters()}
-        if len(table_names) != len(set(table_names)) or set(table_names) != params:
-            problems.append(f"table vs parameters: only in table {sorted(set(table_names) - params)}, "
-                            f"only in chunk {sorted(params - set(table_names))}")
+    problems += _load_coverage_problems(chunks, layout)
     # vocab padding rows are zero
     chunk = chunks[0]
     emb = chunk.embedding.weight
@@ -243,7 +248,6 @@ def _run_case(parallm, case, tp, rank):
 
 def _run_pipeline_case(parallm, case, rank):
     """pp > 1: every chunk's parameters are exactly its table entries and all get loaded; round trip; parity."""
-    from parallm.checkpoint.loader import model_entries
     from parallm.parallel.state import Layout
 
     layout = Layout()
@@ -252,16 +256,7 @@ def _run_pipeline_case(parallm, case, rank):
     if len(chunks) != layout.vpp:
         problems.append(f"{len(chunks)} chunks for vpp={layout.vpp}")
     parallm.load_hf_weights(chunks, case["path"], mode="slice")
-    nan = _nan_params(chunks)
-    if nan:
-        problems.append(f"parameters not loaded (still NaN): {nan}")
-    mine, _ = model_entries(chunks, layout)
-    for chunk in chunks:
-        table_names = [e.local for e, c in mine if c is chunk]
-        params = {n for n, _ in chunk.named_parameters()}
-        if len(table_names) != len(set(table_names)) or set(table_names) != params:
-            problems.append(f"chunk {chunk.vpp_rank} table vs parameters: only in table "
-                            f"{sorted(set(table_names) - params)}, only in chunk {sorted(params - set(table_names))}")
+    problems += _load_coverage_problems(chunks, layout)
     state = parallm.save_hf_weights(chunks)
     if rank == 0:
         ref = case["state_dict"]

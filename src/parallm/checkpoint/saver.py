@@ -24,7 +24,6 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
 from ..families import family_of
 from ..model.decoder import as_chunks

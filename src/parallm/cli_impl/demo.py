@@ -51,7 +51,7 @@ def demo_cases(workdir: str, *, quick: bool, world: int) -> tuple[list[dict], li
     return cases, skipped
 
 
-def _randomize(model, seed: int) -> None:
+def randomize_weights(model, seed: int) -> None:
     """Every weight non-trivial: norms around 1, biases non-zero, matrices ~N(0, 0.08)."""
     import torch
     g = torch.Generator().manual_seed(seed)
@@ -84,7 +84,7 @@ def make_checkpoint(name: str, path: str, seed: int) -> str:
     else:
         model = transformers.AutoModelForCausalLM.from_config(config)
     model = model.float().eval()
-    _randomize(model, seed)
+    randomize_weights(model, seed)
     if config.tie_word_embeddings and task == "causal_lm":
         model.tie_weights()
     model.save_pretrained(path, safe_serialization=True)

@@ -149,7 +149,7 @@ def render(report: dict) -> str:
     if report["problem"]:
         lines.append(f"check         PROBLEM: {report['problem']}")
     else:
-        lines.append(f"check         ok: every tensor the model needs is present with the right shape")
+        lines.append("check         ok: every tensor the model needs is present with the right shape")
     for n in report["notes"]:
         lines.append(f"note          {n}")
 

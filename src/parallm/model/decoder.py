@@ -12,7 +12,6 @@ the fused MLP input projection on rank r is ``[gate_r; up_r]``; o_proj and down_
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
