@@ -49,6 +49,7 @@ class HFCheckpoint:
     def __init__(self, path: str | os.PathLike, *, allow_pickle: bool = False):
         self.path = os.path.abspath(os.fspath(path))
         self.pickle = False
+        self._handles: dict[str, object] = {}   # file name -> open safetensors handle / loaded pickle dict
         if not os.path.isdir(self.path):
             raise CheckpointError(f"checkpoint directory {self.path} does not exist")
         index = os.path.join(self.path, INDEX_NAME)
@@ -56,8 +57,8 @@ class HFCheckpoint:
         if os.path.isfile(index):
             self.weight_map = self._read_index(index)
         elif os.path.isfile(single):
-            with self._open_file(SINGLE_NAME) as h:
-                self.weight_map = {k: SINGLE_NAME for k in h.keys()}
+            self._handles[SINGLE_NAME] = handle = self._open_file(SINGLE_NAME)   # opened once, kept for reads
+            self.weight_map = {k: SINGLE_NAME for k in handle.keys()}
         else:
             pickles = sorted(f for f in os.listdir(self.path) if f.endswith(PICKLE_SUFFIXES))
             if not pickles:
@@ -73,8 +74,8 @@ class HFCheckpoint:
                 self.weight_map = self._read_index(pindex)
             else:
                 fname = PICKLE_SINGLE_NAME if PICKLE_SINGLE_NAME in pickles else pickles[0]
-                self.weight_map = {k: fname for k in self._load_pickle(fname)}
-        self._handles: dict[str, object] = {}
+                self._handles[fname] = state = self._load_pickle(fname)
+                self.weight_map = {k: fname for k in state}
 
     def _read_index(self, index: str) -> dict[str, str]:
         with open(index) as f:
