@@ -50,6 +50,7 @@ class HFCheckpoint:
         self.path = os.path.abspath(os.fspath(path))
         self.pickle = False
         self._handles: dict[str, object] = {}   # file name -> open safetensors handle / loaded pickle dict
+        self._sources: dict[str, Source] = {}   # tensor name -> its Source (made once: shape, dtype and reads)
         if not os.path.isdir(self.path):
             raise CheckpointError(f"checkpoint directory {self.path} does not exist")
         index = os.path.join(self.path, INDEX_NAME)
@@ -78,6 +79,8 @@ class HFCheckpoint:
                 self.weight_map = {k: fname for k in state}
 
     def _read_index(self, index: str) -> dict[str, str]:
+        """The index's name -> file map. Each distinct file is resolved and checked once (an index lists
+        hundreds of tensors in a handful of files)."""
         with open(index) as f:
             try:
                 weight_map = json.load(f)["weight_map"]
@@ -85,15 +88,21 @@ class HFCheckpoint:
                 raise CheckpointError(f"{index}: not a checkpoint index ({type(e).__name__}: {e})") from None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: weight_map is not a mapping")
-        out = {}
+        base = os.path.realpath(self.path)
+        files: dict[str, str] = {}
+        for fname in sorted({str(v) for v in weight_map.values()}):
+            full = os.path.realpath(os.path.join(self.path, fname))
+            if os.path.dirname(full) != base:
+                files[fname] = "outside"
+            elif not os.path.isfile(full):
+                files[fname] = "missing"
         for name, fname in weight_map.items():
-            full = os.path.realpath(os.path.join(self.path, str(fname)))
-            if os.path.dirname(full) != os.path.realpath(self.path):
+            problem = files.get(str(fname))
+            if problem == "outside":
                 raise CheckpointError(f"{index}: {name} points to {fname!r}, outside the checkpoint directory")
-            if not os.path.isfile(full):
+            if problem == "missing":
                 raise CheckpointError(f"{index}: {name} is in {fname!r}, which does not exist")
-            out[name] = str(fname)
-        return out
+        return {name: str(fname) for name, fname in weight_map.items()}
 
     def _load_pickle(self, fname: str) -> dict:
         full = os.path.join(self.path, fname)
@@ -123,6 +132,12 @@ class HFCheckpoint:
         return self._handles[fname]
 
     def source(self, name: str) -> Source:
+        src = self._sources.get(name)
+        if src is None:
+            src = self._sources[name] = self._make_source(name)
+        return src
+
+    def _make_source(self, name: str) -> Source:
         try:
             if self.pickle:
                 tensor = self._handle(name).get(name)
@@ -140,6 +155,7 @@ class HFCheckpoint:
 
     def close(self):
         self._handles.clear()
+        self._sources.clear()
 
 
 def check_keys_and_shapes(present: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], *,

@@ -7,7 +7,12 @@ Modes
                the shard of every rank that owns a piece and sends it there (point to point), so rank 0 holds
                one full tensor at a time and every rank, data-parallel replicas included, receives only its own
                shards.
-    auto       slice when every rank sees the directory (or holds the state dict), else broadcast.
+    auto       every rank holding the same kind of source as rank 0 reads its own slices; rank 0 streams the
+               shards of the others (all ranks see the directory: slice; a state dict on rank 0 only: broadcast).
+
+One exchange between the ranks per load: reading ranks check and fill first, then every rank contributes a row
+of integers (outcome, kind of source, rank 0's value-head plan, its TP rank, which table entries it holds) to a
+single all-gather. Messages travel only when something failed.
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ import torch.distributed as dist
 from ..errors import CheckpointError, ParallelError
 from ..families import family_of
 from ..model.decoder import as_chunks
-from ..parallel.errors import run_local
+from ..parallel.errors import exchange_rows, gather_objects, remote_error, status_of
 from ..parallel.state import Layout, require_initialized
 from ..progress import bar
 from .hf_dir import HFCheckpoint, check_floating, check_keys_and_shapes, tensor_shapes
+from .cast import check_cast, copy_cast_
 from .table import Entry, all_entries, chunk_entries, expected_hf_shapes
 from .transforms import TensorSource, make_shard, shard_blocks
 
@@ -135,33 +141,10 @@ def _choose_mode(mode: str, kinds: list[tuple[str, str]]) -> str:
     return mode
 
 
-def _fit_dtype(shard: torch.Tensor, dtype: torch.dtype, names) -> torch.Tensor:
-    """Cast to the model dtype; values the dtype cannot hold (e.g. > 65504 into float16) are an error, and so
-    is an integer / bool checkpoint tensor for a floating-point parameter (its bits are not weights)."""
-    if shard.dtype == dtype:
-        return shard
-    if dtype.is_floating_point and not shard.dtype.is_floating_point:
-        raise CheckpointError(f"{', '.join(names)}: checkpoint dtype {shard.dtype} is not a floating-point type "
-                              f"(the model parameter is {dtype})")
-    cast = shard.to(dtype)
-    if cast.is_floating_point() and not torch.isfinite(cast).all() and torch.isfinite(shard).all():
-        biggest = shard.abs().max().item()
-        raise CheckpointError(f"{', '.join(names)}: values up to {biggest:.6g} overflow {dtype} (max "
-                              f"{torch.finfo(dtype).max:.6g}); build the model in bfloat16 or float32")
-    return cast
-
-
-def _copy_into(param: torch.Tensor, shard: torch.Tensor, entry: Entry) -> None:
-    if tuple(shard.shape) != tuple(param.shape):
-        raise CheckpointError(f"{entry.local} <- {', '.join(entry.hf)}: shard shape {tuple(shard.shape)} "
-                              f"does not fit parameter {tuple(param.shape)}")
-    with torch.no_grad():
-        param.copy_(_fit_dtype(shard, param.dtype, entry.hf))
-
-
 def _fill_from_blocks(param, entry: Entry, sources, layout: Layout, spec, padded_vocab: int) -> None:
-    """Slice mode: read each piece of this rank's shard (``shard_blocks``) straight into its place in the
-    parameter: one copy per byte, no intermediate shard. Vocab padding rows are zeroed."""
+    """Read each piece of this rank's shard (``shard_blocks``) straight into its place in the parameter,
+    converting to the parameter's dtype in the same copy (:func:`copy_cast_`): one copy per byte, no
+    intermediate shard. Vocab padding rows are zeroed."""
     blocks = shard_blocks(entry.kind, layout.tp_rank, layout.tp, spec, [s.shape for s in sources], padded_vocab)
     filled = 0
     with torch.no_grad():
@@ -171,16 +154,21 @@ def _fill_from_blocks(param, entry: Entry, sources, layout: Layout, spec, padded
                                       f"{tuple(sources[src].shape)} does not fit parameter {tuple(param.shape)}")
             part = sources[src].read(dim, a, b)
             target = param.narrow(dim, la, lb - la)
-            if tuple(part.shape) != tuple(target.shape):
+            if part.shape != target.shape:
                 raise CheckpointError(f"{entry.local} <- {entry.hf[src]}: slice {tuple(part.shape)} does not fit "
                                       f"{tuple(target.shape)}")
-            target.copy_(_fit_dtype(part, param.dtype, entry.hf))
+            copy_cast_(target, part, entry.hf)
             filled = max(filled, lb)
         if entry.kind == "vocab":
             param.narrow(0, filled, param.shape[0] - filled).zero_()
         elif filled != param.shape[1 if entry.kind == "row" else 0]:
             raise CheckpointError(f"{entry.local} <- {', '.join(entry.hf)}: the checkpoint fills {filled} of "
                                   f"{tuple(param.shape)}")
+
+
+_KINDS = ("dir", "missing-dir", "dict", "none")
+# The one exchange of a load: per rank [status, source kind, value head initialised, tp rank, request bitmap...].
+_OK, _FAILED_KIND, _FAILED_READ = 0, 1, 2
 
 
 def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
@@ -190,11 +178,21 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
     Strict by default: a tensor the model needs but the checkpoint lacks, a tensor the model does not use
     (``strict=False`` ignores those), or a tensor of the wrong shape is a :class:`CheckpointError` on every rank,
     naming the tensor and both shapes. Tied models ignore a stray ``lm_head.weight`` and load the head from
-    ``model.embed_tokens.weight``. ``mode="auto"`` picks slice when every rank sees the directory (or holds the
-    state dict) and broadcast otherwise; the returned :class:`LoadReport` says which (rank 0 also logs it).
-    ``progress``: a tqdm bar on rank 0 (see :mod:`parallm.progress`). Pickle checkpoints (``.bin`` / ``.pt``)
-    are refused unless ``allow_pickle=True`` (then read with ``torch.load(weights_only=True)``). A value the
-    model dtype cannot hold (float16 overflow) is an error naming the tensor.
+    ``model.embed_tokens.weight``. ``mode="auto"``: every rank that holds the same kind of source as rank 0 (the
+    directory, or a state dict) reads its own slices, and rank 0 streams the shards of the others (so when every
+    rank sees the directory this is slice mode); the returned :class:`LoadReport` says "slice" or "broadcast"
+    (rank 0 also logs it). ``progress``: a tqdm bar on rank 0 (see :mod:`parallm.progress`). Pickle checkpoints
+    (``.bin`` / ``.pt``) are refused unless ``allow_pickle=True`` (then read with
+    ``torch.load(weights_only=True)``).
+
+    dtypes: each tensor is converted to its parameter's dtype inside the copy that fills it (see
+    :mod:`parallm.checkpoint.cast`); a value the model dtype cannot hold (float16 overflow) is an error naming
+    the tensor; inf / NaN already in the checkpoint are loaded as they are.
+
+    Cost: one exchange between the ranks (an all-gather of a few integers per rank). Every reading rank checks
+    the names, shapes and dtypes of all tensors at once and fills its parameters first; then the ranks exchange
+    their outcome (and which shards they still need), and rank 0 streams those. After an error the parameters
+    hold a partial load.
     """
     require_initialized("load_hf_weights")
     if mode not in MODES:
@@ -203,15 +201,6 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
     chunks = as_chunks(chunks)
     layout = Layout()
     spec, task = chunks[0].spec, chunks[0].task
-    table = family_of(spec).table
-    expected = expected_hf_shapes(table, spec, task=task, pp=layout.pp)
-    kind = run_local(lambda: _source_kind(source), what="load_hf_weights")
-    kinds = [None] * layout.world
-    dist.all_gather_object(kinds, kind)
-    requested = mode
-    mode = run_local(lambda: _choose_mode(mode, kinds), what="load_hf_weights")
-    if layout.rank == 0:
-        logger.info("load_hf_weights: mode=%s%s", mode, " (chosen by mode='auto')" if requested == "auto" else "")
     mine, everything = model_entries(chunks, layout)
     for chunk in chunks:  # the table must cover every parameter: nothing may stay silently uninitialised
         uncovered = {n for n, _ in chunk.named_parameters()} - {e.local for e, c in mine if c is chunk}
@@ -219,49 +208,116 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
             raise RuntimeError(f"internal error: the {spec.family} weight table has no row for parameter(s) "
                                f"{sorted(uncovered)}")
     padded_vocab = chunks[0].padded_vocab_size
-    reader = source if mode == "slice" or layout.rank == 0 else None
 
-    def open_and_check():
-        if reader is None:
-            return None, None
-        if isinstance(reader, dict):
-            present, where = tensor_shapes(reader), "state dict"
-            get = lambda name: TensorSource(reader[name])  # noqa: E731
-        else:
-            ckpt = HFCheckpoint(reader, allow_pickle=allow_pickle)
-            present, where = {k: ckpt.shape(k) for k in ckpt.keys()}, ckpt.path
-            get = ckpt.source
-        aliases, init = check_checkpoint(present, spec, task, expected, strict=strict, where=where)
-        check_floating([aliases.get(k, k) for k in expected if k not in init], lambda n: get(n).is_floating,
-                       where=where)
-        return (lambda name: get(aliases.get(name, name))), (aliases, init)
-
-    get, plan = run_local(open_and_check, what="load_hf_weights")
-    if mode == "broadcast":
-        box = [plan]
-        dist.broadcast_object_list(box, src=0)
-        plan = box[0]
-    aliases, init = plan
-    to_init = [(e, c) for e, c in mine if set(e.hf) & set(init)]
-    mine = [(e, c) for e, c in mine if not set(e.hf) & set(init)]
-    for entry, chunk in to_init:
-        std = init_value_head(chunk.get_parameter(entry.local), chunk.hf_config)
-        if layout.rank == 0 or chunk.post_process and layout.tp_rank == 0 and layout.dp_rank == 0:
-            warnings.warn(f"{', '.join(entry.hf)} is not in the checkpoint (a causal-LM checkpoint loaded as a "
-                          f"value model): initialised N(0, {std}) with seed {VALUE_HEAD_INIT_SEED}", stacklevel=2)
-    if mode == "slice":
-        def fill():
-            for entry, chunk in bar(mine, desc="parallm load (slice)", rank=layout.rank, progress=progress):
+    # 1. local work: a rank that may read its own shards does so (check, then fill) before talking to anyone.
+    kind, what, error, status, get, init = "none", "None", None, _OK, None, ()
+    try:
+        kind, what = _source_kind(source)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it in the exchange
+        error, status = e, _FAILED_KIND
+    reads = status == _OK and (layout.rank == 0 if mode == "broadcast" else kind in ("dir", "dict"))
+    if reads:
+        try:
+            get, init = _open_and_check(source, spec, task, layout, strict=strict, allow_pickle=allow_pickle)
+            own = [(e, c) for e, c in mine if not set(e.hf) & set(init)]
+            for entry, chunk in bar(own, desc="parallm load", rank=layout.rank, progress=progress):
                 _fill_from_blocks(chunk.get_parameter(entry.local), entry, [get(n) for n in entry.hf], layout,
                                   spec, padded_vocab)
-        run_local(fill, what="load_hf_weights")
-    else:
-        everything = [e for e in everything if not set(e.hf) & set(init)]
-        _broadcast_load(mine, everything, get, layout, spec, padded_vocab, progress)
+        except Exception as e:  # noqa: BLE001
+            error, status = e, _FAILED_READ
+
+    # 2. the one exchange: outcome, source kind, rank 0's value-head plan, the shards each rank holds.
+    order = {(e.row, e.layer): i for i, e in enumerate(everything)}
+    holds = [0] * len(everything)
+    for e, _ in mine:
+        holds[order[(e.row, e.layer)]] = 1
+    rows = exchange_rows([status, _KINDS.index(kind), int(bool(init)), layout.tp_rank] + holds,
+                         what="load_hf_weights", error=error)
+    statuses, kinds = rows[:, 0].tolist(), [_KINDS[k] for k in rows[:, 1].tolist()]
+    readers = _readers(mode, kinds)
+    if any(statuses) or _mode_problem(mode, kinds):
+        _settle(error, statuses, (kind, what), mode, readers, layout)
+    requested, mode = mode, "slice" if all(readers) else "broadcast"
+    if layout.rank == 0:
+        logger.info("load_hf_weights: mode=%s%s", mode, " (chosen by mode='auto')" if requested == "auto" else "")
+    if not readers[layout.rank]:
+        init = (VALUE_HEAD,) if rows[0, 2].item() else ()      # rank 0's plan
+    for entry, chunk in mine:
+        if set(entry.hf) & set(init):
+            std = init_value_head(chunk.get_parameter(entry.local), chunk.hf_config)
+            if layout.rank == 0 or chunk.post_process and layout.tp_rank == 0 and layout.dp_rank == 0:
+                warnings.warn(f"{', '.join(entry.hf)} is not in the checkpoint (a causal-LM checkpoint loaded as a "
+                              f"value model): initialised N(0, {std}) with seed {VALUE_HEAD_INIT_SEED}",
+                              stacklevel=2)
+
+    # 3. rank 0 streams the shards of every rank that did not read its own.
+    if mode == "broadcast":
+        skip = {i for i, e in enumerate(everything) if set(e.hf) & set(init)}
+        needs = {r: (int(rows[r, 3]), [i for i in rows[r, 4:].nonzero().flatten().tolist() if i not in skip])
+                 for r in range(layout.world) if not readers[r]}
+        _broadcast_load(needs, mine, everything, get, layout, spec, padded_vocab, progress)
     for chunk in chunks:
         chunk.parallm_loaded = True
-    return LoadReport(mode=mode, tensors=len(mine) + len(to_init), seconds=time.perf_counter() - t0,
-                      initialised=tuple(init))
+    return LoadReport(mode=mode, tensors=len(mine), seconds=time.perf_counter() - t0, initialised=tuple(init))
+
+
+def _open_and_check(source, spec, task, layout: Layout, *, strict: bool, allow_pickle: bool):
+    """Open this rank's source and check every tensor's name, shape and dtype at once. Returns
+    ``(get, initialised)``: ``get(hf_name)`` gives the :class:`Source` to read (value-head aliases applied)."""
+    expected = expected_hf_shapes(family_of(spec).table, spec, task=task, pp=layout.pp)
+    if isinstance(source, dict):
+        present, where = tensor_shapes(source), "state dict"
+        sources = {}
+
+        def raw(name):
+            if name not in sources:
+                sources[name] = TensorSource(source[name])
+            return sources[name]
+    else:
+        ckpt = HFCheckpoint(source, allow_pickle=allow_pickle)
+        raw, where = ckpt.source, ckpt.path
+        present = {k: raw(k).shape for k in ckpt.keys()}
+    aliases, init = check_checkpoint(present, spec, task, expected, strict=strict, where=where)
+    check_floating([aliases.get(k, k) for k in expected if k not in init], lambda n: raw(n).is_floating,
+                   where=where)
+    return (lambda name: raw(aliases.get(name, name))), init
+
+
+def _readers(mode: str, kinds: list[str]) -> list[bool]:
+    """Which ranks fill their own parameters from their own source: every rank (slice), rank 0 (broadcast), or
+    every rank holding the same kind of source as rank 0 (auto)."""
+    if mode == "slice":
+        return [True] * len(kinds)
+    if mode == "broadcast":
+        return [r == 0 for r in range(len(kinds))]
+    return [k == kinds[0] for k in kinds]
+
+
+def _mode_problem(mode: str, kinds: list[str]) -> bool:
+    """Whether :func:`_choose_mode` refuses these sources (known from the kinds alone, without descriptions)."""
+    return kinds[0] in ("missing-dir", "none") or mode == "slice" and any(k != kinds[0] for k in kinds)
+
+
+def _settle(error, statuses, source, mode: str, readers, layout: Layout) -> None:
+    """Something failed somewhere (or the sources do not fit the mode): the same error on every rank. Exchanges
+    the messages (only now), then raises, in this order of precedence: a source that is not a source (the
+    argument's type), a placement the mode cannot serve (:func:`_choose_mode`'s messages), a reading rank's
+    failure. A failing rank raises its own error; the others name it. Failures of ranks that read ahead in
+    auto mode but end up receiving from rank 0 are ignored (their parameters are overwritten by the stream)."""
+    gathered = gather_objects((status_of(error), source), what="load_hf_weights", error=error)
+    me = layout.rank
+    kind_failed = [(r, s) for r, ((s, _), st) in enumerate(zip(gathered, statuses)) if st == _FAILED_KIND]
+    if kind_failed:
+        if statuses[me] == _FAILED_KIND:
+            raise error
+        raise remote_error("load_hf_weights", kind_failed)
+    _choose_mode(mode, [src for _, src in gathered])
+    read_failed = [(r, s) for r, ((s, _), st) in enumerate(zip(gathered, statuses))
+                   if st == _FAILED_READ and readers[r]]
+    if read_failed:
+        if statuses[me] == _FAILED_READ and readers[me]:
+            raise error
+        raise remote_error("load_hf_weights", read_failed)
 
 
 def _send_failure(error: BaseException, ranks, device) -> None:
@@ -286,31 +342,45 @@ def _recv_failure(length: int, device) -> BaseException:
     return etype(f"load_hf_weights failed on rank 0: {message}")
 
 
-def _broadcast_load(mine, everything, get, layout: Layout, spec, padded_vocab: int, progress) -> None:
-    """Rank 0 streams: for each HF tensor in global order it reads (lazily, slice by slice) the shard of each TP
-    rank that needs one and sends it to every owner (data-parallel replicas included), so rank 0 holds about
-    one shard at a time.
+# dtypes a shard may travel in; the status word before a shard is its index here.
+_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
-    Each shard is preceded by a status word. If rank 0 fails mid-stream (a read error, or a receiver that died),
-    it sends every rank still waiting a failure status and its error message, and every rank raises that error
-    at once, with no further collective (which could wait on a dead rank)."""
-    order = {(e.row, e.layer): i for i, e in enumerate(everything)}
-    wanted = sorted(((order[(e.row, e.layer)], e, chunk) for e, chunk in mine), key=lambda t: t[0])
-    requests = [(i, layout.tp_rank) for i, _, _ in wanted]
-    gathered = [None] * layout.world if layout.rank == 0 else None
-    dist.gather_object(requests, gathered, dst=0)
+
+def _wire(shard: torch.Tensor, model_dtype: torch.dtype, names, device) -> torch.Tensor:
+    """What rank 0 sends for a shard: overflow checked here (on the source values), then the narrower of the
+    checkpoint's and the model's dtype (a bf16 checkpoint for an fp32 model travels in bf16 and is widened by
+    the receiver's copy into its parameter)."""
+    check_cast(shard, model_dtype, names)
+    if shard.dtype not in _WIRE_DTYPES or shard.element_size() > torch.empty((), dtype=model_dtype).element_size():
+        shard = shard.to(model_dtype)
+    return shard.to(device=device).contiguous()
+
+
+def _broadcast_load(needs, mine, everything, get, layout: Layout, spec, padded_vocab: int, progress) -> None:
+    """Rank 0 streams: for each HF tensor in global order it reads (lazily, slice by slice) the shard of each TP
+    rank that needs one and sends it to every receiving owner (data-parallel replicas included), so rank 0 holds
+    about one shard at a time. ``needs``: receiving rank -> (its tp rank, the ``everything`` indices it needs).
+
+    Each shard is preceded by a status word: the shard's dtype (an index into ``_WIRE_DTYPES``), or, if rank 0
+    failed mid-stream (a read error, an overflow, a receiver that died), minus the length of its error message,
+    which follows; every waiting rank then raises that error at once, with no further collective (which could
+    wait on a dead rank)."""
     device = next(mine[0][1].parameters()).device
     status = torch.zeros(1, dtype=torch.long, device=device)
-    if layout.rank != 0:
+    if layout.rank in needs:
+        order = {(e.row, e.layer): i for i, e in enumerate(everything)}
+        params = {order[(e.row, e.layer)]: chunk.get_parameter(e.local) for e, chunk in mine}
         try:
-            for _, entry, chunk in wanted:
+            for i in needs[layout.rank][1]:
                 dist.recv(status, src=0)
                 if status.item() < 0:
                     raise _recv_failure(-status.item(), device)
-                param = chunk.get_parameter(entry.local)
-                buf = param.data if param.data.is_contiguous() else torch.empty_like(param.data)
+                param = params[i]
+                wire_dtype = _WIRE_DTYPES[status.item()]
+                direct = wire_dtype == param.dtype and param.data.is_contiguous()
+                buf = param.data if direct else torch.empty(param.shape, dtype=wire_dtype, device=device)
                 dist.recv(buf, src=0)
-                if buf is not param.data:
+                if not direct:
                     param.data.copy_(buf)
         except (CheckpointError, ParallelError, ValueError, TypeError, FileNotFoundError):
             raise
@@ -318,12 +388,13 @@ def _broadcast_load(mine, everything, get, layout: Layout, spec, padded_vocab: i
             raise ParallelError(f"load_hf_weights: lost contact with rank 0 while receiving weights (did it die?):"
                                 f" {e}") from e
         return
-    wire_dtype = mine[0][1].config.params_dtype
-    local = {i: (e, c) for i, e, c in wanted}
-    needers: dict[int, dict[int, list[int]]] = {}   # entry index -> tp rank -> global ranks
-    remaining = {r: len(reqs) for r, reqs in enumerate(gathered)}
-    for rank, reqs in enumerate(gathered):
-        for i, tp_rank in reqs:
+    if layout.rank != 0:
+        return
+    model_dtype = mine[0][1].config.params_dtype
+    needers: dict[int, dict[int, list[int]]] = {}   # entry index -> tp rank -> receiving global ranks
+    remaining = {r: len(idx) for r, (_, idx) in needs.items()}
+    for rank, (tp_rank, idx) in needs.items():
+        for i in idx:
             needers.setdefault(i, {}).setdefault(tp_rank, []).append(rank)
     pbar = bar(total=len(needers), desc="parallm load (broadcast)", rank=0, progress=progress)
     sending_to = None
@@ -333,15 +404,9 @@ def _broadcast_load(mine, everything, get, layout: Layout, spec, padded_vocab: i
             sources = [get(n) for n in entry.hf]
             for tp_rank, ranks in needers[i].items():
                 shard = make_shard(entry.kind, sources, tp_rank, layout.tp, spec, padded_vocab)
-                wire = None
+                wire = _wire(shard, model_dtype, entry.hf, device)
+                status.fill_(_WIRE_DTYPES.index(wire.dtype))
                 for rank in ranks:
-                    if rank == 0:
-                        e, chunk = local[i]
-                        _copy_into(chunk.get_parameter(e.local), shard, e)
-                        remaining[rank] -= 1
-                        continue
-                    if wire is None:
-                        wire = _fit_dtype(shard, wire_dtype, entry.hf).to(device=device).contiguous()
                     sending_to = rank
                     dist.send(status, dst=rank)
                     dist.send(wire, dst=rank)
@@ -354,7 +419,7 @@ def _broadcast_load(mine, everything, get, layout: Layout, spec, padded_vocab: i
         if sending_to is not None:
             e = ParallelError(f"load_hf_weights: lost contact with rank {sending_to} while sending it weights "
                               f"(did it die?): {e}")
-        _send_failure(e, [r for r, left in remaining.items() if r != 0 and left > 0], device)
+        _send_failure(e, [r for r, left in remaining.items() if left > 0], device)
         raise e
     finally:
         pbar.close()

@@ -48,6 +48,58 @@ def abort_process_groups() -> None:
             pass
 
 
+def _lost_peer(comm_error: BaseException, error: BaseException | None, what: str):
+    """A collective failed: abort the groups (so no rank waits for the dead one) and say so."""
+    abort_process_groups()
+    if error is not None:
+        raise error from comm_error
+    raise ParallelError(f"{what}: lost contact with another rank (did a rank die or get killed?): "
+                        f"{comm_error}; the process groups were aborted so that no rank waits for it") from comm_error
+
+
+def exchange_rows(row, *, what: str, group=None, error: BaseException | None = None):
+    """Every member's ``row`` (a short list of ints, the same length everywhere): an int64 tensor
+    ``[world, len(row)]`` (on CPU). One all-gather. A lost peer becomes a :class:`ParallelError` after the
+    process groups are aborted (``error``, this rank's own failure, is raised instead when given)."""
+    import torch
+    world = dist.get_world_size(group)
+    mine = torch.tensor(list(row), dtype=torch.long, device=_flag_device())
+    out = torch.empty(world * mine.numel(), dtype=torch.long, device=mine.device)
+    try:
+        dist.all_gather_into_tensor(out, mine, group=group)
+    except Exception as comm_error:  # noqa: BLE001 - a lost peer
+        _lost_peer(comm_error, error, what)
+    return out.view(world, -1).cpu()
+
+
+def gather_objects(obj, *, what: str, group=None, error: BaseException | None = None) -> list:
+    """``all_gather_object`` with :func:`exchange_rows`' handling of a lost peer."""
+    out = [None] * dist.get_world_size(group)
+    try:
+        dist.all_gather_object(out, obj, group=group)
+    except Exception as comm_error:  # noqa: BLE001
+        _lost_peer(comm_error, error, what)
+    return out
+
+
+def status_of(error: BaseException | None):
+    """What :func:`remote_error` needs to re-create ``error`` on another rank."""
+    return None if error is None else (type(error).__name__, str(error))
+
+
+def remote_error(what: str, failed, group=None) -> BaseException:
+    """The exception a rank raises for other ranks' failures. ``failed``: ``[(member index, status_of(e))]``,
+    first culprit first; the message names its global rank and how many others failed; the type is re-created
+    by name when it is one of parallm's usual types (else :class:`ParallelError`)."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    first, (type_name, message) = failed[0]
+    others = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+    etype = _error_types().get(type_name, ParallelError)
+    if etype is KeyError:  # KeyError quotes its message; keep text readable
+        etype = ParallelError
+    return etype(f"{what} failed on rank {ranks[first]}{others}: {message}")
+
+
 def agree(error: BaseException | None, *, what: str, group=None) -> None:
     """Collective over ``group`` (default: world). Raises on every member if any member passed an error.
 
@@ -64,26 +116,13 @@ def agree(error: BaseException | None, *, what: str, group=None) -> None:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if flag.item() == 0:
             return
-        status = None if error is None else (type(error).__name__, str(error))
         statuses = [None] * dist.get_world_size(group)
-        dist.all_gather_object(statuses, status, group=group)
+        dist.all_gather_object(statuses, status_of(error), group=group)
     except Exception as comm_error:  # noqa: BLE001 - a lost peer
-        abort_process_groups()
-        if error is not None:
-            raise error from comm_error
-        raise ParallelError(f"{what}: lost contact with another rank (did a rank die or get killed?): "
-                            f"{comm_error}; the process groups were aborted so that no rank waits for it")\
-            from comm_error
-    failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
+        _lost_peer(comm_error, error, what)
     if error is not None:
         raise error
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    first_rank, (type_name, message) = failed[0]
-    others = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
-    etype = _error_types().get(type_name, ParallelError)
-    if etype is KeyError:  # KeyError quotes its message; keep text readable
-        etype = ParallelError
-    raise etype(f"{what} failed on rank {ranks[first_rank]}{others}: {message}")
+    raise remote_error(what, [(r, s) for r, s in enumerate(statuses) if s is not None], group)
 
 
 def run_local(fn, *, what: str, group=None):
@@ -96,4 +135,4 @@ def run_local(fn, *, what: str, group=None):
     return result
 
 
-__all__ = ["ParallelError", "agree", "run_local"]
+__all__ = ["ParallelError", "agree", "exchange_rows", "gather_objects", "remote_error", "run_local", "status_of"]

@@ -1,0 +1,208 @@
+"""Checkpoint loading benchmarks (issues: load speed vs transformers; dtype conversion). Not part of the tests.
+
+    python bench/load_bench.py vs-transformers [--size 383MB|1.5GB] [--reps 5] [--workdir DIR]
+    python bench/load_bench.py dtype [--reps 3] [--workdir DIR]
+
+vs-transformers
+    A Qwen2-shaped fp32 checkpoint in 60 MB shards (``--size 383MB``: hidden 512, 24 layers, vocab 32000, untied;
+    ``--size 1.5GB``: hidden 1024, 24 layers, inter 3072). On 2 gloo ranks, alternately in the same processes:
+    transformers' ``from_pretrained(tp_plan="auto")`` (needs the ``accelerate`` package) and parallm's
+    ``build_model`` + ``load_hf_weights`` at tp=2 (``--mode``, default auto). Each side's time is the wall of
+    rank 0 between two barriers, the best of ``--reps``; the ratio is transformers / parallm (speed of parallm
+    relative to transformers: > 1 is faster). GB/s = checkpoint bytes / parallm's time.
+
+dtype
+    A bf16 checkpoint shaped as Qwen2.5-0.5B (24 layers, hidden 896, 14 heads / 2 KV heads, inter 4864, vocab
+    151936, tied; ~942 MB), at tp2 x pp2 on 4 gloo ranks, ``mode="slice"``: ``load_hf_weights`` into a model
+    built in bf16 and into one built in fp32 (fresh models each time), best of ``--reps``. Target: fp32 <= 2.0x
+    bf16 (twice the bytes are written).
+
+Both sides read from the page cache (the checkpoint is read once before timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import run_world, table  # noqa: E402
+
+SIZES = {
+    "383MB": dict(hidden_size=512, intermediate_size=1344, num_hidden_layers=24, num_attention_heads=8,
+                  num_key_value_heads=2, vocab_size=32000, tie_word_embeddings=False),
+    "1.5GB": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=24, num_attention_heads=16,
+                  num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False),
+}
+QWEN05 = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+              num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+
+
+def qwen2_tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
+    h, inter, L, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    d = h // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * d
+    shapes = {"model.embed_tokens.weight": (v, h)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (h, h), p + "self_attn.q_proj.bias": (h,),
+                       p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.v_proj.bias": (kv,),
+                       p + "self_attn.o_proj.weight": (h, h), p + "mlp.gate_proj.weight": (inter, h),
+                       p + "mlp.up_proj.weight": (inter, h), p + "mlp.down_proj.weight": (h, inter)})
+    shapes["model.norm.weight"] = (h,)
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def make_checkpoint(path: str, cfg: dict, dtype_name: str, shard_bytes: int) -> int:
+    """Random weights (N(0, 0.02)) written as HF safetensors shards of at most ``shard_bytes``; returns bytes."""
+    import torch
+    from safetensors.torch import save_file
+    dtype = getattr(torch, dtype_name)
+    config = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", max_position_embeddings=4096,
+                  rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu", torch_dtype=dtype_name, **cfg)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    g = torch.Generator().manual_seed(0)
+    elsize = torch.empty((), dtype=dtype).element_size()
+    files, current, size, total = [], {}, 0, 0
+    for name, shape in qwen2_tensors(cfg).items():
+        n = elsize
+        for s in shape:
+            n *= s
+        if current and size + n > shard_bytes:
+            files.append(current)
+            current, size = {}, 0
+        current[name] = (torch.randn(*shape, generator=g) * 0.02).to(dtype)
+        size += n
+        total += n
+    files.append(current)
+    weight_map = {}
+    for k, part in enumerate(files):
+        fname = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
+        save_file(part, os.path.join(path, fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    return total
+
+
+def warm_page_cache(path: str) -> None:
+    for fname in os.listdir(path):
+        with open(os.path.join(path, fname), "rb") as f:
+            while f.read(1 << 24):
+                pass
+
+
+def _timed(fn):
+    import torch.distributed as dist
+    dist.barrier()
+    t = time.perf_counter()
+    result = fn()
+    dist.barrier()
+    return time.perf_counter() - t, result
+
+
+def rank_vs_transformers(rank, world, ckpt, reps, mode):
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    import parallm
+    dist.init_process_group("gloo")
+    parallm.init_parallel(tp=world)
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+    def hf():
+        return transformers.AutoModelForCausalLM.from_pretrained(ckpt, tp_plan="auto", dtype=torch.float32)
+
+    def ours():
+        chunks = parallm.build_model(ckpt, dtype=torch.float32)
+        parallm.load_hf_weights(chunks, ckpt, mode=mode)
+        return chunks
+
+    times = {"transformers": [], "parallm": []}
+    for i in range(reps + 1):                 # first round: warm-up (imports, allocator, page cache)
+        for name, fn in (("transformers", hf), ("parallm", ours)):
+            t, model = _timed(fn)
+            if i:
+                times[name].append(t)
+            del model
+    parallm.destroy_parallel()
+    return {k: min(v) for k, v in times.items()}
+
+
+def rank_dtype(rank, world, ckpt, reps):
+    import torch
+
+    import parallm
+    parallm.init_parallel(tp=2, pp=2)
+    times = {"bf16": [], "fp32": []}
+    for i in range(reps + 1):
+        for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            chunks = parallm.build_model(ckpt, dtype=dtype)
+            t, _ = _timed(lambda: parallm.load_hf_weights(chunks, ckpt, mode="slice"))
+            if i:
+                times[name].append(t)
+            del chunks
+    parallm.destroy_parallel()
+    return {k: min(v) for k, v in times.items()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("vs-transformers", "dtype"))
+    ap.add_argument("--size", choices=sorted(SIZES), default="383MB")
+    ap.add_argument("--mode", default="auto")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--workdir", default=None)
+    args = ap.parse_args(argv)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="parallm-load-bench-")
+    try:
+        if args.what == "vs-transformers":
+            ckpt = os.path.join(workdir, f"qwen2-fp32-{args.size}")
+            if not os.path.isdir(ckpt):
+                make_checkpoint(ckpt, SIZES[args.size], "float32", 60 * 10 ** 6)
+            total = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt) if f.endswith("tensors"))
+            warm_page_cache(ckpt)
+            res = run_world(rank_vs_transformers, 2, ckpt, args.reps, args.mode)[0]
+            tf, ours = res["transformers"], res["parallm"]
+            print(f"checkpoint: Qwen2-shaped fp32, {total / 1e6:.0f} MB in 60 MB shards; tp=2 on 2 gloo ranks "
+                  f"({os.cpu_count()} cores), mode={args.mode}, best of {args.reps}")
+            print(table([("transformers from_pretrained(tp_plan='auto')", f"{tf:.3f} s", f"{total / tf / 1e9:.2f}"),
+                         ("parallm build_model + load_hf_weights", f"{ours:.3f} s", f"{total / ours / 1e9:.2f}")],
+                        ["", "time", "GB/s"]))
+            print(f"parallm speed / transformers speed = {tf / ours:.2f}  (goal >= 1.0, aim 2.0)")
+        else:
+            ckpt = os.path.join(workdir, "qwen2.5-0.5b-bf16")
+            if not os.path.isdir(ckpt):
+                make_checkpoint(ckpt, QWEN05, "bfloat16", 5 * 10 ** 9)
+            total = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt) if f.endswith("tensors"))
+            warm_page_cache(ckpt)
+            res = run_world(rank_dtype, 4, ckpt, args.reps)
+            bf, fp = max(r["bf16"] for r in res), max(r["fp32"] for r in res)
+            print(f"checkpoint: Qwen2.5-0.5B-shaped bf16, {total / 1e6:.0f} MB; tp2 x pp2 on 4 gloo ranks "
+                  f"({os.cpu_count()} cores), mode=slice, best of {args.reps}")
+            print(table([("load into a bf16 model", f"{bf:.3f} s", "1.00"),
+                         ("load into an fp32 model", f"{fp:.3f} s", f"{fp / bf:.2f}")],
+                        ["", "time", "ratio"]))
+            print(f"fp32 / bf16 = {fp / bf:.2f}  (target <= 2.0)")
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
