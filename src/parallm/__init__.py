@@ -8,7 +8,7 @@ Public API (a contract, see docs/api.md)::
                                  dtype=torch.float32)
     parallm.load_hf_weights(chunks, source, *, mode="auto")
     state = parallm.save_hf_weights(chunks, out_dir=None, *, dtype=None)
-    for name, tensor in parallm.export_hf_tensors(chunks, *, dtype=None): ...
+    for name, tensor in parallm.export_hf_tensors(chunks, *, dtype=None, bucket_bytes=..., dst_ranks=None): ...
     out = parallm.forward(chunks, input_ids, attention_mask=None, position_ids=None)
     loss = parallm.forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_microbatches=1)
     parallm.finalize_grads(chunks)
@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "build_model": "api", "default_position_ids": "api", "forward": "api", "forward_backward": "api",
     "load_hf_weights": "checkpoint.loader", "save_hf_weights": "checkpoint.saver",
-    "export_hf_tensors": "checkpoint.saver", "finalize_grads": "parallel.grads",
+    "export_hf_tensors": "checkpoint.export", "finalize_grads": "parallel.grads",
     "init_parallel": "parallel.state", "destroy_parallel": "parallel.state",
 }
 

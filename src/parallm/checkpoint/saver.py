@@ -10,7 +10,11 @@ Three ways out:
   ``shard_blocks`` layout; column slices of row-parallel tensors row by row): ``tp * pp`` writers, no gather, no
   merge copy. Files live in a temporary directory beside ``out_dir`` that is moved into place only when every
   file, the index and config.json are complete.
-* ``export_hf_tensors(chunks)``: a generator of ``(hf_name, full tensor)`` on every rank, one tensor at a time.
+* ``export_hf_tensors(chunks)`` (:mod:`parallm.checkpoint.export`): the bucketed stream for weight sync.
+
+``dtype`` conversions follow :mod:`parallm.checkpoint.cast`: converted inside the copy that moves the bytes, and a
+value the target dtype cannot hold (float16 overflow) is a :class:`CheckpointError` on every rank before anything
+is written or gathered.
 
 Peers are found through the process groups (``get_process_group_ranks``), never by rank arithmetic.
 """
@@ -27,10 +31,10 @@ import torch.distributed as dist
 
 from ..families import family_of
 from ..model.decoder import as_chunks
-from ..model.spec import layer_owner
 from ..parallel.errors import run_local
 from ..parallel.state import Layout, require_initialized
 from ..progress import bar
+from .cast import can_overflow, cast, check_cast
 from .hf_dir import INDEX_NAME, SINGLE_NAME
 from .loader import model_entries
 from .table import expected_hf_shapes
@@ -80,7 +84,7 @@ def _merge_entry(entry, param, shards, spec, *, dtype, device) -> dict[str, torc
         shards = shards[:1]
     out = {}
     for name, tensor in zip(entry.hf, merge_shards(entry.kind, shards, spec)):
-        tensor = tensor.to(device=device, dtype=dtype or tensor.dtype).contiguous()
+        tensor = cast(tensor, dtype, name, instead="save", device=device).contiguous()
         if tensor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
             tensor = tensor.clone()
         out[name] = tensor
@@ -148,6 +152,8 @@ def save_hf_weights(chunks, out_dir=None, *, dtype: torch.dtype | None = None, o
     require_initialized("save_hf_weights")
     chunks = as_chunks(chunks)
     layout = Layout()
+    if dtype is not None and any(can_overflow(p.dtype, dtype) for c in chunks for p in c.parameters()):
+        run_local(lambda: _check_casts(chunks, layout, dtype), what="save_hf_weights")
     if out_dir is None:
         local = gather_stage_tensors(chunks, layout, dtype, progress=progress)
         state = _collect_on_rank0(local, layout, next(chunks[0].parameters()).device)
@@ -158,6 +164,15 @@ def save_hf_weights(chunks, out_dir=None, *, dtype: torch.dtype | None = None, o
     _save_dir(chunks, layout, os.path.abspath(os.fspath(out_dir)), dtype=dtype, overwrite=overwrite,
               max_shard_size=parse_size(max_shard_size), progress=progress)
     return None
+
+
+def _check_casts(chunks, layout: Layout, dtype) -> None:
+    """Every saved parameter of this rank fits ``dtype`` (checked before any collective, so an overflow is an
+    error on every rank rather than a rank missing from the next gather)."""
+    mine, _ = model_entries(chunks, layout)
+    for e, chunk in mine:
+        if e.row.save:
+            check_cast(chunk.get_parameter(e.local).detach(), dtype, e.hf, instead="save")
 
 
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
@@ -264,7 +279,8 @@ def _save_dir(chunks, layout: Layout, out_dir: str, *, dtype, overwrite: bool, m
             elsize = torch.empty((), dtype=dtype).element_size()
             try:
                 for _, entry, chunk in bar(wanted, desc="parallm save", rank=layout.rank, progress=progress):
-                    local = chunk.get_parameter(entry.local).detach().to(device="cpu", dtype=dtype)
+                    local = cast(chunk.get_parameter(entry.local).detach(), dtype, entry.hf, instead="save",
+                                 device="cpu")
                     hf_shapes = [shapes[n] for n in entry.hf]
                     for block in shard_blocks(entry.kind, layout.tp_rank, layout.tp, spec, hf_shapes,
                                               chunks[0].padded_vocab_size):
@@ -326,48 +342,3 @@ def hf_config_dict(chunk, dtype=None) -> dict:
     d.setdefault("model_type", chunk.spec.model_type)
     d["torch_dtype" if "torch_dtype" in d else "dtype"] = str(dtype or chunk.config.params_dtype).replace("torch.", "")
     return d
-
-
-# -- export stream --------------------------------------------------------------------------------------------
-
-def _owner_stage(entry, layout: Layout, spec) -> int:
-    if entry.row.stage == "first":
-        return 0
-    if entry.row.stage == "last":
-        return layout.pp - 1
-    return layer_owner(spec.num_layers, layout.pp, layout.vpp, entry.layer)[0]
-
-
-def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None):
-    """Yield ``(hf_name, full tensor)`` for every HF tensor, once, in table order, on every rank. Collective:
-    every rank must consume the generator to the end.
-
-    Each tensor is TP-gathered on its stage and broadcast to the other stages of the pipeline, so a rank holds
-    one full tensor at a time: meant for pushing weights into an inference engine with bounded memory.
-    """
-    require_initialized("export_hf_tensors")
-    chunks = as_chunks(chunks)
-    layout = Layout()
-    spec = chunks[0].spec
-    dtype = dtype or chunks[0].config.params_dtype
-    device = next(chunks[0].parameters()).device
-    shapes = expected_hf_shapes(family_of(spec).table, spec, task=chunks[0].task, pp=layout.pp)
-    mine, everything = model_entries(chunks, layout)
-    local = {(e.row, e.layer): (e, c) for e, c in mine}
-    pp_ranks = dist.get_process_group_ranks(layout.pp_group)
-    for entry in everything:
-        if not entry.row.save:
-            continue
-        owner = _owner_stage(entry, layout, spec)
-        tensors = {}
-        if owner == layout.pp_rank:
-            e, chunk = local[(entry.row, entry.layer)]
-            param = chunk.get_parameter(e.local)
-            tensors = _merge_entry(e, param, _gather_tp(param, layout, None), spec, dtype=dtype, device=device)
-        for name in entry.hf:
-            t = tensors.get(name)
-            if layout.pp > 1:
-                if t is None:
-                    t = torch.empty(shapes[name], dtype=dtype, device=device)
-                dist.broadcast(t, src=pp_ranks[owner], group=layout.pp_group)
-            yield name, t

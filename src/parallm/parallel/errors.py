@@ -64,12 +64,12 @@ def exchange_rows(row, *, what: str, group=None, error: BaseException | None = N
     import torch
     world = dist.get_world_size(group)
     mine = torch.tensor(list(row), dtype=torch.long, device=_flag_device())
-    out = torch.empty(world * mine.numel(), dtype=torch.long, device=mine.device)
+    out = [torch.empty_like(mine) for _ in range(world)]
     try:
-        dist.all_gather_into_tensor(out, mine, group=group)
+        dist.all_gather(out, mine, group=group)
     except Exception as comm_error:  # noqa: BLE001 - a lost peer
         _lost_peer(comm_error, error, what)
-    return out.view(world, -1).cpu()
+    return torch.stack(out).cpu()
 
 
 def gather_objects(obj, *, what: str, group=None, error: BaseException | None = None) -> list:

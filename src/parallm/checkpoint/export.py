@@ -1,0 +1,303 @@
+"""The export stream (weight sync): every HF tensor, exactly once, to the ranks that want it, in buckets.
+
+``export_hf_tensors(chunks, *, dtype=None, bucket_bytes=..., dst_ranks=None)`` is what an RL trainer calls to push
+its weights into an inference engine: the destinations get one full HF-named tensor at a time; the other ranks
+only send.
+
+Plan (a pure function of one exchange, so every rank computes the same plan)
+    piece    the shard of one TP rank of one saved table entry (``copy`` entries: TP rank 0's only), sent by
+             the rank holding it with the lowest data-parallel rank. Pieces are found from what every rank
+             holds (a bitmap over the global entry list), never from rank arithmetic, so entries owned by
+             other kinds of ranks (expert-parallel experts) plan the same way.
+    part     a piece split by rows so that no part exceeds the bucket (a part holds one row at least).
+    bucket   consecutive parts, at most ``bucket_bytes`` in all; inside a bucket the parts of each sending
+             rank are contiguous (its segment), so a bucket costs one message per sending rank.
+
+Transfer, per bucket: each sender copies its parts into its segment, converting to the wire dtype in that copy;
+then one broadcast per segment over the world when every rank is a destination, else point-to-point sends to
+each destination. A destination assembles each HF tensor from its TP pieces (the layout's blocks, one copy) and
+yields it when its last part has arrived; a tensor larger than the bucket arrives over several buckets.
+
+Memory: a destination holds the bucket buffer, the tensor being yielded, and at most one tensor that straddles
+buckets (so about ``bucket_bytes`` + the largest tensor); a rank that is not a destination holds only its own
+segment of the current bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..families import family_of
+from ..model.decoder import as_chunks
+from ..parallel.errors import exchange_rows, gather_objects, remote_error, status_of
+from ..parallel.state import Layout, require_initialized
+from .cast import check_cast
+from .loader import model_entries
+from .table import expected_hf_shapes
+from .transforms import TensorSource, make_shard, shard_blocks
+
+DEFAULT_BUCKET_BYTES = 256 * 1024 ** 2
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass(frozen=True)
+class Part:
+    """Rows ``[r0, r1)`` of TP rank ``tp``'s shard of entry ``entry``, sent by global rank ``src``; in the
+    bucket buffer at element ``offset``."""
+    entry: int
+    tp: int
+    src: int
+    r0: int
+    r1: int
+    row_numel: int
+    offset: int = 0
+
+    @property
+    def numel(self) -> int:
+        return (self.r1 - self.r0) * self.row_numel
+
+
+@dataclass(frozen=True)
+class Bucket:
+    parts: tuple[Part, ...]                   # grouped by sender, each sender's parts contiguous
+    segments: tuple[tuple[int, int, int], ...]  # (src, offset, numel) per sender
+    numel: int
+
+
+def piece_shape(entry, tp_rank: int, tp: int, spec, hf_shapes, padded_vocab: int) -> tuple[int, ...]:
+    """Shape of TP rank ``tp_rank``'s shard of ``entry`` (from the layout, on the meta device: no data)."""
+    metas = [TensorSource(torch.empty(s, device="meta")) for s in hf_shapes]
+    return tuple(make_shard(entry.kind, metas, tp_rank, tp, spec, padded_vocab).shape)
+
+
+def plan_buckets(pieces, bucket_numel: int) -> list[Bucket]:
+    """``pieces``: ``(entry, tp, src, shape)`` in global order -> buckets of at most ``bucket_numel`` elements
+    (a single row larger than that travels alone). Pure."""
+    buckets, current, used = [], [], 0
+
+    def close():
+        nonlocal current, used
+        if current:
+            buckets.append(_layout_bucket(current))
+        current, used = [], 0
+
+    for entry, tp, src, shape in pieces:
+        rows = shape[0] if shape else 1
+        row_numel = 1
+        for d in shape[1:]:
+            row_numel *= d
+        r = 0
+        while r < rows:
+            room = (bucket_numel - used) // row_numel
+            if room < 1 and current:
+                close()
+                continue
+            n = min(rows - r, max(room, 1))
+            current.append(Part(entry, tp, src, r, r + n, row_numel))
+            used += n * row_numel
+            r += n
+            if used >= bucket_numel:
+                close()
+    close()
+    return buckets
+
+
+def _layout_bucket(parts: list[Part]) -> Bucket:
+    order = sorted(range(len(parts)), key=lambda k: (parts[k].src, k))
+    laid, segments, offset = [], [], 0
+    for k in order:
+        p = parts[k]
+        if not segments or segments[-1][0] != p.src:
+            segments.append([p.src, offset, 0])
+        laid.append(Part(p.entry, p.tp, p.src, p.r0, p.r1, p.row_numel, offset))
+        offset += p.numel
+        segments[-1][2] += p.numel
+    return Bucket(tuple(laid), tuple(tuple(s) for s in segments), offset)
+
+
+def _parse_bucket(bucket_bytes) -> int:
+    from .saver import parse_size
+    try:
+        n = parse_size(bucket_bytes)
+    except (TypeError, ValueError):
+        raise ValueError(f"export_hf_tensors: bucket_bytes must be a size in bytes, got {bucket_bytes!r}") from None
+    if n < 1:
+        raise ValueError(f"export_hf_tensors: bucket_bytes must be at least 1 byte, got {bucket_bytes!r}")
+    return n
+
+
+def _parse_dst(dst_ranks, world: int) -> list[int]:
+    if dst_ranks is None:
+        return list(range(world))
+    try:
+        ranks = sorted({int(r) for r in dst_ranks})
+    except (TypeError, ValueError):
+        raise ValueError(f"export_hf_tensors: dst_ranks must be a list of global ranks, got {dst_ranks!r}") \
+            from None
+    outside = [r for r in ranks if not 0 <= r < world]
+    if outside or not ranks:
+        raise ValueError(f"export_hf_tensors: dst_ranks {list(dst_ranks)} " + (
+            f"name rank(s) {outside} outside the world of {world} ranks (0..{world - 1})" if outside
+            else "is empty: name at least one destination rank"))
+    return ranks
+
+
+def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=DEFAULT_BUCKET_BYTES,
+                      dst_ranks=None):
+    """Every HF tensor of the model, once, in table order, as ``(hf_name, full tensor)`` on each rank of
+    ``dst_ranks`` (default: every rank). Collective: every rank calls it and iterates the returned generator
+    to its end; on a rank that is not a destination the generator yields nothing and ends once this rank's
+    part has been sent.
+
+    ``dtype``: the tensors' dtype (default: the model's), converted on the sender while packing; a value the
+    dtype cannot hold (e.g. > 65504 into float16) is a :class:`CheckpointError` on every rank, raised here
+    before anything is sent. ``bucket_bytes`` (int, or "64MB" / "1GiB"): the most bytes one bucket carries;
+    small tensors share a bucket, larger ones are split over several. A destination holds about
+    ``bucket_bytes`` plus the largest tensor; every yielded tensor is its own (never a view of a buffer or a
+    parameter), lives on the parameters' device, and may be kept.
+
+    Arguments are checked on every rank in the call's single exchange: a bucket below one byte, a destination
+    outside the world, or ranks passing different arguments is a ``ValueError`` on every rank.
+    """
+    require_initialized("export_hf_tensors")
+    chunks = as_chunks(chunks)
+    layout = Layout()
+    spec = chunks[0].spec
+    mine, everything = model_entries(chunks, layout)
+    wire = dtype or chunks[0].config.params_dtype
+    error, numel, dst = None, 0, []
+    try:
+        if wire not in _DTYPES:
+            raise ValueError(f"export_hf_tensors: dtype must be one of {[str(d) for d in _DTYPES]}, got {dtype}")
+        numel = max(1, _parse_bucket(bucket_bytes) // torch.empty((), dtype=wire).element_size())
+        dst = _parse_dst(dst_ranks, layout.world)
+        for e, chunk in mine:      # before anything moves: an overflow is everybody's error, not a hang
+            if e.row.save:
+                check_cast(chunk.get_parameter(e.local).detach(), wire, e.hf, instead="export")
+    except Exception as e:  # noqa: BLE001 - every rank learns of it in the exchange
+        error = e
+    order = {(e.row, e.layer): i for i, e in enumerate(everything)}
+    holds = [0] * len(everything)
+    for e, _ in mine:
+        holds[order[(e.row, e.layer)]] = 1
+    dst_mask = [int(r in dst) for r in range(layout.world)]
+    rows = exchange_rows([int(error is not None), numel, _DTYPES.index(wire) if wire in _DTYPES else -1,
+                          layout.tp_rank, layout.dp_rank] + dst_mask + holds, what="export_hf_tensors", error=error)
+    if rows[:, 0].any():
+        statuses = gather_objects(status_of(error), what="export_hf_tensors", error=error)
+        if error is not None:
+            raise error
+        raise remote_error("export_hf_tensors", [(r, s) for r, s in enumerate(statuses) if s is not None])
+    args = torch.cat([rows[:, 1:3], rows[:, 5:5 + layout.world]], dim=1)
+    if not bool((args == args[0]).all()):
+        differ = [r for r in range(layout.world) if not bool((args[r] == args[0]).all())]
+        raise ValueError(f"export_hf_tensors: every rank must pass the same dtype, bucket_bytes and dst_ranks; "
+                         f"rank(s) {differ} differ from rank 0")
+    shapes = expected_hf_shapes(family_of(spec).table, spec, task=chunks[0].task, pp=layout.pp)
+    padded_vocab = chunks[0].padded_vocab_size
+    tp_of, dp_of, held = rows[:, 3].tolist(), rows[:, 4].tolist(), rows[:, 5 + layout.world:]
+    pieces = []
+    for i, entry in enumerate(everything):
+        if not entry.row.save:
+            continue
+        hf_shapes = [shapes[n] for n in entry.hf]
+        for t in ([0] if entry.kind == "copy" else range(layout.tp)):
+            holders = [r for r in range(layout.world) if held[r, i] and tp_of[r] == t]
+            if not holders:
+                raise RuntimeError(f"internal error: no rank holds TP rank {t}'s shard of {', '.join(entry.hf)}")
+            src = min(holders, key=lambda r: (dp_of[r], r))
+            pieces.append((i, t, src, piece_shape(entry, t, layout.tp, spec, hf_shapes, padded_vocab)))
+    buckets = plan_buckets(pieces, numel)
+    params = {order[(e.row, e.layer)]: chunk.get_parameter(e.local) for e, chunk in mine}
+    device = next(chunks[0].parameters()).device
+    return _stream(buckets, everything, shapes, params, dst, wire, device, layout, spec, padded_vocab)
+
+
+def _pack(bucket: Bucket, buf: torch.Tensor, base: int, params, me: int, wire, everything) -> None:
+    """Copy (and convert) this rank's parts of ``bucket`` into ``buf`` (whose element 0 is bucket offset
+    ``base``)."""
+    with torch.no_grad():
+        for p in bucket.parts:
+            if p.src != me:
+                continue
+            src = params[p.entry].detach()
+            rows = src.reshape(src.shape[0] if src.dim() else 1, -1).narrow(0, p.r0, p.r1 - p.r0)
+            buf.narrow(0, p.offset - base, p.numel).view(p.r1 - p.r0, p.row_numel).copy_(rows)
+
+
+def _transfer(bucket: Bucket, buf: torch.Tensor, base: int, dst: list[int], world: int, me: int) -> None:
+    """Move every segment of ``bucket`` to the destinations: a broadcast per segment when every rank is a
+    destination, else point-to-point sends from each sender to each destination."""
+    if len(dst) == world:
+        works = [dist.broadcast(buf.narrow(0, off - base, n), src=src, async_op=True)
+                 for src, off, n in bucket.segments if world > 1]
+    else:
+        works = []
+        for src, off, n in bucket.segments:
+            seg = buf.narrow(0, off - base, n)
+            if src == me:
+                works += [dist.isend(seg, dst=d) for d in dst if d != me]
+            elif me in dst:
+                works.append(dist.irecv(seg, src=src))
+    for w in works:
+        w.wait()
+
+
+def _stream(buckets, everything, shapes, params, dst, wire, device, layout: Layout, spec, padded_vocab):
+    me = layout.rank
+    receiving = me in dst
+    if not receiving:
+        mine = [b for b in buckets if any(s == me for s, _, _ in b.segments)]
+        if not mine:
+            return
+        cap = max(n for b in mine for s, _, n in b.segments if s == me)
+        buf = torch.empty(cap, dtype=wire, device=device)
+        for b in mine:
+            src, off, n = next(s for s in b.segments if s[0] == me)
+            _pack(b, buf, off, params, me, wire, everything)
+            _transfer(Bucket(b.parts, ((src, off, n),), b.numel), buf, off, dst, layout.world, me)
+        return
+    remaining: dict[int, int] = {}
+    for b in buckets:
+        for p in b.parts:
+            remaining[p.entry] = remaining.get(p.entry, 0) + 1
+    buf = torch.empty(max((b.numel for b in buckets), default=0), dtype=wire, device=device)
+    pending: dict[int, dict[str, torch.Tensor]] = {}    # entry -> its HF tensors being assembled
+    for b in buckets:
+        _pack(b, buf, 0, params, me, wire, everything)
+        _transfer(b, buf, 0, dst, layout.world, me)
+        done = []
+        for p in b.parts:
+            entry = everything[p.entry]
+            out = pending.get(p.entry)
+            if out is None:
+                out = pending[p.entry] = {n: torch.empty(shapes[n], dtype=wire, device=device) for n in entry.hf}
+            _scatter(entry, p, buf.narrow(0, p.offset, p.numel), out, layout.tp, spec, shapes, padded_vocab)
+            remaining[p.entry] -= 1
+            if remaining[p.entry] == 0:
+                done.append(p.entry)
+        for i in sorted(done):
+            out = pending.pop(i)
+            for name in everything[i].hf:
+                yield name, out.pop(name)
+
+
+def _scatter(entry, part: Part, flat: torch.Tensor, out: dict, tp: int, spec, shapes, padded_vocab) -> None:
+    """Copy a part (rows ``[r0, r1)`` of TP rank ``part.tp``'s shard) into its places in the HF tensors,
+    following the layout's blocks; replicas (non-primary blocks) and vocab padding rows are skipped."""
+    hf_shapes = [shapes[n] for n in entry.hf]
+    rows = flat.view(part.r1 - part.r0, part.row_numel)
+    for s, dim, a, b, la, lb, primary in shard_blocks(entry.kind, part.tp, tp, spec, hf_shapes, padded_vocab):
+        if not primary:
+            continue
+        target = out[entry.hf[s]]
+        if dim == 0:
+            lo, hi = max(la, part.r0), min(lb, part.r1)
+            if lo < hi:
+                target.view(target.shape[0] if target.dim() else 1, -1).narrow(0, a + lo - la, hi - lo).copy_(
+                    rows.narrow(0, lo - part.r0, hi - lo))
+        else:   # columns [la, lb) of the shard are columns [a, b) of the HF tensor, row for row
+            target.narrow(0, part.r0, part.r1 - part.r0).narrow(1, a, b - a).copy_(rows.narrow(1, la, lb - la))
