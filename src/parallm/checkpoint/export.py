@@ -155,9 +155,13 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
     ``dtype``: the tensors' dtype (default: the model's), converted on the sender while packing; a value the
     dtype cannot hold (e.g. > 65504 into float16) is a :class:`CheckpointError` on every rank, raised here
     before anything is sent. ``bucket_bytes`` (int, or "64MB" / "1GiB"): the most bytes one bucket carries;
-    small tensors share a bucket, larger ones are split over several. A destination holds about
-    ``bucket_bytes`` plus the largest tensor; every yielded tensor is its own (never a view of a buffer or a
-    parameter), lives on the parameters' device, and may be kept.
+    small tensors share a bucket, larger ones are split over several.
+
+    Yielded tensors live on the parameters' device, are never views of a parameter, and may be kept: they are
+    views of the stream's output buffers, and a buffer is reused for later tensors only once nothing refers
+    to it any more (a consumer that copies each tensor and drops it, as an inference engine's weight loader
+    does, lets the stream reuse its buffers: a destination then holds about two buckets plus the largest
+    tensor; one that keeps them makes the stream allocate afresh).
 
     Arguments are checked on every rank in the call's single exchange: a bucket below one byte, a destination
     outside the world, or ranks passing different arguments is a ``ValueError`` on every rank.
@@ -168,11 +172,12 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
     spec = chunks[0].spec
     mine, everything = model_entries(chunks, layout)
     wire = dtype or chunks[0].config.params_dtype
-    error, numel, dst = None, 0, []
+    error, nbytes, numel, dst = None, 0, 0, []
     try:
         if wire not in _DTYPES:
             raise ValueError(f"export_hf_tensors: dtype must be one of {[str(d) for d in _DTYPES]}, got {dtype}")
-        numel = max(1, _parse_bucket(bucket_bytes) // torch.empty((), dtype=wire).element_size())
+        nbytes = _parse_bucket(bucket_bytes)
+        numel = max(1, nbytes // torch.empty((), dtype=wire).element_size())
         dst = _parse_dst(dst_ranks, layout.world)
         for e, chunk in mine:      # before anything moves: an overflow is everybody's error, not a hang
             if e.row.save:
@@ -184,7 +189,7 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
     for e, _ in mine:
         holds[order[(e.row, e.layer)]] = 1
     dst_mask = [int(r in dst) for r in range(layout.world)]
-    rows = exchange_rows([int(error is not None), numel, _DTYPES.index(wire) if wire in _DTYPES else -1,
+    rows = exchange_rows([int(error is not None), nbytes, _DTYPES.index(wire) if wire in _DTYPES else -1,
                           layout.tp_rank, layout.dp_rank] + dst_mask + holds, what="export_hf_tensors", error=error)
     if rows[:, 0].any():
         statuses = gather_objects(status_of(error), what="export_hf_tensors", error=error)
@@ -196,8 +201,32 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
         differ = [r for r in range(layout.world) if not bool((args[r] == args[0]).all())]
         raise ValueError(f"export_hf_tensors: every rank must pass the same dtype, bucket_bytes and dst_ranks; "
                          f"rank(s) {differ} differ from rank 0")
-    shapes = expected_hf_shapes(family_of(spec).table, spec, task=chunks[0].task, pp=layout.pp)
-    padded_vocab = chunks[0].padded_vocab_size
+    key = rows.numpy().tobytes()
+    cached = getattr(chunks[0], "_parallm_export_plan", None)
+    if cached is not None and cached[0] == key:
+        plan = cached[1]
+    else:
+        plan = _make_plan(rows, everything, layout, spec, chunks[0].task, chunks[0].padded_vocab_size, numel)
+        chunks[0]._parallm_export_plan = (key, plan)
+    params = {order[(e.row, e.layer)]: chunk.get_parameter(e.local) for e, chunk in mine}
+    device = next(chunks[0].parameters()).device
+    return _stream(plan, everything, params, dst, wire, device, layout, spec, chunks[0].padded_vocab_size)
+
+
+@dataclass(frozen=True)
+class Plan:
+    buckets: list[Bucket]
+    done: list[list[int]]          # per bucket: the entries whose last part it carries, in order
+    straddle: frozenset[int]       # entries whose parts span several buckets
+    outputs: dict[int, list]       # entry -> [(hf name, shape, arena offset)] (offset: None for straddlers)
+    arena_numel: int               # room for the HF tensors completed by one bucket (straddlers apart)
+    big_numel: int                 # room for the largest straddling entry's HF tensors
+    shapes: dict[str, tuple[int, ...]]
+
+
+def _make_plan(rows, everything, layout: Layout, spec, task, padded_vocab: int, numel: int) -> Plan:
+    """The export plan from the exchange's rows (every rank computes the same)."""
+    shapes = expected_hf_shapes(family_of(spec).table, spec, task=task, pp=layout.pp)
     tp_of, dp_of, held = rows[:, 3].tolist(), rows[:, 4].tolist(), rows[:, 5 + layout.world:]
     pieces = []
     for i, entry in enumerate(everything):
@@ -211,9 +240,29 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
             src = min(holders, key=lambda r: (dp_of[r], r))
             pieces.append((i, t, src, piece_shape(entry, t, layout.tp, spec, hf_shapes, padded_vocab)))
     buckets = plan_buckets(pieces, numel)
-    params = {order[(e.row, e.layer)]: chunk.get_parameter(e.local) for e, chunk in mine}
-    device = next(chunks[0].parameters()).device
-    return _stream(buckets, everything, shapes, params, dst, wire, device, layout, spec, padded_vocab)
+    first, last = {}, {}
+    for k, b in enumerate(buckets):
+        for p in b.parts:
+            first.setdefault(p.entry, k)
+            last[p.entry] = k
+    straddle = frozenset(i for i in first if first[i] != last[i])
+    done = [[] for _ in buckets]
+    for i in sorted(last):
+        done[last[i]].append(i)
+    outputs, arena = {}, 0
+    for entries in done:
+        offset = 0
+        for i in entries:
+            outputs[i] = []
+            for name in everything[i].hf:
+                n = 1
+                for d in shapes[name]:
+                    n *= d
+                outputs[i].append((name, shapes[name], None if i in straddle else offset))
+                offset += 0 if i in straddle else n
+        arena = max(arena, offset)
+    big = max((sum(_numel(shapes[n]) for n in everything[i].hf) for i in straddle), default=0)
+    return Plan(buckets, done, straddle, outputs, arena, big, shapes)
 
 
 def _pack(bucket: Bucket, buf: torch.Tensor, base: int, params, me: int, wire, everything) -> None:
@@ -246,43 +295,82 @@ def _transfer(bucket: Bucket, buf: torch.Tensor, base: int, dst: list[int], worl
         w.wait()
 
 
-def _stream(buckets, everything, shapes, params, dst, wire, device, layout: Layout, spec, padded_vocab):
+class _Pool:
+    """Buffers handed out as views and reused only once nothing refers to them any more: a consumer may keep a
+    yielded tensor (its buffer is then left to it and the pool allocates afresh). A consumer that drops each
+    tensor still holds the last one in its loop variable while asking for the next, so a pool settles at two
+    buffers (one being filled, one still seen by the consumer)."""
+
+    _use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+    def __init__(self, numel: int, dtype, device, keep: int = 3):
+        self.numel, self.dtype, self.device, self.keep = numel, dtype, device, keep
+        self.free_at: list[tuple[torch.Tensor, int]] = []    # (buffer, its use count when nothing else holds it)
+
+    def get(self) -> torch.Tensor:
+        if self._use_count is not None:
+            for t, baseline in self.free_at:
+                if self._use_count(t.untyped_storage()._cdata) == baseline:
+                    return t
+        t = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        if self._use_count is not None:
+            self.free_at = self.free_at[-(self.keep - 1):] + [(t, self._use_count(t.untyped_storage()._cdata))]
+        return t
+
+
+def _stream(plan: Plan, everything, params, dst, wire, device, layout: Layout, spec, padded_vocab):
     me = layout.rank
-    receiving = me in dst
-    if not receiving:
+    buckets, shapes = plan.buckets, plan.shapes
+    if me not in dst:
         mine = [b for b in buckets if any(s == me for s, _, _ in b.segments)]
         if not mine:
             return
-        cap = max(n for b in mine for s, _, n in b.segments if s == me)
-        buf = torch.empty(cap, dtype=wire, device=device)
+        buf = torch.empty(max(n for b in mine for s, _, n in b.segments if s == me), dtype=wire, device=device)
         for b in mine:
-            src, off, n = next(s for s in b.segments if s[0] == me)
-            _pack(b, buf, off, params, me, wire, everything)
-            _transfer(Bucket(b.parts, ((src, off, n),), b.numel), buf, off, dst, layout.world, me)
+            seg = next(s for s in b.segments if s[0] == me)
+            _pack(b, buf, seg[1], params, me, wire, everything)
+            _transfer(Bucket(b.parts, (seg,), b.numel), buf, seg[1], dst, layout.world, me)
         return
-    remaining: dict[int, int] = {}
-    for b in buckets:
-        for p in b.parts:
-            remaining[p.entry] = remaining.get(p.entry, 0) + 1
     buf = torch.empty(max((b.numel for b in buckets), default=0), dtype=wire, device=device)
-    pending: dict[int, dict[str, torch.Tensor]] = {}    # entry -> its HF tensors being assembled
-    for b in buckets:
+    arena = _Pool(plan.arena_numel, wire, device)
+    bigs = _Pool(plan.big_numel, wire, device)   # entries assembled across buckets (at most two at a time)
+    active: dict[int, dict] = {}
+    out = None
+    for k, b in enumerate(buckets):
         _pack(b, buf, 0, params, me, wire, everything)
         _transfer(b, buf, 0, dst, layout.world, me)
-        done = []
+        space = arena.get() if plan.arena_numel else None
+        outs = {}
         for p in b.parts:
-            entry = everything[p.entry]
-            out = pending.get(p.entry)
-            if out is None:
-                out = pending[p.entry] = {n: torch.empty(shapes[n], dtype=wire, device=device) for n in entry.hf}
-            _scatter(entry, p, buf.narrow(0, p.offset, p.numel), out, layout.tp, spec, shapes, padded_vocab)
-            remaining[p.entry] -= 1
-            if remaining[p.entry] == 0:
-                done.append(p.entry)
-        for i in sorted(done):
-            out = pending.pop(i)
+            if p.entry in plan.straddle:
+                if p.entry not in active:
+                    region, off, views = bigs.get(), 0, {}
+                    for name, shape, _ in plan.outputs[p.entry]:
+                        views[name] = region.narrow(0, off, _numel(shape)).view(shape)
+                        off += _numel(shape)
+                    active[p.entry] = views
+                    region = views = None
+                out = active[p.entry]
+            else:
+                out = outs.get(p.entry)
+                if out is None:
+                    out = outs[p.entry] = {name: space.narrow(0, off, _numel(shape)).view(shape)
+                                           for name, shape, off in plan.outputs[p.entry]}
+            _scatter(everything[p.entry], p, buf.narrow(0, p.offset, p.numel), out, layout.tp, spec, shapes,
+                     padded_vocab)
+        space = out = None
+        for i in plan.done[k]:
+            out = active.pop(i) if i in plan.straddle else outs.pop(i)
             for name in everything[i].hf:
                 yield name, out.pop(name)
+            out = None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _scatter(entry, part: Part, flat: torch.Tensor, out: dict, tp: int, spec, shapes, padded_vocab) -> None:
