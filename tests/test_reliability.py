@@ -370,6 +370,9 @@ def _fuzz_cases(good_bytes: bytes) -> list[tuple[str, bytes]]:
                 pos = rng.choice(letters)
                 data[pos] = rng.choice([c for c in b"abcdefghijklmnopqrstuvwxyzFIU" if c != data[pos]])
         cases.append((f"flip-{seed}", bytes(data)))
+    # a change safetensors still reads as the original tensors (the metadata's format value): must load, exactly
+    at = good_bytes.index(b'"format":"pt"', 8)
+    cases.append(("metadata-format", good_bytes[:at] + b'"format":"px"' + good_bytes[at + 13:]))
     # a dtype the header can claim without breaking the layout: F32 -> I32 (same size) on one tensor
     at = good_bytes.index(b'"F32"', 8)
     cases.append(("dtype-I32", good_bytes[:at] + b'"I32"' + good_bytes[at + 5:]))
