@@ -185,6 +185,14 @@ def rank_verl(rank, world, cases):
             assert "PP classes" in str(e), str(e)
         else:
             raise AssertionError("a non-PP class was built under pp > 1")
+        if not case["config"].tie_word_embeddings:  # sharing asked for an untied config is refused
+            try:
+                getattr(verl, f"Parallel{case['family']}ForCausalLMRmPadPP")(
+                    case["config"], _mcfg(2, pp, False), True, True, share_embeddings_and_output_weights=True)
+            except ValueError as e:
+                assert "tie_word_embeddings=False" in str(e), str(e)
+            else:
+                raise AssertionError("share_embeddings_and_output_weights=True accepted for an untied config")
         _pp(verl, case, rank, res)
         ps.destroy_model_parallel()
     try:
