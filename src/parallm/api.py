@@ -1,4 +1,4 @@
-"""The public entry points: build_model and forward (DESIGN section 2)."""
+"""The public entry points: build_model, forward and forward_backward (docs/api.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from .model.decoder import DecoderChunk, as_chunks, build_chunks
 from .model.spec import TASKS
 from .parallel.comm import gather_last_dim
 from .parallel.errors import run_local
-from .parallel.state import Layout, kv_replica_group, require_initialized
+from .parallel.pipeline import broadcast_from_last_stage, run_pipeline
+from .parallel.state import dims_of, kv_replica_group, require_initialized
 
 
 def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = False,
@@ -30,9 +31,9 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating-point torch.dtype (float32, bfloat16, float16), got {dtype!r}")
     config = load_config(hf_config)
-    spec, _family = spec_from_config(config)
+    spec, family = spec_from_config(config)
     task = resolve_task(config, task)
-    chunks = build_chunks(spec, task=task, dtype=dtype, sequence_parallel=sequence_parallel,
+    chunks = build_chunks(spec, table=family.table, task=task, dtype=dtype, sequence_parallel=sequence_parallel,
                           vocab_multiple=vocab_multiple, packed=packed)
     kv_replica_group(spec.num_kv_heads)
     for chunk in chunks:
@@ -106,7 +107,7 @@ def gather_output(chunk: DecoderChunk, out: torch.Tensor) -> torch.Tensor:
     out = out.transpose(0, 1)  # [B, S, ...]; contiguous for padded logits and packed outputs
     if chunk.task in ("value", "hidden"):
         return out.float()
-    logits = gather_last_dim(out, Layout().tp_group)
+    logits = gather_last_dim(out, chunk.dims.tp_group)
     return logits[..., :chunk.spec.vocab_size].float()
 
 
@@ -114,13 +115,18 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None) -> torch.
     """Whole-batch output on every rank: fp32 logits ``[B, S, V]`` (causal_lm) or values ``[B, S]`` (value)."""
     require_initialized("forward")
     chunks = as_chunks(chunks)
+    layout = dims_of(chunks)
     input_ids, attention_mask, position_ids = run_local(
         lambda: _check_batch(chunks, input_ids, attention_mask, position_ids), what="forward")
-    layout = Layout()
     if layout.pp == 1:
         return gather_output(chunks[0], chunks[0].compute(input_ids, position_ids, attention_mask))
-    from .parallel.pipeline import pipeline_forward
-    return pipeline_forward(chunks, input_ids, attention_mask, position_ids)
+    with torch.no_grad():
+        outs = run_pipeline(chunks, [(input_ids, position_ids, attention_mask)],
+                            last_stage_fn=lambda chunk, out, m: gather_output(chunk, out),
+                            backward=False, num_microbatches=1)
+    b, s = input_ids.shape
+    shape = (b, s, chunks[0].spec.vocab_size) if chunks[0].task == "causal_lm" else (b, s)
+    return broadcast_from_last_stage(layout, outs[0] if outs else None, shape, torch.float32, input_ids.device)
 
 
 def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_microbatches: int = 1,
@@ -135,6 +141,7 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     """
     require_initialized("forward_backward")
     chunks = as_chunks(chunks)
+    layout = dims_of(chunks)
 
     def check():
         batch = _check_batch(chunks, input_ids, attention_mask, position_ids)
@@ -157,12 +164,10 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
             raise ValueError("loss_fn must return a scalar tensor")
         return loss
 
-    from .parallel.pipeline import broadcast_from_last_stage, run_pipeline
     losses = run_pipeline(chunks, mbs, last_stage_fn=last_stage, backward=True,
                           num_microbatches=num_microbatches)
-    layout = Layout()
     mean = torch.stack(losses).float().mean() if losses else None
-    mean = broadcast_from_last_stage(mean, (), torch.float32, input_ids.device)
+    mean = broadcast_from_last_stage(layout, mean, (), torch.float32, input_ids.device)
     if layout.dp > 1:
         torch.distributed.all_reduce(mean, group=layout.dp_group)
         mean /= layout.dp
