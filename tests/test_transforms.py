@@ -1,7 +1,7 @@
 """Pure layout transforms, layer maps and split checks (no process group).
 
 ``merge(split(x)) == x`` bit for bit (torch.equal) for every kind and every valid tp, plus the exact per-rank
-layouts DESIGN section 3 promises (so a transform that round-trips but lays shards out differently from what
+layouts docs/layouts.md promises (so a transform that round-trips but lays shards out differently from what
 the decoder and vLLM/verl expect is still caught).
 """
 
