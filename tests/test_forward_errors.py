@@ -31,6 +31,23 @@ def rank_bad_batch(rank, world, ckpt, vocab, ref):
             out[name] = (type(e).__name__, str(e), time.monotonic() - t)
     # still in step afterwards: a normal forward everywhere gives transformers' logits
     out["after"] = helpers.max_diff_real(parallm.forward(chunks, ids, mask), ref, mask)
+    # chunks built for tp2 x pp2 are refused once init_parallel changed the layout (their groups are gone)
+    parallm.init_parallel(tp=4, pp=1)
+    for name, call in [("stale_forward", lambda: parallm.forward(chunks, ids, mask)),
+                       ("stale_save", lambda: parallm.save_hf_weights(chunks))]:
+        try:
+            call()
+            out[name] = None
+        except RuntimeError as e:
+            out[name] = str(e)
+    # an attention kernel that does not fit the model is a clear error at build
+    try:
+        parallm.build_model(ckpt, attn_impl="sdpa-loop")
+        out["attn"] = None
+    except ValueError as e:
+        out["attn"] = str(e)
+    out["attn_auto"] = [parallm.build_model(ckpt).pop().attn_impl,
+                        parallm.build_model(ckpt, packed=True).pop().attn_impl]
     return out
 
 
@@ -50,4 +67,9 @@ def test_bad_batch_on_one_rank_fails_everywhere(tmp_path):
             if rank != culprit:                                # the others are told who failed
                 assert f"failed on rank {culprit}" in msg, (name, msg)
         assert r["after"] < 2e-5, r["after"]
+        for name in ("stale_forward", "stale_save"):
+            assert r[name] is not None and "built for tp=2 x pp=2 x dp=1" in r[name] and \
+                "now: tp=4 x pp=1 x dp=1" in r[name], (name, r[name])
+        assert r["attn"] is not None and "packed kernel" in r["attn"] and "'sdpa'" in r["attn"], r["attn"]
+        assert r["attn_auto"] == ["sdpa", "sdpa-loop"]  # CPU: flash-attn cannot run
     print(f"\nforward after the errors: max |parallm - transformers| {max(r['after'] for r in res):.2e}")

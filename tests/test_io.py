@@ -43,7 +43,7 @@ class PeakSampler:
 
 def rank_io(rank, world, cases):
     import parallm
-    from parallm.parallel.state import Layout
+    from parallm.parallel.state import current_dims
     out = []
     for case in cases:
         parallm.init_parallel(tp=case["tp"], pp=case["pp"])
@@ -64,7 +64,7 @@ def rank_io(rank, world, cases):
         assert len(names) == len(set(names)) and set(names) == set(case["ref_sd"])
         # parallel directory save, several files
         parallm.save_hf_weights(b, case["out"], max_shard_size="60KB")
-        lay = Layout()
+        lay = current_dims()
         out.append(dict(name=case["name"], dp=lay.dp))
     return out
 

@@ -66,7 +66,7 @@ def setup(tmp_path_factory):
         breaker(broken)
         bad[name] = (broken, write_ckpt(root / f"bad-{name}", broken, config))
     ids, mask = padded_batch(config["vocab_size"])
-    # value head sources (docs/layouts.md): score.weight, or a verl-style lm_head.weight of shape [1, H]
+    # value head sources (docs/layouts.md, value head): score.weight, or a verl-style lm_head.weight of shape [1, H]
     value_model = make_hf_model(tiny_config("llama"), task="value", seed=4)
     value_sd = hf_state_dict(value_model)
     verl_sd = dict(value_sd)
@@ -266,7 +266,7 @@ def test_save_into_non_empty_directory_refused(results):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("source", ["score", "verl-lm_head"])
 def test_value_head_loads_from_score_or_verl_lm_head(results, source, mode):
-    """The value head loads from score.weight or from a verl-style lm_head.weight [1, H] (docs/layouts.md)."""
+    """docs/layouts.md (value head): the value head loads from score.weight or from a verl-style lm_head.weight [1, H]."""
     key = ("value", source, mode)
     errors = [r[key] for r in results if r[key] is not None]
     assert not errors, errors[0]
@@ -276,7 +276,7 @@ def test_value_head_loads_from_score_or_verl_lm_head(results, source, mode):
 
 @pytest.mark.timeout(300)
 def test_value_head_from_causal_lm_checkpoint_is_initialised_and_told(results):
-    """From a plain causal-LM checkpoint the head is initialised and the user is told (docs/layouts.md); a
+    """docs/layouts.md (value head): from a plain causal-LM checkpoint the head is initialised and the user is told; a
     replicated head must be the same on every rank."""
     key = ("value", "causal-checkpoint")
     errors = [r[key] for r in results if r[key] is not None]

@@ -63,8 +63,8 @@ def rank_cases(rank, world, cases):
     for case in cases:
         tp, pp, vpp, nmb = case["tp"], case["pp"], case["vpp"], case["nmb"]
         parallm.init_parallel(tp=tp, pp=pp, vpp=vpp)
-        from parallm.parallel.state import Layout
-        lay = Layout()
+        from parallm.parallel.state import current_dims
+        lay = current_dims()
         build = case.get("build", {})
         loss_fn = LOSSES[case.get("loss", "ce")]
         chunks = parallm.build_model(case["ckpt"], **build)

@@ -147,9 +147,9 @@ def _log(*msg):
 
 
 def _run_case(parallm, case, tp, rank):
-    from parallm.parallel.state import Layout
+    from parallm.parallel.state import current_dims
 
-    layout = Layout()
+    layout = current_dims()
     res = {"problems": []}
     problems = res["problems"]
     task, ids, mask = case["task"], case["ids"], case["mask"]
@@ -259,9 +259,9 @@ def _run_case(parallm, case, tp, rank):
 
 def _run_pipeline_case(parallm, case, rank):
     """pp > 1: every chunk's parameters are exactly its table entries and all get loaded; round trip; parity."""
-    from parallm.parallel.state import Layout
+    from parallm.parallel.state import current_dims
 
-    layout = Layout()
+    layout = current_dims()
     problems = []
     chunks = _build_nan(parallm, case["path"], case["task"])
     if len(chunks) != layout.vpp:
