@@ -58,8 +58,8 @@ def _rank(rank, world, s):
     _attempt(out, "args-differ", lambda: export(bucket_bytes=1000 + (rank == 2)))
     # a value float16 cannot hold: export and save refuse it on every rank, before anything moves
     from parallm.checkpoint.loader import model_entries
-    from parallm.parallel.state import Layout
-    layout = Layout()
+    from parallm.parallel.state import dims_of
+    layout = dims_of(chunks)
     if layout.tp_rank == 1:   # one TP rank's shard only: its error must reach every rank
         for e, c in model_entries(chunks, layout)[0]:
             if DOWN1 in e.hf:

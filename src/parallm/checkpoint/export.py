@@ -32,12 +32,12 @@ import torch.distributed as dist
 
 from ..families import family_of
 from ..model.decoder import as_chunks
+from ..model.sharding import TensorSource, make_layout
+from ..model.table import expected_hf_shapes
 from ..parallel.errors import exchange_rows, gather_objects, remote_error, status_of
-from ..parallel.state import Layout, require_initialized
+from ..parallel.state import ParallelDims, dims_of, require_initialized
 from .cast import check_cast
 from .loader import model_entries
-from .table import expected_hf_shapes
-from .transforms import TensorSource, make_shard, shard_blocks
 
 DEFAULT_BUCKET_BYTES = 256 * 1024 ** 2
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -67,10 +67,10 @@ class Bucket:
     numel: int
 
 
-def piece_shape(entry, tp_rank: int, tp: int, spec, hf_shapes, padded_vocab: int) -> tuple[int, ...]:
-    """Shape of TP rank ``tp_rank``'s shard of ``entry`` (from the layout, on the meta device: no data)."""
+def piece_shape(tp_layout, tp_rank: int, tp: int, hf_shapes) -> tuple[int, ...]:
+    """Shape of TP rank ``tp_rank``'s shard (from its layout, on the meta device: no data)."""
     metas = [TensorSource(torch.empty(s, device="meta")) for s in hf_shapes]
-    return tuple(make_shard(entry.kind, metas, tp_rank, tp, spec, padded_vocab).shape)
+    return tuple(tp_layout.shard(metas, tp_rank, tp).shape)
 
 
 def plan_buckets(pieces, bucket_numel: int) -> list[Bucket]:
@@ -168,7 +168,7 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
     """
     require_initialized("export_hf_tensors")
     chunks = as_chunks(chunks)
-    layout = Layout()
+    layout = dims_of(chunks)
     spec = chunks[0].spec
     mine, everything = model_entries(chunks, layout)
     wire = dtype or chunks[0].config.params_dtype
@@ -210,7 +210,7 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
         chunks[0]._parallm_export_plan = (key, plan)
     params = {order[(e.row, e.layer)]: chunk.get_parameter(e.local) for e, chunk in mine}
     device = next(chunks[0].parameters()).device
-    return _stream(plan, everything, params, dst, wire, device, layout, spec, chunks[0].padded_vocab_size)
+    return _stream(plan, everything, params, dst, wire, device, layout)
 
 
 @dataclass(frozen=True)
@@ -222,23 +222,25 @@ class Plan:
     arena_numel: int               # room for the HF tensors completed by one bucket (straddlers apart)
     big_numel: int                 # room for the largest straddling entry's HF tensors
     shapes: dict[str, tuple[int, ...]]
+    layouts: dict[int, object]     # entry -> its TP layout (the table row's kind)
 
 
-def _make_plan(rows, everything, layout: Layout, spec, task, padded_vocab: int, numel: int) -> Plan:
+def _make_plan(rows, everything, layout: ParallelDims, spec, task, padded_vocab: int, numel: int) -> Plan:
     """The export plan from the exchange's rows (every rank computes the same)."""
     shapes = expected_hf_shapes(family_of(spec).table, spec, task=task, pp=layout.pp)
     tp_of, dp_of, held = rows[:, 3].tolist(), rows[:, 4].tolist(), rows[:, 5 + layout.world:]
-    pieces = []
+    pieces, layouts = [], {}
     for i, entry in enumerate(everything):
         if not entry.row.save:
             continue
         hf_shapes = [shapes[n] for n in entry.hf]
-        for t in ([0] if entry.kind == "copy" else range(layout.tp)):
+        tp_layout = layouts[i] = make_layout(entry.row.kind, spec, padded_vocab)
+        for t in (range(layout.tp) if tp_layout.tp_dim is not None else [0]):   # replicated: TP rank 0's copy
             holders = [r for r in range(layout.world) if held[r, i] and tp_of[r] == t]
             if not holders:
                 raise RuntimeError(f"internal error: no rank holds TP rank {t}'s shard of {', '.join(entry.hf)}")
             src = min(holders, key=lambda r: (dp_of[r], r))
-            pieces.append((i, t, src, piece_shape(entry, t, layout.tp, spec, hf_shapes, padded_vocab)))
+            pieces.append((i, t, src, piece_shape(tp_layout, t, layout.tp, hf_shapes)))
     buckets = plan_buckets(pieces, numel)
     first, last = {}, {}
     for k, b in enumerate(buckets):
@@ -262,7 +264,7 @@ def _make_plan(rows, everything, layout: Layout, spec, task, padded_vocab: int, 
                 offset += 0 if i in straddle else n
         arena = max(arena, offset)
     big = max((sum(_numel(shapes[n]) for n in everything[i].hf) for i in straddle), default=0)
-    return Plan(buckets, done, straddle, outputs, arena, big, shapes)
+    return Plan(buckets, done, straddle, outputs, arena, big, shapes, layouts)
 
 
 def _pack(bucket: Bucket, buf: torch.Tensor, base: int, params, me: int, wire, everything) -> None:
@@ -318,7 +320,7 @@ class _Pool:
         return t
 
 
-def _stream(plan: Plan, everything, params, dst, wire, device, layout: Layout, spec, padded_vocab):
+def _stream(plan: Plan, everything, params, dst, wire, device, layout: ParallelDims):
     me = layout.rank
     buckets, shapes = plan.buckets, plan.shapes
     if me not in dst:
@@ -356,8 +358,8 @@ def _stream(plan: Plan, everything, params, dst, wire, device, layout: Layout, s
                 if out is None:
                     out = outs[p.entry] = {name: space.narrow(0, off, _numel(shape)).view(shape)
                                            for name, shape, off in plan.outputs[p.entry]}
-            _scatter(everything[p.entry], p, buf.narrow(0, p.offset, p.numel), out, layout.tp, spec, shapes,
-                     padded_vocab)
+            _scatter(everything[p.entry], plan.layouts[p.entry], p, buf.narrow(0, p.offset, p.numel), out,
+                     layout.tp, shapes)
         space = out = None
         for i in plan.done[k]:
             out = active.pop(i) if i in plan.straddle else outs.pop(i)
@@ -373,12 +375,12 @@ def _numel(shape) -> int:
     return n
 
 
-def _scatter(entry, part: Part, flat: torch.Tensor, out: dict, tp: int, spec, shapes, padded_vocab) -> None:
+def _scatter(entry, tp_layout, part: Part, flat: torch.Tensor, out: dict, tp: int, shapes) -> None:
     """Copy a part (rows ``[r0, r1)`` of TP rank ``part.tp``'s shard) into its places in the HF tensors,
     following the layout's blocks; replicas (non-primary blocks) and vocab padding rows are skipped."""
     hf_shapes = [shapes[n] for n in entry.hf]
     rows = flat.view(part.r1 - part.r0, part.row_numel)
-    for s, dim, a, b, la, lb, primary in shard_blocks(entry.kind, part.tp, tp, spec, hf_shapes, padded_vocab):
+    for s, dim, a, b, la, lb, primary in tp_layout.blocks(part.tp, tp, hf_shapes):
         if not primary:
             continue
         target = out[entry.hf[s]]

@@ -29,13 +29,14 @@ import torch.distributed as dist
 from ..errors import CheckpointError, ParallelError
 from ..families import family_of
 from ..model.decoder import as_chunks
+from ..model.placement import placement_of
+from ..model.sharding import TensorSource, make_shard
+from ..model.table import Entry, all_entries, chunk_entries, expected_hf_shapes
 from ..parallel.errors import exchange_rows, gather_objects, remote_error, status_of
-from ..parallel.state import Layout, require_initialized
+from ..parallel.state import ParallelDims, dims_of, require_initialized
 from ..progress import bar
-from .hf_dir import HFCheckpoint, check_floating, check_keys_and_shapes, tensor_shapes
 from .cast import check_cast, copy_cast_
-from .table import Entry, all_entries, chunk_entries, expected_hf_shapes
-from .transforms import TensorSource, make_shard, shard_blocks
+from .hf_dir import HFCheckpoint, check_floating, check_keys_and_shapes, tensor_shapes
 
 logger = logging.getLogger("parallm")
 
@@ -90,7 +91,7 @@ def init_value_head(param: torch.Tensor, hf_config) -> float:
     return std
 
 
-def model_entries(chunks, layout: Layout):
+def model_entries(chunks, layout: ParallelDims):
     """(entry, chunk) pairs owned by this rank, plus the whole model's entry list (global order)."""
     spec, task = chunks[0].spec, chunks[0].task
     table = family_of(spec).table
@@ -141,11 +142,12 @@ def _choose_mode(mode: str, kinds: list[tuple[str, str]]) -> str:
     return mode
 
 
-def _fill_from_blocks(param, entry: Entry, sources, layout: Layout, spec, padded_vocab: int) -> None:
-    """Read each piece of this rank's shard (``shard_blocks``) straight into its place in the parameter,
+def _fill_from_blocks(param, entry: Entry, sources, layout: ParallelDims) -> None:
+    """Read each piece of this rank's shard (its layout's ``blocks``) straight into its place in the parameter,
     converting to the parameter's dtype in the same copy (:func:`copy_cast_`): one copy per byte, no
     intermediate shard. Vocab padding rows are zeroed."""
-    blocks = shard_blocks(entry.kind, layout.tp_rank, layout.tp, spec, [s.shape for s in sources], padded_vocab)
+    tp_layout = placement_of(param).layout
+    blocks = tp_layout.blocks(layout.tp_rank, layout.tp, [s.shape for s in sources])
     filled = 0
     with torch.no_grad():
         for src, dim, a, b, la, lb, _ in blocks:
@@ -159,9 +161,9 @@ def _fill_from_blocks(param, entry: Entry, sources, layout: Layout, spec, padded
                                       f"{tuple(target.shape)}")
             copy_cast_(target, part, entry.hf)
             filled = max(filled, lb)
-        if entry.kind == "vocab":
+        if tp_layout.name == "vocab":
             param.narrow(0, filled, param.shape[0] - filled).zero_()
-        elif filled != param.shape[1 if entry.kind == "row" else 0]:
+        elif filled != param.shape[tp_layout.tp_dim or 0]:
             raise CheckpointError(f"{entry.local} <- {', '.join(entry.hf)}: the checkpoint fills {filled} of "
                                   f"{tuple(param.shape)}")
 
@@ -199,14 +201,9 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     t0 = time.perf_counter()
     chunks = as_chunks(chunks)
-    layout = Layout()
+    layout = dims_of(chunks)
     spec, task = chunks[0].spec, chunks[0].task
-    mine, everything = model_entries(chunks, layout)
-    for chunk in chunks:  # the table must cover every parameter: nothing may stay silently uninitialised
-        uncovered = {n for n, _ in chunk.named_parameters()} - {e.local for e, c in mine if c is chunk}
-        if uncovered:
-            raise RuntimeError(f"internal error: the {spec.family} weight table has no row for parameter(s) "
-                               f"{sorted(uncovered)}")
+    mine, everything = model_entries(chunks, layout)  # the table covers every parameter (checked at build)
     padded_vocab = chunks[0].padded_vocab_size
 
     # 1. local work: a rank that may read its own shards does so (check, then fill) before talking to anyone.
@@ -221,8 +218,7 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
             get, init = _open_and_check(source, spec, task, layout, strict=strict, allow_pickle=allow_pickle)
             own = [(e, c) for e, c in mine if not set(e.hf) & set(init)]
             for entry, chunk in bar(own, desc="parallm load", rank=layout.rank, progress=progress):
-                _fill_from_blocks(chunk.get_parameter(entry.local), entry, [get(n) for n in entry.hf], layout,
-                                  spec, padded_vocab)
+                _fill_from_blocks(chunk.get_parameter(entry.local), entry, [get(n) for n in entry.hf], layout)
         except Exception as e:  # noqa: BLE001
             error, status = e, _FAILED_READ
 
@@ -256,12 +252,10 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
         needs = {r: (int(rows[r, 3]), [i for i in rows[r, 4:].nonzero().flatten().tolist() if i not in skip])
                  for r in range(layout.world) if not readers[r]}
         _broadcast_load(needs, mine, everything, get, layout, spec, padded_vocab, progress)
-    for chunk in chunks:
-        chunk.parallm_loaded = True
     return LoadReport(mode=mode, tensors=len(mine), seconds=time.perf_counter() - t0, initialised=tuple(init))
 
 
-def _open_and_check(source, spec, task, layout: Layout, *, strict: bool, allow_pickle: bool):
+def _open_and_check(source, spec, task, layout: ParallelDims, *, strict: bool, allow_pickle: bool):
     """Open this rank's source and check every tensor's name, shape and dtype at once. Returns
     ``(get, initialised)``: ``get(hf_name)`` gives the :class:`Source` to read (value-head aliases applied)."""
     expected = expected_hf_shapes(family_of(spec).table, spec, task=task, pp=layout.pp)
@@ -298,7 +292,7 @@ def _mode_problem(mode: str, kinds: list[str]) -> bool:
     return kinds[0] in ("missing-dir", "none") or mode == "slice" and any(k != kinds[0] for k in kinds)
 
 
-def _settle(error, statuses, source, mode: str, readers, layout: Layout) -> None:
+def _settle(error, statuses, source, mode: str, readers, layout: ParallelDims) -> None:
     """Something failed somewhere (or the sources do not fit the mode): the same error on every rank. Exchanges
     the messages (only now), then raises, in this order of precedence: a source that is not a source (the
     argument's type), a placement the mode cannot serve (:func:`_choose_mode`'s messages), a reading rank's
@@ -356,7 +350,7 @@ def _wire(shard: torch.Tensor, model_dtype: torch.dtype, names, device) -> torch
     return shard.to(device=device).contiguous()
 
 
-def _broadcast_load(needs, mine, everything, get, layout: Layout, spec, padded_vocab: int, progress) -> None:
+def _broadcast_load(needs, mine, everything, get, layout: ParallelDims, spec, padded_vocab: int, progress) -> None:
     """Rank 0 streams: for each HF tensor in global order it reads (lazily, slice by slice) the shard of each TP
     rank that needs one and sends it to every receiving owner (data-parallel replicas included), so rank 0 holds
     about one shard at a time. ``needs``: receiving rank -> (its tp rank, the ``everything`` indices it needs).

@@ -31,14 +31,14 @@ import torch.distributed as dist
 
 from ..families import family_of
 from ..model.decoder import as_chunks
+from ..model.placement import placement_of
+from ..model.table import expected_hf_shapes
 from ..parallel.errors import run_local
-from ..parallel.state import Layout, require_initialized
+from ..parallel.state import ParallelDims, dims_of, require_initialized
 from ..progress import bar
 from .cast import can_overflow, cast, check_cast
 from .hf_dir import INDEX_NAME, SINGLE_NAME
 from .loader import model_entries
-from .table import expected_hf_shapes
-from .transforms import merge_shards, shard_blocks
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024 ** 3
 
@@ -55,14 +55,14 @@ def parse_size(size) -> int:
     return int(text)
 
 
-def _ordered_entries(chunks, layout: Layout):
+def _ordered_entries(chunks, layout: ParallelDims):
     """This rank's (global index, entry, chunk), in global table order."""
     mine, everything = model_entries(chunks, layout)
     order = {(e.row, e.layer): i for i, e in enumerate(everything)}
     return sorted(((order[(e.row, e.layer)], e, c) for e, c in mine), key=lambda t: t[0]), everything
 
 
-def _gather_tp(param: torch.Tensor, layout: Layout, dst_tp: int | None) -> list[torch.Tensor] | None:
+def _gather_tp(param: torch.Tensor, layout: ParallelDims, dst_tp: int | None) -> list[torch.Tensor] | None:
     """Every TP rank's shard on TP rank ``dst_tp`` (None elsewhere), or on every TP rank when ``dst_tp`` is
     None."""
     if layout.tp == 1:
@@ -77,13 +77,11 @@ def _gather_tp(param: torch.Tensor, layout: Layout, dst_tp: int | None) -> list[
     return out
 
 
-def _merge_entry(entry, param, shards, spec, *, dtype, device) -> dict[str, torch.Tensor]:
+def _merge_entry(entry, param, shards, *, dtype, device) -> dict[str, torch.Tensor]:
     """Every TP rank's shard -> this entry's HF tensors, on ``device`` in ``dtype`` (None: the param's). Never
     a view of the live parameter: the caller may keep the tensors while training changes it."""
-    if entry.kind == "copy":
-        shards = shards[:1]
     out = {}
-    for name, tensor in zip(entry.hf, merge_shards(entry.kind, shards, spec)):
+    for name, tensor in zip(entry.hf, placement_of(param).layout.merge(shards)):
         tensor = cast(tensor, dtype, name, instead="save", device=device).contiguous()
         if tensor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
             tensor = tensor.clone()
@@ -91,12 +89,11 @@ def _merge_entry(entry, param, shards, spec, *, dtype, device) -> dict[str, torc
     return out
 
 
-def gather_stage_tensors(chunks, layout: Layout, dtype=None, *, progress=None):
+def gather_stage_tensors(chunks, layout: ParallelDims, dtype=None, *, progress=None):
     """HF tensors of this rank's stage merged on its TP rank 0; {} on other TP ranks and on data-parallel
     replicas other than 0."""
     if layout.dp_rank != 0:
         return {}
-    spec = chunks[0].spec
     wanted, _ = _ordered_entries(chunks, layout)
     out = {}
     for i, entry, chunk in bar(wanted, desc="parallm save (gather)", rank=layout.rank, progress=progress):
@@ -105,11 +102,11 @@ def gather_stage_tensors(chunks, layout: Layout, dtype=None, *, progress=None):
         param = chunk.get_parameter(entry.local)
         shards = _gather_tp(param, layout, 0)
         if shards is not None:
-            out.update(_merge_entry(entry, param, shards, spec, dtype=dtype, device="cpu"))
+            out.update(_merge_entry(entry, param, shards, dtype=dtype, device="cpu"))
     return out
 
 
-def _collect_on_rank0(local: dict[str, torch.Tensor], layout: Layout, device) -> dict[str, torch.Tensor]:
+def _collect_on_rank0(local: dict[str, torch.Tensor], layout: ParallelDims, device) -> dict[str, torch.Tensor]:
     """Stage writers (tp 0, dp 0 of each stage) hand their tensors to global rank 0 over rank 0's pp group.
     ``device``: where tensors travel (the params' device: NCCL cannot send CPU tensors)."""
     if layout.pp == 1 or layout.tp_rank != 0 or layout.dp_rank != 0:
@@ -151,7 +148,7 @@ def save_hf_weights(chunks, out_dir=None, *, dtype: torch.dtype | None = None, o
     """
     require_initialized("save_hf_weights")
     chunks = as_chunks(chunks)
-    layout = Layout()
+    layout = dims_of(chunks)
     if dtype is not None and any(can_overflow(p.dtype, dtype) for c in chunks for p in c.parameters()):
         run_local(lambda: _check_casts(chunks, layout, dtype), what="save_hf_weights")
     if out_dir is None:
@@ -166,7 +163,7 @@ def save_hf_weights(chunks, out_dir=None, *, dtype: torch.dtype | None = None, o
     return None
 
 
-def _check_casts(chunks, layout: Layout, dtype) -> None:
+def _check_casts(chunks, layout: ParallelDims, dtype) -> None:
     """Every saved parameter of this rank fits ``dtype`` (checked before any collective, so an overflow is an
     error on every rank rather than a rank missing from the next gather)."""
     mine, _ = model_entries(chunks, layout)
@@ -236,7 +233,7 @@ def _write_block(fd: int, start: int, hf_shape, elsize: int, block, local: torch
         _pwrite_all(fd, rows[i], start + i * row_bytes + a * elsize)
 
 
-def _save_dir(chunks, layout: Layout, out_dir: str, *, dtype, overwrite: bool, max_shard_size: int, progress):
+def _save_dir(chunks, layout: ParallelDims, out_dir: str, *, dtype, overwrite: bool, max_shard_size: int, progress):
     """Every data-parallel-rank-0 process writes its own shards' bytes directly into their places in the final
     safetensors files (no TP gather, no merge copies); rank 0 lays the files out first and finishes last."""
     spec, task = chunks[0].spec, chunks[0].task
@@ -279,11 +276,10 @@ def _save_dir(chunks, layout: Layout, out_dir: str, *, dtype, overwrite: bool, m
             elsize = torch.empty((), dtype=dtype).element_size()
             try:
                 for _, entry, chunk in bar(wanted, desc="parallm save", rank=layout.rank, progress=progress):
-                    local = cast(chunk.get_parameter(entry.local).detach(), dtype, entry.hf, instead="save",
-                                 device="cpu")
+                    param = chunk.get_parameter(entry.local)
+                    local = cast(param.detach(), dtype, entry.hf, instead="save", device="cpu")
                     hf_shapes = [shapes[n] for n in entry.hf]
-                    for block in shard_blocks(entry.kind, layout.tp_rank, layout.tp, spec, hf_shapes,
-                                              chunks[0].padded_vocab_size):
+                    for block in placement_of(param).layout.blocks(layout.tp_rank, layout.tp, hf_shapes):
                         if not block[6]:
                             continue  # a replica: another rank writes these bytes
                         fname, start, hf_shape = where[entry.hf[block[0]]]

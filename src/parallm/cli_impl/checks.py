@@ -237,10 +237,10 @@ def run_case(case: dict, job: dict, progress) -> dict | None:
     import parallm
     from ..families import load_config
     from ..parallel.errors import run_local
-    from ..parallel.state import Layout
+    from ..parallel.state import current_dims
 
     parallm.init_parallel(tp=case["tp"], pp=case["pp"], vpp=case.get("vpp"), timeout_s=job["timeout"])
-    lay = Layout()
+    lay = current_dims()
     rank0 = lay.rank == 0
     case = dict(case, dp=lay.dp)
     row = dict(layout=layout_name(case), model=case["model"])

@@ -54,8 +54,8 @@ def rank_params(spec, task: str, *, tp: int, pp: int, vpp: int | None) -> list[d
     vocabulary padding included, the tied head copy of the last stage included when pp > 1)."""
     import torch
 
-    from ..checkpoint.table import chunk_entries, resolve_shape
-    from ..checkpoint.transforms import TensorSource, make_shard
+    from ..model.table import chunk_entries, resolve_shape
+    from ..model.sharding import TensorSource, make_shard
     from ..families import family_of
     from ..model.spec import layer_numbers, padded_vocab_size
     table = family_of(spec).table

@@ -74,7 +74,7 @@ def tensor_table(path: str) -> dict[str, dict]:
 def check_tensors(spec, task: str, pp: int, tensors: dict[str, dict], where: str) -> list[str]:
     """Problems (missing / unexpected / mis-shaped tensors) as the loader reports them; notes otherwise."""
     from ..checkpoint.loader import check_checkpoint
-    from ..checkpoint.table import expected_hf_shapes
+    from ..model.table import expected_hf_shapes
     from ..errors import CheckpointError
     from ..families import family_of
     expected = expected_hf_shapes(family_of(spec).table, spec, task=task, pp=pp)
