@@ -201,16 +201,19 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
         differ = [r for r in range(layout.world) if not bool((args[r] == args[0]).all())]
         raise ValueError(f"export_hf_tensors: every rank must pass the same dtype, bucket_bytes and dst_ranks; "
                          f"rank(s) {differ} differ from rank 0")
-    key = rows.numpy().tobytes()
-    cached = getattr(chunks[0], "_parallm_export_plan", None)
-    if cached is not None and cached[0] == key:
-        plan = cached[1]
-    else:
+    key = torch.cat([rows[:, 1:5], rows[:, 5 + layout.world:]], dim=1).numpy().tobytes()   # all but dst_ranks
+    cache = getattr(chunks[0], "_parallm_export", None)
+    if cache is None:
+        cache = chunks[0]._parallm_export = {"plans": {}, "buffers": _Buffers()}   # kept with the model
+    plan = cache["plans"].get(key)
+    if plan is None:
         plan = _make_plan(rows, everything, layout, spec, chunks[0].task, chunks[0].padded_vocab_size, numel)
-        chunks[0]._parallm_export_plan = (key, plan)
+        if len(cache["plans"]) >= 4:
+            cache["plans"].pop(next(iter(cache["plans"])))
+        cache["plans"][key] = plan
     params = {order[(e.row, e.layer)]: chunk.get_parameter(e.local) for e, chunk in mine}
     device = next(chunks[0].parameters()).device
-    return _stream(plan, everything, params, dst, wire, device, layout)
+    return _stream(plan, cache["buffers"], everything, params, dst, wire, device, layout)
 
 
 @dataclass(frozen=True)
@@ -320,22 +323,44 @@ class _Pool:
         return t
 
 
-def _stream(plan: Plan, everything, params, dst, wire, device, layout: ParallelDims):
+class _Buffers:
+    """The stream's buffers, kept with the model between calls (a weight sync runs every step, and on CPU fresh
+    memory costs a page fault per page): per dtype, the bucket buffer (internal) and the output pools (handed
+    out, reused only when free)."""
+
+    def __init__(self):
+        self.bufs, self.pools = {}, {}
+
+    def bucket(self, numel: int, dtype, device) -> torch.Tensor:
+        buf = self.bufs.get((dtype, device))
+        if buf is None or buf.numel() < numel:
+            self.bufs[(dtype, device)] = buf = None
+            self.bufs[(dtype, device)] = buf = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
+
+    def pool(self, name: str, numel: int, dtype, device) -> "_Pool":
+        p = self.pools.get((name, dtype, device))
+        if p is None or p.numel < numel:
+            p = self.pools[(name, dtype, device)] = _Pool(numel, dtype, device)
+        return p
+
+
+def _stream(plan: Plan, buffers: _Buffers, everything, params, dst, wire, device, layout: ParallelDims):
     me = layout.rank
     buckets, shapes = plan.buckets, plan.shapes
     if me not in dst:
         mine = [b for b in buckets if any(s == me for s, _, _ in b.segments)]
         if not mine:
             return
-        buf = torch.empty(max(n for b in mine for s, _, n in b.segments if s == me), dtype=wire, device=device)
+        buf = buffers.bucket(max(n for b in mine for s, _, n in b.segments if s == me), wire, device)
         for b in mine:
             seg = next(s for s in b.segments if s[0] == me)
             _pack(b, buf, seg[1], params, me, wire, everything)
             _transfer(Bucket(b.parts, (seg,), b.numel), buf, seg[1], dst, layout.world, me)
         return
-    buf = torch.empty(max((b.numel for b in buckets), default=0), dtype=wire, device=device)
-    arena = _Pool(plan.arena_numel, wire, device)
-    bigs = _Pool(plan.big_numel, wire, device)   # entries assembled across buckets (at most two at a time)
+    buf = buffers.bucket(max((b.numel for b in buckets), default=0), wire, device)
+    arena = buffers.pool("arena", plan.arena_numel, wire, device)
+    bigs = buffers.pool("big", plan.big_numel, wire, device)   # entries assembled across buckets (two at most)
     active: dict[int, dict] = {}
     out = None
     for k, b in enumerate(buckets):
