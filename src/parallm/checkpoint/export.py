@@ -282,9 +282,10 @@ def _pack(bucket: Bucket, buf: torch.Tensor, base: int, params, me: int, wire, e
             buf.narrow(0, p.offset - base, p.numel).view(p.r1 - p.r0, p.row_numel).copy_(rows)
 
 
-def _transfer(bucket: Bucket, buf: torch.Tensor, base: int, dst: list[int], world: int, me: int) -> None:
-    """Move every segment of ``bucket`` to the destinations: a broadcast per segment when every rank is a
-    destination, else point-to-point sends from each sender to each destination."""
+def _transfer(bucket: Bucket, buf: torch.Tensor, base: int, dst: list[int], world: int, me: int) -> list:
+    """Start moving every segment of ``bucket`` to the destinations: a broadcast per segment when every rank
+    is a destination, else point-to-point sends from each sender to each destination. Returns the pending
+    works (wait on them before touching ``buf``)."""
     if len(dst) == world:
         works = [dist.broadcast(buf.narrow(0, off - base, n), src=src, async_op=True)
                  for src, off, n in bucket.segments if world > 1]
@@ -296,6 +297,10 @@ def _transfer(bucket: Bucket, buf: torch.Tensor, base: int, dst: list[int], worl
                 works += [dist.isend(seg, dst=d) for d in dst if d != me]
             elif me in dst:
                 works.append(dist.irecv(seg, src=src))
+    return works
+
+
+def _wait(works) -> None:
     for w in works:
         w.wait()
 
@@ -331,11 +336,11 @@ class _Buffers:
     def __init__(self):
         self.bufs, self.pools = {}, {}
 
-    def bucket(self, numel: int, dtype, device) -> torch.Tensor:
-        buf = self.bufs.get((dtype, device))
+    def bucket(self, numel: int, dtype, device, slot: int) -> torch.Tensor:
+        buf = self.bufs.get((dtype, device, slot))
         if buf is None or buf.numel() < numel:
-            self.bufs[(dtype, device)] = buf = None
-            self.bufs[(dtype, device)] = buf = torch.empty(numel, dtype=dtype, device=device)
+            self.bufs[(dtype, device, slot)] = buf = None
+            self.bufs[(dtype, device, slot)] = buf = torch.empty(numel, dtype=dtype, device=device)
         return buf[:numel]
 
     def pool(self, name: str, numel: int, dtype, device) -> "_Pool":
@@ -346,26 +351,42 @@ class _Buffers:
 
 
 def _stream(plan: Plan, buffers: _Buffers, everything, params, dst, wire, device, layout: ParallelDims):
+    """Two bucket buffers: bucket k+1 is packed and in flight while bucket k is assembled and yielded."""
     me = layout.rank
     buckets, shapes = plan.buckets, plan.shapes
     if me not in dst:
-        mine = [b for b in buckets if any(s == me for s, _, _ in b.segments)]
+        mine = [(b, next(seg for seg in b.segments if seg[0] == me)) for b in buckets
+                if any(s == me for s, _, _ in b.segments)]
         if not mine:
             return
-        buf = buffers.bucket(max(n for b in mine for s, _, n in b.segments if s == me), wire, device)
-        for b in mine:
-            seg = next(s for s in b.segments if s[0] == me)
+        cap = max(seg[2] for _, seg in mine)
+        bufs = [buffers.bucket(cap, wire, device, slot) for slot in (0, 1)]
+        flying = []
+        for k, (b, seg) in enumerate(mine):
+            buf = bufs[k % 2]
+            if len(flying) == 2:
+                _wait(flying.pop(0))
             _pack(b, buf, seg[1], params, me, wire, everything)
-            _transfer(Bucket(b.parts, (seg,), b.numel), buf, seg[1], dst, layout.world, me)
+            flying.append(_transfer(Bucket(b.parts, (seg,), b.numel), buf, seg[1], dst, layout.world, me))
+        for works in flying:
+            _wait(works)
         return
-    buf = buffers.bucket(max((b.numel for b in buckets), default=0), wire, device)
+    cap = max((b.numel for b in buckets), default=0)
+    bufs = [buffers.bucket(cap, wire, device, slot) for slot in (0, 1)]
     arena = buffers.pool("arena", plan.arena_numel, wire, device)
     bigs = buffers.pool("big", plan.big_numel, wire, device)   # entries assembled across buckets (two at most)
+
+    def start(k):
+        _pack(buckets[k], bufs[k % 2], 0, params, me, wire, everything)
+        return _transfer(buckets[k], bufs[k % 2], 0, dst, layout.world, me)
+
     active: dict[int, dict] = {}
     out = None
+    works = start(0) if buckets else []
     for k, b in enumerate(buckets):
-        _pack(b, buf, 0, params, me, wire, everything)
-        _transfer(b, buf, 0, dst, layout.world, me)
+        _wait(works)
+        works = start(k + 1) if k + 1 < len(buckets) else []
+        buf = bufs[k % 2]
         space = arena.get() if plan.arena_numel else None
         outs = {}
         for p in b.parts:
