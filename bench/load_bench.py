@@ -9,7 +9,8 @@ vs-transformers
     transformers' ``from_pretrained(tp_plan="auto")`` (needs the ``accelerate`` package) and parallm's
     ``build_model`` + ``load_hf_weights`` at tp=2 (``--mode``, default auto). Each side's time is the wall of
     rank 0 between two barriers, the best of ``--reps``; the ratio is transformers / parallm (speed of parallm
-    relative to transformers: > 1 is faster). GB/s = checkpoint bytes / parallm's time.
+    relative to transformers: > 1 is faster). GB/s = checkpoint bytes / time. A third row, the copy floor: each
+    rank copies its half of every tensor from the page cache into fresh memory and does nothing else.
 
 dtype
     A bf16 checkpoint shaped as Qwen2.5-0.5B (24 layers, hidden 896, 14 heads / 2 KV heads, inter 4864, vocab
@@ -135,9 +136,22 @@ def rank_vs_transformers(rank, world, ckpt, reps, mode):
         parallm.load_hf_weights(chunks, ckpt, mode=mode)
         return chunks
 
-    times = {"transformers": [], "parallm": []}
+    def floor():
+        """The copy floor: this rank copies its half of every tensor (rows split over the ranks) from the page
+        cache into fresh memory, nothing else."""
+        from safetensors import safe_open
+        kept = []
+        for fname in sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors")):
+            with safe_open(os.path.join(ckpt, fname), framework="pt") as f:
+                for k in f.keys():
+                    x = f.get_tensor(k)
+                    n = x.shape[0] // world
+                    kept.append(x.narrow(0, rank * n, n).clone())
+        return kept
+
+    times = {"transformers": [], "parallm": [], "floor": []}
     for i in range(reps + 1):                 # first round: warm-up (imports, allocator, page cache)
-        for name, fn in (("transformers", hf), ("parallm", ours)):
+        for name, fn in (("transformers", hf), ("parallm", ours), ("floor", floor)):
             t, model = _timed(fn)
             if i:
                 times[name].append(t)
@@ -189,8 +203,11 @@ def main(argv=None):
             tf, ours = res["transformers"], res["parallm"]
             print(f"checkpoint: Qwen2-shaped fp32, {total / 1e6:.0f} MB in 60 MB shards; tp=2 on 2 gloo ranks "
                   f"({os.cpu_count()} cores), mode={args.mode}, best of {args.reps}")
+            fl = res["floor"]
             print(table([("transformers from_pretrained(tp_plan='auto')", f"{tf:.3f} s", f"{total / tf / 1e9:.2f}"),
-                         ("parallm build_model + load_hf_weights", f"{ours:.3f} s", f"{total / ours / 1e9:.2f}")],
+                         ("parallm build_model + load_hf_weights", f"{ours:.3f} s", f"{total / ours / 1e9:.2f}"),
+                         ("floor: each rank clones its half of every tensor", f"{fl:.3f} s",
+                          f"{total / fl / 1e9:.2f}")],
                         ["", "time", "GB/s"]))
             print(f"parallm speed / transformers speed = {tf / ours:.2f}  (goal >= 1.0, aim 2.0)")
         else:

@@ -22,21 +22,25 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 
 
 class SliceSource(Source):
-    """One tensor of a safetensors file; ``read`` touches only the requested slice's bytes."""
+    """One tensor of a safetensors file; ``read`` touches only the requested slice's bytes (a view of the
+    memory-mapped file: the bytes are read by whoever copies from it)."""
 
     def __init__(self, handle, name: str):
-        self._slice = handle.get_slice(name)
+        self._handle = handle
+        meta = handle.get_slice(name)
         self.name = name
-        self.shape = tuple(self._slice.get_shape())
-        self.dtype_code = self._slice.get_dtype()          # safetensors' code: "F32", "BF16", "I32", ...
+        self.shape = tuple(meta.get_shape())
+        self.dtype_code = meta.get_dtype()          # safetensors' code: "F32", "BF16", "I32", ...
+        self._view = None
 
     @property
     def is_floating(self) -> bool:
         return self.dtype_code.startswith(("F", "BF"))
 
     def read(self, dim, start, stop):
-        index = tuple([slice(None)] * dim + [slice(start, stop)])
-        return self._slice[index]
+        if self._view is None:          # the whole tensor as a zero-copy view of the mapping, made once
+            self._view = self._handle.get_tensor(self.name)
+        return self._view.narrow(dim, start, stop - start)
 
 
 class HFCheckpoint:
