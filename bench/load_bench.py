@@ -26,6 +26,7 @@ Both sides read from the page cache (the checkpoint is read once before timing).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -156,6 +157,7 @@ def rank_vs_transformers(rank, world, ckpt, reps, mode):
             if i:
                 times[name].append(t)
             del model
+            gc.collect()      # every side starts from the same allocator state (megatron modules hold cycles)
     parallm.destroy_parallel()
     return {k: min(v) for k, v in times.items()}
 
@@ -179,6 +181,7 @@ def rank_dtype(rank, world, ckpt, reps):
                 if i:
                     times[f"{name}/{touched}"].append(t)
                 del chunks
+                gc.collect()
     parallm.destroy_parallel()
     return {k: min(v) for k, v in times.items()}
 
