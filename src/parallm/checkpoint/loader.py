@@ -168,6 +168,43 @@ def _fill_from_blocks(param, entry: Entry, sources, layout: ParallelDims) -> Non
                                   f"{tuple(param.shape)}")
 
 
+def load_threads() -> int:
+    """Copy threads per rank for filling parameters: env ``PARALLM_LOAD_THREADS``, default ``min(4, cores)``.
+    ``copy_`` releases the GIL, so threads overlap the copies (and, on CPU, the page faults of fresh memory)."""
+    value = os.environ.get("PARALLM_LOAD_THREADS")
+    if value:
+        try:
+            return max(1, int(value))
+        except ValueError:
+            raise ValueError(f"PARALLM_LOAD_THREADS must be a positive integer, got {value!r}") from None
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def _fill_all(own, get, layout: ParallelDims, progress) -> None:
+    """Fill every (entry, chunk) of ``own`` from ``get``, the entries spread over :func:`load_threads` threads;
+    the first failing entry (in table order) is raised after every started fill has ended."""
+    pbar = bar(total=len(own), desc="parallm load", rank=layout.rank, progress=progress)
+    jobs = [(chunk.get_parameter(entry.local), entry, [get(n) for n in entry.hf]) for entry, chunk in own]
+    try:
+        threads = min(load_threads(), len(jobs))
+        if threads <= 1:
+            for param, entry, sources in jobs:
+                _fill_from_blocks(param, entry, sources, layout)
+                pbar.update(1)
+            return
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="parallm-load") as pool:
+            futures = [pool.submit(_fill_from_blocks, param, entry, sources, layout)
+                       for param, entry, sources in jobs]
+            for f in futures:
+                f.exception()        # wait; errors are raised below, in table order
+                pbar.update(1)
+        for f in futures:
+            f.result()
+    finally:
+        pbar.close()
+
+
 _KINDS = ("dir", "missing-dir", "dict", "none")
 # The one exchange of a load: per rank [status, source kind, value head initialised, tp rank, request bitmap...].
 _OK, _FAILED_KIND, _FAILED_READ = 0, 1, 2
@@ -217,8 +254,7 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
         try:
             get, init = _open_and_check(source, spec, task, layout, strict=strict, allow_pickle=allow_pickle)
             own = [(e, c) for e, c in mine if not set(e.hf) & set(init)]
-            for entry, chunk in bar(own, desc="parallm load", rank=layout.rank, progress=progress):
-                _fill_from_blocks(chunk.get_parameter(entry.local), entry, [get(n) for n in entry.hf], layout)
+            _fill_all(own, get, layout, progress)
         except Exception as e:  # noqa: BLE001
             error, status = e, _FAILED_READ
 
