@@ -39,7 +39,7 @@ from ..parallel.state import ParallelDims, dims_of, require_initialized
 from .cast import check_cast
 from .loader import model_entries
 
-DEFAULT_BUCKET_BYTES = 256 * 1024 ** 2
+DEFAULT_BUCKET_BYTES = 64 * 1024 ** 2
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
