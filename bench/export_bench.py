@@ -109,7 +109,8 @@ def main(argv=None):
             ("export dst_ranks=[0] (rank 0 / senders)", f"{t['dst0']:.3f} s", f"{total / t['dst0'] / 1e9:.2f}",
              f"{t['dst0'] / ref:.2f}", f"{dst0_dest / mib:.0f} / {dst0_other / mib:.0f} MiB"),
             ("export to every rank, dtype=bf16 (ref: half the bytes)", f"{t['bf16']:.3f} s",
-             f"{total / 2 / t['bf16'] / 1e9:.2f}", f"{t['bf16'] / half:.2f}", f"{dest_peak['bf16/first'] / mib:.0f} MiB"),
+             f"{total / 2 / t['bf16'] / 1e9:.2f}", f"{t['bf16'] / half:.2f}",
+             f"{dest_peak['bf16/first'] / mib:.0f} MiB"),
         ]
         print(table(rows, ["", "time", "GB/s", "/ reference", "buffers (first call's peak extra anon)"]))
         later = max(v for r in res for k, v in r["peak"].items() if not k.endswith("/first") and k[0] != "r")

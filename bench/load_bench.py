@@ -177,7 +177,7 @@ def rank_dtype(rank, world, ckpt, reps):
                         for c in chunks:
                             for p in c.parameters():
                                 p.zero_()
-                t, _ = _timed(lambda: parallm.load_hf_weights(chunks, ckpt, mode="slice"))
+                t, _ = _timed(lambda model=chunks: parallm.load_hf_weights(model, ckpt, mode="slice"))
                 if i:
                     times[f"{name}/{touched}"].append(t)
                 del chunks

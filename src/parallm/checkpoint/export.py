@@ -18,9 +18,10 @@ then one broadcast per segment over the world when every rank is a destination, 
 each destination. A destination assembles each HF tensor from its TP pieces (the layout's blocks, one copy) and
 yields it when its last part has arrived; a tensor larger than the bucket arrives over several buckets.
 
-Memory: a destination holds the bucket buffer, the tensor being yielded, and at most one tensor that straddles
-buckets (so about ``bucket_bytes`` + the largest tensor); a rank that is not a destination holds only its own
-segment of the current bucket.
+Memory, independent of the model's size: a destination holds two bucket buffers (bucket k+1 in flight while
+bucket k is assembled), two output buffers (the consumer still holds the last tensor of the previous bucket when
+it asks for the next) and the tensors that straddle buckets: about 4 buckets + twice the largest tensor; a rank
+that is not a destination holds two buffers of its own segment. The buffers stay with the model between calls.
 """
 
 from __future__ import annotations
@@ -160,8 +161,8 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
     Yielded tensors live on the parameters' device, are never views of a parameter, and may be kept: they are
     views of the stream's output buffers, and a buffer is reused for later tensors only once nothing refers
     to it any more (a consumer that copies each tensor and drops it, as an inference engine's weight loader
-    does, lets the stream reuse its buffers: a destination then holds about two buckets plus the largest
-    tensor; one that keeps them makes the stream allocate afresh).
+    does, lets the stream reuse its buffers; one that keeps them makes the stream allocate afresh). The
+    memory bound is in the module docstring.
 
     Arguments are checked on every rank in the call's single exchange: a bucket below one byte, a destination
     outside the world, or ranks passing different arguments is a ``ValueError`` on every rank.
