@@ -12,14 +12,13 @@ the fused MLP input projection on rank r is ``[gate_r; up_r]``; o_proj and down_
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+from ..quiet import megatron_import
+
+with megatron_import():
     from megatron.core import ModelParallelConfig, parallel_state
     from megatron.core import tensor_parallel as mtp
 

@@ -7,7 +7,6 @@ parallm never computes global ranks by arithmetic: every "which rank is my peer"
 from __future__ import annotations
 
 import os
-import warnings
 from datetime import timedelta
 
 import torch
@@ -17,9 +16,8 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("PARALLM_TIMEOUT_S", "600"))
 
 
 def _import_parallel_state():
-    with warnings.catch_warnings():
-        # megatron-core warns at import time that Transformer Engine / Apex are absent; parallm does not use them.
-        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    from ..quiet import megatron_import
+    with megatron_import():
         from megatron.core import parallel_state
     return parallel_state
 
