@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import __version__
 from ..errors import USER_ERRORS
 from . import demo, inspect, verify
 from .common import EXIT_FAIL, EXIT_USAGE, CLIError, Formatter, err
@@ -32,19 +33,11 @@ Run `parallm COMMAND --help` for each command's options."""
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parallm", description=DESCRIPTION, formatter_class=Formatter)
-    parser.add_argument("--version", action="version", version=f"parallm {_version()}")
+    parser.add_argument("--version", action="version", version=f"parallm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in (demo, verify, inspect):
         command.add_parser(sub)
     return parser
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-        return version("parallm")
-    except Exception:  # noqa: BLE001
-        return "unknown"
 
 
 def main(argv=None) -> int:

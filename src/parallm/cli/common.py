@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import sys
@@ -50,7 +49,7 @@ class Formatter(argparse.RawDescriptionHelpFormatter):
             import parallm.families  # noqa: F401 - registers the families
             from ..families.registry import FAMILIES, supported_architectures
             text = text.replace("{families}", ", ".join(sorted(FAMILIES)))
-            text = text.replace("{architectures}", ", ".join(supported_architectures()))
+            text = text.replace("{architectures}", textwrap.fill(", ".join(supported_architectures()), width=100))
         return super()._format_text(text)
 
 
@@ -60,24 +59,19 @@ def para(text: str) -> str:
 
 
 def positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
 
 
-def _lr(text: str):
-    if text == "auto":
-        return None
+def _lr(text: str) -> float | None:
+    """A positive number, or "auto" (None)."""
     try:
-        v = float(text)
+        v = None if text == "auto" else float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"the learning rate must be > 0, got {v}")
+        v = float("nan")
+    if v is not None and not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number or 'auto', got {text!r}")
     return v
 
 
@@ -202,10 +196,6 @@ def rank_job(rank: int, world: int, job: dict) -> dict | None:
             checks, info["skipped"] = prepare(job, workdir, world, progress)
         else:
             checks = job["checks"]
-            for c in checks:
-                if c.dp and world != c.tp * c.pp * c.dp:
-                    raise ValueError(f"the world has {world} rank(s), not tp={c.tp} x pp={c.pp} x dp={c.dp} = "
-                                     f"{c.tp * c.pp * c.dp}")
             progress(f"{world} ranks up ({dist.get_backend()})")
         for c in checks:
             if not c.save_dir:
@@ -244,7 +234,7 @@ def run_job(args, job: dict, *, world: int, title: str, header: str | None = Non
     result, error = dict(rows=[], info={}), None
     try:
         result = spawn(rank_job, world, job, timeout=args.timeout, backend=job["backend"], env=env, log_dir=logs,
-                       on_poll=_Tail(job["progress"], show))[0]
+                       on_poll=_tail(job["progress"], show))[0]
     except SpawnError as e:
         error = e.summary
         detail = e.culprit.traceback or e.culprit.log
@@ -259,22 +249,19 @@ def run_job(args, job: dict, *, world: int, title: str, header: str | None = Non
                   elapsed=time.perf_counter() - t0)
 
 
-class _Tail:
-    """Shows the lines rank 0 appended to the progress file since the last call (a partial line waits)."""
+def _tail(path: str, show):
+    """A poll function: shows the lines rank 0 appended to ``path`` since the last call (a partial line waits)."""
+    seen, t0 = [0], time.monotonic()
 
-    def __init__(self, path: str, show):
-        self.path, self.show, self.seen, self.t0 = path, show, 0, time.monotonic()
-
-    def __call__(self) -> None:
-        try:
-            with open(self.path) as f:
-                text = f.read()
-        except OSError:
-            return
-        lines = text[:text.rfind("\n") + 1].splitlines()
-        for line in lines[self.seen:]:
-            self.show(f"[{time.monotonic() - self.t0:5.1f}s] {line}")
-        self.seen = len(lines)
+    def poll() -> None:
+        if os.path.exists(path):
+            with open(path) as f:
+                lines = f.read().splitlines(keepends=True)
+            lines = [ln.rstrip("\n") for ln in lines if ln.endswith("\n")]
+            for line in lines[seen[0]:]:
+                show(f"[{time.monotonic() - t0:5.1f}s] {line}")
+            seen[0] = len(lines)
+    return poll
 
 
 def _choose_backend(device: str, ranks: int) -> str:
@@ -297,10 +284,9 @@ def _run_torchrun(args, job: dict, *, title: str, header: str | None) -> int:
     try:
         result = rank_job(rank, int(os.environ["WORLD_SIZE"]), job) or result
     except Exception as e:  # noqa: BLE001 - one line; the others learn it from agree() or from torchrun
-        error = one_line(e) or type(e).__name__
-        if type(e).__name__ not in USER_ERRORS:
-            error = f"{type(e).__name__}: {error}"
-        if rank != 0 and (args.debug or type(e).__name__ not in USER_ERRORS):
+        mine = type(e).__name__ in USER_ERRORS  # parallm's own errors: the same message on every rank
+        error = one_line(e) if mine else f"{type(e).__name__}: {one_line(e)}"
+        if rank != 0 and (args.debug or not mine):
             err(f"[rank {rank}] {error}")
         if args.debug:
             import traceback
@@ -324,40 +310,12 @@ def _run_torchrun(args, job: dict, *, title: str, header: str | None) -> int:
     return code
 
 
-def fmt_num(x, digits: int = 1) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float) and math.isnan(x):
-        return "nan"
-    return "0" if x == 0 else f"{x:.{digits}e}"
-
-
-def render_table(headers: list[str], rows: list[list[str]], right=frozenset()) -> str:
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
-
-    def line(cells):
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-
-    return "\n".join([line(headers), "  ".join("-" * w for w in widths)] + [line(r) for r in rows])
-
-
-def results_table(rows: list[dict]) -> str:
-    def s(x):
-        return "-" if x is None else f"{x:.2f}"
-
-    cells = [[r["layout"], r["model"], s(r.get("load_s")), fmt_num(r.get("d_out")), fmt_num(r.get("d_loss")),
-              fmt_num(r.get("d_weights")), fmt_num(r.get("d_after")), s(r.get("save_s")),
-              "exact" if r.get("roundtrip") else "DIFF", "exact" if r.get("reload") else "DIFF",
-              "ok" if r.get("ok") else "FAIL"] for r in rows]
-    headers = ["layout", "model", "load s", "max|Δ out|", "Δ loss", "max|Δ w| step", "max|Δ out| after", "save s",
-               "round trip", "reload", "ok"]
-    return render_table(headers, cells, right={2, 3, 4, 5, 6, 7})
-
-
 def report(args, rows: list[dict], *, error: str | None, info: dict, title: str, header: str | None,
            elapsed: float) -> int:
     """The table and the verdict on stdout (an error as one ``error:`` line on stderr); ``--json``; exit code."""
     from importlib.metadata import version
+
+    from ..verify import results_table
     print(title)
     if header:
         print(header)
@@ -384,8 +342,8 @@ def report(args, rows: list[dict], *, error: str | None, info: dict, title: str,
         err(error)
         return EXIT_FAIL
     if not ok:
-        failed = sum(not r["ok"] for r in rows)
-        print(f"FAIL: {failed} of {len(rows)} layout(s) differ from transformers ({elapsed:.0f} s)")
+        print(f"FAIL: {sum(not r['ok'] for r in rows)} of {len(rows)} layout(s) differ from transformers "
+              f"({elapsed:.0f} s)")
         return EXIT_FAIL
     print(f"OK: {len(rows)} layout(s) match transformers ({elapsed:.0f} s)")
     return EXIT_OK

@@ -104,31 +104,12 @@ def check_split(spec, *, tp: int, pp: int, vpp: int | None) -> None:
         raise CLIError(str(e)) from None
 
 
-def valid_tps(spec) -> list[int]:
-    from ..model.spec import check_tp
-    out = []
-    for tp in range(1, spec.num_heads + 1):
-        try:
-            check_tp(spec, tp)
-            out.append(tp)
-        except ValueError:
-            pass
-    return out
-
-
-def valid_pipelines(num_layers: int) -> dict[int, list[int]]:
-    """pp -> the vpp values (> 1) that split ``num_layers`` evenly (Megatron's interleaving)."""
-    from ..model.spec import layer_numbers
-
-    def splits(pp, vpp):
-        try:
-            layer_numbers(num_layers, pp, vpp, 0, 0)
-            return True
-        except ValueError:
-            return False
-
-    return {pp: [v for v in range(2, num_layers // pp + 1) if pp > 1 and splits(pp, v)]
-            for pp in range(1, num_layers + 1) if splits(pp, 1)}
+def _splits(fn, *args) -> bool:
+    try:
+        fn(*args)
+        return True
+    except ValueError:
+        return False
 
 
 def rank_params(spec, task: str, *, tp: int, pp: int, vpp: int | None) -> list[dict]:
@@ -156,8 +137,9 @@ def rank_params(spec, task: str, *, tp: int, pp: int, vpp: int | None) -> list[d
 
 
 def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, task=None) -> dict:
+    from ..model.spec import check_tp, layer_numbers
     ck = read_checkpoint(path, task=task)
-    spec, tensors = ck["spec"], ck["tensors"]
+    spec, tensors, L = ck["spec"], ck["tensors"], ck["spec"].num_layers
     files = {t["file"]: os.path.getsize(os.path.join(path, t["file"])) for t in tensors.values()}
     dtypes, itemsize = {}, {}
     for t in tensors.values():
@@ -176,7 +158,10 @@ def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, task=N
                     rope=spec.rope.kind, rope_theta=spec.rope.theta, rms_norm_eps=spec.rms_norm_eps),
         parameters=sum(dtypes.values()), tensors=len(tensors), dtypes=dtypes, dtype=main,
         dtype_bytes=itemsize.get(main, 4), files=files, problem=ck["problem"], notes=ck["notes"],
-        valid_tp=valid_tps(spec), pipelines=valid_pipelines(spec.num_layers))
+        valid_tp=[tp for tp in range(1, spec.num_heads + 1) if _splits(check_tp, spec, tp)],
+        # pp -> the vpp values (> 1) that split the layers evenly (Megatron's interleaving)
+        pipelines={pp: [v for v in range(2, L // pp + 1) if pp > 1 and _splits(layer_numbers, L, pp, v, 0, 0)]
+                   for pp in range(1, L + 1) if _splits(layer_numbers, L, pp, 1, 0, 0)})
     if any(x is not None for x in (tp, pp, vpp, dp)):
         tp, pp, dp, vpp = tp or 1, pp or 1, dp or 1, vpp if vpp and vpp > 1 else None
         check_split(spec, tp=tp, pp=pp, vpp=vpp)
@@ -202,7 +187,7 @@ def _bytes(n: float) -> str:
 
 def render(report: dict) -> str:
     from ..model.spec import padded_vocab_size
-    from .common import render_table
+    from ..verify import render_table
     c, yes = report["config"], {True: "yes", False: "no"}
     lines = [
         f"checkpoint    {report['path']}",

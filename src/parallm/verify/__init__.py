@@ -16,6 +16,7 @@ The transformers side (:mod:`.reference`, no torch.distributed)::
 One layout on every rank (:mod:`.check`)::
 
     row = check_layout(Check(ckpt, tp=2, pp=2, ...))    # load, compare, step, save, reload; rank 0's row
+    results_table(rows)                                 # the rows as a table
 
 Importing this package is cheap (no torch): the command line reads the tolerances below for its ``--help``.
 """
@@ -31,7 +32,7 @@ _LAZY = {
     "reference": ("tiny_config", "make_hf_model", "randomize_weights", "padded_batch", "hf_output", "hf_state",
                   "load_transformers", "quiet_transformers", "causal_lm_loss", "value_loss", "loss_for",
                   "max_diff_real", "compare_states", "reference", "reload_check"),
-    "check": ("Check", "check_layout"),
+    "check": ("Check", "check_layout", "results_table", "render_table"),
 }
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}
 

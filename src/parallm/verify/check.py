@@ -87,6 +87,10 @@ def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
     with megatron_import():
         from megatron.core import parallel_state as ps
 
+    world = dist.get_world_size()
+    if check.dp and world != check.tp * check.pp * check.dp:
+        raise ValueError(f"the world has {world} rank(s), not tp={check.tp} x pp={check.pp} x dp={check.dp} = "
+                         f"{check.tp * check.pp * check.dp}")
     parallm.init_parallel(tp=check.tp, pp=check.pp, vpp=check.vpp, timeout_s=check.timeout_s)
     rank0 = dist.get_rank() == 0
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -157,3 +161,30 @@ def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
                      and row["d_weights"] <= check.weights_atol and row["roundtrip"] and row["reload"])
     progress(f"{row['layout']} ({row['model']}): {'ok' if row['ok'] else 'FAIL'}")
     return row
+
+
+def render_table(headers: list[str], rows: list[list[str]], right=frozenset()) -> str:
+    """Columns padded to their widest cell (those in ``right`` aligned right), a dashed rule under the headers."""
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+
+    def line(cells):
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return "\n".join(line(r).rstrip() for r in [headers, ["-" * w for w in widths], *rows])
+
+
+def results_table(rows: list[dict]) -> str:
+    """:func:`check_layout` rows as a table: timings in seconds, differences as 1.2e-06, round trips exact / DIFF."""
+    def num(x):
+        return "-" if x is None else "nan" if x != x else "0" if x == 0 else f"{x:.1e}"
+
+    def sec(x):
+        return "-" if x is None else f"{x:.2f}"
+
+    headers = ["layout", "model", "load s", "max|Δ out|", "Δ loss", "max|Δ w| step", "max|Δ out| after", "save s",
+               "round trip", "reload", "ok"]
+    cells = [[r["layout"], r["model"], sec(r.get("load_s")), num(r.get("d_out")), num(r.get("d_loss")),
+              num(r.get("d_weights")), num(r.get("d_after")), sec(r.get("save_s")),
+              "exact" if r.get("roundtrip") else "DIFF", "exact" if r.get("reload") else "DIFF",
+              "ok" if r.get("ok") else "FAIL"] for r in rows]
+    return render_table(headers, cells, right={2, 3, 4, 5, 6, 7})
