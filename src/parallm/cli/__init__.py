@@ -6,7 +6,8 @@
 
 ``demo`` and ``verify`` run :func:`parallm.verify.check_layout` on local ranks started by
 :func:`parallm.verify.spawn`, or in place under torchrun. ``--help`` stays fast: torch, megatron-core and
-transformers are imported when a command runs (the families' names for the help text come from the registry).
+transformers are imported when a command runs, or for ``verify`` / ``inspect --help``, whose list of supported
+architectures comes from the family registry.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .common import EXIT_FAIL, EXIT_USAGE, CLIError, Formatter, err
 
 DESCRIPTION = """\
 Run Hugging Face decoder checkpoints as Megatron-core tensor / pipeline / data-parallel models, and check
-that they compute exactly what transformers computes. Families: {families}.
+that they compute exactly what transformers computes (`parallm verify --help` lists the architectures).
 
 commands:
   demo      make tiny checkpoints of every family and check several parallel layouts end to end

@@ -41,14 +41,13 @@ def err(message) -> None:
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps our line breaks; fills in the supported families and architectures from parallm's registry (imported
-    only when help is shown)."""
+    """Keeps our line breaks; fills in the supported architectures from parallm's family registry (imported only
+    when that help is shown: it brings torch)."""
 
     def _format_text(self, text):
-        if "{families}" in text or "{architectures}" in text:
+        if "{architectures}" in text:
             import parallm.families  # noqa: F401 - registers the families
-            from ..families.registry import FAMILIES, supported_architectures
-            text = text.replace("{families}", ", ".join(sorted(FAMILIES)))
+            from ..families.registry import supported_architectures
             text = text.replace("{architectures}", textwrap.fill(", ".join(supported_architectures()), width=100))
         return super()._format_text(text)
 
