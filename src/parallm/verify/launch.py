@@ -23,8 +23,8 @@ still running prints its Python stacks (faulthandler) to its output; on Linux a 
 which ends with the launching process, so no rank outlives it.
 
 Not ``torch.distributed.launcher.api.elastic_launch``: its agent kills every rank at the first failure (the
-survivors' own ending is what some tests check), has no deadline for a hung rank, and adds a TCP rendezvous
-(about twice the start-up time of a 4-rank world here).
+survivors' own ending is what some tests check) and has no deadline for a hung rank; its start-up is about the
+same (bench/launch_bench.py).
 """
 
 from __future__ import annotations
