@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from parallm.checkpoint.table import (CONDITIONS, KINDS, Row, all_entries, chunk_entries, expected_hf_shapes,
+from parallm.model.table import (CONDITIONS, KINDS, Row, all_entries, chunk_entries, expected_hf_shapes,
                                       select_rows)
 from parallm.families import FAMILIES, family_of, spec_from_config
 from parallm.model.spec import layer_numbers

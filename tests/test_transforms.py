@@ -1,7 +1,7 @@
 """Pure layout transforms, layer maps and split checks (no process group).
 
 ``merge(split(x)) == x`` bit for bit (torch.equal) for every kind and every valid tp, plus the exact per-rank
-layouts DESIGN section 3 promises (so a transform that round-trips but lays shards out differently from what
+layouts docs/layouts.md promises (so a transform that round-trips but lays shards out differently from what
 the decoder and vLLM/verl expect is still caught).
 """
 
@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from parallm.checkpoint import transforms as T
+from parallm.model import sharding as T
 from parallm.families import spec_from_config
 from parallm.model.spec import check_tp, layer_numbers, padded_vocab_size
 
@@ -179,12 +179,16 @@ def test_qkv_roundtrip_and_layout(nh, nkv, d, tp, bias):
 
 
 def test_qkv_merge_writes_replicated_head_once():
-    # nkv=2 < tp=4: ranks (0,1) hold head 0, ranks (2,3) head 1; merge must give [nkv*d] not [tp*d]
+    # nkv=2 < tp=4: ranks (0,1) hold head 0, ranks (2,3) head 1; merge must give [nkv*d] not [tp*d], and
+    # take each head from a rank that holds it
     d = 3
     q, k, v = _rand(4 * d, 2), _rand(2 * d, 2, seed=5), _rand(2 * d, 2, seed=6)
     shards = [T.shard_qkv(q, k, v, r, 4, num_heads=4, num_kv_heads=2, head_dim=d) for r in range(4)]
-    _, mk, mv = T.merge_qkv(shards, num_heads=4, num_kv_heads=2, head_dim=d)
-    assert mk.shape == k.shape and mv.shape == v.shape
+    for r, s in enumerate(shards):  # each rank: its query head, then the one KV head it uses
+        h = r // 2
+        assert torch.equal(s, torch.cat([q[r * d:(r + 1) * d], k[h * d:(h + 1) * d], v[h * d:(h + 1) * d]]))
+    mq, mk, mv = T.merge_qkv(shards, num_heads=4, num_kv_heads=2, head_dim=d)
+    assert torch.equal(mq, q) and torch.equal(mk, k) and torch.equal(mv, v)
 
 
 # -- gate / up ------------------------------------------------------------------------------------------------
@@ -312,9 +316,9 @@ def test_check_tp_errors_name_numbers(overrides, tp, needles):
 
 def _blocks_cases():
     from types import SimpleNamespace
-    spec_mha = SimpleNamespace(num_heads=8, num_kv_heads=8, head_dim=4)
-    spec_gqa = SimpleNamespace(num_heads=8, num_kv_heads=2, head_dim=4)
-    spec_mqa = SimpleNamespace(num_heads=8, num_kv_heads=1, head_dim=4)
+    spec_mha = SimpleNamespace(num_heads=8, num_kv_heads=8, head_dim=4, vocab_size=101)
+    spec_gqa = SimpleNamespace(num_heads=8, num_kv_heads=2, head_dim=4, vocab_size=101)
+    spec_mqa = SimpleNamespace(num_heads=8, num_kv_heads=1, head_dim=4, vocab_size=101)
     g = torch.Generator().manual_seed(7)
     h = 6
     for tp in (1, 2, 4, 8):
@@ -335,7 +339,7 @@ def _blocks_cases():
 def test_shard_blocks_describe_make_shard(case):
     """Rebuilding each shard from its blocks equals make_shard, and the primary blocks tile every HF tensor
     exactly once (so a direct writer writes each element exactly once)."""
-    from parallm.checkpoint.transforms import make_shard, shard_blocks
+    from parallm.model.sharding import make_shard, shard_blocks
     kind, tp, spec, sources, padded = case
     covered = [torch.zeros(s.shape, dtype=torch.int32) for s in sources]
     for rank in range(tp):
@@ -349,6 +353,32 @@ def test_shard_blocks_describe_make_shard(case):
         assert torch.equal(rebuilt, shard), (kind, tp, rank)
     for c in covered:
         assert torch.equal(c, torch.ones_like(c)), kind
+
+
+@pytest.mark.parametrize("case", list(_blocks_cases()), ids=lambda c: f"{c[0]}-tp{c[1]}-nkv{c[2].num_kv_heads}")
+def test_primary_slices_count_every_element_once(case):
+    """Marking each rank's primary_slices in its shard and merging the marks covers every HF element exactly
+    once (what grad-norm clipping relies on), and replica_rows are exactly the rows other ranks also hold."""
+    from parallm.model.sharding import make_layout
+    kind, tp, spec, sources, padded = case
+    layout = make_layout(kind, spec, padded)
+    marks = []
+    for rank in range(tp):
+        shard = layout.shard(sources, rank, tp)
+        mark = torch.zeros(shard.shape, dtype=torch.int32)
+        for dim, a, b in layout.primary_slices(rank, tp, tuple(shard.shape)):
+            mark.narrow(dim, a, b - a).add_(1)
+        marks.append(mark)
+        rows = layout.replica_rows(rank, tp)
+        if kind == "qkv" and spec.num_kv_heads < tp:
+            nq = spec.num_heads // tp * spec.head_dim
+            assert rows == (nq, shard.shape[0])
+        else:
+            assert rows is None
+    assert sum(int(m.sum()) for m in marks) == sum(src.numel() for src in sources), (kind, tp)
+    for merged, src in zip(layout.merge(marks), sources):
+        assert torch.equal(merged, torch.ones_like(merged, dtype=torch.int32)), (kind, tp)
+        assert merged.shape == src.shape
 
 
 @pytest.mark.parametrize("layers,pp,vpp", [(8, 2, 2), (8, 4, 1), (12, 2, 3), (4, 1, 1), (16, 4, 2)])

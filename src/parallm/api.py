@@ -1,6 +1,8 @@
-"""The public entry points: build_model and forward (DESIGN section 2)."""
+"""The public entry points: build_model, forward and forward_backward (docs/api.md)."""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -9,31 +11,41 @@ from .model.decoder import DecoderChunk, as_chunks, build_chunks
 from .model.spec import TASKS
 from .parallel.comm import gather_last_dim
 from .parallel.errors import run_local
-from .parallel.state import Layout, kv_replica_group, require_initialized
+from .parallel.pipeline import broadcast_from_last_stage, run_pipeline
+from .parallel.state import dims_of, kv_replica_group, require_initialized
+
+
+logger = logging.getLogger("parallm")
 
 
 def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = False,
                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
-                vocab_multiple: int = 1) -> list[DecoderChunk]:
+                vocab_multiple: int = 1, attn_impl: str = "auto") -> list[DecoderChunk]:
     """Build this rank's share of the model: one chunk per virtual pipeline stage (``len == vpp`` or 1).
 
     ``hf_config``: a transformers ``PretrainedConfig``, a checkpoint directory, or a config.json path.
-    ``task``: ``"causal_lm"`` (logits), ``"value"`` (a ``score`` head ``[1, H]`` giving values ``[B, S]``), or
+    ``task``: ``"causal_lm"`` (logits), ``"value"`` (a ``score`` head ``[1, H]`` giving values ``[B, S]``),
+    ``"hidden"`` (headless: final-normed hidden states ``[B, S, H]``, what verl's ``*Model`` classes return), or
     None to follow the config (``*ForSequenceClassification`` -> value). ``packed``: remove padding and run
     the real tokens as one stream (varlen attention). ``sequence_parallel``: split that stream over the TP
     ranks between the parallel linears (needs ``packed=True``).
     The parameters are allocated, not initialised: fill them with :func:`parallm.load_hf_weights`.
     The vocabulary is padded to a multiple of ``vocab_multiple * tp`` (zero rows, never visible in outputs).
+    ``attn_impl``: the attention kernel (``"auto"``, ``"sdpa"``, ``"sdpa-loop"``, ``"flash-attn"``; see
+    :mod:`parallm.model.attention`); the choice is logged and kept as ``chunk.attn_impl``.
     Collective (every rank calls it): replicated-KV groups are created here when num_key_value_heads < tp.
     """
     require_initialized("build_model")
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating-point torch.dtype (float32, bfloat16, float16), got {dtype!r}")
     config = load_config(hf_config)
-    spec, _family = spec_from_config(config)
+    spec, family = spec_from_config(config)
     task = resolve_task(config, task)
-    chunks = build_chunks(spec, task=task, dtype=dtype, sequence_parallel=sequence_parallel,
-                          vocab_multiple=vocab_multiple, packed=packed)
+    chunks = build_chunks(spec, table=family.table, task=task, dtype=dtype, sequence_parallel=sequence_parallel,
+                          vocab_multiple=vocab_multiple, packed=packed, attn_impl=attn_impl)
+    if chunks[0].dims.rank == 0:
+        logger.info("build_model: %s %s, %s, attention %s", spec.architecture, task, chunks[0].dims.describe(),
+                    chunks[0].attn_impl)
     kv_replica_group(spec.num_kv_heads)
     for chunk in chunks:
         chunk.hf_config = getattr(config, "_raw", config)
@@ -106,7 +118,7 @@ def gather_output(chunk: DecoderChunk, out: torch.Tensor) -> torch.Tensor:
     out = out.transpose(0, 1)  # [B, S, ...]; contiguous for padded logits and packed outputs
     if chunk.task in ("value", "hidden"):
         return out.float()
-    logits = gather_last_dim(out, Layout().tp_group)
+    logits = gather_last_dim(out, chunk.dims.tp_group)
     return logits[..., :chunk.spec.vocab_size].float()
 
 
@@ -114,13 +126,19 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None) -> torch.
     """Whole-batch output on every rank: fp32 logits ``[B, S, V]`` (causal_lm) or values ``[B, S]`` (value)."""
     require_initialized("forward")
     chunks = as_chunks(chunks)
+    layout = dims_of(chunks)
     input_ids, attention_mask, position_ids = run_local(
         lambda: _check_batch(chunks, input_ids, attention_mask, position_ids), what="forward")
-    layout = Layout()
     if layout.pp == 1:
         return gather_output(chunks[0], chunks[0].compute(input_ids, position_ids, attention_mask))
-    from .parallel.pipeline import pipeline_forward
-    return pipeline_forward(chunks, input_ids, attention_mask, position_ids)
+    with torch.no_grad():
+        outs = run_pipeline(chunks, [(input_ids, position_ids, attention_mask)],
+                            last_stage_fn=lambda chunk, out, m: gather_output(chunk, out),
+                            backward=False, num_microbatches=1)
+    b, s = input_ids.shape
+    spec = chunks[0].spec
+    shape = {"causal_lm": (b, s, spec.vocab_size), "hidden": (b, s, spec.hidden_size)}.get(chunks[0].task, (b, s))
+    return broadcast_from_last_stage(layout, outs[0] if outs else None, shape, torch.float32, input_ids.device)
 
 
 def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_microbatches: int = 1,
@@ -135,6 +153,7 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     """
     require_initialized("forward_backward")
     chunks = as_chunks(chunks)
+    layout = dims_of(chunks)
 
     def check():
         batch = _check_batch(chunks, input_ids, attention_mask, position_ids)
@@ -157,12 +176,10 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
             raise ValueError("loss_fn must return a scalar tensor")
         return loss
 
-    from .parallel.pipeline import broadcast_from_last_stage, run_pipeline
     losses = run_pipeline(chunks, mbs, last_stage_fn=last_stage, backward=True,
                           num_microbatches=num_microbatches)
-    layout = Layout()
     mean = torch.stack(losses).float().mean() if losses else None
-    mean = broadcast_from_last_stage(mean, (), torch.float32, input_ids.device)
+    mean = broadcast_from_last_stage(layout, mean, (), torch.float32, input_ids.device)
     if layout.dp > 1:
         torch.distributed.all_reduce(mean, group=layout.dp_group)
         mean /= layout.dp

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError
-from .transforms import Source, TensorSource
+from ..model.sharding import Source, TensorSource
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

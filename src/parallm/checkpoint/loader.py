@@ -25,11 +25,12 @@ from ..errors import CheckpointError, ParallelError
 from ..families import family_of
 from ..model.decoder import as_chunks
 from ..parallel.errors import run_local
-from ..parallel.state import Layout, require_initialized
+from ..model.placement import placement_of
+from ..parallel.state import ParallelDims, dims_of, require_initialized
 from ..progress import bar
 from .hf_dir import HFCheckpoint, check_floating, check_keys_and_shapes, tensor_shapes
-from .table import Entry, all_entries, chunk_entries, expected_hf_shapes
-from .transforms import TensorSource, make_shard, shard_blocks
+from ..model.sharding import TensorSource, make_shard
+from ..model.table import Entry, all_entries, chunk_entries, expected_hf_shapes
 
 logger = logging.getLogger("parallm")
 
@@ -84,7 +85,7 @@ def init_value_head(param: torch.Tensor, hf_config) -> float:
     return std
 
 
-def model_entries(chunks, layout: Layout):
+def model_entries(chunks, layout: ParallelDims):
     """(entry, chunk) pairs owned by this rank, plus the whole model's entry list (global order)."""
     spec, task = chunks[0].spec, chunks[0].task
     table = family_of(spec).table
@@ -159,10 +160,11 @@ def _copy_into(param: torch.Tensor, shard: torch.Tensor, entry: Entry) -> None:
         param.copy_(_fit_dtype(shard, param.dtype, entry.hf))
 
 
-def _fill_from_blocks(param, entry: Entry, sources, layout: Layout, spec, padded_vocab: int) -> None:
+def _fill_from_blocks(param, entry: Entry, sources, layout: ParallelDims) -> None:
     """Slice mode: read each piece of this rank's shard (``shard_blocks``) straight into its place in the
     parameter: one copy per byte, no intermediate shard. Vocab padding rows are zeroed."""
-    blocks = shard_blocks(entry.kind, layout.tp_rank, layout.tp, spec, [s.shape for s in sources], padded_vocab)
+    tp_layout = placement_of(param).layout
+    blocks = tp_layout.blocks(layout.tp_rank, layout.tp, [s.shape for s in sources])
     filled = 0
     with torch.no_grad():
         for src, dim, a, b, la, lb, _ in blocks:
@@ -176,9 +178,9 @@ def _fill_from_blocks(param, entry: Entry, sources, layout: Layout, spec, padded
                                       f"{tuple(target.shape)}")
             target.copy_(_fit_dtype(part, param.dtype, entry.hf))
             filled = max(filled, lb)
-        if entry.kind == "vocab":
+        if tp_layout.name == "vocab":
             param.narrow(0, filled, param.shape[0] - filled).zero_()
-        elif filled != param.shape[1 if entry.kind == "row" else 0]:
+        elif filled != param.shape[tp_layout.tp_dim or 0]:
             raise CheckpointError(f"{entry.local} <- {', '.join(entry.hf)}: the checkpoint fills {filled} of "
                                   f"{tuple(param.shape)}")
 
@@ -201,7 +203,7 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     t0 = time.perf_counter()
     chunks = as_chunks(chunks)
-    layout = Layout()
+    layout = dims_of(chunks)
     spec, task = chunks[0].spec, chunks[0].task
     table = family_of(spec).table
     expected = expected_hf_shapes(table, spec, task=task, pp=layout.pp)
@@ -212,12 +214,7 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
     mode = run_local(lambda: _choose_mode(mode, kinds), what="load_hf_weights")
     if layout.rank == 0:
         logger.info("load_hf_weights: mode=%s%s", mode, " (chosen by mode='auto')" if requested == "auto" else "")
-    mine, everything = model_entries(chunks, layout)
-    for chunk in chunks:  # the table must cover every parameter: nothing may stay silently uninitialised
-        uncovered = {n for n, _ in chunk.named_parameters()} - {e.local for e, c in mine if c is chunk}
-        if uncovered:
-            raise RuntimeError(f"internal error: the {spec.family} weight table has no row for parameter(s) "
-                               f"{sorted(uncovered)}")
+    mine, everything = model_entries(chunks, layout)  # the table covers every parameter (checked at build)
     padded_vocab = chunks[0].padded_vocab_size
     reader = source if mode == "slice" or layout.rank == 0 else None
 
@@ -252,14 +249,11 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
     if mode == "slice":
         def fill():
             for entry, chunk in bar(mine, desc="parallm load (slice)", rank=layout.rank, progress=progress):
-                _fill_from_blocks(chunk.get_parameter(entry.local), entry, [get(n) for n in entry.hf], layout,
-                                  spec, padded_vocab)
+                _fill_from_blocks(chunk.get_parameter(entry.local), entry, [get(n) for n in entry.hf], layout)
         run_local(fill, what="load_hf_weights")
     else:
         everything = [e for e in everything if not set(e.hf) & set(init)]
         _broadcast_load(mine, everything, get, layout, spec, padded_vocab, progress)
-    for chunk in chunks:
-        chunk.parallm_loaded = True
     return LoadReport(mode=mode, tensors=len(mine) + len(to_init), seconds=time.perf_counter() - t0,
                       initialised=tuple(init))
 
@@ -286,7 +280,7 @@ def _recv_failure(length: int, device) -> BaseException:
     return etype(f"load_hf_weights failed on rank 0: {message}")
 
 
-def _broadcast_load(mine, everything, get, layout: Layout, spec, padded_vocab: int, progress) -> None:
+def _broadcast_load(mine, everything, get, layout: ParallelDims, spec, padded_vocab: int, progress) -> None:
     """Rank 0 streams: for each HF tensor in global order it reads (lazily, slice by slice) the shard of each TP
     rank that needs one and sends it to every owner (data-parallel replicas included), so rank 0 holds about
     one shard at a time.

@@ -27,14 +27,13 @@ import torch.distributed as dist
 
 from ..families import family_of
 from ..model.decoder import as_chunks
-from ..model.spec import layer_owner
+from ..model.placement import placement_of
+from ..model.table import expected_hf_shapes
 from ..parallel.errors import run_local
-from ..parallel.state import Layout, require_initialized
+from ..parallel.state import ParallelDims, dims_of, require_initialized
 from ..progress import bar
 from .hf_dir import INDEX_NAME, SINGLE_NAME
 from .loader import model_entries
-from .table import expected_hf_shapes
-from .transforms import merge_shards, shard_blocks
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024 ** 3
 
@@ -51,14 +50,14 @@ def parse_size(size) -> int:
     return int(text)
 
 
-def _ordered_entries(chunks, layout: Layout):
+def _ordered_entries(chunks, layout: ParallelDims):
     """This rank's (global index, entry, chunk), in global table order."""
     mine, everything = model_entries(chunks, layout)
     order = {(e.row, e.layer): i for i, e in enumerate(everything)}
     return sorted(((order[(e.row, e.layer)], e, c) for e, c in mine), key=lambda t: t[0]), everything
 
 
-def _gather_tp(param: torch.Tensor, layout: Layout, dst_tp: int | None) -> list[torch.Tensor] | None:
+def _gather_tp(param: torch.Tensor, layout: ParallelDims, dst_tp: int | None) -> list[torch.Tensor] | None:
     """Every TP rank's shard on TP rank ``dst_tp`` (None elsewhere), or on every TP rank when ``dst_tp`` is
     None."""
     if layout.tp == 1:
@@ -73,13 +72,11 @@ def _gather_tp(param: torch.Tensor, layout: Layout, dst_tp: int | None) -> list[
     return out
 
 
-def _merge_entry(entry, param, shards, spec, *, dtype, device) -> dict[str, torch.Tensor]:
+def _merge_entry(entry, param, shards, *, dtype, device) -> dict[str, torch.Tensor]:
     """Every TP rank's shard -> this entry's HF tensors, on ``device`` in ``dtype`` (None: the param's). Never
     a view of the live parameter: the caller may keep the tensors while training changes it."""
-    if entry.kind == "copy":
-        shards = shards[:1]
     out = {}
-    for name, tensor in zip(entry.hf, merge_shards(entry.kind, shards, spec)):
+    for name, tensor in zip(entry.hf, placement_of(param).layout.merge(shards)):
         tensor = tensor.to(device=device, dtype=dtype or tensor.dtype).contiguous()
         if tensor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
             tensor = tensor.clone()
@@ -87,12 +84,11 @@ def _merge_entry(entry, param, shards, spec, *, dtype, device) -> dict[str, torc
     return out
 
 
-def gather_stage_tensors(chunks, layout: Layout, dtype=None, *, progress=None):
+def gather_stage_tensors(chunks, layout: ParallelDims, dtype=None, *, progress=None):
     """HF tensors of this rank's stage merged on its TP rank 0; {} on other TP ranks and on data-parallel
     replicas other than 0."""
     if layout.dp_rank != 0:
         return {}
-    spec = chunks[0].spec
     wanted, _ = _ordered_entries(chunks, layout)
     out = {}
     for i, entry, chunk in bar(wanted, desc="parallm save (gather)", rank=layout.rank, progress=progress):
@@ -101,11 +97,11 @@ def gather_stage_tensors(chunks, layout: Layout, dtype=None, *, progress=None):
         param = chunk.get_parameter(entry.local)
         shards = _gather_tp(param, layout, 0)
         if shards is not None:
-            out.update(_merge_entry(entry, param, shards, spec, dtype=dtype, device="cpu"))
+            out.update(_merge_entry(entry, param, shards, dtype=dtype, device="cpu"))
     return out
 
 
-def _collect_on_rank0(local: dict[str, torch.Tensor], layout: Layout, device) -> dict[str, torch.Tensor]:
+def _collect_on_rank0(local: dict[str, torch.Tensor], layout: ParallelDims, device) -> dict[str, torch.Tensor]:
     """Stage writers (tp 0, dp 0 of each stage) hand their tensors to global rank 0 over rank 0's pp group.
     ``device``: where tensors travel (the params' device: NCCL cannot send CPU tensors)."""
     if layout.pp == 1 or layout.tp_rank != 0 or layout.dp_rank != 0:
@@ -147,7 +143,7 @@ def save_hf_weights(chunks, out_dir=None, *, dtype: torch.dtype | None = None, o
     """
     require_initialized("save_hf_weights")
     chunks = as_chunks(chunks)
-    layout = Layout()
+    layout = dims_of(chunks)
     if out_dir is None:
         local = gather_stage_tensors(chunks, layout, dtype, progress=progress)
         state = _collect_on_rank0(local, layout, next(chunks[0].parameters()).device)
@@ -221,7 +217,7 @@ def _write_block(fd: int, start: int, hf_shape, elsize: int, block, local: torch
         _pwrite_all(fd, rows[i], start + i * row_bytes + a * elsize)
 
 
-def _save_dir(chunks, layout: Layout, out_dir: str, *, dtype, overwrite: bool, max_shard_size: int, progress):
+def _save_dir(chunks, layout: ParallelDims, out_dir: str, *, dtype, overwrite: bool, max_shard_size: int, progress):
     """Every data-parallel-rank-0 process writes its own shards' bytes directly into their places in the final
     safetensors files (no TP gather, no merge copies); rank 0 lays the files out first and finishes last."""
     spec, task = chunks[0].spec, chunks[0].task
@@ -264,10 +260,10 @@ def _save_dir(chunks, layout: Layout, out_dir: str, *, dtype, overwrite: bool, m
             elsize = torch.empty((), dtype=dtype).element_size()
             try:
                 for _, entry, chunk in bar(wanted, desc="parallm save", rank=layout.rank, progress=progress):
-                    local = chunk.get_parameter(entry.local).detach().to(device="cpu", dtype=dtype)
+                    param = chunk.get_parameter(entry.local)
+                    local = param.detach().to(device="cpu", dtype=dtype)
                     hf_shapes = [shapes[n] for n in entry.hf]
-                    for block in shard_blocks(entry.kind, layout.tp_rank, layout.tp, spec, hf_shapes,
-                                              chunks[0].padded_vocab_size):
+                    for block in placement_of(param).layout.blocks(layout.tp_rank, layout.tp, hf_shapes):
                         if not block[6]:
                             continue  # a replica: another rank writes these bytes
                         fname, start, hf_shape = where[entry.hf[block[0]]]
@@ -330,14 +326,6 @@ def hf_config_dict(chunk, dtype=None) -> dict:
 
 # -- export stream --------------------------------------------------------------------------------------------
 
-def _owner_stage(entry, layout: Layout, spec) -> int:
-    if entry.row.stage == "first":
-        return 0
-    if entry.row.stage == "last":
-        return layout.pp - 1
-    return layer_owner(spec.num_layers, layout.pp, layout.vpp, entry.layer)[0]
-
-
 def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None):
     """Yield ``(hf_name, full tensor)`` for every HF tensor, once, in table order, on every rank. Collective:
     every rank must consume the generator to the end.
@@ -347,7 +335,7 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None):
     """
     require_initialized("export_hf_tensors")
     chunks = as_chunks(chunks)
-    layout = Layout()
+    layout = dims_of(chunks)
     spec = chunks[0].spec
     dtype = dtype or chunks[0].config.params_dtype
     device = next(chunks[0].parameters()).device
@@ -358,12 +346,12 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None):
     for entry in everything:
         if not entry.row.save:
             continue
-        owner = _owner_stage(entry, layout, spec)
+        owner = layout.owner_pp_rank(entry.row.stage, entry.layer, spec.num_layers)
         tensors = {}
         if owner == layout.pp_rank:
             e, chunk = local[(entry.row, entry.layer)]
             param = chunk.get_parameter(e.local)
-            tensors = _merge_entry(e, param, _gather_tp(param, layout, None), spec, dtype=dtype, device=device)
+            tensors = _merge_entry(e, param, _gather_tp(param, layout, None), dtype=dtype, device=device)
         for name in entry.hf:
             t = tensors.get(name)
             if layout.pp > 1:

@@ -167,7 +167,7 @@ def rank_job(rank: int, world: int, job: dict) -> dict | None:
 
     import parallm
     from ..parallel.errors import run_local
-    from ..quiet import ignore_library_warnings
+    from ..parallel.megatron_import import ignore_library_warnings
     from ..verify import check_layout
     ignore_library_warnings()
     parallm.init_parallel(tp=1, backend=job["backend"], timeout_s=job["timeout"])

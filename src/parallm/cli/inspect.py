@@ -56,7 +56,7 @@ def read_checkpoint(path: str, *, task: str | None, pp: int = 1) -> dict:
     from ..api import resolve_task
     from ..checkpoint.hf_dir import SAFETENSORS_DTYPES, HFCheckpoint
     from ..checkpoint.loader import check_checkpoint
-    from ..checkpoint.table import expected_hf_shapes
+    from ..model.table import expected_hf_shapes
     from ..families import load_config, spec_from_config
     if not os.path.isdir(path):
         raise CLIError(f"{path} does not exist" if not os.path.exists(path) else
@@ -117,8 +117,8 @@ def rank_params(spec, task: str, *, tp: int, pp: int, vpp: int | None) -> list[d
     vocabulary padding included, the tied head copy of the last stage included when pp > 1)."""
     import torch
 
-    from ..checkpoint.table import chunk_entries, resolve_shape
-    from ..checkpoint.transforms import TensorSource, make_shard
+    from ..model.sharding import TensorSource, make_shard
+    from ..model.table import chunk_entries, resolve_shape
     from ..families import family_of
     from ..model.spec import layer_numbers, padded_vocab_size
     table, vpp, padded = family_of(spec).table, vpp or 1, padded_vocab_size(spec.vocab_size, tp)

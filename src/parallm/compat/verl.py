@@ -22,7 +22,7 @@ Class families (``{F}`` = ``Llama`` or ``Qwen2``)::
 Differences from verl, on purpose:
 
 * Tied embeddings follow the HF config (``tie_word_embeddings``); verl's LLaMA asserted them away and its Qwen2
-  PP classes trained a random head copy (trap 1). Passing ``share_embeddings_and_output_weights=True`` for an
+  PP classes trained the last stage's head copy from a random init, never loaded from the embedding. Passing ``share_embeddings_and_output_weights=True`` for an
   untied config is an error.
 * Vocab-parallel logits of the PP classes carry the vocabulary padding (when ``V % tp != 0``) as columns filled
   with the dtype's lowest value at real positions, so a softmax / cross entropy gives them probability exactly 0
@@ -43,24 +43,23 @@ from ..checkpoint.loader import load_hf_weights
 from ..checkpoint.saver import save_hf_weights
 from ..families import spec_from_config
 from ..model.decoder import DecoderChunk, as_chunks, prepare_config
-from ..model.spec import layer_numbers
 from ..parallel.comm import gather_last_dim
-from ..parallel.state import Layout, _import_parallel_state, kv_replica_group
+from ..parallel.state import current_dims, _import_parallel_state, kv_replica_group
 
 
 def _chunk_kwargs(config, megatron_config, task, pre_process, post_process):
     """The chunk verl's constructor describes: virtual stage from parallel_state (Megatron's get_model sets it
     before building each chunk), dtype and sequence parallelism from verl's megatron_config."""
     ps = _import_parallel_state()
-    spec, _ = spec_from_config(config)
-    mp_config = prepare_config(spec, task=task,
+    spec, family = spec_from_config(config)
+    dims = current_dims()
+    mp_config = prepare_config(spec, dims, task=task,
                                dtype=getattr(megatron_config, "params_dtype", None) or torch.float32,
                                sequence_parallel=bool(getattr(megatron_config, "sequence_parallel", False)))
-    pp, vpp = mp_config.pipeline_model_parallel_size, mp_config.virtual_pipeline_model_parallel_size or 1
-    vpp_rank = (ps.get_virtual_pipeline_model_parallel_rank() or 0) if vpp > 1 else 0
-    layers = layer_numbers(spec.num_layers, pp, vpp, ps.get_pipeline_model_parallel_rank(), vpp_rank)
+    vpp_rank = (ps.get_virtual_pipeline_model_parallel_rank() or 0) if dims.vpp > 1 else 0
+    layers = dims.stage_layers(spec.num_layers, vpp_rank)
     return spec, mp_config, dict(pre_process=pre_process, post_process=post_process, layers=layers,
-                                 vpp_rank=vpp_rank)
+                                 vpp_rank=vpp_rank, table=family.table, dims=dims)
 
 
 class _VerlBase(DecoderChunk):
@@ -71,7 +70,7 @@ class _VerlBase(DecoderChunk):
     def __init__(self, config, megatron_config, pre_process=None, post_process=None,
                  share_embeddings_and_output_weights=None):
         if not self._pipeline:
-            if Layout().pp != 1:
+            if current_dims().pp != 1:
                 raise ValueError(f"{type(self).__name__} runs without pipeline parallelism; with pp > 1 use "
                                  f"the *PP classes")
             pre_process, post_process = True, True
@@ -102,7 +101,7 @@ class _VerlBase(DecoderChunk):
             return CausalLMOutputWithPast(logits=out.transpose(0, 1).float())
         logits = out.transpose(0, 1).float()  # [B, S, Vpad/tp]; RmPad: zeros at padded positions
         if not self._pipeline:
-            logits = gather_last_dim(logits, Layout().tp_group)[..., :self.spec.vocab_size]
+            logits = gather_last_dim(logits, self.dims.tp_group)[..., :self.spec.vocab_size]
         return CausalLMOutputWithPast(logits=logits)
 
 

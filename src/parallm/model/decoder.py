@@ -5,7 +5,7 @@ A :class:`DecoderChunk` is one (virtual) pipeline stage: it owns the embedding w
 (``pre_process``), the final norm and the head when it is the last (``post_process``), and a run of layers that
 each know their global index (``layer.layer_number``).
 
-Tensor-parallel layouts (DESIGN section 3): the fused QKV output on TP rank r is ``[q_r; k_r; v_r]`` (r's query
+Tensor-parallel layouts (docs/layouts.md): the fused QKV output on TP rank r is ``[q_r; k_r; v_r]`` (r's query
 heads, then the KV heads they use; with fewer KV heads than ranks each rank holds one replicated KV head);
 the fused MLP input projection on rank r is ``[gate_r; up_r]``; o_proj and down_proj are row parallel.
 """
@@ -16,16 +16,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..quiet import megatron_import
-
-with megatron_import():
-    from megatron.core import ModelParallelConfig, parallel_state
-    from megatron.core import tensor_parallel as mtp
-
 from ..parallel.cpu_compat import enable_megatron_sequence_parallel_on_cpu
-from .attention import Packing, make_packing, pack_tokens, padded_attention, unpack_tokens, varlen_attention
+from ..parallel.megatron_import import import_megatron
+from .attention import AttnBackend, Packing, make_packing, pack_tokens, resolve_attn_impl, unpack_tokens
+from .placement import attach_placements
 from .rope import apply_rope, rope_cos_sin
 from .spec import TASKS, DecoderSpec, check_tp, layer_numbers, padded_vocab_size
+from .table import chunk_entries
+
+_megatron = import_megatron()
+ModelParallelConfig = _megatron.ModelParallelConfig
+mtp = _megatron.tensor_parallel
 
 
 def _no_init(_weight):  # parameters are filled by the loader (or by init_weights)
@@ -48,15 +49,15 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int, device=None):
+    def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int, device=None, *,
+                 backend: AttnBackend):
         super().__init__()
+        self.backend = backend
         if spec.qk_norm:
-            # One weight over head_dim shared by all heads; each TP rank sees only its heads, so finalize_grads
-            # sums these gradients over the TP group (parallm_tp_sum).
+            # One weight over head_dim shared by all heads; each TP rank sees only its heads, so its gradient is
+            # a partial sum over TP (the table row says tp_sum="always").
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, config.params_dtype, device)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, config.params_dtype, device)
-            for p in (self.q_norm.weight, self.k_norm.weight):
-                p.parallm_tp_sum = True
         self.head_dim = spec.head_dim
         self.num_heads_local = spec.num_heads // tp
         self.num_kv_local = max(1, spec.num_kv_heads // tp)
@@ -82,11 +83,11 @@ class Attention(nn.Module):
         k = apply_rope(k, cos, sin)
         v = heads[:, :, hq + hkv:]
         if isinstance(ctx, Packing):
-            out = varlen_attention(q[:, 0], k[:, 0], v[:, 0], ctx).unsqueeze(1)  # [T, 1, hq, d]
+            out = self.backend.fn(q[:, 0], k[:, 0], v[:, 0], ctx).unsqueeze(1)  # [T, 1, hq, d]
         else:
             # [S, B, h, d] -> [B, h, S, d]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-            out = padded_attention(q, k, v, ctx).permute(2, 0, 1, 3)
+            out = self.backend.fn(q, k, v, ctx).permute(2, 0, 1, 3)
         out, _ = self.linear_proj(out.reshape(s, b, hq * d))
         return out
 
@@ -109,11 +110,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int, layer_number: int, device):
+    def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int, layer_number: int, device, *,
+                 backend: AttnBackend):
         super().__init__()
         self.layer_number = layer_number  # global index in the full model
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
-        self.self_attention = Attention(spec, config, tp, device)
+        self.self_attention = Attention(spec, config, tp, device, backend=backend)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
         self.mlp = MLP(spec, config, tp)
 
@@ -142,8 +144,12 @@ class DecoderChunk(nn.Module):
     (causal_lm) or values ``[S, B]`` (value); elsewhere the hidden states ``[S, B, H]`` for the next stage."""
 
     def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, *, task: str, pre_process: bool,
-                 post_process: bool, layers: range, vpp_rank: int, vocab_multiple: int = 1,
-                 packed: bool = False):
+                 post_process: bool, layers: range, vpp_rank: int, table, dims, vocab_multiple: int = 1,
+                 packed: bool = False, attn_impl: str = "auto"):
+        """``table``: the family's weight table (each parameter's placement is attached from its row);
+        ``dims``: the :class:`parallm.parallel.state.ParallelDims` the chunk is built for (kept as
+        ``chunk.dims``); ``attn_impl``: an attention backend of :mod:`parallm.model.attention` or "auto" (the
+        resolved name is kept as ``chunk.attn_impl``)."""
         super().__init__()
         tp = config.tensor_model_parallel_size
         device = None if config.use_cpu_initialization else torch.cuda.current_device()
@@ -153,6 +159,7 @@ class DecoderChunk(nn.Module):
         self.pre_process = pre_process
         self.post_process = post_process
         self.vpp_rank = vpp_rank
+        self.dims = dims
         self.layer_range = layers
         self.packed = packed
         self.sequence_parallel = bool(config.sequence_parallel)
@@ -173,7 +180,9 @@ class DecoderChunk(nn.Module):
             self.embedding = mtp.VocabParallelEmbedding(
                 self.padded_vocab_size, spec.hidden_size, init_method=_no_init, config=config,
                 reduce_scatter_embeddings=self.sequence_parallel)
-        self.layers = nn.ModuleList(DecoderLayer(spec, config, tp, i, device) for i in layers)
+        backend = resolve_attn_impl(attn_impl, packed=packed, device=device or "cpu", dtype=config.params_dtype)
+        self.attn_impl = backend.name
+        self.layers = nn.ModuleList(DecoderLayer(spec, config, tp, i, device, backend=backend) for i in layers)
         if post_process:
             self.final_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
             if task == "hidden":
@@ -185,25 +194,17 @@ class DecoderChunk(nn.Module):
                 self.output_layer = mtp.ColumnParallelLinear(
                     spec.hidden_size, self.padded_vocab_size, config=config, init_method=_no_init, bias=False,
                     gather_output=False, skip_weight_param_allocation=reuse)
-                if self.share_embeddings_and_output_weights and not pre_process:
-                    self.output_layer.weight.shared_embedding = True
-                    self.output_layer.weight.shared = True
                 # Vocab padding columns of this rank's logits (None: no padding here). They are filled with the
                 # dtype's lowest value, so a softmax / vocab-parallel cross entropy gives them probability 0.
                 per = self.padded_vocab_size // tp
-                real = max(0, min(per, spec.vocab_size - parallel_state.get_tensor_model_parallel_rank() * per))
+                real = max(0, min(per, spec.vocab_size - dims.tp_rank * per))
                 self.real_vocab_columns = real if real < per else None
             else:
                 self.score = nn.Linear(spec.hidden_size, 1, bias=False, dtype=config.params_dtype, device=device)
-        if self.sequence_parallel:
-            # Replicated over TP but fed 1/tp of the tokens: finalize_grads sums their gradients over TP.
-            # (Only under sequence parallelism: marking them otherwise would multiply their gradient by tp.)
-            for name, p in self.named_parameters():
-                if name.endswith("layernorm.weight") or name in ("final_norm.weight", "score.weight"):
-                    p.sequence_parallel = True
-        if self.share_embeddings_and_output_weights and pre_process and not post_process:
-            self.embedding.weight.shared_embedding = True
-            self.embedding.weight.shared = True
+        # Every parameter's placement (TP layout, partial-sum gradients, tied copies) from its table row, with
+        # megatron-core's own attributes.
+        attach_placements(self, chunk_entries(table, spec, task=task, pp=dims.pp, pre_process=pre_process,
+                                              post_process=post_process, layers=layers), pp=dims.pp)
 
     # -- Megatron model protocol -------------------------------------------------------------------------
     def set_input_tensor(self, input_tensor):
@@ -292,38 +293,31 @@ def make_config(*, tp: int, pp: int, vpp: int | None, dtype: torch.dtype, sequen
     )
 
 
-def prepare_config(spec: DecoderSpec, *, task: str, dtype, sequence_parallel: bool) -> ModelParallelConfig:
-    """Check that the model runs in parallel_state's layout (naming the numbers when it does not) and make the
+def prepare_config(spec: DecoderSpec, dims, *, task: str, dtype, sequence_parallel: bool) -> ModelParallelConfig:
+    """Check that the model runs in the layout ``dims`` (naming the numbers when it does not) and make the
     chunks' shared config. Used by build_chunks and by the verl-compatible classes alike."""
-    if task not in TASKS + ("hidden",):
+    if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     if spec.hidden_act != "silu":
         raise ValueError(f"hidden_act={spec.hidden_act!r} is not supported (parallm implements 'silu')")
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
-    check_tp(spec, tp)
-    layer_numbers(spec.num_layers, pp, vpp, 0, 0)  # raises with the numbers if the split is uneven
-    config = make_config(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, dtype=dtype,
+    check_tp(spec, dims.tp)
+    layer_numbers(spec.num_layers, dims.pp, dims.vpp, 0, 0)  # raises with the numbers if the split is uneven
+    config = make_config(tp=dims.tp, pp=dims.pp, vpp=dims.vpp if dims.vpp > 1 else None, dtype=dtype,
                          sequence_parallel=sequence_parallel)
     if config.sequence_parallel and config.use_cpu_initialization:
         enable_megatron_sequence_parallel_on_cpu()
     return config
 
 
-def build_chunks(spec: DecoderSpec, *, task: str = "causal_lm", dtype=torch.float32, sequence_parallel=False,
-                 vocab_multiple: int = 1, packed: bool = False) -> list[DecoderChunk]:
-    """Build this rank's chunks (one per virtual stage) from parallel_state's layout."""
-    config = prepare_config(spec, task=task, dtype=dtype, sequence_parallel=sequence_parallel)
-    pp = config.pipeline_model_parallel_size
-    vpp = config.virtual_pipeline_model_parallel_size or 1
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    chunks = []
-    for v in range(vpp):
-        chunks.append(DecoderChunk(
-            spec, config, task=task,
-            pre_process=(pp_rank == 0 and v == 0),
-            post_process=(pp_rank == pp - 1 and v == vpp - 1),
-            layers=layer_numbers(spec.num_layers, pp, vpp, pp_rank, v), vpp_rank=v,
-            vocab_multiple=vocab_multiple, packed=packed))
-    return chunks
+def build_chunks(spec: DecoderSpec, *, table, task: str = "causal_lm", dtype=torch.float32,
+                 sequence_parallel=False, vocab_multiple: int = 1, packed: bool = False,
+                 attn_impl: str = "auto") -> list[DecoderChunk]:
+    """Build this rank's chunks (one per virtual stage) for the current parallel layout."""
+    from ..parallel.state import current_dims
+    dims = current_dims()
+    config = prepare_config(spec, dims, task=task, dtype=dtype, sequence_parallel=sequence_parallel)
+    return [DecoderChunk(spec, config, task=task, pre_process=dims.is_first_stage(v),
+                         post_process=dims.is_last_stage(v), layers=dims.stage_layers(spec.num_layers, v),
+                         vpp_rank=v, table=table, dims=dims, vocab_multiple=vocab_multiple, packed=packed,
+                         attn_impl=attn_impl)
+            for v in range(dims.vpp)]

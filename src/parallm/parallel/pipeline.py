@@ -22,13 +22,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .state import Layout
+from .state import ParallelDims, dims_of
 
 
 class _Ring:
     """Point-to-point neighbours in this rank's pipeline group (asked of the group, never computed)."""
 
-    def __init__(self, layout: Layout, device):
+    def __init__(self, layout: ParallelDims, device):
         ranks = dist.get_process_group_ranks(layout.pp_group)
         self.next = ranks[(layout.pp_rank + 1) % layout.pp]
         self.prev = ranks[(layout.pp_rank - 1) % layout.pp]
@@ -64,7 +64,7 @@ def run_pipeline(chunks, microbatches, *, last_stage_fn, backward: bool, num_mic
     values on last-stage ranks, [] elsewhere. With ``backward``, each kept loss is back-propagated scaled by
     ``1 / num_microbatches``.
     """
-    layout = Layout()
+    layout = dims_of(chunks)
     param = next(chunks[0].parameters())
     ring = _Ring(layout, param.device)
     dtype = chunks[0].config.params_dtype
@@ -103,9 +103,9 @@ def run_pipeline(chunks, microbatches, *, last_stage_fn, backward: bool, num_mic
     return [k.detach() for k in kept] if backward else kept
 
 
-def broadcast_from_last_stage(tensor: torch.Tensor | None, shape, dtype, device) -> torch.Tensor:
+def broadcast_from_last_stage(layout: ParallelDims, tensor: torch.Tensor | None, shape, dtype,
+                              device) -> torch.Tensor:
     """The last pipeline stage's tensor on every rank of the pipeline group."""
-    layout = Layout()
     ranks = dist.get_process_group_ranks(layout.pp_group)
     if layout.pp_rank != layout.pp - 1:
         tensor = torch.empty(shape, dtype=dtype, device=device)
@@ -113,16 +113,3 @@ def broadcast_from_last_stage(tensor: torch.Tensor | None, shape, dtype, device)
         tensor = tensor.detach().to(dtype).contiguous()
     dist.broadcast(tensor, src=ranks[-1], group=layout.pp_group)
     return tensor
-
-
-def pipeline_forward(chunks, input_ids, attention_mask, position_ids):
-    """Evaluation forward through the pipeline (no autograd); the output on every rank."""
-    from ..api import gather_output
-    spec, task = chunks[0].spec, chunks[0].task
-    with torch.no_grad():
-        outs = run_pipeline(chunks, [(input_ids, position_ids, attention_mask)],
-                            last_stage_fn=lambda chunk, out, m: gather_output(chunk, out),
-                            backward=False, num_microbatches=1)
-    b, s = input_ids.shape
-    shape = (b, s, spec.vocab_size) if task == "causal_lm" else (b, s)
-    return broadcast_from_last_stage(outs[0] if outs else None, shape, torch.float32, input_ids.device)

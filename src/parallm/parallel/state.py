@@ -1,25 +1,30 @@
 """Process groups: torch.distributed start-up and Megatron-core's model-parallel groups.
 
 parallm never computes global ranks by arithmetic: every "which rank is my peer" question goes to
-``megatron.core.parallel_state`` or to ``torch.distributed.get_process_group_ranks`` (predecessor trap 9).
+``megatron.core.parallel_state`` or to ``torch.distributed.get_process_group_ranks`` (a hard-coded rank order
+breaks under other group layouts).
+
+The layout a model was built for travels with it: every chunk carries the :class:`ParallelDims` of its build
+(``chunk.dims``), and :func:`dims_of` refuses chunks whose layout is gone (``init_parallel`` ran again since).
+Which pipeline stage is first or last and which stage owns a layer is decided here, in ParallelDims, alone.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from .megatron_import import import_megatron
+
 DEFAULT_TIMEOUT_S = float(os.environ.get("PARALLM_TIMEOUT_S", "600"))
 
 
 def _import_parallel_state():
-    from ..quiet import megatron_import
-    with megatron_import():
-        from megatron.core import parallel_state
-    return parallel_state
+    return import_megatron().parallel_state
 
 
 def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, backend: str | None = None,
@@ -75,6 +80,7 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, backend: 
         from megatron.core import tensor_parallel
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     _GROUP_CACHE.clear()
+    _STATE["generation"] += 1
 
 
 def destroy_parallel() -> None:
@@ -84,6 +90,7 @@ def destroy_parallel() -> None:
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     _GROUP_CACHE.clear()
+    _STATE["generation"] += 1
     if _OWN.pop("process_group", False) and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -94,28 +101,82 @@ def require_initialized(what: str) -> None:
         raise RuntimeError(f"{what} needs parallel groups: call parallm.init_parallel(tp=..., pp=...) first")
 
 
-class Layout:
-    """This rank's coordinates, read from parallel_state (never computed from the global rank)."""
+@dataclass(frozen=True)
+class ParallelDims:
+    """This rank's coordinates in the parallel layout, read from parallel_state (never computed from the global
+    rank), and the groups to talk over. ``generation`` counts ``init_parallel`` / ``destroy_parallel`` calls: a
+    model built under one generation cannot run under another (its layers hold that generation's groups)."""
+    tp: int
+    tp_rank: int
+    pp: int
+    pp_rank: int
+    vpp: int
+    dp: int
+    dp_rank: int
+    rank: int
+    world: int
+    generation: int
+    tp_group: object = field(compare=False, repr=False)
+    pp_group: object = field(compare=False, repr=False)
+    dp_group: object = field(compare=False, repr=False)
 
-    def __init__(self):
+    @classmethod
+    def current(cls) -> "ParallelDims":
         ps = _import_parallel_state()
-        self.tp = ps.get_tensor_model_parallel_world_size()
-        self.tp_rank = ps.get_tensor_model_parallel_rank()
-        self.pp = ps.get_pipeline_model_parallel_world_size()
-        self.pp_rank = ps.get_pipeline_model_parallel_rank()
-        self.vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
-        self.dp = ps.get_data_parallel_world_size()
-        self.dp_rank = ps.get_data_parallel_rank()
-        self.tp_group = ps.get_tensor_model_parallel_group()
-        self.pp_group = ps.get_pipeline_model_parallel_group()
-        self.dp_group = ps.get_data_parallel_group()
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
+        return cls(tp=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+                   pp=ps.get_pipeline_model_parallel_world_size(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+                   vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+                   dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+                   rank=dist.get_rank(), world=dist.get_world_size(), generation=_STATE["generation"],
+                   tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
+                   dp_group=ps.get_data_parallel_group())
 
-    def coords(self) -> tuple[int, int, int]:
-        return (self.tp_rank, self.pp_rank, self.dp_rank)
+    def describe(self) -> str:
+        vpp = f" x vpp={self.vpp}" if self.vpp > 1 else ""
+        return f"tp={self.tp} x pp={self.pp}{vpp} x dp={self.dp}"
+
+    # -- pipeline stages: decided here only ------------------------------------------------------------------
+    def is_first_stage(self, vpp_rank: int) -> bool:
+        """Virtual stage ``vpp_rank`` of this rank is the model's first (it owns the embedding)."""
+        return self.pp_rank == 0 and vpp_rank == 0
+
+    def is_last_stage(self, vpp_rank: int) -> bool:
+        """Virtual stage ``vpp_rank`` of this rank is the model's last (final norm and head)."""
+        return self.pp_rank == self.pp - 1 and vpp_rank == self.vpp - 1
+
+    def stage_layers(self, num_layers: int, vpp_rank: int) -> range:
+        """Global layer indices of this rank's virtual stage ``vpp_rank`` (Megatron's interleaving)."""
+        from ..model.spec import layer_numbers
+        return layer_numbers(num_layers, self.pp, self.vpp, self.pp_rank, vpp_rank)
+
+    def owner_pp_rank(self, stage: str, layer: int | None, num_layers: int) -> int:
+        """Pipeline rank owning a weight-table row's parameter: ``stage`` "first" / "last" / "layer"."""
+        if stage == "first":
+            return 0
+        if stage == "last":
+            return self.pp - 1
+        from ..model.spec import layer_owner
+        return layer_owner(num_layers, self.pp, self.vpp, layer)[0]
 
 
+def current_dims() -> ParallelDims:
+    return ParallelDims.current()
+
+
+def dims_of(chunks) -> ParallelDims:
+    """The layout ``chunks`` were built for, checked against the live one: chunks built before the last
+    ``init_parallel`` / ``destroy_parallel`` are an error that says what changed (rebuild the model)."""
+    built = chunks[0].dims
+    if built.generation != _STATE["generation"]:
+        ps = _import_parallel_state()
+        now = current_dims().describe() if dist.is_initialized() and ps.model_parallel_is_initialized() \
+            else "no parallel groups"
+        raise RuntimeError(f"this model was built for {built.describe()}, but init_parallel / destroy_parallel "
+                           f"has run since (now: {now}); build the model again under the current layout")
+    return built
+
+
+_STATE = {"generation": 0}
 _GROUP_CACHE: dict = {}
 _OWN: dict = {}   # what parallm created (so destroy_parallel leaves the caller's process group alone)
 
@@ -123,7 +184,7 @@ _OWN: dict = {}   # what parallm created (so destroy_parallel leaves the caller'
 def kv_replica_group(num_kv_heads: int):
     """The group of TP ranks holding the same replicated KV head (nkv < tp), or None when KV heads are not
     replicated. Every rank must call this (group creation is collective over the world)."""
-    layout = Layout()
+    layout = current_dims()
     tp = layout.tp
     if num_kv_heads >= tp:
         return None

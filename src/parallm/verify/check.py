@@ -83,17 +83,15 @@ def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
     import parallm
     from ..families import load_config
     from ..parallel.errors import run_local
-    from ..quiet import megatron_import
-    with megatron_import():
-        from megatron.core import parallel_state as ps
+    from ..parallel.state import current_dims
 
     world = dist.get_world_size()
     if check.dp and world != check.tp * check.pp * check.dp:
         raise ValueError(f"the world has {world} rank(s), not tp={check.tp} x pp={check.pp} x dp={check.dp} = "
                          f"{check.tp * check.pp * check.dp}")
     parallm.init_parallel(tp=check.tp, pp=check.pp, vpp=check.vpp, timeout_s=check.timeout_s)
-    rank0 = dist.get_rank() == 0
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    dims = current_dims()
+    rank0, dp, dp_rank = dims.rank == 0, dims.dp, dims.dp_rank
     ckpt = check.ckpt
     row = dict(layout=check.name(dp), model=check.label)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"

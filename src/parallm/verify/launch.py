@@ -43,7 +43,7 @@ from ..errors import USER_ERRORS
 
 GRACE_S = 5.0
 # Ranks import these once, in the forkserver (failing imports are skipped); megatron-core comes with parallm.api,
-# whose import silences its notices (parallm.quiet).
+# which imports it without its start-up notice (parallel.megatron_import).
 PRELOAD = ("torch", "torch.distributed", "transformers", "parallm.families",
            "parallm.api", "parallm.checkpoint.loader", "parallm.checkpoint.saver", "parallm.verify.check")
 # An error with one of these in its message only says that another rank went away first.

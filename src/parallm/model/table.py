@@ -5,7 +5,8 @@ inside the chunk), its HF source names (``{i}`` = global layer index), the layou
 that owns it, and conditions on the spec / task / pipeline under which it exists. Loader, saver and the coverage
 tests all read the same table; tied embeddings and value heads *filter* rows, nothing mutates a table.
 
-Kinds (see :mod:`parallm.checkpoint.transforms`):
+Layout kinds (see :mod:`parallm.model.sharding`; the decoder attaches each row's placement to its parameter,
+see :mod:`parallm.model.placement`):
     copy     replicated on every TP rank
     vocab    split along dim 0 over TP after padding the vocabulary with zero rows
     column   split along dim 0 (column-parallel output)
@@ -18,10 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model.spec import DecoderSpec
+from .spec import DecoderSpec
 
 KINDS = ("copy", "vocab", "column", "row", "qkv", "gate_up")
 STAGES = ("first", "layer", "last")
+TP_SUM = ("never", "sp", "always")
 
 # Conditions a row may require (all must hold).
 CONDITIONS = {
@@ -46,6 +48,9 @@ class Row:
     shapes: tuple[tuple, ...] = ()  # full HF shape per source: ints or DecoderSpec attribute names
     when: tuple[str, ...] = ()      # CONDITIONS that must all hold
     save: bool = True               # False: loaded but not written back (e.g. the tied head copy)
+    tp_sum: str = "never"           # gradient is a partial sum over TP: "never", "sp" (under sequence
+                                    # parallelism: fed 1/tp of the tokens), "always" (per-head q/k norms)
+    tied: str | None = None         # tied embeddings across stages: "embedding" (first stage) / "copy" (head)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -54,6 +59,10 @@ class Row:
             raise ValueError(f"unknown stage {self.stage!r}")
         if len(self.shapes) != len(self.hf):
             raise ValueError(f"row {self.local}: {len(self.hf)} sources but {len(self.shapes)} shapes")
+        if self.tp_sum not in TP_SUM:
+            raise ValueError(f"row {self.local}: tp_sum must be one of {TP_SUM}, got {self.tp_sum!r}")
+        if self.tied not in (None, "embedding", "copy"):
+            raise ValueError(f"row {self.local}: tied must be None, 'embedding' or 'copy', got {self.tied!r}")
         for c in self.when:
             if c not in CONDITIONS:
                 raise ValueError(f"unknown condition {c!r}")

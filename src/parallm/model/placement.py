@@ -1,0 +1,123 @@
+"""Where each parameter lives, declared once per parameter.
+
+The weight table (:mod:`parallm.model.table`) states every parameter's layout kind, whether its gradient is a
+partial sum over the TP group, and its part in tied embeddings. :func:`attach_placements` turns the rows that
+apply to a chunk into a :class:`Placement` on each parameter (``param.parallm_placement``) and sets the
+attributes megatron-core itself sets on the same layers, so Megatron's optimizer, grad clipping and checkpoint
+code read parallm's chunks correctly:
+
+    tensor_model_parallel / partition_dim / partition_stride   the TP split (megatron-core sets these only when
+                                                               it initialises a weight; parallm builds without)
+    sequence_parallel                                          norms and row-parallel biases: config's value
+    allreduce                                                  linear weights and biases: True (no experts yet)
+    shared / shared_embedding                                  tied across stages: the first stage's embedding is
+                                                               ``shared_embedding``; the last stage's head copy
+                                                               ``shared`` and ``shared_embedding``
+
+Loader, saver, export stream, ``finalize_grads`` and grad-norm clipping read the :class:`Placement`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sharding import TPLayout, make_layout
+
+# megatron-core's defaults for a parameter that is not split over TP (_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS).
+_MEGATRON_TP_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One parameter's place in the parallel model.
+
+    ``layout``: its TP layout kind (how HF tensors map onto each TP rank's shard).
+    ``tp_sum``: its gradient on each TP rank is a partial sum (a TP-replicated parameter fed only part of the
+    work: norms / value head / row-parallel biases under sequence parallelism, per-head q/k norms always);
+    ``finalize_grads`` sums it over the TP group.
+    ``tied``: ``"embedding"`` for the first stage's embedding and ``"copy"`` for the last stage's head copy when
+    embeddings are tied across pipeline stages (gradients summed over the embedding group; the copy is neither
+    saved nor counted in norms); None otherwise.
+    """
+    layout: TPLayout
+    tp_sum: bool = False
+    tied: str | None = None
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.layout.tp_dim is not None
+
+
+def placement_of(param: torch.Tensor) -> Placement:
+    p = getattr(param, "parallm_placement", None)
+    if p is None:
+        raise RuntimeError("parameter has no parallm placement (was the model built by parallm.build_model?)")
+    return p
+
+
+def place(param: torch.Tensor, placement: Placement, *, module_kind: str, sequence_parallel: bool) -> None:
+    """Attach ``placement`` and the attributes megatron-core sets on the same parameter. ``module_kind``: what
+    owns it: ``"linear"`` (a megatron Column/RowParallelLinear weight or column bias), ``"row_bias"`` (a
+    RowParallelLinear bias), ``"norm"`` (an RMSNorm weight), ``"embedding"`` or ``"other"``."""
+    param.parallm_placement = placement
+    if placement.tensor_parallel:
+        param.tensor_model_parallel = True
+        param.partition_dim = placement.layout.tp_dim
+        param.partition_stride = placement.layout.stride
+    else:
+        for name, value in _MEGATRON_TP_DEFAULTS.items():
+            setattr(param, name, value)
+    if module_kind in ("norm", "row_bias") or (placement.tp_sum and module_kind == "other"):
+        param.sequence_parallel = sequence_parallel
+    if module_kind in ("linear", "row_bias"):
+        param.allreduce = True
+    if placement.tied == "embedding":
+        param.shared_embedding = True
+    elif placement.tied == "copy":
+        param.shared = True
+        param.shared_embedding = True
+
+
+def _module_kinds(chunk) -> dict[str, str]:
+    from megatron.core import tensor_parallel as mtp
+    kinds = {}
+    for mname, module in chunk.named_modules():
+        prefix = f"{mname}." if mname else ""
+        for pname, _ in module.named_parameters(recurse=False):
+            if isinstance(module, mtp.RowParallelLinear) and pname == "bias":
+                kind = "row_bias"
+            elif isinstance(module, (mtp.ColumnParallelLinear, mtp.RowParallelLinear)):
+                kind = "linear"
+            elif isinstance(module, mtp.VocabParallelEmbedding):
+                kind = "embedding"
+            elif type(module).__name__.endswith("RMSNorm"):
+                kind = "norm"
+            else:
+                kind = "other"
+            kinds[prefix + pname] = kind
+    return kinds
+
+
+def attach_placements(chunk, entries, *, pp: int) -> None:
+    """Give every parameter of ``chunk`` its placement from the table ``entries`` that apply to the chunk. A
+    parameter without a row, or a row without a parameter, is an internal error naming them (the table must
+    cover the model exactly)."""
+    spec = chunk.spec
+    sp = chunk.sequence_parallel
+    params = dict(chunk.named_parameters())
+    rows = {e.local: e.row for e in entries}
+    missing = sorted(set(params) - set(rows))
+    extra = sorted(set(rows) - set(params))
+    if missing or extra:
+        raise RuntimeError(f"internal error: the {spec.family} weight table does not match the model: parameters "
+                           f"without a row {missing}, rows without a parameter {extra}")
+    kinds = _module_kinds(chunk)
+    tied_across = spec.tie_word_embeddings and chunk.task == "causal_lm" and pp > 1
+    for name, param in params.items():
+        row = rows[name]
+        tied = row.tied if tied_across else None
+        placement = Placement(layout=make_layout(row.kind, spec, chunk.padded_vocab_size),
+                              tp_sum=row.tp_sum == "always" or (row.tp_sum == "sp" and sp), tied=tied)
+        place(param, placement, module_kind=kinds[name], sequence_parallel=sp)

@@ -1,0 +1,371 @@
+"""How a weight is laid out over tensor-parallel ranks: pure transforms between full HF tensors and one TP
+rank's shard, and the layout kinds that name them (no torch.distributed here).
+
+``shard_*`` functions read their inputs only through :class:`Source` (``shape`` and ``read(dim, start, stop)``),
+so the same code cuts a shard from an in-memory tensor or reads just that slice from a safetensors file.
+``merge_*`` functions take the list of every TP rank's shard (in TP-rank order) and rebuild the HF tensors
+bit-exactly: ``merge(split(x)) == x``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class Source(ABC):
+    """Read access to one full HF tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @abstractmethod
+    def read(self, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows/columns ``[start, stop)`` along ``dim`` (all of every other dim)."""
+
+    @property
+    @abstractmethod
+    def is_floating(self) -> bool:
+        """Whether the stored dtype is a floating-point type (read from metadata, no data touched)."""
+
+    def full(self) -> torch.Tensor:
+        return self.read(0, 0, self.shape[0])
+
+
+class TensorSource(Source):
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.shape = tuple(tensor.shape)
+        self.dtype = tensor.dtype
+
+    @property
+    def is_floating(self) -> bool:
+        return self.tensor.is_floating_point()
+
+    def read(self, dim, start, stop):
+        return self.tensor.narrow(dim, start, stop - start)
+
+    def full(self):
+        return self.tensor
+
+
+def _as_source(x) -> Source:
+    return x if isinstance(x, Source) else TensorSource(x)
+
+
+def _split_range(n: int, rank: int, tp: int, what: str) -> tuple[int, int]:
+    if n % tp:
+        raise ValueError(f"{what}: size {n} is not divisible by tp={tp}")
+    per = n // tp
+    return rank * per, (rank + 1) * per
+
+
+# -- copy / column / row ---------------------------------------------------------------------------------------
+
+def shard_copy(src, rank: int, tp: int) -> torch.Tensor:
+    return _as_source(src).full()
+
+
+def shard_dim(src, dim: int, rank: int, tp: int) -> torch.Tensor:
+    src = _as_source(src)
+    a, b = _split_range(src.shape[dim], rank, tp, f"split along dim {dim}")
+    return src.read(dim, a, b)
+
+
+def merge_dim(shards: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return torch.cat(shards, dim=dim)
+
+
+# -- vocab ----------------------------------------------------------------------------------------------------
+
+def shard_vocab(src, rank: int, tp: int, padded_vocab: int) -> torch.Tensor:
+    """Rows ``[rank*Vp/tp, (rank+1)*Vp/tp)`` of the vocabulary padded with zero rows to ``padded_vocab``."""
+    src = _as_source(src)
+    vocab = src.shape[0]
+    if padded_vocab < vocab or padded_vocab % tp:
+        raise ValueError(f"padded vocab {padded_vocab} must be >= {vocab} and divisible by tp={tp}")
+    a, b = _split_range(padded_vocab, rank, tp, "padded vocab")
+    real = src.read(0, min(a, vocab), min(b, vocab))
+    if real.shape[0] == b - a:
+        return real
+    pad = torch.zeros((b - a - real.shape[0],) + tuple(src.shape[1:]), dtype=real.dtype, device=real.device)
+    return torch.cat([real, pad], dim=0)
+
+
+def merge_vocab(shards: list[torch.Tensor], vocab: int) -> torch.Tensor:
+    return torch.cat(shards, dim=0)[:vocab]
+
+
+# -- qkv ------------------------------------------------------------------------------------------------------
+
+def kv_heads_of_rank(rank: int, tp: int, num_kv_heads: int) -> range:
+    """KV heads held by TP rank ``rank``: a contiguous block when nkv >= tp, else the one head
+    ``floor(rank * nkv / tp)`` (replicated over ``tp / nkv`` ranks)."""
+    if num_kv_heads >= tp:
+        per = num_kv_heads // tp
+        return range(rank * per, (rank + 1) * per)
+    head = rank * num_kv_heads // tp
+    return range(head, head + 1)
+
+
+def shard_qkv(q, k, v, rank: int, tp: int, *, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """``[q_r; k_r; v_r]`` along dim 0 (weights ``[out, in]`` and biases ``[out]`` alike)."""
+    q, k, v = _as_source(q), _as_source(k), _as_source(v)
+    qa, qb = _split_range(num_heads, rank, tp, "query heads")
+    kv = kv_heads_of_rank(rank, tp, num_kv_heads)
+    parts = [q.read(0, qa * head_dim, qb * head_dim),
+             k.read(0, kv.start * head_dim, kv.stop * head_dim),
+             v.read(0, kv.start * head_dim, kv.stop * head_dim)]
+    return torch.cat(parts, dim=0)
+
+
+def merge_qkv(shards: list[torch.Tensor], *, num_heads: int, num_kv_heads: int, head_dim: int):
+    """Inverse of :func:`shard_qkv`: (q, k, v). Replicated KV heads are taken from the first rank holding them."""
+    tp = len(shards)
+    hq = num_heads // tp * head_dim
+    hkv = len(kv_heads_of_rank(0, tp, num_kv_heads)) * head_dim
+    qs, ks, vs, seen = [], [], [], set()
+    for rank, s in enumerate(shards):
+        q, k, v = s.split([hq, hkv, hkv], dim=0)
+        qs.append(q)
+        heads = kv_heads_of_rank(rank, tp, num_kv_heads)
+        if heads.start not in seen:
+            seen.add(heads.start)
+            ks.append(k)
+            vs.append(v)
+    return torch.cat(qs, 0), torch.cat(ks, 0), torch.cat(vs, 0)
+
+
+# -- gate / up ------------------------------------------------------------------------------------------------
+
+def shard_gate_up(gate, up, rank: int, tp: int) -> torch.Tensor:
+    return torch.cat([shard_dim(gate, 0, rank, tp), shard_dim(up, 0, rank, tp)], dim=0)
+
+
+def merge_gate_up(shards: list[torch.Tensor]):
+    gates, ups = zip(*(s.chunk(2, dim=0) for s in shards))
+    return torch.cat(gates, 0), torch.cat(ups, 0)
+
+
+# -- where each piece of a shard lives in the HF tensors ------------------------------------------------------
+
+class Block(tuple):
+    """``(source, dim, hf_start, hf_stop, local_start, local_stop, primary)``: rows (dim 0) or columns (dim 1)
+    ``[hf_start, hf_stop)`` of HF source ``source`` are rows / columns ``[local_start, local_stop)`` of this
+    rank's shard (along the same dim). ``primary`` is False for a replica another rank also holds (replicated
+    tensors, replicated KV heads), so exactly one rank writes each HF element."""
+
+    __slots__ = ()
+
+    def __new__(cls, source, dim, hf_start, hf_stop, local_start, local_stop, primary=True):
+        return super().__new__(cls, (source, dim, hf_start, hf_stop, local_start, local_stop, primary))
+
+
+
+# -- layout kinds ---------------------------------------------------------------------------------------------
+
+class TPLayout:
+    """One layout kind: how a parameter's HF source tensors map onto the shard of each TP rank.
+
+    ``shard`` cuts TP rank ``rank``'s shard from the sources, ``merge`` rebuilds the sources from every rank's
+    shard (``merge(shard(x)) == x`` bit for bit), ``blocks`` says the same as data (which HF slices make up the
+    shard: what slice loading and the parallel save read and write), ``primary_slices`` which parts of the
+    shard this rank is the one owner of (each element of the unsharded model counted once: grad norms), and
+    ``replica_rows`` which rows of the shard other TP ranks hold too as partial-gradient copies (replicated KV
+    heads). ``tp_dim`` / ``stride`` are megatron-core's ``partition_dim`` / ``partition_stride`` (None:
+    replicated over TP).
+    """
+
+    name = ""
+    sources = 1
+    tp_dim: int | None = None
+    stride = 1
+
+    def shard(self, sources: list, rank: int, tp: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def merge(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def blocks(self, rank: int, tp: int, hf_shapes: list[tuple[int, ...]]) -> list[Block]:
+        raise NotImplementedError
+
+    def primary_slices(self, rank: int, tp: int, local_shape) -> list[tuple[int, int, int]]:
+        """``(dim, start, stop)`` slices of this rank's shard that no other TP rank also counts."""
+        return [(0, 0, local_shape[0])] if local_shape else []
+
+    def replica_rows(self, rank: int, tp: int) -> tuple[int, int] | None:
+        return None
+
+    def __repr__(self):
+        return f"{type(self).__name__}()"
+
+
+class Replicated(TPLayout):
+    """The same full tensor on every TP rank (norms, biases of row-parallel layers, the value head)."""
+    name = "copy"
+
+    def shard(self, sources, rank, tp):
+        return _as_source(sources[0]).full()
+
+    def merge(self, shards):
+        return [shards[0]]
+
+    def blocks(self, rank, tp, hf_shapes):
+        n = hf_shapes[0][0]
+        return [Block(0, 0, 0, n, 0, n, primary=rank == 0)]
+
+    def primary_slices(self, rank, tp, local_shape):
+        return [(0, 0, local_shape[0])] if rank == 0 and local_shape else []
+
+
+class Split(TPLayout):
+    """Equal contiguous pieces along ``dim``: 0 for column-parallel outputs, 1 for row-parallel inputs."""
+
+    def __init__(self, dim: int):
+        self.tp_dim = dim
+        self.name = "column" if dim == 0 else "row"
+
+    def shard(self, sources, rank, tp):
+        return shard_dim(sources[0], self.tp_dim, rank, tp)
+
+    def merge(self, shards):
+        return [merge_dim(shards, self.tp_dim)]
+
+    def blocks(self, rank, tp, hf_shapes):
+        dim = self.tp_dim
+        a, b = _split_range(hf_shapes[0][dim], rank, tp, f"split along dim {dim}")
+        return [Block(0, dim, a, b, 0, b - a)]
+
+    def __repr__(self):
+        return f"Split(dim={self.tp_dim})"
+
+
+class VocabSplit(TPLayout):
+    """Rows of the vocabulary padded with zero rows to ``padded`` (a multiple of tp), split along dim 0. The
+    padding rows belong to no HF tensor: never written, never counted."""
+    name = "vocab"
+    tp_dim = 0
+
+    def __init__(self, vocab: int, padded: int):
+        self.vocab, self.padded = vocab, padded
+
+    def shard(self, sources, rank, tp):
+        return shard_vocab(sources[0], rank, tp, self.padded)
+
+    def merge(self, shards):
+        return [merge_vocab(shards, self.vocab)]
+
+    def _real_rows(self, rank, tp):
+        per = self.padded // tp
+        return rank * per, max(0, min(per, self.vocab - rank * per))
+
+    def blocks(self, rank, tp, hf_shapes):
+        a, real = self._real_rows(rank, tp)
+        return [Block(0, 0, a, a + real, 0, real)] if real else []
+
+    def primary_slices(self, rank, tp, local_shape):
+        _, real = self._real_rows(rank, tp)
+        return [(0, 0, real)] if real else []
+
+    def __repr__(self):
+        return f"VocabSplit(vocab={self.vocab}, padded={self.padded})"
+
+
+class QKVSplit(TPLayout):
+    """Three HF tensors (q, k, v) fused per rank as ``[q_r; k_r; v_r]`` along dim 0: rank r's query heads, then
+    the KV heads they use. With fewer KV heads than ranks each rank holds one KV head, replicated over
+    ``tp / nkv`` ranks (the first of them is its primary holder)."""
+    name = "qkv"
+    sources = 3
+    tp_dim = 0
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+
+    def _kw(self):
+        return dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+
+    def shard(self, sources, rank, tp):
+        return shard_qkv(*sources, rank, tp, **self._kw())
+
+    def merge(self, shards):
+        return list(merge_qkv(shards, **self._kw()))
+
+    def _rows(self, rank, tp):
+        qa, qb = _split_range(self.num_heads, rank, tp, "query heads")
+        kv = kv_heads_of_rank(rank, tp, self.num_kv_heads)
+        first_holder = self.num_kv_heads >= tp or rank % (tp // self.num_kv_heads) == 0
+        return qa, qb, kv, first_holder
+
+    def blocks(self, rank, tp, hf_shapes):
+        d = self.head_dim
+        qa, qb, kv, first = self._rows(rank, tp)
+        nq, nkv = (qb - qa) * d, len(kv) * d
+        return [Block(0, 0, qa * d, qb * d, 0, nq),
+                Block(1, 0, kv.start * d, kv.stop * d, nq, nq + nkv, primary=first),
+                Block(2, 0, kv.start * d, kv.stop * d, nq + nkv, nq + 2 * nkv, primary=first)]
+
+    def primary_slices(self, rank, tp, local_shape):
+        qa, qb, _, first = self._rows(rank, tp)
+        return [(0, 0, local_shape[0] if first else (qb - qa) * self.head_dim)]
+
+    def replica_rows(self, rank, tp):
+        if self.num_kv_heads >= tp:
+            return None
+        nq = self.num_heads // tp * self.head_dim
+        return nq, nq + 2 * self.head_dim
+
+    def __repr__(self):
+        return f"QKVSplit(heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim})"
+
+
+class GateUpSplit(TPLayout):
+    """Two HF tensors (gate, up) fused per rank as ``[gate_r; up_r]`` along dim 0 (megatron-core's stride 2)."""
+    name = "gate_up"
+    sources = 2
+    tp_dim = 0
+    stride = 2
+
+    def shard(self, sources, rank, tp):
+        return shard_gate_up(*sources, rank, tp)
+
+    def merge(self, shards):
+        return list(merge_gate_up(shards))
+
+    def blocks(self, rank, tp, hf_shapes):
+        a, b = _split_range(hf_shapes[0][0], rank, tp, "gate/up")
+        return [Block(0, 0, a, b, 0, b - a), Block(1, 0, a, b, b - a, 2 * (b - a))]
+
+
+# Layout kind names (as weight-table rows write them) -> constructor from the model spec and padded vocab.
+KINDS = {
+    "copy": lambda spec, padded_vocab: Replicated(),
+    "column": lambda spec, padded_vocab: Split(0),
+    "row": lambda spec, padded_vocab: Split(1),
+    "vocab": lambda spec, padded_vocab: VocabSplit(spec.vocab_size, padded_vocab),
+    "qkv": lambda spec, padded_vocab: QKVSplit(spec.num_heads, spec.num_kv_heads, spec.head_dim),
+    "gate_up": lambda spec, padded_vocab: GateUpSplit(),
+}
+
+
+def make_layout(kind: str, spec, padded_vocab: int) -> TPLayout:
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}")
+    return KINDS[kind](spec, padded_vocab)
+
+
+def make_shard(kind: str, sources: list, rank: int, tp: int, spec, padded_vocab: int) -> torch.Tensor:
+    return make_layout(kind, spec, padded_vocab).shard(sources, rank, tp)
+
+
+def merge_shards(kind: str, shards: list[torch.Tensor], spec) -> list[torch.Tensor]:
+    """Every TP rank's shard -> the HF tensors of the row (one per source name)."""
+    return make_layout(kind, spec, 0).merge(shards)
+
+
+def shard_blocks(kind: str, rank: int, tp: int, spec, hf_shapes: list[tuple[int, ...]],
+                 padded_vocab: int) -> list[Block]:
+    """The layout of :func:`make_shard` as data: which HF slices make up TP rank ``rank``'s shard."""
+    return make_layout(kind, spec, padded_vocab).blocks(rank, tp, hf_shapes)
