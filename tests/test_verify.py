@@ -119,6 +119,8 @@ def test_check_layout_passes_a_correct_layout_and_fails_a_wrong_gradient(tmp_pat
     rows = helpers.run_ranks(_check_rank, 4, honest, sabotaged)
     assert rows[1:] == [[None, None]] * 3                 # rank 0 alone reports
     good, bad = rows[0]
+    for row in (good, bad):
+        print(row["layout"], {k: row[k] for k in ("d_out", "d_loss", "d_weights", "d_after", "lr")})
     assert good["layout"] == "tp2 dp2" and good["ok"], good
     assert good["d_out"] < 2e-5 and good["d_loss"] < 2e-5 and good["d_after"] < 2e-5 and good["d_weights"] < 1e-6
     assert good["roundtrip"] and good["reload"] and good["lr"] > 0 and abs(good["update"] - verify.AUTO_UPDATE) < 1e-9

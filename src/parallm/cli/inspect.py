@@ -212,7 +212,8 @@ def render(report: dict) -> str:
     lines.append(f"valid tp      {', '.join(map(str, tps))}  (tp must divide the {c['heads']} query heads, the "
                  f"{c['kv_heads']} kv heads (or be a multiple of them: replicated) and intermediate "
                  f"{c['intermediate']})")
-    pads = [f"tp {t}: {padded_vocab_size(c['vocab'], t)}" for t in tps if padded_vocab_size(c["vocab"], t) != c["vocab"]]
+    pads = [f"tp {t}: {padded_vocab_size(c['vocab'], t)}" for t in tps
+            if padded_vocab_size(c["vocab"], t) != c["vocab"]]
     if pads:
         lines.append(f"              vocab {c['vocab']} is padded with zero rows (never visible): " + ", ".join(pads))
     reps = [str(t) for t in tps if t > c["kv_heads"]]

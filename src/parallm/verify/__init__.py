@@ -11,7 +11,7 @@ The transformers side (:mod:`.reference`, no torch.distributed)::
     padded_batch(vocab, batch=..., seq=..., seed=...)   # rows: full, left-, right-, both-sides-padded
     hf_output(model, ids, mask, task=...), hf_state(model), load_transformers(path, task=...)
     causal_lm_loss, value_loss, loss_for(task), max_diff_real(a, b, mask), compare_states(got, want)
-    reference(ckpt, task, ids, mask, ...)               # output, one SGD step, output and weights after it
+    reference(ckpt, task, ids=..., mask=..., ...)       # output, one SGD step, output and weights after it
 
 One layout on every rank (:mod:`.check`)::
 

@@ -187,7 +187,7 @@ def compare_states(got: dict, want: dict) -> tuple[bool, float, str]:
 # -- the reference run ----------------------------------------------------------------------------------------
 
 
-def reference(ckpt: str, task: str, ids, mask, pre: dict, *, pieces: int, lr: float | None, device="cpu") -> dict:
+def reference(ckpt: str, task: str, *, ids, mask, pre: dict, pieces: int, lr: float | None, device="cpu") -> dict:
     """transformers on the same checkpoint: the output, one SGD step (the loss is the mean over ``pieces`` equal
     slices of the batch, as parallm's data-parallel replicas x microbatches compute it), the output and weights
     after it. ``pre``: what parallm holds right after loading (HF names), compared bit for bit ("roundtrip");
@@ -232,7 +232,7 @@ def reference(ckpt: str, task: str, ids, mask, pre: dict, *, pieces: int, lr: fl
                 roundtrip=same, notes=notes)
 
 
-def reload_check(save_dir: str, task: str, saved: dict) -> tuple[bool, str]:
+def reload_check(save_dir: str, task: str, *, saved: dict) -> tuple[bool, str]:
     """transformers reloads a directory parallm saved: nothing missing, unexpected or mis-shaped, and exactly
     the tensors of ``saved``. Returns (ok, what is wrong)."""
     model, info = load_transformers(save_dir, task=task)
