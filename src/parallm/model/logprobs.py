@@ -105,12 +105,16 @@ class _VocabParallelStats(torch.autograd.Function):
                 m = z.max(dim=1).values
                 z.sub_(m[:, None])                                        # z - m_r
                 sums[2, a:b] = z.gather(1, local[a:b, None]).squeeze(1).add_(m)
-                e = torch.exp(z)
-                sums[0, a:b] = e.sum(dim=1)
                 if want_entropy:
-                    sums[1, a:b] = e.mul_(z).sum(dim=1)
+                    e = torch.exp(z)
+                    sums[0, a:b] = e.sum(dim=1)
+                    # row-wise dot product: sum_j e_j (z_j - m_r), without a third [chunk, V/tp] buffer
+                    sums[1, a:b] = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(-1)
+                    del e
+                else:
+                    sums[0, a:b] = z.exp_().sum(dim=1)
                 m_loc[a:b] = m
-                del z, e
+                del z
         sums[2].masked_fill_(~in_range, 0.0)
         m = m_loc.clone()
         if group is not None:
@@ -153,15 +157,14 @@ class _VocabParallelStats(torch.autograd.Function):
             b = min(n, a + chunk)
             z = _scaled_logits(hidden[a:b], w, temperature)
             z.sub_(logz[a:b, None])                                       # log p
-            p = torch.exp(z)
             if use_h:
-                # g_lp + g_H (log p + H), times -p
+                p = torch.exp(z)
+                # -p (g_lp + g_H (log p + H))
                 z.add_(entropy[a:b, None]).mul_(g_h[a:b, None]).add_(g_lp[a:b, None]).mul_(p).neg_()
-                grad_z = z
                 del p
             else:
-                grad_z = p.mul_(g_lp[a:b, None].neg())
-                del z
+                z.exp_().mul_(g_lp[a:b, None].neg())                      # -p g_lp
+            grad_z = z
             grad_z.scatter_add_(1, local[a:b, None], g_target[a:b, None])
             if temperature != 1.0:
                 grad_z.div_(temperature)
