@@ -62,6 +62,9 @@ def hf_worker(rank, world, ckpt, ids, mask, nmb, steps):
     import transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     model.train()
+    with torch.no_grad():  # weights in process memory (from_pretrained may leave them mapped from the file)
+        for p in model.parameters():
+            p.data = p.data.clone()
     size = ids.shape[0] // nmb
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
 

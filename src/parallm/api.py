@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .families import load_config, spec_from_config
@@ -197,6 +199,8 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
             raise TypeError("loss_fn must be callable: loss_fn(output, input_ids, attention_mask) -> scalar")
         return batch, request
     (input_ids, attention_mask, position_ids), request = run_local(check, what="forward_backward")
+    if request is not None:   # the head's weight gradient goes straight into its existing gradient buffer
+        request = dataclasses.replace(request, accumulate=True)
     b = input_ids.shape[0]
     size = b // num_microbatches
     mbs = [(input_ids[i:i + size], position_ids[i:i + size], attention_mask[i:i + size])

@@ -50,6 +50,9 @@ class StatsRequest:
     entropy: bool
     temperature: float
     chunk: int | None = None   # tokens per chunk (None: DEFAULT_CHUNK_ELEMENTS / local vocab columns)
+    # Add the head weight's gradient straight into its existing fp32 main_grad / grad (what forward_backward
+    # asks for; see _VocabParallelStats.backward), instead of returning it to autograd.
+    accumulate: bool = False
 
 
 def check_output(output, temperature, *, task: str, token_chunk=None) -> StatsRequest | None:
@@ -89,7 +92,8 @@ class _VocabParallelStats(torch.autograd.Function):
     (its columns only): the caller's TP mapping sums it."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, real, vocab_start, temperature, want_entropy, chunk, group):
+    def forward(ctx, hidden, weight, targets, real, vocab_start, temperature, want_entropy, chunk, group,
+                accumulate):
         n = hidden.shape[0]
         device = hidden.device
         w = weight[:real]
@@ -132,20 +136,29 @@ class _VocabParallelStats(torch.autograd.Function):
         logprobs = sums[2] - logz
         entropy = log_s - sums[1] / sums[0] if want_entropy else torch.zeros_like(logz)
         ctx.save_for_backward(hidden, weight, local, in_range, logz, entropy)
-        ctx.args = (real, temperature, want_entropy, chunk)
+        ctx.args = (real, temperature, want_entropy, chunk, accumulate)
         ctx.mark_non_differentiable(*(() if want_entropy else (entropy,)))
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, g_lp, g_h):
         hidden, weight, local, in_range, logz, entropy = ctx.saved_tensors
-        real, temperature, want_entropy, chunk = ctx.args
+        real, temperature, want_entropy, chunk, accumulate = ctx.args
         n = hidden.shape[0]
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
+        grad_weight, fused = None, False
+        if ctx.needs_input_grad[1]:
+            # Gradient accumulation fusion (as megatron-core's): when the weight already has an fp32 gradient
+            # buffer, add into it and hand autograd nothing, so no second [V/tp, H] buffer exists. Not under
+            # Megatron's DDP (it tracks its own main_grad additions), and only when the caller asked for it.
+            existing = _existing_fp32_grad(weight) if accumulate else None
+            if existing is not None:
+                grad_weight, fused = existing, True
+            else:
+                grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        nones = [None] * 8
         if real == 0 or (g_lp is None and g_h is None):
-            return grad_hidden, _as_param_grad(grad_weight, weight), *([None] * 7)
+            return grad_hidden, None if fused else _as_param_grad(grad_weight, weight), *nones
         if g_lp is None:
             g_lp = torch.zeros_like(logz)
         use_h = want_entropy and g_h is not None
@@ -178,7 +191,16 @@ class _VocabParallelStats(torch.autograd.Function):
                 else:
                     gw.add_((gz.t() @ h.to(gz.dtype)).float())
             del grad_z, gz
-        return grad_hidden, _as_param_grad(grad_weight, weight), *([None] * 7)
+        return grad_hidden, None if fused else _as_param_grad(grad_weight, weight), *nones
+
+
+def _existing_fp32_grad(weight: torch.Tensor) -> torch.Tensor | None:
+    if hasattr(weight, "grad_added_to_main_grad"):      # Megatron's DDP owns this parameter's main_grad
+        return None
+    for g in (getattr(weight, "main_grad", None), weight.grad):
+        if g is not None and g.dtype == torch.float32 and g.shape == weight.shape and g.is_contiguous():
+            return g
+    return None
 
 
 def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -203,7 +225,7 @@ def vocab_parallel_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         group = None
     chunk = _chunk_tokens(request, real)
     return _VocabParallelStats.apply(hidden, weight, targets, real, vocab_start, request.temperature,
-                                     request.entropy, chunk, group)
+                                     request.entropy, chunk, group, request.accumulate)
 
 
 def token_stats_head(chunk, x: torch.Tensor, packing, input_ids: torch.Tensor, attention_mask: torch.Tensor,
