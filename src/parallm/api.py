@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
@@ -17,18 +18,25 @@ from .parallel.pipeline import broadcast_from_last_stage, run_pipeline
 from .parallel.state import dims_of, kv_replica_group, require_initialized
 
 
+logger = logging.getLogger("parallm")
+
+
 def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = False,
                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
-                vocab_multiple: int = 1, recompute: str | None = None) -> list[DecoderChunk]:
+                vocab_multiple: int = 1, attn_impl: str = "auto", recompute: str | None = None
+                ) -> list[DecoderChunk]:
     """Build this rank's share of the model: one chunk per virtual pipeline stage (``len == vpp`` or 1).
 
     ``hf_config``: a transformers ``PretrainedConfig``, a checkpoint directory, or a config.json path.
-    ``task``: ``"causal_lm"`` (logits), ``"value"`` (a ``score`` head ``[1, H]`` giving values ``[B, S]``), or
+    ``task``: ``"causal_lm"`` (logits), ``"value"`` (a ``score`` head ``[1, H]`` giving values ``[B, S]``),
+    ``"hidden"`` (headless: final-normed hidden states ``[B, S, H]``, what verl's ``*Model`` classes return), or
     None to follow the config (``*ForSequenceClassification`` -> value). ``packed``: remove padding and run
     the real tokens as one stream (varlen attention). ``sequence_parallel``: split that stream over the TP
     ranks between the parallel linears (needs ``packed=True``).
     The parameters are allocated, not initialised: fill them with :func:`parallm.load_hf_weights`.
     The vocabulary is padded to a multiple of ``vocab_multiple * tp`` (zero rows, never visible in outputs).
+    ``attn_impl``: the attention kernel (``"auto"``, ``"sdpa"``, ``"sdpa-loop"``, ``"flash-attn"``; see
+    :mod:`parallm.model.attention`); the choice is logged and kept as ``chunk.attn_impl``.
     ``recompute="full"``: keep only each decoder layer's input in the forward and recompute its activations in
     the backward (``torch.utils.checkpoint``, non-reentrant, RNG state restored).
     bf16 / fp16 parameters accumulate their gradients in fp32 ``param.main_grad`` (a post-accumulate-grad hook
@@ -44,7 +52,11 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     spec, family = spec_from_config(config)
     task = resolve_task(config, task)
     chunks = build_chunks(spec, table=family.table, task=task, dtype=dtype, sequence_parallel=sequence_parallel,
-                          vocab_multiple=vocab_multiple, packed=packed, recompute=recompute)
+                          vocab_multiple=vocab_multiple, packed=packed, attn_impl=attn_impl,
+                          recompute=recompute)
+    if chunks[0].dims.rank == 0:
+        logger.info("build_model: %s %s, %s, attention %s", spec.architecture, task, chunks[0].dims.describe(),
+                    chunks[0].attn_impl)
     kv_replica_group(spec.num_kv_heads)
     attach_main_grad_hooks(chunks)
     for chunk in chunks:
@@ -133,7 +145,8 @@ def _check_request(chunks, output, temperature, token_chunk):
 def _output_shape(chunk, b, s, request):
     if request is not None:
         return (2, b, s) if request.entropy else (b, s)
-    return (b, s, chunk.spec.vocab_size) if chunk.task == "causal_lm" else (b, s)
+    spec = chunk.spec
+    return {"causal_lm": (b, s, spec.vocab_size), "hidden": (b, s, spec.hidden_size)}.get(chunk.task, (b, s))
 
 
 def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output=None, temperature=1.0,

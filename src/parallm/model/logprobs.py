@@ -237,7 +237,8 @@ def token_stats_head(chunk, x: torch.Tensor, packing, input_ids: torch.Tensor, a
     (attention_mask 1) are computed; padded positions are 0. Returns fp32 ``[B, S]`` logprobs, or a
     :class:`TokenStats`.
     """
-    from megatron.core import tensor_parallel as mtp
+    from ..parallel.megatron_import import import_megatron
+    mtp = import_megatron().tensor_parallel
 
     group = chunk.dims.tp_group
     b, s = input_ids.shape
