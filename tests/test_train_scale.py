@@ -10,8 +10,9 @@ padding, tied embeddings across stages, KV heads replicated over TP):
   bonus, ``finalize_grads``, ``clip_grad_norm_`` with norm_type inf (no clipping) and 2 (clipping), SGD; the
   norms against ``torch.nn.utils.clip_grad_norm_`` on the unsharded transformers model and the weights after
   the step against the same step in transformers;
-* a bf16 model: gradients only in fp32 ``main_grad``; live saved activations do not grow with the number of
-  microbatches (pp 1 and 2); recompute keeps gradients and drops the layers' saved activations;
+* a bf16 model: gradients only in fp32 ``main_grad``; live saved activations and in-flight send buffers do not
+  grow with the number of microbatches (pp 1 and 2); recompute keeps gradients and drops the layers' saved
+  activations;
 * the errors (unknown output, temperature <= 0, output on a value model, a bad value on one rank only) on
   every rank, quickly.
 """
@@ -170,6 +171,35 @@ class SavedBytes:
         return self.peak
 
 
+class SentBytes:
+    """Bytes of tensors handed to ``torch.distributed.isend`` and still referenced (in-flight send buffers the
+    pipeline keeps alive), and their peak."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def _free(self, n):
+        self.live -= n
+
+    def measure(self, fn):
+        import torch.distributed as dist
+        real = dist.isend
+        self.live = self.peak = 0
+
+        def isend(tensor, *args, **kwargs):
+            n = tensor.numel() * tensor.element_size()
+            self.live += n
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(tensor, self._free, n)
+            return real(tensor, *args, **kwargs)
+        dist.isend = isend
+        try:
+            fn()
+        finally:
+            dist.isend = real
+        return self.peak
+
+
 def _stats_diff(out, case, rows, mask):
     lp, ent = out
     m = mask.bool()
@@ -251,10 +281,14 @@ def _extras(parallm, ckpt, ids, mask):
         parallm.init_parallel(tp=tp, pp=pp)
         chunks = parallm.build_model(ckpt)
         parallm.load_hf_weights(chunks, ckpt)
-        peaks = [meter.measure(lambda: parallm.forward_backward(
-            chunks, batch[:2 * n], bmask[:2 * n], loss_fn=loss_fn, num_microbatches=n, output="logprobs"))
-            for n in (2, 8)]
+        peaks, sent = [], []
+        for n in (2, 8):
+            run = lambda: parallm.forward_backward(  # noqa: E731
+                chunks, batch[:2 * n], bmask[:2 * n], loss_fn=loss_fn, num_microbatches=n, output="logprobs")
+            peaks.append(meter.measure(run))
+            sent.append(SentBytes().measure(run))
         out[f"saved_peaks_tp{tp}_pp{pp}"] = peaks
+        out[f"sent_peaks_tp{tp}_pp{pp}"] = sent
     # -- recompute (tp 2, packed + SP): same gradients, layers' activations not kept
     parallm.init_parallel(tp=2)
     grads = {}
@@ -374,6 +408,9 @@ def test_logprobs_grpo_step_clip_main_grad_schedules_recompute_errors(tmp_path):
             two, eight = extras[f"saved_peaks_{layout}"]
             if not (two > 0 and eight <= two * 1.05):
                 failures.append(f"rank {rank} {layout}: saved activations grow with microbatches: {two} -> {eight}")
+        two, eight = extras["sent_peaks_tp1_pp2"]
+        if not (two > 0 and eight <= two * 1.05):
+            failures.append(f"rank {rank}: in-flight send buffers grow with microbatches: {two} -> {eight}")
         if not extras["recompute_grad_diff"] < 1e-6:
             failures.append(f"rank {rank}: recompute changes gradients by {extras['recompute_grad_diff']:.3g}")
         if not extras["recompute_full_saved"] * 3 <= extras["recompute_None_saved"]:

@@ -18,7 +18,8 @@ inter-stage shapes once. This engine is small and explicit instead:
   stages) keeps it until its turn: receives match by name, not by arrival order, on any backend.
 * Sends are non-blocking (``isend``) and receives block; with every rank's steps in the orders of
   :func:`schedule` no rank can wait forever (checked for a grid of layouts by simulation in the tests).
-  Completed sends are released as the schedule goes, so their buffers do not pile up.
+  A send's buffer is released once the schedules prove the receiver has it (a later message from that peer),
+  so buffers of in-flight sends do not pile up either.
 
 Not done here: overlapping communication with compute.
 """
@@ -124,24 +125,47 @@ def warmups(pp: int, vpp: int, num_microbatches: int) -> list[int]:
 
 class _Mailbox:
     """Point-to-point neighbours in this rank's pipeline group (asked of the group, never computed), named
-    messages, and the sends still in flight."""
+    messages, and the sends still in flight.
 
-    def __init__(self, layout: ParallelDims, device):
+    A message is named ``(kind, microbatch, sending stage)``. Sent buffers must stay alive until the receiver has
+    them, but a gloo send does not report completion before it is waited on. The schedules say when that is
+    certain: a message from peer q produced at q's step j means q has run every step before j, so every send to q
+    consumed by one of those steps is complete; those are waited on (instantly) and dropped, which keeps the
+    buffers held by in-flight sends bounded like the activations.
+    """
+
+    def __init__(self, layout: ParallelDims, device, *, vpp: int, num_microbatches: int, backward: bool):
         ranks = dist.get_process_group_ranks(layout.pp_group)
         self.next = ranks[(layout.pp_rank + 1) % layout.pp]
         self.prev = ranks[(layout.pp_rank - 1) % layout.pp]
+        self.pp_rank_of = {r: i for i, r in enumerate(ranks)}
         self.device = device
-        self.pending = []   # (work, tensors kept alive until it completes)
-        self.early = {}     # (src, name) -> tensor received before its turn
+        self.pp, self.vpp = layout.pp, vpp
+        self.schedule_args = (num_microbatches, backward)
+        self.positions = {}  # pp rank -> {step: its index in that rank's schedule}
+        self.pending = []    # [consumer's step index, destination, works, tensors kept alive]
+        self.early = {}      # (src, name) -> tensor received before its turn
+
+    def _position(self, pp_rank: int, step) -> int:
+        if pp_rank not in self.positions:
+            m, backward = self.schedule_args
+            steps = schedule(self.pp, pp_rank, self.vpp, m, backward=backward)
+            self.positions[pp_rank] = {s: i for i, s in enumerate(steps)}
+        return self.positions[pp_rank][step]
+
+    def _step(self, kind: int, m: int, stage: int):
+        """(pp rank, step) of stage ``stage`` running microbatch ``m``: a forward for an activation, a backward
+        for a gradient."""
+        return stage % self.pp, ("F" if kind == _ACT else "B", m, stage // self.pp)
 
     def send(self, tensor: torch.Tensor, dst: int, name: tuple[int, int, int]) -> None:
         tensor = tensor.detach().contiguous()
         if tensor.dim() != 3:
             raise RuntimeError(f"pipeline tensors are [S, B, H]; got shape {tuple(tensor.shape)}")
+        kind, m, stage = name
+        consumer = self._position(*self._step(kind, m, stage + 1 if kind == _ACT else stage - 1))
         header = torch.tensor([*name, *tensor.shape], dtype=torch.long, device=self.device)
-        self.pending.append((dist.isend(header, dst), header))
-        self.pending.append((dist.isend(tensor, dst), tensor))
-        self.release()
+        self.pending.append([consumer, dst, [dist.isend(header, dst), dist.isend(tensor, dst)], (header, tensor)])
 
     def recv(self, src: int, name: tuple[int, int, int], dtype) -> torch.Tensor:
         if (src, name) in self.early:
@@ -153,19 +177,29 @@ class _Mailbox:
             buf = torch.empty(values[3:], dtype=dtype, device=self.device)
             dist.recv(buf, src)
             got = tuple(values[:3])
+            self._settle(src, self._position(*self._step(*got)))
             if got == name:
                 return buf
             if (src, got) in self.early:
                 raise RuntimeError(f"pipeline: message {got} from rank {src} arrived twice")
             self.early[(src, got)] = buf
 
-    def release(self) -> None:
-        """Forget sends that have completed (their buffers can be freed)."""
-        self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
+    def _settle(self, peer: int, produced_at: int) -> None:
+        """``peer`` has run its steps before ``produced_at``: the sends to it consumed by those are complete."""
+        keep = []
+        for entry in self.pending:
+            consumer, dst, works, _ = entry
+            if dst == peer and consumer < produced_at:
+                for work in works:
+                    work.wait()
+            else:
+                keep.append(entry)
+        self.pending = keep
 
     def wait(self) -> None:
-        for work, _ in self.pending:
-            work.wait()
+        for _, _, works, _ in self.pending:
+            for work in works:
+                work.wait()
         self.pending.clear()
         if self.early:
             raise RuntimeError(f"pipeline: unexpected messages left over: {sorted(self.early)}")
@@ -185,7 +219,7 @@ def run_pipeline(chunks, microbatches, *, last_stage_fn, backward: bool, num_mic
     """
     layout = dims_of(chunks)
     param = next(chunks[0].parameters())
-    box = _Mailbox(layout, param.device)
+    box = _Mailbox(layout, param.device, vpp=len(chunks), num_microbatches=len(microbatches), backward=backward)
     dtype = chunks[0].config.params_dtype
     pp, vpp = layout.pp, len(chunks)
     kwargs = compute_kwargs or {}
@@ -223,7 +257,6 @@ def run_pipeline(chunks, microbatches, *, last_stage_fn, backward: bool, num_mic
                     box.send(inp.grad if inp.grad is not None else torch.zeros_like(inp), box.prev,
                              (_GRAD, m, stage))
                 del inp
-            box.release()
         box.wait()
     finally:
         for chunk in chunks:
