@@ -1,6 +1,6 @@
 """Training-step memory and time at a real vocabulary size. Not part of the test suite.
 
-    PYTHONPATH=src python bench/train_bench.py [--steps 2] [--parts main,pp,recompute]
+    PYTHONPATH=src python bench/train_bench.py [--steps 2] [--rounds 1] [--parts main,pp,recompute]
 
 Every process runs one thread; peak memory is the process's peak anonymous RSS (sampled every 2 ms), with
 glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_) so freed large tensors go back to the OS on both sides.
@@ -9,7 +9,9 @@ main       Qwen2-shaped model (vocab 151936, hidden 256, 2 layers, 4 heads / 2 K
            untied), fp32, batch 4 x 512 in 4 microbatches, a loss from next-token log-probs. transformers in
            one process with gradient accumulation (logits -> log_softmax -> gather, per microbatch) against
            parallm ``forward_backward(output="logprobs")`` + ``finalize_grads`` at tp 1 and tp 2, same weights and
-           tokens. Step time: the best of ``--steps - 1`` timed steps after one warm-up step.
+           tokens. Step time: the best of ``--steps - 1`` timed steps after one warm-up step, wall clock and
+           process CPU time (on a shared machine the CPU time is the steadier figure); with ``--rounds`` the
+           sides alternate and each keeps its best round.
 pp         per-rank peak at pp=2 for 2 vs 8 microbatches of 1 x 512 (LLaMA-shaped, vocab 32000, hidden 256,
            4 layers: activations, not the head, dominate).
 recompute  memory held by one microbatch's forward graph (1 x 2048 tokens, 8 layers, hidden 256, vocab 32000,
@@ -45,16 +47,19 @@ def nll_from_logprobs(lp, ids, mask):
 
 
 def _timed_steps(step, steps):
-    """Run ``steps`` steps (the first a warm-up) under a peak-RSS sampler; returns (peak, base, best time,
-    loss)."""
-    times, loss = [], None
+    """Run ``steps`` steps (the first a warm-up) under a peak-RSS sampler; returns a dict: peak, base (before
+    the first step), time (best wall-clock step), cpu (best step's process CPU time: what contention on a
+    shared machine distorts least), loss."""
+    times, cpus, loss = [], [], None
     base = rss_anon()
     with PeakRss() as peak:
         for _ in range(steps):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             loss = step()
             times.append(time.perf_counter() - t)
-    return peak.peak, base, min(times[1:] or times), loss
+            cpus.append(time.process_time() - c)
+    pick = slice(1, None) if steps > 1 else slice(None)
+    return dict(peak=peak.peak, base=base, time=min(times[pick]), cpu=min(cpus[pick]), loss=loss)
 
 
 def hf_worker(rank, world, ckpt, ids, mask, nmb, steps):
@@ -80,8 +85,7 @@ def hf_worker(rank, world, ckpt, ids, mask, nmb, steps):
             del logits, loss
         return total
 
-    peak, base, t, loss = _timed_steps(step, steps)
-    return dict(peak=peak, base=base, time=t, loss=loss)
+    return _timed_steps(step, steps)
 
 
 def parallm_worker(rank, world, ckpt, ids, mask, nmb, steps, layout, build):
@@ -101,9 +105,9 @@ def parallm_worker(rank, world, ckpt, ids, mask, nmb, steps, layout, build):
         return loss.item()
 
     torch.distributed.barrier()
-    peak, base, t, loss = _timed_steps(step, steps)
+    out = _timed_steps(step, steps)
     parallm.destroy_parallel()
-    return dict(peak=peak, base=base, time=t, loss=loss)
+    return out
 
 
 def graph_memory_worker(rank, world, ckpt, ids, mask, recompute, packed):
@@ -147,22 +151,26 @@ def part_main(args, root):
                                    max_position_embeddings=1024, tie_word_embeddings=False)
     ckpt = _ckpt(cfg, root)
     ids, mask = _tokens(cfg.vocab_size, 4, 512)
-    hf = run_world(hf_worker, 1, ckpt, ids, mask, 4, args.steps)[0]
-    tp1 = run_world(parallm_worker, 1, ckpt, ids, mask, 4, args.steps, dict(tp=1), {})[0]
-    tp2 = run_world(parallm_worker, 2, ckpt, ids, mask, 4, args.steps, dict(tp=2), {})
-    peak2 = max(r["peak"] for r in tp2)
-    time2 = max(r["time"] for r in tp2)
-    print(f"main: Qwen2-shaped vocab {cfg.vocab_size}, hidden 256, 2 layers, batch 4 x 512, 4 microbatches, fp32")
-    print(f"losses: transformers {hf['loss']:.6f}, tp1 {tp1['loss']:.6f}, tp2 {tp2[0]['loss']:.6f}")
-    rows = [
-        ("transformers, one process", f"{hf['peak'] / MB:.0f}", f"{hf['base'] / MB:.0f}", f"{hf['time']:.2f}", "1", "1"),
-        ("parallm tp=1", f"{tp1['peak'] / MB:.0f}", f"{tp1['base'] / MB:.0f}", f"{tp1['time']:.2f}",
-         f"{tp1['peak'] / hf['peak']:.3f}", f"{tp1['time'] / hf['time']:.3f}"),
-        ("parallm tp=2, per rank (max)", f"{peak2 / MB:.0f}", f"{max(r['base'] for r in tp2) / MB:.0f}",
-         f"{time2:.2f}", f"{peak2 / hf['peak']:.3f}", f"{time2 / hf['time']:.3f}"),
-    ]
-    print(table(rows, ["run", "peak MiB", "before step MiB", "step s", "peak / transformers",
-                       "time / transformers"]))
+    runs = {"hf": [], "tp1": [], "tp2": []}
+    for _ in range(args.rounds):   # alternate the sides; keep each side's best round
+        runs["hf"].append(run_world(hf_worker, 1, ckpt, ids, mask, 4, args.steps))
+        runs["tp1"].append(run_world(parallm_worker, 1, ckpt, ids, mask, 4, args.steps, dict(tp=1), {}))
+        runs["tp2"].append(run_world(parallm_worker, 2, ckpt, ids, mask, 4, args.steps, dict(tp=2), {}))
+
+    def best(name, key):   # per round: the slowest / largest rank; then the best round
+        return min(max(r[key] for r in ranks) for ranks in runs[name])
+    hf = {k: best("hf", k) for k in ("peak", "base", "time", "cpu")}
+    print(f"main: Qwen2-shaped vocab {cfg.vocab_size}, hidden 256, 2 layers, batch 4 x 512, 4 microbatches, fp32, "
+          f"best of {args.rounds} round(s)")
+    print("losses: " + ", ".join(f"{n} {runs[n][0][0]['loss']:.6f}" for n in runs))
+    rows = [("transformers, one process", f"{hf['peak'] / MB:.0f}", f"{hf['base'] / MB:.0f}", f"{hf['time']:.2f}",
+             f"{hf['cpu']:.2f}", "1", "1", "1")]
+    for name, label in (("tp1", "parallm tp=1"), ("tp2", "parallm tp=2, per rank (max)")):
+        r = {k: best(name, k) for k in ("peak", "base", "time", "cpu")}
+        rows.append((label, f"{r['peak'] / MB:.0f}", f"{r['base'] / MB:.0f}", f"{r['time']:.2f}", f"{r['cpu']:.2f}",
+                     f"{r['peak'] / hf['peak']:.3f}", f"{r['time'] / hf['time']:.3f}", f"{r['cpu'] / hf['cpu']:.3f}"))
+    print(table(rows, ["run", "peak MiB", "before step MiB", "step s (wall)", "step s (CPU)", "peak / HF",
+                       "wall / HF", "CPU / HF"]))
 
 
 def part_pp(args, root):
@@ -202,6 +210,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2, help="steps per run; the first is a warm-up")
     ap.add_argument("--parts", default="main,pp,recompute")
+    ap.add_argument("--rounds", type=int, default=1, help="main: alternate transformers / parallm this many times")
     args = ap.parse_args(argv)
     os.environ["PARALLM_PROGRESS"] = "0"
     with tempfile.TemporaryDirectory(prefix="parallm-tbench-") as root:

@@ -157,7 +157,7 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output
     (value). ``output="logprobs"``: fp32 ``[B, S]``, ``log_softmax(logits[b, t] / temperature)[input_ids[b,
     t+1]]`` (0 at ``t = S-1`` and at padded positions). ``output="logprobs+entropy"``: a :class:`TokenStats` of
     two such tensors. Log-probs are computed vocab-parallel in chunks of ``token_chunk`` tokens (default: about
-    16 MiB of logits per chunk), never gathering ``[..., V]``.
+    32 MiB of logits per chunk), never gathering ``[..., V]``.
     """
     require_initialized("forward")
     chunks = as_chunks(chunks)

@@ -33,8 +33,9 @@ import torch.distributed as dist
 
 OUTPUTS = (None, "logprobs", "logprobs+entropy")
 
-# Default token chunk: at most this many fp32 logits ([chunk, V/tp]) per buffer (16 MiB).
-DEFAULT_CHUNK_ELEMENTS = 1 << 22
+# Default token chunk: at most this many fp32 logits ([chunk, V/tp]) per buffer (32 MiB). Smaller chunks cost
+# matmul efficiency (bench: 512 x 76k x 256 head, CPU time: 55-token chunks 1.22x the 256-token ones).
+DEFAULT_CHUNK_ELEMENTS = 1 << 23
 
 
 class TokenStats(NamedTuple):
