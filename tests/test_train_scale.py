@@ -20,10 +20,9 @@ padding, tied embeddings across stages, KV heads replicated over TP):
 import math
 import weakref
 
+import helpers
 import pytest
 import torch
-
-import helpers
 
 T = 0.7
 LR = 0.5
@@ -137,7 +136,7 @@ def reference(model, ids, mask, pieces):
 # -- rank side -------------------------------------------------------------------------------------------------
 
 class _Held:
-    __slots__ = ("tensor", "__weakref__")
+    __slots__ = ("__weakref__", "tensor")
 
     def __init__(self, tensor):
         self.tensor = tensor
@@ -283,8 +282,9 @@ def _extras(parallm, ckpt, ids, mask):
         parallm.load_hf_weights(chunks, ckpt)
         peaks, sent = [], []
         for n in (2, 8):
-            run = lambda: parallm.forward_backward(  # noqa: E731
-                chunks, batch[:2 * n], bmask[:2 * n], loss_fn=loss_fn, num_microbatches=n, output="logprobs")
+            def run(chunks=chunks, n=n):
+                parallm.forward_backward(chunks, batch[:2 * n], bmask[:2 * n], loss_fn=loss_fn,
+                                         num_microbatches=n, output="logprobs")
             peaks.append(meter.measure(run))
             sent.append(SentBytes().measure(run))
         out[f"saved_peaks_tp{tp}_pp{pp}"] = peaks
@@ -295,8 +295,8 @@ def _extras(parallm, ckpt, ids, mask):
     for recompute in (None, "full"):
         chunks = parallm.build_model(ckpt, packed=True, sequence_parallel=True, recompute=recompute)
         parallm.load_hf_weights(chunks, ckpt)
-        peak = meter.measure(lambda: parallm.forward_backward(chunks, ids[:4], mask[:4], loss_fn=loss_fn,
-                                                              num_microbatches=1, output="logprobs"))
+        peak = meter.measure(lambda chunks=chunks: parallm.forward_backward(
+            chunks, ids[:4], mask[:4], loss_fn=loss_fn, num_microbatches=1, output="logprobs"))
         grads[recompute] = {n: p.grad for n, p in chunks[0].named_parameters()}
         out[f"recompute_{recompute}_saved"] = peak
     out["recompute_grad_diff"] = max((grads[None][n] - grads["full"][n]).abs().max().item() for n in grads[None])
@@ -326,7 +326,7 @@ def _errors(parallm, rank, ckpt, ids, mask):
         try:
             call()
             out[name] = None
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - every error is reported back
             out[name] = (type(e).__name__, str(e), time.monotonic() - t)
     out["after"] = tuple(parallm.forward(chunks, ids, mask, output="logprobs").shape)
     parallm.destroy_parallel()

@@ -34,7 +34,6 @@ from ..model.decoder import as_chunks
 from ..model.placement import placement_of
 from .state import _import_parallel_state, dims_of, kv_replica_group
 
-
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 

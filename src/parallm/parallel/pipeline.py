@@ -42,7 +42,7 @@ def _virtual_order(pp: int, vpp: int, num_microbatches: int) -> list[tuple[int, 
     order = []
     start = 0
     while start < num_microbatches:
-        stop = num_microbatches if start + pp >= num_microbatches else start + pp
+        stop = min(num_microbatches, start + pp)
         order += [(m, v) for v in range(vpp) for m in range(start, stop)]
         start = stop
     return order
