@@ -5,13 +5,16 @@ Public API (a contract, see docs/api.md)::
     parallm.init_parallel(tp=1, pp=1, vpp=None, *, backend=None, seed=0)
     parallm.destroy_parallel()
     chunks = parallm.build_model(hf_config, *, task="causal_lm", packed=False, sequence_parallel=False,
-                                 dtype=torch.float32)
+                                 dtype=torch.float32, recompute=None)
     parallm.load_hf_weights(chunks, source, *, mode="auto")
     state = parallm.save_hf_weights(chunks, out_dir=None, *, dtype=None)
     for name, tensor in parallm.export_hf_tensors(chunks, *, dtype=None, bucket_bytes=..., dst_ranks=None): ...
-    out = parallm.forward(chunks, input_ids, attention_mask=None, position_ids=None)
-    loss = parallm.forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_microbatches=1)
+    out = parallm.forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output=None,
+                          temperature=1.0)           # output: None | "logprobs" | "logprobs+entropy"
+    loss = parallm.forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_microbatches=1,
+                                    position_ids=None, output=None, temperature=1.0)
     parallm.finalize_grads(chunks)
+    norm = parallm.clip_grad_norm_(chunks, max_norm, norm_type=2.0)
 """
 
 import importlib
@@ -25,6 +28,7 @@ _LAZY = {
     "build_model": "api", "default_position_ids": "api", "forward": "api", "forward_backward": "api",
     "load_hf_weights": "checkpoint.loader", "save_hf_weights": "checkpoint.saver",
     "export_hf_tensors": "checkpoint.export", "finalize_grads": "parallel.grads",
+    "clip_grad_norm_": "parallel.grads", "TokenStats": "model.logprobs",
     "init_parallel": "parallel.state", "destroy_parallel": "parallel.state",
 }
 

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
 from .families import load_config, spec_from_config
-from .model.decoder import DecoderChunk, as_chunks, build_chunks
+from .model.decoder import RECOMPUTE, DecoderChunk, as_chunks, build_chunks
+from .model.logprobs import TokenStats, check_output
 from .model.spec import TASKS
 from .parallel.comm import gather_last_dim
 from .parallel.errors import run_local
+from .parallel.grads import attach_main_grad_hooks
 from .parallel.pipeline import broadcast_from_last_stage, run_pipeline
 from .parallel.state import dims_of, kv_replica_group, require_initialized
 
@@ -20,7 +23,8 @@ logger = logging.getLogger("parallm")
 
 def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = False,
                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
-                vocab_multiple: int = 1, attn_impl: str = "auto") -> list[DecoderChunk]:
+                vocab_multiple: int = 1, attn_impl: str = "auto", recompute: str | None = None
+                ) -> list[DecoderChunk]:
     """Build this rank's share of the model: one chunk per virtual pipeline stage (``len == vpp`` or 1).
 
     ``hf_config``: a transformers ``PretrainedConfig``, a checkpoint directory, or a config.json path.
@@ -33,20 +37,28 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     The vocabulary is padded to a multiple of ``vocab_multiple * tp`` (zero rows, never visible in outputs).
     ``attn_impl``: the attention kernel (``"auto"``, ``"sdpa"``, ``"sdpa-loop"``, ``"flash-attn"``; see
     :mod:`parallm.model.attention`); the choice is logged and kept as ``chunk.attn_impl``.
+    ``recompute="full"``: keep only each decoder layer's input in the forward and recompute its activations in
+    the backward (``torch.utils.checkpoint``, non-reentrant, RNG state restored).
+    bf16 / fp16 parameters accumulate their gradients in fp32 ``param.main_grad`` (a post-accumulate-grad hook
+    adds each fresh ``param.grad`` into it and frees it); fp32 parameters keep ``param.grad``.
     Collective (every rank calls it): replicated-KV groups are created here when num_key_value_heads < tp.
     """
     require_initialized("build_model")
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating-point torch.dtype (float32, bfloat16, float16), got {dtype!r}")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
     config = load_config(hf_config)
     spec, family = spec_from_config(config)
     task = resolve_task(config, task)
     chunks = build_chunks(spec, table=family.table, task=task, dtype=dtype, sequence_parallel=sequence_parallel,
-                          vocab_multiple=vocab_multiple, packed=packed, attn_impl=attn_impl)
+                          vocab_multiple=vocab_multiple, packed=packed, attn_impl=attn_impl,
+                          recompute=recompute)
     if chunks[0].dims.rank == 0:
         logger.info("build_model: %s %s, %s, attention %s", spec.architecture, task, chunks[0].dims.describe(),
                     chunks[0].attn_impl)
     kv_replica_group(spec.num_kv_heads)
+    attach_main_grad_hooks(chunks)
     for chunk in chunks:
         chunk.hf_config = getattr(config, "_raw", config)
     return chunks
@@ -112,58 +124,96 @@ def _check_batch(chunks, input_ids, attention_mask, position_ids):
     return input_ids.long(), attention_mask, position_ids
 
 
-def gather_output(chunk: DecoderChunk, out: torch.Tensor) -> torch.Tensor:
-    """Last-stage output -> ``[B, S, V]`` fp32 logits (TP-gathered, vocab padding removed) or ``[B, S]`` values.
-    Differentiable."""
+def gather_output(chunk: DecoderChunk, out, temperature: float = 1.0, request=None):
+    """Last-stage output -> ``[B, S, V]`` fp32 logits (TP-gathered, vocab padding removed, divided by
+    ``temperature``) or ``[B, S]`` values. With a log-prob ``request`` the chunk already returned ``[B, S]``
+    log-probs (or :class:`TokenStats`), which pass through. Differentiable."""
+    if request is not None:
+        return out
     out = out.transpose(0, 1)  # [B, S, ...]; contiguous for padded logits and packed outputs
     if chunk.task in ("value", "hidden"):
         return out.float()
     logits = gather_last_dim(out, chunk.dims.tp_group)
-    return logits[..., :chunk.spec.vocab_size].float()
+    logits = logits[..., :chunk.spec.vocab_size].float()
+    return logits / temperature if temperature != 1.0 else logits
 
 
-def forward(chunks, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
-    """Whole-batch output on every rank: fp32 logits ``[B, S, V]`` (causal_lm) or values ``[B, S]`` (value)."""
+def _check_request(chunks, output, temperature, token_chunk):
+    return check_output(output, temperature, task=chunks[0].task, token_chunk=token_chunk)
+
+
+def _output_shape(chunk, b, s, request):
+    if request is not None:
+        return (2, b, s) if request.entropy else (b, s)
+    spec = chunk.spec
+    return {"causal_lm": (b, s, spec.vocab_size), "hidden": (b, s, spec.hidden_size)}.get(chunk.task, (b, s))
+
+
+def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output=None, temperature=1.0,
+            token_chunk=None):
+    """Whole-batch output on every rank.
+
+    ``output=None``: fp32 logits ``[B, S, V]`` (causal_lm; divided by ``temperature``) or values ``[B, S]``
+    (value). ``output="logprobs"``: fp32 ``[B, S]``, ``log_softmax(logits[b, t] / temperature)[input_ids[b,
+    t+1]]`` (0 at ``t = S-1`` and at padded positions). ``output="logprobs+entropy"``: a :class:`TokenStats` of
+    two such tensors. Log-probs are computed vocab-parallel in chunks of ``token_chunk`` tokens (default: about
+    32 MiB of logits per chunk), never gathering ``[..., V]``.
+    """
     require_initialized("forward")
     chunks = as_chunks(chunks)
     layout = dims_of(chunks)
-    input_ids, attention_mask, position_ids = run_local(
-        lambda: _check_batch(chunks, input_ids, attention_mask, position_ids), what="forward")
+
+    def check():
+        request = _check_request(chunks, output, temperature, token_chunk)
+        return _check_batch(chunks, input_ids, attention_mask, position_ids), request
+    (input_ids, attention_mask, position_ids), request = run_local(check, what="forward")
+    kwargs = {"stats": request} if request is not None else {}
     if layout.pp == 1:
-        return gather_output(chunks[0], chunks[0].compute(input_ids, position_ids, attention_mask))
+        return gather_output(chunks[0], chunks[0].compute(input_ids, position_ids, attention_mask, **kwargs),
+                             temperature, request)
     with torch.no_grad():
         outs = run_pipeline(chunks, [(input_ids, position_ids, attention_mask)],
-                            last_stage_fn=lambda chunk, out, m: gather_output(chunk, out),
-                            backward=False, num_microbatches=1)
+                            last_stage_fn=lambda chunk, out, m: _stackable(
+                                gather_output(chunk, out, temperature, request)),
+                            backward=False, num_microbatches=1, compute_kwargs=kwargs)
     b, s = input_ids.shape
-    spec = chunks[0].spec
-    shape = {"causal_lm": (b, s, spec.vocab_size), "hidden": (b, s, spec.hidden_size)}.get(chunks[0].task, (b, s))
-    return broadcast_from_last_stage(layout, outs[0] if outs else None, shape, torch.float32, input_ids.device)
+    out = broadcast_from_last_stage(layout, outs[0] if outs else None, _output_shape(chunks[0], b, s, request),
+                                    torch.float32, input_ids.device)
+    return TokenStats(out[0], out[1]) if request is not None and request.entropy else out
+
+
+def _stackable(out):
+    return torch.stack(tuple(out)) if isinstance(out, TokenStats) else out
 
 
 def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_microbatches: int = 1,
-                     position_ids=None) -> torch.Tensor:
+                     position_ids=None, output=None, temperature=1.0, token_chunk=None) -> torch.Tensor:
     """Forward and backward of ``loss_fn`` over ``num_microbatches`` microbatches (split along dim 0).
 
-    ``loss_fn(output, input_ids_mb, attention_mask_mb)`` receives what :func:`forward` returns for that
-    microbatch (differentiable). Gradients accumulate in ``param.grad`` as the gradient of
-    ``mean_m loss_fn(mb_m)``; call :func:`parallm.finalize_grads` before stepping. Each data-parallel replica
-    passes its own batch. Returns that mean, averaged over data-parallel replicas (the global loss), on every
-    rank.
+    ``loss_fn(out, input_ids_mb, attention_mask_mb)`` receives what :func:`forward` returns for that
+    microbatch with the same ``output`` / ``temperature`` (differentiable). Gradients accumulate as the gradient
+    of ``mean_m loss_fn(mb_m)``: in ``param.grad`` for fp32 parameters, in fp32 ``param.main_grad`` for
+    bf16 / fp16 ones (:func:`parallm.parallel.grads.grad_of`); call :func:`parallm.finalize_grads` before
+    stepping. Schedules: one microbatch's forward then its backward at ``pp == 1``; 1F1B (interleaved with
+    virtual stages) at ``pp > 1`` (docs/pipeline.md). Each data-parallel replica passes its own batch. Returns
+    that mean, averaged over data-parallel replicas (the global loss), on every rank.
     """
     require_initialized("forward_backward")
     chunks = as_chunks(chunks)
     layout = dims_of(chunks)
 
     def check():
+        request = _check_request(chunks, output, temperature, token_chunk)
         batch = _check_batch(chunks, input_ids, attention_mask, position_ids)
         b = batch[0].shape[0]
         if not isinstance(num_microbatches, int) or num_microbatches < 1 or b % num_microbatches:
             raise ValueError(f"batch size {b} does not split into num_microbatches={num_microbatches}")
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable: loss_fn(output, input_ids, attention_mask) -> scalar")
-        return batch
-    input_ids, attention_mask, position_ids = run_local(check, what="forward_backward")
+        return batch, request
+    (input_ids, attention_mask, position_ids), request = run_local(check, what="forward_backward")
+    if request is not None:   # the head's weight gradient goes straight into its existing gradient buffer
+        request = dataclasses.replace(request, accumulate=True)
     b = input_ids.shape[0]
     size = b // num_microbatches
     mbs = [(input_ids[i:i + size], position_ids[i:i + size], attention_mask[i:i + size])
@@ -171,13 +221,14 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
 
     def last_stage(chunk, out, m):
         ids, _, mask = mbs[m]
-        loss = loss_fn(gather_output(chunk, out), ids, mask)
+        loss = loss_fn(gather_output(chunk, out, temperature, request), ids, mask)
         if not (torch.is_tensor(loss) and loss.dim() == 0):
             raise ValueError("loss_fn must return a scalar tensor")
         return loss
 
     losses = run_pipeline(chunks, mbs, last_stage_fn=last_stage, backward=True,
-                          num_microbatches=num_microbatches)
+                          num_microbatches=num_microbatches,
+                          compute_kwargs={"stats": request} if request is not None else None)
     mean = torch.stack(losses).float().mean() if losses else None
     mean = broadcast_from_last_stage(layout, mean, (), torch.float32, input_ids.device)
     if layout.dp > 1:

@@ -15,10 +15,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..parallel.cpu_compat import enable_megatron_sequence_parallel_on_cpu
 from ..parallel.megatron_import import import_megatron
 from .attention import AttnBackend, Packing, make_packing, pack_tokens, resolve_attn_impl, unpack_tokens
+from .logprobs import token_stats_head
 from .placement import attach_placements
 from .rope import apply_rope, rope_cos_sin
 from .spec import TASKS, DecoderSpec, check_tp, layer_numbers, padded_vocab_size
@@ -27,6 +29,9 @@ from .table import chunk_entries
 _megatron = import_megatron()
 ModelParallelConfig = _megatron.ModelParallelConfig
 mtp = _megatron.tensor_parallel
+
+
+RECOMPUTE = (None, "full")
 
 
 def _no_init(_weight):  # parameters are filled by the loader (or by init_weights)
@@ -145,11 +150,12 @@ class DecoderChunk(nn.Module):
 
     def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, *, task: str, pre_process: bool,
                  post_process: bool, layers: range, vpp_rank: int, table, dims, vocab_multiple: int = 1,
-                 packed: bool = False, attn_impl: str = "auto"):
+                 packed: bool = False, attn_impl: str = "auto", recompute: str | None = None):
         """``table``: the family's weight table (each parameter's placement is attached from its row);
         ``dims``: the :class:`parallm.parallel.state.ParallelDims` the chunk is built for (kept as
         ``chunk.dims``); ``attn_impl``: an attention backend of :mod:`parallm.model.attention` or "auto" (the
-        resolved name is kept as ``chunk.attn_impl``)."""
+        resolved name is kept as ``chunk.attn_impl``); ``recompute``: None, or ``"full"`` to recompute every
+        layer's activations in backward."""
         super().__init__()
         tp = config.tensor_model_parallel_size
         device = None if config.use_cpu_initialization else torch.cuda.current_device()
@@ -162,6 +168,9 @@ class DecoderChunk(nn.Module):
         self.dims = dims
         self.layer_range = layers
         self.packed = packed
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+        self.recompute = recompute
         self.sequence_parallel = bool(config.sequence_parallel)
         if self.sequence_parallel and not packed:
             raise ValueError("sequence_parallel=True needs packed=True (the packed token stream is what is split "
@@ -220,9 +229,19 @@ class DecoderChunk(nn.Module):
         return None
 
     # -- forward -------------------------------------------------------------------------------------------
-    def compute(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor):
+    def head_weight(self) -> torch.Tensor:
+        """The output layer's weight ``[Vp/tp, H]`` (the embedding itself when tied within this chunk)."""
+        if self.share_embeddings_and_output_weights and self.pre_process:
+            return self.embedding.weight
+        return self.output_layer.weight
+
+    def compute(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                stats=None):
         """input_ids / position_ids / attention_mask: ``[B, S]`` (padded layout). parallm's engine calls this;
-        ``forward`` is the same unless a subclass (the verl-compatible classes) gives it another signature."""
+        ``forward`` is the same unless a subclass (the verl-compatible classes) gives it another signature.
+
+        ``stats``: a :class:`parallm.model.logprobs.StatsRequest`: the last stage of a causal_lm returns next-token
+        log-probs (and entropy) ``[B, S]`` computed vocab-parallel from the hidden states instead of logits."""
         if self.packed:
             ctx = make_packing(attention_mask, self.config.tensor_model_parallel_size if self.sequence_parallel
                                else 1)
@@ -241,11 +260,18 @@ class DecoderChunk(nn.Module):
             x = self.input_tensor
         cos, sin = rope_cos_sin(self.spec.rope, positions)
         cos, sin = cos.to(x.device), sin.to(x.device)
+        recompute = self.recompute == "full" and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
+            if recompute:
+                # Keep only the layer's input; its activations are recomputed in backward (RNG state restored).
+                x = checkpoint(layer, x, cos, sin, ctx, use_reentrant=False, preserve_rng_state=True)
+            else:
+                x = layer(x, cos, sin, ctx)
         if not self.post_process:
             return x
         x = self.final_norm(x)
+        if stats is not None and self.task == "causal_lm":
+            return token_stats_head(self, x, ctx if self.packed else None, input_ids, attention_mask, stats)
         if self.task == "causal_lm":
             weight = self.embedding.weight if (self.share_embeddings_and_output_weights and self.pre_process) \
                 else None
@@ -311,7 +337,7 @@ def prepare_config(spec: DecoderSpec, dims, *, task: str, dtype, sequence_parall
 
 def build_chunks(spec: DecoderSpec, *, table, task: str = "causal_lm", dtype=torch.float32,
                  sequence_parallel=False, vocab_multiple: int = 1, packed: bool = False,
-                 attn_impl: str = "auto") -> list[DecoderChunk]:
+                 attn_impl: str = "auto", recompute: str | None = None) -> list[DecoderChunk]:
     """Build this rank's chunks (one per virtual stage) for the current parallel layout."""
     from ..parallel.state import current_dims
     dims = current_dims()
@@ -319,5 +345,5 @@ def build_chunks(spec: DecoderSpec, *, table, task: str = "causal_lm", dtype=tor
     return [DecoderChunk(spec, config, task=task, pre_process=dims.is_first_stage(v),
                          post_process=dims.is_last_stage(v), layers=dims.stage_layers(spec.num_layers, v),
                          vpp_rank=v, table=table, dims=dims, vocab_multiple=vocab_multiple, packed=packed,
-                         attn_impl=attn_impl)
+                         attn_impl=attn_impl, recompute=recompute)
             for v in range(dims.vpp)]

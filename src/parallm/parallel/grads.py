@@ -13,6 +13,15 @@ the unsharded model:
 3. ``tp_sum`` params (TP-replicated but fed part of the work on each rank: norms, row-parallel biases and the
    value head under sequence parallelism; per-head q/k norms always) are summed over the TP group.
 4. Data parallelism: gradients are averaged over the data-parallel group (the loss is a mean over replicas).
+
+Where gradients live: fp32 parameters in ``param.grad``; bf16 / fp16 parameters in an fp32 ``param.main_grad``
+(as Megatron's DDP): :func:`attach_main_grad_hooks` gives them a post-accumulate-grad hook that adds each fresh
+``param.grad`` into ``main_grad`` and frees it, so microbatches accumulate in fp32 and no low-precision
+``param.grad`` is kept. :func:`grad_of` is the one place that says which tensor is a parameter's gradient;
+finalize_grads, clip_grad_norm_ and optimizers read it.
+
+:func:`clip_grad_norm_` (after finalize_grads): the total norm of the unsharded model's gradient, each element
+counted once (the placement's ``primary_slices``; the tied head copy skipped), then every gradient scaled.
 """
 
 from __future__ import annotations
@@ -25,11 +34,63 @@ from ..model.decoder import as_chunks
 from ..model.placement import placement_of
 from .state import _import_parallel_state, dims_of, kv_replica_group
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def uses_main_grad(p: torch.Tensor) -> bool:
+    """Whether ``p``'s gradient accumulates in an fp32 ``main_grad`` (bf16 / fp16 parameters)."""
+    return p.dtype in LOW_PRECISION
+
+
+def grad_of(p: torch.Tensor) -> torch.Tensor | None:
+    """The tensor holding ``p``'s gradient: ``p.main_grad`` (fp32) when present, else ``p.grad``."""
+    main = getattr(p, "main_grad", None)
+    return main if main is not None else p.grad
+
+
+def _accumulate_main_grad(p: torch.Tensor) -> None:
+    grad = p.grad
+    if grad is None:
+        return
+    if getattr(p, "main_grad", None) is None:
+        p.main_grad = grad.float() if grad.dtype != torch.float32 else grad.clone()
+    else:
+        p.main_grad.add_(grad)
+    p.grad = None
+
+
+def attach_main_grad_hooks(chunks) -> None:
+    """Give every bf16 / fp16 parameter of ``chunks`` the hook that accumulates into fp32 ``main_grad``.
+
+    ``main_grad`` is created on the first backward that reaches the parameter. A ``main_grad`` set by someone
+    else (Megatron's DDP assigns views of its buffer) is used as it is: whichever hook runs first moves
+    ``param.grad`` into it and the other finds nothing left to add.
+    """
+    for chunk in as_chunks(chunks):
+        for p in chunk.parameters():
+            if uses_main_grad(p) and not getattr(p, "_parallm_main_grad_hook", False):
+                p.register_post_accumulate_grad_hook(_accumulate_main_grad)
+                p._parallm_main_grad_hook = True
+
+
+def zero_grads(chunks) -> None:
+    """Reset gradients before the next accumulation: ``main_grad`` zeroed in place, ``param.grad`` dropped."""
+    for chunk in as_chunks(chunks):
+        for p in chunk.parameters():
+            if getattr(p, "main_grad", None) is not None:
+                p.main_grad.zero_()
+            p.grad = None
+
 
 def _grad(p: torch.nn.Parameter) -> torch.Tensor:
-    if p.grad is None:
-        p.grad = torch.zeros_like(p)
-    return p.grad
+    """``p``'s gradient tensor, created as zeros when no backward reached it."""
+    g = grad_of(p)
+    if g is None:
+        if uses_main_grad(p):
+            p.main_grad = g = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        else:
+            p.grad = g = torch.zeros_like(p)
+    return g
 
 
 def _all_reduce_coalesced(grads: list[torch.Tensor], group, scale: float | None = None) -> None:
@@ -74,3 +135,68 @@ def finalize_grads(chunks) -> None:
 
     if layout.dp > 1:
         _all_reduce_coalesced([_grad(p) for p in params], layout.dp_group, scale=1.0 / layout.dp)
+
+
+# -- gradient clipping ----------------------------------------------------------------------------------------
+
+def _local_norm_partials(chunks, norm_type: float) -> dict[str, torch.Tensor]:
+    """This rank's share of the total norm, by reduction domain: ``{"model": sum |g|^p (or max |g| for inf)}``
+    over the elements this rank is the one owner of (``primary_slices``; the tied head copy not at all).
+
+    Keys name how the partial must be combined across ranks (:func:`_reduce_norm_partials`); parameters that
+    are sharded over another dimension (experts) add their own key there."""
+    device = next(chunks[0].parameters()).device
+    inf = norm_type == float("inf")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    dims = chunks[0].dims
+    for chunk in chunks:
+        for p in chunk.parameters():
+            g = grad_of(p)
+            pl = placement_of(p)
+            if g is None or pl.tied == "copy":
+                continue
+            for dim, start, stop in pl.layout.primary_slices(dims.tp_rank, dims.tp, tuple(g.shape)):
+                part = g.narrow(dim, start, stop - start).float()
+                if part.numel() == 0:
+                    continue
+                if inf:
+                    total = torch.maximum(total, part.abs().max())
+                else:
+                    total += torch.linalg.vector_norm(part, norm_type) ** norm_type
+    return {"model": total}
+
+
+def _reduce_norm_partials(partials: dict[str, torch.Tensor], norm_type: float, dims) -> torch.Tensor:
+    """Combine every rank's partials into the total norm (the same on every rank). ``"model"``: over the
+    model-parallel ranks (tp, then pp); data-parallel replicas hold the same gradients after finalize_grads."""
+    inf = norm_type == float("inf")
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    total = partials["model"].clone()
+    for group, size in ((dims.tp_group, dims.tp), (dims.pp_group, dims.pp)):
+        if size > 1:
+            dist.all_reduce(total, op=op, group=group)
+    return total if inf else total ** (1.0 / norm_type)
+
+
+def clip_grad_norm_(chunks, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the gradients of the whole (unsharded) model to total norm ``max_norm``; call after finalize_grads.
+
+    Returns the total norm before clipping (fp32 scalar, the same on every rank): the norm
+    ``torch.nn.utils.clip_grad_norm_`` computes on the unsharded transformers model, where a tied weight, a
+    KV head replicated over TP ranks and a TP-replicated norm weight each count once. Every gradient
+    (``main_grad`` when present) is scaled in place by ``min(1, max_norm / (total + 1e-6))``, as torch does.
+    ``norm_type``: any p > 0, or ``inf``. Collective over the model-parallel ranks.
+    """
+    chunks = as_chunks(chunks)
+    norm_type = float(norm_type)
+    if not norm_type > 0:
+        raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type}")
+    dims = dims_of(chunks)
+    total = _reduce_norm_partials(_local_norm_partials(chunks, norm_type), norm_type, dims)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for chunk in chunks:
+        for p in chunk.parameters():
+            g = grad_of(p)
+            if g is not None:
+                g.mul_(coef)
+    return total
