@@ -12,6 +12,11 @@ Public API (a contract, see docs/api.md)::
     out = parallm.forward(chunks, input_ids, attention_mask=None, position_ids=None)
     loss = parallm.forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_microbatches=1)
     parallm.finalize_grads(chunks)
+    opt = parallm.build_optimizer(chunks, *, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                                  shard_over_dp=False, no_decay=default_no_decay)
+    parallm.save_checkpoint(path, chunks, optimizer=None, *, step, extra=None, overwrite=False, async_save=False)
+    info = parallm.load_checkpoint(path, chunks, optimizer=None)      # {"step": ..., "extra": ...}
+    parallm.checkpoint_to_hf(path, out_dir, *, dtype=None, overwrite=False)   # offline, no process group
 """
 
 import importlib
@@ -26,6 +31,8 @@ _LAZY = {
     "load_hf_weights": "checkpoint.loader", "save_hf_weights": "checkpoint.saver",
     "export_hf_tensors": "checkpoint.saver", "finalize_grads": "parallel.grads",
     "init_parallel": "parallel.state", "destroy_parallel": "parallel.state",
+    "build_optimizer": "train.optim", "save_checkpoint": "checkpoint.train_ckpt",
+    "load_checkpoint": "checkpoint.train_ckpt", "checkpoint_to_hf": "checkpoint.train_ckpt",
 }
 
 __all__ = ["CheckpointError", "ParallelError", *sorted(_LAZY)]
