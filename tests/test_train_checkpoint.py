@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -275,7 +277,7 @@ def rank_exact(rank, world, s):
 @pytest.mark.timeout(400)
 def test_exact_resume_async_and_errors(tmp_path):
     from parallm import CheckpointError
-    from parallm.checkpoint.train_ckpt import checkpoint_to_hf
+    from parallm.checkpoint.train_ckpt import checkpoint_to_hf, read_tensors
     root = str(tmp_path)
     model = helpers.make_hf_model(helpers.tiny_config("llama"), seed=21)
     hf = helpers.save_checkpoint(model, os.path.join(root, "hf"))
@@ -308,6 +310,22 @@ def test_exact_resume_async_and_errors(tmp_path):
     with pytest.raises(CheckpointError, match=f"{info.relative_path} is corrupted.*model/model.embed_tokens.weight"):
         checkpoint_to_hf(bad, os.path.join(root, "out"))
     assert not os.path.exists(os.path.join(root, "out"))
+    # the same through the command (a subprocess each, run together)
+    cmd = lambda *a: subprocess.Popen([sys.executable, "-m", "parallm.checkpoint.convert_cmd", *a],  # noqa: E731
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=dict(os.environ, OMP_NUM_THREADS="1"))
+    good_out, bad_out = os.path.join(root, "cli-good"), os.path.join(root, "cli-bad")
+    procs = [cmd(os.path.join(root, "exact-bfloat16"), good_out, "--dtype", "float32"), cmd(bad, bad_out)]
+    (ok_out, ok_err), (_, bad_err) = [p.communicate(timeout=120) for p in procs]
+    ok_rc, bad_rc = procs[0].returncode, procs[1].returncode
+    assert ok_rc == 0, ok_err
+    masters = read_tensors(os.path.join(root, "exact-bfloat16"))
+    from safetensors.torch import load_file
+    written = load_file(os.path.join(good_out, "model.safetensors"))
+    assert written.keys() == {k[len("model/"):] for k in masters if k.startswith("model/")}
+    assert all(torch.equal(t, masters[f"optim/master/{k}"]) for k, t in written.items())   # fp32 masters
+    assert bad_rc == 1 and "is corrupted" in bad_err and info.relative_path in bad_err, bad_err
+    assert len(bad_err.strip().splitlines()) == 1, bad_err
     assert not [n for n in os.listdir(root) if "parallm-tmp" in n]
 
 

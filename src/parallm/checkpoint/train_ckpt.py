@@ -40,6 +40,7 @@ import pickle
 import shutil
 import tempfile
 import threading
+import warnings
 from datetime import timedelta
 
 import torch
@@ -303,7 +304,7 @@ def save_checkpoint(path, chunks, optimizer=None, *, step: int, extra=None, over
     wait_for_pending_saves()
     path = os.path.abspath(os.fspath(path))
 
-    def prepare():
+    def check():
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         _check_optimizer(optimizer, chunks)
@@ -313,13 +314,16 @@ def save_checkpoint(path, chunks, optimizer=None, *, step: int, extra=None, over
         if os.path.isdir(path) and os.listdir(path) and not overwrite:
             raise FileExistsError(f"{path} is not empty; pass overwrite=True to replace it (the new checkpoint "
                                   "replaces it atomically once complete)")
+
+    def make_tmp():
         if dims.rank != 0:
             return None
         parent = os.path.dirname(path)
         os.makedirs(parent, exist_ok=True)
         return tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.parallm-tmp-", dir=parent)
 
-    box = [run_local(prepare, what="save_checkpoint")]
+    run_local(check, what="save_checkpoint")
+    box = [run_local(make_tmp, what="save_checkpoint")]
     dist.broadcast_object_list(box, src=0)
     tmp = box[0]
     shapes, mine, saved = _model_layout(chunks, dims)
@@ -376,6 +380,9 @@ def read_record(path: str):
     if record.get("version") != VERSION:
         raise CheckpointError(f"{meta_path}: format version {record.get('version')} (this parallm reads "
                               f"{VERSION})")
+    lacking = [k for k in ("step", "dtype", "hf_config", "optimizer", "tensors", "crc32") if k not in record]
+    if lacking or not isinstance(record["crc32"], dict) or {"items", "metadata"} - set(record["crc32"]):
+        raise CheckpointError(f"{meta_path} is damaged: it lacks {', '.join(lacking) or 'crc32 entries'}")
     md_path = os.path.join(path, METADATA_FILE)
     if not os.path.isfile(md_path):
         raise CheckpointError(f"{md_path} is missing")
@@ -514,8 +521,10 @@ def _read_full(path, record, metadata, keys) -> dict[str, torch.Tensor]:
         if md is None or not hasattr(md, "size"):
             raise CheckpointError(f"{path} has no tensor {key}")
         state[key] = [torch.empty(tuple(md.size), dtype=md.properties.dtype)]
-    dcp.load(dict(state), storage_reader=VerifyingReader(path, record["crc32"]["items"]),
-             planner=BoxLoadPlanner(state), no_dist=True)
+    with warnings.catch_warnings():   # DCP warns that it runs in one process: that is the point here
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        dcp.load(dict(state), storage_reader=VerifyingReader(path, record["crc32"]["items"]),
+                 planner=BoxLoadPlanner(state), no_dist=True)
     return {k: v[0] for k, v in state.items()}
 
 
