@@ -55,9 +55,6 @@ def rank_io(rank, world, cfg, workdir, repeat):
     import parallm
     from parallm.parallel.state import dims_of
     out = {}
-    # the process group is ours, so destroy_parallel keeps it across the layouts below (re-creating an env://
-    # default group in the same process does not work)
-    dist.init_process_group("gloo")
     parallm.init_parallel(tp=2, pp=2)
     chunks, opt = _model(parallm, cfg, torch.float32)
     path = os.path.join(workdir, "ckpt")

@@ -48,11 +48,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from ..errors import CheckpointError, ParallelError
+from ..errors import PORTABLE_ERRORS, CheckpointError, ParallelError
 from ..families import family_of
 from ..model.decoder import as_chunks
 from ..model.table import expected_hf_shapes
-from ..parallel.errors import _error_types, abort_process_groups, agree, run_local
+from ..parallel.errors import abort_process_groups, agree, run_local
 from ..parallel.state import DEFAULT_TIMEOUT_S, _GROUP_CACHE, dims_of, require_initialized
 from ..train.optim import LOW_PRECISION, ParallelAdamW
 from .dcp_io import (METADATA_FILE, BoxLoadPlanner, Boxes, BoxSavePlanner, VerifyingReader, check_files,
@@ -145,7 +145,7 @@ def _raise_first(statuses, group, what):
     failed = [(ranks[i], s) for i, s in enumerate(statuses) if s[0] == "err"]
     if failed:
         rank, (_, type_name, message) = failed[0]
-        etype = _error_types().get(type_name, ParallelError)
+        etype = PORTABLE_ERRORS.get(type_name, ParallelError)
         raise etype(f"{what} failed on rank {rank}: {message}")
 
 
