@@ -98,6 +98,14 @@ def rank_io(rank, world, cfg, workdir, repeat):
         out["torch_save"] = best
         del ref
     dist.barrier()
+    # bytes the loads read (every stored item a rank's boxes overlap is read whole and CRC-checked)
+    from parallm.checkpoint import dcp_io
+    read, original = [0], dcp_io.VerifyingReader._slice_file
+
+    def counting(self, file, sinfo):
+        read[0] += sinfo.length
+        return original(self, file, sinfo)
+    dcp_io.VerifyingReader._slice_file = counting
     # every load the same way: a fresh model and optimizer at the layout, then timed loads (page cache warm)
     for name, (tp, pp, vpp) in (("same", (2, 2, None)), ("tp4", (4, 1, None)), ("tp1 x pp2 x vpp2 x dp2", (1, 2, 2)),
                                 ("same (again)", (2, 2, None))):
@@ -105,7 +113,10 @@ def rank_io(rank, world, cfg, workdir, repeat):
         parallm.init_parallel(tp=tp, pp=pp, vpp=vpp)
         chunks = parallm.build_model(cfg)
         opt = parallm.build_optimizer(chunks, lr=1e-4)
+        read[0] = 0
         out[name] = min(timed(lambda: parallm.load_checkpoint(path, chunks, opt)) for _ in range(repeat))
+        out[f"{name} bytes"] = read[0] / repeat
+    dcp_io.VerifyingReader._slice_file = original
     # optimizer memory per rank
     mem = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -149,6 +160,10 @@ def main():
     for name in ("tp4", "tp1 x pp2 x vpp2 x dp2"):
         rows.append([f"load resharded to {name} / same-layout load (tp2 x pp2)",
                      f"{r0[name]:.2f} s / {r0['same']:.2f} s = {r0[name] / r0['same']:.2f}"])
+    for name in ("same", "tp4", "tp1 x pp2 x vpp2 x dp2"):
+        total = sum(r[f"{name} bytes"] for r in res)
+        rows.append([f"bytes read by all ranks, load at {name} / bytes stored",
+                     f"{total / 2 ** 20:.0f} MiB / {r0['bytes'] / 2 ** 20:.0f} MiB = {total / r0['bytes']:.2f}"])
     print(table(rows, ["metric", "value"]))
     mem_rows = []
     for dtype in ("float32", "bfloat16"):
