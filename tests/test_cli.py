@@ -87,7 +87,7 @@ def test_help_of_every_command(capsys):
     argv = ([script] if os.path.exists(script) else parallm()) + ["--help"]
     [(c0, top, _, _)] = run_many([(argv, None)])
     assert c0 == 0
-    for cmd in ("demo", "verify", "inspect"):
+    for cmd in ("demo", "verify", "inspect", "convert"):
         assert cmd in top
     c1, demo, _ = in_process(capsys, "demo", "--help")
     c2, verify, _ = in_process(capsys, "verify", "--help")
@@ -99,6 +99,8 @@ def test_help_of_every_command(capsys):
         assert opt in verify, opt
     for opt in ("--tp", "--pp", "--vpp", "--json"):
         assert opt in insp, opt
+    c4, conv, _ = in_process(capsys, "convert", "--help")
+    assert c4 == 0 and all(opt in conv for opt in ("CHECKPOINT", "OUT", "--dtype", "--overwrite", "exit codes"))
     assert in_process(capsys,)[0] == 2                          # no command: usage, exit 2
     assert in_process(capsys, "verify", "x", "--tp", "0")[0] == 2  # argparse rejects it
 

@@ -15,6 +15,11 @@ Public API (a contract, see docs/api.md)::
                                     position_ids=None, output=None, temperature=1.0)
     parallm.finalize_grads(chunks)
     norm = parallm.clip_grad_norm_(chunks, max_norm, norm_type=2.0)
+    opt = parallm.build_optimizer(chunks, *, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                                  shard_over_dp=False, no_decay=default_no_decay)
+    parallm.save_checkpoint(path, chunks, optimizer=None, *, step, extra=None, overwrite=False, async_save=False)
+    info = parallm.load_checkpoint(path, chunks, optimizer=None)      # {"step": ..., "extra": ...}
+    parallm.checkpoint_to_hf(path, out_dir, *, dtype=None, overwrite=False)   # offline, no process group
 """
 
 import importlib
@@ -30,6 +35,8 @@ _LAZY = {
     "export_hf_tensors": "checkpoint.export", "finalize_grads": "parallel.grads",
     "clip_grad_norm_": "parallel.grads", "TokenStats": "model.logprobs",
     "init_parallel": "parallel.state", "destroy_parallel": "parallel.state",
+    "build_optimizer": "train.optim", "save_checkpoint": "checkpoint.train_ckpt",
+    "load_checkpoint": "checkpoint.train_ckpt", "checkpoint_to_hf": "checkpoint.train_ckpt",
 }
 
 __all__ = ["CheckpointError", "ParallelError", *sorted(_LAZY)]

@@ -3,6 +3,7 @@
     demo      tiny checkpoints of every family, four layouts (:mod:`.demo`)
     verify    one layout of your checkpoint (:mod:`.verify`)
     inspect   a checkpoint and its valid layouts, no processes (:mod:`.inspect`)
+    convert   a training checkpoint -> a Hugging Face directory, no processes (:mod:`.convert`)
 
 ``demo`` and ``verify`` run :func:`parallm.verify.check_layout` on local ranks started by
 :func:`parallm.verify.spawn`, or in place under torchrun. ``--help`` stays fast: torch, megatron-core and
@@ -17,7 +18,7 @@ import sys
 
 from .. import __version__
 from ..errors import USER_ERRORS
-from . import demo, inspect, verify
+from . import convert, demo, inspect, verify
 from .common import EXIT_FAIL, EXIT_USAGE, CLIError, Formatter, err
 
 DESCRIPTION = """\
@@ -28,6 +29,7 @@ commands:
   demo      make tiny checkpoints of every family and check several parallel layouts end to end
   verify    the same checks on your checkpoint, for the layout you give (--tp, --pp, ...)
   inspect   what a checkpoint is and how it can be split (no processes started)
+  convert   turn a training checkpoint (parallm.save_checkpoint) into a Hugging Face directory
 
 Run `parallm COMMAND --help` for each command's options."""
 
@@ -36,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parallm", description=DESCRIPTION, formatter_class=Formatter)
     parser.add_argument("--version", action="version", version=f"parallm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for command in (demo, verify, inspect):
+    for command in (demo, verify, inspect, convert):
         command.add_parser(sub)
     return parser
 

@@ -1,0 +1,63 @@
+"""Each local parameter as slices of the unsharded (HF-layout) tensors: the global identity a training checkpoint
+stores tensors under, so that it loads at any other layout.
+
+:func:`global_slices` is the one place that maps a local parameter to global slices. It reads the parameter's
+placement (``param.parallm_placement``, :mod:`parallm.model.placement`) and its weight-table entry (HF names):
+for TP layouts the layout kind's ``blocks`` say which rows / columns of which HF tensor make up this rank's
+shard. A new placement kind (expert parallelism, say) extends this function, and the checkpoint code needs no
+other change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..model.placement import placement_of
+
+
+@dataclass(frozen=True)
+class GlobalSlice:
+    """Rows / columns ``[start, stop)`` along ``dim`` of the local parameter are the box of HF tensor ``name``
+    (full shape ``shape``) that starts at ``offsets`` and has the same sizes. ``primary``: this rank is the
+    one writer of that box (replicas elsewhere, over TP or data parallelism, hold the same values)."""
+    name: str
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    dim: int
+    start: int
+    stop: int
+    primary: bool
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The view of ``tensor`` (the parameter, or any state tensor shaped like it) that this slice covers."""
+        return tensor.narrow(self.dim, self.start, self.stop - self.start)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(self.stop - self.start if d == self.dim else n for d, n in enumerate(self.shape))
+
+
+def global_slices(entry, param: torch.Tensor, dims, hf_shapes: dict[str, tuple[int, ...]]) -> list[GlobalSlice]:
+    """The pieces of ``param`` (weight-table ``entry``, this rank's coordinates ``dims``) as boxes of the HF
+    tensors (full shapes ``hf_shapes``). Vocabulary padding rows belong to no box."""
+    layout = placement_of(param).layout
+    shapes = [tuple(hf_shapes[n]) for n in entry.hf]
+    out = []
+    for src, dim, a, b, la, lb, primary in layout.blocks(dims.tp_rank, dims.tp, shapes):
+        shape = shapes[src]
+        offsets = tuple(a if d == dim else 0 for d in range(len(shape)))
+        piece = GlobalSlice(entry.hf[src], shape, offsets, dim, la, lb, bool(primary))
+        if tuple(piece.local(param).shape) != piece.sizes:
+            raise RuntimeError(f"internal error: {entry.local} slice {la}:{lb} along dim {dim} has shape "
+                               f"{tuple(piece.local(param).shape)}, its box in {piece.name} {piece.sizes}")
+        out.append(piece)
+    return out
+
+
+def uncovered_rows(param: torch.Tensor, slices: list[GlobalSlice]) -> int:
+    """Rows at the end of ``param`` that no slice covers (vocabulary padding): they hold zeros."""
+    rows = [s.stop for s in slices if s.dim == 0]
+    covered = max(rows) if rows else (param.shape[0] if param.dim() and slices else 0)
+    return param.shape[0] - covered if param.dim() else 0

@@ -1,0 +1,39 @@
+"""``parallm convert CHECKPOINT OUT``: a training checkpoint (``parallm.save_checkpoint``) -> a Hugging Face
+directory, in this process, without starting ranks (:func:`parallm.checkpoint_to_hf`)."""
+
+from __future__ import annotations
+
+from .common import EXIT_OK, Formatter, para
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "convert", formatter_class=Formatter,
+        help="turn a training checkpoint into a Hugging Face directory (no processes started)",
+        description=para("Write the model of training checkpoint CHECKPOINT (made by parallm.save_checkpoint, at "
+                         "any layout) to OUT as a Hugging Face directory: safetensors files (with an index when "
+                         "there are several) and config.json, which transformers' from_pretrained loads. Runs in "
+                         "this process alone; every tensor read is checked against its CRC-32. A float32 export "
+                         "of a bf16 / fp16 run writes the fp32 master weights. OUT appears complete or not at "
+                         "all."),
+        epilog="exit codes: 0 done; 1 the checkpoint cannot be converted (the message names the file or tensor); "
+               "2 bad command line.")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="training checkpoint directory")
+    p.add_argument("out", metavar="OUT", help="output directory")
+    p.add_argument("--dtype", choices=DTYPES, help="dtype of the written weights (default: the training dtype)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    import torch
+
+    from ..checkpoint.train_ckpt import checkpoint_to_hf
+    checkpoint_to_hf(args.checkpoint, args.out, dtype=getattr(torch, args.dtype) if args.dtype else None,
+                     overwrite=args.overwrite, max_shard_size=args.max_shard_size)
+    print(f"wrote {args.out}")
+    return EXIT_OK

@@ -1,0 +1,1 @@
+"""Training utilities: the optimizer (:mod:`.optim`)."""

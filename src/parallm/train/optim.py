@@ -1,0 +1,290 @@
+"""AdamW for parallm chunks: ``torch.optim.AdamW``'s step, fp32 master weights for bf16 / fp16 parameters, and
+optionally the optimizer state sharded over the data-parallel group (ZeRO-1, torch's
+``ZeroRedundancyOptimizer``).
+
+Math. :class:`MasterAdamW` is a ``torch.optim.AdamW`` whose ``step`` hands torch's own functional Adam
+(``decoupled_weight_decay=True``, the same call ``AdamW.step`` makes) different tensors: for a bf16 / fp16
+parameter, its fp32 master copy instead of the parameter and the fp32 gradient (:func:`grad_of`) instead of
+``param.grad``; afterwards the master is rounded into the parameter. fp32 parameters are their own masters, so
+for them it *is* ``torch.optim.AdamW`` step for step. The moments of a low-precision parameter are fp32 too.
+State is created when the optimizer is built (not at the first step), so it can be loaded before any step and
+its memory measured (:meth:`ParallelAdamW.state_bytes`).
+
+Master copies are taken from the parameters at the first step (or save) unless a checkpoint filled them, so an
+optimizer may be built before or after the weights are loaded.
+
+Weight decay. Two parameter groups, ``"decay"`` and ``"no_decay"``. By default, as Megatron does
+(``megatron.core.optimizer._get_param_groups``), biases and 1-D parameters (norm weights) are not decayed and
+everything else (matrices, the embedding, the head) is. ``no_decay(hf_name, param)`` replaces that rule; it is
+asked with every HF name of a parameter (a fused QKV bias: the q, k and v bias names), which must agree.
+
+Sharding (``shard_over_dp=True``): ``ZeroRedundancyOptimizer`` over the data-parallel group, with
+:class:`MasterAdamW` as its local optimizer. Each parameter's state (master copy, moments, step) lives on one
+data-parallel rank, chosen by ZeRO's size-balancing partition, so per-rank optimizer memory falls as 1/dp; after
+each step the owner broadcasts the updated (rounded) parameter to its replicas. The math per parameter is
+unchanged, so sharded and unsharded runs give the same bits.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ..model.decoder import as_chunks
+from ..parallel.errors import run_local
+from ..parallel.grads import grad_of
+from ..parallel.state import dims_of, require_initialized
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")
+
+
+def default_no_decay(name: str, param: torch.Tensor) -> bool:
+    """Megatron's rule: no weight decay for biases and 1-D parameters (norm weights)."""
+    return name.endswith(".bias") or param.dim() == 1
+
+
+def _scalar_dtype():
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _functional_adamw():
+    """torch's functional AdamW, called exactly as ``torch.optim.AdamW.step`` calls it."""
+    from torch.optim import adam
+    if "decoupled_weight_decay" in inspect.signature(adam.adam).parameters:   # torch >= 2.6: AdamW is Adam
+        return lambda *a, **kw: adam.adam(*a, decoupled_weight_decay=True, **kw)
+    from torch.optim import adamw
+    return adamw.adamw
+
+
+class MasterAdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` with fp32 master weights and moments for bf16 / fp16 parameters, reading
+    :func:`grad_of`. ``amsgrad`` / ``maximize`` / ``capturable`` / ``fused`` are not offered."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self._stale_masters = set()
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._init_state(p)
+
+    def _init_state(self, p):
+        low = p.dtype in LOW_PRECISION
+        state = self.state[p]
+        state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+        dtype = torch.float32 if low else p.dtype
+        state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        if low:
+            state["master"] = torch.empty_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            self._stale_masters.add(p)
+
+    @torch.no_grad()
+    def sync_masters(self) -> None:
+        """Take the master copy of every low-precision parameter whose master was not loaded from a checkpoint
+        and has not stepped yet."""
+        for p in self._stale_masters:
+            self.state[p]["master"].copy_(p)
+        self._stale_masters.clear()
+
+    def mark_master_loaded(self, p) -> None:
+        self._stale_masters.discard(p)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.sync_masters()
+        adamw = _functional_adamw()
+        for group in self.param_groups:
+            targets, grads, exp_avgs, exp_avg_sqs, steps, rounded = [], [], [], [], [], []
+            for p in group["params"]:
+                g = grad_of(p)
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    raise RuntimeError("AdamW does not support sparse gradients")
+                state = self.state[p]
+                target = state.get("master", p)
+                targets.append(target)
+                grads.append(g if g.dtype == target.dtype else g.to(target.dtype))
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                steps.append(state["step"])
+                if target is not p:
+                    rounded.append((p, target))
+            if not targets:
+                continue
+            beta1, beta2 = group["betas"]
+            adamw(targets, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=group["foreach"], capturable=False,
+                  differentiable=False, fused=None, grad_scale=None, found_inf=None, has_complex=False,
+                  amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                  eps=group["eps"], maximize=False)
+            for p, master in rounded:
+                p.copy_(master)
+        return loss
+
+
+HYPER = ("lr", "betas", "eps", "weight_decay")
+
+
+class ParallelAdamW:
+    """What :func:`build_optimizer` returns: AdamW over this rank's parameters (see the module docstring).
+
+    ``param_groups``: ``[decay, no_decay]``, torch-style dicts (``"lr"``, ``"betas"``, ``"eps"``,
+    ``"weight_decay"``, ``"name"``); change ``"lr"`` (or call :meth:`set_lr`) between steps.
+    """
+
+    def __init__(self, chunks, *, lr, betas, eps, weight_decay, shard_over_dp, no_decay):
+        from ..checkpoint.loader import model_entries
+        self.chunks = as_chunks(chunks)
+        self.dims = dims_of(self.chunks)
+        self.shard_over_dp = bool(shard_over_dp)
+        self.names: dict[torch.Tensor, str] = {}       # param -> "<vpp rank>.<local name>" (unique on a rank)
+        self.entries: dict[torch.Tensor, object] = {}  # param -> its weight-table entry (HF names)
+        mine, _ = model_entries(self.chunks, self.dims)
+        for entry, chunk in mine:
+            p = chunk.get_parameter(entry.local)
+            self.names[p] = f"{chunk.vpp_rank}.{entry.local}"
+            self.entries[p] = entry
+
+        def split():
+            decay, skip = [], []
+            for p, entry in self.entries.items():
+                if not p.requires_grad:
+                    continue
+                verdicts = {n: bool(no_decay(n, p)) for n in entry.hf}
+                if len(set(verdicts.values())) > 1:
+                    raise ValueError(f"no_decay disagrees on the HF tensors fused into one parameter "
+                                     f"({self.names[p]}): {verdicts}")
+                (skip if next(iter(verdicts.values())) else decay).append(p)
+            return decay, skip
+        decay, skip = run_local(split, what="build_optimizer")
+        groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+                  {"params": skip, "weight_decay": 0.0, "name": "no_decay"}]
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        if self.shard_over_dp:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            self._opt = ZeroRedundancyOptimizer(groups, optimizer_class=MasterAdamW, process_group=self.dims.dp_group,
+                                                parameters_as_bucket_view=False, **defaults)
+            self.local: MasterAdamW = self._opt.optim
+        else:
+            self._opt = self.local = MasterAdamW(groups, **defaults)
+
+    # -- torch.optim-like surface ----------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        return self._opt.param_groups
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.param_groups:
+            group["lr"] = lr
+
+    def step(self) -> None:
+        """One AdamW step of every parameter with a gradient (``grad_of``). Call after
+        ``parallm.finalize_grads``. With ``shard_over_dp`` it is collective over the data-parallel group."""
+        dims_of(self.chunks)
+        self._opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear ``param.grad`` (None, or zeros with ``set_to_none=False``) and zero ``param.main_grad`` in place
+        (an fp32 accumulation buffer is kept, not freed)."""
+        for p in self.names:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+            main = getattr(p, "main_grad", None)
+            if main is not None:
+                main.zero_()
+
+    # -- state ---------------------------------------------------------------------------------------------
+    def owned(self):
+        """``(param, state)`` for every parameter whose optimizer state lives on this rank (all of them, or
+        this data-parallel rank's ZeRO partition)."""
+        for group in self.local.param_groups:
+            for p in group["params"]:
+                yield p, self.local.state[p]
+
+    def group_of(self, p) -> dict:
+        for group in self.param_groups:
+            if any(q is p for q in group["params"]):
+                return group
+        raise KeyError(self.names.get(p, "unknown parameter"))
+
+    def sync_masters(self) -> None:
+        self.local.sync_masters()
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held on this rank (master copies, moments, step counters)."""
+        return sum(t.numel() * t.element_size() for _, st in self.owned() for t in st.values()
+                   if torch.is_tensor(t))
+
+    def hyperparameters(self) -> list[dict]:
+        return [{"name": g["name"], **{k: (list(g[k]) if k == "betas" else g[k]) for k in HYPER}}
+                for g in self.param_groups]
+
+    def set_hyperparameters(self, groups: list[dict]) -> None:
+        by_name = {g["name"]: g for g in groups}
+        for group in self.param_groups:
+            saved = by_name.get(group["name"])
+            if saved is not None:
+                for k in HYPER:
+                    group[k] = tuple(saved[k]) if k == "betas" else saved[k]
+
+    def state_dict(self) -> dict:
+        """This rank's optimizer state, for a resume at the same layout (tensors by reference, as torch's
+        ``Optimizer.state_dict``). Keys of ``"state"`` are ``"<vpp rank>.<parameter name>"``; with
+        ``shard_over_dp`` only this data-parallel rank's partition is in it. To change layouts use
+        :func:`parallm.save_checkpoint` / :func:`parallm.load_checkpoint`."""
+        self.sync_masters()
+        return {"kind": "parallm.AdamW", "layout": self.dims.describe(), "shard_over_dp": self.shard_over_dp,
+                "param_groups": self.hyperparameters(),
+                "state": {self.names[p]: dict(st) for p, st in self.owned()}}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Inverse of :meth:`state_dict` at the same layout: values are copied into the existing state (dtypes
+        kept: fp32 moments stay fp32). A mismatch (layout, sharding, names, shapes) is a ValueError naming it."""
+        if state_dict.get("kind") != "parallm.AdamW":
+            raise ValueError("not a parallm AdamW state dict (from ParallelAdamW.state_dict)")
+        for key, mine in (("layout", self.dims.describe()), ("shard_over_dp", self.shard_over_dp)):
+            if state_dict[key] != mine:
+                raise ValueError(f"optimizer state dict saved with {key}={state_dict[key]}, this optimizer has "
+                                 f"{key}={mine}; use parallm.save_checkpoint / load_checkpoint to change layouts")
+        owned = {self.names[p]: (p, st) for p, st in self.owned()}
+        saved = state_dict["state"]
+        if set(saved) != set(owned):
+            raise ValueError(f"optimizer state dict names differ: missing {sorted(set(owned) - set(saved))[:5]}, "
+                             f"unexpected {sorted(set(saved) - set(owned))[:5]}")
+        for name, (p, st) in owned.items():
+            for k, t in st.items():
+                src = saved[name].get(k)
+                if src is None or tuple(src.shape) != tuple(t.shape):
+                    raise ValueError(f"optimizer state {name}.{k}: expected shape {tuple(t.shape)}, got "
+                                     f"{None if src is None else tuple(src.shape)}")
+                t.copy_(src)
+            self.local.mark_master_loaded(p)
+        self.set_hyperparameters(state_dict["param_groups"])
+
+
+def build_optimizer(chunks, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                    shard_over_dp: bool = False, no_decay=default_no_decay) -> ParallelAdamW:
+    """AdamW over ``chunks`` (this rank's model): ``torch.optim.AdamW`` semantics, fp32 master weights and
+    moments for bf16 / fp16 parameters, weight decay skipping biases and norm weights unless ``no_decay``
+    (``(hf_name, param) -> bool``) says otherwise, and with ``shard_over_dp=True`` the state sharded over the
+    data-parallel group (ZeRO-1). Collective (every rank calls it). See :mod:`parallm.train.optim`."""
+    require_initialized("build_optimizer")
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        if not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+    if len(tuple(betas)) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+    if not callable(no_decay):
+        raise TypeError("no_decay must be callable: no_decay(hf_name, param) -> bool")
+    return ParallelAdamW(chunks, lr=float(lr), betas=tuple(float(b) for b in betas), eps=float(eps),
+                         weight_decay=float(weight_decay), shard_over_dp=shard_over_dp, no_decay=no_decay)

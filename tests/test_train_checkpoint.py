@@ -1,0 +1,389 @@
+"""Training checkpoints (parallm.save_checkpoint / load_checkpoint / checkpoint_to_hf).
+
+Three spawns:
+
+* resharding (4 ranks): a checkpoint saved at one layout is loaded at another and saved again; every stored
+  tensor, model and optimizer state, must come back bit for bit (tp2.pp2 -> tp4, -> tp1.pp2.vpp2.dp2,
+  -> tp2.dp2 with shard_over_dp; that one -> tp2.pp2 (dp1); a tied model tp2.dp2 -> pp2.dp2 with a head copy).
+  The step after each resume matches the uninterrupted run's step (other layouts: fp32 reduction order only).
+  The offline HF export equals ``save_hf_weights`` bit for bit and loads in transformers.
+* exactness, async and errors (2 ranks): same-layout resume is bit-exact in fp32 and bf16 (fp32 master weights
+  saved), an asynchronous save taken while training goes on holds the state of its call, and the error catalog
+  (another model, no optimizer state, truncated / corrupted files, an unfinished checkpoint, a non-empty
+  target) raises on every rank naming the culprit, within a time bound.
+* a writer killed midway (4 ranks): the older checkpoint at the path stays byte-identical, the survivors raise
+  within the bound.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import helpers
+from test_optim import ce_loss
+
+BOUND_S = 60.0
+EPS = 1e-3   # resumed steps at other layouts are compared with a tolerance: see test_optim.EPS
+LR = 1e-3
+
+
+def batches(vocab, n=3, *, batch=4, seq=8, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(n)]
+
+
+def train(parallm, chunks, opt, steps, dims, *, main_grad=False):
+    for ids in steps:
+        per = ids.shape[0] // dims.dp
+        parallm.forward_backward(chunks, ids[dims.dp_rank * per:(dims.dp_rank + 1) * per], loss_fn=ce_loss)
+        parallm.finalize_grads(chunks)
+        if main_grad:   # what fp32 gradient accumulation hands the optimizer for bf16 models
+            for c in chunks:
+                for p in c.parameters():
+                    p.main_grad, p.grad = p.grad.float(), None
+        opt.step()
+        opt.zero_grad()
+
+
+# -- resharding ---------------------------------------------------------------------------------------------------
+
+def _layout(parallm, tp, pp, vpp, ckpt):
+    from parallm.parallel.state import dims_of
+    parallm.destroy_parallel()
+    parallm.init_parallel(tp=tp, pp=pp, vpp=vpp)
+    chunks = parallm.build_model(ckpt)
+    return chunks, dims_of(chunks)
+
+
+def rank_reshard(rank, world, s):
+    import parallm
+    out = {}
+    for model in ("A", "B"):
+        m = s[model]
+        src = m["source"]
+        chunks, dims = _layout(parallm, *src["layout"], m["hf"])
+        parallm.load_hf_weights(chunks, m["hf"])
+        opt = parallm.build_optimizer(chunks, lr=LR, eps=EPS, weight_decay=0.1, shard_over_dp=src["shard"])
+        train(parallm, chunks, opt, m["batches"][:2], dims)
+        parallm.save_checkpoint(src["path"], chunks, opt, step=2, extra={"model": model, "rank": rank})
+        out[f"{model}/at-save"] = parallm.save_hf_weights(chunks)
+        train(parallm, chunks, opt, m["batches"][2:], dims)
+        out[f"{model}/uninterrupted"] = parallm.save_hf_weights(chunks)
+        for target in m["targets"]:
+            chunks, dims = _layout(parallm, *target["layout"], m["hf"])   # no HF load: the checkpoint fills all
+            opt = parallm.build_optimizer(chunks, lr=123.0, eps=EPS, weight_decay=0.1, shard_over_dp=target["shard"])
+            info = parallm.load_checkpoint(target["from"], chunks, opt)
+            assert info == {"step": 2, "extra": {"model": model, "rank": 0}}, info
+            assert all(g["lr"] == LR for g in opt.param_groups), opt.param_groups   # hyperparameters restored
+            parallm.save_checkpoint(target["path"], chunks, opt, step=2, extra=info["extra"])
+            train(parallm, chunks, opt, m["batches"][2:], dims)
+            out[target["path"]] = parallm.save_hf_weights(chunks)
+    parallm.destroy_parallel()
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_resume_across_layouts(tmp_path):
+    from parallm.checkpoint.train_ckpt import checkpoint_to_hf, read_tensors
+    import transformers
+    root = str(tmp_path)
+    a = helpers.make_hf_model(helpers.tiny_config("llama", num_hidden_layers=4), seed=11)
+    b = helpers.make_hf_model(helpers.tiny_config("qwen2", tie_word_embeddings=True), seed=12)
+    ck = lambda name: os.path.join(root, name)  # noqa: E731
+    s = {
+        "A": dict(hf=helpers.save_checkpoint(a, ck("hf-A")), batches=batches(a.config.vocab_size),
+                  source=dict(layout=(2, 2, None), shard=False, path=ck("A-tp2pp2")),
+                  targets=[dict(layout=(4, 1, None), shard=False, from_=None, path=ck("A-tp4")),
+                           dict(layout=(1, 2, 2), shard=False, path=ck("A-tp1pp2vpp2dp2")),
+                           dict(layout=(2, 1, None), shard=True, path=ck("A-tp2dp2-zero")),
+                           dict(layout=(2, 2, None), shard=False, path=ck("A-zero-to-tp2pp2"),
+                                from_=ck("A-tp2dp2-zero"))]),
+        "B": dict(hf=helpers.save_checkpoint(b, ck("hf-B")), batches=batches(b.config.vocab_size),
+                  source=dict(layout=(2, 1, None), shard=False, path=ck("B-tp2dp2")),
+                  targets=[dict(layout=(1, 2, None), shard=True, path=ck("B-pp2dp2-zero"))]),
+    }
+    for m in s.values():
+        for t in m["targets"]:
+            t["from"] = t.pop("from_", None) or m["source"]["path"]
+    t0 = time.monotonic()
+    res = helpers.run_ranks(rank_reshard, 4, s)[0]
+    print(f"resharding spawn: {time.monotonic() - t0:.1f}s")
+    tol = resume_tol()
+    for model, m in s.items():
+        stored = read_tensors(m["source"]["path"])
+        assert any(k.startswith("optim/exp_avg/") for k in stored) and "extra" not in stored
+        for t in m["targets"]:
+            again = read_tensors(t["path"])
+            assert again.keys() == stored.keys(), sorted(set(again) ^ set(stored))
+            bad = [k for k in stored if not torch.equal(again[k], stored[k])]
+            assert not bad, f"{t['from']} -> {t['path']}: {bad[:5]}"
+            ref, got = res[f"{model}/uninterrupted"], res[t["path"]]
+            worst = max(((got[k] - ref[k]).abs().max().item(), k) for k in ref)
+            print(f"{os.path.basename(t['from'])} -> {os.path.basename(t['path'])}: step after resume vs "
+                  f"uninterrupted {worst[0]:.2e} ({worst[1]})")
+            assert worst[0] < tol, (t["path"], worst)
+        # offline export: no process group; equals save_hf_weights of the model at the save, loads in transformers
+        out = ck(f"hf-export-{model}")
+        checkpoint_to_hf(m["source"]["path"], out)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+        exported = helpers.hf_state_dict(hf)
+        at_save = res[f"{model}/at-save"]
+        assert exported.keys() == at_save.keys()
+        assert all(torch.equal(exported[k], at_save[k]) for k in at_save)
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        checkpoint_to_hf(s["A"]["source"]["path"], ck("hf-export-A"))
+
+
+def resume_tol():
+    # one AdamW step at another layout: gradients differ by fp32 reduction order (<~5e-7), the update by
+    # <~ dg / eps (see test_optim.EPS)
+    return LR * 5e-7 / EPS * 3
+
+
+# -- exact resume, async save, errors ------------------------------------------------------------------------------
+
+def _flip(path, where=0.5):
+    with open(path, "r+b") as f:
+        f.seek(0, os.SEEK_END)
+        pos = int(f.tell() * where)
+        f.seek(pos)
+        byte = f.read(1)
+        f.seek(pos)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _expect(rank, what, fn, etype, needles):
+    """(problem or None, message): ``fn()`` must raise ``etype`` naming every needle, within BOUND_S."""
+    t = time.monotonic()
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        elapsed = time.monotonic() - t
+        problems = []
+        if type(e).__name__ != etype:
+            problems.append(f"{type(e).__name__} instead of {etype}")
+        problems += [f"message lacks {n!r}" for n in needles if n not in str(e)]
+        if elapsed > BOUND_S:
+            problems.append(f"took {elapsed:.0f}s")
+        return (f"{what}: " + "; ".join(problems) + f" ({e})" if problems else None), f"{type(e).__name__}: {e}"
+    return f"{what}: no error on rank {rank}", None
+
+
+def rank_exact(rank, world, s):
+    import parallm
+    from parallm.parallel.state import dims_of
+    out = {"problems": []}
+    for dtype, (tp, pp) in ((torch.float32, (1, 2)), (torch.bfloat16, (2, 1))):
+        tag = str(dtype).replace("torch.", "")
+        low = dtype == torch.bfloat16
+        parallm.init_parallel(tp=tp, pp=pp)
+        chunks = parallm.build_model(s["hf"], dtype=dtype)
+        dims = dims_of(chunks)
+        parallm.load_hf_weights(chunks, s["hf"])
+        opt = parallm.build_optimizer(chunks, lr=1e-2, weight_decay=0.1)
+        train(parallm, chunks, opt, s["batches"][:2], dims, main_grad=low)
+        path, apath = os.path.join(s["root"], f"exact-{tag}"), os.path.join(s["root"], f"async-{tag}")
+        parallm.save_checkpoint(path, chunks, opt, step=2)
+        handle = parallm.save_checkpoint(apath, chunks, opt, step=2, extra=tag, async_save=True)
+        train(parallm, chunks, opt, s["batches"][2:], dims, main_grad=low)   # while the async save writes
+        handle.wait()
+        assert handle.done()
+        params = [p.detach().clone() for c in chunks for p in c.parameters()]
+        state = {k: {n: t.clone() for n, t in v.items()} for k, v in opt.state_dict()["state"].items()}
+        for source in (path, apath):   # the async checkpoint holds the state at its call, as the sync one
+            parallm.destroy_parallel()
+            parallm.init_parallel(tp=tp, pp=pp)
+            chunks = parallm.build_model(s["hf"], dtype=dtype)
+            opt = parallm.build_optimizer(chunks, lr=1e-2, weight_decay=0.1)
+            info = parallm.load_checkpoint(source, chunks, opt)
+            train(parallm, chunks, opt, s["batches"][2:], dims_of(chunks), main_grad=low)
+            again = [p.detach() for c in chunks for p in c.parameters()]
+            if not all(torch.equal(x, y) for x, y in zip(params, again)):
+                out["problems"].append(f"{tag} {source}: parameters after the resumed step differ")
+            sd = opt.state_dict()
+            for k, v in state.items():
+                for n, t in v.items():
+                    if not torch.equal(sd["state"][k][n], t):
+                        out["problems"].append(f"{tag} {source}: optimizer state {k}.{n} differs")
+            if low and not all(v["master"].dtype == torch.float32 for v in sd["state"].values()):
+                out["problems"].append("bf16 masters are not fp32")
+        assert info["extra"] == tag
+        # same-layout state_dict round trip into a fresh optimizer
+        fresh = parallm.build_optimizer(chunks, lr=0.5)
+        fresh.load_state_dict(opt.state_dict())
+        if not all(torch.equal(fresh.state_dict()["state"][k][n], t) for k, v in opt.state_dict()["state"].items()
+                   for n, t in v.items()):
+            out["problems"].append(f"{tag}: state_dict round trip differs")
+        parallm.destroy_parallel()
+
+    # the error catalog, at tp1.pp2 fp32
+    parallm.init_parallel(tp=1, pp=2)
+    chunks = parallm.build_model(s["hf"])
+    opt = parallm.build_optimizer(chunks, lr=1e-2)
+    root = s["root"]
+    good = os.path.join(root, "exact-float32")
+    broken = {name: os.path.join(root, f"broken-{name}") for name in
+              ("truncated", "corrupted", "metadata", "unfinished")}
+    for name, ck in s["others"].items():   # checkpoints of other models, saved here
+        other = parallm.build_model(ck)
+        parallm.load_hf_weights(other, ck)
+        parallm.save_checkpoint(os.path.join(root, f"model-{name}"), other, step=0)
+    parallm.save_checkpoint(os.path.join(root, "no-optim"), chunks, step=0)
+    if rank == 0:
+        for name, path in broken.items():
+            shutil.copytree(good, path)
+        with open(os.path.join(broken["truncated"], "__1_0.distcp"), "r+b") as f:
+            f.truncate(os.path.getsize(f.name) // 2)
+        _flip(os.path.join(broken["corrupted"], "__0_0.distcp"))
+        _flip(os.path.join(broken["metadata"], ".metadata"))
+        os.remove(os.path.join(broken["unfinished"], "parallm.json"))
+    torch.distributed.barrier()
+    cases = [
+        ("other-shapes", lambda: parallm.load_checkpoint(os.path.join(root, "model-wide"), chunks),
+         "CheckpointError", ["another model", "shapes differ", "model.layers.0.mlp.down_proj.weight", "(64, 128)"]),
+        ("other-names", lambda: parallm.load_checkpoint(os.path.join(root, "model-tied"), chunks),
+         "CheckpointError", ["another model", "lm_head.weight"]),
+        ("no-optimizer-state", lambda: parallm.load_checkpoint(os.path.join(root, "no-optim"), chunks, opt),
+         "CheckpointError", ["no-optim", "holds no optimizer state"]),
+        ("truncated", lambda: parallm.load_checkpoint(broken["truncated"], chunks, opt),
+         "CheckpointError", [os.path.join("broken-truncated", "__1_0.distcp"), "truncated"]),
+        ("corrupted", lambda: parallm.load_checkpoint(broken["corrupted"], chunks, opt),
+         "CheckpointError", [os.path.join("broken-corrupted", "__0_0.distcp"), "corrupted", "CRC-32"]),
+        ("corrupted-metadata", lambda: parallm.load_checkpoint(broken["metadata"], chunks),
+         "CheckpointError", [os.path.join("broken-metadata", ".metadata"), "corrupted"]),
+        ("unfinished", lambda: parallm.load_checkpoint(broken["unfinished"], chunks),
+         "CheckpointError", ["broken-unfinished", "parallm.json"]),
+        ("missing", lambda: parallm.load_checkpoint(os.path.join(root, "nowhere"), chunks),
+         "CheckpointError", ["nowhere", "does not exist"]),
+        ("non-empty-target", lambda: parallm.save_checkpoint(good, chunks, opt, step=3),
+         "FileExistsError", ["exact-float32", "overwrite=True"]),
+    ]
+    out["messages"] = {}
+    for what, fn, etype, needles in cases:
+        problem, out["messages"][what] = _expect(rank, what, fn, etype, needles)
+        if problem:
+            out["problems"].append(problem)
+    out["good-loads"] = parallm.load_checkpoint(good, chunks, opt)["step"]   # still in step after the errors
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_exact_resume_async_and_errors(tmp_path):
+    from parallm import CheckpointError
+    from parallm.checkpoint.train_ckpt import checkpoint_to_hf, read_tensors
+    root = str(tmp_path)
+    model = helpers.make_hf_model(helpers.tiny_config("llama"), seed=21)
+    hf = helpers.save_checkpoint(model, os.path.join(root, "hf"))
+    others = {"wide": helpers.save_checkpoint(
+                  helpers.make_hf_model(helpers.tiny_config("llama", intermediate_size=128), seed=22),
+                  os.path.join(root, "hf-wide")),
+              "tied": helpers.save_checkpoint(
+                  helpers.make_hf_model(helpers.tiny_config("llama", tie_word_embeddings=True), seed=23),
+                  os.path.join(root, "hf-tied"))}
+    s = dict(hf=hf, root=root, batches=batches(model.config.vocab_size), others=others)
+    t0 = time.monotonic()
+    results = helpers.run_ranks(rank_exact, 2, s)
+    print(f"exact/async/errors spawn: {time.monotonic() - t0:.1f}s")
+    for what, message in results[1]["messages"].items():
+        print(f"rank 1, {what}: {message}")
+    problems = [f"rank {r}: {p}" for r, res in enumerate(results) for p in res["problems"]]
+    assert not problems, "\n".join(problems)
+    assert [r["good-loads"] for r in results] == [2, 2]
+    # the offline export checks the items it reads: corrupt the embedding's bytes
+    from torch.distributed.checkpoint import FileSystemReader
+    bad = os.path.join(root, "broken-export")
+    shutil.copytree(os.path.join(root, "exact-float32"), bad)
+    info = next(v for k, v in FileSystemReader(bad).read_metadata().storage_data.items()
+                if k.fqn == "model/model.embed_tokens.weight")
+    with open(os.path.join(bad, info.relative_path), "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        byte = f.read(1)
+        f.seek(info.offset + info.length // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CheckpointError, match=f"{info.relative_path} is corrupted.*model/model.embed_tokens.weight"):
+        checkpoint_to_hf(bad, os.path.join(root, "out"))
+    assert not os.path.exists(os.path.join(root, "out"))
+    # the same through the command (a subprocess each, run together)
+    cmd = lambda *a: subprocess.Popen([sys.executable, "-m", "parallm", "convert", *a],  # noqa: E731
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=dict(os.environ, OMP_NUM_THREADS="1"))
+    good_out, bad_out = os.path.join(root, "cli-good"), os.path.join(root, "cli-bad")
+    procs = [cmd(os.path.join(root, "exact-bfloat16"), good_out, "--dtype", "float32"), cmd(bad, bad_out)]
+    (ok_out, ok_err), (_, bad_err) = [p.communicate(timeout=120) for p in procs]
+    ok_rc, bad_rc = procs[0].returncode, procs[1].returncode
+    assert ok_rc == 0, ok_err
+    masters = read_tensors(os.path.join(root, "exact-bfloat16"))
+    from safetensors.torch import load_file
+    written = load_file(os.path.join(good_out, "model.safetensors"))
+    assert written.keys() == {k[len("model/"):] for k in masters if k.startswith("model/")}
+    assert all(torch.equal(t, masters[f"optim/master/{k}"]) for k, t in written.items())   # fp32 masters
+    assert bad_rc == 1 and "is corrupted" in bad_err and info.relative_path in bad_err, bad_err
+    assert bad_err.startswith("error: ") and "Traceback" not in bad_err, bad_err
+    assert not [n for n in os.listdir(root) if "parallm-tmp" in n]
+
+
+# -- a writer killed midway --------------------------------------------------------------------------------------
+
+KILL_SPAWN_TIMEOUT_S = 120
+
+
+def rank_killed(rank, world, s):
+    import parallm
+    import torch.distributed.checkpoint.filesystem as fs
+    from parallm.parallel.state import dims_of
+    parallm.init_parallel(tp=2)   # dp2
+    chunks = parallm.build_model(s["hf"])
+    parallm.load_hf_weights(chunks, s["hf"])
+    opt = parallm.build_optimizer(chunks, lr=1e-2)
+    parallm.save_checkpoint(s["target"], chunks, opt, step=1)
+    digest = helpers.tree_digest(s["target"]) if rank == 0 else None
+    train(parallm, chunks, opt, s["batches"][:1], dims_of(chunks))
+    if rank == s["victim"]:
+        original, count = fs._write_item, [0]
+
+        def dying(*args, **kwargs):
+            count[0] += 1
+            if count[0] >= 3:   # after some of its items are on disk
+                os._exit(1)
+            return original(*args, **kwargs)
+        fs._write_item = dying
+    t = time.monotonic()
+    try:
+        parallm.save_checkpoint(s["target"], chunks, opt, step=2, overwrite=True)
+        err = None
+    except Exception as e:  # noqa: BLE001
+        err = (type(e).__name__, str(e))
+    elapsed = time.monotonic() - t
+    survivors = [r for r in range(world) if r != s["victim"]]
+    all_done = helpers.file_barrier(s["barrier"], rank, survivors, deadline=t + BOUND_S + 1)
+    return dict(err=err, elapsed=elapsed, all_done=all_done, digest=digest)
+
+
+@pytest.mark.timeout(300)
+def test_killed_writer_keeps_previous_checkpoint(tmp_path):
+    from parallm.checkpoint.train_ckpt import read_tensors
+    model = helpers.make_hf_model(helpers.tiny_config("llama"), seed=31)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "barrier").mkdir()
+    s = dict(hf=helpers.save_checkpoint(model, str(tmp_path / "hf")), target=str(tmp_path / "out" / "ckpt"),
+             barrier=str(tmp_path / "barrier"), victim=1, batches=batches(model.config.vocab_size))
+    t0 = time.monotonic()
+    outcomes = helpers.run_ranks_allow_dead(rank_killed, 4, s, timeout=KILL_SPAWN_TIMEOUT_S)
+    print(f"killed writer spawn: {time.monotonic() - t0:.1f}s")
+    assert outcomes[1] == ("dead", 1), outcomes[1]
+    for rank in (0, 2, 3):
+        status, value = outcomes[rank]
+        assert status == "ok", (rank, status, str(value)[-3000:])
+        print(f"rank {rank}: {value['elapsed']:.1f}s {value['err']}")
+        assert value["err"] is not None, f"rank {rank} returned normally although rank 1 died"
+        assert value["err"][1].strip() and value["elapsed"] < BOUND_S
+    assert helpers.tree_digest(s["target"]) == outcomes[0][1]["digest"]
+    assert sorted(os.listdir(tmp_path / "out")) == ["ckpt"]   # no temporary directory left beside it
+    assert read_tensors(s["target"])["optim/step/model.norm.weight"].item() == 0.0   # the step-1 checkpoint
