@@ -22,10 +22,35 @@ def tiny_config(family: str, **overrides):
     base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=101, max_position_embeddings=64, rms_norm_eps=1e-5,
                 tie_word_embeddings=False, attn_implementation="eager")
+    base.update(MOE_DEFAULTS.get(family, {}))
     base.update(overrides)
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-           "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}[family]
+           "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig,
+           "qwen3_moe": transformers.Qwen3MoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
+           "mixtral": transformers.MixtralConfig}[family]
     return cls(**base)
+
+
+# Mixture-of-experts families: 4 experts, top-2, experts narrower than the dense MLP (Mixtral's experts are
+# intermediate_size wide; Qwen-MoE's dense layers use intermediate_size, experts moe_intermediate_size).
+MOE_DEFAULTS = {
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+}
+
+
+def hub_state_dict(model, path: str) -> dict[str, torch.Tensor]:
+    """What ``save_pretrained`` writes, read back from the files (the Hub's names: per-expert tensors for
+    transformers 5's fused MoE experts)."""
+    from safetensors.torch import load_file
+    model.save_pretrained(path, safe_serialization=True)
+    out = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, name)))
+    return out
 
 
 # Every weight non-trivial: norms around 1, biases non-zero, matrices ~N(0, 0.08) (the demo's own generator).

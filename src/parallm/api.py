@@ -129,6 +129,19 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None) -> torch.
     return broadcast_from_last_stage(layout, outs[0] if outs else None, shape, torch.float32, input_ids.device)
 
 
+def _load_balancing_total(chunks, values, layout, device) -> torch.Tensor:
+    """Sum of every MoE layer's load-balancing loss over this replica's microbatches, the same on every rank of
+    the replica: summed over the pipeline stages (each holds its layers' values) and, under sequence
+    parallelism, over TP (each rank holds its tokens' share)."""
+    total = torch.stack(values).sum().float().reshape(()) if values else torch.zeros((), device=device)
+    total = total.to(device)
+    if chunks[0].sequence_parallel:
+        torch.distributed.all_reduce(total, group=layout.tp_group)
+    if layout.pp > 1:
+        torch.distributed.all_reduce(total, group=layout.pp_group)
+    return total
+
+
 def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_microbatches: int = 1,
                      position_ids=None) -> torch.Tensor:
     """Forward and backward of ``loss_fn`` over ``num_microbatches`` microbatches (split along dim 0).
@@ -138,6 +151,11 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     ``mean_m loss_fn(mb_m)``; call :func:`parallm.finalize_grads` before stepping. Each data-parallel replica
     passes its own batch. Returns that mean, averaged over data-parallel replicas (the global loss), on every
     rank.
+
+    Mixture-of-experts models whose config sets ``output_router_logits=True``: the objective is
+    ``mean_m [loss_fn(mb_m) + router_aux_loss_coef * sum over MoE layers of the layer's load-balancing loss on
+    mb_m]`` (each layer's loss as transformers' ``load_balancing_loss_func`` computes it for that layer alone,
+    over real tokens; layers summed as Megatron does, see docs/moe.md), and the returned loss includes it.
     """
     require_initialized("forward_backward")
     chunks = as_chunks(chunks)
@@ -164,10 +182,20 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
             raise ValueError("loss_fn must return a scalar tensor")
         return loss
 
-    losses = run_pipeline(chunks, mbs, last_stage_fn=last_stage, backward=True,
-                          num_microbatches=num_microbatches)
+    moe = chunks[0].spec.moe
+    coef = moe.aux_loss_coef if moe is not None else 0.0
+    if coef:
+        for chunk in chunks:
+            chunk.moe_aux.start(coef / num_microbatches)
+    try:
+        losses = run_pipeline(chunks, mbs, last_stage_fn=last_stage, backward=True,
+                              num_microbatches=num_microbatches)
+    finally:
+        aux_values = [v for chunk in chunks for v in chunk.moe_aux.stop()]
     mean = torch.stack(losses).float().mean() if losses else None
     mean = broadcast_from_last_stage(layout, mean, (), torch.float32, input_ids.device)
+    if coef:
+        mean = mean + coef * _load_balancing_total(chunks, aux_values, layout, mean.device) / num_microbatches
     if layout.dp > 1:
         torch.distributed.all_reduce(mean, group=layout.dp_group)
         mean /= layout.dp

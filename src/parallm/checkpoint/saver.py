@@ -12,6 +12,10 @@ Three ways out:
   file, the index and config.json are complete.
 * ``export_hf_tensors(chunks)``: a generator of ``(hf_name, full tensor)`` on every rank, one tensor at a time.
 
+Experts (mixture of experts): each expert-parallel rank holds its own experts, so an expert's tensors are written
+by the rank of expert-data-parallel replica 0 that holds it (dense tensors by data-parallel replica 0), and the
+export stream broadcasts them over the expert-parallel group first: every expert of every layer once.
+
 Peers are found through the process groups (``get_process_group_ranks``), never by rank arithmetic.
 """
 
@@ -84,15 +88,19 @@ def _merge_entry(entry, param, shards, *, dtype, device) -> dict[str, torch.Tens
     return out
 
 
+def writes(entry, layout: ParallelDims) -> bool:
+    """Whether this rank's TP group is the one that saves ``entry``: data-parallel replica 0 for dense tensors,
+    expert-data-parallel replica 0 for an expert's (every expert-parallel rank saves its own experts)."""
+    return layout.edp_rank == 0 if entry.expert is not None else layout.dp_rank == 0
+
+
 def gather_stage_tensors(chunks, layout: ParallelDims, dtype=None, *, progress=None):
-    """HF tensors of this rank's stage merged on its TP rank 0; {} on other TP ranks and on data-parallel
-    replicas other than 0."""
-    if layout.dp_rank != 0:
-        return {}
+    """HF tensors of this rank's stage merged on its TP rank 0 (dense ones on data-parallel replica 0, experts
+    on each expert-parallel rank of expert-data-parallel replica 0); {} elsewhere."""
     wanted, _ = _ordered_entries(chunks, layout)
     out = {}
     for i, entry, chunk in bar(wanted, desc="parallm save (gather)", rank=layout.rank, progress=progress):
-        if not entry.row.save:
+        if not entry.row.save or not writes(entry, layout):
             continue
         param = chunk.get_parameter(entry.local)
         shards = _gather_tp(param, layout, 0)
@@ -103,7 +111,11 @@ def gather_stage_tensors(chunks, layout: ParallelDims, dtype=None, *, progress=N
 
 def _collect_on_rank0(local: dict[str, torch.Tensor], layout: ParallelDims, device) -> dict[str, torch.Tensor]:
     """Stage writers (tp 0, dp 0 of each stage) hand their tensors to global rank 0 over rank 0's pp group.
-    ``device``: where tensors travel (the params' device: NCCL cannot send CPU tensors)."""
+    ``device``: where tensors travel (the params' device: NCCL cannot send CPU tensors). With expert
+    parallelism the writers of other experts are data-parallel ranks outside that group:
+    :func:`_collect_experts_on_rank0`."""
+    if layout.ep > 1:
+        return _collect_experts_on_rank0(local, layout, device)
     if layout.pp == 1 or layout.tp_rank != 0 or layout.dp_rank != 0:
         return local if layout.rank == 0 else {}
     group = layout.pp_group
@@ -120,6 +132,25 @@ def _collect_on_rank0(local: dict[str, torch.Tensor], layout: ParallelDims, devi
     result = dict(local)
     for src, stage_meta in zip(ranks[1:], metas[1:]):
         for name, shape, dt in stage_meta:
+            buf = torch.empty(shape, dtype=dt, device=device)
+            dist.recv(buf, src=src)
+            result[name] = buf.cpu()
+    return result
+
+
+def _collect_experts_on_rank0(local: dict[str, torch.Tensor], layout: ParallelDims, device):
+    """Every rank's merged tensors to global rank 0, point to point: one gather of (name, shape, dtype) lists over
+    the world tells rank 0 who sends what, then each sender sends its tensors in that order."""
+    meta = [(k, tuple(v.shape), v.dtype) for k, v in local.items()] if layout.rank != 0 else []
+    metas = [None] * layout.world if layout.rank == 0 else None
+    dist.gather_object(meta, metas, dst=0)
+    if layout.rank != 0:
+        for name, _, _ in meta:
+            dist.send(local[name].to(device), dst=0)
+        return {}
+    result = dict(local)
+    for src, sent in enumerate(metas):
+        for name, shape, dt in sent:
             buf = torch.empty(shape, dtype=dt, device=device)
             dist.recv(buf, src=src)
             result[name] = buf.cpu()
@@ -249,10 +280,8 @@ def _save_dir(chunks, layout: ParallelDims, out_dir: str, *, dtype, overwrite: b
     tmp = box[0]
     try:
         def write():
-            if layout.dp_rank != 0:
-                return
             wanted, _ = _ordered_entries(chunks, layout)
-            wanted = [(i, e, c) for i, e, c in wanted if e.row.save]
+            wanted = [(i, e, c) for i, e, c in wanted if e.row.save and writes(e, layout)]
             if wanted and not os.path.isdir(tmp):
                 raise FileNotFoundError(f"rank {layout.rank} cannot see {tmp}: out_dir must be on a filesystem "
                                         "shared by all writing ranks")
@@ -347,13 +376,20 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None):
         if not entry.row.save:
             continue
         owner = layout.owner_pp_rank(entry.row.stage, entry.layer, spec.num_layers)
+        # an expert's tensors live on one expert-parallel rank of the owning stage: broadcast over the ep group
+        ep_owner = None if entry.expert is None or layout.ep == 1 else \
+            layout.expert_owner(entry.expert, spec.moe.num_experts)
         tensors = {}
-        if owner == layout.pp_rank:
+        if owner == layout.pp_rank and ep_owner in (None, layout.ep_rank):
             e, chunk = local[(entry.row, entry.layer)]
             param = chunk.get_parameter(e.local)
             tensors = _merge_entry(e, param, _gather_tp(param, layout, None), dtype=dtype, device=device)
         for name in entry.hf:
             t = tensors.get(name)
+            if ep_owner is not None and owner == layout.pp_rank:
+                if t is None:
+                    t = torch.empty(shapes[name], dtype=dtype, device=device)
+                dist.broadcast(t, src=dist.get_global_rank(layout.ep_group, ep_owner), group=layout.ep_group)
             if layout.pp > 1:
                 if t is None:
                     t = torch.empty(shapes[name], dtype=dtype, device=device)

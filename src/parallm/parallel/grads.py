@@ -13,6 +13,10 @@ the unsharded model:
 3. ``tp_sum`` params (TP-replicated but fed part of the work on each rank: norms, row-parallel biases and the
    value head under sequence parallelism; per-head q/k norms always) are summed over the TP group.
 4. Data parallelism: gradients are averaged over the data-parallel group (the loss is a mean over replicas).
+   A routed expert's weight (``placement.expert`` set) already holds the gradient of every token its
+   expert-parallel group routed to it; it is summed over the expert-data-parallel group (the replicas holding the
+   same expert) and divided by the data-parallel size, as megatron-core's DDP does. Router and shared expert are
+   dense: averaged over the whole data-parallel group. An expert that no token chose ends with a zero gradient.
 """
 
 from __future__ import annotations
@@ -73,4 +77,11 @@ def finalize_grads(chunks) -> None:
         _all_reduce_coalesced([_grad(p) for p, pl in placed if pl.tp_sum], layout.tp_group)
 
     if layout.dp > 1:
-        _all_reduce_coalesced([_grad(p) for p in params], layout.dp_group, scale=1.0 / layout.dp)
+        _all_reduce_coalesced([_grad(p) for p, pl in placed if pl.expert is None], layout.dp_group,
+                              scale=1.0 / layout.dp)
+        experts = [_grad(p) for p, pl in placed if pl.expert is not None]
+        if layout.edp > 1:
+            _all_reduce_coalesced(experts, layout.edp_group, scale=1.0 / layout.dp)
+        else:
+            for g in experts:
+                g.mul_(1.0 / layout.dp)
