@@ -203,3 +203,147 @@ def test_moe_parity_round_trip_and_sgd_step(tmp_path):
         assert loss < 2e-5, case["name"]
         assert wdiff < 2e-5, case["name"]
         assert after < 5e-5, case["name"]
+
+
+# -- every expert of every layer, once: load / export / save at many layouts ---------------------------------
+
+COVERAGE_CONFIG = dict(num_hidden_layers=4, num_experts=8, mlp_only_layers=[1])   # layers 0, 2, 3 route
+LAYOUTS_4 = [(1, 1, 1), (1, 1, 2), (1, 1, 4), (2, 1, 1), (2, 1, 2), (1, 2, 1), (1, 2, 2), (2, 2, 1)]
+LAYOUTS_8 = [(2, 1, 4), (1, 2, 4), (2, 2, 2)]      # (tp, pp, ep)
+
+
+def _expert_names(names, experts):
+    """HF names of routed-expert tensors among ``names``, and the subset that belongs to ``experts``."""
+    import re
+    pattern = re.compile(r"\.mlp\.experts\.(\d+)\.")
+    routed = {n for n in names if pattern.search(n)}
+    return routed, {n for n in routed if int(pattern.search(n).group(1)) in experts}
+
+
+def rank_coverage(rank, world, ckpt, layouts, ref_sd, ids, mask, ref_logits, out_root):
+    import collections
+    import os
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    import parallm
+    from parallm.checkpoint import hf_dir
+    from parallm.parallel.state import current_dims
+    reads = []
+    original_read = hf_dir.SliceSource.read
+
+    def recording_read(self, dim, start, stop):
+        reads.append(self.name)
+        return original_read(self, dim, start, stop)
+
+    hf_dir.SliceSource.read = recording_read
+    received = []
+    original_recv = dist.recv
+
+    def counting_recv(tensor, *args, **kwargs):
+        out = original_recv(tensor, *args, **kwargs)
+        if tensor.numel() > 1:
+            received.append(tensor.numel())
+        return out
+
+    dist.recv = counting_recv
+    report = []
+    for tp, pp, ep in layouts:
+        parallm.init_parallel(tp=tp, pp=pp, ep=ep)
+        lay = current_dims()
+        where = f"tp={tp} pp={pp} ep={ep} rank {rank}"
+        chunks = parallm.build_model(ckpt)
+        mine = lay.expert_range(8)
+        # slice load reads exactly this rank's experts (all of them, no other)
+        reads.clear()
+        parallm.load_hf_weights(chunks, ckpt, mode="slice")
+        read_experts, _ = _expert_names(set(reads), mine)
+        local_names = {n for c in chunks for n in _hf_names_of(c, lay)}
+        routed_local, _ = _expert_names(local_names, mine)
+        assert read_experts == routed_local and _expert_names(routed_local, mine)[1] == routed_local, where
+        assert routed_local, where
+        logits = parallm.forward(chunks, ids, mask)
+        assert helpers.max_diff_real(logits, ref_logits, mask) < 2e-5, where
+        # broadcast load: each rank receives its own shards only (rank 0 reads, sends nothing to itself)
+        chunks_b = parallm.build_model(ckpt)
+        received.clear()
+        parallm.load_hf_weights(chunks_b, ckpt, mode="broadcast")
+        own = sum(p.numel() for c in chunks_b for p in c.parameters())
+        assert sum(received) == (0 if rank == 0 else own), (where, sum(received), own)
+        assert torch.equal(parallm.forward(chunks_b, ids, mask), logits), where
+        del chunks_b
+        # export stream: every tensor once, on every rank, equal to the checkpoint
+        names = []
+        for name, t in parallm.export_hf_tensors(chunks):
+            names.append(name)
+            assert torch.equal(t, ref_sd[name]), (where, name)
+        dup = [n for n, k in collections.Counter(names).items() if k > 1]
+        assert not dup and set(names) == set(ref_sd), (where, dup, sorted(set(ref_sd) ^ set(names))[:5])
+        # dict save on rank 0
+        sd = parallm.save_hf_weights(chunks)
+        if rank == 0:
+            assert sd.keys() == ref_sd.keys() and all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd), where
+        # parallel directory save (several files)
+        out = os.path.join(out_root, f"tp{tp}-pp{pp}-ep{ep}")
+        parallm.save_hf_weights(chunks, out, max_shard_size="60KB")
+        if rank == 0:
+            files = [f for f in sorted(os.listdir(out)) if f.endswith(".safetensors")]
+            seen = collections.Counter()
+            merged = {}
+            for f in files:
+                part = load_file(os.path.join(out, f))
+                seen.update(part.keys())
+                merged.update(part)
+            assert len(files) > 1 and all(k == 1 for k in seen.values()), where
+            assert merged.keys() == ref_sd.keys() and all(torch.equal(merged[k], ref_sd[k]) for k in ref_sd), where
+        report.append((tp, pp, ep, len(routed_local), len(names)))
+    hf_dir.SliceSource.read = original_read
+    dist.recv = original_recv
+    return report
+
+
+def _hf_names_of(chunk, lay):
+    """HF names of the tensors a chunk holds (from the same table the loader reads)."""
+    from parallm.families import family_of
+    from parallm.model.table import chunk_entries
+    spec = chunk.spec
+    entries = chunk_entries(family_of(spec).table, spec, task=chunk.task, pp=lay.pp, pre_process=chunk.pre_process,
+                            post_process=chunk.post_process, layers=chunk.layer_range,
+                            experts=lay.expert_range(spec.moe.num_experts))
+    return [n for e in entries for n in e.hf]
+
+
+@pytest.fixture(scope="module")
+def coverage_model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_coverage")
+    cfg = helpers.tiny_config("qwen2_moe", **COVERAGE_CONFIG)
+    model = helpers.make_hf_model(cfg, seed=5)
+    ckpt = str(root / "ckpt")
+    ref_sd = helpers.hub_state_dict(model, ckpt)
+    helpers.save_checkpoint(model, ckpt, max_shard_size="60KB")
+    ids, mask = helpers.padded_batch(cfg.vocab_size, seed=3, batch=3, seq=6)
+    return ckpt, ref_sd, ids, mask, helpers.hf_logits(model, ids, mask), root
+
+
+def _check_coverage(report, layouts, ref_sd):
+    experts_total = sum(1 for n in ref_sd if ".mlp.experts." in n)   # 3 MoE layers x 8 experts x 3 tensors
+    assert experts_total == 3 * 8 * 3
+    for (tp, pp, ep), row in zip(layouts, report[0]):
+        assert row[:3] == (tp, pp, ep) and row[4] == len(ref_sd), row
+
+
+@pytest.mark.timeout(600)
+def test_every_expert_once_at_every_layout_world4(coverage_model):
+    ckpt, ref_sd, ids, mask, ref_logits, root = coverage_model
+    report = helpers.run_ranks(rank_coverage, 4, ckpt, LAYOUTS_4, ref_sd, ids, mask, ref_logits, str(root / "w4"),
+                               timeout=580)
+    _check_coverage(report, LAYOUTS_4, ref_sd)
+
+
+@pytest.mark.timeout(600)
+def test_every_expert_once_at_ep4_with_tp_or_pp_world8(coverage_model):
+    ckpt, ref_sd, ids, mask, ref_logits, root = coverage_model
+    report = helpers.run_ranks(rank_coverage, 8, ckpt, LAYOUTS_8, ref_sd, ids, mask, ref_logits, str(root / "w8"),
+                               timeout=580)
+    _check_coverage(report, LAYOUTS_8, ref_sd)
