@@ -347,3 +347,79 @@ def test_every_expert_once_at_ep4_with_tp_or_pp_world8(coverage_model):
     report = helpers.run_ranks(rank_coverage, 8, ckpt, LAYOUTS_8, ref_sd, ids, mask, ref_logits, str(root / "w8"),
                                timeout=580)
     _check_coverage(report, LAYOUTS_8, ref_sd)
+
+
+# -- errors on every rank; zero gradients for experts nobody chose ---------------------------------------------
+
+def rank_errors(rank, world, ckpt_e6, ckpt_missing, ckpt_e16, batches, chosen):
+    import parallm
+    from parallm.errors import CheckpointError
+    from parallm.model.placement import placement_of
+    from parallm.parallel.state import current_dims
+    out = {}
+    with pytest.raises(ValueError) as e:
+        parallm.init_parallel(tp=1, pp=1, ep=3)
+    out["ep_dp"] = str(e.value)
+    parallm.init_parallel(tp=1, pp=1, ep=4)
+    with pytest.raises(ValueError) as e:
+        parallm.build_model(ckpt_e6)
+    out["experts_ep"] = str(e.value)
+    parallm.init_parallel(tp=2, pp=1, ep=2)
+    for mode in ("slice", "broadcast"):
+        chunks = parallm.build_model(ckpt_missing)
+        with pytest.raises(CheckpointError) as e:
+            parallm.load_hf_weights(chunks, ckpt_missing, mode=mode)
+        out[f"missing_{mode}"] = str(e.value)
+    # zero gradients: 16 experts over ep=4, one token per rank
+    parallm.init_parallel(tp=1, pp=1, ep=4)
+    lay = current_dims()
+    chunks = parallm.build_model(ckpt_e16)
+    parallm.load_hf_weights(chunks, ckpt_e16)
+    ids = batches[lay.dp_rank]
+    parallm.forward_backward(chunks, ids, torch.ones_like(ids), loss_fn=lambda o, i, m: o.pow(2).mean())
+    parallm.finalize_grads(chunks)
+    zero, nonzero = [], []
+    for c in chunks:
+        for layer in c.layers:
+            for x, expert in enumerate(layer.mlp.experts.local_experts):
+                e = lay.expert_range(16)[x]
+                for p in expert.parameters():
+                    assert placement_of(p).expert == e
+                    assert p.grad is not None, (layer.layer_number, e)
+                    unchosen = e not in chosen[layer.layer_number]
+                    (zero if unchosen else nonzero).append(bool((p.grad == 0).all()) == unchosen)
+    out["grads"] = (zero, nonzero)
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_moe_errors_on_every_rank_and_zero_grads_for_unchosen_experts(tmp_path):
+    import os
+
+    from safetensors.torch import load_file, save_file
+    six = helpers.make_hf_model(helpers.tiny_config("qwen3_moe", num_experts=6), seed=1)
+    ckpt_e6 = helpers.save_checkpoint(six, str(tmp_path / "e6"))
+    ckpt_missing = helpers.save_checkpoint(helpers.make_hf_model(helpers.tiny_config("mixtral"), seed=2),
+                                           str(tmp_path / "missing"))
+    path = os.path.join(ckpt_missing, "model.safetensors")
+    state = load_file(path)
+    gone = "model.layers.1.block_sparse_moe.experts.3.w3.weight"
+    del state[gone]
+    save_file(state, path, metadata={"format": "pt"})
+    cfg16 = helpers.tiny_config("qwen3_moe", num_experts=16)
+    model16 = helpers.make_hf_model(cfg16, seed=3)
+    ckpt_e16 = helpers.save_checkpoint(model16, str(tmp_path / "e16"))
+    batches = [torch.tensor([[7 + 13 * r]]) for r in range(WORLD)]
+    with torch.no_grad():   # which experts the 4 tokens choose in each layer, by transformers
+        routers = [model16(input_ids=b, output_router_logits=True).router_logits for b in batches]
+    chosen = {layer: {int(e) for r in routers for e in r[layer].topk(2, dim=-1).indices.flatten()}
+              for layer in range(cfg16.num_hidden_layers)}
+    assert all(0 < len(c) < 16 for c in chosen.values()), chosen
+    results = helpers.run_ranks(rank_errors, WORLD, ckpt_e6, ckpt_missing, ckpt_e16, batches, chosen)
+    for r in results:
+        assert "ep=3 does not divide the data-parallel size dp=4" in r["ep_dp"], r["ep_dp"]
+        assert "num_experts=6 is not divisible by ep=4" in r["experts_ep"], r["experts_ep"]
+        for mode in ("slice", "broadcast"):
+            assert gone in r[f"missing_{mode}"] and "missing" in r[f"missing_{mode}"], r[f"missing_{mode}"]
+        zero, nonzero = r["grads"]
+        assert zero and nonzero and all(zero) and all(nonzero), r["grads"]
