@@ -147,6 +147,7 @@ def rank_cases(rank, world, cases):
         lay = current_dims()
         assert (lay.ep, lay.edp) == (case["ep"], lay.dp // case["ep"])
         chunks = parallm.build_model(case["ckpt"], **case["build"])
+        _check_attributes(chunks, lay)
         _nan_fill(chunks)
         parallm.load_hf_weights(chunks, case["ckpt"], mode="slice")
         ids, mask = case["ids"], case["mask"]
@@ -187,6 +188,25 @@ def rank_cases(rank, world, cases):
                         after=helpers.max_diff_real(after, case["ref_after"], mask)))
         parallm.destroy_parallel()
     return out
+
+
+def _check_attributes(chunks, lay):
+    """megatron-core's marks: expert weights ``allreduce=False`` under ep > 1 (True at ep = 1) and TP-split like
+    a dense MLP; the router and the shared expert's gate replicated with ``sequence_parallel`` set as norms."""
+    from parallm.model.placement import placement_of
+    for c in chunks:
+        for name, p in c.named_parameters():
+            pl = placement_of(p)
+            if ".local_experts." in name:
+                x = int(name.split(".local_experts.")[1].split(".")[0])
+                assert pl.expert == lay.expert_range(c.spec.moe.num_experts)[x], name
+                assert p.allreduce is (lay.ep == 1), name
+                assert p.tensor_model_parallel and p.partition_dim == (0 if "fc1" in name else 1), name
+            else:
+                assert pl.expert is None, name
+            if name.endswith(("router.weight", "gate_weight")):
+                assert p.sequence_parallel is c.sequence_parallel and not p.tensor_model_parallel, name
+                assert pl.tp_sum is c.sequence_parallel, name
 
 
 @pytest.mark.timeout(900)
@@ -389,6 +409,11 @@ def rank_errors(rank, world, ckpt_e6, ckpt_missing, ckpt_e16, batches, chosen):
                     unchosen = e not in chosen[layer.layer_number]
                     (zero if unchosen else nonzero).append(bool((p.grad == 0).all()) == unchosen)
     out["grads"] = (zero, nonzero)
+    nmb = 2 if rank == 0 else 1
+    with pytest.raises(ValueError) as e:
+        parallm.forward_backward(chunks, ids.repeat(nmb, 1), torch.ones_like(ids.repeat(nmb, 1)),
+                                 loss_fn=lambda o, i, m: o.pow(2).mean(), num_microbatches=nmb)
+    out["nmb"] = str(e.value)
     return out
 
 
@@ -421,5 +446,6 @@ def test_moe_errors_on_every_rank_and_zero_grads_for_unchosen_experts(tmp_path):
         assert "num_experts=6 is not divisible by ep=4" in r["experts_ep"], r["experts_ep"]
         for mode in ("slice", "broadcast"):
             assert gone in r[f"missing_{mode}"] and "missing" in r[f"missing_{mode}"], r[f"missing_{mode}"]
+        assert "same num_microbatches; got [2, 1, 1, 1]" in r["nmb"], r["nmb"]
         zero, nonzero = r["grads"]
         assert zero and nonzero and all(zero) and all(nonzero), r["grads"]

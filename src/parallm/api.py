@@ -129,6 +129,17 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None) -> torch.
     return broadcast_from_last_stage(layout, outs[0] if outs else None, shape, torch.float32, input_ids.device)
 
 
+def _same_microbatches(num_microbatches: int, layout, device) -> None:
+    """Under expert parallelism the data-parallel replicas exchange tokens in every MoE layer, so they must run
+    the same number of microbatches (batch sizes may differ); a mismatch is an error on every rank, not a hang."""
+    counts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(layout.world)]
+    torch.distributed.all_gather(counts, torch.tensor([num_microbatches], device=device))
+    counts = [int(c) for c in counts]
+    if len(set(counts)) > 1:
+        raise ValueError(f"forward_backward: with expert parallelism (ep={layout.ep}) every rank must pass the "
+                         f"same num_microbatches; got {counts} (by global rank)")
+
+
 def _load_balancing_total(chunks, values, layout, device) -> torch.Tensor:
     """Sum of every MoE layer's load-balancing loss over this replica's microbatches, the same on every rank of
     the replica: summed over the pipeline stages (each holds its layers' values) and, under sequence
@@ -170,6 +181,8 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
             raise TypeError("loss_fn must be callable: loss_fn(output, input_ids, attention_mask) -> scalar")
         return batch
     input_ids, attention_mask, position_ids = run_local(check, what="forward_backward")
+    if layout.ep > 1 and chunks[0].spec.moe is not None:
+        _same_microbatches(num_microbatches, layout, input_ids.device)
     b = input_ids.shape[0]
     size = b // num_microbatches
     mbs = [(input_ids[i:i + size], position_ids[i:i + size], attention_mask[i:i + size])

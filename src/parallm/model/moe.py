@@ -48,6 +48,11 @@ class _Weight(nn.Module):
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
 
 
+class Router(_Weight):
+    """The router's ``[E, H]`` weight, replicated over TP (megatron-core marks it ``sequence_parallel``)."""
+    parallm_param_kind = "replicated"
+
+
 class Expert(nn.Module):
     """One routed expert's TP shard: ``down_r(silu(gate_r x) * up_r x)``, a partial sum over TP ranks."""
 
@@ -76,6 +81,7 @@ class Experts(nn.Module):
 class SharedExpert(nn.Module):
     """Qwen2-MoE's always-on expert: a dense gated MLP (TP-split like the dense MLP), scaled per token by
     ``sigmoid(x . gate_weight)`` when the model has the gate."""
+    parallm_param_kind = "replicated"   # gate_weight (the linears' own weights are megatron layers)
 
     def __init__(self, spec: DecoderSpec, config, gate: bool, device):
         super().__init__()
@@ -167,7 +173,7 @@ class MoEBlock(nn.Module):
         self.ep, self.ep_group = dims.ep, dims.ep_group
         self.experts_held = dims.expert_range(moe.num_experts)
         self.aux: MoEAux | None = None      # the chunk's tracker, set by the chunk
-        self.router = _Weight((moe.num_experts, spec.hidden_size), config.params_dtype, device)
+        self.router = Router((moe.num_experts, spec.hidden_size), config.params_dtype, device)
         self.experts = Experts(len(self.experts_held), spec.hidden_size, moe.expert_intermediate_size // tp,
                                config.params_dtype, device)
         if moe.shared_expert_intermediate_size:

@@ -8,7 +8,8 @@ code read parallm's chunks correctly:
 
     tensor_model_parallel / partition_dim / partition_stride   the TP split (megatron-core sets these only when
                                                                it initialises a weight; parallm builds without)
-    sequence_parallel                                          norms and row-parallel biases: config's value
+    sequence_parallel                                          norms, row-parallel biases, MoE router and shared
+                                                               expert gate: config's value
     allreduce                                                  linear weights and biases: True; expert
                                                                weights: False when ep > 1 (megatron-core's
                                                                ``not (is_expert and expert_parallel)``)
@@ -69,7 +70,9 @@ def placement_of(param: torch.Tensor) -> Placement:
 def place(param: torch.Tensor, placement: Placement, *, module_kind: str, sequence_parallel: bool) -> None:
     """Attach ``placement`` and the attributes megatron-core sets on the same parameter. ``module_kind``: what
     owns it: ``"linear"`` (a megatron Column/RowParallelLinear weight or column bias), ``"row_bias"`` (a
-    RowParallelLinear bias), ``"norm"`` (an RMSNorm weight), ``"embedding"`` or ``"other"``."""
+    RowParallelLinear bias), ``"norm"`` (an RMSNorm weight), ``"replicated"`` (a TP-replicated weight that
+    megatron-core marks ``sequence_parallel`` like a norm: the MoE router and the shared expert's gate),
+    ``"embedding"`` or ``"other"``."""
     param.parallm_placement = placement
     if placement.tensor_parallel:
         param.tensor_model_parallel = True
@@ -78,7 +81,7 @@ def place(param: torch.Tensor, placement: Placement, *, module_kind: str, sequen
     else:
         for name, value in _MEGATRON_TP_DEFAULTS.items():
             setattr(param, name, value)
-    if module_kind in ("norm", "row_bias") or (placement.tp_sum and module_kind == "other"):
+    if module_kind in ("norm", "row_bias", "replicated") or (placement.tp_sum and module_kind == "other"):
         param.sequence_parallel = sequence_parallel
     if module_kind in ("linear", "row_bias"):
         param.allreduce = True
@@ -97,7 +100,9 @@ def _module_kinds(chunk) -> dict[str, str]:
     for mname, module in chunk.named_modules():
         prefix = f"{mname}." if mname else ""
         for pname, _ in module.named_parameters(recurse=False):
-            if isinstance(module, mtp.RowParallelLinear) and pname == "bias":
+            if getattr(module, "parallm_param_kind", None):   # e.g. the MoE router: set by the module
+                kind = module.parallm_param_kind
+            elif isinstance(module, mtp.RowParallelLinear) and pname == "bias":
                 kind = "row_bias"
             elif isinstance(module, (mtp.ColumnParallelLinear, mtp.RowParallelLinear)):
                 kind = "linear"
