@@ -20,7 +20,6 @@ def main() -> int:
     import transformers
 
     import parallm
-    from parallm.model import attention
 
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
@@ -72,8 +71,8 @@ def main() -> int:
         with torch.no_grad():
             out = parallm.forward(chunks, ids, mask)
         report(f"fp32 logits tp={tp} pp={pp} packed={packed}", (out - ref)[real].abs().max().item(), 1e-3)
-    if rank == 0:
-        print(f"INFO varlen attention backend (fp32): {attention.LAST_BACKEND['varlen']}")
+        if rank == 0:
+            print(f"INFO attention backend (fp32, packed={packed}): {chunks[0].attn_impl}")
 
     chunks = parallm.build_model(ckpt, packed=True, dtype=torch.bfloat16)
     parallm.load_hf_weights(chunks, ckpt)
@@ -82,7 +81,7 @@ def main() -> int:
     rel = ((out - ref)[real].abs().max() / ref[real].abs().max()).item()
     report("bf16 packed logits, relative to fp32 transformers", rel, 5e-2)
     if rank == 0:
-        print(f"INFO varlen attention backend (bf16): {attention.LAST_BACKEND['varlen']}")
+        print(f"INFO attention backend (bf16, packed): {chunks[0].attn_impl}")
     parallm.destroy_parallel()
     return 0 if ok else 1
 

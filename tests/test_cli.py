@@ -114,7 +114,10 @@ def test_demo_quick(tmp_path):
     report = json.loads(out.read_text())
     assert report["ok"] and len(report["rows"]) == 2
     for row in report["rows"]:
-        assert row["ok"] and row["d_out"] < 1e-4 and row["d_weights"] < 1e-5 and row["reload"]
+        print(row["layout"], {k: row[k] for k in ("d_out", "d_loss", "d_weights", "d_after")})
+        # the command's own tolerances (--atol 1e-4) leave room for other machines; here, the suite's fp32 bound
+        assert row["ok"] and row["reload"] and row["roundtrip"], row
+        assert max(row["d_out"], row["d_loss"], row["d_after"], row["d_weights"]) < 2e-5, row
     assert {r["layout"] for r in report["rows"]} == {"tp2 dp2 slice", "tp2 pp2 packed+SP value"}
     assert "Traceback" not in stderr
 
@@ -136,7 +139,9 @@ def test_verify_good_and_broken(ckpts, tmp_path, capsys):
     assert good == 0, gout + gerr
     assert "OK: 1 layout(s) match transformers" in gout
     row = json.loads((tmp_path / "v.json").read_text())["rows"][0]
-    assert row["layout"] == "tp2" and row["d_out"] < 1e-4 and row["d_weights"] < 1e-5
+    print(row["layout"], {k: row[k] for k in ("d_out", "d_loss", "d_weights", "d_after")})
+    assert row["layout"] == "tp2" and row["ok"] and row["reload"] and row["roundtrip"], row
+    assert max(row["d_out"], row["d_loss"], row["d_after"], row["d_weights"]) < 2e-5, row
     import transformers
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(save))  # --save-dir kept
     assert reloaded.config.num_hidden_layers == 4

@@ -177,3 +177,18 @@ def test_broken_config_json_is_named(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         spec_from_config(str(tmp_path))
+
+
+def test_attention_backend_registry():
+    """attn_impl: "auto" picks per model kind and device; a kernel that does not fit or cannot run says why."""
+    import torch
+    from parallm.model.attention import BACKENDS, resolve_attn_impl
+    assert resolve_attn_impl("auto", packed=False, device="cpu", dtype=torch.float32).name == "sdpa"
+    assert resolve_attn_impl("auto", packed=True, device="cpu", dtype=torch.bfloat16).name == "sdpa-loop"
+    assert resolve_attn_impl("sdpa-loop", packed=True, device="cpu", dtype=torch.float32) is BACKENDS["sdpa-loop"]
+    with pytest.raises(ValueError, match="cannot run here: .*(not installed|needs CUDA)"):
+        resolve_attn_impl("flash-attn", packed=True, device="cpu", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="padded model runs one of \\['sdpa'\\]"):
+        resolve_attn_impl("flash-attn", packed=False, device="cpu", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="'auto' or one of"):
+        resolve_attn_impl("xformers", packed=True, device="cpu", dtype=torch.float32)

@@ -133,4 +133,7 @@ def test_broadcast_rank0_memory_is_bounded(tmp_path):
     frac0, vs_largest = res[0]
     print(f"\nbroadcast load: rank 0 peak extra anon memory = {frac0:.3f} x model ({model_bytes / 2**20:.1f} MiB)"
           f" = {vs_largest:.2f} x largest tensor")
+    # The failures this guards against hold the whole model (1.0) or a whole pipeline stage (0.5 at pp=2) on rank
+    # 0; streaming holds a few tensors at a time (measured 0.08 of the model = 3 x the largest tensor). 0.25 sits
+    # between the two with room for the allocator's noise.
     assert frac0 < 0.25, f"rank 0 held {frac0:.2f} of the model during a broadcast load"

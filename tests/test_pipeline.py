@@ -8,6 +8,7 @@ import torch
 import helpers
 
 LR = 0.5
+TOL = 2e-5  # fp32 outputs, losses and stepped weights vs transformers
 
 
 def ce_loss(logits, ids, mask):
@@ -93,11 +94,6 @@ def rank_cases(rank, world, cases):
             for c in chunks:
                 for p in c.parameters():
                     p -= LR * p.grad
-        # both copies of a tied embedding stay identical
-        if case["tied"] and pp > 1:
-            sd_tied = [c.shared_embedding_or_output_weight() for c in chunks
-                       if c.pre_process or c.post_process]
-            assert all(w is not None for w in sd_tied)
         after = parallm.forward(chunks, ids, mask)
         new_sd = parallm.save_hf_weights(chunks)
         if case.get("save_dir"):
@@ -109,6 +105,7 @@ def rank_cases(rank, world, cases):
             ref_new = case["ref_new_sd"]
             assert new_sd.keys() == ref_new.keys()
             wdiff = max((new_sd[k] - ref_new[k]).abs().max().item() for k in ref_new)
+        # both copies of a tied embedding stay identical after the step (check_results asserts the diff is 0)
         tied_diff = _tied_copy_diff(chunks, lay) if case["tied"] and pp > 1 else None
         out.append(dict(name=case["name"], fwd=fwd, saved=new_sd if case.get("save_dir") else None, loss=abs(loss.item() - case["ref_loss"]),
                         after=helpers.max_diff_real(after, case["ref_after"], mask), weights=wdiff,
@@ -178,10 +175,11 @@ def check_results(cases, results):
         tied = [r["tied"] for r in per_rank if r["tied"] is not None]
         print(f"{case['name']:<40} fwd {fwd:.2e} loss {loss:.2e} weights {wdiff:.2e} after-step {after:.2e}"
               + (f" tied-copies {max(tied):.1e}" if tied else ""))
-        assert fwd < 2e-5, case["name"]
-        assert loss < 2e-5, case["name"]
-        assert wdiff < 2e-5, case["name"]
-        assert after < 5e-5, case["name"]
+        # fp32 throughout: the output after the step is held to the same bound as the one before it
+        assert fwd < TOL, case["name"]
+        assert loss < TOL, case["name"]
+        assert wdiff < TOL, case["name"]
+        assert after < TOL, case["name"]
         if case["tied"] and case["pp"] > 1:
             assert tied and max(tied) == 0.0, case["name"]
 

@@ -370,6 +370,9 @@ def _fuzz_cases(good_bytes: bytes) -> list[tuple[str, bytes]]:
                 pos = rng.choice(letters)
                 data[pos] = rng.choice([c for c in b"abcdefghijklmnopqrstuvwxyzFIU" if c != data[pos]])
         cases.append((f"flip-{seed}", bytes(data)))
+    # a change safetensors still reads as the original tensors (the metadata's format value): must load, exactly
+    at = good_bytes.index(b'"format":"pt"', 8)
+    cases.append(("metadata-format", good_bytes[:at] + b'"format":"px"' + good_bytes[at + 13:]))
     # a dtype the header can claim without breaking the layout: F32 -> I32 (same size) on one tensor
     at = good_bytes.index(b'"F32"', 8)
     cases.append(("dtype-I32", good_bytes[:at] + b'"I32"' + good_bytes[at + 5:]))
@@ -410,7 +413,10 @@ def _fuzz_rank(rank, world, s, cases):
     import parallm
     parallm.init_parallel(tp=2)
     chunks = parallm.build_model(s["good"])
-    out = {"valid": {}, "loads": {}, "step": []}
+    parallm.load_hf_weights(chunks, s["good"], mode="slice")
+    with torch.no_grad():
+        ref = parallm.forward(chunks, s["ids"], s["mask"])
+    out = {"valid": {}, "loads": {}, "step": [], "loaded-equal": {}}
     if rank == 0:  # which corrupted files safetensors itself still reads as the original tensors
         want = _safetensors_meta(s["good_file"])
         for name, path in cases:
@@ -420,6 +426,7 @@ def _fuzz_rank(rank, world, s, cases):
                 out["valid"][name] = False
     for name, path in cases:
         for mode in MODES:
+            _nan_fill(chunks)  # a load that succeeds must fill every parameter with the checkpoint's values
             t = time.monotonic()
             try:
                 parallm.load_hf_weights(chunks, path, mode=mode)
@@ -428,11 +435,16 @@ def _fuzz_rank(rank, world, s, cases):
                 err = (type(e).__name__, str(e))
             out["loads"][(name, mode)] = (err, time.monotonic() - t)
             where = [None] * world
-            dist.all_gather_object(where, (name, mode))  # every rank reached the same point
-            out["step"].append(all(w == (name, mode) for w in where))
+            dist.all_gather_object(where, (name, mode, err is None))  # every rank reached the same point
+            out["step"].append(all(w[:2] == (name, mode) for w in where))
+            if all(w[2] for w in where):  # loaded everywhere: the model is the original one, bit for bit
+                with torch.no_grad():
+                    out["loaded-equal"][(name, mode)] = bool(torch.equal(parallm.forward(chunks, s["ids"], s["mask"]),
+                                                                         ref))
+    _nan_fill(chunks)
     parallm.load_hf_weights(chunks, s["good"], mode="broadcast")
     with torch.no_grad():
-        out["final-finite"] = bool(torch.isfinite(parallm.forward(chunks, s["ids"], s["mask"])).all())
+        out["final-equal"] = bool(torch.equal(parallm.forward(chunks, s["ids"], s["mask"]), ref))
     return out
 
 
@@ -455,6 +467,9 @@ def test_fuzz_corrupt_header(fuzz, mode):
         if valid[name]:
             if any(err is not None for err, _ in outcomes):
                 failures.append(f"{name}: safetensors reads it, but parallm raised: {outcomes}")
+            elif not all(res["loaded-equal"].get((name, mode)) for res in results):
+                failures.append(f"{name}: loaded without an error, but the forward differs from the original "
+                                "checkpoint's")
             continue
         for rank, (err, _) in enumerate(outcomes):
             if err is None:
@@ -467,7 +482,7 @@ def test_fuzz_corrupt_header(fuzz, mode):
         if len({err[0] for err, _ in outcomes if err is not None}) > 1:
             failures.append(f"{name}: exception types differ across ranks: {[e for e, _ in outcomes]}")
     assert all(all(res["step"]) for res in results), "ranks fell out of step"
-    assert all(res["final-finite"] for res in results)
+    assert all(res["final-equal"] for res in results), "a good load after the corrupted ones differs"
     assert not failures, "\n".join(failures)
 
 

@@ -21,6 +21,7 @@ Qwen2 tied *value* model (score head; tied config must not skip it). With tp=4, 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -95,6 +96,15 @@ def cases(tmp_path_factory):
                          ids=ids, mask=mask, ref=ref, vocab=config.vocab_size, tied=config.tie_word_embeddings,
                          out_dirs={tp: str(root / f"saved-{name}-tp{tp}") for tp in TPS},
                          bf16_check=save.get("bf16_check", False))
+        if save.get("bf16_check"):
+            # transformers with the same bf16-rounded weights (computing in fp32): what a bf16 checkpoint loaded
+            # into an fp32 parallm model must match, as tightly as the fp32 model matches the fp32 weights
+            rounded = copy.deepcopy(model)
+            with torch.no_grad():
+                for p in rounded.parameters():
+                    p.copy_(p.to(torch.bfloat16).float())
+            out[name]["ref_bf16"] = hf_logits(rounded, ids, mask)
+            assert max_diff_real(out[name]["ref_bf16"], ref, mask) > 100 * TOL  # the rounding is visible
     return out
 
 
@@ -199,7 +209,6 @@ def _run_case(parallm, case, tp, rank):
         # a tied checkpoint that also carries lm_head.weight must not change the result
         stray = dict(sd, **{"lm_head.weight": torch.randn_like(sd["model.embed_tokens.weight"])})
         variants["tied dict + stray lm_head (slice)"] = (stray, "slice", "slice")
-    if case["tied"] and task == "causal_lm":
         variants["tied dict + stray lm_head (broadcast)"] = (stray if rank == 0 else None, "broadcast", "broadcast")
     if case.get("bf16_check"):
         # a bf16 checkpoint (the usual HF dtype) is cast the same way by both modes
@@ -216,8 +225,10 @@ def _run_case(parallm, case, tp, rank):
                 bf16_out[mode] = parallm.forward(other, ids, mask)
         if not torch.equal(bf16_out["slice"], bf16_out["broadcast"]):
             problems.append("bf16 state dict: slice and broadcast loads differ")
-        if max_diff_real(bf16_out["slice"], out, mask) > 0.5:
-            problems.append("bf16 state dict: outputs far from the fp32 model's")
+        res["bf16_diff"] = max_diff_real(bf16_out["slice"], case["ref_bf16"], mask)
+        if not res["bf16_diff"] < TOL:
+            problems.append(f"bf16 state dict: max diff {res['bf16_diff']:.3g} to transformers with the same "
+                            f"bf16-rounded weights (tolerance {TOL})")
         # a larger vocab padding multiple: same logits, same saved weights
         other = _build_nan(parallm, case["path"], task, vocab_multiple=16)
         if other[0].padded_vocab_size % (16 * tp):
@@ -339,4 +350,8 @@ def test_tp_parity_roundtrip_and_load_modes(cases):
     for name, diffs in rows:
         print(f"{name:46s}" + "".join(f"{d:12.3g}" for d in diffs[:len(TPS)])
               + "".join(f"{d:14.3g}" for d in diffs[len(TPS):]))
+    for name, case in cases.items():
+        if case["bf16_check"]:
+            bf16 = [max(r[tp, name].get("bf16_diff", float("nan")) for r in results) for tp in TPS]
+            print(f"{name + ' (bf16 weights)':46s}" + "".join(f"{d:12.3g}" for d in bf16))
     assert not failures, "\n".join(failures)

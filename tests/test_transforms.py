@@ -1,7 +1,7 @@
 """Pure layout transforms, layer maps and split checks (no process group).
 
 ``merge(split(x)) == x`` bit for bit (torch.equal) for every kind and every valid tp, plus the exact per-rank
-layouts DESIGN section 3 promises (so a transform that round-trips but lays shards out differently from what
+layouts docs/layouts.md promises (so a transform that round-trips but lays shards out differently from what
 the decoder and vLLM/verl expect is still caught).
 """
 
@@ -179,12 +179,16 @@ def test_qkv_roundtrip_and_layout(nh, nkv, d, tp, bias):
 
 
 def test_qkv_merge_writes_replicated_head_once():
-    # nkv=2 < tp=4: ranks (0,1) hold head 0, ranks (2,3) head 1; merge must give [nkv*d] not [tp*d]
+    # nkv=2 < tp=4: ranks (0,1) hold head 0, ranks (2,3) head 1; merge must give [nkv*d] not [tp*d], and
+    # take each head from a rank that holds it
     d = 3
     q, k, v = _rand(4 * d, 2), _rand(2 * d, 2, seed=5), _rand(2 * d, 2, seed=6)
     shards = [T.shard_qkv(q, k, v, r, 4, num_heads=4, num_kv_heads=2, head_dim=d) for r in range(4)]
-    _, mk, mv = T.merge_qkv(shards, num_heads=4, num_kv_heads=2, head_dim=d)
-    assert mk.shape == k.shape and mv.shape == v.shape
+    for r, s in enumerate(shards):  # each rank: its query head, then the one KV head it uses
+        h = r // 2
+        assert torch.equal(s, torch.cat([q[r * d:(r + 1) * d], k[h * d:(h + 1) * d], v[h * d:(h + 1) * d]]))
+    mq, mk, mv = T.merge_qkv(shards, num_heads=4, num_kv_heads=2, head_dim=d)
+    assert torch.equal(mq, q) and torch.equal(mk, k) and torch.equal(mv, v)
 
 
 # -- gate / up ------------------------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .families import load_config, spec_from_config
@@ -13,18 +15,24 @@ from .parallel.pipeline import broadcast_from_last_stage, run_pipeline
 from .parallel.state import dims_of, kv_replica_group, require_initialized
 
 
+logger = logging.getLogger("parallm")
+
+
 def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = False,
                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
-                vocab_multiple: int = 1) -> list[DecoderChunk]:
+                vocab_multiple: int = 1, attn_impl: str = "auto") -> list[DecoderChunk]:
     """Build this rank's share of the model: one chunk per virtual pipeline stage (``len == vpp`` or 1).
 
     ``hf_config``: a transformers ``PretrainedConfig``, a checkpoint directory, or a config.json path.
-    ``task``: ``"causal_lm"`` (logits), ``"value"`` (a ``score`` head ``[1, H]`` giving values ``[B, S]``), or
+    ``task``: ``"causal_lm"`` (logits), ``"value"`` (a ``score`` head ``[1, H]`` giving values ``[B, S]``),
+    ``"hidden"`` (headless: final-normed hidden states ``[B, S, H]``, what verl's ``*Model`` classes return), or
     None to follow the config (``*ForSequenceClassification`` -> value). ``packed``: remove padding and run
     the real tokens as one stream (varlen attention). ``sequence_parallel``: split that stream over the TP
     ranks between the parallel linears (needs ``packed=True``).
     The parameters are allocated, not initialised: fill them with :func:`parallm.load_hf_weights`.
     The vocabulary is padded to a multiple of ``vocab_multiple * tp`` (zero rows, never visible in outputs).
+    ``attn_impl``: the attention kernel (``"auto"``, ``"sdpa"``, ``"sdpa-loop"``, ``"flash-attn"``; see
+    :mod:`parallm.model.attention`); the choice is logged and kept as ``chunk.attn_impl``.
     Collective (every rank calls it): replicated-KV groups are created here when num_key_value_heads < tp.
     """
     require_initialized("build_model")
@@ -34,7 +42,10 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     spec, family = spec_from_config(config)
     task = resolve_task(config, task)
     chunks = build_chunks(spec, table=family.table, task=task, dtype=dtype, sequence_parallel=sequence_parallel,
-                          vocab_multiple=vocab_multiple, packed=packed)
+                          vocab_multiple=vocab_multiple, packed=packed, attn_impl=attn_impl)
+    if chunks[0].dims.rank == 0:
+        logger.info("build_model: %s %s, %s, attention %s", spec.architecture, task, chunks[0].dims.describe(),
+                    chunks[0].attn_impl)
     kv_replica_group(spec.num_kv_heads)
     for chunk in chunks:
         chunk.hf_config = getattr(config, "_raw", config)
@@ -125,7 +136,8 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None) -> torch.
                             last_stage_fn=lambda chunk, out, m: gather_output(chunk, out),
                             backward=False, num_microbatches=1)
     b, s = input_ids.shape
-    shape = (b, s, chunks[0].spec.vocab_size) if chunks[0].task == "causal_lm" else (b, s)
+    spec = chunks[0].spec
+    shape = {"causal_lm": (b, s, spec.vocab_size), "hidden": (b, s, spec.hidden_size)}.get(chunks[0].task, (b, s))
     return broadcast_from_last_stage(layout, outs[0] if outs else None, shape, torch.float32, input_ids.device)
 
 

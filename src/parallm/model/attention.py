@@ -1,16 +1,24 @@
-"""Attention kernels: padded (SDPA with a boolean mask) and packed / varlen (causal within each sequence).
+"""Attention kernels behind one small registry: padded (a boolean mask over ``[B, S]``) and packed / varlen
+(causal within each sequence of a packed token stream).
 
-Varlen backends, chosen automatically per call:
-    flash-attn  ``flash_attn_varlen_func`` when the package imports, tensors are on CUDA and fp16/bf16;
-    sdpa-loop   ``scaled_dot_product_attention(is_causal=True)`` per sequence: any device, any dtype (the CPU
-                path, and the fp32 fallback on GPU).
-``LAST_BACKEND`` records which one ran last (tests and the GPU smoke script read it).
+Backends (``build_model(..., attn_impl=...)``):
+
+    sdpa        padded batches: ``scaled_dot_product_attention`` with a boolean mask; any device, any dtype.
+    sdpa-loop   packed streams: SDPA (``is_causal=True``) per sequence; any device, any dtype (the CPU path).
+    flash-attn  packed streams: ``flash_attn_varlen_func``; needs the flash-attn package, CUDA tensors and
+                fp16 / bf16.
+
+``attn_impl="auto"`` picks ``sdpa`` for padded models, and for packed ones ``flash-attn`` where it can run
+(package importable, CUDA, half precision) and ``sdpa-loop`` otherwise. The choice is made once, at build,
+kept as ``chunk.attn_impl``, logged, and shown by ``parallm inspect``. A new kernel is one :class:`AttnBackend`
+entry in :data:`BACKENDS`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +27,6 @@ try:  # optional CUDA kernel
     from flash_attn import flash_attn_varlen_func as _flash_varlen
 except Exception:  # noqa: BLE001 - not installed / no CUDA
     _flash_varlen = None
-
-LAST_BACKEND = {"varlen": None}
 
 
 @dataclass
@@ -78,14 +84,9 @@ def padded_attention(q, k, v, mask):
                                           enable_gqa=k.shape[1] != q.shape[1])
 
 
-def varlen_attention(q, k, v, packing: Packing):
+def sdpa_loop_varlen(q, k, v, packing: Packing):
     """q: [T, hq, d]; k, v: [T, hkv, d]. Causal attention within each segment of ``packing.cu_seqlens``."""
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
-    if _flash_varlen is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        LAST_BACKEND["varlen"] = "flash-attn"
-        cu = packing.cu_seqlens.to(device=q.device, dtype=torch.int32)
-        return _flash_varlen(q, k, v, cu, cu, packing.max_seqlen, packing.max_seqlen, causal=True)
-    LAST_BACKEND["varlen"] = "sdpa-loop"
     bounds = packing.cu_seqlens.tolist()
     outs = []
     for a, b in zip(bounds[:-1], bounds[1:]):
@@ -94,3 +95,56 @@ def varlen_attention(q, k, v, packing: Packing):
                                            enable_gqa=hkv != hq)
         outs.append(o.squeeze(0).transpose(0, 1))
     return torch.cat(outs, dim=0)
+
+
+def flash_varlen(q, k, v, packing: Packing):
+    cu = packing.cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return _flash_varlen(q, k, v, cu, cu, packing.max_seqlen, packing.max_seqlen, causal=True)
+
+
+@dataclass(frozen=True)
+class AttnBackend:
+    """One attention kernel: ``packed`` says which input it takes (a :class:`Packing` stream or a padded batch
+    with a boolean mask); ``unavailable(device, dtype)`` returns why it cannot run there, or None."""
+    name: str
+    packed: bool
+    fn: Callable
+    unavailable: Callable[[torch.device, torch.dtype], str | None] = lambda device, dtype: None
+
+
+def _flash_unavailable(device, dtype):
+    if _flash_varlen is None:
+        return "the flash-attn package is not installed"
+    if torch.device(device).type != "cuda":
+        return f"it needs CUDA tensors (the model is on {device})"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"it needs float16 / bfloat16 (the model is {dtype})"
+    return None
+
+
+BACKENDS: dict[str, AttnBackend] = {b.name: b for b in (
+    AttnBackend("sdpa", packed=False, fn=padded_attention),
+    AttnBackend("sdpa-loop", packed=True, fn=sdpa_loop_varlen),
+    AttnBackend("flash-attn", packed=True, fn=flash_varlen, unavailable=_flash_unavailable),
+)}
+AUTO_ORDER = {False: ("sdpa",), True: ("flash-attn", "sdpa-loop")}
+
+
+def resolve_attn_impl(attn_impl: str, *, packed: bool, device, dtype) -> AttnBackend:
+    """The backend a model built with ``attn_impl`` (a name in :data:`BACKENDS` or "auto") runs; a name that
+    does not fit the model (padded vs packed) or cannot run on its device / dtype is a ValueError saying why."""
+    if attn_impl == "auto":
+        for name in AUTO_ORDER[packed]:
+            if BACKENDS[name].unavailable(device, dtype) is None:
+                return BACKENDS[name]
+    if attn_impl not in BACKENDS:
+        raise ValueError(f"attn_impl must be 'auto' or one of {sorted(BACKENDS)}, got {attn_impl!r}")
+    backend = BACKENDS[attn_impl]
+    if backend.packed != packed:
+        fits = sorted(n for n, b in BACKENDS.items() if b.packed == packed)
+        raise ValueError(f"attn_impl={attn_impl!r} is a {'packed' if backend.packed else 'padded'} kernel; a "
+                         f"{'packed' if packed else 'padded'} model runs one of {fits}")
+    why = backend.unavailable(device, dtype)
+    if why is not None:
+        raise ValueError(f"attn_impl={attn_impl!r} cannot run here: {why}")
+    return backend

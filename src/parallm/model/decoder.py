@@ -12,24 +12,22 @@ the fused MLP input projection on rank r is ``[gate_r; up_r]``; o_proj and down_
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-    from megatron.core import ModelParallelConfig
-    from megatron.core import tensor_parallel as mtp
-
 from ..parallel.cpu_compat import enable_megatron_sequence_parallel_on_cpu
-from .attention import Packing, make_packing, pack_tokens, padded_attention, unpack_tokens, varlen_attention
+from ..parallel.megatron_import import import_megatron
+from .attention import AttnBackend, Packing, make_packing, pack_tokens, resolve_attn_impl, unpack_tokens
 from .moe import MoEAux, MoEBlock
 from .placement import attach_placements
 from .rope import apply_rope, rope_cos_sin
 from .spec import TASKS, DecoderSpec, check_ep, check_tp, layer_numbers, padded_vocab_size
 from .table import chunk_entries
+
+_megatron = import_megatron()
+ModelParallelConfig = _megatron.ModelParallelConfig
+mtp = _megatron.tensor_parallel
 
 
 def _no_init(_weight):  # parameters are filled by the loader (or by init_weights)
@@ -52,8 +50,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int, device=None):
+    def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int, device=None, *,
+                 backend: AttnBackend):
         super().__init__()
+        self.backend = backend
         if spec.qk_norm:
             # One weight over head_dim shared by all heads; each TP rank sees only its heads, so its gradient is
             # a partial sum over TP (the table row says tp_sum="always").
@@ -84,11 +84,11 @@ class Attention(nn.Module):
         k = apply_rope(k, cos, sin)
         v = heads[:, :, hq + hkv:]
         if isinstance(ctx, Packing):
-            out = varlen_attention(q[:, 0], k[:, 0], v[:, 0], ctx).unsqueeze(1)  # [T, 1, hq, d]
+            out = self.backend.fn(q[:, 0], k[:, 0], v[:, 0], ctx).unsqueeze(1)  # [T, 1, hq, d]
         else:
             # [S, B, h, d] -> [B, h, S, d]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-            out = padded_attention(q, k, v, ctx).permute(2, 0, 1, 3)
+            out = self.backend.fn(q, k, v, ctx).permute(2, 0, 1, 3)
         out, _ = self.linear_proj(out.reshape(s, b, hq * d))
         return out
 
@@ -111,12 +111,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int, layer_number: int, device,
-                 dims=None):
+    def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int, layer_number: int, device, *,
+                 backend: AttnBackend, dims=None):
         super().__init__()
         self.layer_number = layer_number  # global index in the full model
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
-        self.self_attention = Attention(spec, config, tp, device)
+        self.self_attention = Attention(spec, config, tp, device, backend=backend)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
         # The spec says which layers route over experts (model/moe.py); the others keep the dense MLP.
         self.mlp = MoEBlock(spec, config, dims, device) if spec.is_moe_layer(layer_number) else MLP(spec, config, tp)
@@ -150,10 +150,11 @@ class DecoderChunk(nn.Module):
 
     def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, *, task: str, pre_process: bool,
                  post_process: bool, layers: range, vpp_rank: int, table, dims, vocab_multiple: int = 1,
-                 packed: bool = False):
+                 packed: bool = False, attn_impl: str = "auto"):
         """``table``: the family's weight table (each parameter's placement is attached from its row);
         ``dims``: the :class:`parallm.parallel.state.ParallelDims` the chunk is built for (kept as
-        ``chunk.dims``)."""
+        ``chunk.dims``); ``attn_impl``: an attention backend of :mod:`parallm.model.attention` or "auto" (the
+        resolved name is kept as ``chunk.attn_impl``)."""
         super().__init__()
         tp = config.tensor_model_parallel_size
         device = None if config.use_cpu_initialization else torch.cuda.current_device()
@@ -184,7 +185,10 @@ class DecoderChunk(nn.Module):
             self.embedding = mtp.VocabParallelEmbedding(
                 self.padded_vocab_size, spec.hidden_size, init_method=_no_init, config=config,
                 reduce_scatter_embeddings=self.sequence_parallel)
-        self.layers = nn.ModuleList(DecoderLayer(spec, config, tp, i, device, dims=dims) for i in layers)
+        backend = resolve_attn_impl(attn_impl, packed=packed, device=device or "cpu", dtype=config.params_dtype)
+        self.attn_impl = backend.name
+        self.layers = nn.ModuleList(DecoderLayer(spec, config, tp, i, device, backend=backend, dims=dims)
+                                    for i in layers)
         self.moe_aux = MoEAux()  # load-balancing loss of this chunk's MoE layers (forward_backward turns it on)
         for layer in self.layers:
             if isinstance(layer.mlp, MoEBlock):
@@ -316,7 +320,7 @@ def make_config(*, tp: int, pp: int, vpp: int | None, dtype: torch.dtype, sequen
 def prepare_config(spec: DecoderSpec, dims, *, task: str, dtype, sequence_parallel: bool) -> ModelParallelConfig:
     """Check that the model runs in the layout ``dims`` (naming the numbers when it does not) and make the
     chunks' shared config. Used by build_chunks and by the verl-compatible classes alike."""
-    if task not in TASKS + ("hidden",):
+    if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     if spec.hidden_act != "silu":
         raise ValueError(f"hidden_act={spec.hidden_act!r} is not supported (parallm implements 'silu')")
@@ -331,12 +335,14 @@ def prepare_config(spec: DecoderSpec, dims, *, task: str, dtype, sequence_parall
 
 
 def build_chunks(spec: DecoderSpec, *, table, task: str = "causal_lm", dtype=torch.float32,
-                 sequence_parallel=False, vocab_multiple: int = 1, packed: bool = False) -> list[DecoderChunk]:
+                 sequence_parallel=False, vocab_multiple: int = 1, packed: bool = False,
+                 attn_impl: str = "auto") -> list[DecoderChunk]:
     """Build this rank's chunks (one per virtual stage) for the current parallel layout."""
     from ..parallel.state import current_dims
     dims = current_dims()
     config = prepare_config(spec, dims, task=task, dtype=dtype, sequence_parallel=sequence_parallel)
     return [DecoderChunk(spec, config, task=task, pre_process=dims.is_first_stage(v),
                          post_process=dims.is_last_stage(v), layers=dims.stage_layers(spec.num_layers, v),
-                         vpp_rank=v, table=table, dims=dims, vocab_multiple=vocab_multiple, packed=packed)
+                         vpp_rank=v, table=table, dims=dims, vocab_multiple=vocab_multiple, packed=packed,
+                         attn_impl=attn_impl)
             for v in range(dims.vpp)]

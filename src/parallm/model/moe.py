@@ -36,10 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.core import tensor_parallel as mtp
-
 from ..parallel.experts import combine, dispatch
+from ..parallel.megatron_import import import_megatron
 from .spec import DecoderSpec
+
+mtp = import_megatron().tensor_parallel
 
 
 class _Weight(nn.Module):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .rope import RopeSpec
 
-TASKS = ("causal_lm", "value")
+TASKS = ("causal_lm", "value", "hidden")   # "hidden": headless (final-normed hidden states)
 
 
 @dataclass(frozen=True)

@@ -12,22 +12,19 @@ Which pipeline stage is first or last and which stage owns a layer is decided he
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from .megatron_import import import_megatron
+
 DEFAULT_TIMEOUT_S = float(os.environ.get("PARALLM_TIMEOUT_S", "600"))
 
 
 def _import_parallel_state():
-    with warnings.catch_warnings():
-        # megatron-core warns at import time that Transformer Engine / Apex are absent; parallm does not use them.
-        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-        from megatron.core import parallel_state
-    return parallel_state
+    return import_megatron().parallel_state
 
 
 def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, ep: int = 1, backend: str | None = None,
