@@ -6,7 +6,7 @@
 One process (tp = pp = ep = 1, gloo world of 1), fp32, both sides in the same process and run, same Qwen3-MoE
 model (every layer routed): forward + backward tokens/s of parallm.forward_backward divided by transformers'
 forward + loss + backward, with transformers' default experts implementation (``grouped_mm``) and with its
-per-expert loop (``eager``).
+per-expert loop (``eager``). The three are timed in interleaved rounds; each figure is the best round.
 """
 
 from __future__ import annotations
@@ -18,7 +18,21 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import free_port, table  # noqa: E402
-from compute_bench import ce_loss, timed  # noqa: E402
+from compute_bench import ce_loss  # noqa: E402
+
+
+def interleaved(fns, rounds):
+    """Best time of each function over ``rounds`` rounds that run every function once, after one warm-up each."""
+    import time
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t)
+    return best
 
 
 def main(argv=None):
@@ -68,10 +82,16 @@ def main(argv=None):
             c.zero_grad(set_to_none=True)
         parallm.forward_backward(chunks, ids, mask, loss_fn=ce_loss)
 
-    t_pl = timed(pl_step, args.iters)
-    t_hf = timed(hf_step, args.iters)
-    hf.set_experts_implementation("eager")
-    t_eager = timed(hf_step, args.iters)
+    def hf_eager_step():
+        hf.set_experts_implementation("eager")
+        try:
+            hf_step()
+        finally:
+            hf.set_experts_implementation(default_impl)
+
+    # Interleaved rounds (one step of each per round, best of the rounds): on a shared machine the load drifts,
+    # and timing one side after the other would charge the drift to one of them.
+    t_pl, t_hf, t_eager = interleaved([pl_step, hf_step, hf_eager_step], args.iters)
     tokens = b * s
     rows = [
         (f"fwd+bwd tokens/s: parallm / transformers ({default_impl})",

@@ -85,7 +85,7 @@ def reference_step(model, ids, mask, pieces, task, tmp):
     return loss.item(), helpers.hub_state_dict(model, tmp), after
 
 
-# name, family, config overrides, layout (tp, pp, ep, nmb), build kwargs
+# name, family, config overrides, layout (tp, pp, [vpp,] ep, nmb), build kwargs
 CASES = [
     ("qwen3-moe tp1 ep4 dp4 8 experts mlp_only[1] step1", "qwen3_moe",
      dict(num_hidden_layers=2, num_experts=8, mlp_only_layers=[1]), dict(tp=1, pp=1, ep=4, nmb=1), {}),
@@ -99,6 +99,8 @@ CASES = [
      dict(num_hidden_layers=4, tie_word_embeddings=True, mlp_only_layers=[2], output_router_logits=True,
           router_aux_loss_coef=0.2),
      dict(tp=1, pp=2, ep=2, nmb=2), {}),
+    ("qwen3-moe pp2 vpp2 ep2 mb2 tied", "qwen3_moe", dict(num_hidden_layers=4, tie_word_embeddings=True),
+     dict(tp=1, pp=2, vpp=2, ep=2, nmb=2), {}),
     ("mixtral tp2 pp2 ep1", "mixtral", dict(num_hidden_layers=4, vocab_size=99), dict(tp=2, pp=2, ep=1, nmb=1), {}),
     ("qwen3-moe packed+SP tp2 ep2 aux", "qwen3_moe",
      dict(num_hidden_layers=2, output_router_logits=True, router_aux_loss_coef=0.3),
@@ -143,7 +145,7 @@ def rank_cases(rank, world, cases):
     from parallm.parallel.state import current_dims
     out = []
     for case in cases:
-        parallm.init_parallel(tp=case["tp"], pp=case["pp"], ep=case["ep"])
+        parallm.init_parallel(tp=case["tp"], pp=case["pp"], vpp=case.get("vpp"), ep=case["ep"])
         lay = current_dims()
         assert (lay.ep, lay.edp) == (case["ep"], lay.dp // case["ep"])
         chunks = parallm.build_model(case["ckpt"], **case["build"])

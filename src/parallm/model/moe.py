@@ -223,14 +223,13 @@ class MoEBlock(nn.Module):
         n, k = c_all.shape
         flat = c_all.reshape(-1)
         order = torch.argsort(flat, stable=True)                        # slots sorted by expert
+        token = torch.div(order, k, rounding_mode="floor")              # the token of each sorted slot
         counts = torch.bincount(flat, minlength=self.num_experts)
-        rows = h_all.index_select(0, torch.div(order, k, rounding_mode="floor"))
-        rows, plan = dispatch(rows, counts, ep=self.ep, group=self.ep_group)
+        rows, plan = dispatch(h_all.index_select(0, token), counts, ep=self.ep, group=self.ep_group)
         rows = combine(self.experts(rows, plan.local_counts), plan)     # back in sorted-slot order
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        per_slot = rows.index_select(0, inverse).view(n, k, self.hidden)
-        out = (per_slot * w_all.to(per_slot.dtype).unsqueeze(-1)).sum(dim=1)
+        weights = w_all.reshape(-1).index_select(0, order).to(rows.dtype).unsqueeze(-1)
+        # each token's outputs added in increasing expert order (transformers' order too)
+        out = rows.new_zeros((n, self.hidden)).index_add(0, token, rows * weights)
         out = self._out_of_tp_region(out).view(shape)
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(x)
