@@ -1,13 +1,11 @@
-"""Shared pieces of the benchmarks: a gloo launcher and memory sampling (no test-suite imports)."""
+"""Shared pieces of the benchmarks: local ranks (parallm.verify.spawn, as the tests and the command line use) and
+memory sampling (no test-suite imports)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import socket
 import threading
 import time
-import traceback
 
 
 def free_port() -> int:
@@ -16,45 +14,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world, port, queue, args):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1", PARALLM_PROGRESS="0")
-    import torch
-    torch.set_num_threads(1)
-    try:
-        queue.put((rank, "ok", fn(rank, world, *args)))
-    except BaseException:  # noqa: BLE001
-        queue.put((rank, "err", traceback.format_exc()))
-
-
 def run_world(fn, world: int, *args, timeout: float = 1800):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, queue, args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    deadline = time.monotonic() + timeout
-    while len(results) < world and time.monotonic() < deadline:
-        try:
-            rank, status, value = queue.get(timeout=5)
-        except Exception:  # noqa: BLE001
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break
-            continue
-        if status != "ok":
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"rank {rank} failed:\n{value}")
-        results[rank] = value
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-    if len(results) < world:
-        raise RuntimeError(f"benchmark world did not finish (got ranks {sorted(results)})")
-    return [results[r] for r in range(world)]
+    """``fn(rank, world, *args)`` on ``world`` gloo ranks (torch.distributed initialised, one thread each,
+    progress bars off); the results by rank. A failing rank raises parallm.verify.SpawnError naming it."""
+    from parallm.verify import spawn
+    return spawn(fn, world, *args, timeout=timeout, env={"PARALLM_PROGRESS": "0"})
 
 
 def rss_anon() -> int:

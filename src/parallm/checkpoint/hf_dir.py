@@ -19,6 +19,10 @@ SINGLE_NAME = "model.safetensors"
 PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
 PICKLE_SINGLE_NAME = "pytorch_model.bin"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+# safetensors' dtype codes (a file header's "dtype") as torch dtypes.
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 class SliceSource(Source):

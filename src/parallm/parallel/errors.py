@@ -10,12 +10,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..errors import CheckpointError, ParallelError
-
-
-def _error_types():
-    return {t.__name__: t for t in (CheckpointError, ValueError, RuntimeError, FileNotFoundError, TypeError,
-                                      KeyError, OSError, ParallelError)}
+from ..errors import PORTABLE_ERRORS, ParallelError
 
 
 def _flag_device():
@@ -80,7 +75,7 @@ def agree(error: BaseException | None, *, what: str, group=None) -> None:
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     first_rank, (type_name, message) = failed[0]
     others = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
-    etype = _error_types().get(type_name, ParallelError)
+    etype = PORTABLE_ERRORS.get(type_name, ParallelError)
     if etype is KeyError:  # KeyError quotes its message; keep text readable
         etype = ParallelError
     raise etype(f"{what} failed on rank {ranks[first_rank]}{others}: {message}")

@@ -20,3 +20,12 @@ def import_megatron():
         import megatron.core
         from megatron.core import parallel_state, tensor_parallel  # noqa: F401 - the modules that warn
     return megatron.core
+
+
+def ignore_library_warnings() -> None:
+    """Process-wide, for programs whose output is a report (the command line's ranks): the warning above, the
+    CUDA_DEVICE_MAX_CONNECTIONS hint megatron-core's sequence-parallel / pipeline code repeats on every call, and
+    the torch.distributed deprecation notices raised inside megatron-core, not by the caller."""
+    warnings.filterwarnings("ignore", message=TE_APEX_WARNING)
+    warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
+    warnings.filterwarnings("ignore", category=FutureWarning, message=".*torch.distributed.*deprecated.*")

@@ -1,0 +1,238 @@
+"""``parallm inspect CHECKPOINT``: what a checkpoint is and how it can be split, without a process group.
+
+Reads config.json and the safetensors headers only (never the tensor bytes) and runs the loader's own name /
+shape check (``check_checkpoint`` against the family's weight table), so it cannot disagree with the loader;
+``parallm verify`` runs the same checks (:func:`read_checkpoint`, :func:`check_split`) before it starts any rank.
+The parameter memory per rank for ``--tp/--pp/--vpp`` comes from the same weight table and shard functions the
+loader uses, run on meta tensors (nothing is allocated).
+"""
+
+from __future__ import annotations
+
+import os
+
+from .common import EXIT_FAIL, EXIT_OK, CLIError, Formatter, UsageError, para, positive
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "inspect", formatter_class=Formatter, help="describe a checkpoint and its valid layouts",
+        description=para("Describe CHECKPOINT from config.json and the safetensors headers (tensor bytes are not "
+                         "read): architecture, sizes, parameter count, dtypes, files, whether every tensor the "
+                         "model needs is there with the right shape, the valid tp values and (pp, vpp) pairs, and "
+                         "with --tp / --pp / --vpp the parameter memory each rank holds. Starts no processes.")
+        + "\n\nsupported architectures: {architectures}",
+        epilog="exit codes: 0 fine; 1 the checkpoint has a problem or cannot be read, or the layout does not "
+               "split; 2 bad command line.")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="Hugging Face checkpoint directory")
+    p.add_argument("--tp", type=positive, help="estimate memory per rank for this tensor-parallel size")
+    p.add_argument("--pp", type=positive, help="... and this many pipeline stages")
+    p.add_argument("--vpp", type=positive, help="... and this many virtual stages per pipeline rank")
+    p.add_argument("--dp", type=positive, help="... and this many data-parallel replicas (sets the world size)")
+    p.add_argument("--task", choices=("auto", "causal_lm", "value"), default="auto",
+                   help="count a value head instead of the lm head (default: from the config)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    import json
+    if args.vpp and args.vpp > 1 and not (args.pp and args.pp > 1):
+        raise UsageError(f"--vpp {args.vpp} needs --pp > 1 (virtual stages interleave a pipeline)")
+    report = inspect_checkpoint(args.checkpoint, tp=args.tp, pp=args.pp, vpp=args.vpp, dp=args.dp,
+                                task=None if args.task == "auto" else args.task)
+    print(json.dumps(report, indent=2, default=str) if args.json else render(report))
+    return EXIT_FAIL if report["problem"] else EXIT_OK
+
+
+# -- reading a checkpoint (shared with verify's preflight) ------------------------------------------------------
+
+
+def read_checkpoint(path: str, *, task: str | None, pp: int = 1) -> dict:
+    """config.json, family, task and every tensor's header, checked as the loader checks them (for ``pp``
+    stages). Raises CLIError naming what cannot be read; missing / unexpected / mis-shaped tensors land in
+    ``problem`` instead (``inspect`` still describes such a checkpoint)."""
+    from ..api import resolve_task
+    from ..checkpoint.hf_dir import SAFETENSORS_DTYPES, HFCheckpoint
+    from ..checkpoint.loader import check_checkpoint
+    from ..model.table import expected_hf_shapes
+    from ..families import load_config, spec_from_config
+    if not os.path.isdir(path):
+        raise CLIError(f"{path} does not exist" if not os.path.exists(path) else
+                       f"{path} is not a directory (give the checkpoint directory, the one with config.json)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CLIError(f"{path} has no config.json (is it a Hugging Face checkpoint directory?)")
+    try:
+        config = load_config(path)
+        try:
+            spec, family = spec_from_config(config)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path}/config.json: {e}") from None
+        task = resolve_task(config, task)
+        ckpt = HFCheckpoint(path)
+        tensors = {}
+        for name, fname in ckpt.weight_map.items():
+            src = ckpt.source(name)
+            dtype = SAFETENSORS_DTYPES.get(src.dtype_code)
+            tensors[name] = dict(shape=src.shape, file=fname, itemsize=dtype.itemsize if dtype else 4,
+                                 dtype=str(dtype).replace("torch.", "") if dtype else src.dtype_code)
+    except ValueError as e:  # CheckpointError included
+        raise CLIError(str(e)) from None
+    problem, notes = None, []
+    try:
+        expected = expected_hf_shapes(family.table, spec, task=task, pp=pp)
+        aliases, init = check_checkpoint({k: v["shape"] for k, v in tensors.items()}, spec, task, expected,
+                                         strict=True, where=os.path.abspath(path))
+        if init:
+            notes.append(f"{', '.join(init)} is not in the checkpoint: a value model initialises it (seeded)")
+        if aliases:
+            notes.append("the value head is read from a verl-style lm_head.weight [1, hidden]")
+    except ValueError as e:
+        problem = str(e)
+    return dict(spec=spec, family=family, task=task, tensors=tensors, problem=problem, notes=notes,
+                dtypes=sorted({t["dtype"] for t in tensors.values()}))
+
+
+def check_split(spec, *, tp: int, pp: int, vpp: int | None) -> None:
+    """The loader's own split checks, as a CLIError: tp over heads / KV heads / MLP, layers over pp x vpp."""
+    from ..model.spec import check_tp, layer_numbers
+    try:
+        check_tp(spec, tp)
+        layer_numbers(spec.num_layers, pp, vpp or 1, 0, 0)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+
+
+def _splits(fn, *args) -> bool:
+    try:
+        fn(*args)
+        return True
+    except ValueError:
+        return False
+
+
+def rank_params(spec, task: str, *, tp: int, pp: int, vpp: int | None) -> list[dict]:
+    """Per pipeline stage: parameters one of its TP ranks holds (every TP rank of a stage holds the same count;
+    vocabulary padding included, the tied head copy of the last stage included when pp > 1)."""
+    import torch
+
+    from ..model.sharding import TensorSource, make_shard
+    from ..model.table import chunk_entries, resolve_shape
+    from ..families import family_of
+    from ..model.spec import layer_numbers, padded_vocab_size
+    table, vpp, padded = family_of(spec).table, vpp or 1, padded_vocab_size(spec.vocab_size, tp)
+    stages = []
+    for pp_rank in range(pp):
+        count, layers = 0, []
+        for v in range(vpp):
+            rng = layer_numbers(spec.num_layers, pp, vpp, pp_rank, v)
+            layers.append(f"{rng.start}-{rng.stop - 1}" if len(rng) > 1 else str(rng.start))
+            for e in chunk_entries(table, spec, task=task, pp=pp, pre_process=(pp_rank == 0 and v == 0),
+                                   post_process=(pp_rank == pp - 1 and v == vpp - 1), layers=rng):
+                sources = [TensorSource(torch.empty(resolve_shape(s, spec), device="meta")) for s in e.row.shapes]
+                count += make_shard(e.kind, sources, 0, tp, spec, padded).numel()
+        stages.append(dict(pp_rank=pp_rank, layers=", ".join(layers), params=count))
+    return stages
+
+
+def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, task=None) -> dict:
+    from ..model.spec import check_tp, layer_numbers
+    ck = read_checkpoint(path, task=task)
+    spec, tensors, L = ck["spec"], ck["tensors"], ck["spec"].num_layers
+    files = {t["file"]: os.path.getsize(os.path.join(path, t["file"])) for t in tensors.values()}
+    dtypes, itemsize = {}, {}
+    for t in tensors.values():
+        n = 1
+        for d in t["shape"]:
+            n *= d
+        dtypes[t["dtype"]] = dtypes.get(t["dtype"], 0) + n
+        itemsize[t["dtype"]] = t["itemsize"]
+    main = max(dtypes, key=dtypes.get) if dtypes else "float32"
+    report = dict(
+        path=os.path.abspath(path), architecture=spec.architecture, family=ck["family"].name,
+        model_type=spec.model_type, task=ck["task"],
+        config=dict(layers=spec.num_layers, hidden=spec.hidden_size, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
+                    head_dim=spec.head_dim, intermediate=spec.intermediate_size, vocab=spec.vocab_size,
+                    tied=spec.tie_word_embeddings, qkv_bias=spec.qkv_bias, o_bias=spec.o_bias, mlp_bias=spec.mlp_bias,
+                    rope=spec.rope.kind, rope_theta=spec.rope.theta, rms_norm_eps=spec.rms_norm_eps),
+        parameters=sum(dtypes.values()), tensors=len(tensors), dtypes=dtypes, dtype=main,
+        dtype_bytes=itemsize.get(main, 4), files=files, problem=ck["problem"], notes=ck["notes"],
+        valid_tp=[tp for tp in range(1, spec.num_heads + 1) if _splits(check_tp, spec, tp)],
+        # pp -> the vpp values (> 1) that split the layers evenly (Megatron's interleaving)
+        pipelines={pp: [v for v in range(2, L // pp + 1) if pp > 1 and _splits(layer_numbers, L, pp, v, 0, 0)]
+                   for pp in range(1, L + 1) if _splits(layer_numbers, L, pp, 1, 0, 0)})
+    if any(x is not None for x in (tp, pp, vpp, dp)):
+        tp, pp, dp, vpp = tp or 1, pp or 1, dp or 1, vpp if vpp and vpp > 1 else None
+        check_split(spec, tp=tp, pp=pp, vpp=vpp)
+        report["layout"] = dict(tp=tp, pp=pp, vpp=vpp, dp=dp, world=tp * pp * dp,
+                                stages=rank_params(spec, ck["task"], tp=tp, pp=pp, vpp=vpp))
+    return report
+
+
+def _count(n: int) -> str:
+    for div, unit in ((1e9, " B"), (1e6, " M"), (1e3, " K")):
+        if n >= div:
+            return f"{n / div:.{1 if unit == ' K' else 2}f}{unit}"
+    return str(n)
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def render(report: dict) -> str:
+    from ..model.spec import padded_vocab_size
+    from ..verify import render_table
+    c, yes = report["config"], {True: "yes", False: "no"}
+    lines = [
+        f"checkpoint    {report['path']}",
+        f"architecture  {report['architecture']} (family {report['family']}, model_type {report['model_type']}, "
+        f"task {report['task']})",
+        f"shape         {c['layers']} layers, hidden {c['hidden']}, {c['heads']} heads x {c['head_dim']} "
+        f"({c['kv_heads']} kv heads), intermediate {c['intermediate']}, vocab {c['vocab']}",
+        f"details       tied embeddings {yes[c['tied']]}; bias qkv {yes[c['qkv_bias']]} / o {yes[c['o_bias']]} / "
+        f"mlp {yes[c['mlp_bias']]}; rope {c['rope']} (theta {c['rope_theta']:g}); rms eps {c['rms_norm_eps']:g}",
+        f"parameters    {_count(report['parameters'])} ({report['parameters']:,}) in {report['tensors']} tensors",
+        "dtype         " + ", ".join(f"{k} ({_count(v)} params)" for k, v in report["dtypes"].items()),
+        f"files         {len(report['files'])} safetensors file(s), {_bytes(sum(report['files'].values()))}:",
+    ]
+    shown = sorted(report["files"].items())
+    lines += [f"                {name}  {_bytes(size)}" for name, size in shown[:8]]
+    if len(shown) > 8:
+        lines.append(f"                ... and {len(shown) - 8} more")
+    lines.append(f"check         PROBLEM: {report['problem']}" if report["problem"] else
+                 "check         ok: every tensor the model needs is present with the right shape")
+    lines += [f"note          {n}" for n in report["notes"]]
+    tps = report["valid_tp"]
+    lines.append(f"valid tp      {', '.join(map(str, tps))}  (tp must divide the {c['heads']} query heads, the "
+                 f"{c['kv_heads']} kv heads (or be a multiple of them: replicated) and intermediate "
+                 f"{c['intermediate']})")
+    pads = [f"tp {t}: {padded_vocab_size(c['vocab'], t)}" for t in tps
+            if padded_vocab_size(c["vocab"], t) != c["vocab"]]
+    if pads:
+        lines.append(f"              vocab {c['vocab']} is padded with zero rows (never visible): " + ", ".join(pads))
+    reps = [str(t) for t in tps if t > c["kv_heads"]]
+    if reps:
+        lines.append(f"              kv heads are replicated at tp {', '.join(reps)}")
+    lines.append("valid pp/vpp  " + "; ".join(f"pp {p}" + (f" (vpp {', '.join(map(str, v))})" if v else "")
+                                            for p, v in report["pipelines"].items()))
+    lines.append(f"              ({c['layers']} layers split evenly: pp x vpp must divide {c['layers']})")
+    if "layout" in report:
+        lay, b, fp32 = report["layout"], report["dtype_bytes"], report["dtype"] == "float32"
+        lines.append(f"\nparameter memory per rank, tp {lay['tp']} x pp {lay['pp']}"
+                     + (f" x vpp {lay['vpp']}" if lay["vpp"] else "") + f" x dp {lay['dp']} = {lay['world']} rank(s):")
+        rows = [[str(st["pp_rank"]), st["layers"], _count(st["params"])]
+                + ([] if fp32 else [_bytes(st["params"] * b)]) + [_bytes(st["params"] * 4), _bytes(st["params"] * 16)]
+                for st in lay["stages"]]
+        headers = ["pp rank", "layers", "params"] + ([] if fp32 else [f"as {report['dtype']}"]) + [
+            "as float32", "fp32 + grads + Adam"]
+        lines.append(render_table(headers, rows, right=set(range(2, len(headers)))))
+        lines.append("(every TP rank of a stage holds the same; data-parallel replicas hold a full copy each. "
+                     "Training adds 4 B/param fp32 gradients and 8 B/param Adam moments (last column), plus an "
+                     "fp32 master copy (4 B/param) when training in bf16, plus activations.)")
+    return "\n".join(lines)

@@ -1,0 +1,188 @@
+"""One layout checked against transformers, on every rank of an initialised world.
+
+    1. ``init_parallel(tp, pp, vpp)``; build the model (fp32, whatever the checkpoint's dtype: the check is about
+       the weight mapping) and load the checkpoint (timed: "load_s").
+    2. Gather the weights back (``save_hf_weights``) and compare them bit for bit with what transformers loads
+       from the same checkpoint ("roundtrip").
+    3. ``parallm.forward`` on :func:`padded_batch` rows (full, left-, right-, both-sides-padded) against
+       transformers (fp32, eager attention, the same position_ids) at the real positions ("d_out").
+    4. One SGD step: ``forward_backward`` + ``finalize_grads`` + ``p -= lr * p.grad`` against the same step on the
+       transformers model: loss ("d_loss"), every weight ("d_weights") and the output after the step ("d_after").
+    5. ``save_hf_weights(chunks, dir)`` (timed: "save_s"); transformers reloads the directory and must hold
+       exactly the weights parallm gathered ("reload").
+
+transformers runs on global rank 0 only; every comparison happens there. What a rank does alone (reading the
+config, the reference) goes through :func:`parallm.parallel.errors.run_local`, so a failure anywhere becomes the
+same error on every rank instead of a hang.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import LOGITS_ATOL, WEIGHTS_ATOL
+from .reference import compare_states, loss_for, max_diff_real, padded_batch, reference, reload_check
+
+
+@dataclass
+class Check:
+    """One layout check (picklable: launchers send it to the ranks). ``dp`` None: world / (tp x pp); a given dp
+    must match the world. ``lr`` None: chosen from transformers' gradients (see :func:`reference`)."""
+    ckpt: str
+    save_dir: str | None = None   # where the stepped model is saved (new or empty); required by check_layout
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    dp: int | None = None
+    packed: bool = False
+    sequence_parallel: bool = False
+    task: str | None = None       # None: from the checkpoint's architectures
+    mode: str = "auto"            # load_hf_weights mode
+    microbatches: int = 1
+    label: str = ""               # the model's name in the results
+    batch: int = 4                # rounded up to a multiple of dp x microbatches
+    seq: int = 16
+    seed: int = 0
+    lr: float | None = None
+    atol: float = LOGITS_ATOL
+    weights_atol: float = WEIGHTS_ATOL
+    timeout_s: float | None = None
+
+    def name(self, dp: int | None = None) -> str:
+        """"tp2 pp2 vpp2 dp2 packed+SP value broadcast": the parts that differ from the defaults."""
+        dp = dp or self.dp or 1
+        parts = [f"tp{self.tp}"] + [f"{k}{v}" for k, v in (("pp", self.pp), ("vpp", self.vpp or 1), ("dp", dp))
+                                    if v > 1]
+        if self.sequence_parallel or self.packed:
+            parts.append("packed+SP" if self.sequence_parallel else "packed")
+        if self.task == "value":
+            parts.append("value")
+        return " ".join(parts + ([self.mode] if self.mode != "auto" else []))
+
+
+def _broadcast(value):
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _timed(t0: float) -> float:
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
+    """Run ``check`` on every rank (torch.distributed initialised; Megatron's groups are (re)made here). Returns
+    the result row on global rank 0 (``ok``, ``d_out``, ``d_loss``, ``d_weights``, ``d_after``, ``roundtrip``,
+    ``reload``, ``load_s``, ``save_s``, ``lr``, ``notes``, ...), None elsewhere."""
+    import parallm
+    from ..families import load_config
+    from ..parallel.errors import run_local
+    from ..parallel.state import current_dims
+
+    world = dist.get_world_size()
+    if check.dp and world != check.tp * check.pp * check.dp:
+        raise ValueError(f"the world has {world} rank(s), not tp={check.tp} x pp={check.pp} x dp={check.dp} = "
+                         f"{check.tp * check.pp * check.dp}")
+    parallm.init_parallel(tp=check.tp, pp=check.pp, vpp=check.vpp, timeout_s=check.timeout_s)
+    dims = current_dims()
+    rank0, dp, dp_rank = dims.rank == 0, dims.dp, dims.dp_rank
+    ckpt = check.ckpt
+    row = dict(layout=check.name(dp), model=check.label)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+
+    # The config travels from rank 0, so ranks that cannot see the directory (other nodes) still build the model;
+    # the loader then streams their shards from rank 0 (mode auto -> broadcast).
+    raw = _broadcast(run_local(lambda: load_config(ckpt)._raw if rank0 else None, what="reading config.json"))
+    t0 = time.perf_counter()
+    dist.barrier()
+    chunks = parallm.build_model(raw, task=check.task, packed=check.packed or check.sequence_parallel,
+                                 sequence_parallel=check.sequence_parallel, dtype=torch.float32)
+    task = chunks[0].task
+    report = parallm.load_hf_weights(chunks, ckpt, mode=check.mode)
+    row.update(load_s=_timed(t0), load_mode=report.mode)
+
+    pre = parallm.save_hf_weights(chunks)
+    pieces = dp * check.microbatches
+    batch = -(-check.batch // pieces) * pieces
+    ids, mask = padded_batch(chunks[0].spec.vocab_size, batch=batch, seq=check.seq, seed=check.seed)
+    ref = run_local(lambda: reference(ckpt, task, ids=ids, mask=mask, pre=pre, pieces=pieces, lr=check.lr,
+                                      device=device) if rank0 else None, what="the transformers reference")
+    del pre
+    lr = _broadcast(ref["lr"] if rank0 else None)
+
+    out = parallm.forward(chunks, ids, mask)
+    if rank0:
+        row["d_out"] = max_diff_real(out, ref["out"], mask)
+    del out
+    per = batch // dp
+    mine = slice(dp_rank * per, (dp_rank + 1) * per)
+    loss = parallm.forward_backward(chunks, ids[mine], mask[mine], loss_fn=loss_for(task),
+                                    num_microbatches=check.microbatches)
+    parallm.finalize_grads(chunks)
+    with torch.no_grad():
+        for c in chunks:
+            for p in c.parameters():
+                if p.grad is not None:
+                    p -= lr * p.grad
+                    p.grad = None
+    after = parallm.forward(chunks, ids, mask)
+    new = parallm.save_hf_weights(chunks)
+    if rank0:
+        _, d_weights, what = compare_states(new, ref["stepped"])
+        row.update(d_loss=abs(loss.item() - ref["loss"]), d_after=max_diff_real(after, ref["after"], mask),
+                   d_weights=d_weights, lr=ref["lr"], update=ref["update"], loss=ref["loss"],
+                   roundtrip=ref["roundtrip"],
+                   notes=ref["notes"] + ([f"after the step: {what}"] if d_weights == float("inf") else []))
+    del after, ref
+
+    t0 = time.perf_counter()
+    dist.barrier()
+    parallm.save_hf_weights(chunks, check.save_dir, overwrite=True)
+    row["save_s"] = _timed(t0)
+    reloaded = run_local(lambda: reload_check(check.save_dir, task, saved=new) if rank0 else None,
+                         what="reloading the saved directory with transformers")
+    del chunks, new
+    gc.collect()
+    if not rank0:
+        return None
+    row["reload"], problem = reloaded
+    if problem:
+        row["notes"].append(f"reload: {problem}")
+    row.update(task=task, save_dir=check.save_dir)
+    row["ok"] = bool(row["d_out"] <= check.atol and row["d_loss"] <= check.atol and row["d_after"] <= check.atol
+                     and row["d_weights"] <= check.weights_atol and row["roundtrip"] and row["reload"])
+    progress(f"{row['layout']} ({row['model']}): {'ok' if row['ok'] else 'FAIL'}")
+    return row
+
+
+def render_table(headers: list[str], rows: list[list[str]], right=frozenset()) -> str:
+    """Columns padded to their widest cell (those in ``right`` aligned right), a dashed rule under the headers."""
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+
+    def line(cells):
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return "\n".join(line(r).rstrip() for r in [headers, ["-" * w for w in widths], *rows])
+
+
+def results_table(rows: list[dict]) -> str:
+    """:func:`check_layout` rows as a table: timings in seconds, differences as 1.2e-06, round trips exact / DIFF."""
+    def num(x):
+        return "-" if x is None else "nan" if x != x else "0" if x == 0 else f"{x:.1e}"
+
+    def sec(x):
+        return "-" if x is None else f"{x:.2f}"
+
+    headers = ["layout", "model", "load s", "max|Δ out|", "Δ loss", "max|Δ w| step", "max|Δ out| after", "save s",
+               "round trip", "reload", "ok"]
+    cells = [[r["layout"], r["model"], sec(r.get("load_s")), num(r.get("d_out")), num(r.get("d_loss")),
+              num(r.get("d_weights")), num(r.get("d_after")), sec(r.get("save_s")),
+              "exact" if r.get("roundtrip") else "DIFF", "exact" if r.get("reload") else "DIFF",
+              "ok" if r.get("ok") else "FAIL"] for r in rows]
+    return render_table(headers, cells, right={2, 3, 4, 5, 6, 7})

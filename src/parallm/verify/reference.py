@@ -1,0 +1,245 @@
+"""The transformers side of a verification (no torch.distributed here).
+
+Tiny models with every weight non-trivial (transformers initialises norms to 1 and biases to 0, which would hide a
+mapping bug), the test batch, the losses of the training step, transformers' output / one SGD step on a
+checkpoint, and the comparisons. Outputs are what ``parallm.forward`` returns: fp32 logits ``[B, S, V]``, or for
+value models ``score(last hidden state)`` ``[B, S]``; they are compared at real (unpadded) positions only.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from . import AUTO_UPDATE
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=101, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            attn_implementation="eager")
+
+
+def tiny_config(family: str, **overrides):
+    """A small transformers config of ``family`` (a model_type: "llama", "qwen2", "qwen3", "mistral", ...):
+    hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 101, untied, eager attention, unless overridden."""
+    import transformers
+    return transformers.AutoConfig.for_model(family, **dict(TINY, **overrides))
+
+
+def randomize_weights(model, seed: int) -> None:
+    """Every weight non-trivial: norms around 1, biases non-zero, matrices ~N(0, 0.08)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(0.08 * noise)
+
+
+def make_hf_model(config, *, task: str = "causal_lm", seed: int = 0):
+    """A transformers model of ``config`` (``*ForCausalLM``, or ``*ForSequenceClassification`` with one label
+    for ``task="value"``), fp32, eval mode, weights from :func:`randomize_weights`; tied embeddings stay tied."""
+    import transformers
+    quiet_transformers()
+    torch.manual_seed(seed)
+    if task == "value":
+        config.num_labels = 1
+        if config.pad_token_id is None:
+            config.pad_token_id = 0
+        model = transformers.AutoModelForSequenceClassification.from_config(config, **{_dtype_kwarg(): torch.float32})
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, **{_dtype_kwarg(): torch.float32})
+    model = model.float().eval()
+    randomize_weights(model, seed)
+    if getattr(config, "tie_word_embeddings", False) and task == "causal_lm":
+        model.tie_weights()
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model
+
+
+def padded_batch(vocab: int, *, batch: int = 4, seq: int = 10, seed: int = 1):
+    """``input_ids, attention_mask`` ``[batch, seq]``; rows cycle through: full, left-padded (30 % of the row),
+    right-padded (40 %), padded on both sides (1 left, 2 right). Padded ids are 0."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    for b in range(batch):
+        if b % 4 == 1:
+            mask[b, :max(1, int(0.3 * seq + 0.5))] = 0
+        elif b % 4 == 2:
+            mask[b, seq - max(1, int(0.4 * seq + 0.5)):] = 0
+        elif b % 4 == 3:
+            mask[b, :1] = 0
+            mask[b, -2:] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+# -- losses of the training step -----------------------------------------------------------------------------
+
+
+def causal_lm_loss(logits, ids, mask):
+    """Mean next-token cross entropy over real (unpadded) positions."""
+    lp = logits[:, :-1].float().log_softmax(-1)
+    m = (mask[:, 1:] * mask[:, :-1]).float()
+    nll = -lp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return (nll * m).sum() / m.sum()
+
+
+def value_loss(values, ids, mask):
+    """Mean squared error of the values against a deterministic target made from the tokens, ``(id % 7) / 7``."""
+    target = (ids % 7).float() / 7.0
+    m = mask.float()
+    return (((values.float() - target) ** 2) * m).sum() / m.sum()
+
+
+def loss_for(task: str):
+    return value_loss if task == "value" else causal_lm_loss
+
+
+# -- transformers ---------------------------------------------------------------------------------------------
+
+
+def _dtype_kwarg() -> str:
+    import transformers
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
+def quiet_transformers() -> None:
+    import transformers
+    transformers.logging.set_verbosity_error()
+    try:
+        transformers.utils.logging.disable_progress_bar()
+    except AttributeError:
+        pass
+
+
+def load_transformers(path: str, *, task: str, device="cpu"):
+    """transformers' model of a checkpoint directory in fp32 with eager attention, and its loading info."""
+    import transformers
+    quiet_transformers()
+    cls = transformers.AutoModelForSequenceClassification if task == "value" else transformers.AutoModelForCausalLM
+    kw = {_dtype_kwarg(): torch.float32, "attn_implementation": "eager", "output_loading_info": True}
+    if task == "value":
+        kw["num_labels"] = 1
+    model, info = cls.from_pretrained(path, **kw)
+    return model.float().to(device).eval(), info
+
+
+def hf_output(model, ids, mask, *, task: str = "causal_lm") -> torch.Tensor:
+    """What ``parallm.forward`` returns, computed by transformers with the same position_ids: fp32 logits, or
+    ``score(model.model(...).last_hidden_state)`` (one value per token) for value models. Gradients flow."""
+    from ..api import default_position_ids
+    device = next(model.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
+    pos = default_position_ids(mask)
+    if task == "value":
+        hidden = model.model(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+        return model.score(hidden).squeeze(-1).float()
+    return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+
+
+def hf_state(model, *, clone: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors an HF checkpoint of ``model`` holds, on CPU (a tied lm_head dropped, as save_pretrained does)."""
+    sd = {k: (v.detach().cpu().clone() if clone else v.detach().cpu()) for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False) and "score.weight" not in sd:
+        sd.pop("lm_head.weight", None)
+    return sd
+
+
+# -- comparisons ----------------------------------------------------------------------------------------------
+
+
+def max_diff_real(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    """Largest absolute difference of two outputs at real positions (``mask == 1``), in fp32."""
+    m = mask.bool().cpu()
+    return (a.float().cpu()[m] - b.float().cpu()[m]).abs().max().item()
+
+
+def compare_states(got: dict, want: dict) -> tuple[bool, float, str]:
+    """(bit-exact?, max |difference| (inf when names or shapes differ), what differs) of two HF state dicts."""
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    problems = [f"missing {', '.join(missing[:5])}"] if missing else []
+    if extra:
+        problems.append(f"extra {', '.join(extra[:5])}")
+    worst, worst_name, unequal = (float("inf") if problems else 0.0), None, []
+    for k in sorted(set(got) & set(want)):
+        a, b = got[k], want[k]
+        if a.shape != b.shape:
+            problems.append(f"{k}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
+            worst = float("inf")
+            continue
+        if not torch.equal(a, b.to(a.dtype)):
+            unequal.append(k)
+            d = (a.float() - b.float()).abs().max().item()
+            if worst_name is None or d > worst:
+                worst_name = k
+            worst = max(worst, d)
+    if unequal:
+        problems.append(f"{len(unequal)} tensor(s) differ, most: {worst_name}")
+    return not problems, worst, "; ".join(problems)
+
+
+# -- the reference run ----------------------------------------------------------------------------------------
+
+
+def reference(ckpt: str, task: str, *, ids, mask, pre: dict, pieces: int, lr: float | None, device="cpu") -> dict:
+    """transformers on the same checkpoint: the output, one SGD step (the loss is the mean over ``pieces`` equal
+    slices of the batch, as parallm's data-parallel replicas x microbatches compute it), the output and weights
+    after it. ``pre``: what parallm holds right after loading (HF names), compared bit for bit ("roundtrip");
+    a value head that is not in the checkpoint is taken from it (parallm initialised it). ``lr=None``:
+    ``AUTO_UPDATE / max|grad|``, so the largest weight moves by AUTO_UPDATE whatever the model's scale."""
+    model, info = load_transformers(ckpt, task=task, device=device)
+    notes = []
+    missing = sorted(str(k) for k in info.get("missing_keys", []))
+    no_score = task == "value" and "score.weight" in missing
+    missing = [k for k in missing if k != "score.weight"]
+    if missing:
+        notes.append(f"transformers did not find {', '.join(missing[:5])} in the checkpoint")
+    if no_score:
+        with torch.no_grad():
+            model.score.weight.copy_(pre["score.weight"].to(model.score.weight.device))
+        notes.append("score.weight is not in the checkpoint: the reference uses the head parallm made "
+                     "(see docs/layouts.md, value heads)")
+    same, _, what = compare_states(pre, hf_state(model, clone=False))
+    if not same:
+        notes.append(f"round trip: {what}")
+    with torch.no_grad():
+        out = hf_output(model, ids, mask, task=task).cpu()
+    size = ids.shape[0] // pieces
+    model.zero_grad(set_to_none=True)
+    losses = [loss_for(task)(hf_output(model, ids[i:i + size], mask[i:i + size], task=task),
+                             ids[i:i + size].to(device), mask[i:i + size].to(device))
+              for i in range(0, ids.shape[0], size)]
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    gmax = max((p.grad.abs().max().item() for p in model.parameters() if p.grad is not None), default=0.0)
+    if lr is None:
+        lr = AUTO_UPDATE / gmax if gmax > 0 else 1.0
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+        after = hf_output(model, ids, mask, task=task).cpu()
+    stepped = hf_state(model)
+    del model
+    gc.collect()
+    return dict(out=out, loss=loss.item(), lr=float(lr), update=float(lr * gmax), after=after, stepped=stepped,
+                roundtrip=same, notes=notes)
+
+
+def reload_check(save_dir: str, task: str, *, saved: dict) -> tuple[bool, str]:
+    """transformers reloads a directory parallm saved: nothing missing, unexpected or mis-shaped, and exactly
+    the tensors of ``saved``. Returns (ok, what is wrong)."""
+    model, info = load_transformers(save_dir, task=task)
+    problems = [f"{key.replace('_', ' ')}: {', '.join(str(k) for k in list(info[key])[:5])}"
+                for key in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(key)]
+    same, _, what = compare_states(hf_state(model, clone=False), saved)
+    if not same:
+        problems.append(what)
+    del model
+    return not problems, "; ".join(problems)

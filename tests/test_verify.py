@@ -1,0 +1,129 @@
+"""parallm.verify, the one harness the tests, the command line and the benchmarks share: its launcher ends every
+run (results, a raising / dying / hanging rank named as the root cause), its comparisons see what they should,
+and check_layout both passes a correct layout and fails a wrong gradient."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import helpers
+from parallm import verify
+from parallm.verify import SpawnError
+
+
+def _rank(rank, world, mode):
+    import torch.distributed as dist
+    if rank == 1 and mode == "raise":
+        raise ValueError("rank one is broken: 7 != 8")
+    if rank == 1 and mode == "die":
+        os._exit(5)
+    if rank == 1 and mode == "hang":
+        while True:
+            time.sleep(3600)
+    if mode == "unpicklable":
+        return lambda: None
+    if mode != "hang":
+        t = torch.tensor([rank + 1.0])
+        dist.all_reduce(t)
+        return dict(rank=rank, total=t.item(), env=(os.environ["RANK"], os.environ["WORLD_SIZE"]),
+                    threads=torch.get_num_threads())
+    return "rank 0 done"
+
+
+@pytest.mark.timeout(200)
+def test_spawn_results_and_every_way_a_rank_fails():
+    assert verify.spawn(_rank, 2, "ok", timeout=60) == [
+        dict(rank=r, total=3.0, env=(str(r), "2"), threads=1) for r in range(2)]
+
+    with pytest.raises(SpawnError) as e:
+        verify.spawn(_rank, 2, "raise", timeout=60)
+    c = e.value.culprit
+    assert (c.rank, c.status, c.error_type) == (1, "error", "ValueError")
+    assert e.value.summary == "rank 1: rank one is broken: 7 != 8"  # parallm's own types: the message speaks
+    assert "Traceback" in str(e.value) and "_rank" in str(e.value) and "7 != 8" in str(e.value)
+
+    with pytest.raises(SpawnError) as e:
+        verify.spawn(_rank, 2, "die", timeout=60)
+    assert (e.value.culprit.rank, e.value.culprit.status, e.value.culprit.exitcode) == (1, "dead", 5)
+    assert "rank 1 died (exit code 5)" in e.value.summary
+
+    t = time.monotonic()
+    with pytest.raises(SpawnError) as e:
+        verify.spawn(_rank, 2, "hang", timeout=10)
+    assert time.monotonic() - t < 10 + 15  # the deadline, then kill + join
+    assert e.value.timed_out and [o.status for o in e.value.outcomes] == ["ok", "hang"]
+    assert e.value.summary.startswith("timed out after 10 s: rank(s) [1] did not finish")
+
+    with pytest.raises(SpawnError, match="cannot be sent back"):
+        verify.spawn(_rank, 2, "unpicklable", timeout=60)
+
+
+@pytest.mark.timeout(120)
+def test_spawn_outcomes_lets_survivors_end_by_themselves():
+    dead, hung = verify.spawn_outcomes(_rank, 2, "die", timeout=60), verify.spawn_outcomes(_rank, 2, "hang", timeout=8)
+    assert dead[1].status == "dead" and dead[1].exitcode == 5
+    assert dead[0].status == "error" and dead[0].lost_peer  # rank 0's all_reduce lost its peer and raised
+    assert [(o.status, o.value) for o in hung] == [("ok", "rank 0 done"), ("hang", None)]
+
+
+def test_comparisons_see_what_they_should():
+    ids, mask = verify.padded_batch(50, batch=8, seq=10, seed=3)
+    rows = mask.tolist()
+    assert rows[0] == [1] * 10 and rows[4] == [1] * 10                # full rows
+    assert rows[1] == [0] * 3 + [1] * 7 and rows[5] == rows[1]        # left padding, 30 %
+    assert rows[2] == [1] * 6 + [0] * 4                                # right padding, 40 %
+    assert rows[3] == [0] + [1] * 7 + [0] * 2                          # both sides
+    assert (ids[mask == 0] == 0).all() and ids.max() < 50
+
+    a = torch.zeros(2, 3)
+    b = a.clone()
+    b[1, 0] = 5.0                   # a padded position: never compared
+    b[0, 2] = 0.25
+    m = torch.tensor([[1, 1, 1], [0, 1, 1]])
+    assert verify.max_diff_real(a, b, m) == 0.25
+
+    x = {"w": torch.ones(2, 2), "v": torch.zeros(3)}
+    assert verify.compare_states(x, {k: t.clone() for k, t in x.items()}) == (True, 0.0, "")
+    off = dict(x, w=x["w"] + torch.tensor([[0.0, 1e-7], [0.0, 0.0]]))
+    same, worst, what = verify.compare_states(off, x)
+    assert not same and 0 < worst < 2e-7 and what == "1 tensor(s) differ, most: w"
+    same, worst, what = verify.compare_states({"w": x["w"]}, dict(x, u=torch.ones(1, 4)))
+    assert not same and worst == float("inf") and "missing u, v" in what
+    assert verify.compare_states({"w": torch.ones(2, 3)}, {"w": x["w"]})[2] == "w: shape (2, 3) vs (2, 2)"
+
+    model = verify.make_hf_model(verify.tiny_config("qwen2", tie_word_embeddings=True), seed=4)
+    state = verify.hf_state(model)
+    assert "lm_head.weight" not in state and len(state) == len(model.state_dict()) - 1
+    for name, t in state.items():    # every weight non-trivial: no norm stays at 1, no bias at 0
+        assert not torch.equal(t, torch.ones_like(t)) and not torch.equal(t, torch.zeros_like(t)), name
+
+
+def _check_rank(rank, world, honest, sabotaged):
+    import parallm
+    rows = [verify.check_layout(honest)]
+    parallm.finalize_grads = lambda chunks: None   # a wrong gradient: replicas no longer averaged
+    rows.append(verify.check_layout(sabotaged))
+    return rows
+
+
+@pytest.mark.timeout(240)
+def test_check_layout_passes_a_correct_layout_and_fails_a_wrong_gradient(tmp_path):
+    cfg = helpers.tiny_config("llama", num_hidden_layers=2, attention_bias=True)
+    ckpt = helpers.save_checkpoint(helpers.make_hf_model(cfg, seed=2), str(tmp_path / "m"))
+    honest = verify.Check(ckpt, str(tmp_path / "s1"), tp=2, label="m")
+    sabotaged = verify.Check(ckpt, str(tmp_path / "s2"), tp=2, label="m", lr=0.05)
+    rows = helpers.run_ranks(_check_rank, 4, honest, sabotaged)
+    assert rows[1:] == [[None, None]] * 3                 # rank 0 alone reports
+    good, bad = rows[0]
+    for row in (good, bad):
+        print(row["layout"], {k: row[k] for k in ("d_out", "d_loss", "d_weights", "d_after", "lr")})
+    assert good["layout"] == "tp2 dp2" and good["ok"], good
+    assert good["d_out"] < 2e-5 and good["d_loss"] < 2e-5 and good["d_after"] < 2e-5 and good["d_weights"] < 1e-6
+    assert good["roundtrip"] and good["reload"] and good["lr"] > 0 and abs(good["update"] - verify.AUTO_UPDATE) < 1e-9
+    assert not bad["ok"] and bad["lr"] == 0.05
+    assert bad["d_out"] < 2e-5 and bad["roundtrip"] and bad["reload"]      # loading was right ...
+    assert bad["d_weights"] > 10 * sabotaged.weights_atol                 # ... the step was not
