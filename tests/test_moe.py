@@ -451,3 +451,21 @@ def test_moe_errors_on_every_rank_and_zero_grads_for_unchosen_experts(tmp_path):
         assert "same num_microbatches; got [2, 1, 1, 1]" in r["nmb"], r["nmb"]
         zero, nonzero = r["grads"]
         assert zero and nonzero and all(zero) and all(nonzero), r["grads"]
+
+
+# -- parallm.verify (the harness behind `parallm verify --ep`) on a MoE checkpoint --------------------------------
+
+def rank_verify(rank, world, check):
+    from parallm import verify
+    return verify.check_layout(check)
+
+
+@pytest.mark.timeout(300)
+def test_verify_harness_passes_a_moe_checkpoint_under_expert_parallelism(tmp_path):
+    from parallm import verify
+    model = helpers.make_hf_model(helpers.tiny_config("qwen2_moe", num_hidden_layers=2), seed=4)
+    ckpt = helpers.save_checkpoint(model, str(tmp_path / "m"))
+    check = verify.Check(ckpt, str(tmp_path / "saved"), tp=2, ep=2, label="qwen2-moe")
+    row = helpers.run_ranks(rank_verify, WORLD, check)[0]
+    assert row["layout"] == "tp2 dp2 ep2", row["layout"]
+    assert row["ok"] and row["roundtrip"] and row["reload"], row
