@@ -17,11 +17,38 @@ COLLECTIVE_TIMEOUT_S = 180   # the default process group's timeout in spawned ra
 
 # -- tiny HF models ------------------------------------------------------------------------------------------
 
-tiny_config = verify.tiny_config          # (family, **overrides): hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 101
 randomize_ = verify.randomize_weights     # norms around 1, biases non-zero, matrices ~N(0, 0.08)
 make_hf_model = verify.make_hf_model      # (config, *, task="causal_lm", seed=0): randomized, tied when configured
 padded_batch = verify.padded_batch        # (vocab, *, batch=4, seq=10, seed=1): full / left / right / both padded
 max_diff_real = verify.max_diff_real      # (a, b, mask): max |a - b| at real positions
+
+
+def tiny_config(family: str, **overrides):
+    """``verify.tiny_config`` (hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 101), with MOE_DEFAULTS for the
+    mixture-of-experts families."""
+    return verify.tiny_config(family, **dict(MOE_DEFAULTS.get(family, {}), **overrides))
+
+
+# Mixture-of-experts families: 4 experts, top-2, experts narrower than the dense MLP (Mixtral's experts are
+# intermediate_size wide; Qwen-MoE's dense layers use intermediate_size, experts moe_intermediate_size).
+MOE_DEFAULTS = {
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+}
+
+
+def hub_state_dict(model, path: str) -> dict[str, torch.Tensor]:
+    """What ``save_pretrained`` writes, read back from the files (the Hub's names: per-expert tensors for
+    transformers 5's fused MoE experts)."""
+    from safetensors.torch import load_file
+    model.save_pretrained(path, safe_serialization=True)
+    out = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, name)))
+    return out
 
 
 def write_config(path, config: dict) -> str:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from parallm.model.table import (CONDITIONS, KINDS, Row, all_entries, chunk_entries, expected_hf_shapes,
-                                      select_rows)
+from parallm.model.table import (CONDITIONS, KINDS, LAYER_CONDITIONS, Row, all_entries, chunk_entries,
+                                 expected_hf_shapes, select_rows)
 from parallm.families import FAMILIES, family_of, spec_from_config
 from parallm.model.spec import layer_numbers
 
-from helpers import hf_state_dict, make_hf_model, tiny_config
+from helpers import hf_state_dict, hub_state_dict, make_hf_model, tiny_config
 
 CASES = {
     "llama-untied": ("llama", dict()),
@@ -28,7 +28,13 @@ CASES = {
     "qwen3-tied-head_dim": ("qwen3", dict(tie_word_embeddings=True, head_dim=32)),
     "qwen3-attention_bias": ("qwen3", dict(attention_bias=True)),
     "mistral": ("mistral", dict(sliding_window=None)),
+    # mixture of experts: checkpoints as save_pretrained writes them (per-expert Hub names)
+    "qwen3-moe-mlp_only-sparse_step": ("qwen3_moe", dict(mlp_only_layers=[0], decoder_sparse_step=2)),
+    "qwen3-moe-tied": ("qwen3_moe", dict(tie_word_embeddings=True, num_experts=8)),
+    "qwen2-moe-shared-expert": ("qwen2_moe", dict(mlp_only_layers=[3])),
+    "mixtral": ("mixtral", dict()),
 }
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral")
 TASKS = ("causal_lm", "value")
 
 
@@ -37,15 +43,17 @@ def _shapes(sd):
 
 
 @pytest.fixture(scope="module")
-def hf_shapes():
+def hf_shapes(tmp_path_factory):
     """(case, task) -> (spec, family, HF checkpoint key -> shape); models built once per module."""
     out = {}
+    root = tmp_path_factory.mktemp("tables")
     for case, (family, overrides) in CASES.items():
         for task in TASKS:
             config = tiny_config(family, num_hidden_layers=4, **overrides)
             model = make_hf_model(config, task=task)
             spec, fam = spec_from_config(model.config)
-            out[case, task] = (spec, fam, _shapes(hf_state_dict(model)))
+            sd = hub_state_dict(model, str(root / f"{case}-{task}")) if family in MOE else hf_state_dict(model)
+            out[case, task] = (spec, fam, _shapes(sd))
     return out
 
 
@@ -108,7 +116,8 @@ def test_family_tables_are_well_formed():
     for fam in FAMILIES.values():
         for row in fam.table:
             assert row.kind in KINDS
-            assert all(c in CONDITIONS for c in row.when)
+            assert all(c in CONDITIONS or c in LAYER_CONDITIONS for c in row.when)
+            assert row.per_expert == ("{x}" in row.local) == all("{e}" in h for h in row.hf)
             if row.stage == "layer":
                 assert "{l}" in row.local and all("{i}" in h for h in row.hf)
             else:
@@ -120,6 +129,31 @@ def test_family_tables_are_well_formed():
             else:
                 assert len(row.hf) == 1
     assert {"llama", "qwen2"} <= set(FAMILIES)
+
+
+@pytest.mark.parametrize("case", [c for c, (f, _) in CASES.items() if f in MOE])
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_expert_ranks_partition_expert_entries(hf_shapes, case, ep):
+    """The experts of the ep ranks together hold every expert entry of every MoE layer once, dense entries on
+    every rank; local expert names count from 0 on each rank and the HF names carry the global index."""
+    spec, family, _ = hf_shapes[case, "causal_lm"]
+    everything = all_entries(family.table, spec, task="causal_lm", pp=1)
+    per = spec.moe.num_experts // ep
+    expert_keys = []
+    for r in range(ep):
+        mine = range(r * per, (r + 1) * per)
+        ents = chunk_entries(family.table, spec, task="causal_lm", pp=1, pre_process=True, post_process=True,
+                             layers=range(spec.num_layers), experts=mine)
+        assert [e for e in ents if e.expert is None] == [e for e in everything if e.expert is None]
+        for e in ents:
+            if e.expert is not None:
+                assert e.expert in mine and e.layer in spec.moe.layers
+                assert f".local_experts.{e.expert - mine.start}." in e.local
+                assert all(f".experts.{e.expert}." in n for n in e.hf)
+                expert_keys.append((e.row, e.layer))
+    want = [(e.row, e.layer) for e in everything if e.expert is not None]
+    assert len(want) == len(spec.moe.layers) * spec.moe.num_experts * 2
+    assert sorted(expert_keys, key=repr) == sorted(want, key=repr)
 
 
 def test_tied_filters_rows_without_mutating_table(hf_shapes):

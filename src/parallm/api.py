@@ -186,6 +186,30 @@ def _stackable(out):
     return torch.stack(tuple(out)) if isinstance(out, TokenStats) else out
 
 
+def _same_microbatches(num_microbatches: int, layout, device) -> None:
+    """Under expert parallelism the data-parallel replicas exchange tokens in every MoE layer, so they must run
+    the same number of microbatches (batch sizes may differ); a mismatch is an error on every rank, not a hang."""
+    counts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(layout.world)]
+    torch.distributed.all_gather(counts, torch.tensor([num_microbatches], device=device))
+    counts = [int(c) for c in counts]
+    if len(set(counts)) > 1:
+        raise ValueError(f"forward_backward: with expert parallelism (ep={layout.ep}) every rank must pass the "
+                         f"same num_microbatches; got {counts} (by global rank)")
+
+
+def _load_balancing_total(chunks, values, layout, device) -> torch.Tensor:
+    """Sum of every MoE layer's load-balancing loss over this replica's microbatches, the same on every rank of
+    the replica: summed over the pipeline stages (each holds its layers' values) and, under sequence
+    parallelism, over TP (each rank holds its tokens' share)."""
+    total = torch.stack(values).sum().float().reshape(()) if values else torch.zeros((), device=device)
+    total = total.to(device)
+    if chunks[0].sequence_parallel:
+        torch.distributed.all_reduce(total, group=layout.tp_group)
+    if layout.pp > 1:
+        torch.distributed.all_reduce(total, group=layout.pp_group)
+    return total
+
+
 def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_microbatches: int = 1,
                      position_ids=None, output=None, temperature=1.0, token_chunk=None) -> torch.Tensor:
     """Forward and backward of ``loss_fn`` over ``num_microbatches`` microbatches (split along dim 0).
@@ -197,6 +221,11 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     stepping. Schedules: one microbatch's forward then its backward at ``pp == 1``; 1F1B (interleaved with
     virtual stages) at ``pp > 1`` (docs/pipeline.md). Each data-parallel replica passes its own batch. Returns
     that mean, averaged over data-parallel replicas (the global loss), on every rank.
+
+    Mixture-of-experts models whose config sets ``output_router_logits=True``: the objective is
+    ``mean_m [loss_fn(mb_m) + router_aux_loss_coef * sum over MoE layers of the layer's load-balancing loss on
+    mb_m]`` (each layer's loss as transformers' ``load_balancing_loss_func`` computes it for that layer alone,
+    over real tokens; layers summed as Megatron does, see docs/moe.md), and the returned loss includes it.
     """
     require_initialized("forward_backward")
     chunks = as_chunks(chunks)
@@ -214,6 +243,8 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     (input_ids, attention_mask, position_ids), request = run_local(check, what="forward_backward")
     if request is not None:   # the head's weight gradient goes straight into its existing gradient buffer
         request = dataclasses.replace(request, accumulate=True)
+    if layout.ep > 1 and chunks[0].spec.moe is not None:
+        _same_microbatches(num_microbatches, layout, input_ids.device)
     b = input_ids.shape[0]
     size = b // num_microbatches
     mbs = [(input_ids[i:i + size], position_ids[i:i + size], attention_mask[i:i + size])
@@ -226,11 +257,21 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
             raise ValueError("loss_fn must return a scalar tensor")
         return loss
 
-    losses = run_pipeline(chunks, mbs, last_stage_fn=last_stage, backward=True,
-                          num_microbatches=num_microbatches,
-                          compute_kwargs={"stats": request} if request is not None else None)
+    moe = chunks[0].spec.moe
+    coef = moe.aux_loss_coef if moe is not None else 0.0
+    if coef:
+        for chunk in chunks:
+            chunk.moe_aux.start(coef / num_microbatches)
+    try:
+        losses = run_pipeline(chunks, mbs, last_stage_fn=last_stage, backward=True,
+                              num_microbatches=num_microbatches,
+                              compute_kwargs={"stats": request} if request is not None else None)
+    finally:
+        aux_values = [v for chunk in chunks for v in chunk.moe_aux.stop()]
     mean = torch.stack(losses).float().mean() if losses else None
     mean = broadcast_from_last_stage(layout, mean, (), torch.float32, input_ids.device)
+    if coef:
+        mean = mean + coef * _load_balancing_total(chunks, aux_values, layout, mean.device) / num_microbatches
     if layout.dp > 1:
         torch.distributed.all_reduce(mean, group=layout.dp_group)
         mean /= layout.dp

@@ -92,13 +92,15 @@ def init_value_head(param: torch.Tensor, hf_config) -> float:
 
 
 def model_entries(chunks, layout: ParallelDims):
-    """(entry, chunk) pairs owned by this rank, plus the whole model's entry list (global order)."""
+    """(entry, chunk) pairs owned by this rank (of a MoE layer's experts, only those of its expert-parallel
+    rank), plus the whole model's entry list (global order, every expert)."""
     spec, task = chunks[0].spec, chunks[0].task
     table = family_of(spec).table
+    experts = layout.expert_range(spec.moe.num_experts) if spec.moe is not None else None
     mine = []
     for chunk in chunks:
         for e in chunk_entries(table, spec, task=task, pp=layout.pp, pre_process=chunk.pre_process,
-                               post_process=chunk.post_process, layers=chunk.layer_range):
+                               post_process=chunk.post_process, layers=chunk.layer_range, experts=experts):
             mine.append((e, chunk))
     return mine, all_entries(table, spec, task=task, pp=layout.pp)
 

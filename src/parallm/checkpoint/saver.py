@@ -16,6 +16,10 @@ Three ways out:
 value the target dtype cannot hold (float16 overflow) is a :class:`CheckpointError` on every rank before anything
 is written or gathered.
 
+Experts (mixture of experts): each expert-parallel rank holds its own experts, so an expert's tensors are written
+by the rank of expert-data-parallel replica 0 that holds it (dense tensors by data-parallel replica 0), and the
+export stream broadcasts them over the expert-parallel group first: every expert of every layer once.
+
 Peers are found through the process groups (``get_process_group_ranks``), never by rank arithmetic.
 """
 
@@ -89,15 +93,19 @@ def _merge_entry(entry, param, shards, *, dtype, device) -> dict[str, torch.Tens
     return out
 
 
+def writes(entry, layout: ParallelDims) -> bool:
+    """Whether this rank's TP group is the one that saves ``entry``: data-parallel replica 0 for dense tensors,
+    expert-data-parallel replica 0 for an expert's (every expert-parallel rank saves its own experts)."""
+    return layout.edp_rank == 0 if entry.expert is not None else layout.dp_rank == 0
+
+
 def gather_stage_tensors(chunks, layout: ParallelDims, dtype=None, *, progress=None):
-    """HF tensors of this rank's stage merged on its TP rank 0; {} on other TP ranks and on data-parallel
-    replicas other than 0."""
-    if layout.dp_rank != 0:
-        return {}
+    """HF tensors of this rank's stage merged on its TP rank 0 (dense ones on data-parallel replica 0, experts
+    on each expert-parallel rank of expert-data-parallel replica 0); {} elsewhere."""
     wanted, _ = _ordered_entries(chunks, layout)
     out = {}
     for i, entry, chunk in bar(wanted, desc="parallm save (gather)", rank=layout.rank, progress=progress):
-        if not entry.row.save:
+        if not entry.row.save or not writes(entry, layout):
             continue
         param = chunk.get_parameter(entry.local)
         shards = _gather_tp(param, layout, 0)
@@ -108,7 +116,11 @@ def gather_stage_tensors(chunks, layout: ParallelDims, dtype=None, *, progress=N
 
 def _collect_on_rank0(local: dict[str, torch.Tensor], layout: ParallelDims, device) -> dict[str, torch.Tensor]:
     """Stage writers (tp 0, dp 0 of each stage) hand their tensors to global rank 0 over rank 0's pp group.
-    ``device``: where tensors travel (the params' device: NCCL cannot send CPU tensors)."""
+    ``device``: where tensors travel (the params' device: NCCL cannot send CPU tensors). With expert
+    parallelism the writers of other experts are data-parallel ranks outside that group:
+    :func:`_collect_experts_on_rank0`."""
+    if layout.ep > 1:
+        return _collect_experts_on_rank0(local, layout, device)
     if layout.pp == 1 or layout.tp_rank != 0 or layout.dp_rank != 0:
         return local if layout.rank == 0 else {}
     group = layout.pp_group
@@ -125,6 +137,25 @@ def _collect_on_rank0(local: dict[str, torch.Tensor], layout: ParallelDims, devi
     result = dict(local)
     for src, stage_meta in zip(ranks[1:], metas[1:]):
         for name, shape, dt in stage_meta:
+            buf = torch.empty(shape, dtype=dt, device=device)
+            dist.recv(buf, src=src)
+            result[name] = buf.cpu()
+    return result
+
+
+def _collect_experts_on_rank0(local: dict[str, torch.Tensor], layout: ParallelDims, device):
+    """Every rank's merged tensors to global rank 0, point to point: one gather of (name, shape, dtype) lists over
+    the world tells rank 0 who sends what, then each sender sends its tensors in that order."""
+    meta = [(k, tuple(v.shape), v.dtype) for k, v in local.items()] if layout.rank != 0 else []
+    metas = [None] * layout.world if layout.rank == 0 else None
+    dist.gather_object(meta, metas, dst=0)
+    if layout.rank != 0:
+        for name, _, _ in meta:
+            dist.send(local[name].to(device), dst=0)
+        return {}
+    result = dict(local)
+    for src, sent in enumerate(metas):
+        for name, shape, dt in sent:
             buf = torch.empty(shape, dtype=dt, device=device)
             dist.recv(buf, src=src)
             result[name] = buf.cpu()
@@ -265,10 +296,8 @@ def _save_dir(chunks, layout: ParallelDims, out_dir: str, *, dtype, overwrite: b
     tmp = box[0]
     try:
         def write():
-            if layout.dp_rank != 0:
-                return
             wanted, _ = _ordered_entries(chunks, layout)
-            wanted = [(i, e, c) for i, e, c in wanted if e.row.save]
+            wanted = [(i, e, c) for i, e, c in wanted if e.row.save and writes(e, layout)]
             if wanted and not os.path.isdir(tmp):
                 raise FileNotFoundError(f"rank {layout.rank} cannot see {tmp}: out_dir must be on a filesystem "
                                         "shared by all writing ranks")

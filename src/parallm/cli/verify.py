@@ -36,6 +36,9 @@ def add_parser(sub) -> None:
                    help="data-parallel replicas: each gets its share of the batch, gradients are averaged. "
                         "Standalone: world = tp x pp x dp (default dp 1); under torchrun: default world / (tp x pp), "
                         "and a given --dp must match")
+    p.add_argument("--ep", type=positive, default=1,
+                   help="expert parallelism for mixture-of-experts models: the experts of every MoE layer are "
+                        "split over this many of the data-parallel ranks (must divide dp; default 1)")
     p.add_argument("--packed", action="store_true",
                    help="remove padding: run the real tokens as one stream (varlen attention)")
     p.add_argument("--sequence-parallel", action="store_true",
@@ -69,8 +72,8 @@ def run(args) -> int:
     if save_dir and os.path.isdir(save_dir) and os.listdir(save_dir):
         raise UsageError(f"--save-dir {args.save_dir} is not empty (give a new or empty directory)")
     ckpt, task = os.path.abspath(args.checkpoint), None if args.task == "auto" else args.task
-    check = Check(ckpt, save_dir, tp=args.tp, pp=args.pp, vpp=vpp, dp=args.dp, mode=args.mode, task=task,
-                  packed=args.packed, sequence_parallel=args.sequence_parallel,
+    check = Check(ckpt, save_dir, tp=args.tp, pp=args.pp, vpp=vpp, dp=args.dp, ep=args.ep, mode=args.mode,
+                  task=task, packed=args.packed, sequence_parallel=args.sequence_parallel,
                   microbatches=args.microbatches or (2 if args.pp > 1 else 1),
                   label=os.path.basename(os.path.normpath(args.checkpoint)), **check_kwargs(args))
     header = None

@@ -21,9 +21,10 @@ from ..parallel.cpu_compat import enable_megatron_sequence_parallel_on_cpu
 from ..parallel.megatron_import import import_megatron
 from .attention import AttnBackend, Packing, make_packing, pack_tokens, resolve_attn_impl, unpack_tokens
 from .logprobs import token_stats_head
+from .moe import MoEAux, MoEBlock
 from .placement import attach_placements
 from .rope import apply_rope, rope_cos_sin
-from .spec import TASKS, DecoderSpec, check_tp, layer_numbers, padded_vocab_size
+from .spec import TASKS, DecoderSpec, check_ep, check_tp, layer_numbers, padded_vocab_size
 from .table import chunk_entries
 
 _megatron = import_megatron()
@@ -116,17 +117,21 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int, layer_number: int, device, *,
-                 backend: AttnBackend):
+                 backend: AttnBackend, dims=None):
         super().__init__()
         self.layer_number = layer_number  # global index in the full model
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
         self.self_attention = Attention(spec, config, tp, device, backend=backend)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
-        self.mlp = MLP(spec, config, tp)
+        # The spec says which layers route over experts (model/moe.py); the others keep the dense MLP.
+        self.mlp = MoEBlock(spec, config, dims, device) if spec.is_moe_layer(layer_number) else MLP(spec, config, tp)
 
-    def forward(self, x, cos, sin, ctx):
+    def forward(self, x, cos, sin, ctx, tokens=None):
+        """``tokens``: real-row mask of ``x`` for a MoE layer's load-balancing loss (None: not computed / all
+        real)."""
         x = x + self.self_attention(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, tokens) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
 
 
 def padded_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -191,7 +196,12 @@ class DecoderChunk(nn.Module):
                 reduce_scatter_embeddings=self.sequence_parallel)
         backend = resolve_attn_impl(attn_impl, packed=packed, device=device or "cpu", dtype=config.params_dtype)
         self.attn_impl = backend.name
-        self.layers = nn.ModuleList(DecoderLayer(spec, config, tp, i, device, backend=backend) for i in layers)
+        self.layers = nn.ModuleList(DecoderLayer(spec, config, tp, i, device, backend=backend, dims=dims)
+                                    for i in layers)
+        self.moe_aux = MoEAux()  # load-balancing loss of this chunk's MoE layers (forward_backward turns it on)
+        for layer in self.layers:
+            if isinstance(layer.mlp, MoEBlock):
+                layer.mlp.aux = self.moe_aux
         if post_process:
             self.final_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
             if task == "hidden":
@@ -212,8 +222,10 @@ class DecoderChunk(nn.Module):
                 self.score = nn.Linear(spec.hidden_size, 1, bias=False, dtype=config.params_dtype, device=device)
         # Every parameter's placement (TP layout, partial-sum gradients, tied copies) from its table row, with
         # megatron-core's own attributes.
+        experts = dims.expert_range(spec.moe.num_experts) if spec.moe is not None else None
         attach_placements(self, chunk_entries(table, spec, task=task, pp=dims.pp, pre_process=pre_process,
-                                              post_process=post_process, layers=layers), pp=dims.pp)
+                                              post_process=post_process, layers=layers, experts=experts),
+                          pp=dims.pp)
 
     # -- Megatron model protocol -------------------------------------------------------------------------
     def set_input_tensor(self, input_tensor):
@@ -261,12 +273,13 @@ class DecoderChunk(nn.Module):
         cos, sin = rope_cos_sin(self.spec.rope, positions)
         cos, sin = cos.to(x.device), sin.to(x.device)
         recompute = self.recompute == "full" and torch.is_grad_enabled()
+        tokens = self._real_tokens(attention_mask, ctx) if self.moe_aux.scale is not None else None
         for layer in self.layers:
             if recompute:
                 # Keep only the layer's input; its activations are recomputed in backward (RNG state restored).
-                x = checkpoint(layer, x, cos, sin, ctx, use_reentrant=False, preserve_rng_state=True)
+                x = checkpoint(layer, x, cos, sin, ctx, tokens, use_reentrant=False, preserve_rng_state=True)
             else:
-                x = layer(x, cos, sin, ctx)
+                x = layer(x, cos, sin, ctx, tokens)
         if not self.post_process:
             return x
         x = self.final_norm(x)
@@ -298,6 +311,17 @@ class DecoderChunk(nn.Module):
     def forward(self, input_ids, position_ids, attention_mask):
         return self.compute(input_ids, position_ids, attention_mask)
 
+    def _real_tokens(self, attention_mask, ctx) -> torch.Tensor:
+        """1.0 for each real token among this rank's activation rows, in row order: ``[S * B]`` (s-major) in the
+        padded layout; this rank's slice of the packed stream (padding tail 0) when packed."""
+        if not isinstance(ctx, Packing):
+            return attention_mask.transpose(0, 1).reshape(-1).float()
+        real = (torch.arange(ctx.total, device=attention_mask.device) < ctx.nnz).float()
+        if self.sequence_parallel:
+            per = ctx.total // self.dims.tp
+            real = real[self.dims.tp_rank * per:(self.dims.tp_rank + 1) * per]
+        return real
+
 
 def as_chunks(chunks) -> list:
     """The public API accepts a list of chunks or a single chunk."""
@@ -327,6 +351,7 @@ def prepare_config(spec: DecoderSpec, dims, *, task: str, dtype, sequence_parall
     if spec.hidden_act != "silu":
         raise ValueError(f"hidden_act={spec.hidden_act!r} is not supported (parallm implements 'silu')")
     check_tp(spec, dims.tp)
+    check_ep(spec, dims.ep)
     layer_numbers(spec.num_layers, dims.pp, dims.vpp, 0, 0)  # raises with the numbers if the split is uneven
     config = make_config(tp=dims.tp, pp=dims.pp, vpp=dims.vpp if dims.vpp > 1 else None, dtype=dtype,
                          sequence_parallel=sequence_parallel)

@@ -8,8 +8,11 @@ code read parallm's chunks correctly:
 
     tensor_model_parallel / partition_dim / partition_stride   the TP split (megatron-core sets these only when
                                                                it initialises a weight; parallm builds without)
-    sequence_parallel                                          norms and row-parallel biases: config's value
-    allreduce                                                  linear weights and biases: True (no experts yet)
+    sequence_parallel                                          norms, row-parallel biases, MoE router and shared
+                                                               expert gate: config's value
+    allreduce                                                  linear weights and biases: True; expert
+                                                               weights: False when ep > 1 (megatron-core's
+                                                               ``not (is_expert and expert_parallel)``)
     shared / shared_embedding                                  tied across stages: the first stage's embedding is
                                                                ``shared_embedding``; the last stage's head copy
                                                                ``shared`` and ``shared_embedding``
@@ -40,10 +43,17 @@ class Placement:
     ``tied``: ``"embedding"`` for the first stage's embedding and ``"copy"`` for the last stage's head copy when
     embeddings are tied across pipeline stages (gradients summed over the embedding group; the copy is neither
     saved nor counted in norms); None otherwise.
+    ``expert``: for a routed expert's weight, its global expert index (its layer's expert-parallel rank
+    ``ep_rank`` holds experts ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)``; within the expert the ``layout`` TP
+    split applies as for a dense MLP); None for everything dense (router and shared expert included). Expert
+    gradients are averaged over the expert-data-parallel group, dense ones over the data-parallel group; each
+    expert is held by exactly one rank of every expert-parallel group.
     """
     layout: TPLayout
     tp_sum: bool = False
     tied: str | None = None
+    expert: int | None = None
+    expert_parallel: bool = False   # expert weight under ep > 1 (megatron-core's allreduce=False)
 
     @property
     def tensor_parallel(self) -> bool:
@@ -60,7 +70,9 @@ def placement_of(param: torch.Tensor) -> Placement:
 def place(param: torch.Tensor, placement: Placement, *, module_kind: str, sequence_parallel: bool) -> None:
     """Attach ``placement`` and the attributes megatron-core sets on the same parameter. ``module_kind``: what
     owns it: ``"linear"`` (a megatron Column/RowParallelLinear weight or column bias), ``"row_bias"`` (a
-    RowParallelLinear bias), ``"norm"`` (an RMSNorm weight), ``"embedding"`` or ``"other"``."""
+    RowParallelLinear bias), ``"norm"`` (an RMSNorm weight), ``"replicated"`` (a TP-replicated weight that
+    megatron-core marks ``sequence_parallel`` like a norm: the MoE router and the shared expert's gate),
+    ``"embedding"`` or ``"other"``."""
     param.parallm_placement = placement
     if placement.tensor_parallel:
         param.tensor_model_parallel = True
@@ -69,10 +81,12 @@ def place(param: torch.Tensor, placement: Placement, *, module_kind: str, sequen
     else:
         for name, value in _MEGATRON_TP_DEFAULTS.items():
             setattr(param, name, value)
-    if module_kind in ("norm", "row_bias") or (placement.tp_sum and module_kind == "other"):
+    if module_kind in ("norm", "row_bias", "replicated") or (placement.tp_sum and module_kind == "other"):
         param.sequence_parallel = sequence_parallel
     if module_kind in ("linear", "row_bias"):
         param.allreduce = True
+    if placement.expert is not None:
+        param.allreduce = not placement.expert_parallel
     if placement.tied == "embedding":
         param.shared_embedding = True
     elif placement.tied == "copy":
@@ -86,7 +100,9 @@ def _module_kinds(chunk) -> dict[str, str]:
     for mname, module in chunk.named_modules():
         prefix = f"{mname}." if mname else ""
         for pname, _ in module.named_parameters(recurse=False):
-            if isinstance(module, mtp.RowParallelLinear) and pname == "bias":
+            if getattr(module, "parallm_param_kind", None):   # e.g. the MoE router: set by the module
+                kind = module.parallm_param_kind
+            elif isinstance(module, mtp.RowParallelLinear) and pname == "bias":
                 kind = "row_bias"
             elif isinstance(module, (mtp.ColumnParallelLinear, mtp.RowParallelLinear)):
                 kind = "linear"
@@ -119,5 +135,6 @@ def attach_placements(chunk, entries, *, pp: int) -> None:
         row = rows[name]
         tied = row.tied if tied_across else None
         placement = Placement(layout=make_layout(row.kind, spec, chunk.padded_vocab_size),
-                              tp_sum=row.tp_sum == "always" or (row.tp_sum == "sp" and sp), tied=tied)
+                              tp_sum=row.tp_sum == "always" or (row.tp_sum == "sp" and sp), tied=tied,
+                              expert=row.expert, expert_parallel=row.expert is not None and chunk.dims.ep > 1)
         place(param, placement, module_kind=kinds[name], sequence_parallel=sp)

@@ -14,6 +14,28 @@ TASKS = ("causal_lm", "value", "hidden")   # "hidden": headless (final-normed hi
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """The mixture-of-experts part of a decoder (None on :class:`DecoderSpec` for dense models).
+
+    Layers listed in ``layers`` (global indices) replace the dense MLP by a routed block: an fp32 router
+    (``[num_experts, H]``, no bias) picks ``top_k`` experts per token from the softmax of its logits (weights
+    renormalised to sum to 1 when ``norm_topk_prob``), every expert is a gated SiLU MLP of width
+    ``expert_intermediate_size``, and the token's output is the weighted sum of its experts' outputs (dropless: no
+    capacity limit). ``shared_expert_intermediate_size`` > 0 adds an always-on MLP of that width, scaled by
+    ``sigmoid(shared_expert_gate(x))`` when ``shared_expert_gate`` (Qwen2-MoE). ``aux_loss_coef`` > 0 adds the
+    load-balancing loss to ``forward_backward``'s loss (HF ``output_router_logits=True``; docs/moe.md).
+    """
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool
+    layers: tuple[int, ...]
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    aux_loss_coef: float = 0.0
+
+
+@dataclass(frozen=True)
 class DecoderSpec:
     family: str                 # registry key, e.g. "llama", "qwen2"
     architecture: str           # HF architecture of the checkpoint, e.g. "LlamaForCausalLM"
@@ -34,6 +56,11 @@ class DecoderSpec:
     hidden_act: str = "silu"
     qk_norm: bool = False       # Qwen3: RMSNorm over head_dim on every query / key head, before RoPE
     sliding_window: int | None = None   # Mistral: sequences longer than this are refused (full attention below)
+    moe: MoESpec | None = None  # mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral); None: every MLP dense
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` runs the routed-experts block instead of the dense MLP."""
+        return self.moe is not None and layer in self.moe.layers
 
     @property
     def q_size(self) -> int:
@@ -42,6 +69,19 @@ class DecoderSpec:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    # shapes the MoE weight-table rows name
+    @property
+    def num_experts(self) -> int:
+        return self.moe.num_experts if self.moe else 0
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe.expert_intermediate_size if self.moe else 0
+
+    @property
+    def shared_expert_intermediate_size(self) -> int:
+        return self.moe.shared_expert_intermediate_size if self.moe else 0
 
 
 def check_tp(spec: DecoderSpec, tp: int) -> None:
@@ -57,10 +97,24 @@ def check_tp(spec: DecoderSpec, tp: int) -> None:
                         "(KV heads can only be replicated in equal blocks)")
     if spec.num_heads % nkv:
         problems.append(f"num_attention_heads={spec.num_heads} is not a multiple of num_key_value_heads={nkv}")
-    if spec.intermediate_size % tp:
+    dense = spec.moe is None or len(spec.moe.layers) < spec.num_layers
+    if dense and spec.intermediate_size % tp:
         problems.append(f"intermediate_size={spec.intermediate_size} is not divisible by tp={tp}")
+    if spec.moe is not None:
+        for name, size in (("moe_intermediate_size", spec.moe.expert_intermediate_size),
+                           ("shared_expert_intermediate_size", spec.moe.shared_expert_intermediate_size)):
+            if size % tp:
+                problems.append(f"{name}={size} is not divisible by tp={tp}")
     if problems:
         raise ValueError(f"{spec.architecture} cannot be split with tp={tp}: " + "; ".join(problems))
+
+
+def check_ep(spec: DecoderSpec, ep: int) -> None:
+    """Raise ValueError when the experts cannot be split over ``ep`` expert-parallel ranks (a dense model runs
+    under any ep: expert parallelism then changes nothing)."""
+    if spec.moe is not None and spec.moe.num_experts % ep:
+        raise ValueError(f"{spec.architecture} cannot be split with ep={ep}: num_experts={spec.moe.num_experts} "
+                         f"is not divisible by ep={ep}")
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:

@@ -13,11 +13,17 @@ see :mod:`parallm.model.placement`):
     row      split along dim 1 (row-parallel input)
     qkv      three HF tensors (q, k, v) fused per rank as [q_r; k_r; v_r] (KV heads replicated when nkv < tp)
     gate_up  two HF tensors (gate, up) fused per rank as [gate_r; up_r]
+
+Mixture of experts: a row with ``per_expert=True`` is a template for every expert of a layer (``{e}`` in its HF
+names = global expert index, ``{x}`` in its local name = the expert's index among those of its expert-parallel
+rank). :func:`select_rows` expands it into one row per expert (``expert`` set, HF names filled in, the local name
+still a template), so every (row, layer) pair names one tensor of the whole model; :func:`chunk_entries` keeps
+the experts a rank owns. Layer conditions (``moe_layer`` / ``dense_layer``) pick the rows of each layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .spec import DecoderSpec
 
@@ -36,6 +42,14 @@ CONDITIONS = {
     "untied": lambda spec, task, pp: not spec.tie_word_embeddings,
     # tied and the head lives on another stage than the embedding: the last stage keeps a copy
     "tied_copy": lambda spec, task, pp: spec.tie_word_embeddings and pp > 1,
+    "shared_expert": lambda spec, task, pp: spec.moe is not None and spec.moe.shared_expert_intermediate_size > 0,
+    "shared_expert_gate": lambda spec, task, pp: spec.moe is not None and spec.moe.shared_expert_gate,
+}
+
+# Conditions on the global layer index (all must hold for the row to exist in that layer).
+LAYER_CONDITIONS = {
+    "moe_layer": lambda spec, layer: spec.is_moe_layer(layer),
+    "dense_layer": lambda spec, layer: not spec.is_moe_layer(layer),
 }
 
 
@@ -51,6 +65,8 @@ class Row:
     tp_sum: str = "never"           # gradient is a partial sum over TP: "never", "sp" (under sequence
                                     # parallelism: fed 1/tp of the tokens), "always" (per-head q/k norms)
     tied: str | None = None         # tied embeddings across stages: "embedding" (first stage) / "copy" (head)
+    per_expert: bool = False        # a template expanded per expert by select_rows ({e} / {x} in the names)
+    expert: int | None = None       # the global expert index of an expanded per-expert row
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -64,11 +80,16 @@ class Row:
         if self.tied not in (None, "embedding", "copy"):
             raise ValueError(f"row {self.local}: tied must be None, 'embedding' or 'copy', got {self.tied!r}")
         for c in self.when:
-            if c not in CONDITIONS:
+            if c not in CONDITIONS and c not in LAYER_CONDITIONS:
                 raise ValueError(f"unknown condition {c!r}")
+        if self.per_expert and self.stage != "layer":
+            raise ValueError(f"row {self.local}: per-expert rows are layer rows")
 
     def applies(self, spec: DecoderSpec, task: str, pp: int) -> bool:
-        return all(CONDITIONS[c](spec, task, pp) for c in self.when)
+        return all(CONDITIONS[c](spec, task, pp) for c in self.when if c in CONDITIONS)
+
+    def applies_to_layer(self, spec: DecoderSpec, layer: int) -> bool:
+        return all(LAYER_CONDITIONS[c](spec, layer) for c in self.when if c in LAYER_CONDITIONS)
 
 
 @dataclass(frozen=True)
@@ -83,29 +104,57 @@ class Entry:
     def kind(self) -> str:
         return self.row.kind
 
+    @property
+    def expert(self) -> int | None:
+        """Global expert index of an expert's tensor, None for everything else."""
+        return self.row.expert
+
+
+def _expand_experts(row: Row, num_experts: int) -> list[Row]:
+    """One row per expert: HF names with ``{e}`` filled in (``{i}`` left for the layer), ``expert`` set."""
+    return [replace(row, per_expert=False, expert=e,
+                    hf=tuple(h.replace("{e}", str(e)) for h in row.hf)) for e in range(num_experts)]
+
 
 def select_rows(table, spec: DecoderSpec, task: str, pp: int) -> list[Row]:
-    return [r for r in table if r.applies(spec, task, pp)]
+    """The rows that apply to this model, per-expert templates expanded (experts in order, each template's
+    experts where the template stands)."""
+    out = []
+    for r in table:
+        if not r.applies(spec, task, pp):
+            continue
+        if r.per_expert:
+            if spec.moe is not None:
+                out.extend(_expand_experts(r, spec.moe.num_experts))
+        else:
+            out.append(r)
+    return out
 
 
 def chunk_entries(table, spec: DecoderSpec, *, task: str, pp: int, pre_process: bool, post_process: bool,
-                  layers) -> list[Entry]:
-    """Entries owned by one chunk, in table order (layer rows for every layer of the chunk, in order)."""
+                  layers, experts: range | None = None) -> list[Entry]:
+    """Entries owned by one chunk, in table order (layer rows for every layer of the chunk, in order).
+    ``experts``: the global expert indices this rank holds (its expert-parallel share); None: every expert."""
     out = []
     rows = select_rows(table, spec, task, pp)
     for row in rows:
         if row.stage == "first" and pre_process or row.stage == "last" and post_process:
             out.append(Entry(row, row.local, row.hf, None))
-    layer_rows = [r for r in rows if r.stage == "layer"]
+    layer_rows = [r for r in rows if r.stage == "layer"
+                  and (r.expert is None or experts is None or r.expert in experts)]
+    first_expert = 0 if experts is None else experts.start
     for local_idx, global_idx in enumerate(layers):
         for row in layer_rows:
-            out.append(Entry(row, row.local.format(l=local_idx), tuple(h.format(i=global_idx) for h in row.hf),
-                             global_idx))
+            if not row.applies_to_layer(spec, global_idx):
+                continue
+            x = None if row.expert is None else row.expert - first_expert
+            out.append(Entry(row, row.local.format(l=local_idx, x=x),
+                             tuple(h.format(i=global_idx) for h in row.hf), global_idx))
     return out
 
 
 def all_entries(table, spec: DecoderSpec, *, task: str, pp: int) -> list[Entry]:
-    """Every entry of the whole model (as if one chunk held everything)."""
+    """Every entry of the whole model (as if one chunk held everything, every expert included)."""
     return chunk_entries(table, spec, task=task, pp=pp, pre_process=True, post_process=True,
                          layers=range(spec.num_layers))
 

@@ -13,6 +13,10 @@ the unsharded model:
 3. ``tp_sum`` params (TP-replicated but fed part of the work on each rank: norms, row-parallel biases and the
    value head under sequence parallelism; per-head q/k norms always) are summed over the TP group.
 4. Data parallelism: gradients are averaged over the data-parallel group (the loss is a mean over replicas).
+   A routed expert's weight (``placement.expert`` set) already holds the gradient of every token its
+   expert-parallel group routed to it; it is summed over the expert-data-parallel group (the replicas holding the
+   same expert) and divided by the data-parallel size, as megatron-core's DDP does. Router and shared expert are
+   dense: averaged over the whole data-parallel group. An expert that no token chose ends with a zero gradient.
 
 Where gradients live: fp32 parameters in ``param.grad``; bf16 / fp16 parameters in an fp32 ``param.main_grad``
 (as Megatron's DDP): :func:`attach_main_grad_hooks` gives them a post-accumulate-grad hook that adds each fresh
@@ -134,7 +138,14 @@ def finalize_grads(chunks) -> None:
         _all_reduce_coalesced([_grad(p) for p, pl in placed if pl.tp_sum], layout.tp_group)
 
     if layout.dp > 1:
-        _all_reduce_coalesced([_grad(p) for p in params], layout.dp_group, scale=1.0 / layout.dp)
+        _all_reduce_coalesced([_grad(p) for p, pl in placed if pl.expert is None], layout.dp_group,
+                              scale=1.0 / layout.dp)
+        experts = [_grad(p) for p, pl in placed if pl.expert is not None]
+        if layout.edp > 1:
+            _all_reduce_coalesced(experts, layout.edp_group, scale=1.0 / layout.dp)
+        else:
+            for g in experts:
+                g.mul_(1.0 / layout.dp)
 
 
 # -- gradient clipping ----------------------------------------------------------------------------------------
@@ -148,6 +159,7 @@ def _local_norm_partials(chunks, norm_type: float) -> dict[str, torch.Tensor]:
     device = next(chunks[0].parameters()).device
     inf = norm_type == float("inf")
     total = torch.zeros((), dtype=torch.float32, device=device)
+    expert_total = torch.zeros((), dtype=torch.float32, device=device)
     dims = chunks[0].dims
     for chunk in chunks:
         for p in chunk.parameters():
@@ -159,11 +171,13 @@ def _local_norm_partials(chunks, norm_type: float) -> dict[str, torch.Tensor]:
                 part = g.narrow(dim, start, stop - start).float()
                 if part.numel() == 0:
                     continue
+                # routed experts are split over the expert-parallel group: each EP rank holds other experts
+                acc = expert_total if pl.expert is not None else total
                 if inf:
-                    total = torch.maximum(total, part.abs().max())
+                    acc.copy_(torch.maximum(acc, part.abs().max()))
                 else:
-                    total += torch.linalg.vector_norm(part, norm_type) ** norm_type
-    return {"model": total}
+                    acc += torch.linalg.vector_norm(part, norm_type) ** norm_type
+    return {"model": total, "expert": expert_total}
 
 
 def _reduce_norm_partials(partials: dict[str, torch.Tensor], norm_type: float, dims) -> torch.Tensor:
@@ -172,6 +186,10 @@ def _reduce_norm_partials(partials: dict[str, torch.Tensor], norm_type: float, d
     inf = norm_type == float("inf")
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     total = partials["model"].clone()
+    experts = partials["expert"].clone()
+    if dims.ep > 1:   # distinct experts on each EP rank (same on expert-data-parallel replicas)
+        dist.all_reduce(experts, op=op, group=dims.ep_group)
+    total = torch.maximum(total, experts) if inf else total + experts
     for group, size in ((dims.tp_group, dims.tp), (dims.pp_group, dims.pp)):
         if size > 1:
             dist.all_reduce(total, op=op, group=group)

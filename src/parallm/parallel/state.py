@@ -27,7 +27,7 @@ def _import_parallel_state():
     return import_megatron().parallel_state
 
 
-def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, backend: str | None = None,
+def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, ep: int = 1, backend: str | None = None,
                   seed: int = 0, timeout_s: float | None = None) -> None:
     """Initialise torch.distributed (if needed) and Megatron-core's model-parallel groups.
 
@@ -38,8 +38,14 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, backend: 
 
     ``world_size`` must equal ``tp * pp * dp`` for an integer dp; Megatron's rank order (tp fastest, then dp,
     then pp) decides which ranks share a group.
+
+    ``ep``: expert parallelism for mixture-of-experts models, carved out of the data-parallel ranks as in
+    Megatron (``expert_model_parallel_size``): ``ep`` must divide dp; the experts of every MoE layer are split
+    over the ``ep`` ranks of an expert-parallel group (data-parallel ranks with the same tp and pp rank), and
+    ranks holding the same experts form the expert-data-parallel group (size ``dp / ep``). Within an expert the
+    FFN is split over the tp ranks like a dense MLP (expert-TP = tp).
     """
-    for name, value in (("tp", tp), ("pp", pp)):
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if vpp is not None:
@@ -65,6 +71,10 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, backend: 
     world = dist.get_world_size()
     if world % (tp * pp) != 0:
         raise ValueError(f"world size {world} is not tp*pp*dp: tp={tp} x pp={pp} = {tp * pp} does not divide {world}")
+    dp = world // (tp * pp)
+    if dp % ep:
+        raise ValueError(f"ep={ep} does not divide the data-parallel size dp={dp} (world {world} = tp={tp} x "
+                         f"pp={pp} x dp={dp}); expert-parallel ranks are carved out of the data-parallel ranks")
     ps = _import_parallel_state()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
@@ -72,6 +82,8 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, backend: 
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=tp,
         distributed_timeout_minutes=max(1, int(round(timeout.total_seconds() / 60))),
         create_gloo_process_groups=False,
     )
@@ -119,6 +131,14 @@ class ParallelDims:
     tp_group: object = field(compare=False, repr=False)
     pp_group: object = field(compare=False, repr=False)
     dp_group: object = field(compare=False, repr=False)
+    # expert parallelism: ep ranks (data-parallel ranks with the same tp / pp rank) split the experts; edp ranks
+    # (size dp / ep) hold the same experts and average their gradients
+    ep: int = 1
+    ep_rank: int = 0
+    edp: int = 1
+    edp_rank: int = 0
+    ep_group: object = field(default=None, compare=False, repr=False)
+    edp_group: object = field(default=None, compare=False, repr=False)
 
     @classmethod
     def current(cls) -> "ParallelDims":
@@ -129,11 +149,26 @@ class ParallelDims:
                    dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
                    rank=dist.get_rank(), world=dist.get_world_size(), generation=_STATE["generation"],
                    tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
-                   dp_group=ps.get_data_parallel_group())
+                   dp_group=ps.get_data_parallel_group(),
+                   ep=ps.get_expert_model_parallel_world_size(), ep_rank=ps.get_expert_model_parallel_rank(),
+                   edp=ps.get_expert_data_parallel_world_size(), edp_rank=ps.get_expert_data_parallel_rank(),
+                   ep_group=ps.get_expert_model_parallel_group(), edp_group=ps.get_expert_data_parallel_group())
 
     def describe(self) -> str:
         vpp = f" x vpp={self.vpp}" if self.vpp > 1 else ""
-        return f"tp={self.tp} x pp={self.pp}{vpp} x dp={self.dp}"
+        ep = f" (ep={self.ep})" if self.ep > 1 else ""
+        return f"tp={self.tp} x pp={self.pp}{vpp} x dp={self.dp}{ep}"
+
+    # -- experts: decided here only ---------------------------------------------------------------------------
+    def expert_range(self, num_experts: int) -> range:
+        """Global indices of the experts this rank holds (of every MoE layer): expert-parallel rank r holds
+        ``[r * E / ep, (r + 1) * E / ep)``."""
+        per = num_experts // self.ep
+        return range(self.ep_rank * per, (self.ep_rank + 1) * per)
+
+    def expert_owner(self, expert: int, num_experts: int) -> int:
+        """Expert-parallel rank holding global expert ``expert``: the inverse of :meth:`expert_range`."""
+        return expert // (num_experts // self.ep)
 
     # -- pipeline stages: decided here only ------------------------------------------------------------------
     def is_first_stage(self, vpp_rank: int) -> bool:

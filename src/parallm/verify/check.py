@@ -39,6 +39,7 @@ class Check:
     pp: int = 1
     vpp: int | None = None
     dp: int | None = None
+    ep: int = 1                   # expert parallelism (mixture-of-experts models), carved out of dp
     packed: bool = False
     sequence_parallel: bool = False
     task: str | None = None       # None: from the checkpoint's architectures
@@ -56,8 +57,8 @@ class Check:
     def name(self, dp: int | None = None) -> str:
         """"tp2 pp2 vpp2 dp2 packed+SP value broadcast": the parts that differ from the defaults."""
         dp = dp or self.dp or 1
-        parts = [f"tp{self.tp}"] + [f"{k}{v}" for k, v in (("pp", self.pp), ("vpp", self.vpp or 1), ("dp", dp))
-                                    if v > 1]
+        parts = [f"tp{self.tp}"] + [f"{k}{v}" for k, v in (("pp", self.pp), ("vpp", self.vpp or 1), ("dp", dp),
+                                                            ("ep", self.ep)) if v > 1]
         if self.sequence_parallel or self.packed:
             parts.append("packed+SP" if self.sequence_parallel else "packed")
         if self.task == "value":
@@ -89,7 +90,7 @@ def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
     if check.dp and world != check.tp * check.pp * check.dp:
         raise ValueError(f"the world has {world} rank(s), not tp={check.tp} x pp={check.pp} x dp={check.dp} = "
                          f"{check.tp * check.pp * check.dp}")
-    parallm.init_parallel(tp=check.tp, pp=check.pp, vpp=check.vpp, timeout_s=check.timeout_s)
+    parallm.init_parallel(tp=check.tp, pp=check.pp, vpp=check.vpp, ep=check.ep, timeout_s=check.timeout_s)
     dims = current_dims()
     rank0, dp, dp_rank = dims.rank == 0, dims.dp, dims.dp_rank
     ckpt = check.ckpt

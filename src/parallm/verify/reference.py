@@ -144,8 +144,16 @@ def hf_output(model, ids, mask, *, task: str = "causal_lm") -> torch.Tensor:
 
 
 def hf_state(model, *, clone: bool = True) -> dict[str, torch.Tensor]:
-    """The tensors an HF checkpoint of ``model`` holds, on CPU (a tied lm_head dropped, as save_pretrained does)."""
+    """The tensors an HF checkpoint of ``model`` holds, on CPU, in the checkpoint's names (a tied lm_head dropped,
+    as save_pretrained does). transformers 5 fuses MoE experts in memory (``experts.gate_up_proj``); its own
+    save-time conversion gives the per-expert tensors a checkpoint holds."""
     sd = {k: (v.detach().cpu().clone() if clone else v.detach().cpu()) for k, v in model.state_dict().items()}
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4.x: the in-memory names are the checkpoint's
+        revert_weight_conversion = None
+    if revert_weight_conversion is not None:
+        sd = dict(revert_weight_conversion(model, sd))
     if getattr(model.config, "tie_word_embeddings", False) and "score.weight" not in sd:
         sd.pop("lm_head.weight", None)
     return sd

@@ -1,0 +1,116 @@
+"""Mixture-of-experts training-step throughput. Not part of the test suite.
+
+    python bench/moe_bench.py [--layers 4] [--hidden 512] [--experts 8] [--top-k 2] [--expert-width 512]
+                              [--seq 256] [--batch 8] [--iters 3]
+
+One process (tp = pp = ep = 1, gloo world of 1), fp32, both sides in the same process and run, same Qwen3-MoE
+model (every layer routed): forward + backward tokens/s of parallm.forward_backward divided by transformers'
+forward + loss + backward, with transformers' default experts implementation (``grouped_mm``) and with its
+per-expert loop (``eager``). The three are timed in interleaved rounds; each figure is the best round, by wall
+time and by this process's CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import free_port, table  # noqa: E402
+from compute_bench import ce_loss  # noqa: E402
+
+
+def interleaved(fns, rounds):
+    """Best wall time and best process CPU time of each function over ``rounds`` rounds that run every function
+    once, after one warm-up each. CPU time (all threads of this process) is the work done, much less sensitive
+    than wall time to other processes competing for the cores."""
+    import time
+    for fn in fns:
+        fn()
+    wall, cpu = [float("inf")] * len(fns), [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            t, c = time.perf_counter(), time.process_time()
+            fn()
+            wall[i] = min(wall[i], time.perf_counter() - t)
+            cpu[i] = min(cpu[i], time.process_time() - c)
+    return wall, cpu
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--expert-width", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=3)
+    args = ap.parse_args(argv)
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                      PARALLM_PROGRESS="0")
+    import torch
+    import transformers
+
+    import parallm
+    cfg = transformers.Qwen3MoeConfig(
+        hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75), moe_intermediate_size=args.expert_width,
+        num_experts=args.experts, num_experts_per_tok=args.top_k, norm_topk_prob=True, num_hidden_layers=args.layers,
+        num_attention_heads=8, num_key_value_heads=4, vocab_size=8000, max_position_embeddings=4 * args.seq,
+        attn_implementation="sdpa")
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(cfg).float()
+    default_impl = hf.config._experts_implementation
+    ckpt = tempfile.mkdtemp(prefix="parallm-moebench-")
+    hf.save_pretrained(ckpt)
+    parallm.init_parallel(tp=1)
+    g = torch.Generator().manual_seed(0)
+    b, s = args.batch, args.seq
+    ids = torch.randint(0, cfg.vocab_size, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.long)
+    pos = parallm.default_position_ids(mask)
+
+    def hf_step():
+        hf.zero_grad(set_to_none=True)
+        out = hf(input_ids=ids, attention_mask=mask, position_ids=pos)
+        ce_loss(out.logits, ids, mask).backward()
+
+    chunks = parallm.build_model(ckpt)
+    parallm.load_hf_weights(chunks, ckpt)
+
+    def pl_step():
+        for c in chunks:
+            c.zero_grad(set_to_none=True)
+        parallm.forward_backward(chunks, ids, mask, loss_fn=ce_loss)
+
+    def hf_eager_step():
+        hf.set_experts_implementation("eager")
+        try:
+            hf_step()
+        finally:
+            hf.set_experts_implementation(default_impl)
+
+    # Interleaved rounds (one step of each per round, best of the rounds): on a shared machine the load drifts,
+    # and timing one side after the other would charge the drift to one of them.
+    (t_pl, t_hf, t_eager), (c_pl, c_hf, c_eager) = interleaved([pl_step, hf_step, hf_eager_step], args.iters)
+    tokens = b * s
+    rows = []
+    for what, pl, hf_default, hf_eager in (("wall", t_pl, t_hf, t_eager), ("CPU time", c_pl, c_hf, c_eager)):
+        rows += [
+            (f"fwd+bwd tokens/s ({what}): parallm / transformers ({default_impl})",
+             f"{tokens / pl:.0f} / {tokens / hf_default:.0f}", f"{hf_default / pl:.2f}", ">= 1.0"),
+            (f"fwd+bwd tokens/s ({what}): parallm / transformers (eager expert loop)",
+             f"{tokens / pl:.0f} / {tokens / hf_eager:.0f}", f"{hf_eager / pl:.2f}", "report"),
+        ]
+    print(f"model: Qwen3-MoE hidden {args.hidden}, {args.layers} layers (all routed), {args.experts} experts top-"
+          f"{args.top_k} of width {args.expert_width}, vocab {cfg.vocab_size}; batch {b} x {s}; fp32, "
+          f"{torch.get_num_threads()} threads")
+    print(table(rows, ["metric", "measured", "ratio", "target"]))
+    parallm.destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()

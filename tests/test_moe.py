@@ -1,0 +1,471 @@
+"""Mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral) against transformers in fp32, under expert parallelism.
+
+One spawn of 4 ranks runs every case of CASES in turn (init_parallel(tp, pp, ep=...) per case). Per case:
+
+* slice load (every parameter pre-filled with NaN, so a skipped expert shows) -> ``forward`` logits / values vs
+  transformers at real positions < 2e-5;
+* ``save_hf_weights`` on rank 0 == the files transformers' ``save_pretrained`` wrote (per-expert Hub names,
+  bit-exact, same key set);
+* a broadcast load of the same layout gives identical outputs;
+* one SGD step (``forward_backward`` + ``finalize_grads`` + ``p -= lr * p.grad``) vs the same step on the
+  transformers model (loss, saved weights after the step in Hub names, outputs after the step), with the
+  load-balancing loss in the objective when the config sets ``output_router_logits``;
+* every expert parameter has a gradient after ``finalize_grads`` (a tensor, never None).
+
+A second spawn checks that experts no token chose get an exactly-zero gradient (and chosen ones a non-zero one).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import helpers
+
+LR = 0.5
+WORLD = 4
+
+
+def ce_loss(logits, ids, mask):
+    lp = logits[:, :-1].float().log_softmax(-1)
+    m = (mask[:, 1:] * mask[:, :-1]).float()
+    nll = -lp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return (nll * m).sum() / m.sum()
+
+
+def value_loss(values, ids, mask):
+    target = (ids % 7).float() / 7.0
+    m = mask.float()
+    return (((values - target) ** 2) * m).sum() / m.sum()
+
+
+def hf_forward(model, ids, mask, task):
+    """(what parallm.forward returns, the per-MoE-layer router logits)."""
+    import parallm
+    pos = parallm.default_position_ids(mask)
+    if task == "value":
+        out = model.model(input_ids=ids, attention_mask=mask, position_ids=pos, output_router_logits=True)
+        return model.score(out.last_hidden_state).squeeze(-1).float(), out.router_logits
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, output_router_logits=True)
+    return out.logits.float(), out.router_logits
+
+
+def per_layer_balance_loss(router_logits, config, mask) -> torch.Tensor:
+    """The reference load-balancing term: transformers' own ``load_balancing_loss_func`` applied to each MoE
+    layer alone, summed over layers (what parallm documents it computes)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    experts = getattr(config, "num_experts", None) or config.num_local_experts
+    return sum(load_balancing_loss_func((lg,), experts, config.num_experts_per_tok, mask) for lg in router_logits)
+
+
+def reference_step(model, ids, mask, pieces, task, tmp):
+    """Mean over equal batch pieces of (task loss + coef * balance loss when on); SGD step; returns (loss, Hub
+    state dict after, output after)."""
+    model = copy.deepcopy(model)
+    model.zero_grad()
+    cfg = model.config
+    coef = cfg.router_aux_loss_coef if cfg.output_router_logits else 0.0
+    loss_fn = value_loss if task == "value" else ce_loss
+    size = ids.shape[0] // pieces
+    losses = []
+    for i in range(0, ids.shape[0], size):
+        out, router = hf_forward(model, ids[i:i + size], mask[i:i + size], task)
+        loss = loss_fn(out, ids[i:i + size], mask[i:i + size])
+        if coef:
+            loss = loss + coef * per_layer_balance_loss(router, cfg, mask[i:i + size])
+        losses.append(loss)
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= LR * p.grad
+        after, _ = hf_forward(model, ids, mask, task)
+    return loss.item(), helpers.hub_state_dict(model, tmp), after
+
+
+# name, family, config overrides, layout (tp, pp, [vpp,] ep, nmb), build kwargs
+CASES = [
+    ("qwen3-moe tp1 ep4 dp4 8 experts mlp_only[1] step1", "qwen3_moe",
+     dict(num_hidden_layers=2, num_experts=8, mlp_only_layers=[1]), dict(tp=1, pp=1, ep=4, nmb=1), {}),
+    ("qwen3-moe tp1 ep2 dp4 (edp 2) sparse_step 2 no-norm", "qwen3_moe",
+     dict(num_hidden_layers=4, decoder_sparse_step=2, norm_topk_prob=False, attention_bias=True),
+     dict(tp=1, pp=1, ep=2, nmb=2), {}),
+    ("qwen3-moe tp2 ep2 nkv1 aux-loss", "qwen3_moe",
+     dict(num_hidden_layers=2, num_key_value_heads=1, output_router_logits=True, router_aux_loss_coef=0.3),
+     dict(tp=2, pp=1, ep=2, nmb=1), {}),
+    ("qwen2-moe tp1 pp2 ep2 shared expert tied mb2 aux", "qwen2_moe",
+     dict(num_hidden_layers=4, tie_word_embeddings=True, mlp_only_layers=[2], output_router_logits=True,
+          router_aux_loss_coef=0.2),
+     dict(tp=1, pp=2, ep=2, nmb=2), {}),
+    ("qwen3-moe pp2 vpp2 ep2 mb2 tied", "qwen3_moe", dict(num_hidden_layers=4, tie_word_embeddings=True),
+     dict(tp=1, pp=2, vpp=2, ep=2, nmb=2), {}),
+    ("mixtral tp2 pp2 ep1", "mixtral", dict(num_hidden_layers=4, vocab_size=99), dict(tp=2, pp=2, ep=1, nmb=1), {}),
+    ("qwen3-moe packed+SP tp2 ep2 aux", "qwen3_moe",
+     dict(num_hidden_layers=2, output_router_logits=True, router_aux_loss_coef=0.3),
+     dict(tp=2, pp=1, ep=2, nmb=1), {"packed": True, "sequence_parallel": True}),
+    ("qwen2-moe value tp2 ep2 packed+SP", "qwen2_moe", dict(num_hidden_layers=2),
+     dict(tp=2, pp=1, ep=2, nmb=1), {"task": "value", "packed": True, "sequence_parallel": True}),
+    ("mixtral value tp1 ep4", "mixtral", dict(num_hidden_layers=2), dict(tp=1, pp=1, ep=4, nmb=1),
+     {"task": "value"}),
+]
+
+
+def make_cases(tmp_path, specs):
+    cases = []
+    for i, (name, family, overrides, layout, build) in enumerate(specs):
+        task = build.get("task", "causal_lm")
+        cfg = helpers.tiny_config(family, **overrides)
+        model = helpers.make_hf_model(cfg, seed=30 + i, task=task)
+        ckpt = str(tmp_path / f"m{i}")
+        ckpt_sd = helpers.hub_state_dict(model, ckpt)
+        if i % 2 == 0:  # also a sharded checkpoint with an index
+            helpers.save_checkpoint(model, ckpt, max_shard_size="60KB")
+        ids, mask = helpers.padded_batch(cfg.vocab_size, seed=i, batch=8, seq=9)
+        dp = WORLD // (layout["tp"] * layout["pp"])
+        loss, new_sd, after = reference_step(model, ids, mask, dp * layout["nmb"], task, str(tmp_path / f"s{i}"))
+        with torch.no_grad():
+            ref, _ = hf_forward(model, ids, mask, task)
+        cases.append(dict(name=name, ckpt=ckpt, ids=ids, mask=mask, build=build, task=task, ref=ref,
+                          ref_sd=ckpt_sd, ref_loss=loss, ref_new_sd=new_sd, ref_after=after, **layout))
+    return cases
+
+
+def _nan_fill(chunks):
+    with torch.no_grad():
+        for c in chunks:
+            for p in c.parameters():
+                p.fill_(float("nan"))
+
+
+def rank_cases(rank, world, cases):
+    import parallm
+    from parallm.model.placement import placement_of
+    from parallm.parallel.state import current_dims
+    out = []
+    for case in cases:
+        parallm.init_parallel(tp=case["tp"], pp=case["pp"], vpp=case.get("vpp"), ep=case["ep"])
+        lay = current_dims()
+        assert (lay.ep, lay.edp) == (case["ep"], lay.dp // case["ep"])
+        chunks = parallm.build_model(case["ckpt"], **case["build"])
+        _check_attributes(chunks, lay)
+        _nan_fill(chunks)
+        parallm.load_hf_weights(chunks, case["ckpt"], mode="slice")
+        ids, mask = case["ids"], case["mask"]
+        got = parallm.forward(chunks, ids, mask)
+        fwd = helpers.max_diff_real(got, case["ref"], mask)
+        sd = parallm.save_hf_weights(chunks)
+        if rank == 0:
+            ref_sd = case["ref_sd"]
+            assert sd.keys() == ref_sd.keys(), sorted(set(sd) ^ set(ref_sd))
+            bad = [k for k in ref_sd if not torch.equal(sd[k], ref_sd[k])]
+            assert not bad, bad
+        else:
+            assert sd == {}
+        chunks_b = parallm.build_model(case["ckpt"], **case["build"])
+        _nan_fill(chunks_b)
+        parallm.load_hf_weights(chunks_b, case["ckpt"], mode="broadcast")
+        assert torch.equal(parallm.forward(chunks_b, ids, mask), got), case["name"]
+        del chunks_b
+        per = ids.shape[0] // lay.dp
+        sl = slice(lay.dp_rank * per, (lay.dp_rank + 1) * per)
+        loss_fn = value_loss if case["task"] == "value" else ce_loss
+        loss = parallm.forward_backward(chunks, ids[sl], mask[sl], loss_fn=loss_fn, num_microbatches=case["nmb"])
+        parallm.finalize_grads(chunks)
+        experts = [(n, p) for c in chunks for n, p in c.named_parameters() if placement_of(p).expert is not None]
+        assert experts and all(p.grad is not None for _, p in experts), case["name"]
+        with torch.no_grad():
+            for c in chunks:
+                for p in c.parameters():
+                    p -= LR * p.grad
+        after = parallm.forward(chunks, ids, mask)
+        new_sd = parallm.save_hf_weights(chunks)
+        wdiff = None
+        if rank == 0:
+            ref_new = case["ref_new_sd"]
+            assert new_sd.keys() == ref_new.keys(), sorted(set(new_sd) ^ set(ref_new))
+            wdiff = max((new_sd[k] - ref_new[k]).abs().max().item() for k in ref_new)
+        out.append(dict(fwd=fwd, loss=abs(loss.item() - case["ref_loss"]), weights=wdiff,
+                        after=helpers.max_diff_real(after, case["ref_after"], mask)))
+        parallm.destroy_parallel()
+    return out
+
+
+def _check_attributes(chunks, lay):
+    """megatron-core's marks: expert weights ``allreduce=False`` under ep > 1 (True at ep = 1) and TP-split like
+    a dense MLP; the router and the shared expert's gate replicated with ``sequence_parallel`` set as norms."""
+    from parallm.model.placement import placement_of
+    for c in chunks:
+        for name, p in c.named_parameters():
+            pl = placement_of(p)
+            if ".local_experts." in name:
+                x = int(name.split(".local_experts.")[1].split(".")[0])
+                assert pl.expert == lay.expert_range(c.spec.moe.num_experts)[x], name
+                assert p.allreduce is (lay.ep == 1), name
+                assert p.tensor_model_parallel and p.partition_dim == (0 if "fc1" in name else 1), name
+            else:
+                assert pl.expert is None, name
+            if name.endswith(("router.weight", "gate_weight")):
+                assert p.sequence_parallel is c.sequence_parallel and not p.tensor_model_parallel, name
+                assert pl.tp_sum is c.sequence_parallel, name
+
+
+@pytest.mark.timeout(900)
+def test_moe_parity_round_trip_and_sgd_step(tmp_path):
+    cases = make_cases(tmp_path, CASES)
+    results = helpers.run_ranks(rank_cases, WORLD, cases, timeout=880)
+    print()
+    for i, case in enumerate(cases):
+        per_rank = [r[i] for r in results]
+        fwd, loss = max(r["fwd"] for r in per_rank), max(r["loss"] for r in per_rank)
+        after, wdiff = max(r["after"] for r in per_rank), per_rank[0]["weights"]
+        print(f"{case['name']:<52} fwd {fwd:.1e} loss {loss:.1e} weights {wdiff:.1e} after {after:.1e}")
+        assert fwd < 2e-5, case["name"]
+        assert loss < 2e-5, case["name"]
+        assert wdiff < 2e-5, case["name"]
+        assert after < 5e-5, case["name"]
+
+
+# -- every expert of every layer, once: load / export / save at many layouts ---------------------------------
+
+COVERAGE_CONFIG = dict(num_hidden_layers=4, num_experts=8, mlp_only_layers=[1])   # layers 0, 2, 3 route
+LAYOUTS_4 = [(1, 1, 1), (1, 1, 2), (1, 1, 4), (2, 1, 1), (2, 1, 2), (1, 2, 1), (1, 2, 2), (2, 2, 1)]
+LAYOUTS_8 = [(2, 1, 4), (1, 2, 4), (2, 2, 2)]      # (tp, pp, ep)
+
+
+def _expert_names(names, experts):
+    """HF names of routed-expert tensors among ``names``, and the subset that belongs to ``experts``."""
+    import re
+    pattern = re.compile(r"\.mlp\.experts\.(\d+)\.")
+    routed = {n for n in names if pattern.search(n)}
+    return routed, {n for n in routed if int(pattern.search(n).group(1)) in experts}
+
+
+def rank_coverage(rank, world, ckpt, layouts, ref_sd, ids, mask, ref_logits, out_root):
+    import collections
+    import os
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    import parallm
+    from parallm.checkpoint import hf_dir
+    from parallm.parallel.state import current_dims
+    reads = []
+    original_read = hf_dir.SliceSource.read
+
+    def recording_read(self, dim, start, stop):
+        reads.append(self.name)
+        return original_read(self, dim, start, stop)
+
+    hf_dir.SliceSource.read = recording_read
+    received = []
+    original_recv = dist.recv
+
+    def counting_recv(tensor, *args, **kwargs):
+        out = original_recv(tensor, *args, **kwargs)
+        if tensor.numel() > 1:
+            received.append(tensor.numel())
+        return out
+
+    dist.recv = counting_recv
+    report = []
+    for tp, pp, ep in layouts:
+        parallm.init_parallel(tp=tp, pp=pp, ep=ep)
+        lay = current_dims()
+        where = f"tp={tp} pp={pp} ep={ep} rank {rank}"
+        chunks = parallm.build_model(ckpt)
+        mine = lay.expert_range(8)
+        # slice load reads exactly this rank's experts (all of them, no other)
+        reads.clear()
+        parallm.load_hf_weights(chunks, ckpt, mode="slice")
+        read_experts, _ = _expert_names(set(reads), mine)
+        local_names = {n for c in chunks for n in _hf_names_of(c, lay)}
+        routed_local, _ = _expert_names(local_names, mine)
+        assert read_experts == routed_local and _expert_names(routed_local, mine)[1] == routed_local, where
+        assert routed_local, where
+        logits = parallm.forward(chunks, ids, mask)
+        assert helpers.max_diff_real(logits, ref_logits, mask) < 2e-5, where
+        # broadcast load: each rank receives its own shards only (rank 0 reads, sends nothing to itself)
+        chunks_b = parallm.build_model(ckpt)
+        received.clear()
+        parallm.load_hf_weights(chunks_b, ckpt, mode="broadcast")
+        own = sum(p.numel() for c in chunks_b for p in c.parameters())
+        assert sum(received) == (0 if rank == 0 else own), (where, sum(received), own)
+        assert torch.equal(parallm.forward(chunks_b, ids, mask), logits), where
+        del chunks_b
+        # export stream: every tensor once, on every rank, equal to the checkpoint
+        names = []
+        for name, t in parallm.export_hf_tensors(chunks):
+            names.append(name)
+            assert torch.equal(t, ref_sd[name]), (where, name)
+        dup = [n for n, k in collections.Counter(names).items() if k > 1]
+        assert not dup and set(names) == set(ref_sd), (where, dup, sorted(set(ref_sd) ^ set(names))[:5])
+        # dict save on rank 0
+        sd = parallm.save_hf_weights(chunks)
+        if rank == 0:
+            assert sd.keys() == ref_sd.keys() and all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd), where
+        # parallel directory save (several files)
+        out = os.path.join(out_root, f"tp{tp}-pp{pp}-ep{ep}")
+        parallm.save_hf_weights(chunks, out, max_shard_size="60KB")
+        if rank == 0:
+            files = [f for f in sorted(os.listdir(out)) if f.endswith(".safetensors")]
+            seen = collections.Counter()
+            merged = {}
+            for f in files:
+                part = load_file(os.path.join(out, f))
+                seen.update(part.keys())
+                merged.update(part)
+            assert len(files) > 1 and all(k == 1 for k in seen.values()), where
+            assert merged.keys() == ref_sd.keys() and all(torch.equal(merged[k], ref_sd[k]) for k in ref_sd), where
+        report.append((tp, pp, ep, len(routed_local), len(names)))
+    hf_dir.SliceSource.read = original_read
+    dist.recv = original_recv
+    return report
+
+
+def _hf_names_of(chunk, lay):
+    """HF names of the tensors a chunk holds (from the same table the loader reads)."""
+    from parallm.families import family_of
+    from parallm.model.table import chunk_entries
+    spec = chunk.spec
+    entries = chunk_entries(family_of(spec).table, spec, task=chunk.task, pp=lay.pp, pre_process=chunk.pre_process,
+                            post_process=chunk.post_process, layers=chunk.layer_range,
+                            experts=lay.expert_range(spec.moe.num_experts))
+    return [n for e in entries for n in e.hf]
+
+
+@pytest.fixture(scope="module")
+def coverage_model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_coverage")
+    cfg = helpers.tiny_config("qwen2_moe", **COVERAGE_CONFIG)
+    model = helpers.make_hf_model(cfg, seed=5)
+    ckpt = str(root / "ckpt")
+    ref_sd = helpers.hub_state_dict(model, ckpt)
+    helpers.save_checkpoint(model, ckpt, max_shard_size="60KB")
+    ids, mask = helpers.padded_batch(cfg.vocab_size, seed=3, batch=3, seq=6)
+    return ckpt, ref_sd, ids, mask, helpers.hf_logits(model, ids, mask), root
+
+
+def _check_coverage(report, layouts, ref_sd):
+    experts_total = sum(1 for n in ref_sd if ".mlp.experts." in n)   # 3 MoE layers x 8 experts x 3 tensors
+    assert experts_total == 3 * 8 * 3
+    for (tp, pp, ep), row in zip(layouts, report[0]):
+        assert row[:3] == (tp, pp, ep) and row[4] == len(ref_sd), row
+
+
+@pytest.mark.timeout(600)
+def test_every_expert_once_at_every_layout_world4(coverage_model):
+    ckpt, ref_sd, ids, mask, ref_logits, root = coverage_model
+    report = helpers.run_ranks(rank_coverage, 4, ckpt, LAYOUTS_4, ref_sd, ids, mask, ref_logits, str(root / "w4"),
+                               timeout=580)
+    _check_coverage(report, LAYOUTS_4, ref_sd)
+
+
+@pytest.mark.timeout(600)
+def test_every_expert_once_at_ep4_with_tp_or_pp_world8(coverage_model):
+    ckpt, ref_sd, ids, mask, ref_logits, root = coverage_model
+    report = helpers.run_ranks(rank_coverage, 8, ckpt, LAYOUTS_8, ref_sd, ids, mask, ref_logits, str(root / "w8"),
+                               timeout=580)
+    _check_coverage(report, LAYOUTS_8, ref_sd)
+
+
+# -- errors on every rank; zero gradients for experts nobody chose ---------------------------------------------
+
+def rank_errors(rank, world, ckpt_e6, ckpt_missing, ckpt_e16, batches, chosen):
+    import parallm
+    from parallm.errors import CheckpointError
+    from parallm.model.placement import placement_of
+    from parallm.parallel.state import current_dims
+    out = {}
+    with pytest.raises(ValueError) as e:
+        parallm.init_parallel(tp=1, pp=1, ep=3)
+    out["ep_dp"] = str(e.value)
+    parallm.init_parallel(tp=1, pp=1, ep=4)
+    with pytest.raises(ValueError) as e:
+        parallm.build_model(ckpt_e6)
+    out["experts_ep"] = str(e.value)
+    parallm.init_parallel(tp=2, pp=1, ep=2)
+    for mode in ("slice", "broadcast"):
+        chunks = parallm.build_model(ckpt_missing)
+        with pytest.raises(CheckpointError) as e:
+            parallm.load_hf_weights(chunks, ckpt_missing, mode=mode)
+        out[f"missing_{mode}"] = str(e.value)
+    # zero gradients: 16 experts over ep=4, one token per rank
+    parallm.init_parallel(tp=1, pp=1, ep=4)
+    lay = current_dims()
+    chunks = parallm.build_model(ckpt_e16)
+    parallm.load_hf_weights(chunks, ckpt_e16)
+    ids = batches[lay.dp_rank]
+    parallm.forward_backward(chunks, ids, torch.ones_like(ids), loss_fn=lambda o, i, m: o.pow(2).mean())
+    parallm.finalize_grads(chunks)
+    zero, nonzero = [], []
+    for c in chunks:
+        for layer in c.layers:
+            for x, expert in enumerate(layer.mlp.experts.local_experts):
+                e = lay.expert_range(16)[x]
+                for p in expert.parameters():
+                    assert placement_of(p).expert == e
+                    assert p.grad is not None, (layer.layer_number, e)
+                    unchosen = e not in chosen[layer.layer_number]
+                    (zero if unchosen else nonzero).append(bool((p.grad == 0).all()) == unchosen)
+    out["grads"] = (zero, nonzero)
+    nmb = 2 if rank == 0 else 1
+    with pytest.raises(ValueError) as e:
+        parallm.forward_backward(chunks, ids.repeat(nmb, 1), torch.ones_like(ids.repeat(nmb, 1)),
+                                 loss_fn=lambda o, i, m: o.pow(2).mean(), num_microbatches=nmb)
+    out["nmb"] = str(e.value)
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_moe_errors_on_every_rank_and_zero_grads_for_unchosen_experts(tmp_path):
+    import os
+
+    from safetensors.torch import load_file, save_file
+    six = helpers.make_hf_model(helpers.tiny_config("qwen3_moe", num_experts=6), seed=1)
+    ckpt_e6 = helpers.save_checkpoint(six, str(tmp_path / "e6"))
+    ckpt_missing = helpers.save_checkpoint(helpers.make_hf_model(helpers.tiny_config("mixtral"), seed=2),
+                                           str(tmp_path / "missing"))
+    path = os.path.join(ckpt_missing, "model.safetensors")
+    state = load_file(path)
+    gone = "model.layers.1.block_sparse_moe.experts.3.w3.weight"
+    del state[gone]
+    save_file(state, path, metadata={"format": "pt"})
+    cfg16 = helpers.tiny_config("qwen3_moe", num_experts=16)
+    model16 = helpers.make_hf_model(cfg16, seed=3)
+    ckpt_e16 = helpers.save_checkpoint(model16, str(tmp_path / "e16"))
+    batches = [torch.tensor([[7 + 13 * r]]) for r in range(WORLD)]
+    with torch.no_grad():   # which experts the 4 tokens choose in each layer, by transformers
+        routers = [model16(input_ids=b, output_router_logits=True).router_logits for b in batches]
+    chosen = {layer: {int(e) for r in routers for e in r[layer].topk(2, dim=-1).indices.flatten()}
+              for layer in range(cfg16.num_hidden_layers)}
+    assert all(0 < len(c) < 16 for c in chosen.values()), chosen
+    results = helpers.run_ranks(rank_errors, WORLD, ckpt_e6, ckpt_missing, ckpt_e16, batches, chosen)
+    for r in results:
+        assert "ep=3 does not divide the data-parallel size dp=4" in r["ep_dp"], r["ep_dp"]
+        assert "num_experts=6 is not divisible by ep=4" in r["experts_ep"], r["experts_ep"]
+        for mode in ("slice", "broadcast"):
+            assert gone in r[f"missing_{mode}"] and "missing" in r[f"missing_{mode}"], r[f"missing_{mode}"]
+        assert "same num_microbatches; got [2, 1, 1, 1]" in r["nmb"], r["nmb"]
+        zero, nonzero = r["grads"]
+        assert zero and nonzero and all(zero) and all(nonzero), r["grads"]
+
+
+# -- parallm.verify (the harness behind `parallm verify --ep`) on a MoE checkpoint --------------------------------
+
+def rank_verify(rank, world, check):
+    from parallm import verify
+    return verify.check_layout(check)
+
+
+@pytest.mark.timeout(300)
+def test_verify_harness_passes_a_moe_checkpoint_under_expert_parallelism(tmp_path):
+    from parallm import verify
+    model = helpers.make_hf_model(helpers.tiny_config("qwen2_moe", num_hidden_layers=2), seed=4)
+    ckpt = helpers.save_checkpoint(model, str(tmp_path / "m"))
+    check = verify.Check(ckpt, str(tmp_path / "saved"), tp=2, ep=2, label="qwen2-moe")
+    row = helpers.run_ranks(rank_verify, WORLD, check)[0]
+    assert row["layout"] == "tp2 dp2 ep2", row["layout"]
+    assert row["ok"] and row["roundtrip"] and row["reload"], row
