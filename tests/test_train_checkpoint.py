@@ -44,10 +44,10 @@ def train(parallm, chunks, opt, steps, dims, *, main_grad=False):
         per = ids.shape[0] // dims.dp
         parallm.forward_backward(chunks, ids[dims.dp_rank * per:(dims.dp_rank + 1) * per], loss_fn=ce_loss)
         parallm.finalize_grads(chunks)
-        if main_grad:   # what fp32 gradient accumulation hands the optimizer for bf16 models
+        if main_grad:   # bf16 models: forward_backward accumulated the gradients in fp32 main_grad only
             for c in chunks:
                 for p in c.parameters():
-                    p.main_grad, p.grad = p.grad.float(), None
+                    assert p.grad is None and p.main_grad.dtype == torch.float32
         opt.step()
         opt.zero_grad()
 
