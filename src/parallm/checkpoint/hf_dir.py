@@ -161,10 +161,6 @@ class HFCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.source(name).shape
 
-    def close(self):
-        self._handles.clear()
-        self._sources.clear()
-
 
 def check_keys_and_shapes(present: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], *,
                           strict: bool, ignorable=(), where: str) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError, ParallelError
+from ..errors import PORTABLE_ERRORS, CheckpointError, ParallelError
 from ..families import family_of
 from ..model.decoder import as_chunks
 from ..model.placement import placement_of
@@ -369,8 +369,9 @@ def _recv_failure(length: int, device) -> BaseException:
     body = torch.empty(length, dtype=torch.uint8, device=device)
     dist.recv(body, src=0)
     type_name, _, message = bytes(body.cpu().tolist()).decode(errors="replace").partition("\0")
-    etype = {"CheckpointError": CheckpointError, "ValueError": ValueError, "FileNotFoundError": FileNotFoundError,
-             "TypeError": TypeError}.get(type_name, ParallelError)
+    etype = PORTABLE_ERRORS.get(type_name, ParallelError)
+    if etype is KeyError:
+        etype = ParallelError
     return etype(f"load_hf_weights failed on rank 0: {message}")
 
 

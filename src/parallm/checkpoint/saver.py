@@ -41,7 +41,7 @@ from ..parallel.errors import run_local
 from ..parallel.state import ParallelDims, dims_of, require_initialized
 from ..progress import bar
 from .cast import can_overflow, cast, check_cast
-from .hf_dir import INDEX_NAME, SINGLE_NAME
+from .hf_dir import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME
 from .loader import model_entries
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024 ** 3
@@ -203,7 +203,8 @@ def _check_casts(chunks, layout: ParallelDims, dtype) -> None:
             check_cast(chunk.get_parameter(e.local).detach(), dtype, e.hf, instead="save")
 
 
-_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+# the dtypes a weight directory may be saved in (safetensors codes from the one map in hf_dir)
+_ST_DTYPES = {SAFETENSORS_DTYPES[code]: code for code in ("F64", "F32", "F16", "BF16")}
 
 
 def plan_files(tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, limit: int) -> list[dict]:
