@@ -301,6 +301,7 @@ def save_checkpoint(path, chunks, optimizer=None, *, step: int, extra=None, over
     require_initialized("save_checkpoint")
     chunks = as_chunks(chunks)
     dims = dims_of(chunks)
+    _refuse_expert_parallel(chunks, dims, "save_checkpoint")
     wait_for_pending_saves()
     path = os.path.abspath(os.fspath(path))
 
@@ -483,6 +484,7 @@ def load_checkpoint(path, chunks, optimizer=None) -> dict:
     require_initialized("load_checkpoint")
     chunks = as_chunks(chunks)
     dims = dims_of(chunks)
+    _refuse_expert_parallel(chunks, dims, "load_checkpoint")
     wait_for_pending_saves()
     path = os.path.abspath(os.fspath(path))
     shapes, mine, saved = _model_layout(chunks, dims)
@@ -589,3 +591,11 @@ def checkpoint_to_hf(path, out_dir, *, dtype: torch.dtype | None = None, overwri
         if isinstance(e, Exception) or not hasattr(e, "failures"):
             raise
         raise _from_dcp(e, "checkpoint_to_hf") from None
+
+
+def _refuse_expert_parallel(chunks, dims, what: str) -> None:
+    """Training checkpoints of mixture-of-experts models under expert parallelism are not built or tested yet:
+    refuse them clearly (every rank raises the same error; nothing has been written or read)."""
+    if dims.ep > 1 and chunks[0].spec.moe is not None:
+        raise ValueError(f"{what}: training checkpoints of mixture-of-experts models with ep={dims.ep} > 1 are "
+                         "not supported yet; save HF weights (parallm.save_hf_weights) instead, or use ep=1")

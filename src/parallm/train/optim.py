@@ -286,5 +286,9 @@ def build_optimizer(chunks, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
         raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
     if not callable(no_decay):
         raise TypeError("no_decay must be callable: no_decay(hf_name, param) -> bool")
+    dims = dims_of(as_chunks(chunks))
+    if shard_over_dp and dims.ep > 1 and as_chunks(chunks)[0].spec.moe is not None:
+        raise ValueError(f"shard_over_dp=True with expert parallelism (ep={dims.ep}) is not supported yet: "
+                         "data-parallel ranks hold different experts, which ZeroRedundancyOptimizer cannot shard")
     return ParallelAdamW(chunks, lr=float(lr), betas=tuple(float(b) for b in betas), eps=float(eps),
                          weight_decay=float(weight_decay), shard_over_dp=shard_over_dp, no_decay=no_decay)
