@@ -165,7 +165,7 @@ class Block(tuple):
 
 # -- layout kinds ---------------------------------------------------------------------------------------------
 
-class TPLayout:
+class TPLayout(ABC):
     """One layout kind: how a parameter's HF source tensors map onto the shard of each TP rank.
 
     ``shard`` cuts TP rank ``rank``'s shard from the sources, ``merge`` rebuilds the sources from every rank's
@@ -182,14 +182,17 @@ class TPLayout:
     tp_dim: int | None = None
     stride = 1
 
+    @abstractmethod
     def shard(self, sources: list, rank: int, tp: int) -> torch.Tensor:
-        raise NotImplementedError
+        """Every layout kind states this (abstract)."""
 
+    @abstractmethod
     def merge(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """Every layout kind states this (abstract)."""
 
+    @abstractmethod
     def blocks(self, rank: int, tp: int, hf_shapes: list[tuple[int, ...]]) -> list[Block]:
-        raise NotImplementedError
+        """Every layout kind states this (abstract)."""
 
     def primary_slices(self, rank: int, tp: int, local_shape) -> list[tuple[int, int, int]]:
         """``(dim, start, stop)`` slices of this rank's shard that no other TP rank also counts."""
