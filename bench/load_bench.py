@@ -16,9 +16,10 @@ dtype
     A bf16 checkpoint shaped as Qwen2.5-0.5B (24 layers, hidden 896, 14 heads / 2 KV heads, inter 4864, vocab
     151936, tied; ~942 MB), at tp2 x pp2 on 4 gloo ranks, ``mode="slice"``: ``load_hf_weights`` into a model
     built in bf16 and into one built in fp32, best of ``--reps``, each time on a fresh model (the load pays the
-    first touch of the parameters' pages: the kernel zeroes twice as many pages for fp32) and on a model whose
-    parameters were zeroed before the clock starts (as bench/io_bench.py measures). Target: fp32 <= 2.0x bf16
-    (twice the bytes are written).
+    first touch of the parameters' pages, which the kernel zeroes: twice as many for fp32; every model's memory
+    is fresh, see ``fresh_pages_on_free``, and the page faults during each load are reported) and on a model
+    whose parameters were zeroed before the clock starts (as bench/io_bench.py measures). Target: fp32 <= 2.0x
+    bf16 (twice the bytes are written).
 
 Both sides read from the page cache (the checkpoint is read once before timing).
 """
@@ -29,6 +30,7 @@ import argparse
 import gc
 import json
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -162,24 +164,64 @@ def rank_vs_transformers(rank, world, ckpt, reps, mode):
     return {k: min(v) for k, v in times.items()}
 
 
+def fresh_pages_on_free() -> None:
+    """Make every model's parameters fresh memory, whatever the dtype: glibc then serves allocations of 1 MiB and
+    more with their own mappings and returns them to the kernel when freed (``mallopt(M_MMAP_THRESHOLD)``, which
+    also turns off glibc's adaptive threshold). Without it a model built after another one is freed reuses some
+    of its pages: which ones depends on the order and the sizes (a bf16 model built after an fp32 one fitted in
+    the freed memory and faulted 138 MiB in all, the fp32 one 1089 MiB), so the two dtypes did not pay alike."""
+    import ctypes
+    libc = ctypes.CDLL(None)
+    if not libc.mallopt(-3, 1 << 20):       # M_MMAP_THRESHOLD
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
+
+
 def rank_dtype(rank, world, ckpt, reps):
     import torch
+    from safetensors import safe_open
 
     import parallm
+    fresh_pages_on_free()
     parallm.init_parallel(tp=2, pp=2)
-    times = {f"{name}/{touched}": [] for name in ("bf16", "fp32") for touched in ("fresh", "touched")}
+    kinds = ("fresh", "touched", "floor")
+    times = {f"{name}/{kind}{what}": [] for name in ("bf16", "fp32") for kind in kinds for what in ("", "/faults")}
+    shapes = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        chunks = parallm.build_model(ckpt, dtype=dtype)
+        shapes[name] = [p.shape for c in chunks for p in c.parameters()]
+        del chunks
+    fname = next(f for f in sorted(os.listdir(ckpt)) if f.endswith(".safetensors"))
+    with safe_open(os.path.join(ckpt, fname), framework="pt") as f:
+        flat = f.get_tensor("model.embed_tokens.weight").view(-1)      # bf16, larger than any parameter
+
+    def floor(dtype, name):
+        """This rank's parameters as fresh tensors, each filled by one converting copy of as many checkpoint
+        values (in memory): the page faults and the copy, nothing else."""
+        out = []
+        for shape in shapes[name]:
+            x = torch.empty(shape, dtype=dtype)
+            x.view(-1).copy_(flat[:x.numel()])
+            out.append(x)
+        return out
+
     for i in range(reps + 1):
-        for touched in ("fresh", "touched"):
+        for kind in kinds:
             for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-                chunks = parallm.build_model(ckpt, dtype=dtype)
-                if touched == "touched":      # the parameters' pages exist before the clock starts
+                chunks = parallm.build_model(ckpt, dtype=dtype) if kind != "floor" else None
+                if kind == "touched":      # the parameters' pages exist before the clock starts
                     with torch.no_grad():
                         for c in chunks:
                             for p in c.parameters():
                                 p.zero_()
-                t, _ = _timed(lambda model=chunks: parallm.load_hf_weights(model, ckpt, mode="slice"))
+                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                if kind == "floor":
+                    t, chunks = _timed(lambda dtype=dtype, name=name: floor(dtype, name))
+                else:
+                    t, _ = _timed(lambda model=chunks: parallm.load_hf_weights(model, ckpt, mode="slice"))
+                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
                 if i:
-                    times[f"{name}/{touched}"].append(t)
+                    times[f"{name}/{kind}"].append(t)
+                    times[f"{name}/{kind}/faults"].append(faults)
                 del chunks
                 gc.collect()
     parallm.destroy_parallel()
@@ -225,10 +267,14 @@ def main(argv=None):
                   f"({os.cpu_count()} cores), mode=slice, best of {args.reps}")
             rows = []
             for touched, what in (("fresh", "fresh model (first touch of its pages inside the load)"),
-                                  ("touched", "pages touched before the load")):
+                                  ("touched", "pages touched before the load"),
+                                  ("floor", "floor: fresh tensors of the same shapes, one copy each")):
                 bf, fp = t[f"bf16/{touched}"], t[f"fp32/{touched}"]
-                rows.append((what, f"{bf:.3f} s", f"{fp:.3f} s", f"{fp / bf:.2f}"))
-            print(table(rows, ["", "bf16 model", "fp32 model", "fp32 / bf16 (target <= 2.0)"]))
+                faults = "/".join(f"{sum(r[f'{n}/{touched}/faults'] for r in res) * 4096 / 2 ** 20:.0f}"
+                                  for n in ("bf16", "fp32"))
+                rows.append((what, f"{bf:.3f} s", f"{fp:.3f} s", f"{fp / bf:.2f}", faults))
+            print(table(rows, ["", "bf16 model", "fp32 model", "fp32 / bf16 (target <= 2.0)",
+                               "page faults in the load, MiB (bf16/fp32, all ranks)"]))
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
