@@ -1,4 +1,4 @@
-"""dtype conversion rules (parallm.checkpoint.cast) and the export plan (parallm.checkpoint.export.plan_buckets):
+"""dtype conversion rules (parallm.checkpoint.cast) and the export plan (parallm.checkpoint.export.plan_buckets, run in one process):
 pure functions, no process group."""
 
 import pytest
@@ -89,38 +89,72 @@ def test_copy_converts_exactly_as_torch_does():
 
 # -- the export plan --------------------------------------------------------------------------------------------
 
-def _pieces():
-    # (entry, tp, src, shape): a big 2-D piece per TP rank, small 1-D ones, one piece of a single huge row
-    return [(0, 0, 0, (40, 8)), (0, 1, 1, (40, 8)), (1, 0, 0, (8,)), (2, 0, 0, (16, 8)), (2, 1, 1, (16, 8)),
-            (3, 0, 2, (3, 100)), (4, 0, 0, (5,))]
+def _entries(tp=2):
+    """Entries of every layout kind at ``tp`` (sender of TP rank t's piece: global rank t, entry 3 on rank 2):
+    (entry, hf shapes, pieces) as the planner takes them, plus the HF tensors and each piece's shard."""
+    from parallm.checkpoint.export import piece_shape
+    from parallm.model.sharding import GateUpSplit, QKVSplit, Replicated, Split, TensorSource, VocabSplit
+    g = torch.Generator().manual_seed(0)
+    kinds = [(QKVSplit(4, 1, 3), [(12, 8), (3, 8), (3, 8)]), (Split(0), [(40, 8)]), (Replicated(), [(8,)]),
+             (Split(1), [(6, 10)]), (GateUpSplit(), [(16, 8), (16, 8)]), (VocabSplit(9, 10), [(9, 5)]),
+             (Split(0), [(2, 100)])]
+    entries, hf, shards = [], {}, {}
+    for i, (layout, shapes) in enumerate(kinds):
+        tensors = [torch.randn(s, generator=g) for s in shapes]
+        hf.update({(i, k): t for k, t in enumerate(tensors)})
+        pieces = []
+        for t in (range(tp) if layout.tp_dim is not None else [0]):
+            src = 2 if i == 3 else t
+            shards[(i, t)] = layout.shard([TensorSource(x) for x in tensors], t, tp)
+            assert tuple(shards[(i, t)].shape) == piece_shape(layout, t, tp, shapes)
+            pieces.append((t, src, tuple(shards[(i, t)].shape), layout.blocks(t, tp, shapes)))
+        entries.append((i, shapes, pieces))
+    return entries, hf, shards
 
 
 @pytest.mark.parametrize("numel", [1, 7, 8, 64, 100, 333, 10 ** 6])
-def test_plan_covers_every_row_once_within_the_bucket(numel):
-    from parallm.checkpoint.export import plan_buckets
-    pieces = _pieces()
-    buckets = plan_buckets(pieces, numel)
-    seen = {}
+@pytest.mark.parametrize("direct", [1, 30, 10 ** 9])
+def test_plan_puts_every_element_once_in_its_place(numel, direct):
+    """Running the plan in one process (each part copied from its shard into the bucket buffer, then the stream's
+    own placing of packed parts) rebuilds every HF tensor exactly; every element is written once; buckets and
+    parts keep within the bucket; each sender's packed parts are contiguous; direct parts are whole rows of at
+    least ``direct`` elements."""
+    from parallm.checkpoint.export import _as_rows, _place, plan_buckets
+    entries, hf, shards = _entries()
+    buckets = plan_buckets(entries, numel, direct)
+    shapes = {f"{e}.{k}": tuple(s) for e, ss, _ in entries for k, s in enumerate(ss)}
+    seen_entries = []
     for b in buckets:
-        rowsz = {p.row_numel for p in b.parts}
-        assert b.numel <= numel or (len(b.parts) == 1 and b.parts[0].r1 - b.parts[0].r0 == 1), (numel, b)
-        assert b.numel == sum(p.numel for p in b.parts) and rowsz
-        off = 0
-        for src, start, n in b.segments:           # each sender's parts are contiguous in the buffer
-            mine = [p for p in b.parts if p.src == src]
+        entries_here = sorted({e for e, _, _ in b.outputs})
+        seen_entries += entries_here
+        assert b.numel <= numel or len(entries_here) == 1, (numel, b)
+        for p in b.parts:
+            assert p.numel <= numel or p.s1 - p.s0 == 1
+            assert not p.direct or (p.dim == 0 and p.numel >= direct)
+        off = max(off + _n(shapes[f"{e}.{k}"]) for e, k, off in b.outputs)   # staging starts after the tensors
+        for src, start, n in b.segments:
+            mine = [p for p in b.parts if p.src == src and not p.direct]
             assert start == off and n == sum(p.numel for p in mine)
             assert [p.offset for p in mine] == [start + sum(q.numel for q in mine[:k]) for k in range(len(mine))]
             off += n
-        assert len({s for s, _, _ in b.segments}) == len(b.segments)
+        assert off == b.numel and len({s for s, _, _ in b.segments}) == len(b.segments)
+        buf = torch.full((b.numel,), float("nan"))          # an element nobody writes stays NaN
         for p in b.parts:
-            for r in range(p.r0, p.r1):
-                key = (p.entry, p.tp, r)
-                assert key not in seen, key
-                seen[key] = True
-    expected = {(e, t, r) for e, t, _, shape in pieces for r in range(shape[0])}
-    assert set(seen) == expected
-    # global order is kept: an entry's parts never come after a later entry's parts
-    order = [p.entry for b in buckets for p in sorted(b.parts, key=lambda p: (p.entry, p.tp, p.r0))]
-    assert order == sorted(order)
+            piece = _as_rows(shards[(p.entry, p.tp)])[p.s0:p.s1, p.c0:p.c1]
+            buf.narrow(0, p.offset, p.numel).view(p.s1 - p.s0, p.c1 - p.c0).copy_(piece)
+        for (e, k, o), parts in zip(b.outputs, b.placing):
+            tensor = buf.narrow(0, o, _n(shapes[f"{e}.{k}"])).view(shapes[f"{e}.{k}"])
+            _place(parts, tensor, buf)
+            assert torch.equal(tensor, hf[(e, k)]), (e, k, numel, direct)
+        # every element written, and as many writes as elements: each written exactly once
+        assert sum(p.numel for p in b.parts) == sum(_n(shapes[f"{e}.{k}"]) for e, k, _ in b.outputs)
+    assert seen_entries == [e for e, _, _ in entries]        # global order, each entry in one bucket
     if numel >= 10 ** 6:
         assert len(buckets) == 1
+
+
+def _n(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -45,11 +45,20 @@ def _rank(rank, world, s):
             equal &= all(torch.equal(t, s["ref"][n]) for n, t in kept.items())
         return names, bool(equal)
 
-    for key, kw in {"default": {}, "tiny-buckets": dict(bucket_bytes=600),
-                    "one-row-buckets": dict(bucket_bytes=1), "bf16": dict(dtype=torch.bfloat16, bucket_bytes="4KB"),
-                    "keep": dict(keep=True, bucket_bytes=2000), "dst0": dict(dst_ranks=[0], bucket_bytes=3000),
-                    "dst13": dict(dst_ranks=[3, 1], bucket_bytes=5000)}.items():
+    cases = {"default": {}, "tiny-buckets": dict(bucket_bytes=600), "one-row-buckets": dict(bucket_bytes=1),
+             "bf16": dict(dtype=torch.bfloat16, bucket_bytes="4KB"), "keep": dict(keep=True, bucket_bytes=2000),
+             "dst0": dict(dst_ranks=[0], bucket_bytes=3000), "dst13": dict(dst_ranks=[3, 1], bucket_bytes=5000)}
+    for key, kw in cases.items():
         _attempt(out, key, lambda: export(**kw))
+    # the same with direct parts: rows of 64+ bytes travel alone into their place (the tiny model's tensors are
+    # all below the default threshold, so above every part was packed)
+    from parallm.checkpoint import export as export_module
+    default_direct, export_module.DIRECT_MIN_BYTES = export_module.DIRECT_MIN_BYTES, 64
+    try:
+        for key, kw in cases.items():
+            _attempt(out, f"direct/{key}", lambda: export(**kw))
+    finally:
+        export_module.DIRECT_MIN_BYTES = default_direct
     # bad arguments: ValueError on every rank (also when only one rank passes a different value)
     _attempt(out, "bucket-0", lambda: export(bucket_bytes=0))
     _attempt(out, "bucket-neg", lambda: export(bucket_bytes=-5))
@@ -113,7 +122,9 @@ def _ok(results, key):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("key", ["default", "tiny-buckets", "one-row-buckets", "bf16", "keep", "after-errors"])
+@pytest.mark.parametrize("key", ["default", "tiny-buckets", "one-row-buckets", "bf16", "keep", "after-errors",
+                                 "direct/default", "direct/tiny-buckets", "direct/one-row-buckets", "direct/bf16",
+                                 "direct/keep"])
 def test_export_every_tensor_once_bit_exact(results, key):
     res, ref = results
     order = None
@@ -128,7 +139,8 @@ def test_export_every_tensor_once_bit_exact(results, key):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("key,dst", [("dst0", [0]), ("dst13", [1, 3])])
+@pytest.mark.parametrize("key,dst", [("dst0", [0]), ("dst13", [1, 3]), ("direct/dst0", [0]),
+                                     ("direct/dst13", [1, 3])])
 def test_export_to_some_ranks_only(results, key, dst):
     res, ref = results
     for rank, r in enumerate(res):

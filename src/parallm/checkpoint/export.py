@@ -9,19 +9,25 @@ Plan (a pure function of one exchange, so every rank computes the same plan)
              the rank holding it with the lowest data-parallel rank. Pieces are found from what every rank
              holds (a bitmap over the global entry list), never from rank arithmetic, so entries owned by
              other kinds of ranks (expert-parallel experts) plan the same way.
-    part     a piece split by rows so that no part exceeds the bucket (a part holds one row at least).
-    bucket   consecutive parts, at most ``bucket_bytes`` in all; inside a bucket the parts of each sending
-             rank are contiguous (its segment), so a bucket costs one message per sending rank.
+    part     one block of a piece (the layout's ``blocks``: which rows or columns of which HF tensor it is),
+             split by rows so that no part exceeds the bucket (a part holds one row at least).
+    bucket   consecutive entries whose HF tensors, plus the staging room of their packed parts, fit in
+             ``bucket_bytes`` (an entry larger than that is a bucket of its own). A bucket is one buffer: the
+             entries' HF tensors laid out one after the other (what the destination yields views of), then the
+             staging room.
 
-Transfer, per bucket: each sender copies its parts into its segment, converting to the wire dtype in that copy;
-then one broadcast per segment over the world when every rank is a destination, else point-to-point sends to
-each destination. A destination assembles each HF tensor from its TP pieces (the layout's blocks, one copy) and
-yields it when its last part has arrived; a tensor larger than the bucket arrives over several buckets.
+Transfer, per bucket. A *direct* part (rows of an HF tensor, at least ``DIRECT_MIN_BYTES``) travels alone,
+straight from the sender into its place in the destinations' HF tensors: no copy on arrival. The other parts
+(small tensors; column slices of row-parallel weights, which interleave in the HF tensor) are *packed*: each sender
+copies its packed parts into its own contiguous segment of the staging room, one message per sender, and every
+destination copies them into place. A sender converts to the wire dtype in the copy that packs (a rank that is
+not a destination sends direct parts straight from its parameters when no conversion is needed). When every rank
+is a destination the messages are broadcasts over the world, else point-to-point sends to each destination.
 
-Memory, independent of the model's size: a destination holds two bucket buffers (bucket k+1 in flight while
-bucket k is assembled), two output buffers (the consumer still holds the last tensor of the previous bucket when
-it asks for the next) and the tensors that straddle buckets: about 4 buckets + twice the largest tensor; a rank
-that is not a destination holds two buffers of its own segment. The buffers stay with the model between calls.
+Memory, independent of the model's size: a destination holds two bucket buffers (the consumer holds a tensor of
+bucket k while bucket k+1 is in flight), each of at most ``max(bucket_bytes, the largest entry)``; a rank that is
+not a destination holds at most two buffers of what it must pack for one bucket (nothing when it sends straight
+from its parameters). Buffers stay with the model between calls.
 """
 
 from __future__ import annotations
@@ -41,31 +47,50 @@ from .cast import check_cast
 from .loader import model_entries
 
 DEFAULT_BUCKET_BYTES = 64 * 1024 ** 2
+DIRECT_MIN_BYTES = 4 * 1024 ** 2   # parts this large travel alone into their place; smaller ones are packed
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @dataclass(frozen=True)
 class Part:
-    """Rows ``[r0, r1)`` of TP rank ``tp``'s shard of entry ``entry``, sent by global rank ``src``; in the
-    bucket buffer at element ``offset``."""
+    """Rows ``[s0, s1)`` x columns ``[c0, c1)`` of TP rank ``tp``'s shard (seen as 2-D: ``[rows, -1]``) of entry
+    ``entry``, sent by global rank ``src``. They are, in HF tensor ``hf`` of the entry (index into its names),
+    the rows starting at ``h0`` (``dim`` 0: whole rows), or rows ``[s0, s1)`` x the columns starting at ``h0``
+    (``dim`` 1). ``offset``: where the part lies in the bucket buffer (a direct part: its place in the HF
+    tensor; a packed one: in its sender's staging segment)."""
     entry: int
+    hf: int
     tp: int
     src: int
-    r0: int
-    r1: int
-    row_numel: int
+    dim: int
+    s0: int
+    s1: int
+    c0: int
+    c1: int
+    h0: int
+    direct: bool = False
     offset: int = 0
 
     @property
     def numel(self) -> int:
-        return (self.r1 - self.r0) * self.row_numel
+        return (self.s1 - self.s0) * (self.c1 - self.c0)
 
 
 @dataclass(frozen=True)
 class Bucket:
-    parts: tuple[Part, ...]                   # grouped by sender, each sender's parts contiguous
-    segments: tuple[tuple[int, int, int], ...]  # (src, offset, numel) per sender
-    numel: int
+    outputs: tuple[tuple[int, int, int], ...]     # (entry, hf index, offset) of each HF tensor, in order
+    parts: tuple[Part, ...]
+    segments: tuple[tuple[int, int, int], ...]    # (src, offset, numel) of each sender's packed parts
+    numel: int                                    # the HF tensors, then the staging room
+    placing: tuple[tuple[Part, ...], ...] = ()    # per output: the packed parts to copy into it
+
+    def messages(self) -> list[tuple[int, int, int]]:
+        """``(src, offset, numel)`` of every message, in the order every rank issues them: the packed segments
+        (by sender), then the direct parts (in plan order)."""
+        return list(self.segments) + [(p.src, p.offset, p.numel) for p in self.parts if p.direct]
+
+    def senders(self) -> set[int]:
+        return {src for src, _, _ in self.messages()}
 
 
 def piece_shape(tp_layout, tp_rank: int, tp: int, hf_shapes) -> tuple[int, ...]:
@@ -74,49 +99,87 @@ def piece_shape(tp_layout, tp_rank: int, tp: int, hf_shapes) -> tuple[int, ...]:
     return tuple(tp_layout.shard(metas, tp_rank, tp).shape)
 
 
-def plan_buckets(pieces, bucket_numel: int) -> list[Bucket]:
-    """``pieces``: ``(entry, tp, src, shape)`` in global order -> buckets of at most ``bucket_numel`` elements
-    (a single row larger than that travels alone). Pure."""
-    buckets, current, used = [], [], 0
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
-    def close():
-        nonlocal current, used
-        if current:
-            buckets.append(_layout_bucket(current))
-        current, used = [], 0
 
-    for entry, tp, src, shape in pieces:
-        rows = shape[0] if shape else 1
-        row_numel = 1
-        for d in shape[1:]:
-            row_numel *= d
-        r = 0
-        while r < rows:
-            room = (bucket_numel - used) // row_numel
-            if room < 1 and current:
-                close()
+def _rows(shape) -> int:
+    return shape[0] if len(shape) else 1
+
+
+def _parts_of(entry: int, pieces, bucket_numel: int, direct_numel: int) -> list[Part]:
+    """The parts of one entry: each primary block of each piece, split by rows into at most ``bucket_numel``
+    elements (one row at least). ``pieces``: ``(tp, src, shard shape, blocks)``."""
+    parts = []
+    for tp, src, shape, blocks in pieces:
+        rows = _rows(shape)
+        width = _numel(shape) // rows if rows else 0
+        for source, dim, a, b, la, lb, primary in blocks:
+            if not primary or lb <= la:
                 continue
-            n = min(rows - r, max(room, 1))
-            current.append(Part(entry, tp, src, r, r + n, row_numel))
-            used += n * row_numel
-            r += n
-            if used >= bucket_numel:
-                close()
-    close()
+            if dim == 0:
+                r0, r1, c0, c1, h = la, lb, 0, width, a
+            elif len(shape) == 2:
+                r0, r1, c0, c1, h = 0, rows, la, lb, a
+            else:
+                raise RuntimeError(f"internal error: a column block of a {len(shape)}-D shard")
+            per = max(1, bucket_numel // max(1, c1 - c0))
+            for r in range(r0, r1, per):
+                n = min(per, r1 - r)
+                parts.append(Part(entry, source, tp, src, dim, r, r + n, c0, c1, h + (r - r0) if dim == 0 else h,
+                                  direct=dim == 0 and n * (c1 - c0) >= direct_numel))
+    return parts
+
+
+def plan_buckets(entries, bucket_numel: int, direct_numel: int) -> list[Bucket]:
+    """``entries``: ``(entry, hf shapes, pieces)`` in global order (``pieces`` as :func:`_parts_of` takes them)
+    -> buckets of at most ``bucket_numel`` elements, HF tensors and staging room together (an entry larger than
+    that is a bucket of its own). Pure."""
+    buckets, current, used = [], [], 0
+    for entry, hf_shapes, pieces in entries:
+        parts = _parts_of(entry, pieces, bucket_numel, direct_numel)
+        cost = sum(_numel(s) for s in hf_shapes) + sum(p.numel for p in parts if not p.direct)
+        if current and used + cost > bucket_numel:
+            buckets.append(_layout_bucket(current))
+            current, used = [], 0
+        current.append((entry, hf_shapes, parts))
+        used += cost
+    if current:
+        buckets.append(_layout_bucket(current))
     return buckets
 
 
-def _layout_bucket(parts: list[Part]) -> Bucket:
-    order = sorted(range(len(parts)), key=lambda k: (parts[k].src, k))
-    laid, segments, offset = [], [], 0
-    for k in order:
-        p = parts[k]
-        if not segments or segments[-1][0] != p.src:
-            segments.append([p.src, offset, 0])
-        laid.append(Part(p.entry, p.tp, p.src, p.r0, p.r1, p.row_numel, offset))
+def _layout_bucket(entries) -> Bucket:
+    outputs, places, offset = [], {}, 0
+    for entry, hf_shapes, _ in entries:
+        for k, shape in enumerate(hf_shapes):
+            outputs.append((entry, k, offset))
+            places[(entry, k)] = (offset, _numel(shape) // _rows(shape) if _numel(shape) else 0)
+            offset += _numel(shape)
+    parts = [p for _, _, ps in entries for p in ps]
+    laid, packed = [], []
+    for k, p in enumerate(parts):
+        if p.direct:
+            start, width = places[(p.entry, p.hf)]
+            laid.append(Part(**{**p.__dict__, "offset": start + p.h0 * width}))
+        else:
+            packed.append((p.src, k, p))
+    segments = []
+    for src, _, p in sorted(packed, key=lambda x: (x[0], x[1])):
+        if not segments or segments[-1][0] != src:
+            segments.append([src, offset, 0])
+        laid.append(Part(**{**p.__dict__, "offset": offset}))
         offset += p.numel
         segments[-1][2] += p.numel
-    return Bucket(tuple(laid), tuple(tuple(s) for s in segments), offset)
+    placing = {(e, k): [] for e, k, _ in outputs}
+    for p in laid:
+        if not p.direct:
+            placing[(p.entry, p.hf)].append(p)
+    return Bucket(tuple(outputs), tuple(laid), tuple(tuple(s) for s in segments), offset,
+                  tuple(tuple(placing[(e, k)]) for e, k, _ in outputs))
 
 
 def _parse_bucket(bucket_bytes) -> int:
@@ -202,102 +265,99 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
         differ = [r for r in range(layout.world) if not bool((args[r] == args[0]).all())]
         raise ValueError(f"export_hf_tensors: every rank must pass the same dtype, bucket_bytes and dst_ranks; "
                          f"rank(s) {differ} differ from rank 0")
-    key = torch.cat([rows[:, 1:5], rows[:, 5 + layout.world:]], dim=1).numpy().tobytes()   # all but dst_ranks
+    direct = max(1, DIRECT_MIN_BYTES // torch.empty((), dtype=wire).element_size())
+    key = (torch.cat([rows[:, 1:5], rows[:, 5 + layout.world:]], dim=1).numpy().tobytes(), direct)  # not dst_ranks
     cache = getattr(chunks[0], "_parallm_export", None)
     if cache is None:
         cache = chunks[0]._parallm_export = {"plans": {}, "buffers": _Buffers()}   # kept with the model
     plan = cache["plans"].get(key)
     if plan is None:
-        plan = _make_plan(rows, everything, layout, spec, chunks[0].task, chunks[0].padded_vocab_size, numel)
+        plan = _make_plan(rows, everything, layout, spec, chunks[0].task, chunks[0].padded_vocab_size, numel,
+                          direct)
         if len(cache["plans"]) >= 4:
             cache["plans"].pop(next(iter(cache["plans"])))
         cache["plans"][key] = plan
     params = {order[(e.row, e.layer)]: chunk.get_parameter(e.local) for e, chunk in mine}
     device = next(chunks[0].parameters()).device
-    return _stream(plan, cache["buffers"], everything, params, dst, wire, device, layout)
+    return _stream(plan, cache["buffers"], params, dst, wire, device, layout)
+
+
 
 
 @dataclass(frozen=True)
 class Plan:
     buckets: list[Bucket]
-    done: list[list[int]]          # per bucket: the entries whose last part it carries, in order
-    straddle: frozenset[int]       # entries whose parts span several buckets
-    outputs: dict[int, list]       # entry -> [(hf name, shape, arena offset)] (offset: None for straddlers)
-    arena_numel: int               # room for the HF tensors completed by one bucket (straddlers apart)
-    big_numel: int                 # room for the largest straddling entry's HF tensors
+    names: dict[int, tuple[str, ...]]            # entry -> its HF names
     shapes: dict[str, tuple[int, ...]]
-    layouts: dict[int, object]     # entry -> its TP layout (the table row's kind)
 
 
-def _make_plan(rows, everything, layout: ParallelDims, spec, task, padded_vocab: int, numel: int) -> Plan:
+def _make_plan(rows, everything, layout: ParallelDims, spec, task, padded_vocab: int, numel: int,
+               direct_numel: int) -> Plan:
     """The export plan from the exchange's rows (every rank computes the same)."""
     shapes = expected_hf_shapes(family_of(spec).table, spec, task=task, pp=layout.pp)
     tp_of, dp_of, held = rows[:, 3].tolist(), rows[:, 4].tolist(), rows[:, 5 + layout.world:]
-    pieces, layouts = [], {}
+    entries, names = [], {}
     for i, entry in enumerate(everything):
         if not entry.row.save:
             continue
         hf_shapes = [shapes[n] for n in entry.hf]
-        tp_layout = layouts[i] = make_layout(entry.row.kind, spec, padded_vocab)
+        tp_layout = make_layout(entry.row.kind, spec, padded_vocab)
+        pieces = []
         for t in (range(layout.tp) if tp_layout.tp_dim is not None else [0]):   # replicated: TP rank 0's copy
             holders = [r for r in range(layout.world) if held[r, i] and tp_of[r] == t]
             if not holders:
                 raise RuntimeError(f"internal error: no rank holds TP rank {t}'s shard of {', '.join(entry.hf)}")
             src = min(holders, key=lambda r: (dp_of[r], r))
-            pieces.append((i, t, src, piece_shape(tp_layout, t, layout.tp, hf_shapes)))
-    buckets = plan_buckets(pieces, numel)
-    first, last = {}, {}
-    for k, b in enumerate(buckets):
-        for p in b.parts:
-            first.setdefault(p.entry, k)
-            last[p.entry] = k
-    straddle = frozenset(i for i in first if first[i] != last[i])
-    done = [[] for _ in buckets]
-    for i in sorted(last):
-        done[last[i]].append(i)
-    outputs, arena = {}, 0
-    for entries in done:
-        offset = 0
-        for i in entries:
-            outputs[i] = []
-            for name in everything[i].hf:
-                n = 1
-                for d in shapes[name]:
-                    n *= d
-                outputs[i].append((name, shapes[name], None if i in straddle else offset))
-                offset += 0 if i in straddle else n
-        arena = max(arena, offset)
-    big = max((sum(_numel(shapes[n]) for n in everything[i].hf) for i in straddle), default=0)
-    return Plan(buckets, done, straddle, outputs, arena, big, shapes, layouts)
+            pieces.append((t, src, piece_shape(tp_layout, t, layout.tp, hf_shapes),
+                           tp_layout.blocks(t, layout.tp, hf_shapes)))
+        entries.append((i, hf_shapes, pieces))
+        names[i] = tuple(entry.hf)
+    return Plan(plan_buckets(entries, numel, direct_numel), names, shapes)
 
 
-def _pack(bucket: Bucket, buf: torch.Tensor, base: int, params, me: int, wire, everything) -> None:
-    """Copy (and convert) this rank's parts of ``bucket`` into ``buf`` (whose element 0 is bucket offset
-    ``base``)."""
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A shard or HF tensor seen as 2-D ``[rows, -1]`` (1-D: one element per row)."""
+    return t.reshape(t.shape[0] if t.dim() else 1, -1)
+
+
+def _source(params, p: Part) -> torch.Tensor:
+    return _as_rows(params[p.entry].detach())[p.s0:p.s1, p.c0:p.c1]
+
+
+def _pack(bucket: Bucket, buf: torch.Tensor, params, me: int) -> None:
+    """Copy (converting to ``buf``'s dtype) this rank's parts of ``bucket`` into their places in ``buf``."""
     with torch.no_grad():
         for p in bucket.parts:
-            if p.src != me:
-                continue
-            src = params[p.entry].detach()
-            rows = src.reshape(src.shape[0] if src.dim() else 1, -1).narrow(0, p.r0, p.r1 - p.r0)
-            buf.narrow(0, p.offset - base, p.numel).view(p.r1 - p.r0, p.row_numel).copy_(rows)
+            if p.src == me:
+                buf.narrow(0, p.offset, p.numel).view(p.s1 - p.s0, p.c1 - p.c0).copy_(_source(params, p))
 
 
-def _transfer(bucket: Bucket, buf: torch.Tensor, base: int, dst: list[int], world: int, me: int) -> list:
-    """Start moving every segment of ``bucket`` to the destinations: a broadcast per segment when every rank
-    is a destination, else point-to-point sends from each sender to each destination. Returns the pending
-    works (wait on them before touching ``buf``)."""
-    if len(dst) == world:
-        works = [dist.broadcast(buf.narrow(0, off - base, n), src=src, async_op=True)
-                 for src, off, n in bucket.segments if world > 1]
-    else:
-        works = []
-        for src, off, n in bucket.segments:
-            seg = buf.narrow(0, off - base, n)
-            if src == me:
-                works += [dist.isend(seg, dst=d) for d in dst if d != me]
-            elif me in dst:
-                works.append(dist.irecv(seg, src=src))
+def _place(parts, target: torch.Tensor, buf: torch.Tensor) -> None:
+    """Copy packed ``parts`` from the staging room of ``buf`` into their places in HF tensor ``target`` (direct
+    parts are there already)."""
+    target = _as_rows(target)
+    for p in parts:
+        rows = buf.narrow(0, p.offset, p.numel).view(p.s1 - p.s0, p.c1 - p.c0)
+        if p.dim == 0:
+            target.narrow(0, p.h0, p.s1 - p.s0).copy_(rows)
+        else:
+            target.narrow(0, p.s0, p.s1 - p.s0).narrow(1, p.h0, p.c1 - p.c0).copy_(rows)
+
+
+def _transfer(messages, views, dst: list[int], world: int, me: int) -> list:
+    """Start every message (``(src, offset, numel)``, with ``views[k]`` the tensor to send or receive into):
+    broadcasts when every rank is a destination, else point-to-point sends from each sender to each
+    destination. Returns the pending works."""
+    works = []
+    if world == 1:
+        return works
+    for (src, _, _), view in zip(messages, views):
+        if len(dst) == world:
+            works.append(dist.broadcast(view, src=src, async_op=True))
+        elif src == me:
+            works += [dist.isend(view, dst=d) for d in dst if d != me]
+        elif me in dst:
+            works.append(dist.irecv(view, src=src))
     return works
 
 
@@ -309,8 +369,7 @@ def _wait(works) -> None:
 class _Pool:
     """Buffers handed out as views and reused only once nothing refers to them any more: a consumer may keep a
     yielded tensor (its buffer is then left to it and the pool allocates afresh). A consumer that drops each
-    tensor still holds the last one in its loop variable while asking for the next, so a pool settles at two
-    buffers (one being filled, one still seen by the consumer)."""
+    tensor settles the pool at two buffers (the bucket it is reading, the one in flight)."""
 
     _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
@@ -331,110 +390,92 @@ class _Pool:
 
 class _Buffers:
     """The stream's buffers, kept with the model between calls (a weight sync runs every step, and on CPU fresh
-    memory costs a page fault per page): per dtype, the bucket buffer (internal) and the output pools (handed
-    out, reused only when free)."""
+    memory costs a page fault per page): per dtype, the destinations' bucket pool (handed out, reused only when
+    free) and the senders' packing buffers (internal)."""
 
     def __init__(self):
         self.bufs, self.pools = {}, {}
 
-    def bucket(self, numel: int, dtype, device, slot: int) -> torch.Tensor:
+    def packing(self, numel: int, dtype, device, slot: int) -> torch.Tensor:
         buf = self.bufs.get((dtype, device, slot))
         if buf is None or buf.numel() < numel:
             self.bufs[(dtype, device, slot)] = buf = None
             self.bufs[(dtype, device, slot)] = buf = torch.empty(numel, dtype=dtype, device=device)
         return buf[:numel]
 
-    def pool(self, name: str, numel: int, dtype, device) -> "_Pool":
-        p = self.pools.get((name, dtype, device))
+    def pool(self, numel: int, dtype, device) -> _Pool:
+        p = self.pools.get((dtype, device))
         if p is None or p.numel < numel:
-            p = self.pools[(name, dtype, device)] = _Pool(numel, dtype, device)
+            p = self.pools[(dtype, device)] = _Pool(numel, dtype, device)
         return p
 
 
-def _stream(plan: Plan, buffers: _Buffers, everything, params, dst, wire, device, layout: ParallelDims):
-    """Two bucket buffers: bucket k+1 is packed and in flight while bucket k is assembled and yielded."""
+def _send_only(plan: Plan, buffers: _Buffers, params, dst, wire, device, layout: ParallelDims) -> None:
+    """A rank that is not a destination: send its parts of each bucket, at most two buckets in flight. A direct
+    part goes straight from the parameter when it needs no conversion; everything else is packed."""
+    me, flying, slot = layout.rank, [], 0
+    for bucket in plan.buckets:
+        messages = [m for m in bucket.messages() if m[0] == me]
+        if not messages:
+            continue
+        if len(flying) == 2:
+            _wait(flying.pop(0))
+        straight = {p.offset: _source(params, p) for p in bucket.parts
+                    if p.src == me and p.direct and params[p.entry].dtype == wire}
+        straight = {k: v for k, v in straight.items() if v.is_contiguous()}
+        packed = [p for p in bucket.parts if p.src == me and (not p.direct or p.offset not in straight)]
+        buf = buffers.packing(sum(p.numel for p in packed), wire, device, slot)
+        slot = 1 - slot
+        local, at = {}, 0
+        with torch.no_grad():
+            for p in packed:
+                buf.narrow(0, at, p.numel).view(p.s1 - p.s0, p.c1 - p.c0).copy_(_source(params, p))
+                local[p.offset] = at
+                at += p.numel
+        views = []
+        for _, offset, n in messages:
+            if offset in straight:
+                views.append(straight[offset].reshape(-1))
+            else:          # a packed segment (its parts are consecutive) or a converted direct part
+                views.append(buf.narrow(0, local[offset], n))
+        flying.append(_transfer(messages, views, dst, layout.world, me))
+    for works in flying:
+        _wait(works)
+
+
+def _stream(plan: Plan, buffers: _Buffers, params, dst, wire, device, layout: ParallelDims):
+    """A destination: bucket k+1 is packed and in flight while bucket k's tensors are placed (packed parts copied
+    into them) and read by the consumer; it starts once the consumer has taken bucket k's first tensor, so that
+    it no longer holds bucket k-1's last one (two buffers)."""
     me = layout.rank
-    buckets, shapes = plan.buckets, plan.shapes
     if me not in dst:
-        mine = [(b, next(seg for seg in b.segments if seg[0] == me)) for b in buckets
-                if any(s == me for s, _, _ in b.segments)]
-        if not mine:
-            return
-        cap = max(seg[2] for _, seg in mine)
-        bufs = [buffers.bucket(cap, wire, device, slot) for slot in (0, 1)]
-        flying = []
-        for k, (b, seg) in enumerate(mine):
-            buf = bufs[k % 2]
-            if len(flying) == 2:
-                _wait(flying.pop(0))
-            _pack(b, buf, seg[1], params, me, wire, everything)
-            flying.append(_transfer(Bucket(b.parts, (seg,), b.numel), buf, seg[1], dst, layout.world, me))
-        for works in flying:
-            _wait(works)
+        _send_only(plan, buffers, params, dst, wire, device, layout)
         return
-    cap = max((b.numel for b in buckets), default=0)
-    bufs = [buffers.bucket(cap, wire, device, slot) for slot in (0, 1)]
-    arena = buffers.pool("arena", plan.arena_numel, wire, device)
-    bigs = buffers.pool("big", plan.big_numel, wire, device)   # entries assembled across buckets (two at most)
+    buckets = plan.buckets
+    pool = buffers.pool(max((b.numel for b in buckets), default=0), wire, device)
 
     def start(k):
-        _pack(buckets[k], bufs[k % 2], 0, params, me, wire, everything)
-        return _transfer(buckets[k], bufs[k % 2], 0, dst, layout.world, me)
+        bucket, buf = buckets[k], pool.get()
+        _pack(bucket, buf, params, me)
+        messages = bucket.messages()
+        works = _transfer(messages, [buf.narrow(0, off, n) for _, off, n in messages], dst, layout.world, me)
+        return buf, works
 
-    active: dict[int, dict] = {}
-    out = None
-    works = start(0) if buckets else []
-    for k, b in enumerate(buckets):
+    pending = start(0) if buckets else None
+    for k, bucket in enumerate(buckets):
+        buf, works = pending
+        pending = None
         _wait(works)
-        works = start(k + 1) if k + 1 < len(buckets) else []
-        buf = bufs[k % 2]
-        space = arena.get() if plan.arena_numel else None
-        outs = {}
-        for p in b.parts:
-            if p.entry in plan.straddle:
-                if p.entry not in active:
-                    region, off, views = bigs.get(), 0, {}
-                    for name, shape, _ in plan.outputs[p.entry]:
-                        views[name] = region.narrow(0, off, _numel(shape)).view(shape)
-                        off += _numel(shape)
-                    active[p.entry] = views
-                    region = views = None
-                out = active[p.entry]
-            else:
-                out = outs.get(p.entry)
-                if out is None:
-                    out = outs[p.entry] = {name: space.narrow(0, off, _numel(shape)).view(shape)
-                                           for name, shape, off in plan.outputs[p.entry]}
-            _scatter(everything[p.entry], plan.layouts[p.entry], p, buf.narrow(0, p.offset, p.numel), out,
-                     layout.tp, shapes)
-        space = out = None
-        for i in plan.done[k]:
-            out = active.pop(i) if i in plan.straddle else outs.pop(i)
-            for name in everything[i].hf:
-                yield name, out.pop(name)
-            out = None
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _scatter(entry, tp_layout, part: Part, flat: torch.Tensor, out: dict, tp: int, shapes) -> None:
-    """Copy a part (rows ``[r0, r1)`` of TP rank ``part.tp``'s shard) into its places in the HF tensors,
-    following the layout's blocks; replicas (non-primary blocks) and vocab padding rows are skipped."""
-    hf_shapes = [shapes[n] for n in entry.hf]
-    rows = flat.view(part.r1 - part.r0, part.row_numel)
-    for s, dim, a, b, la, lb, primary in tp_layout.blocks(part.tp, tp, hf_shapes):
-        if not primary:
-            continue
-        target = out[entry.hf[s]]
-        if dim == 0:
-            lo, hi = max(la, part.r0), min(lb, part.r1)
-            if lo < hi:
-                target.view(target.shape[0] if target.dim() else 1, -1).narrow(0, a + lo - la, hi - lo).copy_(
-                    rows.narrow(0, lo - part.r0, hi - lo))
-        else:   # columns [la, lb) of the shard are columns [a, b) of the HF tensor, row for row
-            target.narrow(0, part.r0, part.r1 - part.r0).narrow(1, a, b - a).copy_(rows.narrow(1, la, lb - la))
+        works = None
+        for (entry, hf, offset), parts in zip(bucket.outputs, bucket.placing):
+            name = plan.names[entry][hf]
+            shape = plan.shapes[name]
+            tensor = buf.narrow(0, offset, _numel(shape)).view(shape)
+            _place(parts, tensor, buf)     # tensor by tensor: after the first, overlapped with bucket k+1
+            yield name, tensor
+            tensor = None
+            if pending is None and k + 1 < len(buckets):
+                pending = start(k + 1)
+        buf = None
+        if pending is None and k + 1 < len(buckets):
+            pending = start(k + 1)
