@@ -15,11 +15,16 @@ vs-transformers
 dtype
     A bf16 checkpoint shaped as Qwen2.5-0.5B (24 layers, hidden 896, 14 heads / 2 KV heads, inter 4864, vocab
     151936, tied; ~942 MB), at tp2 x pp2 on 4 gloo ranks, ``mode="slice"``: ``load_hf_weights`` into a model
-    built in bf16 and into one built in fp32, best of ``--reps``, each time on a fresh model (the load pays the
-    first touch of the parameters' pages, which the kernel zeroes: twice as many for fp32; every model's memory
-    is fresh, see ``fresh_pages_on_free``, and the page faults during each load are reported) and on a model
-    whose parameters were zeroed before the clock starts (as bench/io_bench.py measures). Target: fp32 <= 2.0x
-    bf16 (twice the bytes are written).
+    built in bf16 and into one built in fp32, three ways, best of ``--reps`` each:
+      fresh     in one world of processes, a new model per load: the load pays the first touch of the
+                parameters' pages, which the kernel zeroes (twice as many for fp32); every model's memory is
+                fresh, whatever the dtype (``fresh_pages_on_free``);
+      touched   the same, with the parameters zeroed before the clock starts (as bench/io_bench.py measures):
+                parallm's own work;
+      first     the first load of a new world of processes (one world per load, the dtypes alternating), as a
+                trainer loads once at start.
+    The page faults during the loads are reported (all ranks). Target: fp32 <= 2.0x bf16 (twice the bytes are
+    written).
 
 Both sides read from the page cache (the checkpoint is read once before timing).
 """
@@ -178,46 +183,22 @@ def fresh_pages_on_free() -> None:
 
 def rank_dtype(rank, world, ckpt, reps):
     import torch
-    from safetensors import safe_open
-
     import parallm
     fresh_pages_on_free()
     parallm.init_parallel(tp=2, pp=2)
-    kinds = ("fresh", "touched", "floor")
+    kinds = ("fresh", "touched")
     times = {f"{name}/{kind}{what}": [] for name in ("bf16", "fp32") for kind in kinds for what in ("", "/faults")}
-    shapes = {}
-    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        chunks = parallm.build_model(ckpt, dtype=dtype)
-        shapes[name] = [p.shape for c in chunks for p in c.parameters()]
-        del chunks
-    fname = next(f for f in sorted(os.listdir(ckpt)) if f.endswith(".safetensors"))
-    with safe_open(os.path.join(ckpt, fname), framework="pt") as f:
-        flat = f.get_tensor("model.embed_tokens.weight").view(-1)      # bf16, larger than any parameter
-
-    def floor(dtype, name):
-        """This rank's parameters as fresh tensors, each filled by one converting copy of as many checkpoint
-        values (in memory): the page faults and the copy, nothing else."""
-        out = []
-        for shape in shapes[name]:
-            x = torch.empty(shape, dtype=dtype)
-            x.view(-1).copy_(flat[:x.numel()])
-            out.append(x)
-        return out
-
     for i in range(reps + 1):
         for kind in kinds:
             for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-                chunks = parallm.build_model(ckpt, dtype=dtype) if kind != "floor" else None
+                chunks = parallm.build_model(ckpt, dtype=dtype)
                 if kind == "touched":      # the parameters' pages exist before the clock starts
                     with torch.no_grad():
                         for c in chunks:
                             for p in c.parameters():
                                 p.zero_()
                 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-                if kind == "floor":
-                    t, chunks = _timed(lambda dtype=dtype, name=name: floor(dtype, name))
-                else:
-                    t, _ = _timed(lambda model=chunks: parallm.load_hf_weights(model, ckpt, mode="slice"))
+                t, _ = _timed(lambda model=chunks: parallm.load_hf_weights(model, ckpt, mode="slice"))
                 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
                 if i:
                     times[f"{name}/{kind}"].append(t)
@@ -226,6 +207,20 @@ def rank_dtype(rank, world, ckpt, reps):
                 gc.collect()
     parallm.destroy_parallel()
     return {k: min(v) for k, v in times.items()}
+
+
+def rank_first_load(rank, world, ckpt, dtype_name):
+    """One load, the first of a new process (as a trainer loads once at start): build, then the timed load."""
+    import torch
+
+    import parallm
+    parallm.init_parallel(tp=2, pp=2)
+    chunks = parallm.build_model(ckpt, dtype=getattr(torch, dtype_name))
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t, _ = _timed(lambda: parallm.load_hf_weights(chunks, ckpt, mode="slice"))
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    parallm.destroy_parallel()
+    return {"time": t, "faults": faults}
 
 
 def main(argv=None):
@@ -267,12 +262,19 @@ def main(argv=None):
                   f"({os.cpu_count()} cores), mode=slice, best of {args.reps}")
             rows = []
             for touched, what in (("fresh", "fresh model (first touch of its pages inside the load)"),
-                                  ("touched", "pages touched before the load"),
-                                  ("floor", "floor: fresh tensors of the same shapes, one copy each")):
+                                  ("touched", "pages touched before the load")):
                 bf, fp = t[f"bf16/{touched}"], t[f"fp32/{touched}"]
                 faults = "/".join(f"{sum(r[f'{n}/{touched}/faults'] for r in res) * 4096 / 2 ** 20:.0f}"
                                   for n in ("bf16", "fp32"))
                 rows.append((what, f"{bf:.3f} s", f"{fp:.3f} s", f"{fp / bf:.2f}", faults))
+            first = {"bfloat16": [], "float32": []}
+            for _ in range(args.reps):       # a new world of processes per load, the dtypes alternating
+                for dtype_name in first:
+                    r = run_world(rank_first_load, 4, ckpt, dtype_name)
+                    first[dtype_name].append((max(x["time"] for x in r), sum(x["faults"] for x in r)))
+            bf, fp = min(first["bfloat16"]), min(first["float32"])
+            rows.append(("first load of a new process (new world per load)", f"{bf[0]:.3f} s", f"{fp[0]:.3f} s",
+                         f"{fp[0] / bf[0]:.2f}", f"{bf[1] * 4096 / 2 ** 20:.0f}/{fp[1] * 4096 / 2 ** 20:.0f}"))
             print(table(rows, ["", "bf16 model", "fp32 model", "fp32 / bf16 (target <= 2.0)",
                                "page faults in the load, MiB (bf16/fp32, all ranks)"]))
     finally:
