@@ -66,11 +66,12 @@ def rank_io(rank, world, cfg, workdir, repeat):
         dist.barrier()
         return time.perf_counter() - t0
 
-    out["save"] = min(timed(lambda: parallm.save_checkpoint(path, chunks, opt, step=1, overwrite=True))
+    out["save"] = min(timed(lambda chunks=chunks, opt=opt: parallm.save_checkpoint(path, chunks, opt, step=1,
+                                                                                    overwrite=True))
                       for _ in range(repeat))
     handles = []
 
-    def async_call():
+    def async_call(chunks=chunks, opt=opt):
         handles.append(parallm.save_checkpoint(path + "-async", chunks, opt, step=1, overwrite=True,
                                                async_save=True))
     calls, totals = [], []
@@ -114,7 +115,8 @@ def rank_io(rank, world, cfg, workdir, repeat):
         chunks = parallm.build_model(cfg)
         opt = parallm.build_optimizer(chunks, lr=1e-4)
         read[0] = 0
-        out[name] = min(timed(lambda: parallm.load_checkpoint(path, chunks, opt)) for _ in range(repeat))
+        out[name] = min(timed(lambda chunks=chunks, opt=opt: parallm.load_checkpoint(path, chunks, opt))
+                        for _ in range(repeat))
         out[f"{name} bytes"] = read[0] / repeat
     dcp_io.VerifyingReader._slice_file = original
     # optimizer memory per rank
