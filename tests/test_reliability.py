@@ -338,6 +338,37 @@ def test_before_init_without_torch_distributed(ckpts, monkeypatch):
     assert not dist.is_initialized()
 
 
+def _reinit_rank(rank, world, port):
+    """Leave the spawn's process group, then let parallm create its own from the environment, three times over
+    (destroy_parallel in between), checking each group with an all-reduce."""
+    import torch.distributed as dist
+
+    import parallm
+    dist.destroy_process_group()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    sums = []
+    for i in range(3):
+        parallm.init_parallel(tp=world, timeout_s=30)
+        x = torch.tensor([float(rank + i)])
+        dist.all_reduce(x)
+        sums.append(x.item())
+        parallm.destroy_parallel()
+        assert not dist.is_initialized()
+    return sums
+
+
+@pytest.mark.timeout(120)
+def test_init_destroy_init_from_the_environment():
+    """A process group parallm created from MASTER_ADDR / MASTER_PORT can be destroyed and created again in the
+    same processes (once failed with "connection refused": the second group read the first one's addresses)."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    results = run_ranks(_reinit_rank, 2, port, timeout=100)
+    assert results == [[1.0, 3.0, 5.0]] * 2
+
+
 # -- fuzz: corrupted safetensors headers, all seeds in one 2-rank spawn --------------------------------------
 
 FUZZ_WORLD = 2

@@ -66,7 +66,8 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, ep: int =
                 f"{', '.join(missing)}; launch with torchrun, or call torch.distributed.init_process_group first")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+        dist.init_process_group(backend=backend, store=_rendezvous_store(timeout), rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
         _OWN["process_group"] = True
     world = dist.get_world_size()
     if world % (tp * pp) != 0:
@@ -93,6 +94,25 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, ep: int =
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     _GROUP_CACHE.clear()
     _STATE["generation"] += 1
+
+
+def _rendezvous_store(timeout: timedelta):
+    """The store of a process group parallm creates from the environment (MASTER_ADDR / MASTER_PORT, served by
+    rank 0, or by torchrun's agent where it says so), under a prefix of its own for each group this process
+    creates. The TCP store is created once
+    per process and kept: a second ``init_parallel`` after ``destroy_parallel`` reuses it under a new prefix.
+    (Creating a fresh store through ``env://`` instead failed: a rank could reach the store of the previous
+    group, read the previous group's addresses and fail with "connection refused".)"""
+    key = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]))
+    store = _OWN.get("store")
+    if store is None or _OWN.get("store_key") != key:
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)   # torchrun's agent serves it
+        store = dist.TCPStore(key[0], key[1], key[2], is_master=not agent and int(os.environ["RANK"]) == 0,
+                              timeout=timeout, multi_tenant=True)
+        _OWN.update(store=store, store_key=key, groups=0)
+    _OWN["groups"] += 1
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")     # a restarted worker must not read old keys
+    return dist.PrefixStore(f"parallm/{restart}/{_OWN['groups']}", store)
 
 
 def destroy_parallel() -> None:
