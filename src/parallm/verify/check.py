@@ -112,8 +112,8 @@ def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
     pieces = dp * check.microbatches
     batch = -(-check.batch // pieces) * pieces
     ids, mask = padded_batch(chunks[0].spec.vocab_size, batch=batch, seq=check.seq, seed=check.seed)
-    ref = run_local(lambda: reference(ckpt, task, ids=ids, mask=mask, pre=pre, pieces=pieces, lr=check.lr,
-                                      device=device) if rank0 else None, what="the transformers reference")
+    ref = run_local(lambda pre=pre: reference(ckpt, task, ids=ids, mask=mask, pre=pre, pieces=pieces, lr=check.lr,
+                                              device=device) if rank0 else None, what="the transformers reference")
     del pre
     lr = _broadcast(ref["lr"] if rank0 else None)
 
@@ -146,7 +146,7 @@ def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
     dist.barrier()
     parallm.save_hf_weights(chunks, check.save_dir, overwrite=True)
     row["save_s"] = _timed(t0)
-    reloaded = run_local(lambda: reload_check(check.save_dir, task, saved=new) if rank0 else None,
+    reloaded = run_local(lambda new=new: reload_check(check.save_dir, task, saved=new) if rank0 else None,
                          what="reloading the saved directory with transformers")
     del chunks, new
     gc.collect()
