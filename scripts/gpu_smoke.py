@@ -1,13 +1,24 @@
-"""GPU smoke test: parity with transformers on CUDA + NCCL, a bf16 sanity check, the CUDA attention path.
+"""GPU smoke test: parity with transformers on CUDA + NCCL for what the CPU suite checks on gloo.
 
-    torchrun --nproc-per-node N scripts/gpu_smoke.py        (N = 1, 2 or 4 GPUs; or)
+    torchrun --nproc-per-node N scripts/gpu_smoke.py          (N = 1, 2 or 4 GPUs; or)
     bash scripts/gpu_smoke.sh
+    torchrun --nproc-per-node 4 scripts/gpu_smoke.py --cpu    (a dry run of this script on gloo / CPU)
 
-Prints one line per check and exits 0 when all pass. Not part of the CPU test suite.
+Checks, each one line (PASS / FAIL, the measured value, the limit):
+  1. fp32 logits at tp x pp (plain and packed + sequence parallel); bf16 packed logits, relative
+  2. vocab-parallel log-probs and entropy (temperature 0.7) against log_softmax of transformers' logits
+  3. export_hf_tensors: every tensor bit-exact (to every rank, to rank 0 only, cast to bf16 on the sender)
+  4. one training step: forward_backward (2 microbatches), finalize_grads, parallm's AdamW, against
+     transformers + torch.optim.AdamW: the loss and every updated weight
+  5. a training checkpoint (model + optimizer) saved and loaded into a fresh model: weights bit-exact, and one more
+     step on both bit-exact
+  6. a mixture-of-experts model (Qwen3-MoE, 8 experts, top 2) at ep = world (all-to-all dispatch): fp32 logits
+Exits 0 when all pass. Not part of the CPU test suite.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -17,19 +28,25 @@ import torch.distributed as dist
 
 
 def main() -> int:
-    import transformers
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cpu", action="store_true", help="dry run on CPU (gloo): checks this script, not the GPU")
+    args = ap.parse_args()
+
+    import importlib
 
     import parallm
+    R = importlib.import_module("parallm.verify.reference")   # the module (parallm.verify.reference is a function)
 
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check")
+    if not torch.cuda.is_available() and not args.cpu:
+        print("no CUDA device: nothing to check (--cpu runs the script on gloo)")
         return 1
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if not args.cpu else torch.device("cpu")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
     tp = 2 if world % 2 == 0 else 1
     pp = 2 if world % 4 == 0 else 1
-    parallm.init_parallel(tp=tp, pp=pp)  # nccl
+    parallm.init_parallel(tp=tp, pp=pp)  # nccl when CUDA is available
     rank = dist.get_rank()
     ok = True
 
@@ -40,23 +57,21 @@ def main() -> int:
         if rank == 0:
             print(f"{'PASS' if good else 'FAIL'} {name}: {value:.3e} (limit {limit:.0e})", flush=True)
 
+    def info(text):
+        if rank == 0:
+            print(f"INFO {text}", flush=True)
+
     box = [tempfile.mkdtemp(prefix="parallm-gpu-") if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     ckpt = os.path.join(box[0], "m")
-    cfg = transformers.Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                                   num_attention_heads=8, num_key_value_heads=2, vocab_size=1001,
-                                   tie_word_embeddings=True, attn_implementation="eager")
+    cfg = R.tiny_config("qwen2", hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                        num_key_value_heads=2, vocab_size=1001, tie_word_embeddings=True)
     if rank == 0:
-        torch.manual_seed(0)
-        hf = transformers.AutoModelForCausalLM.from_config(cfg).float()
-        with torch.no_grad():
-            for p in hf.parameters():
-                p.add_(torch.randn_like(p) * 0.02)
-        hf.save_pretrained(ckpt)
+        R.make_hf_model(cfg, seed=0).save_pretrained(ckpt)
     dist.barrier()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).cuda().eval()
+    hf, _ = R.load_transformers(ckpt, task="causal_lm", device=device)
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, cfg.vocab_size, (4, 64), generator=g).cuda()
+    ids = torch.randint(0, cfg.vocab_size, (4, 64), generator=g).to(device)
     mask = torch.ones_like(ids)
     mask[1, :10] = 0
     mask[2, -12:] = 0
@@ -65,23 +80,118 @@ def main() -> int:
         ref = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
     real = mask.bool()
 
+    # 1. logits
     for packed in (False, True):
         chunks = parallm.build_model(ckpt, packed=packed, sequence_parallel=packed and tp > 1)
         parallm.load_hf_weights(chunks, ckpt)
         with torch.no_grad():
             out = parallm.forward(chunks, ids, mask)
         report(f"fp32 logits tp={tp} pp={pp} packed={packed}", (out - ref)[real].abs().max().item(), 1e-3)
-        if rank == 0:
-            print(f"INFO attention backend (fp32, packed={packed}): {chunks[0].attn_impl}")
-
+        info(f"attention backend (fp32, packed={packed}): {chunks[0].attn_impl}")
     chunks = parallm.build_model(ckpt, packed=True, dtype=torch.bfloat16)
     parallm.load_hf_weights(chunks, ckpt)
     with torch.no_grad():
         out = parallm.forward(chunks, ids, mask)
     rel = ((out - ref)[real].abs().max() / ref[real].abs().max()).item()
     report("bf16 packed logits, relative to fp32 transformers", rel, 5e-2)
+    info(f"attention backend (bf16, packed): {chunks[0].attn_impl}")
+    del chunks, out
+
+    # 2. log-probs and entropy, vocab-parallel
+    chunks = parallm.build_model(ckpt)
+    parallm.load_hf_weights(chunks, ckpt)
+    with torch.no_grad():
+        stats = parallm.forward(chunks, ids, mask, output="logprobs+entropy", temperature=0.7, token_chunk=37)
+    logp = (ref / 0.7).log_softmax(-1)
+    want_lp = logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    want_ent = -(logp.exp() * logp).sum(-1)
+    report("log-probs (T=0.7, chunks of 37 tokens)", (stats.logprobs[:, :-1] - want_lp)[real[:, :-1]].abs().max().item(),
+           1e-3)
+    report("entropy (T=0.7)", (stats.entropy - want_ent)[real].abs().max().item(), 1e-3)
+
+    # 3. export stream
+    want = R.hf_state(hf)
+    for what, kw in (("to every rank", {}), ("dst_ranks=[0]", dict(dst_ranks=[0])),
+                     ("bf16 on the sender, 1 MB buckets", dict(dtype=torch.bfloat16, bucket_bytes="1MB"))):
+        names, worst = [], 0.0
+        for name, t in parallm.export_hf_tensors(chunks, **kw):
+            names.append(name)
+            w = want[name].to(t.dtype)
+            worst = max(worst, float("inf") if not torch.equal(t.cpu(), w) else 0.0)
+        receives = "dst_ranks" not in kw or rank == 0
+        complete = sorted(names) == sorted(want) if receives else names == []
+        report(f"export {what}: tensors not bit-exact or missing", 0.0 if complete and worst == 0 else 1.0, 0)
+
+    # 4. one training step against transformers + torch AdamW
+    # eps 1e-3: Adam's first step is lr * g / (|g| + eps), which for |g| near 0 turns last-bit gradient differences
+    # into differences of order lr; a large eps bounds that amplification at lr / eps (here 1)
+    hp = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-3, weight_decay=0.1)
+    opt = parallm.build_optimizer(chunks, **hp)
+
+    def step(model_chunks, optimizer):
+        loss = parallm.forward_backward(model_chunks, ids, mask, loss_fn=R.causal_lm_loss, num_microbatches=2)
+        parallm.finalize_grads(model_chunks)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    loss = step(chunks, opt)
+    hf.train()
+    decay = [p for n, p in hf.named_parameters() if p.dim() > 1]
+    no_decay = [p for n, p in hf.named_parameters() if p.dim() <= 1]
+    hf_opt = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], **hp)
+    ref_loss = 0.0
+    for half in (slice(0, 2), slice(2, 4)):     # the mean over the 2 microbatches, as forward_backward computes it
+        lg = hf(input_ids=ids[half], attention_mask=mask[half], position_ids=pos[half]).logits
+        part = R.causal_lm_loss(lg, ids[half], mask[half]) / 2
+        part.backward()
+        ref_loss += part.item()
+    hf_opt.step()
+    report("training step: loss vs transformers", abs(loss - ref_loss), 1e-4)
+    got = {k: v.cpu() for k, v in (parallm.save_hf_weights(chunks) or {}).items()}
     if rank == 0:
-        print(f"INFO attention backend (bf16, packed): {chunks[0].attn_impl}")
+        _, d, problems = R.compare_states(got, R.hf_state(hf))
+        info(f"after the AdamW step: {problems or 'every tensor bit-exact'}")
+    else:
+        d = 0.0
+    d = torch.tensor([d], device=device)
+    dist.broadcast(d, src=0)
+    report("training step: updated weights vs transformers + torch AdamW", d.item(), 2e-6)
+
+    # 5. training checkpoint round trip, then one more step on both
+    path = os.path.join(box[0], "train-ckpt")
+    parallm.save_checkpoint(path, chunks, opt, step=1, overwrite=True)
+    fresh = parallm.build_model(ckpt)
+    fresh_opt = parallm.build_optimizer(fresh, **hp)
+    parallm.load_checkpoint(path, fresh, fresh_opt)
+    a, b = parallm.save_hf_weights(chunks), parallm.save_hf_weights(fresh)
+    same = torch.tensor([float(rank != 0 or R.compare_states(a, b)[0])], device=device)
+    step(chunks, opt)
+    step(fresh, fresh_opt)
+    a, b = parallm.save_hf_weights(chunks), parallm.save_hf_weights(fresh)
+    same *= float(rank != 0 or R.compare_states(a, b)[0])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    report("training checkpoint: loaded weights and the next step not bit-exact", 1.0 - same.item(), 0)
+    del chunks, fresh, opt, fresh_opt, hf, hf_opt
+
+    # 6. mixture of experts at ep = world
+    parallm.destroy_parallel()
+    parallm.init_parallel(tp=1, pp=1, ep=world)
+    moe_ckpt = os.path.join(box[0], "moe")
+    moe_cfg = R.tiny_config("qwen3_moe", hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=32, vocab_size=1001, num_experts=8, num_experts_per_tok=2,
+                            moe_intermediate_size=64, norm_topk_prob=True)
+    if rank == 0:
+        R.make_hf_model(moe_cfg, seed=2).save_pretrained(moe_ckpt)
+    dist.barrier()
+    hf, _ = R.load_transformers(moe_ckpt, task="causal_lm", device=device)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+    chunks = parallm.build_model(moe_ckpt)
+    parallm.load_hf_weights(chunks, moe_ckpt)
+    with torch.no_grad():
+        out = parallm.forward(chunks, ids, mask)
+    report(f"MoE (8 experts, top 2) fp32 logits at ep={world}", (out - ref)[real].abs().max().item(), 1e-3)
     parallm.destroy_parallel()
     return 0 if ok else 1
 
