@@ -65,7 +65,7 @@ def _layout(parallm, tp, pp, vpp, ckpt):
 def rank_reshard(rank, world, s):
     import parallm
     out = {}
-    for model in ("A", "B"):
+    for model in s:
         m = s[model]
         src = m["source"]
         chunks, dims = _layout(parallm, *src["layout"], m["hf"])
@@ -96,6 +96,7 @@ def test_resume_across_layouts(tmp_path):
     root = str(tmp_path)
     a = helpers.make_hf_model(helpers.tiny_config("llama", num_hidden_layers=4), seed=11)
     b = helpers.make_hf_model(helpers.tiny_config("qwen2", tie_word_embeddings=True), seed=12)
+    c = helpers.make_hf_model(helpers.tiny_config("qwen3_moe"), seed=13)   # experts as per-expert rows, ep = 1
     ck = lambda name: os.path.join(root, name)  # noqa: E731
     s = {
         "A": dict(hf=helpers.save_checkpoint(a, ck("hf-A")), batches=batches(a.config.vocab_size),
@@ -108,6 +109,10 @@ def test_resume_across_layouts(tmp_path):
         "B": dict(hf=helpers.save_checkpoint(b, ck("hf-B")), batches=batches(b.config.vocab_size),
                   source=dict(layout=(2, 1, None), shard=False, path=ck("B-tp2dp2")),
                   targets=[dict(layout=(1, 2, None), shard=True, path=ck("B-pp2dp2-zero"))]),
+        "C": dict(hf=helpers.save_checkpoint(c, ck("hf-C")), batches=batches(c.config.vocab_size),
+                  source=dict(layout=(2, 1, None), shard=True, path=ck("C-tp2dp2-zero")),
+                  targets=[dict(layout=(1, 2, None), shard=False, path=ck("C-pp2dp2")),
+                           dict(layout=(4, 1, None), shard=False, path=ck("C-tp4"))]),
     }
     for m in s.values():
         for t in m["targets"]:
