@@ -25,6 +25,13 @@ CASES = [
      dict(tp=2, pp=2, vpp=None, nmb=2), {"build": VALUE_SP}),
     ("llama value padded tp4", "llama", dict(num_key_value_heads=1), dict(tp=4, pp=1, vpp=None, nmb=1),
      {"build": {"task": "value"}}),
+    # config.pad_token_id set and that token at real positions: transformers' embedding (padding_idx) sends it
+    # no gradient from the lookup, while a tied head still trains the row
+    ("qwen2 packed+SP tp2 pp2 tied, pad token in the text", "qwen2",
+     dict(num_hidden_layers=4, tie_word_embeddings=True, pad_token_id=5), dict(tp=2, pp=2, vpp=None, nmb=2),
+     {"build": SP, "pad_token": 5}),
+    ("llama tp2 dp2 untied, pad token in the text", "llama", dict(pad_token_id=7),
+     dict(tp=2, pp=1, vpp=None, nmb=1), {"pad_token": 7}),
 ]
 
 

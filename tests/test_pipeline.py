@@ -153,6 +153,9 @@ def make_cases(tmp_path, specs, world=4):
         if extra.get("stray_head"):
             _add_stray_lm_head(ckpt, model)
         ids, mask = helpers.padded_batch(cfg.vocab_size, seed=i, batch=8, seq=9)
+        if extra.get("pad_token") is not None:   # the config's pad token also at real positions
+            ids = ids.clone()
+            ids[:, 1::3] = extra["pad_token"]
         dp = world // (layout["tp"] * layout["pp"])
         loss, new_sd, after = reference_step(model, ids, mask, dp * layout["nmb"], task)
         with torch.no_grad():

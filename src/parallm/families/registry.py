@@ -124,8 +124,18 @@ def base_spec_kwargs(config, family: str) -> dict:
         rope=rope_spec_from_hf_config(config if not isinstance(config, _DictConfig) else config._raw,
                                       int(head_dim)),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        pad_token_id=_pad_token_id(config),
         hidden_act=act,
     )
+
+
+def _pad_token_id(config) -> int | None:
+    """``config.pad_token_id`` when it names a row of the vocabulary (transformers then builds its embedding with
+    ``padding_idx``), else None."""
+    pad = getattr(config, "pad_token_id", None)
+    if isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < int(config.vocab_size):
+        return None
+    return pad
 
 
 def refuse_sliding_layers(config, name: str) -> None:

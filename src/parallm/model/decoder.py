@@ -266,6 +266,7 @@ class DecoderChunk(nn.Module):
             x = self.embedding(ids)  # sequence parallel: reduce-scattered to [T/tp, 1, H] already
             if not self.sequence_parallel:
                 x = x.transpose(0, 1).contiguous()                       # [S, B, H] / [T, 1, H]
+            x = self._no_grad_at_pad_tokens(x, ids)
         else:
             if self.input_tensor is None:
                 raise RuntimeError("DecoderChunk without pre_process needs set_input_tensor() before forward")
@@ -277,7 +278,9 @@ class DecoderChunk(nn.Module):
         for layer in self.layers:
             if recompute:
                 # Keep only the layer's input; its activations are recomputed in backward (RNG state restored).
-                x = checkpoint(layer, x, cos, sin, ctx, tokens, use_reentrant=False, preserve_rng_state=True)
+                # The recompute replays the layer: MoE load-balancing losses are then not recorded twice.
+                x = checkpoint(self._replayable(layer), x, cos, sin, ctx, tokens, use_reentrant=False,
+                               preserve_rng_state=True)
             else:
                 x = layer(x, cos, sin, ctx, tokens)
         if not self.post_process:
@@ -310,6 +313,31 @@ class DecoderChunk(nn.Module):
 
     def forward(self, input_ids, position_ids, attention_mask):
         return self.compute(input_ids, position_ids, attention_mask)
+
+    def _no_grad_at_pad_tokens(self, x, ids):
+        """transformers builds the embedding with ``padding_idx=config.pad_token_id``: positions holding that token
+        send no gradient into the embedding (a tied head still trains that row). Same here: those positions of the
+        lookup's output are detached. ``x``: ``[S, B, H]`` / ``[T, 1, H]``, or this TP rank's ``[T / tp, 1, H]``
+        under sequence parallelism; ``ids``: ``[B, S]`` / ``[1, T]``."""
+        pad = self.spec.pad_token_id
+        if pad is None or not torch.is_grad_enabled():
+            return x
+        at_pad = (ids == pad).transpose(0, 1)                             # [S, B] / [T, 1]
+        if self.sequence_parallel:
+            n = x.shape[0]
+            at_pad = at_pad[self.dims.tp_rank * n:(self.dims.tp_rank + 1) * n]
+        return torch.where(at_pad.unsqueeze(-1), x.detach(), x)
+
+    def _replayable(self, layer):
+        """``layer`` for activation recompute: its first call is the forward, every later call is the replay in
+        the backward (see :meth:`MoEAux.replaying`)."""
+        calls = [0]
+
+        def run(*args):
+            calls[0] += 1
+            with self.moe_aux.replaying(calls[0] > 1):
+                return layer(*args)
+        return run
 
     def _real_tokens(self, attention_mask, ctx) -> torch.Tensor:
         """1.0 for each real token among this rank's activation rows, in row order: ``[S * B]`` (s-major) in the

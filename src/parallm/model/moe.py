@@ -32,6 +32,8 @@ in the model dtype and the softmax in fp32), and the weights are cast to the mod
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -116,6 +118,17 @@ class MoEAux:
     def __init__(self):
         self.scale: float | None = None
         self.values: list[torch.Tensor] = []
+        self.recording = True    # False while activation recompute replays a layer's forward in the backward
+
+    @contextlib.contextmanager
+    def replaying(self, replay: bool):
+        """Inside: a replayed forward (activation recompute) computes and attaches the loss again, as the
+        autograd graph needs, but does not record its value a second time."""
+        before, self.recording = self.recording, not replay
+        try:
+            yield
+        finally:
+            self.recording = before
 
     def start(self, scale: float) -> None:
         self.scale, self.values = scale, []
@@ -234,6 +247,7 @@ class MoEBlock(nn.Module):
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(x)
         if aux is not None:
-            self.aux.values.append(aux.detach())
+            if self.aux.recording:
+                self.aux.values.append(aux.detach())
             out = _AttachAux.apply(out, aux, self.aux.scale)
         return out

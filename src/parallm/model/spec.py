@@ -53,6 +53,7 @@ class DecoderSpec:
     o_bias: bool = False        # LLaMA: attention_bias
     mlp_bias: bool = False      # LLaMA: mlp_bias
     tie_word_embeddings: bool = False
+    pad_token_id: int | None = None   # transformers' nn.Embedding(padding_idx=...): lookups of it get no gradient
     hidden_act: str = "silu"
     qk_norm: bool = False       # Qwen3: RMSNorm over head_dim on every query / key head, before RoPE
     sliding_window: int | None = None   # Mistral: sequences longer than this are refused (full attention below)
