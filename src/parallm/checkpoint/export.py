@@ -219,7 +219,8 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
     ``dtype``: the tensors' dtype (default: the model's), converted on the sender while packing; a value the
     dtype cannot hold (e.g. > 65504 into float16) is a :class:`CheckpointError` on every rank, raised here
     before anything is sent. ``bucket_bytes`` (int, or "64MB" / "1GiB"): the most bytes one bucket carries;
-    small tensors share a bucket, larger ones are split over several.
+    small tensors share a bucket; a tensor larger than that is a bucket of its own, sent in messages of at most
+    ``bucket_bytes``.
 
     Yielded tensors live on the parameters' device, are never views of a parameter, and may be kept: they are
     views of the stream's output buffers, and a buffer is reused for later tensors only once nothing refers
