@@ -3,6 +3,8 @@ memory sampling (no test-suite imports)."""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import threading
 import time
@@ -19,6 +21,32 @@ def run_world(fn, world: int, *args, timeout: float = 1800):
     progress bars off); the results by rank. A failing rank raises parallm.verify.SpawnError naming it."""
     from parallm.verify import spawn
     return spawn(fn, world, *args, timeout=timeout, env={"PARALLM_PROGRESS": "0"})
+
+
+def write_shards(path: str, tensors, shard_bytes: int) -> tuple[int, int, int]:
+    """``(name, tensor)`` pairs written as HF safetensors shards of at most ``shard_bytes`` (a tensor larger than
+    that alone in its shard) plus ``model.safetensors.index.json``. Returns (total bytes, largest tensor's bytes,
+    number of files)."""
+    from safetensors.torch import save_file
+    files, current, size, total, largest = [], {}, 0, 0, 0
+    for name, x in tensors:
+        n = x.numel() * x.element_size()
+        if current and size + n > shard_bytes:
+            files.append(current)
+            current, size = {}, 0
+        current[name] = x
+        size += n
+        total += n
+        largest = max(largest, n)
+    files.append(current)
+    weight_map = {}
+    for k, part in enumerate(files):
+        fname = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
+        save_file(part, os.path.join(path, fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    return total, largest, len(files)
 
 
 def rss_anon() -> int:

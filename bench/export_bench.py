@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import PeakRss, rss_anon, run_world, table  # noqa: E402
-from load_bench import SIZES, make_checkpoint, warm_page_cache  # noqa: E402
+from load_bench import SIZES, prepared_checkpoint  # noqa: E402
 
 
 def rank_export(rank, world, ckpt, total, bucket, reps):
@@ -88,11 +88,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix="parallm-export-bench-")
     try:
-        ckpt = os.path.join(workdir, f"qwen2-fp32-{args.size}")
-        if not os.path.isdir(ckpt):
-            make_checkpoint(ckpt, SIZES[args.size], "float32", 60 * 10 ** 6)
-        total = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt) if f.endswith("tensors"))
-        warm_page_cache(ckpt)
+        ckpt, total = prepared_checkpoint(workdir, f"qwen2-fp32-{args.size}", SIZES[args.size], "float32",
+                                          60 * 10 ** 6)
         res = run_world(rank_export, 4, ckpt, total, args.bucket, args.reps)
         t = {k: max(r["best"][k] for r in res) for k in res[0]["best"]}
         mib = 2 ** 20

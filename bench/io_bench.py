@@ -23,12 +23,11 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import PeakRss, rss_anon, run_world, table  # noqa: E402
+from common import PeakRss, rss_anon, run_world, table, write_shards  # noqa: E402
 
 
 def make_checkpoint(path, layers):
     import torch
-    from safetensors.torch import save_file
     h, inter, heads, kv, vocab = 1024, 2816, 16, 4, 32000
     d = h // heads
     cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=h, intermediate_size=inter,
@@ -51,24 +50,7 @@ def make_checkpoint(path, layers):
                         p + "self_attn.v_proj.weight": t(kv * d, h), p + "self_attn.o_proj.weight": t(h, heads * d),
                         p + "mlp.gate_proj.weight": t(inter, h), p + "mlp.up_proj.weight": t(inter, h),
                         p + "mlp.down_proj.weight": t(h, inter)})
-    files, current, size, limit = [], {}, 0, 100 * 2 ** 20
-    for name, x in tensors.items():
-        if current and size + x.numel() * 2 > limit:
-            files.append(current)
-            current, size = {}, 0
-        current[name] = x
-        size += x.numel() * 2
-    files.append(current)
-    weight_map = {}
-    for k, part in enumerate(files):
-        fname = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
-        save_file(part, os.path.join(path, fname), metadata={"format": "pt"})
-        weight_map.update({n: fname for n in part})
-    total = sum(x.numel() * 2 for x in tensors.values())
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
-    largest = max(x.numel() * 2 for x in tensors.values())
-    return total, largest, len(files)
+    return write_shards(path, tensors.items(), 100 * 2 ** 20)
 
 
 def materialise_all(path) -> float:

@@ -43,7 +43,7 @@ import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import run_world, table  # noqa: E402
+from common import run_world, table, write_shards  # noqa: E402
 
 SIZES = {
     "383MB": dict(hidden_size=512, intermediate_size=1344, num_hidden_layers=24, num_attention_heads=8,
@@ -77,7 +77,6 @@ def qwen2_tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
 def make_checkpoint(path: str, cfg: dict, dtype_name: str, shard_bytes: int) -> int:
     """Random weights (N(0, 0.02)) written as HF safetensors shards of at most ``shard_bytes``; returns bytes."""
     import torch
-    from safetensors.torch import save_file
     dtype = getattr(torch, dtype_name)
     config = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", max_position_embeddings=4096,
                   rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu", torch_dtype=dtype_name, **cfg)
@@ -85,27 +84,20 @@ def make_checkpoint(path: str, cfg: dict, dtype_name: str, shard_bytes: int) -> 
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     g = torch.Generator().manual_seed(0)
-    elsize = torch.empty((), dtype=dtype).element_size()
-    files, current, size, total = [], {}, 0, 0
-    for name, shape in qwen2_tensors(cfg).items():
-        n = elsize
-        for s in shape:
-            n *= s
-        if current and size + n > shard_bytes:
-            files.append(current)
-            current, size = {}, 0
-        current[name] = (torch.randn(*shape, generator=g) * 0.02).to(dtype)
-        size += n
-        total += n
-    files.append(current)
-    weight_map = {}
-    for k, part in enumerate(files):
-        fname = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
-        save_file(part, os.path.join(path, fname), metadata={"format": "pt"})
-        weight_map.update({n: fname for n in part})
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
-    return total
+    tensors = ((name, (torch.randn(*shape, generator=g) * 0.02).to(dtype))
+               for name, shape in qwen2_tensors(cfg).items())
+    return write_shards(path, tensors, shard_bytes)[0]
+
+
+def prepared_checkpoint(workdir: str, name: str, cfg: dict, dtype_name: str, shard_bytes: int) -> tuple[str, int]:
+    """``workdir/name``, written by :func:`make_checkpoint` unless it is there already, read once into the page
+    cache; returns (path, bytes of its safetensors files)."""
+    ckpt = os.path.join(workdir, name)
+    if not os.path.isdir(ckpt):
+        make_checkpoint(ckpt, cfg, dtype_name, shard_bytes)
+    total = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt) if f.endswith(".safetensors"))
+    warm_page_cache(ckpt)
+    return ckpt, total
 
 
 def warm_page_cache(path: str) -> None:
@@ -234,11 +226,8 @@ def main(argv=None):
     workdir = args.workdir or tempfile.mkdtemp(prefix="parallm-load-bench-")
     try:
         if args.what == "vs-transformers":
-            ckpt = os.path.join(workdir, f"qwen2-fp32-{args.size}")
-            if not os.path.isdir(ckpt):
-                make_checkpoint(ckpt, SIZES[args.size], "float32", 60 * 10 ** 6)
-            total = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt) if f.endswith("tensors"))
-            warm_page_cache(ckpt)
+            ckpt, total = prepared_checkpoint(workdir, f"qwen2-fp32-{args.size}", SIZES[args.size], "float32",
+                                              60 * 10 ** 6)
             res = run_world(rank_vs_transformers, 2, ckpt, args.reps, args.mode)[0]
             tf, ours = res["transformers"], res["parallm"]
             print(f"checkpoint: Qwen2-shaped fp32, {total / 1e6:.0f} MB in 60 MB shards; tp=2 on 2 gloo ranks "
@@ -251,11 +240,7 @@ def main(argv=None):
                         ["", "time", "GB/s"]))
             print(f"parallm speed / transformers speed = {tf / ours:.2f}  (goal >= 1.0, aim 2.0)")
         else:
-            ckpt = os.path.join(workdir, "qwen2.5-0.5b-bf16")
-            if not os.path.isdir(ckpt):
-                make_checkpoint(ckpt, QWEN05, "bfloat16", 5 * 10 ** 9)
-            total = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt) if f.endswith("tensors"))
-            warm_page_cache(ckpt)
+            ckpt, total = prepared_checkpoint(workdir, "qwen2.5-0.5b-bf16", QWEN05, "bfloat16", 5 * 10 ** 9)
             res = run_world(rank_dtype, 4, ckpt, args.reps)
             t = {k: max(r[k] for r in res) for k in res[0]}
             print(f"checkpoint: Qwen2.5-0.5B-shaped bf16, {total / 1e6:.0f} MB; tp2 x pp2 on 4 gloo ranks "
