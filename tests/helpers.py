@@ -75,6 +75,21 @@ def save_checkpoint(model, path: str, *, max_shard_size: str | None = None) -> s
     return path
 
 
+def nan_fill(chunks) -> None:
+    """Every parameter NaN: a load that succeeds must overwrite each one."""
+    with torch.no_grad():
+        for c in chunks:
+            for p in c.parameters():
+                p.fill_(float("nan"))
+
+
+def assert_same_state(got: dict, want: dict) -> None:
+    """The same tensor names, and every tensor bit-exact."""
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    bad = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not bad, bad
+
+
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
     """The state dict an HF checkpoint of this model holds (tied lm_head dropped as save_pretrained does)."""
     return verify.hf_state(model)

@@ -127,13 +127,6 @@ def make_cases(tmp_path, specs):
     return cases
 
 
-def _nan_fill(chunks):
-    with torch.no_grad():
-        for c in chunks:
-            for p in c.parameters():
-                p.fill_(float("nan"))
-
-
 def rank_cases(rank, world, cases):
     import parallm
     from parallm.model.placement import placement_of
@@ -145,21 +138,18 @@ def rank_cases(rank, world, cases):
         assert (lay.ep, lay.edp) == (case["ep"], lay.dp // case["ep"])
         chunks = parallm.build_model(case["ckpt"], **case["build"])
         _check_attributes(chunks, lay)
-        _nan_fill(chunks)
+        helpers.nan_fill(chunks)
         parallm.load_hf_weights(chunks, case["ckpt"], mode="slice")
         ids, mask = case["ids"], case["mask"]
         got = parallm.forward(chunks, ids, mask)
         fwd = helpers.max_diff_real(got, case["ref"], mask)
         sd = parallm.save_hf_weights(chunks)
         if rank == 0:
-            ref_sd = case["ref_sd"]
-            assert sd.keys() == ref_sd.keys(), sorted(set(sd) ^ set(ref_sd))
-            bad = [k for k in ref_sd if not torch.equal(sd[k], ref_sd[k])]
-            assert not bad, bad
+            helpers.assert_same_state(sd, case["ref_sd"])
         else:
             assert sd == {}
         chunks_b = parallm.build_model(case["ckpt"], **case["build"])
-        _nan_fill(chunks_b)
+        helpers.nan_fill(chunks_b)
         parallm.load_hf_weights(chunks_b, case["ckpt"], mode="broadcast")
         assert torch.equal(parallm.forward(chunks_b, ids, mask), got), case["name"]
         del chunks_b

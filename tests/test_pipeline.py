@@ -76,10 +76,7 @@ def rank_cases(rank, world, cases):
         # round trip before training
         sd = parallm.save_hf_weights(chunks)
         if rank == 0:
-            ref_sd = case["ref_sd"]
-            assert sd.keys() == ref_sd.keys(), sorted(set(sd) ^ set(ref_sd))
-            for k in ref_sd:
-                assert torch.equal(sd[k], ref_sd[k]), k
+            helpers.assert_same_state(sd, case["ref_sd"])
         # broadcast load of the same layout gives identical outputs
         chunks_b = parallm.build_model(case["ckpt"], **build)
         parallm.load_hf_weights(chunks_b, case["ckpt"], mode="broadcast")

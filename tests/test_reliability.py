@@ -29,7 +29,7 @@ import time
 import pytest
 import torch
 
-from helpers import (write_ckpt, write_config, file_barrier, hf_state_dict, make_hf_model, padded_batch, run_ranks, run_ranks_allow_dead,
+from helpers import (write_ckpt, write_config, file_barrier, hf_state_dict, make_hf_model, nan_fill, padded_batch, run_ranks, run_ranks_allow_dead,
                      save_checkpoint, tiny_config, tree_digest)
 
 BOUND_S = 60.0          # a failing call must end within this many seconds on every rank
@@ -167,13 +167,6 @@ def ckpts(tmp_path_factory):
 
 # -- the catalog: one 4-rank spawn ---------------------------------------------------------------------------
 
-def _nan_fill(chunks):
-    with torch.no_grad():
-        for c in chunks:
-            for p in c.parameters():
-                p.fill_(float("nan"))
-
-
 def _catalog_rank(rank, world, s):
     import parallm
     out = {}
@@ -210,7 +203,7 @@ def _catalog_rank(rank, world, s):
     chunks16 = parallm.build_model(s["good"], dtype=torch.float16)
     dirs = s["dirs"]
     for mode in MODES:
-        _nan_fill(chunks)
+        nan_fill(chunks)
         parallm.load_hf_weights(chunks, s["good"], mode=mode)
         with torch.no_grad():
             ref = parallm.forward(chunks, ids, mask)
@@ -220,7 +213,7 @@ def _catalog_rank(rank, world, s):
         # opt-outs load exactly what the safetensors checkpoint holds
         for key, kwargs, source in ((f"non-strict/{mode}", dict(strict=False), dirs["unexpected"]),
                                     (f"pickle-allowed/{mode}", dict(allow_pickle=True), dirs["pickle"])):
-            _nan_fill(chunks)
+            nan_fill(chunks)
             attempt(key, lambda: parallm.load_hf_weights(chunks, source, mode=mode, **kwargs))
             with torch.no_grad():
                 out[key + "/equal"] = bool(torch.equal(parallm.forward(chunks, ids, mask), ref))
@@ -236,7 +229,7 @@ def _catalog_rank(rank, world, s):
     attempt("save-overwrite", lambda: parallm.save_hf_weights(chunks, s["target"], overwrite=True))
 
     # after all those errors the ranks are still in step: a good load and a forward give the reference
-    _nan_fill(chunks)
+    nan_fill(chunks)
     parallm.load_hf_weights(chunks, s["good"], mode="broadcast")
     with torch.no_grad():
         out["final-equal"] = bool(torch.equal(parallm.forward(chunks, ids, mask), ref))
@@ -457,7 +450,7 @@ def _fuzz_rank(rank, world, s, cases):
                 out["valid"][name] = False
     for name, path in cases:
         for mode in MODES:
-            _nan_fill(chunks)  # a load that succeeds must fill every parameter with the checkpoint's values
+            nan_fill(chunks)  # a load that succeeds must fill every parameter with the checkpoint's values
             t = time.monotonic()
             try:
                 parallm.load_hf_weights(chunks, path, mode=mode)
@@ -472,7 +465,7 @@ def _fuzz_rank(rank, world, s, cases):
                 with torch.no_grad():
                     out["loaded-equal"][(name, mode)] = bool(torch.equal(parallm.forward(chunks, s["ids"], s["mask"]),
                                                                          ref))
-    _nan_fill(chunks)
+    nan_fill(chunks)
     parallm.load_hf_weights(chunks, s["good"], mode="broadcast")
     with torch.no_grad():
         out["final-equal"] = bool(torch.equal(parallm.forward(chunks, s["ids"], s["mask"]), ref))
