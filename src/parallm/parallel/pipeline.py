@@ -26,6 +26,8 @@ Not done here: overlapping communication with compute.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -109,14 +111,17 @@ def schedule(pp: int, pp_rank: int, vpp: int, num_microbatches: int, *, backward
     return _steps(order, warmups(pp, vpp, num_microbatches)[pp_rank], vpp)
 
 
-def warmups(pp: int, vpp: int, num_microbatches: int) -> list[int]:
-    """Forward steps each pipeline rank runs before its first backward (Megatron's, lengthened where needed)."""
+@functools.lru_cache(maxsize=64)
+def warmups(pp: int, vpp: int, num_microbatches: int) -> tuple[int, ...]:
+    """Forward steps each pipeline rank runs before its first backward (Megatron's, lengthened where needed).
+    Cached: the search simulates every rank's schedule, possibly many times (seconds at pp 8 x vpp 4 with 100
+    microbatches), and a training loop asks for the same layout at every step, on each rank several times."""
     order = _virtual_order(pp, vpp, num_microbatches)
     warm = [megatron_warmup(pp, p, vpp, num_microbatches) for p in range(pp)]
     while True:
         stuck, _ = simulate([_steps(order, w, vpp) for w in warm], pp, vpp)
         if not stuck:
-            return warm
+            return tuple(warm)
         for p in stuck:
             warm[p] = min(warm[p] + 1, len(order))
 
@@ -138,7 +143,6 @@ class _Mailbox:
         ranks = dist.get_process_group_ranks(layout.pp_group)
         self.next = ranks[(layout.pp_rank + 1) % layout.pp]
         self.prev = ranks[(layout.pp_rank - 1) % layout.pp]
-        self.pp_rank_of = {r: i for i, r in enumerate(ranks)}
         self.device = device
         self.pp, self.vpp = layout.pp, vpp
         self.schedule_args = (num_microbatches, backward)
