@@ -12,7 +12,7 @@ from .model.decoder import RECOMPUTE, DecoderChunk, as_chunks, build_chunks
 from .model.logprobs import TokenStats, check_output
 from .model.spec import TASKS
 from .parallel.comm import gather_last_dim
-from .parallel.errors import run_local
+from .parallel.errors import exchange_rows, run_local
 from .parallel.grads import attach_main_grad_hooks
 from .parallel.pipeline import broadcast_from_last_stage, run_pipeline
 from .parallel.state import dims_of, kv_replica_group, require_initialized
@@ -186,12 +186,10 @@ def _stackable(out):
     return torch.stack(tuple(out)) if isinstance(out, TokenStats) else out
 
 
-def _same_microbatches(num_microbatches: int, layout, device) -> None:
+def _same_microbatches(num_microbatches: int, layout) -> None:
     """Under expert parallelism the data-parallel replicas exchange tokens in every MoE layer, so they must run
     the same number of microbatches (batch sizes may differ); a mismatch is an error on every rank, not a hang."""
-    counts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(layout.world)]
-    torch.distributed.all_gather(counts, torch.tensor([num_microbatches], device=device))
-    counts = [int(c) for c in counts]
+    counts = exchange_rows([num_microbatches], what="forward_backward")[:, 0].tolist()
     if len(set(counts)) > 1:
         raise ValueError(f"forward_backward: with expert parallelism (ep={layout.ep}) every rank must pass the "
                          f"same num_microbatches; got {counts} (by global rank)")
@@ -244,7 +242,7 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     if request is not None:   # the head's weight gradient goes straight into its existing gradient buffer
         request = dataclasses.replace(request, accumulate=True)
     if layout.ep > 1 and chunks[0].spec.moe is not None:
-        _same_microbatches(num_microbatches, layout, input_ids.device)
+        _same_microbatches(num_microbatches, layout)
     b = input_ids.shape[0]
     size = b // num_microbatches
     mbs = [(input_ids[i:i + size], position_ids[i:i + size], attention_mask[i:i + size])

@@ -198,9 +198,10 @@ class _VocabParallelStats(torch.autograd.Function):
 def _existing_fp32_grad(weight: torch.Tensor) -> torch.Tensor | None:
     if hasattr(weight, "grad_added_to_main_grad"):      # Megatron's DDP owns this parameter's main_grad
         return None
-    for g in (getattr(weight, "main_grad", None), weight.grad):
-        if g is not None and g.dtype == torch.float32 and g.shape == weight.shape and g.is_contiguous():
-            return g
+    from ..parallel.grads import grad_of     # (parallel.grads imports the model package)
+    g = grad_of(weight)
+    if g is not None and g.dtype == torch.float32 and g.shape == weight.shape and g.is_contiguous():
+        return g
     return None
 
 

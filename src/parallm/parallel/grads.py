@@ -57,7 +57,7 @@ def _accumulate_main_grad(p: torch.Tensor) -> None:
     if grad is None:
         return
     if getattr(p, "main_grad", None) is None:
-        p.main_grad = grad.float() if grad.dtype != torch.float32 else grad.clone()
+        p.main_grad = grad.float()      # the hook is only on bf16 / fp16 parameters: a new fp32 tensor
     else:
         p.main_grad.add_(grad)
     p.grad = None
@@ -77,13 +77,24 @@ def attach_main_grad_hooks(chunks) -> None:
                 p._parallm_main_grad_hook = True
 
 
+def clear_grad(p: torch.Tensor, *, set_to_none: bool = True) -> None:
+    """Reset ``p``'s gradient before the next accumulation: ``main_grad`` zeroed in place (the fp32 buffer is
+    kept), ``param.grad`` dropped (or zeroed with ``set_to_none=False``)."""
+    if p.grad is not None:
+        if set_to_none:
+            p.grad = None
+        else:
+            p.grad.zero_()
+    main = getattr(p, "main_grad", None)
+    if main is not None:
+        main.zero_()
+
+
 def zero_grads(chunks) -> None:
-    """Reset gradients before the next accumulation: ``main_grad`` zeroed in place, ``param.grad`` dropped."""
+    """:func:`clear_grad` of every parameter of ``chunks``."""
     for chunk in as_chunks(chunks):
         for p in chunk.parameters():
-            if getattr(p, "main_grad", None) is not None:
-                p.main_grad.zero_()
-            p.grad = None
+            clear_grad(p)
 
 
 def _grad(p: torch.nn.Parameter) -> torch.Tensor:

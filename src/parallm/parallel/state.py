@@ -186,10 +186,6 @@ class ParallelDims:
         per = num_experts // self.ep
         return range(self.ep_rank * per, (self.ep_rank + 1) * per)
 
-    def expert_owner(self, expert: int, num_experts: int) -> int:
-        """Expert-parallel rank holding global expert ``expert``: the inverse of :meth:`expert_range`."""
-        return expert // (num_experts // self.ep)
-
     # -- pipeline stages: decided here only ------------------------------------------------------------------
     def is_first_stage(self, vpp_rank: int) -> bool:
         """Virtual stage ``vpp_rank`` of this rank is the model's first (it owns the embedding)."""

@@ -27,17 +27,15 @@ unchanged, so sharded and unsharded runs give the same bits.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
 
 from ..model.decoder import as_chunks
 from ..parallel.errors import run_local
-from ..parallel.grads import grad_of
+from ..parallel.grads import clear_grad, grad_of, uses_main_grad
 from ..parallel.state import dims_of, require_initialized
-
-LOW_PRECISION = (torch.bfloat16, torch.float16)
-STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")
 
 
 def default_no_decay(name: str, param: torch.Tensor) -> bool:
@@ -49,6 +47,7 @@ def _scalar_dtype():
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
+@functools.cache
 def _functional_adamw():
     """torch's functional AdamW, called exactly as ``torch.optim.AdamW.step`` calls it."""
     from torch.optim import adam
@@ -70,7 +69,7 @@ class MasterAdamW(torch.optim.AdamW):
                 self._init_state(p)
 
     def _init_state(self, p):
-        low = p.dtype in LOW_PRECISION
+        low = uses_main_grad(p)
         state = self.state[p]
         state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
         dtype = torch.float32 if low else p.dtype
@@ -193,14 +192,7 @@ class ParallelAdamW:
         """Clear ``param.grad`` (None, or zeros with ``set_to_none=False``) and zero ``param.main_grad`` in place
         (an fp32 accumulation buffer is kept, not freed)."""
         for p in self.names:
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.zero_()
-            main = getattr(p, "main_grad", None)
-            if main is not None:
-                main.zero_()
+            clear_grad(p, set_to_none=set_to_none)
 
     # -- state ---------------------------------------------------------------------------------------------
     def owned(self):
@@ -209,12 +201,6 @@ class ParallelAdamW:
         for group in self.local.param_groups:
             for p in group["params"]:
                 yield p, self.local.state[p]
-
-    def group_of(self, p) -> dict:
-        for group in self.param_groups:
-            if any(q is p for q in group["params"]):
-                return group
-        raise KeyError(self.names.get(p, "unknown parameter"))
 
     def sync_masters(self) -> None:
         self.local.sync_masters()
