@@ -48,13 +48,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from ..errors import PORTABLE_ERRORS, CheckpointError, ParallelError
+from ..errors import CheckpointError, ParallelError
 from ..families import family_of
 from ..model.decoder import as_chunks
 from ..model.table import expected_hf_shapes
-from ..parallel.errors import abort_process_groups, agree, run_local
+from ..parallel.errors import agree, gather_objects, lost_peer_error, raise_failures, run_local, status_of
 from ..parallel.state import DEFAULT_TIMEOUT_S, _GROUP_CACHE, dims_of, require_initialized
-from ..train.optim import LOW_PRECISION, ParallelAdamW
+from ..parallel.grads import LOW_PRECISION
+from ..train.optim import ParallelAdamW
 from .dcp_io import (METADATA_FILE, BoxLoadPlanner, Boxes, BoxSavePlanner, VerifyingReader, check_files,
                      file_crc, item_crcs)
 from .global_view import global_slices, uncovered_rows
@@ -140,41 +141,10 @@ def _record(chunks, dims, optimizer, step, saved) -> dict:
 
 # -- finishing a save (sync or async) ------------------------------------------------------------------------
 
-def _raise_first(statuses, group, what):
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(statuses)))
-    failed = [(ranks[i], s) for i, s in enumerate(statuses) if s[0] == "err"]
-    if failed:
-        rank, (_, type_name, message) = failed[0]
-        etype = PORTABLE_ERRORS.get(type_name, ParallelError)
-        raise etype(f"{what} failed on rank {rank}: {message}")
-
-
-def _status(error):
-    return ("err", type(error).__name__, str(error))
-
-
-def _lost_contact(e: BaseException, what: str, *, abort: bool) -> ParallelError:
-    """A collective failed: a peer is gone. Abort the process groups first (synchronous calls; a second
-    collective on the broken group would leave ranks that wait on the dead one waiting), so that every rank's
-    connections close and its peers fail at once."""
-    if abort:
-        abort_process_groups()
-    return ParallelError(f"{what}: lost contact with another rank (did a rank die or get killed?): {e}"
-                         + ("; the process groups were aborted so that no rank waits for it" if abort else ""))
-
-
 def _is_lost_peer(e: BaseException) -> bool:
     """DCP reports a rank's own failure as a CheckpointException on every rank; a bare RuntimeError out of it
     is one of its collectives failing."""
     return getattr(e, "failures", None) is None and type(e) is RuntimeError
-
-
-def _exchange(fn, *, what: str, abort: bool):
-    """Run one collective of the finishing protocol; its failure means a lost peer."""
-    try:
-        return fn()
-    except Exception as e:  # noqa: BLE001
-        raise _lost_contact(e, what, abort=abort) from e
 
 
 def _finish(metadata, error, *, group, tmp, path, record, what, abort):
@@ -182,33 +152,34 @@ def _finish(metadata, error, *, group, tmp, path, record, what, abort):
     ``group``. A failure anywhere (``error`` from the DCP save included) raises on every rank; the temporary
     directory is then removed."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    payload = _status(error) if error is not None else None
-    if payload is None:
+    crcs = None
+    if error is None:
         try:
-            payload = ("ok", item_crcs(tmp, metadata, rank=rank, world=world))
+            crcs = item_crcs(tmp, metadata, rank=rank, world=world)
         except Exception as e:  # noqa: BLE001 - every rank hears of it below
-            payload = _status(e)
-    statuses = [None] * world
-    _exchange(lambda: dist.all_gather_object(statuses, payload, group=group), what=what, abort=abort)
-    _raise_first(statuses, group, what)
+            error = e
+    gathered = gather_objects((status_of(error), crcs), what=what, group=group, abort=abort)
+    raise_failures([s for s, _ in gathered], what=what, group=group)
     done = [None]
     if rank == 0:
         try:
             crcs = {}
-            for s in statuses:
-                crcs.update(s[1])
+            for _, mine in gathered:
+                crcs.update(mine)
             record = dict(record, crc32={"items": crcs, "metadata": file_crc(os.path.join(tmp, METADATA_FILE))})
             with open(os.path.join(tmp, META_NAME), "w") as f:
                 json.dump(record, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
             _move_into_place(tmp, path)
-            done = [("ok",)]
         except Exception as e:  # noqa: BLE001
-            done = [_status(e)]
+            done = [status_of(e)]
     src = dist.get_global_rank(group, 0) if group is not None else 0
-    _exchange(lambda: dist.broadcast_object_list(done, src=src, group=group), what=what, abort=abort)
-    _raise_first(done, None, what)
+    try:
+        dist.broadcast_object_list(done, src=src, group=group)
+    except Exception as e:  # noqa: BLE001
+        raise lost_peer_error(e, what, abort=abort) from e
+    raise_failures(done, what=what, group=group)
 
 
 def _from_dcp(e: BaseException, what: str) -> Exception:
@@ -249,7 +220,7 @@ class AsyncCheckpointSave:
                 metadata, error = future.result(), None
             except BaseException as e:  # noqa: BLE001
                 if _is_lost_peer(e):
-                    raise _lost_contact(e, "save_checkpoint (async)", abort=False) from e
+                    raise lost_peer_error(e, "save_checkpoint (async)", abort=False) from e
                 metadata, error = None, _from_dcp(e, "save_checkpoint (async)")
             finish(metadata, error)
         except BaseException as e:  # noqa: BLE001 - handed to wait()
@@ -348,7 +319,7 @@ def save_checkpoint(path, chunks, optimizer=None, *, step: int, extra=None, over
             if isinstance(e, KeyboardInterrupt):
                 raise
             if _is_lost_peer(e):
-                raise _lost_contact(e, "save_checkpoint", abort=True) from e
+                raise lost_peer_error(e, "save_checkpoint") from e
             metadata, error = None, _from_dcp(e, "save_checkpoint")
         _finish(metadata, error, group=None, tmp=tmp, path=path, record=record, what="save_checkpoint",
                 abort=True)
@@ -506,7 +477,7 @@ def load_checkpoint(path, chunks, optimizer=None) -> dict:
         if isinstance(e, KeyboardInterrupt):
             raise
         if _is_lost_peer(e):
-            raise _lost_contact(e, "load_checkpoint", abort=True) from e
+            raise lost_peer_error(e, "load_checkpoint") from e
         error = _from_dcp(e, "load_checkpoint")
     agree(error, what="load_checkpoint")
     if optimizer is not None:

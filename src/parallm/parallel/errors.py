@@ -43,13 +43,28 @@ def abort_process_groups() -> None:
             pass
 
 
-def _lost_peer(comm_error: BaseException, error: BaseException | None, what: str):
-    """A collective failed: abort the groups (so no rank waits for the dead one) and say so."""
-    abort_process_groups()
+def lost_peer_error(comm_error: BaseException, what: str, *, abort: bool = True) -> ParallelError:
+    """A collective failed: a peer is gone. With ``abort`` the process groups are aborted first (a second
+    collective on the broken group would leave the ranks that wait on the dead one waiting), so that every
+    rank's connections close and its peers fail at once; without it (a background thread that must not tear
+    down the groups the training loop uses) only the error is made."""
+    if abort:
+        abort_process_groups()
+    return ParallelError(f"{what}: lost contact with another rank (did a rank die or get killed?): {comm_error}"
+                         + ("; the process groups were aborted so that no rank waits for it" if abort else ""))
+
+
+def _lost_peer(comm_error: BaseException, error: BaseException | None, what: str, *, abort: bool = True):
+    """:func:`lost_peer_error`, raised (this rank's own ``error`` instead, when it has one). No local variable
+    may hold the raised exception: the cycle exception -> traceback -> this frame would keep the failed
+    collective's frames, and with them its process group, alive until the garbage collector runs, and a peer
+    connected to this rank would wait for the timeout instead of failing at once (test_reliability's killed-rank
+    save measured 61 s instead of 0.2 s)."""
     if error is not None:
+        if abort:
+            abort_process_groups()
         raise error from comm_error
-    raise ParallelError(f"{what}: lost contact with another rank (did a rank die or get killed?): "
-                        f"{comm_error}; the process groups were aborted so that no rank waits for it") from comm_error
+    raise lost_peer_error(comm_error, what, abort=abort) from comm_error
 
 
 def exchange_rows(row, *, what: str, group=None, error: BaseException | None = None):
@@ -67,14 +82,22 @@ def exchange_rows(row, *, what: str, group=None, error: BaseException | None = N
     return torch.stack(out).cpu()
 
 
-def gather_objects(obj, *, what: str, group=None, error: BaseException | None = None) -> list:
-    """``all_gather_object`` with :func:`exchange_rows`' handling of a lost peer."""
+def gather_objects(obj, *, what: str, group=None, error: BaseException | None = None, abort: bool = True) -> list:
+    """``all_gather_object`` with :func:`exchange_rows`' handling of a lost peer (``abort``: see
+    :func:`lost_peer_error`)."""
     out = [None] * dist.get_world_size(group)
     try:
         dist.all_gather_object(out, obj, group=group)
     except Exception as comm_error:  # noqa: BLE001
-        _lost_peer(comm_error, error, what)
+        _lost_peer(comm_error, error, what, abort=abort)
     return out
+
+
+def raise_failures(statuses, *, what: str, group=None) -> None:
+    """Raise :func:`remote_error` when any member's status (``status_of``, gathered) names a failure."""
+    failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
+    if failed:
+        raise remote_error(what, failed, group)
 
 
 def status_of(error: BaseException | None):
