@@ -392,3 +392,39 @@ def test_killed_writer_keeps_previous_checkpoint(tmp_path):
     assert helpers.tree_digest(s["target"]) == outcomes[0][1]["digest"]
     assert sorted(os.listdir(tmp_path / "out")) == ["ckpt"]   # no temporary directory left beside it
     assert read_tensors(s["target"])["optim/step/model.norm.weight"].item() == 0.0   # the step-1 checkpoint
+
+
+# -- offline export: the dtype rules of every other path -----------------------------------------------------
+
+def rank_big_value(rank, world, s):
+    import parallm
+    parallm.init_parallel(tp=1)
+    chunks = parallm.build_model(s["hf"])
+    parallm.load_hf_weights(chunks, s["hf"])
+    from parallm.checkpoint.loader import model_entries
+    from parallm.parallel.state import dims_of
+    for e, c in model_entries(chunks, dims_of(chunks))[0]:
+        if "model.layers.1.mlp.down_proj.weight" in e.hf:
+            with torch.no_grad():
+                c.get_parameter(e.local).view(-1)[0] = 1e6
+    parallm.save_checkpoint(s["ckpt"], chunks, step=1)
+
+
+@pytest.mark.timeout(200)
+def test_offline_export_refuses_a_float16_overflow(tmp_path):
+    """checkpoint_to_hf(dtype=float16) of a weight float16 cannot hold: the catalog's overflow error (as
+    save_hf_weights and export_hf_tensors raise it), and no output directory; bfloat16 holds it."""
+    from parallm.checkpoint.train_ckpt import checkpoint_to_hf
+    from parallm.errors import CheckpointError
+    model = helpers.make_hf_model(helpers.tiny_config("llama"), seed=32)
+    s = dict(hf=helpers.save_checkpoint(model, str(tmp_path / "hf")), ckpt=str(tmp_path / "ckpt"))
+    helpers.run_ranks(rank_big_value, 1, s)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.down_proj\.weight: values up to 1e\+06 "
+                                              r"overflow torch\.float16 \(max 65504\); export in bfloat16"):
+        checkpoint_to_hf(s["ckpt"], str(tmp_path / "f16"), dtype=torch.float16)
+    assert not os.path.exists(tmp_path / "f16")
+    assert [p for p in os.listdir(tmp_path) if "parallm-tmp" in p] == []     # the temporary directory removed
+    checkpoint_to_hf(s["ckpt"], str(tmp_path / "bf16"), dtype=torch.bfloat16)
+    import transformers
+    got = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16"), dtype=torch.bfloat16)
+    assert got.state_dict()["model.layers.1.mlp.down_proj.weight"].view(-1)[0] == torch.tensor(1e6).bfloat16()

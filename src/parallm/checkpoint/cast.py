@@ -25,6 +25,9 @@ import torch
 
 from ..errors import CheckpointError
 
+# The floating dtypes weights travel in between ranks; a dtype's index here is its code in a status word.
+WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
 # What to suggest instead of a dtype that overflowed.
 _WIDER = {torch.float16: "bfloat16 or float32", torch.bfloat16: "float32", torch.float32: "float64"}
 
@@ -66,6 +69,14 @@ def check_cast(src: torch.Tensor, dtype: torch.dtype, names, *, instead: str = "
     names = [names] if isinstance(names, str) else list(names)
     raise CheckpointError(f"{', '.join(names)}: values up to {biggest:.6g} overflow {dtype} (max "
                           f"{torch.finfo(dtype).max:.6g}); {instead} in {_WIDER.get(dtype, 'a wider dtype')}")
+
+
+def check_entry_casts(mine, dtype: torch.dtype, *, instead: str) -> None:
+    """:func:`check_cast` of every saved parameter among ``mine`` (``(table entry, chunk)`` pairs): run before
+    any collective of a save or an export, so that an overflow is an error on every rank."""
+    for e, chunk in mine:
+        if e.row.save:
+            check_cast(chunk.get_parameter(e.local).detach(), dtype, e.hf, instead=instead)
 
 
 def copy_cast_(dst: torch.Tensor, src: torch.Tensor, names, *, instead: str = "build the model") -> None:

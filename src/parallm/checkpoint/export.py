@@ -43,12 +43,11 @@ from ..model.sharding import TensorSource, make_layout
 from ..model.table import expected_hf_shapes
 from ..parallel.errors import exchange_rows, gather_objects, remote_error, status_of
 from ..parallel.state import ParallelDims, dims_of, require_initialized
-from .cast import check_cast
+from .cast import WIRE_DTYPES, check_entry_casts
 from .loader import model_entries
 
 DEFAULT_BUCKET_BYTES = 64 * 1024 ** 2
 DIRECT_MIN_BYTES = 4 * 1024 ** 2   # parts this large travel alone into their place; smaller ones are packed
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -239,14 +238,12 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
     wire = dtype or chunks[0].config.params_dtype
     error, nbytes, numel, dst = None, 0, 0, []
     try:
-        if wire not in _DTYPES:
-            raise ValueError(f"export_hf_tensors: dtype must be one of {[str(d) for d in _DTYPES]}, got {dtype}")
+        if wire not in WIRE_DTYPES:
+            raise ValueError(f"export_hf_tensors: dtype must be one of {[str(d) for d in WIRE_DTYPES]}, got {dtype}")
         nbytes = _parse_bucket(bucket_bytes)
         numel = max(1, nbytes // torch.empty((), dtype=wire).element_size())
         dst = _parse_dst(dst_ranks, layout.world)
-        for e, chunk in mine:      # before anything moves: an overflow is everybody's error, not a hang
-            if e.row.save:
-                check_cast(chunk.get_parameter(e.local).detach(), wire, e.hf, instead="export")
+        check_entry_casts(mine, wire, instead="export")   # before anything moves: everybody's error, not a hang
     except Exception as e:  # noqa: BLE001 - every rank learns of it in the exchange
         error = e
     order = {(e.row, e.layer): i for i, e in enumerate(everything)}
@@ -254,7 +251,7 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
     for e, _ in mine:
         holds[order[(e.row, e.layer)]] = 1
     dst_mask = [int(r in dst) for r in range(layout.world)]
-    rows = exchange_rows([int(error is not None), nbytes, _DTYPES.index(wire) if wire in _DTYPES else -1,
+    rows = exchange_rows([int(error is not None), nbytes, WIRE_DTYPES.index(wire) if wire in WIRE_DTYPES else -1,
                           layout.tp_rank, layout.dp_rank] + dst_mask + holds, what="export_hf_tensors", error=error)
     if rows[:, 0].any():
         statuses = gather_objects(status_of(error), what="export_hf_tensors", error=error)

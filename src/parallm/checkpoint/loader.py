@@ -35,7 +35,7 @@ from ..model.table import Entry, all_entries, chunk_entries, expected_hf_shapes
 from ..parallel.errors import exchange_rows, gather_objects, remote_error, status_of
 from ..parallel.state import ParallelDims, dims_of, require_initialized
 from ..progress import bar
-from .cast import check_cast, copy_cast_
+from .cast import WIRE_DTYPES, check_cast, copy_cast_
 from .hf_dir import HFCheckpoint, check_floating, check_keys_and_shapes, tensor_shapes
 
 logger = logging.getLogger("parallm")
@@ -375,16 +375,12 @@ def _recv_failure(length: int, device) -> BaseException:
     return etype(f"load_hf_weights failed on rank 0: {message}")
 
 
-# dtypes a shard may travel in; the status word before a shard is its index here.
-_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
 def _wire(shard: torch.Tensor, model_dtype: torch.dtype, names, device) -> torch.Tensor:
     """What rank 0 sends for a shard: overflow checked here (on the source values), then the narrower of the
     checkpoint's and the model's dtype (a bf16 checkpoint for an fp32 model travels in bf16 and is widened by
     the receiver's copy into its parameter)."""
     check_cast(shard, model_dtype, names)
-    if shard.dtype not in _WIRE_DTYPES or shard.element_size() > torch.empty((), dtype=model_dtype).element_size():
+    if shard.dtype not in WIRE_DTYPES or shard.element_size() > torch.empty((), dtype=model_dtype).element_size():
         shard = shard.to(model_dtype)
     return shard.to(device=device).contiguous()
 
@@ -394,7 +390,7 @@ def _broadcast_load(needs, mine, everything, get, layout: ParallelDims, spec, pa
     rank that needs one and sends it to every receiving owner (data-parallel replicas included), so rank 0 holds
     about one shard at a time. ``needs``: receiving rank -> (its tp rank, the ``everything`` indices it needs).
 
-    Each shard is preceded by a status word: the shard's dtype (an index into ``_WIRE_DTYPES``), or, if rank 0
+    Each shard is preceded by a status word: the shard's dtype (an index into ``WIRE_DTYPES``), or, if rank 0
     failed mid-stream (a read error, an overflow, a receiver that died), minus the length of its error message,
     which follows; every waiting rank then raises that error at once, with no further collective (which could
     wait on a dead rank)."""
@@ -409,7 +405,7 @@ def _broadcast_load(needs, mine, everything, get, layout: ParallelDims, spec, pa
                 if status.item() < 0:
                     raise _recv_failure(-status.item(), device)
                 param = params[i]
-                wire_dtype = _WIRE_DTYPES[status.item()]
+                wire_dtype = WIRE_DTYPES[status.item()]
                 direct = wire_dtype == param.dtype and param.data.is_contiguous()
                 buf = param.data if direct else torch.empty(param.shape, dtype=wire_dtype, device=device)
                 dist.recv(buf, src=0)
@@ -438,7 +434,7 @@ def _broadcast_load(needs, mine, everything, get, layout: ParallelDims, spec, pa
             for tp_rank, ranks in needers[i].items():
                 shard = make_shard(entry.kind, sources, tp_rank, layout.tp, spec, padded_vocab)
                 wire = _wire(shard, model_dtype, entry.hf, device)
-                status.fill_(_WIRE_DTYPES.index(wire.dtype))
+                status.fill_(WIRE_DTYPES.index(wire.dtype))
                 for rank in ranks:
                     sending_to = rank
                     dist.send(status, dst=rank)

@@ -40,7 +40,7 @@ from ..model.table import expected_hf_shapes
 from ..parallel.errors import run_local
 from ..parallel.state import ParallelDims, dims_of, require_initialized
 from ..progress import bar
-from .cast import can_overflow, cast, check_cast
+from .cast import can_overflow, check_entry_casts
 from .hf_dir import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME
 from .loader import model_entries
 
@@ -86,7 +86,7 @@ def _merge_entry(entry, param, shards, *, dtype, device) -> dict[str, torch.Tens
     a view of the live parameter: the caller may keep the tensors while training changes it."""
     out = {}
     for name, tensor in zip(entry.hf, placement_of(param).layout.merge(shards)):
-        tensor = cast(tensor, dtype, name, instead="save", device=device).contiguous()
+        tensor = tensor.to(device=device, dtype=dtype or tensor.dtype).contiguous()   # checked by _check_casts
         if tensor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
             tensor = tensor.clone()
         out[name] = tensor
@@ -197,10 +197,7 @@ def save_hf_weights(chunks, out_dir=None, *, dtype: torch.dtype | None = None, o
 def _check_casts(chunks, layout: ParallelDims, dtype) -> None:
     """Every saved parameter of this rank fits ``dtype`` (checked before any collective, so an overflow is an
     error on every rank rather than a rank missing from the next gather)."""
-    mine, _ = model_entries(chunks, layout)
-    for e, chunk in mine:
-        if e.row.save:
-            check_cast(chunk.get_parameter(e.local).detach(), dtype, e.hf, instead="save")
+    check_entry_casts(model_entries(chunks, layout)[0], dtype, instead="save")
 
 
 # the dtypes a weight directory may be saved in (safetensors codes from the one map in hf_dir)
@@ -307,7 +304,7 @@ def _save_dir(chunks, layout: ParallelDims, out_dir: str, *, dtype, overwrite: b
             try:
                 for _, entry, chunk in bar(wanted, desc="parallm save", rank=layout.rank, progress=progress):
                     param = chunk.get_parameter(entry.local)
-                    local = cast(param.detach(), dtype, entry.hf, instead="save", device="cpu")
+                    local = param.detach().to(device="cpu", dtype=dtype)      # checked by _check_casts
                     hf_shapes = [shapes[n] for n in entry.hf]
                     for block in placement_of(param).layout.blocks(layout.tp_rank, layout.tp, hf_shapes):
                         if not block[6]:

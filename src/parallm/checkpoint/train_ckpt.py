@@ -56,6 +56,7 @@ from ..parallel.errors import agree, gather_objects, lost_peer_error, raise_fail
 from ..parallel.state import DEFAULT_TIMEOUT_S, _GROUP_CACHE, dims_of, require_initialized
 from ..parallel.grads import LOW_PRECISION
 from ..train.optim import ParallelAdamW
+from .cast import cast
 from .dcp_io import (METADATA_FILE, BoxLoadPlanner, Boxes, BoxSavePlanner, VerifyingReader, check_files,
                      file_crc, item_crcs)
 from .global_view import global_slices, uncovered_rows
@@ -545,7 +546,8 @@ def checkpoint_to_hf(path, out_dir, *, dtype: torch.dtype | None = None, overwri
         from safetensors.torch import save_file
         for f in files:
             full = _read_full(path, record, metadata, [f"{src}/{name}" for name in f["tensors"]])
-            out = {name: full[f"{src}/{name}"].to(dtype).contiguous() for name in f["tensors"]}
+            out = {name: cast(full[f"{src}/{name}"], dtype, name, instead="export").contiguous()
+                   for name in f["tensors"]}
             save_file(out, os.path.join(tmp, f["name"]), metadata={"format": "pt"})
         if len(files) > 1:
             weight_map = {n: f["name"] for f in files for n in f["tensors"]}
