@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("out", metavar="OUT", help="output directory")
     p.add_argument("--dtype", choices=DTYPES, help="dtype of the written weights (default: the training dtype)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")
-    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    p.add_argument("--max-shard-size", help="largest safetensors file, e.g. 2GB or 500MB (default: the API's, "
+                                            "5 GiB)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.set_defaults(run=run)
 
@@ -33,7 +34,8 @@ def run(args) -> int:
     import torch
 
     from ..checkpoint.train_ckpt import checkpoint_to_hf
+    size = {"max_shard_size": args.max_shard_size} if args.max_shard_size else {}   # else checkpoint_to_hf's default
     checkpoint_to_hf(args.checkpoint, args.out, dtype=getattr(torch, args.dtype) if args.dtype else None,
-                     overwrite=args.overwrite, max_shard_size=args.max_shard_size)
+                     overwrite=args.overwrite, **size)
     print(f"wrote {args.out}")
     return EXIT_OK
