@@ -55,14 +55,13 @@ class Dispatch:
     group: object
 
 
-def _regroup_index(counts: torch.Tensor) -> torch.Tensor:
-    """``counts[s, e]`` rows arrive from source s for local expert e, ordered by (s, e); the index that reorders
-    them by (e, s) (each local expert's rows contiguous)."""
+def _regroup_index(counts: torch.Tensor, total: int) -> torch.Tensor:
+    """``counts[s, e]`` rows (``total`` in all) arrive from source s for local expert e, ordered by (s, e); the
+    index that reorders them by (e, s) (each local expert's rows contiguous)."""
     flat = counts.reshape(-1)
     starts = (flat.cumsum(0) - flat).view_as(counts)             # where segment (s, e) begins, (s, e) order
     seg_start, seg_len = starts.t().reshape(-1), counts.t().reshape(-1)   # segments in (e, s) order
     new_start = seg_len.cumsum(0) - seg_len
-    total = int(flat.sum())
     return torch.arange(total, device=counts.device) + torch.repeat_interleave(seg_start - new_start, seg_len,
                                                                                output_size=total)
 
@@ -79,12 +78,12 @@ def dispatch(rows: torch.Tensor, expert_counts: torch.Tensor, *, ep: int, group)
     received = torch.empty_like(expert_counts)
     dist.all_to_all_single(received, expert_counts.contiguous(), group=group)   # equal splits: E / ep each
     received = received.view(ep, local)                                       # [source rank, local expert]
-    send_splits = per_rank.sum(1).tolist()
-    recv_splits = received.sum(1).tolist()
+    # every count the host needs, in one device-to-host copy (one wait per MoE layer on a GPU, not four)
+    sizes = torch.cat([per_rank.sum(1), received.sum(1), received.sum(0)]).tolist()
+    send_splits, recv_splits, local_counts = sizes[:ep], sizes[ep:2 * ep], sizes[2 * ep:]
     arrived = all_to_all(rows, recv_splits, send_splits, group)
-    regroup = _regroup_index(received)
-    return arrived.index_select(0, regroup), Dispatch(received.sum(0).tolist(), send_splits, recv_splits, regroup,
-                                                      group)
+    regroup = _regroup_index(received, sum(recv_splits))
+    return arrived.index_select(0, regroup), Dispatch(local_counts, send_splits, recv_splits, regroup, group)
 
 
 def combine(rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
