@@ -12,8 +12,9 @@ the fused MLP input projection on rank r is ``[gate_r; up_r]``; o_proj and down_
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -21,6 +22,7 @@ from ..parallel.cpu_compat import enable_megatron_sequence_parallel_on_cpu
 from ..parallel.megatron_import import import_megatron
 from .attention import AttnBackend, Packing, make_packing, pack_tokens, resolve_attn_impl, unpack_tokens
 from .logprobs import token_stats_head
+from .mlp import MLP, no_init
 from .moe import MoEAux, MoEBlock
 from .placement import attach_placements
 from .rope import apply_rope, rope_cos_sin
@@ -35,8 +37,6 @@ mtp = _megatron.tensor_parallel
 RECOMPUTE = (None, "full")
 
 
-def _no_init(_weight):  # parameters are filled by the loader (or by init_weights)
-    return None
 
 
 class RMSNorm(nn.Module):
@@ -69,10 +69,10 @@ class Attention(nn.Module):
         self.num_kv_local = max(1, spec.num_kv_heads // tp)
         local_out = (self.num_heads_local + 2 * self.num_kv_local) * spec.head_dim
         self.linear_qkv = mtp.ColumnParallelLinear(
-            spec.hidden_size, local_out * tp, config=config, init_method=_no_init, bias=spec.qkv_bias,
+            spec.hidden_size, local_out * tp, config=config, init_method=no_init, bias=spec.qkv_bias,
             gather_output=False)
         self.linear_proj = mtp.RowParallelLinear(
-            spec.q_size, spec.hidden_size, config=config, init_method=_no_init, bias=spec.o_bias,
+            spec.q_size, spec.hidden_size, config=config, init_method=no_init, bias=spec.o_bias,
             input_is_parallel=True, skip_bias_add=False)
 
     def forward(self, x, cos, sin, ctx):
@@ -98,23 +98,6 @@ class Attention(nn.Module):
         return out
 
 
-class MLP(nn.Module):
-    def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int):
-        super().__init__()
-        self.linear_fc1 = mtp.ColumnParallelLinear(
-            spec.hidden_size, 2 * spec.intermediate_size, config=config, init_method=_no_init,
-            bias=spec.mlp_bias, gather_output=False)
-        self.linear_fc2 = mtp.RowParallelLinear(
-            spec.intermediate_size, spec.hidden_size, config=config, init_method=_no_init, bias=spec.mlp_bias,
-            input_is_parallel=True, skip_bias_add=False)
-
-    def forward(self, x):
-        h, _ = self.linear_fc1(x)
-        gate, up = h.chunk(2, dim=-1)
-        h, _ = self.linear_fc2(F.silu(gate) * up)
-        return h
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int, layer_number: int, device, *,
                  backend: AttnBackend, dims=None):
@@ -124,7 +107,7 @@ class DecoderLayer(nn.Module):
         self.self_attention = Attention(spec, config, tp, device, backend=backend)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
         # The spec says which layers route over experts (model/moe.py); the others keep the dense MLP.
-        self.mlp = MoEBlock(spec, config, dims, device) if spec.is_moe_layer(layer_number) else MLP(spec, config, tp)
+        self.mlp = MoEBlock(spec, config, dims, device) if spec.is_moe_layer(layer_number) else MLP(spec, config)
 
     def forward(self, x, cos, sin, ctx, tokens=None):
         """``tokens``: real-row mask of ``x`` for a MoE layer's load-balancing loss (None: not computed / all
@@ -192,7 +175,7 @@ class DecoderChunk(nn.Module):
                 setattr(config, name, value)
         if pre_process:
             self.embedding = mtp.VocabParallelEmbedding(
-                self.padded_vocab_size, spec.hidden_size, init_method=_no_init, config=config,
+                self.padded_vocab_size, spec.hidden_size, init_method=no_init, config=config,
                 reduce_scatter_embeddings=self.sequence_parallel)
         backend = resolve_attn_impl(attn_impl, packed=packed, device=device or "cpu", dtype=config.params_dtype)
         self.attn_impl = backend.name
@@ -211,7 +194,7 @@ class DecoderChunk(nn.Module):
                 # this chunk owns a copy, loaded from the embedding and kept equal by finalize_grads.
                 reuse = self.share_embeddings_and_output_weights and pre_process
                 self.output_layer = mtp.ColumnParallelLinear(
-                    spec.hidden_size, self.padded_vocab_size, config=config, init_method=_no_init, bias=False,
+                    spec.hidden_size, self.padded_vocab_size, config=config, init_method=no_init, bias=False,
                     gather_output=False, skip_weight_param_allocation=reuse)
                 # Vocab padding columns of this rank's logits (None: no padding here). They are filled with the
                 # dtype's lowest value, so a softmax / vocab-parallel cross entropy gives them probability 0.
@@ -279,8 +262,8 @@ class DecoderChunk(nn.Module):
             if recompute:
                 # Keep only the layer's input; its activations are recomputed in backward (RNG state restored).
                 # The recompute replays the layer: MoE load-balancing losses are then not recorded twice.
-                x = checkpoint(self._replayable(layer), x, cos, sin, ctx, tokens, use_reentrant=False,
-                               preserve_rng_state=True)
+                x = checkpoint(layer, x, cos, sin, ctx, tokens, use_reentrant=False, preserve_rng_state=True,
+                               context_fn=lambda: (contextlib.nullcontext(), self.moe_aux.replaying()))
             else:
                 x = layer(x, cos, sin, ctx, tokens)
         if not self.post_process:
@@ -289,8 +272,7 @@ class DecoderChunk(nn.Module):
         if stats is not None and self.task == "causal_lm":
             return token_stats_head(self, x, ctx if self.packed else None, input_ids, attention_mask, stats)
         if self.task == "causal_lm":
-            weight = self.embedding.weight if (self.share_embeddings_and_output_weights and self.pre_process) \
-                else None
+            weight = self.head_weight()
             if self.packed:
                 out, _ = self.output_layer(x, weight=weight)  # sequence parallel: input all-gathered inside
             else:
@@ -327,17 +309,6 @@ class DecoderChunk(nn.Module):
             n = x.shape[0]
             at_pad = at_pad[self.dims.tp_rank * n:(self.dims.tp_rank + 1) * n]
         return torch.where(at_pad.unsqueeze(-1), x.detach(), x)
-
-    def _replayable(self, layer):
-        """``layer`` for activation recompute: its first call is the forward, every later call is the replay in
-        the backward (see :meth:`MoEAux.replaying`)."""
-        calls = [0]
-
-        def run(*args):
-            calls[0] += 1
-            with self.moe_aux.replaying(calls[0] > 1):
-                return layer(*args)
-        return run
 
     def _real_tokens(self, attention_mask, ctx) -> torch.Tensor:
         """1.0 for each real token among this rank's activation rows, in row order: ``[S * B]`` (s-major) in the

@@ -40,6 +40,7 @@ from torch import nn
 
 from ..parallel.experts import combine, dispatch
 from ..parallel.megatron_import import import_megatron
+from .mlp import MLP
 from .spec import DecoderSpec
 
 mtp = import_megatron().tensor_parallel
@@ -81,33 +82,22 @@ class Experts(nn.Module):
         return torch.cat(outs, dim=0)
 
 
-class SharedExpert(nn.Module):
-    """Qwen2-MoE's always-on expert: a dense gated MLP (TP-split like the dense MLP), scaled per token by
+class SharedExpert(MLP):
+    """Qwen2-MoE's always-on expert: the dense gated MLP (TP-split like it, no biases), scaled per token by
     ``sigmoid(x . gate_weight)`` when the model has the gate."""
     parallm_param_kind = "replicated"   # gate_weight (the linears' own weights are megatron layers)
 
     def __init__(self, spec: DecoderSpec, config, gate: bool, device):
-        super().__init__()
-        width = spec.moe.shared_expert_intermediate_size
-        self.linear_fc1 = mtp.ColumnParallelLinear(spec.hidden_size, 2 * width, config=config,
-                                                   init_method=_no_init, bias=False, gather_output=False)
-        self.linear_fc2 = mtp.RowParallelLinear(width, spec.hidden_size, config=config, init_method=_no_init,
-                                                bias=False, input_is_parallel=True, skip_bias_add=False)
+        super().__init__(spec, config, width=spec.moe.shared_expert_intermediate_size, bias=False)
         if gate:
             self.gate_weight = nn.Parameter(torch.empty(1, spec.hidden_size, dtype=config.params_dtype,
                                                         device=device))
 
     def forward(self, x):
-        h, _ = self.linear_fc1(x)
-        gate, up = h.chunk(2, dim=-1)
-        out, _ = self.linear_fc2(F.silu(gate) * up)
+        out = super().forward(x)
         if hasattr(self, "gate_weight"):
             out = torch.sigmoid(F.linear(x, self.gate_weight)) * out
         return out
-
-
-def _no_init(_weight):
-    return None
 
 
 class MoEAux:
@@ -121,10 +111,10 @@ class MoEAux:
         self.recording = True    # False while activation recompute replays a layer's forward in the backward
 
     @contextlib.contextmanager
-    def replaying(self, replay: bool):
-        """Inside: a replayed forward (activation recompute) computes and attaches the loss again, as the
-        autograd graph needs, but does not record its value a second time."""
-        before, self.recording = self.recording, not replay
+    def replaying(self):
+        """Inside: a replayed forward (activation recompute's, in the backward) computes and attaches the loss
+        again, as the autograd graph needs, but does not record its value a second time."""
+        before, self.recording = self.recording, False
         try:
             yield
         finally:

@@ -1,0 +1,37 @@
+"""The gated MLP on megatron-core's parallel linears: the dense decoder layer's MLP and Qwen2-MoE's shared
+expert (which adds a gate of its own in :mod:`parallm.model.moe`)."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel.megatron_import import import_megatron
+from .spec import DecoderSpec
+
+mtp = import_megatron().tensor_parallel
+
+
+def no_init(_weight):  # parameters are filled by the loader (or by init_weights)
+    return None
+
+
+class MLP(nn.Module):
+    """``down(silu(gate x) * up x)``: gate and up fused in a column-parallel ``linear_fc1`` (``[gate_r; up_r]`` per
+    TP rank), down row-parallel. ``width`` (default: the spec's intermediate size) and ``bias`` (default: the
+    spec's ``mlp_bias``)."""
+
+    def __init__(self, spec: DecoderSpec, config, *, width: int | None = None, bias: bool | None = None):
+        super().__init__()
+        width = spec.intermediate_size if width is None else width
+        bias = spec.mlp_bias if bias is None else bias
+        self.linear_fc1 = mtp.ColumnParallelLinear(spec.hidden_size, 2 * width, config=config, init_method=no_init,
+                                                   bias=bias, gather_output=False)
+        self.linear_fc2 = mtp.RowParallelLinear(width, spec.hidden_size, config=config, init_method=no_init,
+                                                bias=bias, input_is_parallel=True, skip_bias_add=False)
+
+    def forward(self, x):
+        h, _ = self.linear_fc1(x)
+        gate, up = h.chunk(2, dim=-1)
+        h, _ = self.linear_fc2(F.silu(gate) * up)
+        return h
