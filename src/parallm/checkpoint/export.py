@@ -32,6 +32,8 @@ from its parameters). Buffers stay with the model between calls.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,10 +43,11 @@ from ..families import family_of
 from ..model.decoder import as_chunks
 from ..model.sharding import TensorSource, make_layout
 from ..model.table import expected_hf_shapes
-from ..parallel.errors import exchange_rows, gather_objects, remote_error, status_of
+from ..parallel.errors import exchange_rows, gather_objects, raise_failures, status_of
 from ..parallel.state import ParallelDims, dims_of, require_initialized
 from .cast import WIRE_DTYPES, check_entry_casts
-from .loader import model_entries
+from .loader import held_params, model_entries
+from .saver import parse_size
 
 DEFAULT_BUCKET_BYTES = 64 * 1024 ** 2
 DIRECT_MIN_BYTES = 4 * 1024 ** 2   # parts this large travel alone into their place; smaller ones are packed
@@ -88,21 +91,11 @@ class Bucket:
         (by sender), then the direct parts (in plan order)."""
         return list(self.segments) + [(p.src, p.offset, p.numel) for p in self.parts if p.direct]
 
-    def senders(self) -> set[int]:
-        return {src for src, _, _ in self.messages()}
-
 
 def piece_shape(tp_layout, tp_rank: int, tp: int, hf_shapes) -> tuple[int, ...]:
     """Shape of TP rank ``tp_rank``'s shard (from its layout, on the meta device: no data)."""
     metas = [TensorSource(torch.empty(s, device="meta")) for s in hf_shapes]
     return tuple(tp_layout.shard(metas, tp_rank, tp).shape)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _rows(shape) -> int:
@@ -115,7 +108,7 @@ def _parts_of(entry: int, pieces, bucket_numel: int, direct_numel: int) -> list[
     parts = []
     for tp, src, shape, blocks in pieces:
         rows = _rows(shape)
-        width = _numel(shape) // rows if rows else 0
+        width = math.prod(shape) // rows if rows else 0
         for source, dim, a, b, la, lb, primary in blocks:
             if not primary or lb <= la:
                 continue
@@ -140,7 +133,7 @@ def plan_buckets(entries, bucket_numel: int, direct_numel: int) -> list[Bucket]:
     buckets, current, used = [], [], 0
     for entry, hf_shapes, pieces in entries:
         parts = _parts_of(entry, pieces, bucket_numel, direct_numel)
-        cost = sum(_numel(s) for s in hf_shapes) + sum(p.numel for p in parts if not p.direct)
+        cost = sum(math.prod(s) for s in hf_shapes) + sum(p.numel for p in parts if not p.direct)
         if current and used + cost > bucket_numel:
             buckets.append(_layout_bucket(current))
             current, used = [], 0
@@ -156,21 +149,21 @@ def _layout_bucket(entries) -> Bucket:
     for entry, hf_shapes, _ in entries:
         for k, shape in enumerate(hf_shapes):
             outputs.append((entry, k, offset))
-            places[(entry, k)] = (offset, _numel(shape) // _rows(shape) if _numel(shape) else 0)
-            offset += _numel(shape)
+            places[(entry, k)] = (offset, math.prod(shape) // _rows(shape) if math.prod(shape) else 0)
+            offset += math.prod(shape)
     parts = [p for _, _, ps in entries for p in ps]
     laid, packed = [], []
     for k, p in enumerate(parts):
         if p.direct:
             start, width = places[(p.entry, p.hf)]
-            laid.append(Part(**{**p.__dict__, "offset": start + p.h0 * width}))
+            laid.append(dataclasses.replace(p, offset=start + p.h0 * width))
         else:
             packed.append((p.src, k, p))
     segments = []
     for src, _, p in sorted(packed, key=lambda x: (x[0], x[1])):
         if not segments or segments[-1][0] != src:
             segments.append([src, offset, 0])
-        laid.append(Part(**{**p.__dict__, "offset": offset}))
+        laid.append(dataclasses.replace(p, offset=offset))
         offset += p.numel
         segments[-1][2] += p.numel
     placing = {(e, k): [] for e, k, _ in outputs}
@@ -182,7 +175,6 @@ def _layout_bucket(entries) -> Bucket:
 
 
 def _parse_bucket(bucket_bytes) -> int:
-    from .saver import parse_size
     try:
         n = parse_size(bucket_bytes)
     except (TypeError, ValueError):
@@ -246,10 +238,7 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
         check_entry_casts(mine, wire, instead="export")   # before anything moves: everybody's error, not a hang
     except Exception as e:  # noqa: BLE001 - every rank learns of it in the exchange
         error = e
-    order = {(e.row, e.layer): i for i, e in enumerate(everything)}
-    holds = [0] * len(everything)
-    for e, _ in mine:
-        holds[order[(e.row, e.layer)]] = 1
+    holds, params = held_params(mine, everything)
     dst_mask = [int(r in dst) for r in range(layout.world)]
     rows = exchange_rows([int(error is not None), nbytes, WIRE_DTYPES.index(wire) if wire in WIRE_DTYPES else -1,
                           layout.tp_rank, layout.dp_rank] + dst_mask + holds, what="export_hf_tensors", error=error)
@@ -257,7 +246,7 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
         statuses = gather_objects(status_of(error), what="export_hf_tensors", error=error)
         if error is not None:
             raise error
-        raise remote_error("export_hf_tensors", [(r, s) for r, s in enumerate(statuses) if s is not None])
+        raise_failures(statuses, what="export_hf_tensors")
     args = torch.cat([rows[:, 1:3], rows[:, 5:5 + layout.world]], dim=1)
     if not bool((args == args[0]).all()):
         differ = [r for r in range(layout.world) if not bool((args[r] == args[0]).all())]
@@ -275,7 +264,6 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
         if len(cache["plans"]) >= 4:
             cache["plans"].pop(next(iter(cache["plans"])))
         cache["plans"][key] = plan
-    params = {order[(e.row, e.layer)]: chunk.get_parameter(e.local) for e, chunk in mine}
     device = next(chunks[0].parameters()).device
     return _stream(plan, cache["buffers"], params, dst, wire, device, layout)
 
@@ -468,7 +456,7 @@ def _stream(plan: Plan, buffers: _Buffers, params, dst, wire, device, layout: Pa
         for (entry, hf, offset), parts in zip(bucket.outputs, bucket.placing):
             name = plan.names[entry][hf]
             shape = plan.shapes[name]
-            tensor = buf.narrow(0, offset, _numel(shape)).view(shape)
+            tensor = buf.narrow(0, offset, math.prod(shape)).view(shape)
             _place(parts, tensor, buf)     # tensor by tensor: after the first, overlapped with bucket k+1
             yield name, tensor
             tensor = None

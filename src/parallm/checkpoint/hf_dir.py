@@ -158,9 +158,6 @@ class HFCheckpoint:
         except Exception as e:
             raise CheckpointError(f"{name} in {self.weight_map[name]}: {type(e).__name__}: {e}") from None
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.source(name).shape
-
 
 def check_keys_and_shapes(present: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], *,
                           strict: bool, ignorable=(), where: str) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..errors import PORTABLE_ERRORS, CheckpointError, ParallelError
+from ..errors import CheckpointError, ParallelError
 from ..families import family_of
 from ..model.decoder import as_chunks
 from ..model.placement import placement_of
@@ -103,6 +103,17 @@ def model_entries(chunks, layout: ParallelDims):
                                post_process=chunk.post_process, layers=chunk.layer_range, experts=experts):
             mine.append((e, chunk))
     return mine, all_entries(table, spec, task=task, pp=layout.pp)
+
+
+def held_params(mine, everything) -> tuple[list[int], dict[int, torch.Tensor]]:
+    """Which of the model's entries (indices into ``everything``) this rank holds, as the 0/1 row every rank
+    contributes to an exchange, and their parameters by index."""
+    order = {(e.row, e.layer): i for i, e in enumerate(everything)}
+    holds, params = [0] * len(everything), {}
+    for e, chunk in mine:
+        holds[order[(e.row, e.layer)]] = 1
+        params[order[(e.row, e.layer)]] = chunk.get_parameter(e.local)
+    return holds, params
 
 
 def ignorable_names(spec, task: str) -> tuple[str, ...]:
@@ -261,10 +272,7 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
             error, status = e, _FAILED_READ
 
     # 2. the one exchange: outcome, source kind, rank 0's value-head plan, the shards each rank holds.
-    order = {(e.row, e.layer): i for i, e in enumerate(everything)}
-    holds = [0] * len(everything)
-    for e, _ in mine:
-        holds[order[(e.row, e.layer)]] = 1
+    holds, params = held_params(mine, everything)
     rows = exchange_rows([status, _KINDS.index(kind), int(bool(init)), layout.tp_rank] + holds,
                          what="load_hf_weights", error=error)
     statuses, kinds = rows[:, 0].tolist(), [_KINDS[k] for k in rows[:, 1].tolist()]
@@ -289,7 +297,7 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
         skip = {i for i, e in enumerate(everything) if set(e.hf) & set(init)}
         needs = {r: (int(rows[r, 3]), [i for i in rows[r, 4:].nonzero().flatten().tolist() if i not in skip])
                  for r in range(layout.world) if not readers[r]}
-        _broadcast_load(needs, mine, everything, get, layout, spec, padded_vocab, progress)
+        _broadcast_load(needs, mine, everything, params, get, layout, spec, padded_vocab, progress)
     return LoadReport(mode=mode, tensors=len(mine), seconds=time.perf_counter() - t0, initialised=tuple(init))
 
 
@@ -369,10 +377,7 @@ def _recv_failure(length: int, device) -> BaseException:
     body = torch.empty(length, dtype=torch.uint8, device=device)
     dist.recv(body, src=0)
     type_name, _, message = bytes(body.cpu().tolist()).decode(errors="replace").partition("\0")
-    etype = PORTABLE_ERRORS.get(type_name, ParallelError)
-    if etype is KeyError:
-        etype = ParallelError
-    return etype(f"load_hf_weights failed on rank 0: {message}")
+    return remote_error("load_hf_weights", [(0, (type_name, message))])
 
 
 def _wire(shard: torch.Tensor, model_dtype: torch.dtype, names, device) -> torch.Tensor:
@@ -385,10 +390,12 @@ def _wire(shard: torch.Tensor, model_dtype: torch.dtype, names, device) -> torch
     return shard.to(device=device).contiguous()
 
 
-def _broadcast_load(needs, mine, everything, get, layout: ParallelDims, spec, padded_vocab: int, progress) -> None:
+def _broadcast_load(needs, mine, everything, params, get, layout: ParallelDims, spec, padded_vocab: int,
+                    progress) -> None:
     """Rank 0 streams: for each HF tensor in global order it reads (lazily, slice by slice) the shard of each TP
     rank that needs one and sends it to every receiving owner (data-parallel replicas included), so rank 0 holds
-    about one shard at a time. ``needs``: receiving rank -> (its tp rank, the ``everything`` indices it needs).
+    about one shard at a time. ``needs``: receiving rank -> (its tp rank, the ``everything`` indices it needs);
+    ``params``: this rank's parameters by those indices.
 
     Each shard is preceded by a status word: the shard's dtype (an index into ``WIRE_DTYPES``), or, if rank 0
     failed mid-stream (a read error, an overflow, a receiver that died), minus the length of its error message,
@@ -397,8 +404,6 @@ def _broadcast_load(needs, mine, everything, get, layout: ParallelDims, spec, pa
     device = next(mine[0][1].parameters()).device
     status = torch.zeros(1, dtype=torch.long, device=device)
     if layout.rank in needs:
-        order = {(e.row, e.layer): i for i, e in enumerate(everything)}
-        params = {order[(e.row, e.layer)]: chunk.get_parameter(e.local) for e, chunk in mine}
         try:
             for i in needs[layout.rank][1]:
                 dist.recv(status, src=0)
