@@ -274,15 +274,10 @@ def _save_dir(chunks, layout: ParallelDims, out_dir: str, *, dtype, overwrite: b
     where = {n: (f["name"], *f["tensors"][n]) for f in files for n in f["tensors"]}
 
     def prepare():
-        if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-            raise FileExistsError(f"{out_dir} exists and is not a directory")
-        if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
-            raise FileExistsError(f"{out_dir} is not empty; pass overwrite=True to replace it")
+        check_target(out_dir, overwrite)
         if layout.rank != 0:
             return None
-        parent = os.path.dirname(out_dir) or "."
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.parallm-tmp-", dir=parent)
+        tmp = make_tmp_beside(out_dir)
         for f in files:  # headers written, files sized: writers fill in the tensor bytes at their offsets
             with open(os.path.join(tmp, f["name"]), "wb") as fh:
                 fh.write(f["header"])
@@ -336,6 +331,22 @@ def _save_dir(chunks, layout: ParallelDims, out_dir: str, *, dtype, overwrite: b
         if layout.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def check_target(out_dir: str, overwrite: bool, *, replacing: str = "") -> None:
+    """An output directory may be written: it does not exist, or is empty, or ``overwrite`` (then it is
+    replaced as a whole at the end). ``replacing``: said after the hint to pass ``overwrite=True``."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise FileExistsError(f"{out_dir} exists and is not a directory")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise FileExistsError(f"{out_dir} is not empty; pass overwrite=True to replace it{replacing}")
+
+
+def make_tmp_beside(out_dir: str) -> str:
+    """A new temporary directory beside ``out_dir`` (same filesystem: :func:`_move_into_place` renames it)."""
+    parent = os.path.dirname(out_dir) or "."
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.parallm-tmp-", dir=parent)
 
 
 def _move_into_place(tmp: str, out_dir: str) -> None:

@@ -38,7 +38,6 @@ import json
 import os
 import pickle
 import shutil
-import tempfile
 import threading
 import warnings
 from datetime import timedelta
@@ -61,7 +60,8 @@ from .dcp_io import (METADATA_FILE, BoxLoadPlanner, Boxes, BoxSavePlanner, Verif
                      file_crc, item_crcs)
 from .global_view import global_slices, uncovered_rows
 from .loader import model_entries
-from .saver import (DEFAULT_MAX_SHARD_SIZE, _move_into_place, hf_config_dict, parse_size, plan_files)
+from .saver import (DEFAULT_MAX_SHARD_SIZE, _move_into_place, check_target, hf_config_dict, make_tmp_beside,
+                    parse_size, plan_files)
 
 META_NAME = "parallm.json"
 FORMAT = "parallm-training-checkpoint"
@@ -270,33 +270,17 @@ def save_checkpoint(path, chunks, optimizer=None, *, step: int, extra=None, over
     CPU memory (call ``.wait()`` before relying on the files); otherwise returns None when the files are in
     place.
     """
-    require_initialized("save_checkpoint")
-    chunks = as_chunks(chunks)
-    dims = dims_of(chunks)
-    _refuse_expert_parallel(chunks, dims, "save_checkpoint")
-    wait_for_pending_saves()
-    path = os.path.abspath(os.fspath(path))
+    path, chunks, dims = _begin("save_checkpoint", path, chunks)
 
     def check():
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         _check_optimizer(optimizer, chunks)
         pickle.dumps(extra)
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise FileExistsError(f"{path} exists and is not a directory")
-        if os.path.isdir(path) and os.listdir(path) and not overwrite:
-            raise FileExistsError(f"{path} is not empty; pass overwrite=True to replace it (the new checkpoint "
-                                  "replaces it atomically once complete)")
-
-    def make_tmp():
-        if dims.rank != 0:
-            return None
-        parent = os.path.dirname(path)
-        os.makedirs(parent, exist_ok=True)
-        return tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.parallm-tmp-", dir=parent)
+        check_target(path, overwrite, replacing=" (the new checkpoint replaces it atomically once complete)")
 
     run_local(check, what="save_checkpoint")
-    box = [run_local(make_tmp, what="save_checkpoint")]
+    box = [run_local(lambda: make_tmp_beside(path) if dims.rank == 0 else None, what="save_checkpoint")]
     dist.broadcast_object_list(box, src=0)
     tmp = box[0]
     shapes, mine, saved = _model_layout(chunks, dims)
@@ -453,12 +437,7 @@ def load_checkpoint(path, chunks, optimizer=None) -> dict:
     differ), an ``optimizer`` when the checkpoint holds no optimizer state, a missing, truncated or corrupted
     file (every item's CRC-32 is checked as it is read).
     """
-    require_initialized("load_checkpoint")
-    chunks = as_chunks(chunks)
-    dims = dims_of(chunks)
-    _refuse_expert_parallel(chunks, dims, "load_checkpoint")
-    wait_for_pending_saves()
-    path = os.path.abspath(os.fspath(path))
+    path, chunks, dims = _begin("load_checkpoint", path, chunks)
     shapes, mine, saved = _model_layout(chunks, dims)
 
     def preflight():
@@ -535,13 +514,8 @@ def checkpoint_to_hf(path, out_dir, *, dtype: torch.dtype | None = None, overwri
     masters = _saved_shapes(metadata, "optim/master/")
     src = "optim/master" if dtype.itemsize >= 4 and all(n in masters for n, _ in names) else "model"
     files = plan_files(names, dtype, parse_size(max_shard_size))
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise FileExistsError(f"{out_dir} exists and is not a directory")
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise FileExistsError(f"{out_dir} is not empty; pass overwrite=True to replace it")
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.parallm-tmp-", dir=parent)
+    check_target(out_dir, overwrite)
+    tmp = make_tmp_beside(out_dir)
     try:
         from safetensors.torch import save_file
         for f in files:
@@ -564,6 +538,18 @@ def checkpoint_to_hf(path, out_dir, *, dtype: torch.dtype | None = None, overwri
         if isinstance(e, Exception) or not hasattr(e, "failures"):
             raise
         raise _from_dcp(e, "checkpoint_to_hf") from None
+
+
+def _begin(what: str, path, chunks):
+    """What a save and a load start with: the process groups, the chunks and their layout (refused for
+    mixture-of-experts models under expert parallelism), earlier async saves finished; ``(path, chunks, dims)``
+    with the path made absolute."""
+    require_initialized(what)
+    chunks = as_chunks(chunks)
+    dims = dims_of(chunks)
+    _refuse_expert_parallel(chunks, dims, what)
+    wait_for_pending_saves()
+    return os.path.abspath(os.fspath(path)), chunks, dims
 
 
 def _refuse_expert_parallel(chunks, dims, what: str) -> None:
