@@ -304,22 +304,20 @@ class DecoderChunk(nn.Module):
         pad = self.spec.pad_token_id
         if pad is None or not torch.is_grad_enabled():
             return x
-        at_pad = (ids == pad).transpose(0, 1)                             # [S, B] / [T, 1]
-        if self.sequence_parallel:
-            n = x.shape[0]
-            at_pad = at_pad[self.dims.tp_rank * n:(self.dims.tp_rank + 1) * n]
+        at_pad = self._my_rows((ids == pad).transpose(0, 1))             # [S, B] / [T (/ tp), 1]
         return torch.where(at_pad.unsqueeze(-1), x.detach(), x)
+
+    def _my_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Under sequence parallelism, this TP rank's share of ``t``'s rows (the packed stream, split along dim 0
+        in rank order as megatron-core's reduce-scatter splits the activations); else ``t``."""
+        return t.tensor_split(self.dims.tp)[self.dims.tp_rank] if self.sequence_parallel else t
 
     def _real_tokens(self, attention_mask, ctx) -> torch.Tensor:
         """1.0 for each real token among this rank's activation rows, in row order: ``[S * B]`` (s-major) in the
         padded layout; this rank's slice of the packed stream (padding tail 0) when packed."""
         if not isinstance(ctx, Packing):
             return attention_mask.transpose(0, 1).reshape(-1).float()
-        real = (torch.arange(ctx.total, device=attention_mask.device) < ctx.nnz).float()
-        if self.sequence_parallel:
-            per = ctx.total // self.dims.tp
-            real = real[self.dims.tp_rank * per:(self.dims.tp_rank + 1) * per]
-        return real
+        return self._my_rows((torch.arange(ctx.total, device=attention_mask.device) < ctx.nnz).float())
 
 
 def as_chunks(chunks) -> list:
