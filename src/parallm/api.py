@@ -138,10 +138,6 @@ def gather_output(chunk: DecoderChunk, out, temperature: float = 1.0, request=No
     return logits / temperature if temperature != 1.0 else logits
 
 
-def _check_request(chunks, output, temperature, token_chunk):
-    return check_output(output, temperature, task=chunks[0].task, token_chunk=token_chunk)
-
-
 def _output_shape(chunk, b, s, request):
     if request is not None:
         return (2, b, s) if request.entropy else (b, s)
@@ -164,18 +160,17 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output
     layout = dims_of(chunks)
 
     def check():
-        request = _check_request(chunks, output, temperature, token_chunk)
+        request = check_output(output, temperature, task=chunks[0].task, token_chunk=token_chunk)
         return _check_batch(chunks, input_ids, attention_mask, position_ids), request
     (input_ids, attention_mask, position_ids), request = run_local(check, what="forward")
-    kwargs = {"stats": request} if request is not None else {}
     if layout.pp == 1:
-        return gather_output(chunks[0], chunks[0].compute(input_ids, position_ids, attention_mask, **kwargs),
+        return gather_output(chunks[0], chunks[0].compute(input_ids, position_ids, attention_mask, stats=request),
                              temperature, request)
     with torch.no_grad():
         outs = run_pipeline(chunks, [(input_ids, position_ids, attention_mask)],
                             last_stage_fn=lambda chunk, out, m: _stackable(
                                 gather_output(chunk, out, temperature, request)),
-                            backward=False, num_microbatches=1, compute_kwargs=kwargs)
+                            backward=False, compute_kwargs={"stats": request})
     b, s = input_ids.shape
     out = broadcast_from_last_stage(layout, outs[0] if outs else None, _output_shape(chunks[0], b, s, request),
                                     torch.float32, input_ids.device)
@@ -230,7 +225,7 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     layout = dims_of(chunks)
 
     def check():
-        request = _check_request(chunks, output, temperature, token_chunk)
+        request = check_output(output, temperature, task=chunks[0].task, token_chunk=token_chunk)
         batch = _check_batch(chunks, input_ids, attention_mask, position_ids)
         b = batch[0].shape[0]
         if not isinstance(num_microbatches, int) or num_microbatches < 1 or b % num_microbatches:
@@ -261,9 +256,7 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
         for chunk in chunks:
             chunk.moe_aux.start(coef / num_microbatches)
     try:
-        losses = run_pipeline(chunks, mbs, last_stage_fn=last_stage, backward=True,
-                              num_microbatches=num_microbatches,
-                              compute_kwargs={"stats": request} if request is not None else None)
+        losses = run_pipeline(chunks, mbs, last_stage_fn=last_stage, backward=True, compute_kwargs={"stats": request})
     finally:
         aux_values = [v for chunk in chunks for v in chunk.moe_aux.stop()]
     mean = torch.stack(losses).float().mean() if losses else None

@@ -211,14 +211,13 @@ class _Mailbox:
 
 # -- the engine -----------------------------------------------------------------------------------------------
 
-def run_pipeline(chunks, microbatches, *, last_stage_fn, backward: bool, num_microbatches: int,
-                 compute_kwargs=None):
+def run_pipeline(chunks, microbatches, *, last_stage_fn, backward: bool, compute_kwargs=None):
     """Run every microbatch through this rank's chunks in the order of :func:`schedule`.
 
     ``microbatches``: list of ``(input_ids, position_ids, attention_mask)``. ``last_stage_fn(chunk, out, mb_index)``
     turns the last stage's raw output into what is kept (a loss when ``backward``). ``compute_kwargs``: extra
     keyword arguments of ``chunk.compute``. Returns the kept values in microbatch order on last-stage ranks, []
-    elsewhere. With ``backward``, each kept loss is back-propagated scaled by ``1 / num_microbatches``, and only
+    elsewhere. With ``backward``, each kept loss is back-propagated scaled by ``1 / len(microbatches)``, and only
     detached copies are returned.
     """
     layout = dims_of(chunks)
@@ -252,7 +251,7 @@ def run_pipeline(chunks, microbatches, *, last_stage_fn, backward: bool, num_mic
             else:
                 inp, out = live.pop((m, v))
                 if chunk.post_process:
-                    torch.autograd.backward(out / num_microbatches)
+                    torch.autograd.backward(out / len(microbatches))
                 else:
                     grad = box.recv(box.next, (_GRAD, m, stage + 1), out.dtype)
                     torch.autograd.backward(out, grad)
