@@ -307,12 +307,8 @@ def _open_and_check(source, spec, task, layout: ParallelDims, *, strict: bool, a
     expected = expected_hf_shapes(family_of(spec).table, spec, task=task, pp=layout.pp)
     if isinstance(source, dict):
         present, where = tensor_shapes(source), "state dict"
-        sources = {}
-
         def raw(name):
-            if name not in sources:
-                sources[name] = TensorSource(source[name])
-            return sources[name]
+            return TensorSource(source[name])
     else:
         ckpt = HFCheckpoint(source, allow_pickle=allow_pickle)
         raw, where = ckpt.source, ckpt.path

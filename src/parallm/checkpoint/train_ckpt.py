@@ -92,7 +92,7 @@ def _check_optimizer(optimizer, chunks) -> None:
                          "chunks with parallm.build_optimizer)")
 
 
-def _save_state(chunks, dims, optimizer, extra, shapes, mine):
+def _save_state(dims, optimizer, extra, shapes, mine):
     """(state dict of boxed tensor lists, Boxes): this rank's primary boxes of every saved tensor."""
     state, boxes = {}, Boxes()
 
@@ -285,7 +285,7 @@ def save_checkpoint(path, chunks, optimizer=None, *, step: int, extra=None, over
     tmp = box[0]
     shapes, mine, saved = _model_layout(chunks, dims)
     try:
-        state, boxes = run_local(lambda: _save_state(chunks, dims, optimizer, extra, shapes, mine),
+        state, boxes = run_local(lambda: _save_state(dims, optimizer, extra, shapes, mine),
                                  what="save_checkpoint")
         record = _record(chunks, dims, optimizer, step, saved) if dims.rank == 0 else None
         writer = FileSystemWriter(tmp, sync_files=True)
@@ -390,7 +390,7 @@ def _check_against(record, metadata, path, saved, optimizer) -> bool:
     return bool(masters) and set(masters) >= set(expected)
 
 
-def _load_targets(chunks, dims, optimizer, shapes, mine, has_master):
+def _load_targets(dims, optimizer, shapes, mine, has_master):
     """Planner targets: every box of every parameter (and of this rank's optimizer state), vocabulary padding
     rows zeroed. A full-precision parameter reads the fp32 master weights when the checkpoint has them."""
     targets: dict = {}
@@ -447,7 +447,7 @@ def load_checkpoint(path, chunks, optimizer=None) -> dict:
         return record, has_master
 
     record, has_master = run_local(preflight, what="load_checkpoint")
-    targets, stepped = _load_targets(chunks, dims, optimizer, shapes, mine, has_master)
+    targets, stepped = _load_targets(dims, optimizer, shapes, mine, has_master)
     planner = BoxLoadPlanner(targets)
     try:
         dcp.load({k: v for k, v in targets.items() if v is not None} | {"extra": b""},
