@@ -92,7 +92,6 @@ def test_copy_converts_exactly_as_torch_does():
 def _entries(tp=2):
     """Entries of every layout kind at ``tp`` (sender of TP rank t's piece: global rank t, entry 3 on rank 2):
     (entry, hf shapes, pieces) as the planner takes them, plus the HF tensors and each piece's shard."""
-    from parallm.checkpoint.export import piece_shape
     from parallm.model.sharding import GateUpSplit, QKVSplit, Replicated, Split, TensorSource, VocabSplit
     g = torch.Generator().manual_seed(0)
     kinds = [(QKVSplit(4, 1, 3), [(12, 8), (3, 8), (3, 8)]), (Split(0), [(40, 8)]), (Replicated(), [(8,)]),
@@ -106,7 +105,7 @@ def _entries(tp=2):
         for t in (range(tp) if layout.tp_dim is not None else [0]):
             src = 2 if i == 3 else t
             shards[(i, t)] = layout.shard([TensorSource(x) for x in tensors], t, tp)
-            assert tuple(shards[(i, t)].shape) == piece_shape(layout, t, tp, shapes)
+            assert tuple(shards[(i, t)].shape) == layout.shard_shape(t, tp, shapes)
             pieces.append((t, src, tuple(shards[(i, t)].shape), layout.blocks(t, tp, shapes)))
         entries.append((i, shapes, pieces))
     return entries, hf, shards

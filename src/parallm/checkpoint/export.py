@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ..families import family_of
 from ..model.decoder import as_chunks
-from ..model.sharding import TensorSource, make_layout
+from ..model.sharding import make_layout
 from ..model.table import expected_hf_shapes
 from ..parallel.errors import exchange_rows, gather_objects, raise_failures, status_of
 from ..parallel.state import ParallelDims, dims_of, require_initialized
@@ -90,12 +90,6 @@ class Bucket:
         """``(src, offset, numel)`` of every message, in the order every rank issues them: the packed segments
         (by sender), then the direct parts (in plan order)."""
         return list(self.segments) + [(p.src, p.offset, p.numel) for p in self.parts if p.direct]
-
-
-def piece_shape(tp_layout, tp_rank: int, tp: int, hf_shapes) -> tuple[int, ...]:
-    """Shape of TP rank ``tp_rank``'s shard (from its layout, on the meta device: no data)."""
-    metas = [TensorSource(torch.empty(s, device="meta")) for s in hf_shapes]
-    return tuple(tp_layout.shard(metas, tp_rank, tp).shape)
 
 
 def _rows(shape) -> int:
@@ -294,7 +288,7 @@ def _make_plan(rows, everything, layout: ParallelDims, spec, task, padded_vocab:
             if not holders:
                 raise RuntimeError(f"internal error: no rank holds TP rank {t}'s shard of {', '.join(entry.hf)}")
             src = min(holders, key=lambda r: (dp_of[r], r))
-            pieces.append((t, src, piece_shape(tp_layout, t, layout.tp, hf_shapes),
+            pieces.append((t, src, tp_layout.shard_shape(t, layout.tp, hf_shapes),
                            tp_layout.blocks(t, layout.tp, hf_shapes)))
         entries.append((i, hf_shapes, pieces))
         names[i] = tuple(entry.hf)

@@ -115,9 +115,9 @@ def _splits(fn, *args) -> bool:
 def rank_params(spec, task: str, *, tp: int, pp: int, vpp: int | None) -> list[dict]:
     """Per pipeline stage: parameters one of its TP ranks holds (every TP rank of a stage holds the same count;
     vocabulary padding included, the tied head copy of the last stage included when pp > 1)."""
-    import torch
+    import math
 
-    from ..model.sharding import TensorSource, make_shard
+    from ..model.sharding import make_layout
     from ..model.table import chunk_entries, resolve_shape
     from ..families import family_of
     from ..model.spec import layer_numbers, padded_vocab_size
@@ -130,8 +130,8 @@ def rank_params(spec, task: str, *, tp: int, pp: int, vpp: int | None) -> list[d
             layers.append(f"{rng.start}-{rng.stop - 1}" if len(rng) > 1 else str(rng.start))
             for e in chunk_entries(table, spec, task=task, pp=pp, pre_process=(pp_rank == 0 and v == 0),
                                    post_process=(pp_rank == pp - 1 and v == vpp - 1), layers=rng):
-                sources = [TensorSource(torch.empty(resolve_shape(s, spec), device="meta")) for s in e.row.shapes]
-                count += make_shard(e.kind, sources, 0, tp, spec, padded).numel()
+                shapes = [resolve_shape(s, spec) for s in e.row.shapes]
+                count += math.prod(make_layout(e.kind, spec, padded).shard_shape(0, tp, shapes))
         stages.append(dict(pp_rank=pp_rank, layers=", ".join(layers), params=count))
     return stages
 

@@ -194,6 +194,11 @@ class TPLayout(ABC):
     def blocks(self, rank: int, tp: int, hf_shapes: list[tuple[int, ...]]) -> list[Block]:
         """Every layout kind states this (abstract)."""
 
+    def shard_shape(self, rank: int, tp: int, hf_shapes) -> tuple[int, ...]:
+        """The shape of TP rank ``rank``'s shard, from HF shapes alone (cut on the meta device: no data)."""
+        metas = [TensorSource(torch.empty(s, device="meta")) for s in hf_shapes]
+        return tuple(self.shard(metas, rank, tp).shape)
+
     def primary_slices(self, rank: int, tp: int, local_shape) -> list[tuple[int, int, int]]:
         """``(dim, start, stop)`` slices of this rank's shard that no other TP rank also counts."""
         return [(0, 0, local_shape[0])] if local_shape else []
