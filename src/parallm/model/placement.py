@@ -53,7 +53,6 @@ class Placement:
     tp_sum: bool = False
     tied: str | None = None
     expert: int | None = None
-    expert_parallel: bool = False   # expert weight under ep > 1 (megatron-core's allreduce=False)
 
     @property
     def tensor_parallel(self) -> bool:
@@ -67,12 +66,14 @@ def placement_of(param: torch.Tensor) -> Placement:
     return p
 
 
-def place(param: torch.Tensor, placement: Placement, *, module_kind: str, sequence_parallel: bool) -> None:
+def place(param: torch.Tensor, placement: Placement, *, module_kind: str, sequence_parallel: bool,
+          expert_parallel: bool) -> None:
     """Attach ``placement`` and the attributes megatron-core sets on the same parameter. ``module_kind``: what
     owns it: ``"linear"`` (a megatron Column/RowParallelLinear weight or column bias), ``"row_bias"`` (a
     RowParallelLinear bias), ``"norm"`` (an RMSNorm weight), ``"replicated"`` (a TP-replicated weight that
     megatron-core marks ``sequence_parallel`` like a norm: the MoE router and the shared expert's gate),
-    ``"embedding"`` or ``"other"``."""
+    ``"embedding"`` or ``"other"``. ``expert_parallel``: ep > 1 (expert weights are then not all-reduced over
+    data parallelism: megatron-core's ``allreduce=False``)."""
     param.parallm_placement = placement
     if placement.tensor_parallel:
         param.tensor_model_parallel = True
@@ -86,7 +87,7 @@ def place(param: torch.Tensor, placement: Placement, *, module_kind: str, sequen
     if module_kind in ("linear", "row_bias"):
         param.allreduce = True
     if placement.expert is not None:
-        param.allreduce = not placement.expert_parallel
+        param.allreduce = not expert_parallel
     if placement.tied == "embedding":
         param.shared_embedding = True
     elif placement.tied == "copy":
@@ -136,5 +137,5 @@ def attach_placements(chunk, entries, *, pp: int) -> None:
         tied = row.tied if tied_across else None
         placement = Placement(layout=make_layout(row.kind, spec, chunk.padded_vocab_size),
                               tp_sum=row.tp_sum == "always" or (row.tp_sum == "sp" and sp), tied=tied,
-                              expert=row.expert, expert_parallel=row.expert is not None and chunk.dims.ep > 1)
-        place(param, placement, module_kind=kinds[name], sequence_parallel=sp)
+                              expert=row.expert)
+        place(param, placement, module_kind=kinds[name], sequence_parallel=sp, expert_parallel=chunk.dims.ep > 1)
