@@ -11,9 +11,10 @@ from .llama import DECODER_TABLE
 from .registry import Family, base_spec_kwargs, register
 
 
-def mistral_spec(config) -> DecoderSpec:
+def mistral_spec(config, family: str = "mistral", **extra) -> DecoderSpec:
+    """Also Mixtral's base (``family``, and its ``moe`` in ``extra``)."""
     window = getattr(config, "sliding_window", None)
-    return DecoderSpec(**base_spec_kwargs(config, "mistral"), sliding_window=int(window) if window else None)
+    return DecoderSpec(**base_spec_kwargs(config, family), sliding_window=int(window) if window else None, **extra)
 
 
 MISTRAL = register(Family(

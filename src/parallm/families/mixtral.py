@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from ..model.spec import DecoderSpec
 from .moe_common import moe_rows, moe_spec, moe_table, num_experts_of
-from .registry import Family, base_spec_kwargs, register
+from .mistral import mistral_spec
+from .registry import Family, register
 
 MIXTRAL_TABLE = moe_table(moe_rows("model.layers.{i}.block_sparse_moe.", router="gate.weight",
                                    gate="experts.{e}.w1.weight", up="experts.{e}.w3.weight",
@@ -23,9 +24,7 @@ def mixtral_spec(config) -> DecoderSpec:
     experts = num_experts_of(config)
     moe = moe_spec(config, num_experts=experts, expert_intermediate_size=getattr(config, "intermediate_size", None),
                    norm_topk_prob=True, layers=tuple(range(int(config.num_hidden_layers))) if experts else ())
-    window = getattr(config, "sliding_window", None)
-    return DecoderSpec(**base_spec_kwargs(config, "mixtral"), sliding_window=int(window) if window else None,
-                       moe=moe)
+    return mistral_spec(config, "mixtral", moe=moe)
 
 
 MIXTRAL = register(Family(
