@@ -142,10 +142,16 @@ def _record(chunks, dims, optimizer, step, saved) -> dict:
 
 # -- finishing a save (sync or async) ------------------------------------------------------------------------
 
-def _is_lost_peer(e: BaseException) -> bool:
-    """DCP reports a rank's own failure as a CheckpointException on every rank; a bare RuntimeError out of it
-    is one of its collectives failing."""
-    return getattr(e, "failures", None) is None and type(e) is RuntimeError
+def _dcp_failure(e: BaseException, what: str, *, abort: bool = True) -> Exception:
+    """What a collective DCP call's exception means, on every rank: a ``KeyboardInterrupt`` is re-raised; a bare
+    RuntimeError is one of DCP's collectives failing, i.e. a lost peer (raised, see :func:`lost_peer_error`);
+    anything else (DCP reports a rank's own failure as a CheckpointException on every rank) is returned as
+    parallm's error (:func:`_from_dcp`)."""
+    if isinstance(e, KeyboardInterrupt):
+        raise e
+    if getattr(e, "failures", None) is None and type(e) is RuntimeError:
+        raise lost_peer_error(e, what, abort=abort) from e
+    return _from_dcp(e, what)
 
 
 def _finish(metadata, error, *, group, tmp, path, record, what, abort):
@@ -220,9 +226,7 @@ class AsyncCheckpointSave:
             try:
                 metadata, error = future.result(), None
             except BaseException as e:  # noqa: BLE001
-                if _is_lost_peer(e):
-                    raise lost_peer_error(e, "save_checkpoint (async)", abort=False) from e
-                metadata, error = None, _from_dcp(e, "save_checkpoint (async)")
+                metadata, error = None, _dcp_failure(e, "save_checkpoint (async)", abort=False)
             finish(metadata, error)
         except BaseException as e:  # noqa: BLE001 - handed to wait()
             self._error = e
@@ -301,11 +305,7 @@ def save_checkpoint(path, chunks, optimizer=None, *, step: int, extra=None, over
         try:
             metadata, error = dcp.save(state, storage_writer=writer, planner=planner), None
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-            if isinstance(e, KeyboardInterrupt):
-                raise
-            if _is_lost_peer(e):
-                raise lost_peer_error(e, "save_checkpoint") from e
-            metadata, error = None, _from_dcp(e, "save_checkpoint")
+            metadata, error = None, _dcp_failure(e, "save_checkpoint")
         _finish(metadata, error, group=None, tmp=tmp, path=path, record=record, what="save_checkpoint",
                 abort=True)
     except BaseException:
@@ -454,11 +454,7 @@ def load_checkpoint(path, chunks, optimizer=None) -> dict:
                  storage_reader=VerifyingReader(path, record["crc32"]["items"]), planner=planner)
         error = None
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        if _is_lost_peer(e):
-            raise lost_peer_error(e, "load_checkpoint") from e
-        error = _from_dcp(e, "load_checkpoint")
+        error = _dcp_failure(e, "load_checkpoint")
     agree(error, what="load_checkpoint")
     if optimizer is not None:
         for param in stepped:
@@ -467,7 +463,8 @@ def load_checkpoint(path, chunks, optimizer=None) -> dict:
     return {"step": record["step"], "extra": pickle.loads(planner.bytes["extra"])}
 
 
-def _read_full(path, record, metadata, keys) -> dict[str, torch.Tensor]:
+def _read_full(path, record, metadata, keys, *, what: str) -> dict[str, torch.Tensor]:
+    """The full tensors under ``keys``, read in this process alone; DCP's exception becomes parallm's."""
     state = {}
     for key in keys:
         md = metadata.state_dict_metadata.get(key)
@@ -476,8 +473,13 @@ def _read_full(path, record, metadata, keys) -> dict[str, torch.Tensor]:
         state[key] = [torch.empty(tuple(md.size), dtype=md.properties.dtype)]
     with warnings.catch_warnings():   # DCP warns that it runs in one process: that is the point here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-        dcp.load(dict(state), storage_reader=VerifyingReader(path, record["crc32"]["items"]),
-                 planner=BoxLoadPlanner(state), no_dist=True)
+        try:
+            dcp.load(dict(state), storage_reader=VerifyingReader(path, record["crc32"]["items"]),
+                     planner=BoxLoadPlanner(state), no_dist=True)
+        except BaseException as e:
+            if isinstance(e, Exception) or not hasattr(e, "failures"):
+                raise
+            raise _from_dcp(e, what) from None
     return {k: v[0] for k, v in state.items()}
 
 
@@ -488,12 +490,7 @@ def read_tensors(path, keys=None) -> dict[str, torch.Tensor]:
     record, metadata = read_record(path)
     if keys is None:
         keys = sorted(k for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size"))
-    try:
-        return _read_full(os.path.abspath(os.fspath(path)), record, metadata, list(keys))
-    except BaseException as e:
-        if isinstance(e, Exception) or not hasattr(e, "failures"):
-            raise
-        raise _from_dcp(e, "read_tensors") from None
+    return _read_full(os.path.abspath(os.fspath(path)), record, metadata, list(keys), what="read_tensors")
 
 
 # -- offline HF export ------------------------------------------------------------------------------------------
@@ -519,7 +516,8 @@ def checkpoint_to_hf(path, out_dir, *, dtype: torch.dtype | None = None, overwri
     try:
         from safetensors.torch import save_file
         for f in files:
-            full = _read_full(path, record, metadata, [f"{src}/{name}" for name in f["tensors"]])
+            full = _read_full(path, record, metadata, [f"{src}/{name}" for name in f["tensors"]],
+                              what="checkpoint_to_hf")
             out = {name: cast(full[f"{src}/{name}"], dtype, name, instead="export").contiguous()
                    for name in f["tensors"]}
             save_file(out, os.path.join(tmp, f["name"]), metadata={"format": "pt"})
@@ -533,11 +531,9 @@ def checkpoint_to_hf(path, out_dir, *, dtype: torch.dtype | None = None, overwri
         with open(os.path.join(tmp, "config.json"), "w") as fh:
             json.dump(config, fh, indent=2, sort_keys=True)
         _move_into_place(tmp, out_dir)
-    except BaseException as e:
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, Exception) or not hasattr(e, "failures"):
-            raise
-        raise _from_dcp(e, "checkpoint_to_hf") from None
+        raise
 
 
 def _begin(what: str, path, chunks):
