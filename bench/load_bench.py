@@ -15,12 +15,14 @@ vs-transformers
 dtype
     A bf16 checkpoint shaped as Qwen2.5-0.5B (24 layers, hidden 896, 14 heads / 2 KV heads, inter 4864, vocab
     151936, tied; ~942 MB), at tp2 x pp2 on 4 gloo ranks, ``mode="slice"``: ``load_hf_weights`` into a model
-    built in bf16 and into one built in fp32, three ways, best of ``--reps`` each:
+    built in bf16 and into one built in fp32, best of ``--reps`` each, four ways:
       fresh     in one world of processes, a new model per load: the load pays the first touch of the
                 parameters' pages, which the kernel zeroes (twice as many for fp32); every model's memory is
-                fresh, whatever the dtype (``fresh_pages_on_free``);
+                fresh, whatever the dtype (``fresh_pages_on_free``), and the previous model is freed (checked);
       touched   the same, with the parameters zeroed before the clock starts (as bench/io_bench.py measures):
                 parallm's own work;
+      floor     no loader: each rank copies each of its parameters (from a loaded bf16 model) into a fresh
+                tensor of the target dtype: what writing the bytes into fresh memory costs on this machine;
       first     the first load of a new world of processes (one world per load, the dtypes alternating), as a
                 trainer loads once at start.
     The page faults during the loads are reported (all ranks). Target: fp32 <= 2.0x bf16 (twice the bytes are
@@ -41,6 +43,7 @@ import sys
 import tempfile
 import time
 import warnings
+import weakref
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import run_world, table, write_shards  # noqa: E402
@@ -162,15 +165,27 @@ def rank_vs_transformers(rank, world, ckpt, reps, mode):
 
 
 def fresh_pages_on_free() -> None:
-    """Make every model's parameters fresh memory, whatever the dtype: glibc then serves allocations of 1 MiB and
+    """Make every model's parameters fresh memory, whatever the dtype: glibc then serves allocations of 64 KiB and
     more with their own mappings and returns them to the kernel when freed (``mallopt(M_MMAP_THRESHOLD)``, which
-    also turns off glibc's adaptive threshold). Without it a model built after another one is freed reuses some
+    also turns off glibc's adaptive threshold). 64 KiB puts every weight matrix of both dtypes in its own mapping
+    (with 1 MiB, tensors between 0.5 and 1 MiB were fresh in fp32 but reused heap in bf16: 2.27x the faults). Without it a model built after another one is freed reuses some
     of its pages: which ones depends on the order and the sizes (a bf16 model built after an fp32 one fitted in
     the freed memory and faulted 138 MiB in all, the fp32 one 1089 MiB), so the two dtypes did not pay alike."""
     import ctypes
     libc = ctypes.CDLL(None)
-    if not libc.mallopt(-3, 1 << 20):       # M_MMAP_THRESHOLD
+    if not libc.mallopt(-3, 64 << 10):       # M_MMAP_THRESHOLD
         raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
+
+
+def _touch(chunks) -> None:
+    """Zero every parameter. A function of its own so that no loop variable outlives the call: a leftover
+    reference to the last chunk kept a freed model alive into the next case (its memory then came from pages the
+    VM had never backed, 3-5x dearer per fault; that, not the loader, made the earlier "fresh" fp32 rows 3x)."""
+    import torch
+    with torch.no_grad():
+        for c in chunks:
+            for p in c.parameters():
+                p.zero_()
 
 
 def rank_dtype(rank, world, ckpt, reps):
@@ -178,27 +193,55 @@ def rank_dtype(rank, world, ckpt, reps):
     import parallm
     fresh_pages_on_free()
     parallm.init_parallel(tp=2, pp=2)
-    kinds = ("fresh", "touched")
-    times = {f"{name}/{kind}{what}": [] for name in ("bf16", "fp32") for kind in kinds for what in ("", "/faults")}
+    kinds = ("fresh", "touched", "floor")
+    dtypes = (("bf16", torch.bfloat16), ("fp32", torch.float32))
+    times = {f"{name}/{kind}{what}": [] for name, _ in dtypes for kind in kinds for what in ("", "/faults")}
+
+    def record(i, key, t, faults):
+        if i:
+            times[key].append(t)
+            times[key + "/faults"].append(faults)
+
     for i in range(reps + 1):
-        for kind in kinds:
-            for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        for kind in ("fresh", "touched"):
+            for name, dtype in dtypes:
                 chunks = parallm.build_model(ckpt, dtype=dtype)
                 if kind == "touched":      # the parameters' pages exist before the clock starts
-                    with torch.no_grad():
-                        for c in chunks:
-                            for p in c.parameters():
-                                p.zero_()
-                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                    _touch(chunks)
+                faults = _minflt()
                 t, _ = _timed(lambda model=chunks: parallm.load_hf_weights(model, ckpt, mode="slice"))
-                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-                if i:
-                    times[f"{name}/{kind}"].append(t)
-                    times[f"{name}/{kind}/faults"].append(faults)
+                record(i, f"{name}/{kind}", t, _minflt() - faults)
+                _free(chunks, f"{name} model ({kind}, rep {i})")
                 del chunks
-                gc.collect()
+        # floor: no loader; fresh tensors of this rank's parameter shapes, each copied from the loaded bf16 model
+        source = parallm.build_model(ckpt, dtype=torch.bfloat16)
+        parallm.load_hf_weights(source, ckpt, mode="slice")
+        params = [p.detach() for c in source for p in c.parameters()]
+        for name, dtype in dtypes:
+            faults = _minflt()
+            t, copies = _timed(lambda dtype=dtype: [torch.empty(p.shape, dtype=dtype).copy_(p) for p in params])
+            record(i, f"{name}/floor", t, _minflt() - faults)
+            del copies
+            gc.collect()
+        del params
+        _free(source, f"floor source (rep {i})")
+        del source
     parallm.destroy_parallel()
     return {k: min(v) for k, v in times.items()}
+
+
+def _minflt() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _free(chunks: list, what: str) -> None:
+    """Drop the caller's model (the caller deletes its name after) and check that nothing else holds it: each
+    case must start with the last model freed."""
+    alive = [weakref.ref(c) for c in chunks]
+    chunks.clear()
+    gc.collect()
+    if any(r() is not None for r in alive):
+        raise RuntimeError(f"a {what} outlived its case")
 
 
 def rank_first_load(rank, world, ckpt, dtype_name):
@@ -247,7 +290,8 @@ def main(argv=None):
                   f"({os.cpu_count()} cores), mode=slice, best of {args.reps}")
             rows = []
             for touched, what in (("fresh", "fresh model (first touch of its pages inside the load)"),
-                                  ("touched", "pages touched before the load")):
+                                  ("touched", "pages touched before the load"),
+                                  ("floor", "floor, no loader: copy each parameter into fresh memory")):
                 bf, fp = t[f"bf16/{touched}"], t[f"fp32/{touched}"]
                 faults = "/".join(f"{sum(r[f'{n}/{touched}/faults'] for r in res) * 4096 / 2 ** 20:.0f}"
                                   for n in ("bf16", "fp32"))

@@ -1,5 +1,5 @@
 """Checkpoint I/O: broadcast vs slice loads, parallel directory saves reloaded by transformers, the export
-stream, and rank 0's memory in broadcast mode."""
+stream, rank 0's memory in broadcast mode, and the work a widening (bf16 -> fp32) load does not do."""
 
 import threading
 import time
@@ -137,3 +137,57 @@ def test_broadcast_rank0_memory_is_bounded(tmp_path):
     # 0; streaming holds a few tensors at a time (measured 0.08 of the model = 3 x the largest tensor). 0.25 sits
     # between the two with room for the allocator's noise.
     assert frac0 < 0.25, f"rank 0 held {frac0:.2f} of the model during a broadcast load"
+
+
+def rank_cast_work(rank, world, ckpt_bf16, ckpt_fp32):
+    """Loads (slice mode) counting two kinds of work a load must not do when the cast cannot overflow: a read of
+    the source values for the overflow check, and a converted copy of a checkpoint tensor made outside the copy
+    into the parameter (``Tensor.to`` to another dtype)."""
+    import parallm
+    from parallm.checkpoint import cast as cast_mod
+    parallm.init_parallel(tp=2)
+    counts = {"checked": 0, "converted": 0}
+    real_extremes, real_to = cast_mod._finite_extremes, torch.Tensor.to
+
+    def extremes(src):
+        counts["checked"] += 1
+        return real_extremes(src)
+
+    def to(self, *args, **kwargs):
+        out = real_to(self, *args, **kwargs)
+        if out.dtype != self.dtype and out.numel() > 1:
+            counts["converted"] += 1
+        return out
+
+    out = {}
+    cast_mod._finite_extremes, torch.Tensor.to = extremes, to
+    try:
+        for name, ckpt, dtype in (("bf16->fp32", ckpt_bf16, torch.float32), ("fp32->fp16", ckpt_fp32, torch.float16),
+                                  ("fp32->bf16", ckpt_fp32, torch.bfloat16)):
+            chunks = parallm.build_model(ckpt, dtype=dtype)
+            counts.update(checked=0, converted=0)
+            parallm.load_hf_weights(chunks, ckpt, mode="slice")
+            out[name] = dict(counts)
+            out[name + "/params"] = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
+    finally:
+        cast_mod._finite_extremes, torch.Tensor.to = real_extremes, real_to
+    return out
+
+
+def test_widening_loads_neither_check_nor_convert_apart(tmp_path):
+    """bf16 -> fp32 cannot overflow: the load reads no value for an overflow check and converts inside the copy
+    into the parameter (no converted temporary); the narrowing loads do check (the counter works), and the
+    widened weights are the checkpoint's values exactly."""
+    cfg = helpers.tiny_config("qwen2")
+    model = helpers.make_hf_model(cfg, seed=3)
+    ckpt_fp32 = helpers.save_checkpoint(model, str(tmp_path / "fp32"))
+    ckpt_bf16 = helpers.save_checkpoint(model.to(torch.bfloat16), str(tmp_path / "bf16"))
+    res = helpers.run_ranks(rank_cast_work, 2, ckpt_bf16, ckpt_fp32)
+    for r in res:
+        assert r["bf16->fp32"] == {"checked": 0, "converted": 0}, r["bf16->fp32"]
+        assert r["fp32->fp16"]["checked"] > 0 and r["fp32->bf16"]["checked"] > 0, r
+        assert r["fp32->fp16"]["converted"] == 0 and r["fp32->bf16"]["converted"] == 0, r
+        widened, narrowed = r["bf16->fp32/params"], r["fp32->bf16/params"]
+        assert set(widened) == set(narrowed) and widened
+        for n, p in widened.items():        # the bf16 values, widened exactly (= the fp32 ones rounded to bf16)
+            assert p.dtype == torch.float32 and torch.equal(p, narrowed[n].to(torch.float32)), n
