@@ -219,7 +219,7 @@ def rank_dtype(rank, world, ckpt, reps):
         params = [p.detach() for c in source for p in c.parameters()]
         for name, dtype in dtypes:
             faults = _minflt()
-            t, copies = _timed(lambda dtype=dtype: [torch.empty(p.shape, dtype=dtype).copy_(p) for p in params])
+            t, copies = _timed(lambda dtype=dtype, src=params: [torch.empty(p.shape, dtype=dtype).copy_(p) for p in src])
             record(i, f"{name}/floor", t, _minflt() - faults)
             del copies
             gc.collect()
