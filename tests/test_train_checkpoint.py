@@ -4,7 +4,8 @@ Three spawns:
 
 * resharding (4 ranks): a checkpoint saved at one layout is loaded at another and saved again; every stored
   tensor, model and optimizer state, must come back bit for bit (tp2.pp2 -> tp4, -> tp1.pp2.vpp2.dp2,
-  -> tp2.dp2 with shard_over_dp; that one -> tp2.pp2 (dp1); a tied model tp2.dp2 -> pp2.dp2 with a head copy).
+  -> tp2.dp2 with shard_over_dp; that one -> tp2.pp2 (dp1); a tied model tp2.dp2 -> pp2.dp2 with a head copy;
+  a Qwen3-MoE tp2.dp2 with shard_over_dp -> pp2.dp2, -> tp4, -> ep4 -> tp2.ep2 -> pp2.ep2).
   The step after each resume matches the uninterrupted run's step (other layouts: fp32 reduction order only).
   The offline HF export equals ``save_hf_weights`` bit for bit and loads in transformers.
 * exactness, async and errors (2 ranks): same-layout resume is bit-exact in fp32 and bf16 (fp32 master weights
@@ -54,10 +55,10 @@ def train(parallm, chunks, opt, steps, dims, *, main_grad=False):
 
 # -- resharding ---------------------------------------------------------------------------------------------------
 
-def _layout(parallm, tp, pp, vpp, ckpt):
+def _layout(parallm, tp, pp, vpp, ckpt, ep=1):
     from parallm.parallel.state import dims_of
     parallm.destroy_parallel()
-    parallm.init_parallel(tp=tp, pp=pp, vpp=vpp)
+    parallm.init_parallel(tp=tp, pp=pp, vpp=vpp, ep=ep)
     chunks = parallm.build_model(ckpt)
     return chunks, dims_of(chunks)
 
@@ -68,7 +69,7 @@ def rank_reshard(rank, world, s):
     for model in s:
         m = s[model]
         src = m["source"]
-        chunks, dims = _layout(parallm, *src["layout"], m["hf"])
+        chunks, dims = _layout(parallm, *src["layout"], m["hf"], ep=src.get("ep", 1))
         parallm.load_hf_weights(chunks, m["hf"])
         opt = parallm.build_optimizer(chunks, lr=LR, eps=EPS, weight_decay=0.1, shard_over_dp=src["shard"])
         train(parallm, chunks, opt, m["batches"][:2], dims)
@@ -77,7 +78,8 @@ def rank_reshard(rank, world, s):
         train(parallm, chunks, opt, m["batches"][2:], dims)
         out[f"{model}/uninterrupted"] = parallm.save_hf_weights(chunks)
         for target in m["targets"]:
-            chunks, dims = _layout(parallm, *target["layout"], m["hf"])   # no HF load: the checkpoint fills all
+            chunks, dims = _layout(parallm, *target["layout"], m["hf"], ep=target.get("ep", 1))   # no HF load
+            assert dims.ep == target.get("ep", 1), dims.describe()
             opt = parallm.build_optimizer(chunks, lr=123.0, eps=EPS, weight_decay=0.1, shard_over_dp=target["shard"])
             info = parallm.load_checkpoint(target["from"], chunks, opt)
             assert info == {"step": 2, "extra": {"model": model, "rank": 0}}, info
@@ -96,7 +98,7 @@ def test_resume_across_layouts(tmp_path):
     root = str(tmp_path)
     a = helpers.make_hf_model(helpers.tiny_config("llama", num_hidden_layers=4), seed=11)
     b = helpers.make_hf_model(helpers.tiny_config("qwen2", tie_word_embeddings=True), seed=12)
-    c = helpers.make_hf_model(helpers.tiny_config("qwen3_moe"), seed=13)   # experts as per-expert rows, ep = 1
+    c = helpers.make_hf_model(helpers.tiny_config("qwen3_moe"), seed=13)   # 4 experts, per-expert rows
     ck = lambda name: os.path.join(root, name)  # noqa: E731
     s = {
         "A": dict(hf=helpers.save_checkpoint(a, ck("hf-A")), batches=batches(a.config.vocab_size),
@@ -112,7 +114,12 @@ def test_resume_across_layouts(tmp_path):
         "C": dict(hf=helpers.save_checkpoint(c, ck("hf-C")), batches=batches(c.config.vocab_size),
                   source=dict(layout=(2, 1, None), shard=True, path=ck("C-tp2dp2-zero")),
                   targets=[dict(layout=(1, 2, None), shard=False, path=ck("C-pp2dp2")),
-                           dict(layout=(4, 1, None), shard=False, path=ck("C-tp4"))]),
+                           dict(layout=(4, 1, None), shard=False, path=ck("C-tp4")),
+                           # expert parallelism: ep 1 -> 4 -> tp2.ep2 (each ep rank its own experts) -> pp2.ep2
+                           dict(layout=(1, 1, None), ep=4, shard=False, path=ck("C-ep4")),
+                           dict(layout=(2, 1, None), ep=2, shard=False, path=ck("C-tp2ep2"), from_=ck("C-ep4")),
+                           dict(layout=(1, 2, None), ep=2, shard=False, path=ck("C-pp2ep2"),
+                                from_=ck("C-tp2ep2"))]),
     }
     for m in s.values():
         for t in m["targets"]:

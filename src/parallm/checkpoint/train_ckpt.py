@@ -23,7 +23,11 @@ from its placement and weight-table entry); optimizer state tensors have the par
 boxed the same way. Saving offers each rank's primary boxes (DCP writes a box offered by several
 data-parallel replicas once); loading asks for every box a rank holds (replicas included) and DCP reads the
 overlapping parts of whatever boxes the saving layout wrote. QKV / gate-up fusions and vocabulary padding
-therefore round-trip exactly across tp, pp, vpp, dp and ``shard_over_dp``.
+therefore round-trip exactly across tp, pp, vpp, dp and ``shard_over_dp``. A routed expert's tensors are
+their own table entries under the Hub's per-expert names (``...experts.{e}...``), so under expert parallelism
+each expert-parallel rank offers the boxes of the experts it holds (its expert-data-parallel replicas offer the
+same boxes, written once), and a load at another ``ep`` asks for the experts it holds now: checkpoints move
+between ep values like between tp values.
 
 Atomic saves: everything is written into a temporary directory beside the target, which replaces the target
 only after every rank's bytes, the DCP metadata and parallm.json are complete (the ``overwrite`` rules of
@@ -131,7 +135,7 @@ def _record(chunks, dims, optimizer, step, saved) -> dict:
         "format": FORMAT, "version": VERSION, "step": step,
         "task": chunks[0].task, "dtype": str(dtype).replace("torch.", ""),
         "hf_config": hf_config_dict(chunks[0], dtype),
-        "saved_with": {"tp": dims.tp, "pp": dims.pp, "vpp": dims.vpp, "dp": dims.dp,
+        "saved_with": {"tp": dims.tp, "pp": dims.pp, "vpp": dims.vpp, "dp": dims.dp, "ep": dims.ep,
                        "shard_over_dp": bool(optimizer is not None and optimizer.shard_over_dp)},
         "optimizer": None if optimizer is None else {
             "kind": "AdamW", "master_weights": dtype in LOW_PRECISION,
@@ -537,20 +541,10 @@ def checkpoint_to_hf(path, out_dir, *, dtype: torch.dtype | None = None, overwri
 
 
 def _begin(what: str, path, chunks):
-    """What a save and a load start with: the process groups, the chunks and their layout (refused for
-    mixture-of-experts models under expert parallelism), earlier async saves finished; ``(path, chunks, dims)``
-    with the path made absolute."""
+    """What a save and a load start with: the process groups, the chunks and their layout, earlier async saves
+    finished; ``(path, chunks, dims)`` with the path made absolute."""
     require_initialized(what)
     chunks = as_chunks(chunks)
     dims = dims_of(chunks)
-    _refuse_expert_parallel(chunks, dims, what)
     wait_for_pending_saves()
     return os.path.abspath(os.fspath(path)), chunks, dims
-
-
-def _refuse_expert_parallel(chunks, dims, what: str) -> None:
-    """Training checkpoints of mixture-of-experts models under expert parallelism are not built or tested yet:
-    refuse them clearly (every rank raises the same error; nothing has been written or read)."""
-    if dims.ep > 1 and chunks[0].spec.moe is not None:
-        raise ValueError(f"{what}: training checkpoints of mixture-of-experts models with ep={dims.ep} > 1 are "
-                         "not supported yet; save HF weights (parallm.save_hf_weights) instead, or use ep=1")
