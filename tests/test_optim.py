@@ -145,13 +145,17 @@ def rank_adamw(rank, world, cases):
     from parallm.parallel.state import dims_of
     out = []
     for case in cases:
-        parallm.init_parallel(tp=case["tp"], pp=case["pp"], vpp=case.get("vpp"))
+        parallm.init_parallel(tp=case["tp"], pp=case["pp"], vpp=case.get("vpp"), ep=case.get("ep", 1))
         chunks = parallm.build_model(case["ckpt"])
         dims = dims_of(chunks)
         opt = parallm.build_optimizer(chunks, lr=1.0, eps=EPS, weight_decay=WD, shard_over_dp=case["shard"])
         parallm.load_hf_weights(chunks, case["ckpt"])   # after build_optimizer: masters follow the weights
         train(parallm, chunks, opt, case["batches"], dims)
-        out.append(dict(state=parallm.save_hf_weights(chunks), state_bytes=opt.state_bytes(), dp=dims.dp))
+        from parallm.model.placement import placement_of
+        expert_bytes = sum(t.numel() * t.element_size() for p, st in opt.owned() if placement_of(p).expert is not None
+                           for t in st.values() if torch.is_tensor(t))
+        out.append(dict(state=parallm.save_hf_weights(chunks), state_bytes=opt.state_bytes(), dp=dims.dp,
+                        expert_bytes=expert_bytes))
         parallm.destroy_parallel()
     return out
 
@@ -160,15 +164,19 @@ def rank_adamw(rank, world, cases):
 def test_adamw_three_steps_match_transformers(tmp_path):
     untied = helpers.make_hf_model(helpers.tiny_config("llama", num_hidden_layers=4), seed=1)
     tied = helpers.make_hf_model(helpers.tiny_config("qwen2", tie_word_embeddings=True), seed=2)
+    moe = helpers.make_hf_model(helpers.tiny_config("qwen2_moe"), seed=3)   # routed + shared experts
     ckpts = {"untied": helpers.save_checkpoint(untied, str(tmp_path / "untied")),
-             "tied": helpers.save_checkpoint(tied, str(tmp_path / "tied"))}
-    models = {"untied": untied, "tied": tied}
+             "tied": helpers.save_checkpoint(tied, str(tmp_path / "tied")),
+             "moe": helpers.save_checkpoint(moe, str(tmp_path / "moe"))}
+    models = {"untied": untied, "tied": tied, "moe": moe}
     data = {k: batches(m.config.vocab_size) for k, m in models.items()}
     cases = [dict(model="untied", tp=2, pp=2, shard=False),
              dict(model="untied", tp=2, pp=1, shard=True),     # dp2, ZeRO-1
              dict(model="untied", tp=2, pp=1, shard=False),    # dp2, the same without sharding
              dict(model="untied", tp=1, pp=2, vpp=2, shard=True),
-             dict(model="tied", tp=1, pp=2, shard=False)]      # tied across stages, qkv biases (no decay)
+             dict(model="tied", tp=1, pp=2, shard=False),      # tied across stages, qkv biases (no decay)
+             dict(model="moe", tp=1, pp=1, ep=2, shard=True),   # dp4: dense state over dp4, experts' over edp2
+             dict(model="moe", tp=1, pp=1, ep=2, shard=False)]
     for c in cases:
         c.update(ckpt=ckpts[c["model"]], batches=data[c["model"]])
     results = helpers.run_ranks(rank_adamw, 4, cases)
@@ -182,7 +190,7 @@ def test_adamw_three_steps_match_transformers(tmp_path):
         ref, got = refs[key], results[0][i]["state"]
         assert got.keys() == ref.keys()
         worst = max(((got[k] - ref[k]).abs().max().item(), k) for k in ref)
-        print(f"{c['model']} tp{c['tp']} pp{c['pp']} vpp{c.get('vpp')} shard={c['shard']}: max |w - ref| "
+        print(f"{c['model']} tp{c['tp']} pp{c['pp']} vpp{c.get('vpp')} ep{c.get('ep', 1)} shard={c['shard']}: max |w - ref| "
               f"{worst[0]:.2e} ({worst[1]}), tolerance {tol:.2e}")
         assert worst[0] < tol, f"case {c['model']} tp{c['tp']} pp{c['pp']} shard {c['shard']}: {worst}"
     # the comparison can fail: decaying norms and biases too moves them far beyond the tolerance
@@ -197,3 +205,13 @@ def test_adamw_three_steps_match_transformers(tmp_path):
     for rank in range(4):
         sharded, full = results[rank][1]["state_bytes"], results[rank][2]["state_bytes"]
         assert 0.4 * full < sharded < 0.6 * full, (rank, sharded, full)
+    # under expert parallelism too (cases 5 and 6, ep2 x edp2): the same bits; each rank keeps about half of its
+    # experts' state (partitioned over the expert-data-parallel pair) and about a quarter of the rest (over dp4)
+    assert all(torch.equal(results[0][5]["state"][k], results[0][6]["state"][k]) for k in results[0][5]["state"])
+    for rank in range(4):
+        sharded, full = results[rank][5], results[rank][6]
+        experts, experts_full = sharded["expert_bytes"], full["expert_bytes"]
+        dense, dense_full = sharded["state_bytes"] - experts, full["state_bytes"] - experts_full
+        print(f"moe ep2 rank {rank}: expert state {experts} / {experts_full} B, the rest {dense} / {dense_full} B")
+        assert 0.35 * experts_full < experts < 0.65 * experts_full, (rank, experts, experts_full)
+        assert 0.1 * dense_full < dense < 0.45 * dense_full, (rank, dense, dense_full)

@@ -5,7 +5,8 @@ Three spawns:
 * resharding (4 ranks): a checkpoint saved at one layout is loaded at another and saved again; every stored
   tensor, model and optimizer state, must come back bit for bit (tp2.pp2 -> tp4, -> tp1.pp2.vpp2.dp2,
   -> tp2.dp2 with shard_over_dp; that one -> tp2.pp2 (dp1); a tied model tp2.dp2 -> pp2.dp2 with a head copy;
-  a Qwen3-MoE tp2.dp2 with shard_over_dp -> pp2.dp2, -> tp4, -> ep4 -> tp2.ep2 -> pp2.ep2).
+  a Qwen3-MoE tp2.dp2 with shard_over_dp -> pp2.dp2, -> tp4, -> ep4 (ZeRO) -> ep2 (ZeRO) -> tp2.ep2 ->
+  pp2.ep2).
   The step after each resume matches the uninterrupted run's step (other layouts: fp32 reduction order only).
   The offline HF export equals ``save_hf_weights`` bit for bit and loads in transformers.
 * exactness, async and errors (2 ranks): same-layout resume is bit-exact in fp32 and bf16 (fp32 master weights
@@ -115,9 +116,12 @@ def test_resume_across_layouts(tmp_path):
                   source=dict(layout=(2, 1, None), shard=True, path=ck("C-tp2dp2-zero")),
                   targets=[dict(layout=(1, 2, None), shard=False, path=ck("C-pp2dp2")),
                            dict(layout=(4, 1, None), shard=False, path=ck("C-tp4")),
-                           # expert parallelism: ep 1 -> 4 -> tp2.ep2 (each ep rank its own experts) -> pp2.ep2
-                           dict(layout=(1, 1, None), ep=4, shard=False, path=ck("C-ep4")),
-                           dict(layout=(2, 1, None), ep=2, shard=False, path=ck("C-tp2ep2"), from_=ck("C-ep4")),
+                           # expert parallelism: ep 1 -> 4 (ZeRO: dense over dp4, one expert per rank) -> ep2 (ZeRO:
+                           # experts over their edp2 pairs) -> tp2.ep2 -> pp2.ep2
+                           dict(layout=(1, 1, None), ep=4, shard=True, path=ck("C-ep4-zero")),
+                           dict(layout=(1, 1, None), ep=2, shard=True, path=ck("C-ep2-zero"),
+                                from_=ck("C-ep4-zero")),
+                           dict(layout=(2, 1, None), ep=2, shard=False, path=ck("C-tp2ep2"), from_=ck("C-ep2-zero")),
                            dict(layout=(1, 2, None), ep=2, shard=False, path=ck("C-pp2ep2"),
                                 from_=ck("C-tp2ep2"))]),
     }

@@ -462,7 +462,7 @@ def load_checkpoint(path, chunks, optimizer=None) -> dict:
     agree(error, what="load_checkpoint")
     if optimizer is not None:
         for param in stepped:
-            optimizer.local.mark_master_loaded(param)
+            optimizer.mark_master_loaded(param)
         optimizer.set_hyperparameters(record["optimizer"]["param_groups"])
     return {"step": record["step"], "extra": pickle.loads(planner.bytes["extra"])}
 

@@ -22,7 +22,10 @@ Sharding (``shard_over_dp=True``): ``ZeroRedundancyOptimizer`` over the data-par
 :class:`MasterAdamW` as its local optimizer. Each parameter's state (master copy, moments, step) lives on one
 data-parallel rank, chosen by ZeRO's size-balancing partition, so per-rank optimizer memory falls as 1/dp; after
 each step the owner broadcasts the updated (rounded) parameter to its replicas. The math per parameter is
-unchanged, so sharded and unsharded runs give the same bits.
+unchanged, so sharded and unsharded runs give the same bits. Under expert parallelism (``ep > 1``) the
+data-parallel ranks hold different experts, so routed experts' state is partitioned by a second
+``ZeroRedundancyOptimizer`` over the expert-data-parallel group (the ranks holding the same experts; none when
+that group is one rank), with the hyperparameters of the user-facing groups copied into it at every step.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import inspect
 import torch
 
 from ..model.decoder import as_chunks
+from ..model.placement import placement_of
 from ..parallel.errors import run_local
 from ..parallel.grads import clear_grad, grad_of, uses_main_grad
 from ..parallel.state import dims_of, require_initialized
@@ -130,6 +134,21 @@ class MasterAdamW(torch.optim.AdamW):
 HYPER = ("lr", "betas", "eps", "weight_decay")
 
 
+def _copy_hyperparameters(source: list[dict], target: list[dict]) -> None:
+    """``HYPER`` of each ``source`` group into the ``target`` group of the same ``"name"`` (others untouched)."""
+    by_name = {g["name"]: g for g in source}
+    for group in target:
+        saved = by_name.get(group["name"])
+        if saved is not None:
+            for k in HYPER:
+                group[k] = tuple(saved[k]) if k == "betas" else saved[k]
+
+
+def _local_of(opt) -> "MasterAdamW":
+    """The MasterAdamW holding this rank's state: ``opt`` itself, or a ZeroRedundancyOptimizer's local one."""
+    return opt if isinstance(opt, MasterAdamW) else opt.optim
+
+
 class ParallelAdamW:
     """What :func:`build_optimizer` returns: AdamW over this rank's parameters (see the module docstring).
 
@@ -162,16 +181,35 @@ class ParallelAdamW:
                 (skip if next(iter(verdicts.values())) else decay).append(p)
             return decay, skip
         decay, skip = run_local(split, what="build_optimizer")
-        groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
-                  {"params": skip, "weight_decay": 0.0, "name": "no_decay"}]
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        if self.shard_over_dp:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-            self._opt = ZeroRedundancyOptimizer(groups, optimizer_class=MasterAdamW, process_group=self.dims.dp_group,
-                                                parameters_as_bucket_view=False, **defaults)
-            self.local: MasterAdamW = self._opt.optim
-        else:
-            self._opt = self.local = MasterAdamW(groups, **defaults)
+
+        def groups_of(params_of):
+            return [{"params": params_of(decay), "weight_decay": weight_decay, "name": "decay"},
+                    {"params": params_of(skip), "weight_decay": 0.0, "name": "no_decay"}]
+        # ZeRO partitions a parameter list that every rank of its group holds alike. Under expert parallelism the
+        # data-parallel ranks hold different experts: routed experts are partitioned over the expert-data-parallel
+        # group (the ranks holding the same experts), everything else over the data-parallel group.
+        split_experts = self.shard_over_dp and self.dims.ep > 1
+        is_expert = (lambda p: placement_of(p).expert is not None) if split_experts else (lambda p: False)
+        groups = groups_of(lambda ps: [p for p in ps if not is_expert(p)])
+        self._opt = self._build(groups, self.dims.dp_group if self.shard_over_dp else None, defaults)
+        self._others = []      # more optimizers, following self._opt's hyperparameters (see step)
+        if split_experts:
+            expert_groups = [g for g in groups_of(lambda ps: [p for p in ps if is_expert(p)]) if g["params"]]
+            if expert_groups:
+                self._others.append(self._build(expert_groups, self.dims.edp_group if self.dims.edp > 1 else None,
+                                                defaults))
+        self._locals: list[MasterAdamW] = [_local_of(o) for o in (self._opt, *self._others)]
+        self.local: MasterAdamW = self._locals[0]
+
+    @staticmethod
+    def _build(groups, process_group, defaults):
+        """MasterAdamW over ``groups``; with ``process_group``, sharded over it by ZeroRedundancyOptimizer."""
+        if process_group is None:
+            return MasterAdamW(groups, **defaults)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        return ZeroRedundancyOptimizer(groups, optimizer_class=MasterAdamW, process_group=process_group,
+                                       parameters_as_bucket_view=False, **defaults)
 
     # -- torch.optim-like surface ----------------------------------------------------------------------
     @property
@@ -186,7 +224,11 @@ class ParallelAdamW:
         """One AdamW step of every parameter with a gradient (``grad_of``). Call after
         ``parallm.finalize_grads``. With ``shard_over_dp`` it is collective over the data-parallel group."""
         dims_of(self.chunks)
+        for other in self._others:      # the experts' optimizer takes the user-facing groups' hyperparameters
+            _copy_hyperparameters(self._opt.param_groups, other.param_groups)
         self._opt.step()
+        for other in self._others:
+            other.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``param.grad`` (None, or zeros with ``set_to_none=False``) and zero ``param.main_grad`` in place
@@ -197,13 +239,21 @@ class ParallelAdamW:
     # -- state ---------------------------------------------------------------------------------------------
     def owned(self):
         """``(param, state)`` for every parameter whose optimizer state lives on this rank (all of them, or
-        this data-parallel rank's ZeRO partition)."""
-        for group in self.local.param_groups:
-            for p in group["params"]:
-                yield p, self.local.state[p]
+        this data-parallel rank's ZeRO partition; under expert parallelism the experts' partition is over the
+        expert-data-parallel group)."""
+        for local in self._locals:
+            for group in local.param_groups:
+                for p in group["params"]:
+                    yield p, local.state[p]
 
     def sync_masters(self) -> None:
-        self.local.sync_masters()
+        for local in self._locals:
+            local.sync_masters()
+
+    def mark_master_loaded(self, p) -> None:
+        """``p``'s master copy was filled from a checkpoint: do not take it from the parameter."""
+        for local in self._locals:
+            local.mark_master_loaded(p)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held on this rank (master copies, moments, step counters)."""
@@ -215,12 +265,7 @@ class ParallelAdamW:
                 for g in self.param_groups]
 
     def set_hyperparameters(self, groups: list[dict]) -> None:
-        by_name = {g["name"]: g for g in groups}
-        for group in self.param_groups:
-            saved = by_name.get(group["name"])
-            if saved is not None:
-                for k in HYPER:
-                    group[k] = tuple(saved[k]) if k == "betas" else saved[k]
+        _copy_hyperparameters(groups, self.param_groups)
 
     def state_dict(self) -> dict:
         """This rank's optimizer state, for a resume at the same layout (tensors by reference, as torch's
@@ -254,7 +299,7 @@ class ParallelAdamW:
                     raise ValueError(f"optimizer state {name}.{k}: expected shape {tuple(t.shape)}, got "
                                      f"{None if src is None else tuple(src.shape)}")
                 t.copy_(src)
-            self.local.mark_master_loaded(p)
+            self.mark_master_loaded(p)
         self.set_hyperparameters(state_dict["param_groups"])
 
 
@@ -272,9 +317,5 @@ def build_optimizer(chunks, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
         raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
     if not callable(no_decay):
         raise TypeError("no_decay must be callable: no_decay(hf_name, param) -> bool")
-    dims = dims_of(as_chunks(chunks))
-    if shard_over_dp and dims.ep > 1 and as_chunks(chunks)[0].spec.moe is not None:
-        raise ValueError(f"shard_over_dp=True with expert parallelism (ep={dims.ep}) is not supported yet: "
-                         "data-parallel ranks hold different experts, which ZeroRedundancyOptimizer cannot shard")
     return ParallelAdamW(chunks, lr=float(lr), betas=tuple(float(b) for b in betas), eps=float(eps),
                          weight_decay=float(weight_decay), shard_over_dp=shard_over_dp, no_decay=no_decay)
