@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU smoke (scripts/gpu_smoke.py): logits, log-probs, export, an AdamW step, a training checkpoint and MoE
-# against transformers on CUDA + NCCL. Uses every visible GPU (1, 2 or 4). Extra arguments go to the script.
+# (logits, then ZeRO and a training checkpoint at ep = world) against transformers on CUDA + NCCL. Uses every
+# visible GPU (1, 2 or 4). Extra arguments go to the script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
