@@ -142,6 +142,7 @@ def train(parallm, chunks, opt, batches_, dims):
 
 def rank_adamw(rank, world, cases):
     import parallm
+    from parallm.model.placement import placement_of
     from parallm.parallel.state import dims_of
     out = []
     for case in cases:
@@ -151,7 +152,6 @@ def rank_adamw(rank, world, cases):
         opt = parallm.build_optimizer(chunks, lr=1.0, eps=EPS, weight_decay=WD, shard_over_dp=case["shard"])
         parallm.load_hf_weights(chunks, case["ckpt"])   # after build_optimizer: masters follow the weights
         train(parallm, chunks, opt, case["batches"], dims)
-        from parallm.model.placement import placement_of
         expert_bytes = sum(t.numel() * t.element_size() for p, st in opt.owned() if placement_of(p).expert is not None
                            for t in st.values() if torch.is_tensor(t))
         out.append(dict(state=parallm.save_hf_weights(chunks), state_bytes=opt.state_bytes(), dp=dims.dp,

@@ -144,6 +144,15 @@ def _copy_hyperparameters(source: list[dict], target: list[dict]) -> None:
                 group[k] = tuple(saved[k]) if k == "betas" else saved[k]
 
 
+def _build(groups, process_group, defaults):
+    """MasterAdamW over ``groups``; with ``process_group``, sharded over it by ZeroRedundancyOptimizer."""
+    if process_group is None:
+        return MasterAdamW(groups, **defaults)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    return ZeroRedundancyOptimizer(groups, optimizer_class=MasterAdamW, process_group=process_group,
+                                   parameters_as_bucket_view=False, **defaults)
+
+
 def _local_of(opt) -> "MasterAdamW":
     """The MasterAdamW holding this rank's state: ``opt`` itself, or a ZeroRedundancyOptimizer's local one."""
     return opt if isinstance(opt, MasterAdamW) else opt.optim
@@ -183,33 +192,20 @@ class ParallelAdamW:
         decay, skip = run_local(split, what="build_optimizer")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
 
-        def groups_of(params_of):
-            return [{"params": params_of(decay), "weight_decay": weight_decay, "name": "decay"},
-                    {"params": params_of(skip), "weight_decay": 0.0, "name": "no_decay"}]
+        def groups(keep):
+            return [{"params": [p for p in decay if keep(p)], "weight_decay": weight_decay, "name": "decay"},
+                    {"params": [p for p in skip if keep(p)], "weight_decay": 0.0, "name": "no_decay"}]
         # ZeRO partitions a parameter list that every rank of its group holds alike. Under expert parallelism the
         # data-parallel ranks hold different experts: routed experts are partitioned over the expert-data-parallel
         # group (the ranks holding the same experts), everything else over the data-parallel group.
-        split_experts = self.shard_over_dp and self.dims.ep > 1
-        is_expert = (lambda p: placement_of(p).expert is not None) if split_experts else (lambda p: False)
-        groups = groups_of(lambda ps: [p for p in ps if not is_expert(p)])
-        self._opt = self._build(groups, self.dims.dp_group if self.shard_over_dp else None, defaults)
-        self._others = []      # more optimizers, following self._opt's hyperparameters (see step)
-        if split_experts:
-            expert_groups = [g for g in groups_of(lambda ps: [p for p in ps if is_expert(p)]) if g["params"]]
-            if expert_groups:
-                self._others.append(self._build(expert_groups, self.dims.edp_group if self.dims.edp > 1 else None,
-                                                defaults))
-        self._locals: list[MasterAdamW] = [_local_of(o) for o in (self._opt, *self._others)]
-        self.local: MasterAdamW = self._locals[0]
-
-    @staticmethod
-    def _build(groups, process_group, defaults):
-        """MasterAdamW over ``groups``; with ``process_group``, sharded over it by ZeroRedundancyOptimizer."""
-        if process_group is None:
-            return MasterAdamW(groups, **defaults)
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        return ZeroRedundancyOptimizer(groups, optimizer_class=MasterAdamW, process_group=process_group,
-                                       parameters_as_bucket_view=False, **defaults)
+        by_expert = self.shard_over_dp and self.dims.ep > 1
+        expert = lambda p: by_expert and placement_of(p).expert is not None  # noqa: E731
+        self._opt = _build(groups(lambda p: not expert(p)), self.dims.dp_group if self.shard_over_dp else None,
+                           defaults)
+        expert_groups = [g for g in groups(expert) if g["params"]]   # its hyperparameters follow self._opt's
+        self._expert_opt = None if not expert_groups else _build(
+            expert_groups, self.dims.edp_group if self.dims.edp > 1 else None, defaults)
+        self._locals: list[MasterAdamW] = [_local_of(o) for o in (self._opt, self._expert_opt) if o is not None]
 
     # -- torch.optim-like surface ----------------------------------------------------------------------
     @property
@@ -224,11 +220,11 @@ class ParallelAdamW:
         """One AdamW step of every parameter with a gradient (``grad_of``). Call after
         ``parallm.finalize_grads``. With ``shard_over_dp`` it is collective over the data-parallel group."""
         dims_of(self.chunks)
-        for other in self._others:      # the experts' optimizer takes the user-facing groups' hyperparameters
-            _copy_hyperparameters(self._opt.param_groups, other.param_groups)
+        if self._expert_opt is not None:      # the experts take the user-facing groups' hyperparameters
+            _copy_hyperparameters(self._opt.param_groups, self._expert_opt.param_groups)
         self._opt.step()
-        for other in self._others:
-            other.step()
+        if self._expert_opt is not None:
+            self._expert_opt.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``param.grad`` (None, or zeros with ``set_to_none=False``) and zero ``param.main_grad`` in place
