@@ -186,16 +186,22 @@ def fresh_pages_on_free() -> None:
 
 
 def warm_vm_memory(nbytes: int) -> None:
-    """Write and free ``nbytes`` of fresh memory (returned to the kernel at once: ``fresh_pages_on_free``), so
-    that the VM's host backs it when the next case allocates: see the module docstring."""
+    """Write and free ``nbytes`` of fresh memory (a buffer this large is a mapping of its own, returned to the
+    kernel when freed), so that the VM's host backs it when the next case allocates: see the module docstring."""
     import torch
     buf = torch.empty(nbytes, dtype=torch.uint8)
     buf.fill_(1)
     del buf
 
 
-def _param_bytes(chunks) -> int:
-    return sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
+def warm_bytes(ckpt) -> int:
+    """What :func:`warm_vm_memory` writes, the same for both dtypes: 1.25x this rank's fp32 model bytes."""
+    import torch
+    import parallm
+    probe = parallm.build_model(ckpt, dtype=torch.float32)
+    nbytes = sum(p.numel() * p.element_size() for c in probe for p in c.parameters()) * 5 // 4
+    _free(probe, "size probe")
+    return nbytes
 
 
 def _touch(chunks) -> None:
@@ -217,10 +223,7 @@ def rank_dtype(rank, world, ckpt, reps):
     kinds = ("fresh", "warm", "touched", "floor", "floor-warm")
     dtypes = (("bf16", torch.bfloat16), ("fp32", torch.float32))
     times = {f"{name}/{kind}{what}": [] for name, _ in dtypes for kind in kinds for what in ("", "/faults")}
-    probe = parallm.build_model(ckpt, dtype=torch.float32)
-    warm_bytes = _param_bytes(probe) * 5 // 4        # the same for both dtypes
-    _free(probe, "size probe")
-    del probe
+    nbytes = warm_bytes(ckpt)
 
     def record(i, key, t, faults):
         if i:
@@ -231,7 +234,7 @@ def rank_dtype(rank, world, ckpt, reps):
         for kind in ("fresh", "warm", "touched"):
             for name, dtype in dtypes:
                 if kind == "warm":
-                    warm_vm_memory(warm_bytes)
+                    warm_vm_memory(nbytes)
                 chunks = parallm.build_model(ckpt, dtype=dtype)
                 if kind == "touched":      # the parameters' pages exist before the clock starts
                     _touch(chunks)
@@ -247,7 +250,7 @@ def rank_dtype(rank, world, ckpt, reps):
         for kind in ("floor", "floor-warm"):
             for name, dtype in dtypes:
                 if kind == "floor-warm":
-                    warm_vm_memory(warm_bytes)
+                    warm_vm_memory(nbytes)
                 faults = _minflt()
                 t, copies = _timed(lambda dtype=dtype, src=params: [torch.empty(p.shape, dtype=dtype).copy_(p)
                                                                     for p in src])
@@ -282,12 +285,8 @@ def rank_first_load(rank, world, ckpt, dtype_name, warm):
 
     import parallm
     parallm.init_parallel(tp=2, pp=2)
-    if warm:                  # (a buffer this large is its own mapping: freeing it returns it to the kernel)
-        probe = parallm.build_model(ckpt, dtype=torch.float32)
-        nbytes = _param_bytes(probe) * 5 // 4
-        _free(probe, "size probe")
-        del probe
-        warm_vm_memory(nbytes)
+    if warm:
+        warm_vm_memory(warm_bytes(ckpt))
     chunks = parallm.build_model(ckpt, dtype=getattr(torch, dtype_name))
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t, _ = _timed(lambda: parallm.load_hf_weights(chunks, ckpt, mode="slice"))
