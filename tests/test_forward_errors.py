@@ -48,6 +48,32 @@ def rank_bad_batch(rank, world, ckpt, vocab, ref):
         out["attn"] = str(e)
     out["attn_auto"] = [parallm.build_model(ckpt).pop().attn_impl,
                         parallm.build_model(ckpt, packed=True).pop().attn_impl]
+    # float16 parameters are refused for training (no loss scaling), on every rank; forward still runs
+    import torch
+    f16 = parallm.build_model(ckpt, dtype=torch.float16)
+    parallm.load_hf_weights(f16, ckpt)
+    out["fp16_forward"] = bool(torch.isfinite(parallm.forward(f16, ids, mask)).all())
+    try:
+        parallm.forward_backward(f16, ids, mask, loss_fn=lambda o, i, m: o.sum())
+        out["fp16_train"] = None
+    except ValueError as e:
+        out["fp16_train"] = str(e)
+    # last: a loss_fn that raises on one last-stage rank mid-pipeline ends every rank (the raising rank aborts the
+    # process groups, so its pipeline peers, blocked in an exchange with it, fail at once instead of waiting)
+    parallm.init_parallel(tp=2, pp=2)
+    chunks = parallm.build_model(ckpt)
+    parallm.load_hf_weights(chunks, ckpt)
+
+    def loss_fn(o, i, m):
+        if rank == 3:
+            raise ArithmeticError("a loss_fn bug on rank 3")
+        return o.sum()
+    t = time.monotonic()
+    try:
+        parallm.forward_backward(chunks, ids, mask, loss_fn=loss_fn, num_microbatches=2)
+        out["midway"] = None
+    except Exception as e:  # noqa: BLE001
+        out["midway"] = (type(e).__name__, str(e), time.monotonic() - t)
     return out
 
 
@@ -72,4 +98,11 @@ def test_bad_batch_on_one_rank_fails_everywhere(tmp_path):
                 "now: tp=4 x pp=1 x dp=1" in r[name], (name, r[name])
         assert r["attn"] is not None and "packed kernel" in r["attn"] and "'sdpa'" in r["attn"], r["attn"]
         assert r["attn_auto"] == ["sdpa", "sdpa-loop"]  # CPU: flash-attn cannot run
+        assert r["fp16_forward"] and r["fp16_train"] is not None and "loss scaling" in r["fp16_train"], r
+        etype, msg, elapsed = r["midway"]
+        assert elapsed < 60, r["midway"]
+        if rank == 3:
+            assert etype == "ArithmeticError" and "rank 3" in msg, r["midway"]
+        else:                   # the pipeline peers lose contact; the rest learn at their next collective
+            assert etype in ("ParallelError", "RuntimeError", "DistBackendError"), r["midway"]
     print(f"\nforward after the errors: max |parallm - transformers| {max(r['after'] for r in res):.2e}")

@@ -32,12 +32,15 @@ CHUNK = 5           # tokens per head chunk: several chunks per microbatch
 # -- pure: schedules -------------------------------------------------------------------------------------------
 
 def test_schedules_complete_and_bound_live_microbatches():
-    from parallm.parallel.pipeline import megatron_warmup, schedule, simulate
-    for pp in range(1, 6):
-        for vpp in range(1, 4):
+    """Every microbatch count, multiples of pp or not, completes with at most warm-up + 1 live forwards, the
+    warm-up being Megatron's when pp divides the count and (vpp - 1) * (largest group - pp) longer otherwise
+    (docs/pipeline.md states the bound); the warm-up formula is checked independently of the code's."""
+    from parallm.parallel.pipeline import exchange_plan, warmup_steps, schedule, simulate
+    for pp in range(1, 9):
+        for vpp in range(1, 5):
             if pp == 1 and vpp > 1:
                 continue
-            for m in range(1, 13):
+            for m in range(1, 3 * pp + 2):
                 steps = [schedule(pp, p, vpp, m, backward=True) for p in range(pp)]
                 for p in range(pp):   # every (microbatch, chunk) forward once, then backward once
                     fwd = [s[1:] for s in steps[p] if s[0] == "F"]
@@ -50,8 +53,20 @@ def test_schedules_complete_and_bound_live_microbatches():
                 assert not stuck, (pp, vpp, m, stuck)
                 if vpp == 1:      # 1F1B: at most pp - p microbatches alive on rank p
                     assert all(peak[p] <= min(m, pp - p) for p in range(pp)), (pp, m, peak)
-                elif m % pp == 0:  # Megatron's interleaved bound (warm-up + 1 virtual microbatches)
-                    assert all(peak[p] <= megatron_warmup(pp, p, vpp, m) + 1 for p in range(pp)), (pp, vpp, m)
+                else:             # warm-up + 1 virtual microbatches (Megatron's bound when pp divides m)
+                    assert all(peak[p] <= warmup_steps(pp, p, vpp, m) + 1 for p in range(pp)), (pp, vpp, m)
+                    largest = pp + -(-(m % pp) // (m // pp)) if m >= pp else m
+                    bound = [min(2 * (pp - p - 1) + (vpp - 1) * largest, m * vpp) for p in range(pp)]
+                    assert [warmup_steps(pp, p, vpp, m) for p in range(pp)] == bound, (pp, vpp, m)
+                    if m % pp == 0:
+                        assert bound == [min(2 * (pp - p - 1) + (vpp - 1) * pp, m * vpp) for p in range(pp)]  # Megatron's
+                if pp > 1:        # each round's messages are matched within the round, one per link
+                    rounds = exchange_plan(pp, vpp, m, backward=True)
+                    sends = sorted((p, peer, name) for p in range(pp) for ops, _ in rounds[p]
+                                   for op, peer, name in ops if op == "send")
+                    recvs = sorted((peer, p, name) for p in range(pp) for ops, _ in rounds[p]
+                                   for op, peer, name in ops if op == "recv")
+                    assert sends == recvs and len(sends) == len(set(sends)), (pp, vpp, m)
     # pp == 1: each microbatch's forward, then its backward
     assert schedule(1, 0, 1, 3, backward=True) == [("F", 0, 0), ("B", 0, 0), ("F", 1, 0), ("B", 1, 0),
                                                    ("F", 2, 0), ("B", 2, 0)]
@@ -171,8 +186,8 @@ class SavedBytes:
 
 
 class SentBytes:
-    """Bytes of tensors handed to ``torch.distributed.isend`` and still referenced (in-flight send buffers the
-    pipeline keeps alive), and their peak."""
+    """Bytes of tensors the pipeline hands to its transport as sends and still referenced (in-flight send buffers
+    the pipeline keeps alive), and their peak."""
 
     def __init__(self):
         self.live = self.peak = 0
@@ -181,21 +196,23 @@ class SentBytes:
         self.live -= n
 
     def measure(self, fn):
-        import torch.distributed as dist
-        real = dist.isend
+        from parallm.parallel.pipeline import DistTransport
+        real = DistTransport.post
         self.live = self.peak = 0
 
-        def isend(tensor, *args, **kwargs):
-            n = tensor.numel() * tensor.element_size()
-            self.live += n
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(tensor, self._free, n)
-            return real(tensor, *args, **kwargs)
-        dist.isend = isend
+        def post(transport, ops):
+            for is_send, tensor, _ in ops:
+                if is_send:
+                    n = tensor.numel() * tensor.element_size()
+                    self.live += n
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(tensor, self._free, n)
+            return real(transport, ops)
+        DistTransport.post = post
         try:
             fn()
         finally:
-            dist.isend = real
+            DistTransport.post = real
         return self.peak
 
 

@@ -232,6 +232,10 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
             raise ValueError(f"batch size {b} does not split into num_microbatches={num_microbatches}")
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable: loss_fn(output, input_ids, attention_mask) -> scalar")
+        if chunks[0].config.params_dtype == torch.float16:
+            raise ValueError("forward_backward: float16 parameters need loss scaling, which parallm does not do "
+                             "(small fp16 gradients underflow to zero); train in bfloat16 (same memory, fp32 "
+                             "main_grad) or float32. float16 models can still run forward")
         return batch, request
     (input_ids, attention_mask, position_ids), request = run_local(check, what="forward_backward")
     if request is not None:   # the head's weight gradient goes straight into its existing gradient buffer

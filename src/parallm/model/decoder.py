@@ -296,6 +296,19 @@ class DecoderChunk(nn.Module):
     def forward(self, input_ids, position_ids, attention_mask):
         return self.compute(input_ids, position_ids, attention_mask)
 
+    def boundary_shapes(self, batches) -> list[tuple[int, int, int]]:
+        """The shape of the activation (and of its gradient) that crosses a pipeline-stage boundary for each
+        ``(input_ids, attention_mask)`` of ``batches``: ``[S, B, H]`` padded; ``[T, 1, H]`` packed, ``T`` the
+        real tokens rounded up as :func:`make_packing` rounds them, divided by tp under sequence parallelism. Every
+        rank of a pipeline computes it from the batch it holds; one host sync for all of them when packed."""
+        h = self.spec.hidden_size
+        if not self.packed:
+            return [(ids.shape[1], ids.shape[0], h) for ids, _ in batches]
+        tp = self.config.tensor_model_parallel_size
+        multiple = tp if self.sequence_parallel else 1
+        counts = torch.stack([mask.bool().sum() for _, mask in batches]).tolist() if batches else []
+        return [(-(-max(n, 1) // multiple), 1, h) for n in counts]     # total / tp: ceil(n / multiple)
+
     def _no_grad_at_pad_tokens(self, x, ids):
         """transformers builds the embedding with ``padding_idx=config.pad_token_id``: positions holding that token
         send no gradient into the embedding (a tied head still trains that row). Same here: those positions of the
@@ -326,7 +339,8 @@ def as_chunks(chunks) -> list:
 
 
 def make_config(*, tp: int, pp: int, vpp: int | None, dtype: torch.dtype, sequence_parallel: bool):
-    on_gpu = torch.cuda.is_available() and torch.distributed.get_backend() == "nccl"
+    from ..parallel.state import group_device
+    on_gpu = group_device().type == "cuda"
     return ModelParallelConfig(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,

@@ -16,8 +16,10 @@ Data flow of one MoE layer on one rank (N local tokens; under sequence paralleli
                         TP without SP: tokens and w enter as replicas (backward: all-reduce, as a column-parallel
                         linear's input); then every TP rank holds the same T tokens and choices
     slots (token, choice) sorted by expert -> all-to-all over the expert-parallel group (parallel/experts.py)
-    -> each local expert computes its TP shard of the FFN on its rows -> all-to-all back -> weighted sum over
-    the k choices -> out of the TP region: reduce-scatter (SP) / all-reduce (TP), summing the TP partial sums.
+    -> each local expert computes its TP shard of the FFN on its rows -> all-to-all back -> slots unsorted by the
+    inverse permutation, viewed [N, k, H], weighted and summed over the k choices (no atomic adds: the same bits
+    on every run on any device) -> out of the TP region: reduce-scatter (SP) / all-reduce (TP), summing the TP
+    partial sums.
 
 The weights are applied before the TP reduction, so their gradient on each TP rank is partial; the way in
 (reduce-scatter / all-reduce in backward) sums it, and the router's gradient is complete for the tokens it saw.
@@ -225,14 +227,17 @@ class MoEBlock(nn.Module):
         h_all, w_all, c_all = self._into_tp_region(h, weights, choices)
         n, k = c_all.shape
         flat = c_all.reshape(-1)
-        order = torch.argsort(flat, stable=True)                        # slots sorted by expert
-        token = torch.div(order, k, rounding_mode="floor")              # the token of each sorted slot
+        order = torch.argsort(flat, stable=True)                        # slots (token-major) sorted by expert
         counts = torch.bincount(flat, minlength=self.num_experts)
-        rows, plan = dispatch(h_all.index_select(0, token), counts, ep=self.ep, group=self.ep_group)
+        # Deterministic on every device: only permutations move rows (a gather by a permutation, and its
+        # backward, touch each row once), and the k choices of a token are summed by a reduction, not by
+        # index_add / scatter-add, whose colliding atomic adds on CUDA vary in order from run to run.
+        slots = h_all.unsqueeze(1).expand(n, k, self.hidden).reshape(n * k, self.hidden)
+        rows, plan = dispatch(slots.index_select(0, order), counts, ep=self.ep, group=self.ep_group)
         rows = combine(self.experts(rows, plan.local_counts), plan)     # back in sorted-slot order
-        weights = w_all.reshape(-1).index_select(0, order).to(rows.dtype).unsqueeze(-1)
-        # each token's outputs added in increasing expert order (transformers' order too)
-        out = rows.new_zeros((n, self.hidden)).index_add(0, token, rows * weights)
+        unsort = torch.empty_like(order).scatter_(0, order, torch.arange(n * k, device=order.device))
+        rows = rows.index_select(0, unsort).view(n, k, self.hidden)     # slot order: [token, choice]
+        out = (rows * w_all.to(rows.dtype).unsqueeze(-1)).sum(dim=1)
         out = self._out_of_tp_region(out).view(shape)
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(x)

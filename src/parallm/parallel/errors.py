@@ -2,8 +2,9 @@
 
 Code that may fail on some ranks only (reading files, validating a state dict that only rank 0 holds) runs
 *before* the collectives that depend on it, then every rank calls :func:`agree`: it exchanges a status and
-raises the same exception type, naming the failing rank(s), everywhere. Process-group timeouts stay the last
-resort for a rank that died.
+raises the same exception type, naming the failing rank(s), everywhere. The exchange runs on gloo (a side group
+when the world group is NCCL), whose collectives raise when a peer dies or the timeout passes; NCCL would wait
+for its watchdog instead. Process-group timeouts stay the last resort for a rank that died.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import torch.distributed as dist
 from ..errors import PORTABLE_ERRORS, ParallelError
 
 
-def _flag_device():
-    if dist.get_backend() == "nccl":
-        import torch
-        return torch.device("cuda", torch.cuda.current_device())
-    return "cpu"
+def _agreement_group(group):
+    """Agreement runs on gloo (CPU tensors): the caller's group, or the world's gloo control group
+    (:func:`parallm.parallel.state.control_group`, the world group itself when that is gloo already)."""
+    if group is not None:
+        return group
+    from .state import control_group
+    return control_group()
 
 
 def abort_process_groups() -> None:
@@ -72,8 +75,9 @@ def exchange_rows(row, *, what: str, group=None, error: BaseException | None = N
     ``[world, len(row)]`` (on CPU). One all-gather. A lost peer becomes a :class:`ParallelError` after the
     process groups are aborted (``error``, this rank's own failure, is raised instead when given)."""
     import torch
+    group = _agreement_group(group)
     world = dist.get_world_size(group)
-    mine = torch.tensor(list(row), dtype=torch.long, device=_flag_device())
+    mine = torch.tensor(list(row), dtype=torch.long)
     out = [torch.empty_like(mine) for _ in range(world)]
     try:
         dist.all_gather(out, mine, group=group)
@@ -85,6 +89,7 @@ def exchange_rows(row, *, what: str, group=None, error: BaseException | None = N
 def gather_objects(obj, *, what: str, group=None, error: BaseException | None = None, abort: bool = True) -> list:
     """``all_gather_object`` with :func:`exchange_rows`' handling of a lost peer (``abort``: see
     :func:`lost_peer_error`)."""
+    group = _agreement_group(group)
     out = [None] * dist.get_world_size(group)
     try:
         dist.all_gather_object(out, obj, group=group)
@@ -129,8 +134,9 @@ def agree(error: BaseException | None, *, what: str, group=None) -> None:
             raise error
         return
     import torch
+    group = _agreement_group(group)
     try:
-        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=_flag_device())
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if flag.item() == 0:
             return

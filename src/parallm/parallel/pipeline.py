@@ -1,4 +1,4 @@
-"""The pipeline engine: 1F1B schedules (interleaved with virtual stages) over point-to-point sends.
+"""The pipeline engine: 1F1B schedules (interleaved with virtual stages) over batched point-to-point exchanges.
 
 Why not Megatron's schedules: they hard-code ``device="cuda"``; ``torch.distributed.pipelining`` infers
 inter-stage shapes once. This engine is small and explicit instead:
@@ -12,14 +12,24 @@ inter-stage shapes once. This engine is small and explicit instead:
   backward); with virtual stages: Megatron's interleaved 1F1B (same microbatch groups of ``pp``, same warm-up
   count). A rank therefore holds the activations of at most ``pp - p`` microbatches (1F1B), or
   ``2 (pp - p - 1) + (vpp - 1) pp + 1`` virtual-stage microbatches (interleaved), whatever ``num_microbatches``.
-* Messages: every activation / gradient is preceded by a header naming it (kind, microbatch, sending stage) and
-  its shape, so microbatches may differ in size (packed sequences, sequence parallel), and a receiver that gets
-  another message than the one it waits for (two kinds of message share the link when ``pp == 2`` with virtual
-  stages) keeps it until its turn: receives match by name, not by arrival order, on any backend.
-* Sends are non-blocking (``isend``) and receives block; with every rank's steps in the orders of
-  :func:`schedule` no rank can wait forever (checked for a grid of layouts by simulation in the tests).
-  A send's buffer is released once the schedules prove the receiver has it (a later message from that peer),
-  so buffers of in-flight sends do not pile up either.
+* Exchanges (:func:`exchange_plan`): the schedules of all ranks are played out together in rounds, identically
+  on every rank (a pure function of pp, vpp and the microbatch count). In each round every rank runs at most one
+  step, and a message produced in one round travels in the next: its send and its receive sit in the same round
+  of the two ranks. A rank posts each round's sends and receives together as one ``batch_isend_irecv`` (what
+  Megatron's ``send_forward_recv_backward`` does) and waits for it before computing. Why this cannot deadlock on
+  a transport that buffers nothing (NCCL: a send completes only once its receive is posted, a rank's operations
+  run in issue order): once every rank has finished its rounds before r, every rank posts round r, and round r's
+  operations are all matched within round r. Each link carries at most one message per round, so the order of
+  messages on a link is the same on both ends, as NCCL (which matches point-to-point operations by order, not
+  by name) requires.
+* No headers: a message's shape is that of its microbatch's stage-boundary activation, which every rank of the
+  pipeline computes from the batch it holds (:meth:`DecoderChunk.boundary_shape`), so microbatches may differ in
+  size (packed streams) without a shape exchange or a host sync per message. A sender checks its tensor against
+  that shape before posting.
+* A message may arrive before its step needs it (``pp == 2`` with virtual stages: both kinds share a link); it
+  waits in the inbox. An error inside the loop (a ``loss_fn`` that raises on the last stage, say) aborts the
+  process groups before it is raised, so the peers, blocked in an exchange with this rank, fail too instead of
+  waiting for the timeout (on gloo at once; on NCCL at the process-group timeout, see docs/pipeline.md).
 
 Not done here: overlapping communication with compute.
 """
@@ -38,24 +48,37 @@ _ACT, _GRAD = 0, 1
 
 # -- schedules (pure) -----------------------------------------------------------------------------------------
 
+def microbatch_groups(pp: int, num_microbatches: int) -> list[int]:
+    """Sizes of the groups of microbatches the interleaved schedule walks through the virtual chunks together:
+    ``pp`` each, as Megatron's schedule table, when ``pp`` divides the count; otherwise ``count // pp`` groups whose
+    sizes differ by at most one (fewer than ``pp`` microbatches: one group). Megatron refuses a last group smaller
+    than ``pp`` (it leaves ranks waiting on each other); spreading the remainder keeps the warm-up, and the memory
+    it holds, as close to Megatron's as a count allows."""
+    if num_microbatches <= pp:
+        return [num_microbatches]
+    q, r = divmod(num_microbatches, pp)
+    return [pp + r // q + (1 if i < r % q else 0) for i in range(q)]
+
+
 def _virtual_order(pp: int, vpp: int, num_microbatches: int) -> list[tuple[int, int]]:
-    """(microbatch, chunk) in the order every rank runs its forwards (Megatron's schedule table: microbatches
-    in groups of ``pp``, each group through chunk 0, then chunk 1, ...; the last group takes the rest)."""
-    order = []
-    start = 0
-    while start < num_microbatches:
-        stop = min(num_microbatches, start + pp)
-        order += [(m, v) for v in range(vpp) for m in range(start, stop)]
-        start = stop
+    """(microbatch, chunk) in the order every rank runs its forwards: each group of :func:`microbatch_groups`
+    through chunk 0, then chunk 1, ..."""
+    order, start = [], 0
+    for size in microbatch_groups(pp, num_microbatches):
+        order += [(m, v) for v in range(vpp) for m in range(start, start + size)]
+        start += size
     return order
 
 
-def megatron_warmup(pp: int, pp_rank: int, vpp: int, num_microbatches: int) -> int:
-    """Megatron's count of forward steps a rank runs before its first backward."""
+def warmup_steps(pp: int, pp_rank: int, vpp: int, num_microbatches: int) -> int:
+    """Forward steps a rank runs before its first backward: Megatron's ``pp - p - 1`` (1F1B) or
+    ``2 (pp - p - 1) + (vpp - 1) G`` (interleaved), ``G`` the largest microbatch group (``pp`` when ``pp`` divides
+    the count, as in Megatron). A backward of chunk ``vpp - 1 - v`` then always follows its forward, and at most
+    this many plus one virtual-stage microbatches are alive on the rank."""
     total = num_microbatches * vpp
     if vpp == 1:
         return min(pp - pp_rank - 1, total)
-    return min((pp - pp_rank - 1) * 2 + (vpp - 1) * pp, total)
+    return min((pp - pp_rank - 1) * 2 + (vpp - 1) * max(microbatch_groups(pp, num_microbatches)), total)
 
 
 def _steps(order, warm: int, vpp: int) -> list[tuple[str, int, int]]:
@@ -67,176 +90,160 @@ def _steps(order, warm: int, vpp: int) -> list[tuple[str, int, int]]:
     return steps + bwd[len(fwd) - warm:]
 
 
-def simulate(all_steps: list[list[tuple[str, int, int]]], pp: int, vpp: int):
-    """Run every rank's steps with non-blocking sends and blocking receives. Returns ``(stuck, peak)``:
-    the ranks blocked forever (empty when the schedules complete) and each rank's most live forwards."""
-    last = pp * vpp - 1
+def _step_io(pp: int, vpp: int, pp_rank: int, step):
+    """``(needs, makes)`` of one step: the message it consumes, from which pipeline rank, and the one it produces,
+    for which rank (each ``None`` or ``(name, peer)``, names ``(kind, microbatch, sending stage)``)."""
+    kind, m, v = step
+    k, last = v * pp + pp_rank, pp * vpp - 1
+    prev, nxt = (pp_rank - 1) % pp, (pp_rank + 1) % pp
+    if kind == "F":
+        return (((_ACT, m, k - 1), prev) if k > 0 else None,
+                ((_ACT, m, k), nxt) if k < last else None)
+    return (((_GRAD, m, k + 1), nxt) if k < last else None,
+            ((_GRAD, m, k), prev) if k > 0 else None)
+
+
+def play(all_steps: list[list[tuple[str, int, int]]], pp: int, vpp: int):
+    """Play every rank's steps out together, in rounds. In a round each rank first exchanges: it sends what its
+    previous round's step produced and receives what its peers send in this round; then it runs its next step if
+    that step's input has arrived. Returns ``(stuck, peak, rounds)``: the ranks whose steps never complete (empty
+    when the schedules complete), each rank's most live forwards, and each rank's rounds as
+    ``[(ops, step or None)]`` without the empty ones; ``ops`` lists ``("send" | "recv", peer, name)``."""
     pos, live, peak = [0] * pp, [0] * pp, [0] * pp
-    sent = set()
-    moved = True
-    while moved:
-        moved = False
+    arrived = [set() for _ in range(pp)]
+    outgoing = [None] * pp                   # (name, peer) produced in the previous round
+    rounds = [[] for _ in range(pp)]
+    while True:
+        ops = [[] for _ in range(pp)]
+        for p, out in enumerate(outgoing):
+            if out is not None:
+                name, peer = out
+                ops[p].append(("send", peer, name))
+                ops[peer].append(("recv", p, name))
+                arrived[peer].add(name)
+        outgoing = [None] * pp
+        ran = [None] * pp
         for p in range(pp):
-            while pos[p] < len(all_steps[p]):
-                kind, m, v = all_steps[p][pos[p]]
-                k = v * pp + p
-                need = (("A", m, k - 1) if k > 0 else None) if kind == "F" else \
-                    (("G", m, k + 1) if k < last else None)
-                if need is not None and need not in sent:
-                    break
-                if kind == "F":
-                    sent.add(("A", m, k))
-                    live[p] += 1
-                    peak[p] = max(peak[p], live[p])
-                else:
-                    sent.add(("G", m, k))
-                    live[p] -= 1
-                pos[p] += 1
-                moved = True
-    return [p for p in range(pp) if pos[p] < len(all_steps[p])], peak
+            if pos[p] == len(all_steps[p]):
+                continue
+            step = all_steps[p][pos[p]]
+            needs, makes = _step_io(pp, vpp, p, step)
+            if needs is not None and needs[0] not in arrived[p]:
+                continue
+            if needs is not None:
+                arrived[p].remove(needs[0])
+            live[p] += 1 if step[0] == "F" else -1
+            peak[p] = max(peak[p], live[p])
+            outgoing[p], ran[p] = makes, step
+            pos[p] += 1
+        if not any(ops) and not any(r is not None for r in ran):
+            break
+        for p in range(pp):
+            if ops[p] or ran[p] is not None:
+                rounds[p].append((tuple(ops[p]), ran[p]))
+    return [p for p in range(pp) if pos[p] < len(all_steps[p])], peak, rounds
+
+
+def simulate(all_steps: list[list[tuple[str, int, int]]], pp: int, vpp: int):
+    """``(stuck, peak)`` of :func:`play`."""
+    stuck, peak, _ = play(all_steps, pp, vpp)
+    return stuck, peak
 
 
 def schedule(pp: int, pp_rank: int, vpp: int, num_microbatches: int, *, backward: bool
              ) -> list[tuple[str, int, int]]:
-    """This rank's steps, in order: ``("F" | "B", microbatch, virtual chunk)``.
-
-    Megatron's interleaved schedule needs ``num_microbatches`` to be a multiple of ``pp``; for other counts the
-    same order with Megatron's warm-up would leave ranks waiting on each other, so the warm-up of the ranks that
-    would block is lengthened (found by simulating all ranks, identically on each) until every schedule
-    completes. All forwards first (GPipe) always completes, so this ends.
-    """
+    """This rank's steps, in order: ``("F" | "B", microbatch, virtual chunk)``: :func:`warmup_steps` forwards,
+    then one forward and one backward in turn, then the remaining backwards. Every microbatch count completes
+    with at most ``warmup_steps + 1`` live forwards per rank (checked by simulation for pp <= 8, vpp <= 4 in the
+    tests)."""
     order = _virtual_order(pp, vpp, num_microbatches)
     if not backward:
         return [("F", m, v) for m, v in order]
-    return _steps(order, warmups(pp, vpp, num_microbatches)[pp_rank], vpp)
+    return _steps(order, warmup_steps(pp, pp_rank, vpp, num_microbatches), vpp)
 
 
 @functools.lru_cache(maxsize=64)
-def warmups(pp: int, vpp: int, num_microbatches: int) -> tuple[int, ...]:
-    """Forward steps each pipeline rank runs before its first backward (Megatron's, lengthened where needed).
-    Cached: the search simulates every rank's schedule, possibly many times (seconds at pp 8 x vpp 4 with 100
-    microbatches), and a training loop asks for the same layout at every step, on each rank several times."""
-    order = _virtual_order(pp, vpp, num_microbatches)
-    warm = [megatron_warmup(pp, p, vpp, num_microbatches) for p in range(pp)]
-    while True:
-        stuck, _ = simulate([_steps(order, w, vpp) for w in warm], pp, vpp)
-        if not stuck:
-            return tuple(warm)
-        for p in stuck:
-            warm[p] = min(warm[p] + 1, len(order))
+def exchange_plan(pp: int, vpp: int, num_microbatches: int, *, backward: bool) -> tuple:
+    """Every pipeline rank's rounds (:func:`play`) for these schedules. Cached: a training loop asks for the same
+    layout at every step, and playing out pp 8 x vpp 4 with 100 microbatches takes a noticeable fraction of a
+    second."""
+    steps = [schedule(pp, p, vpp, num_microbatches, backward=backward) for p in range(pp)]
+    stuck, _, rounds = play(steps, pp, vpp)
+    if stuck:   # never, by schedule()'s construction; a bug if it happens
+        raise RuntimeError(f"pipeline schedules pp={pp} vpp={vpp} m={num_microbatches} do not complete: {stuck}")
+    return tuple(tuple(r) for r in rounds)
 
 
-# -- point-to-point -------------------------------------------------------------------------------------------
+# -- the exchange ---------------------------------------------------------------------------------------------
 
-class _Mailbox:
-    """Point-to-point neighbours in this rank's pipeline group (asked of the group, never computed), named
-    messages, and the sends still in flight.
+class DistTransport:
+    """Point-to-point over the pipeline process group: ``ranks`` are its members' global ranks in pipeline order
+    (asked of the group, never computed); :meth:`post` starts one batch of sends and receives together."""
 
-    A message is named ``(kind, microbatch, sending stage)``. Sent buffers must stay alive until the receiver has
-    them, but a gloo send does not report completion before it is waited on. The schedules say when that is
-    certain: a message from peer q produced at q's step j means q has run every step before j, so every send to q
-    consumed by one of those steps is complete; those are waited on (instantly) and dropped, which keeps the
-    buffers held by in-flight sends bounded like the activations.
-    """
+    def __init__(self, group):
+        self.group = group
+        self.ranks = dist.get_process_group_ranks(group)
+        _first_use(group)
 
-    def __init__(self, layout: ParallelDims, device, *, vpp: int, num_microbatches: int, backward: bool):
-        ranks = dist.get_process_group_ranks(layout.pp_group)
-        self.next = ranks[(layout.pp_rank + 1) % layout.pp]
-        self.prev = ranks[(layout.pp_rank - 1) % layout.pp]
-        self.device = device
-        self.pp, self.vpp = layout.pp, vpp
-        self.schedule_args = (num_microbatches, backward)
-        self.positions = {}  # pp rank -> {step: its index in that rank's schedule}
-        self.pending = []    # [consumer's step index, destination, works, tensors kept alive]
-        self.early = {}      # (src, name) -> tensor received before its turn
-
-    def _position(self, pp_rank: int, step) -> int:
-        if pp_rank not in self.positions:
-            m, backward = self.schedule_args
-            steps = schedule(self.pp, pp_rank, self.vpp, m, backward=backward)
-            self.positions[pp_rank] = {s: i for i, s in enumerate(steps)}
-        return self.positions[pp_rank][step]
-
-    def _step(self, kind: int, m: int, stage: int):
-        """(pp rank, step) of stage ``stage`` running microbatch ``m``: a forward for an activation, a backward
-        for a gradient."""
-        return stage % self.pp, ("F" if kind == _ACT else "B", m, stage // self.pp)
-
-    def send(self, tensor: torch.Tensor, dst: int, name: tuple[int, int, int]) -> None:
-        tensor = tensor.detach().contiguous()
-        if tensor.dim() != 3:
-            raise RuntimeError(f"pipeline tensors are [S, B, H]; got shape {tuple(tensor.shape)}")
-        kind, m, stage = name
-        consumer = self._position(*self._step(kind, m, stage + 1 if kind == _ACT else stage - 1))
-        header = torch.tensor([*name, *tensor.shape], dtype=torch.long, device=self.device)
-        self.pending.append([consumer, dst, [dist.isend(header, dst), dist.isend(tensor, dst)], (header, tensor)])
-
-    def recv(self, src: int, name: tuple[int, int, int], dtype) -> torch.Tensor:
-        if (src, name) in self.early:
-            return self.early.pop((src, name))
-        while True:
-            header = torch.empty(6, dtype=torch.long, device=self.device)
-            dist.recv(header, src)
-            values = header.tolist()
-            buf = torch.empty(values[3:], dtype=dtype, device=self.device)
-            dist.recv(buf, src)
-            got = tuple(values[:3])
-            self._settle(src, self._position(*self._step(*got)))
-            if got == name:
-                return buf
-            if (src, got) in self.early:
-                raise RuntimeError(f"pipeline: message {got} from rank {src} arrived twice")
-            self.early[(src, got)] = buf
-
-    def _settle(self, peer: int, produced_at: int) -> None:
-        """``peer`` has run its steps before ``produced_at``: the sends to it consumed by those are complete."""
-        keep = []
-        for entry in self.pending:
-            consumer, dst, works, _ = entry
-            if dst == peer and consumer < produced_at:
-                for work in works:
-                    work.wait()
-            else:
-                keep.append(entry)
-        self.pending = keep
-
-    def wait(self) -> None:
-        for _, _, works, _ in self.pending:
-            for work in works:
-                work.wait()
-        self.pending.clear()
-        if self.early:
-            raise RuntimeError(f"pipeline: unexpected messages left over: {sorted(self.early)}")
+    def post(self, ops: list[tuple[bool, torch.Tensor, int]]) -> list:
+        """``ops``: ``(is_send, tensor, global peer rank)``. Returns the works to wait on."""
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, t, peer, group=self.group)
+                                       for send, t, peer in ops])
 
 
-# -- the engine -----------------------------------------------------------------------------------------------
+_WARMED: dict = {}
 
-def run_pipeline(chunks, microbatches, *, last_stage_fn, backward: bool, compute_kwargs=None):
-    """Run every microbatch through this rank's chunks in the order of :func:`schedule`.
+
+def _first_use(group) -> None:
+    """NCCL wants every member in a group's first collective; a batch_isend_irecv involving a subset of the group
+    as its first use is undefined there. One all-reduce over the group, once per group, settles that."""
+    from .state import layout_generation
+    key = (id(group), layout_generation())
+    if key not in _WARMED:
+        from .state import group_device
+        flag = torch.zeros(1, device=group_device(group))
+        dist.all_reduce(flag, group=group)
+        _WARMED[key] = True
+
+
+def run_pipeline(chunks, microbatches, *, last_stage_fn, backward: bool, compute_kwargs=None, transport=None):
+    """Run every microbatch through this rank's chunks in the order of :func:`schedule`, exchanging activations
+    and gradients as :func:`exchange_plan` says.
 
     ``microbatches``: list of ``(input_ids, position_ids, attention_mask)``. ``last_stage_fn(chunk, out, mb_index)``
     turns the last stage's raw output into what is kept (a loss when ``backward``). ``compute_kwargs``: extra
-    keyword arguments of ``chunk.compute``. Returns the kept values in microbatch order on last-stage ranks, []
-    elsewhere. With ``backward``, each kept loss is back-propagated scaled by ``1 / len(microbatches)``, and only
-    detached copies are returned.
+    keyword arguments of ``chunk.compute``. ``transport``: what carries the messages (default
+    :class:`DistTransport` over the pipeline group; tests pass a stand-in). Returns the kept values in
+    microbatch order on last-stage ranks, [] elsewhere. With ``backward``, each kept loss is back-propagated
+    scaled by ``1 / len(microbatches)``, and only detached copies are returned.
     """
     layout = dims_of(chunks)
-    param = next(chunks[0].parameters())
-    box = _Mailbox(layout, param.device, vpp=len(chunks), num_microbatches=len(microbatches), backward=backward)
-    dtype = chunks[0].config.params_dtype
     pp, vpp = layout.pp, len(chunks)
     kwargs = compute_kwargs or {}
+    rounds = exchange_plan(pp, vpp, len(microbatches), backward=backward)[layout.pp_rank] if pp > 1 else \
+        [((), step) for step in schedule(1, 0, vpp, len(microbatches), backward=backward)]
+    if pp > 1 and transport is None:
+        transport = DistTransport(layout.pp_group)
+    param = next(chunks[0].parameters())
+    dtype, device = chunks[0].config.params_dtype, param.device
+    shapes = chunks[0].boundary_shapes([(ids, mask) for ids, _, mask in microbatches]) if pp > 1 else None
+    inbox, outbox = {}, {}       # name -> received tensor / tensor to send
     live = {}       # (m, v) -> (received input, output): the graphs still waiting for their backward
     kept = {}
     try:
-        for kind, m, v in schedule(pp, layout.pp_rank, vpp, len(microbatches), backward=backward):
+        for ops, step in rounds:
+            if ops:
+                _exchange(transport, ops, inbox, outbox, shapes, dtype, device)
+            if step is None:
+                continue
+            kind, m, v = step
             chunk = chunks[v]
             stage = v * pp + layout.pp_rank
             if kind == "F":
                 ids, pos, mask = microbatches[m]
                 inp = None
                 if not chunk.pre_process:
-                    inp = box.recv(box.prev, (_ACT, m, stage - 1), dtype)
+                    inp = inbox.pop((_ACT, m, stage - 1))
                     inp.requires_grad_(backward)
                 chunk.set_input_tensor(inp)
                 out = chunk.compute(ids, pos, mask, **kwargs)
@@ -245,7 +252,7 @@ def run_pipeline(chunks, microbatches, *, last_stage_fn, backward: bool, compute
                     out = last_stage_fn(chunk, out, m)
                     kept[m] = out.detach() if backward else out
                 else:
-                    box.send(out, box.next, (_ACT, m, stage))
+                    outbox[_ACT, m, stage] = out.detach()
                 if backward:
                     live[m, v] = (inp, out)
             else:
@@ -253,19 +260,43 @@ def run_pipeline(chunks, microbatches, *, last_stage_fn, backward: bool, compute
                 if chunk.post_process:
                     torch.autograd.backward(out / len(microbatches))
                 else:
-                    grad = box.recv(box.next, (_GRAD, m, stage + 1), out.dtype)
-                    torch.autograd.backward(out, grad)
+                    torch.autograd.backward(out, inbox.pop((_GRAD, m, stage + 1)))
                 del out
                 if inp is not None:
-                    box.send(inp.grad if inp.grad is not None else torch.zeros_like(inp), box.prev,
-                             (_GRAD, m, stage))
+                    outbox[_GRAD, m, stage] = inp.grad if inp.grad is not None else torch.zeros_like(inp)
                 del inp
-        box.wait()
+        if inbox or outbox:
+            raise RuntimeError(f"pipeline: messages left over: received {sorted(inbox)}, unsent {sorted(outbox)}")
+    except BaseException:
+        if pp > 1:   # the peers wait in an exchange with this rank: make it fail for them too
+            from .errors import abort_process_groups
+            abort_process_groups()
+        raise
     finally:
         for chunk in chunks:
             chunk.set_input_tensor(None)
     return [kept[m] for m in sorted(kept)]
 
+
+def _exchange(transport, ops, inbox, outbox, shapes, dtype, device) -> None:
+    """One round's sends and receives, posted together and waited for."""
+    posted = []
+    for op, peer, name in ops:
+        shape = shapes[name[1]]
+        if op == "send":
+            tensor = outbox.pop(name).contiguous()
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                raise RuntimeError(f"pipeline: message {name} is {tuple(tensor.shape)} {tensor.dtype}; every rank "
+                                   f"expects {shape} {dtype} for microbatch {name[1]}")
+        else:
+            tensor = inbox[name] = torch.empty(shape, dtype=dtype, device=device)
+        posted.append((op == "send", tensor, transport.ranks[peer]))
+    try:
+        for work in transport.post(posted):
+            work.wait()
+    except Exception as comm_error:  # noqa: BLE001 - a peer failed or died mid-pipeline
+        from .errors import lost_peer_error
+        raise lost_peer_error(comm_error, "pipeline exchange") from comm_error
 
 def broadcast_from_last_stage(layout: ParallelDims, tensor: torch.Tensor | None, shape, dtype,
                               device) -> torch.Tensor:

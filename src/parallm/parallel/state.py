@@ -33,8 +33,13 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, ep: int =
 
     torch.distributed is started from the environment (``env://``, as torchrun sets RANK / WORLD_SIZE /
     MASTER_ADDR / MASTER_PORT) unless the caller already initialised it, in which case it is used as it is.
-    The backend defaults to nccl when CUDA is available and gloo otherwise. Every collective parallm issues is
-    bounded by ``timeout_s`` (default: env PARALLM_TIMEOUT_S or 600 s) so a lost peer ends in an error, not a hang.
+    The backend defaults to nccl when CUDA is available and gloo otherwise; any form torch accepts works
+    (``"cpu:gloo,cuda:nccl"`` too): models live on CUDA when the group serves CUDA tensors with NCCL
+    (:func:`group_device`). ``timeout_s`` (default: env PARALLM_TIMEOUT_S or 600 s) is the timeout of the
+    process group parallm creates and of Megatron's groups. parallm's cross-rank agreement (argument and batch
+    checks, load / save outcomes) runs on a gloo group with that timeout (:func:`control_group`), so an error
+    or a lost peer ends there in an exception. A data-moving collective on NCCL whose peer died ends when
+    NCCL's watchdog fires at the timeout (docs/reliability.md).
 
     ``world_size`` must equal ``tp * pp * dp`` for an integer dp; Megatron's rank order (tp fastest, then dp,
     then pp) decides which ranks share a group.
@@ -64,7 +69,7 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, ep: int =
             raise RuntimeError(
                 "parallm.init_parallel: torch.distributed is not initialised and the environment lacks "
                 f"{', '.join(missing)}; launch with torchrun, or call torch.distributed.init_process_group first")
-        if backend == "nccl":
+        if "nccl" in backend:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, store=_rendezvous_store(timeout), rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
@@ -85,15 +90,16 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, ep: int =
         virtual_pipeline_model_parallel_size=vpp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=tp,
-        distributed_timeout_minutes=max(1, int(round(timeout.total_seconds() / 60))),
+        distributed_timeout_minutes=timeout.total_seconds() / 60,   # megatron-core builds a timedelta of it
         create_gloo_process_groups=False,
     )
     torch.manual_seed(seed)
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+    if group_device().type == "cuda":
         from megatron.core import tensor_parallel
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     _GROUP_CACHE.clear()
     _STATE["generation"] += 1
+    _make_control_group(timeout)
 
 
 def _rendezvous_store(timeout: timedelta):
@@ -115,12 +121,85 @@ def _rendezvous_store(timeout: timedelta):
     return dist.PrefixStore(f"parallm/{restart}/{_OWN['groups']}", store)
 
 
+def before_destroy(fn) -> None:
+    """Register ``fn()`` to run at the start of every :func:`destroy_parallel`, while the groups still exist
+    (work that still uses them, such as a pending asynchronous checkpoint, finishes or fails there)."""
+    if fn not in _BEFORE_DESTROY:
+        _BEFORE_DESTROY.append(fn)
+
+
+def backends_of(group=None) -> dict[str, str]:
+    """The backend serving each device type in ``group`` (default: the world), from
+    ``torch.distributed.get_backend``: ``"gloo"`` -> ``{"cpu": "gloo", "cuda": "gloo"}``, ``"nccl"`` ->
+    ``{"cuda": "nccl"}``, ``"cpu:gloo,cuda:nccl"`` -> ``{"cpu": "gloo", "cuda": "nccl"}``."""
+    name = str(dist.get_backend(group))
+    if ":" not in name:
+        return {"cuda": name} if name == "nccl" else {"cpu": name, "cuda": name}
+    return dict(part.split(":", 1) for part in name.split(","))
+
+
+def group_device(group=None) -> torch.device:
+    """The device parallm computes and communicates on for ``group``: CUDA (this process's current device, which
+    ``init_parallel`` sets from ``LOCAL_RANK``) when CUDA is available and the group serves CUDA tensors with
+    something other than gloo (NCCL, whatever the backend string's form); else the CPU. A group created as
+    ``"gloo"`` keeps CPU models even on a GPU machine, as before."""
+    cuda = backends_of(group).get("cuda")
+    if cuda is not None and cuda != "gloo" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _make_control_group(timeout: timedelta) -> None:
+    """parallm's cross-rank agreement (errors, load / save / batch checks: :mod:`parallm.parallel.errors`) runs on
+    a gloo group over the world with the process-group timeout, never on NCCL: a gloo collective raises when a
+    peer dies or the deadline passes, where NCCL waits for its watchdog. When the world group serves CPU tensors
+    with gloo already it is used as it is (no second group)."""
+    old = _OWN.pop("control", None)
+    if old is not None:
+        _destroy_group(old)
+    if backends_of().get("cpu") != "gloo":
+        _OWN["control"] = dist.new_group(backend="gloo", timeout=timeout)
+
+
+def control_group():
+    """The gloo group of the world that agreement runs on: None means the world group itself."""
+    return _OWN.get("control")
+
+
+def _destroy_group(group) -> None:
+    try:
+        dist.destroy_process_group(group)
+    except Exception:  # noqa: BLE001 - already gone with the default group
+        pass
+
+
+def layout_generation() -> int:
+    """Counts init_parallel / destroy_parallel calls (what a cached per-group fact is keyed by)."""
+    return _STATE["generation"]
+
+
 def destroy_parallel() -> None:
     """Destroy Megatron's model-parallel groups, and the default process group if init_parallel created it (a
-    process group the caller created stays theirs to destroy)."""
+    process group the caller created stays theirs to destroy). Work registered with :func:`before_destroy` runs
+    first; its first error is raised after the groups are gone (they are destroyed either way)."""
+    errors = []
+    for fn in list(_BEFORE_DESTROY):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - raised below, once the groups are torn down
+            errors.append(e)
+    _teardown()
+    if errors:
+        raise errors[0]
+
+
+def _teardown() -> None:
     ps = _import_parallel_state()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    control = _OWN.pop("control", None)
+    if control is not None and dist.is_initialized():
+        _destroy_group(control)
     _GROUP_CACHE.clear()
     _STATE["generation"] += 1
     if _OWN.pop("process_group", False) and dist.is_initialized():
@@ -229,6 +308,7 @@ def dims_of(chunks) -> ParallelDims:
 
 _STATE = {"generation": 0}
 _GROUP_CACHE: dict = {}
+_BEFORE_DESTROY: list = []
 _OWN: dict = {}   # what parallm created (so destroy_parallel leaves the caller's process group alone)
 
 

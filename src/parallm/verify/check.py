@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..parallel.state import group_device
 from . import LOGITS_ATOL, WEIGHTS_ATOL
 from .reference import compare_states, loss_for, max_diff_real, padded_batch, reference, reload_check
 
@@ -95,7 +96,7 @@ def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
     rank0, dp, dp_rank = dims.rank == 0, dims.dp, dims.dp_rank
     ckpt = check.ckpt
     row = dict(layout=check.name(dp), model=check.label)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    device = group_device()
 
     # The config travels from rank 0, so ranks that cannot see the directory (other nodes) still build the model;
     # the loader then streams their shards from rank 0 (mode auto -> broadcast).
