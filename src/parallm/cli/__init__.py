@@ -1,4 +1,6 @@
-"""The ``parallm`` command line (docs/cli.md): one module per command, the shared parts in :mod:`.common`.
+"""The ``parallm`` command line (docs/cli.md): one module per command, and what they share: :mod:`.errors`
+(exit codes, one-line errors), :mod:`.options` (help formatting, the check / launch options), :mod:`.launch`
+(local ranks or torchrun), :mod:`.rank_job` (what every rank runs), :mod:`.report` (the table and verdict).
 
     demo      tiny checkpoints of every family, four layouts (:mod:`.demo`)
     verify    one layout of your checkpoint (:mod:`.verify`)
@@ -19,7 +21,8 @@ import sys
 from .. import __version__
 from ..errors import USER_ERRORS
 from . import convert, demo, inspect, verify
-from .common import EXIT_FAIL, EXIT_USAGE, CLIError, Formatter, err
+from .errors import EXIT_FAIL, EXIT_USAGE, CLIError, err
+from .options import Formatter
 
 DESCRIPTION = """\
 Run Hugging Face decoder checkpoints as Megatron-core tensor / pipeline / data-parallel models, and check

@@ -3,7 +3,8 @@ directory, in this process, without starting ranks (:func:`parallm.checkpoint_to
 
 from __future__ import annotations
 
-from .common import EXIT_OK, Formatter, para
+from .errors import EXIT_OK
+from .options import Formatter, para
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -33,7 +34,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import torch
 
-    from ..checkpoint.train_ckpt import checkpoint_to_hf
+    from ..checkpoint.training import checkpoint_to_hf
     size = {"max_shard_size": args.max_shard_size} if args.max_shard_size else {}   # else checkpoint_to_hf's default
     checkpoint_to_hf(args.checkpoint, args.out, dtype=getattr(torch, args.dtype) if args.dtype else None,
                      overwrite=args.overwrite, **size)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 
-from .common import LAUNCH_EPILOG, Formatter, check_kwargs, check_options, para, run_job
+from .launch import run_job
+from .options import LAUNCH_EPILOG, Formatter, check_kwargs, check_options, para
 
 # name -> (family, config overrides, task, label shown in the table)
 MODELS = {
@@ -51,7 +52,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    job = dict(kind="demo", quick=args.quick, keep=args.keep, check=check_kwargs(args),
+    job = dict(kind="demo", prepare=prepare, quick=args.quick, keep=args.keep, check=check_kwargs(args),
                workdir=os.path.abspath(args.workdir) if args.workdir else None)
     return run_job(args, job, world=WORLD, title="parallm demo" + (" --quick" if args.quick else ""))
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 
-from .common import EXIT_FAIL, EXIT_OK, CLIError, Formatter, UsageError, para, positive
+from .errors import EXIT_FAIL, EXIT_OK, CLIError, UsageError
+from .options import Formatter, para, positive
 
 
 def add_parser(sub) -> None:

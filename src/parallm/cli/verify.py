@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 
-from .common import LAUNCH_EPILOG, CLIError, Formatter, UsageError, check_kwargs, check_options, para, positive, run_job
+from .errors import CLIError, UsageError
+from .launch import run_job, under_torchrun
+from .options import LAUNCH_EPILOG, Formatter, check_kwargs, check_options, para, positive
 
 
 def add_parser(sub) -> None:
@@ -63,7 +65,6 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..verify import Check
-    from .common import under_torchrun
     from .inspect import check_split, read_checkpoint
     vpp = args.vpp if args.vpp and args.vpp > 1 else None
     if vpp and args.pp == 1:
