@@ -7,7 +7,10 @@ starts in well under a second instead of paying those imports again. Each rank h
 LOCAL_RANK / LOCAL_WORLD_SIZE set, one thread, and torch.distributed initialised before ``fn`` runs (gloo, or
 nccl with one GPU per rank) through a ``file://`` rendezvous in a fresh temporary directory (no port to pick).
 Arguments and results travel through files (``torch.save``): tensors sent through a pipe would each cost a
-shared-memory file descriptor.
+shared-memory file descriptor. The launcher reads the ranks' reports with ``torch.load(weights_only=True)``, which
+unpickles no code: a result is tensors, numbers, strings, None, and lists / tuples / dicts / sets of them (a rank
+whose result holds anything else reports that as its error). The arguments are pickled: the launching process
+writes them into its own new temporary directory (as multiprocessing pickles ``fn`` itself).
 
 Ending, in every case within ``timeout`` (plus ``grace``):
 
@@ -124,7 +127,8 @@ def _signal_name(code: int | None) -> str:
 def spawn(fn, world: int, *args, timeout: float = 600.0, **options) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` local ranks; return the results (list by rank), or raise
     :class:`SpawnError` (a rank raised, died or hung). ``fn`` must be a module-level function (it is pickled by
-    reference); its result must be picklable. Options: see :func:`spawn_outcomes`."""
+    reference); its result must hold only tensors, numbers, strings, None, and lists / tuples / dicts / sets of
+    them (what ``torch.load(weights_only=True)`` reads). Options: see :func:`spawn_outcomes`."""
     outcomes, timed_out = _launch(fn, world, args, timeout=timeout, stop_on_failure=True, **options)
     if timed_out or any(o.status != "ok" for o in outcomes):
         raise SpawnError(outcomes, timeout=timeout, timed_out=timed_out)
@@ -192,7 +196,11 @@ def _outcome(rank, proc, tmpdir, log_dir, hung) -> RankOutcome:
             pass
     path = os.path.join(tmpdir, f"result-{rank}.pt")
     if os.path.exists(path):
-        report = torch.load(path, weights_only=False)
+        try:
+            report = torch.load(path, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - _rank_main checked it; a damaged file is that rank's failure
+            report = dict(status="error", error_type=type(e).__name__, time=time.time(),
+                          message=f"the launcher cannot read this rank's report: {e}")
         return RankOutcome(rank, log=log, exitcode=proc.exitcode, **report)
     return RankOutcome(rank, "hang" if hung else "dead", exitcode=proc.exitcode, log=log, time=time.time())
 
@@ -224,6 +232,7 @@ def _rank_main(rank: int, fn, world: int, run: dict) -> None:
     faulthandler.dump_traceback_later(run["stacks_at"], exit=False)
     torch.set_num_threads(1)
     try:
+        # written by the launching process into its own temporary directory (0700): objects of any type
         args = torch.load(os.path.join(run["dir"], "args.pt"), weights_only=False)
         if run["backend"] == "nccl":
             torch.cuda.set_device(rank)
@@ -237,7 +246,11 @@ def _rank_main(rank: int, fn, world: int, run: dict) -> None:
     path = os.path.join(run["dir"], f"result-{rank}.pt")
     try:
         torch.save(report, path + ".tmp")
-    except Exception as e:  # noqa: BLE001 - an unpicklable result
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path + ".tmp")
+        if unsafe:
+            raise TypeError(f"it holds {', '.join(sorted(unsafe)[:6])}, which the launcher does not unpickle (it "
+                            "reads tensors, numbers, strings, None, and lists / tuples / dicts / sets of them)")
+    except Exception as e:  # noqa: BLE001 - an unpicklable result, or one of types the launcher refuses
         report = dict(status="error", error_type="TypeError", time=time.time(), traceback=traceback.format_exc(),
                       message=f"the rank function's result cannot be sent back to the launcher: {e}")
         torch.save(report, path + ".tmp")
