@@ -10,9 +10,12 @@ Three spawns:
   The step after each resume matches the uninterrupted run's step (other layouts: fp32 reduction order only).
   The offline HF export equals ``save_hf_weights`` bit for bit and loads in transformers.
 * exactness, async and errors (2 ranks): same-layout resume is bit-exact in fp32 and bf16 (fp32 master weights
-  saved), an asynchronous save taken while training goes on holds the state of its call, and the error catalog
-  (another model, no optimizer state, truncated / corrupted files, an unfinished checkpoint, a non-empty
-  target) raises on every rank naming the culprit, within a time bound.
+  saved), an asynchronous save taken while training goes on holds the state of its call (its ``extra`` too),
+  ``extra`` (JSON with tensors) comes back equal, ``destroy_parallel`` right after an asynchronous save leaves a
+  complete checkpoint and raises when that save failed, and the error catalog (another model, no optimizer
+  state, truncated / corrupted files, an unfinished checkpoint, a non-empty target, an ``extra`` that is not
+  JSON + tensors on one rank, crafted checkpoints carrying pickles) raises on every rank naming the culprit,
+  within a time bound, and no crafted pickle ever runs.
 * a writer killed midway (4 ranks): the older checkpoint at the path stays byte-identical, the survivors raise
   within the bound.
 """
@@ -29,6 +32,7 @@ import pytest
 import torch
 
 import helpers
+from test_checkpoint_extra import same_extra
 from test_optim import ce_loss
 
 BOUND_S = 60.0
@@ -165,6 +169,144 @@ def resume_tol():
 
 # -- exact resume, async save, errors ------------------------------------------------------------------------------
 
+def rich_extra(tag):
+    """An ``extra`` with every JSON type and tensors of several dtypes and shapes (0-d, empty, bf16)."""
+    g = torch.Generator().manual_seed(3)
+    return {"tag": tag, "epoch": 3, "lr": 2.5e-4, "best": float("inf"), "ok": True, "none": None,
+            "seen": [17, 4, [], {}], "rng": torch.get_rng_state(),
+            "nested": {"t": [torch.randn(2, 3, generator=g).to(torch.bfloat16), torch.tensor(7)]},
+            "empty": torch.zeros(0, 5)}
+
+
+class Payload:
+    """Unpickling this creates the file ``marker`` (``open(marker, "w")``): what a malicious pickle could run."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def craft(good, out, kind, marker):
+    """A copy of training checkpoint ``good`` that carries a pickle creating ``marker`` when unpickled, its
+    parallm.json CRCs made to match (an attacker rewrites both):
+
+    * ``v1``: the format parallm wrote before (version 1): ``extra`` pickled, as a DCP bytes item (the old
+      ``load_checkpoint`` unpickled it);
+    * ``bytes-item``: a version-2 record, and a DCP bytes item ``extra`` (DCP's default planner would
+      ``torch.load(weights_only=False)`` it);
+    * ``tensor-item``: the first tensor of ``good``'s extra replaced by a pickled object."""
+    import io
+    import json
+    import pickle
+    import zlib
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+    shutil.copytree(good, out)
+    md = FileSystemReader(out).read_metadata()
+    buf = io.BytesIO()
+    torch.save(pickle.dumps(Payload(marker)) if kind == "v1" else Payload(marker), buf)
+    blob, name = buf.getvalue(), "__9_0.distcp"
+    with open(os.path.join(out, name), "wb") as f:
+        f.write(blob)
+    if kind == "tensor-item":
+        index = next(i for i in md.storage_data if i.fqn == "extra/0")
+    else:
+        index = MetadataIndex("extra")
+        md.state_dict_metadata["extra"] = BytesStorageMetadata()
+    md.storage_data[index] = _StorageInfo(name, 0, len(blob))
+    with open(os.path.join(out, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+    with open(os.path.join(out, "parallm.json")) as f:
+        record = json.load(f)
+    with open(os.path.join(out, ".metadata"), "rb") as f:
+        record["crc32"]["metadata"] = zlib.crc32(f.read())
+    record["crc32"]["items"][name] = [[0, len(blob), zlib.crc32(blob)]]
+    if kind == "v1":
+        record["version"] = 1
+        del record["extra"]
+    with open(os.path.join(out, "parallm.json"), "w") as f:
+        json.dump(record, f)
+    return out
+
+
+CRAFTED = {"v1": ("CheckpointError", ["format version 1", "pickle", "refuses"]),
+           "bytes-item": ("CheckpointError", ["non-tensor item(s) extra", "never unpickles"]),
+           "tensor-item": ("CheckpointError", ["load_checkpoint failed on rank", "Weights only load failed"])}
+
+
+def _slow_first_write(fs, seconds):
+    """Make DCP's first item write in this process wait ``seconds`` (an asynchronous save then surely runs past
+    the next statement). Returns the original function."""
+    original, waited = fs._write_item, []
+
+    def slow(*args, **kwargs):
+        if not waited:
+            waited.append(True)
+            time.sleep(seconds)
+        return original(*args, **kwargs)
+    fs._write_item = slow
+    return original
+
+
+def _destroy_with_pending_saves(parallm, rank, s, out):
+    """destroy_parallel right after an asynchronous save: the checkpoint is complete when it returns (and loads
+    at another layout); after a failed asynchronous save it raises, on every rank, once the groups are gone."""
+    import torch.distributed.checkpoint.filesystem as fs
+    from megatron.core import parallel_state
+    from parallm.parallel.state import dims_of
+    root = s["root"]
+    parallm.init_parallel(tp=2)
+    chunks = parallm.build_model(s["hf"])
+    parallm.load_hf_weights(chunks, s["hf"])
+    opt = parallm.build_optimizer(chunks, lr=1e-2)
+    train(parallm, chunks, opt, s["batches"][:1], dims_of(chunks))
+    want = parallm.save_hf_weights(chunks)
+    path = os.path.join(root, "destroy-pending")
+    original = _slow_first_write(fs, 2.0)
+    try:
+        parallm.save_checkpoint(path, chunks, opt, step=5, extra={"k": [1]}, async_save=True)
+        early = os.path.exists(os.path.join(path, "parallm.json"))
+        parallm.destroy_parallel()
+        landed = os.path.exists(os.path.join(path, "parallm.json"))
+    finally:
+        fs._write_item = original
+    if early or not landed:
+        out["problems"].append(f"destroy_parallel after an async save: in place before it {early}, after {landed}")
+    parallm.init_parallel(tp=1, pp=2)
+    chunks = parallm.build_model(s["hf"])
+    info = parallm.load_checkpoint(path, chunks, parallm.build_optimizer(chunks, lr=1.0))
+    got = parallm.save_hf_weights(chunks)
+    if info != {"step": 5, "extra": {"k": [1]}} or (rank == 0 and (got.keys() != want.keys() or not all(
+            torch.equal(got[k], want[k]) for k in want))):
+        out["problems"].append(f"the checkpoint destroy_parallel waited for does not load back ({info})")
+    parallm.destroy_parallel()
+
+    parallm.init_parallel(tp=2)
+    chunks = parallm.build_model(s["hf"])
+    failing = os.path.join(root, "destroy-failing")
+    original = fs._write_item
+    if rank == 1:
+        def broken(*args, **kwargs):
+            raise OSError("disk full (test)")
+        fs._write_item = broken
+    try:
+        parallm.save_checkpoint(failing, chunks, step=6, async_save=True)
+        problem, out["messages"]["destroy-after-failed-async-save"] = _expect(
+            rank, "destroy-after-failed-async-save", parallm.destroy_parallel, "OSError", ["disk full (test)"])
+    finally:
+        fs._write_item = original
+    if problem:
+        out["problems"].append(problem)
+    if parallel_state.model_parallel_is_initialized():
+        out["problems"].append("destroy_parallel raised before tearing the groups down")
+    parallm.destroy_parallel()   # the error was raised once; nothing is pending any more
+    if rank == 0 and (os.path.exists(failing) or [n for n in os.listdir(root) if n.startswith(".destroy-failing")]):
+        out["problems"].append("a failed async save left files behind")   # rank 0 removes them before it returns
+
+
 def _flip(path, where=0.5):
     with open(path, "r+b") as f:
         f.seek(0, os.SEEK_END)
@@ -206,8 +348,11 @@ def rank_exact(rank, world, s):
         opt = parallm.build_optimizer(chunks, lr=1e-2, weight_decay=0.1)
         train(parallm, chunks, opt, s["batches"][:2], dims, main_grad=low)
         path, apath = os.path.join(s["root"], f"exact-{tag}"), os.path.join(s["root"], f"async-{tag}")
-        parallm.save_checkpoint(path, chunks, opt, step=2)
-        handle = parallm.save_checkpoint(apath, chunks, opt, step=2, extra=tag, async_save=True)
+        parallm.save_checkpoint(path, chunks, opt, step=2, extra=rich_extra(tag))
+        changing = rich_extra(tag + "-async")
+        handle = parallm.save_checkpoint(apath, chunks, opt, step=2, extra=changing, async_save=True)
+        changing["nested"]["t"][1].add_(1)   # the caller's objects change after the call: the save holds the old
+        changing["seen"].append(99)
         train(parallm, chunks, opt, s["batches"][2:], dims, main_grad=low)   # while the async save writes
         handle.wait()
         assert handle.done()
@@ -219,6 +364,8 @@ def rank_exact(rank, world, s):
             chunks = parallm.build_model(s["hf"], dtype=dtype)
             opt = parallm.build_optimizer(chunks, lr=1e-2, weight_decay=0.1)
             info = parallm.load_checkpoint(source, chunks, opt)
+            if not same_extra(info["extra"], rich_extra(tag if source == path else tag + "-async")):
+                out["problems"].append(f"{tag} {source}: extra came back as {info['extra']}")
             train(parallm, chunks, opt, s["batches"][2:], dims_of(chunks), main_grad=low)
             again = [p.detach() for c in chunks for p in c.parameters()]
             if not all(torch.equal(x, y) for x, y in zip(params, again)):
@@ -230,7 +377,6 @@ def rank_exact(rank, world, s):
                         out["problems"].append(f"{tag} {source}: optimizer state {k}.{n} differs")
             if low and not all(v["master"].dtype == torch.float32 for v in sd["state"].values()):
                 out["problems"].append("bf16 masters are not fp32")
-        assert info["extra"] == tag
         # same-layout state_dict round trip into a fresh optimizer
         fresh = parallm.build_optimizer(chunks, lr=0.5)
         fresh.load_state_dict(opt.state_dict())
@@ -238,6 +384,9 @@ def rank_exact(rank, world, s):
                    for n, t in v.items()):
             out["problems"].append(f"{tag}: state_dict round trip differs")
         parallm.destroy_parallel()
+
+    out["messages"] = {}
+    _destroy_with_pending_saves(parallm, rank, s, out)
 
     # the error catalog, at tp1.pp2 fp32
     parallm.init_parallel(tp=1, pp=2)
@@ -260,6 +409,9 @@ def rank_exact(rank, world, s):
         _flip(os.path.join(broken["corrupted"], "__0_0.distcp"))
         _flip(os.path.join(broken["metadata"], ".metadata"))
         os.remove(os.path.join(broken["unfinished"], "parallm.json"))
+        for kind in CRAFTED:
+            craft(os.path.join(root, "exact-float32"), os.path.join(root, f"crafted-{kind}"), kind,
+                  os.path.join(root, f"marker-{kind}"))
     torch.distributed.barrier()
     cases = [
         ("other-shapes", lambda: parallm.load_checkpoint(os.path.join(root, "model-wide"), chunks),
@@ -280,8 +432,16 @@ def rank_exact(rank, world, s):
          "CheckpointError", ["nowhere", "does not exist"]),
         ("non-empty-target", lambda: parallm.save_checkpoint(good, chunks, opt, step=3),
          "FileExistsError", ["exact-float32", "overwrite=True"]),
-    ]
-    out["messages"] = {}
+        # extra: JSON + tensors only, checked on every rank (here a tuple on rank 1 alone), nothing written
+        ("extra-tuple-on-rank-1", lambda: parallm.save_checkpoint(
+            os.path.join(root, "bad-extra-tuple"), chunks, step=1,
+            extra={"sched": {"betas": (0.9, 0.99) if rank == 1 else [0.9, 0.99]}}),
+         "TypeError", ["extra['sched']['betas']", "tuple", "use a list"] + (["failed on rank 1"] if rank == 0 else [])),
+        ("extra-object", lambda: parallm.save_checkpoint(os.path.join(root, "bad-extra-object"), chunks, step=1,
+                                                         extra={"gen": [torch.Generator()]}),
+         "TypeError", ["extra['gen'][0]", "Generator", "JSON values"]),
+    ] + [(f"crafted-{kind}", lambda kind=kind: parallm.load_checkpoint(os.path.join(root, f"crafted-{kind}"), chunks),
+          etype, needles) for kind, (etype, needles) in CRAFTED.items()]
     for what, fn, etype, needles in cases:
         problem, out["messages"][what] = _expect(rank, what, fn, etype, needles)
         if problem:
@@ -312,6 +472,24 @@ def test_exact_resume_async_and_errors(tmp_path):
     problems = [f"rank {r}: {p}" for r, res in enumerate(results) for p in res["problems"]]
     assert not problems, "\n".join(problems)
     assert [r["good-loads"] for r in results] == [2, 2]
+    assert not os.path.exists(os.path.join(root, "bad-extra-tuple"))
+    assert not os.path.exists(os.path.join(root, "bad-extra-object"))
+    # no crafted pickle ran, in the ranks or here: the offline readers read the tensors they need and nothing else
+    v1 = os.path.join(root, "crafted-v1")
+    assert read_tensors(v1)["model/model.norm.weight"].shape == (64,)
+    checkpoint_to_hf(v1, os.path.join(root, "hf-from-v1"))
+    with pytest.raises(CheckpointError, match="Weights only load failed"):
+        read_tensors(os.path.join(root, "crafted-tensor-item"), ["extra/0"])
+    assert not [n for n in os.listdir(root) if n.startswith("marker-")]
+    # ... although each payload is live: the old load_checkpoint's unpickling creates the marker
+    import io
+    import pickle
+    live = os.path.join(root, "live-marker")
+    buf = io.BytesIO()
+    torch.save(pickle.dumps(Payload(live)), buf)
+    buf.seek(0)
+    pickle.loads(torch.load(buf, weights_only=True))   # what format 1's load_checkpoint did with its extra
+    assert os.path.exists(live)
     # the offline export checks the items it reads: corrupt the embedding's bytes
     from torch.distributed.checkpoint import FileSystemReader
     bad = os.path.join(root, "broken-export")

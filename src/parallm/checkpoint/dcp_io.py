@@ -1,23 +1,30 @@
-"""torch.distributed.checkpoint (DCP) glue for training checkpoints: local tensors as boxes of global tensors,
-and reads that verify every byte.
+"""torch.distributed.checkpoint (DCP) glue for training checkpoints: local tensors as slices of global tensors,
+reads that verify every byte, and DCP's exceptions as parallm's.
 
-State dicts handed to DCP map a checkpoint key to a list of local tensors; a :class:`Boxes` table (kept by the
-planners, not in the state dict) says where each list element sits in the global tensor. Everything else is
-DCP's own machinery: on save, identical boxes offered by several ranks (data-parallel replicas) are written once
-(its plan dedup, balancing the bytes over the ranks) and the global plan is validated (boxes must tile every
-tensor exactly: a gap or an overlap is an error); on load, each rank reads the parts of the saved chunks that
-overlap its boxes, whatever layout wrote them (resharding).
+State dicts handed to DCP map a checkpoint key to a list of local tensors; a :class:`SliceTable` (kept by the
+planners, not in the state dict) says where each list element sits in the global tensor (the slices
+:func:`parallm.checkpoint.global_view.global_slices` computes). Everything else is DCP's own machinery: on save,
+identical slices offered by several ranks (data-parallel replicas) are written once (its plan dedup, balancing
+the bytes over the ranks) and the global plan is validated (slices must tile every tensor exactly: a gap or an
+overlap is an error); on load, each rank reads the parts of the saved slices that overlap its own, whatever
+layout wrote them (resharding).
 
-Integrity: DCP stores each chunk as a ``torch.save`` blob, and ``torch.load`` does not notice flipped data
+Integrity: DCP stores each slice as a ``torch.save`` blob, and ``torch.load`` does not notice flipped data
 bytes. After a save, :func:`item_crcs` computes a CRC-32 of every stored item (each rank those of the files it
 wrote); the training checkpoint keeps them in its ``parallm.json``, and :class:`VerifyingReader` checks each
 item's length and CRC as it reads it, raising :class:`CheckpointError` naming the file and the tensor.
+
+What is unpickled: DCP reads its ``.metadata`` file with ``pickle`` (a trusted checkpoint only, see
+docs/checkpoints.md) and every tensor item with ``torch.load(weights_only=True)``. parallm stores only tensors,
+and its planners never read a non-tensor ("bytes") item: DCP's default planner would ``torch.load`` one with
+``weights_only=False``.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import pickle
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -27,19 +34,20 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
                                                    TensorProperties)
-from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, ReadItem, SavePlan, TensorWriteData,
-                                                  WriteItem, WriteItemType)
+from torch.distributed.checkpoint.planner import (LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem,
+                                                  WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ParallelError
+from ..parallel.errors import lost_peer_error
 
 METADATA_FILE = ".metadata"   # DCP's global metadata file name
 
 
 @dataclass
-class Boxes:
-    """Checkpoint key -> (global shape, offsets of each local box in list order). Keys not in it are plain
-    tensors (saved whole, e.g. step counters) or bytes."""
+class SliceTable:
+    """Checkpoint key -> (global shape, offsets of each local slice, in the order of the key's tensor list). Keys
+    not in it are plain tensors, saved whole (e.g. step counters)."""
     table: dict[str, tuple[tuple[int, ...], list[tuple[int, ...]]]] = field(default_factory=dict)
 
     def add(self, key: str, shape, offsets) -> int:
@@ -59,18 +67,19 @@ def _narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
     return tensor
 
 
-class BoxSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner (dedup, global-plan validation) over a state dict of boxed tensor lists."""
+class SliceSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner (dedup, global-plan validation) over a state dict of lists of global-tensor
+    slices (keys in ``slices``) and plain tensors (any other key)."""
 
-    def __init__(self, boxes: Boxes):
+    def __init__(self, slices: SliceTable):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.boxes = boxes
+        self.slices = slices
 
     def create_local_plan(self) -> SavePlan:
         items = []
         for key, value in self.state_dict.items():
-            if key in self.boxes.table:
-                shape, offsets = self.boxes.table[key]
+            if key in self.slices.table:
+                shape, offsets = self.slices.table[key]
                 for i, (off, t) in enumerate(zip(offsets, value)):
                     off = torch.Size(off)
                     items.append(WriteItem(index=MetadataIndex(key, off, i), type=WriteItemType.SHARD,
@@ -86,21 +95,22 @@ class BoxSavePlanner(DefaultSavePlanner):
                                            properties=TensorProperties.create_from_tensor(value),
                                            size=value.size())))
             else:
-                items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
+                raise TypeError(f"internal error: checkpoint item {key} is a {type(value).__name__}, not a tensor")
         self.plan = SavePlan(items)
         return self.plan
 
     def lookup_object(self, index: MetadataIndex):
         value = self.state_dict[index.fqn]
-        if index.fqn in self.boxes.table:
-            return value[self.boxes.find(index.fqn, index.offset)]
+        if index.fqn in self.slices.table:
+            return value[self.slices.find(index.fqn, index.offset)]
         return value
 
 
-class BoxLoadPlanner(DefaultLoadPlanner):
-    """Reads each box (every target tensor of it: the first, highest-precision one is read into, the others
-    are copied from it) and each bytes item. ``targets``: key -> {offsets: [tensors]} for boxed keys, key ->
-    [tensors] for plain tensors, key -> None for bytes (delivered in ``self.bytes``)."""
+class SliceLoadPlanner(DefaultLoadPlanner):
+    """Reads each requested slice into its target tensors (the first, highest-precision one is read into, the
+    others are copied from it). ``targets``: key -> {offsets: [tensors]} for sliced keys, key -> [tensors] for
+    plain tensors (read whole). Tensors only: a key the checkpoint stores as bytes is an error, and no bytes item
+    is ever read."""
 
     def __init__(self, targets: dict):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -111,17 +121,11 @@ class BoxLoadPlanner(DefaultLoadPlanner):
             elif isinstance(value, list):
                 value = {None: sorted(value, key=lambda t: -t.element_size())}
             self.targets[key] = value
-        self.bytes: dict[str, bytes] = {}
 
     def create_local_plan(self) -> LoadPlan:
         requests = []
         for key, value in self.targets.items():
             md = self.metadata.state_dict_metadata[key]
-            if value is None:
-                requests.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(key),
-                                         dest_offsets=torch.Size((0,)), storage_index=MetadataIndex(key),
-                                         storage_offsets=torch.Size((0,)), lengths=torch.Size((0,))))
-                continue
             if isinstance(md, BytesStorageMetadata):
                 raise CheckpointError(f"checkpoint item {key} holds bytes where a tensor is expected")
             chunks = []
@@ -145,8 +149,9 @@ class BoxLoadPlanner(DefaultLoadPlanner):
             _narrow(other.detach(), read_item.dest_offsets, read_item.lengths).copy_(tensor)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        # DCP stored the object with torch.save; parallm's bytes items are bytes objects
-        self.bytes[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+        # create_local_plan requests no bytes item; DCP's default would torch.load it with weights_only=False
+        raise CheckpointError(f"checkpoint item {read_item.dest_index.fqn} is not a tensor; parallm never reads "
+                              "such items (unpickling them could run code the checkpoint carries)")
 
 
 # -- integrity ----------------------------------------------------------------------------------------------------
@@ -235,3 +240,35 @@ class VerifyingReader(FileSystemReader):
             raise CheckpointError(f"{where} is corrupted: the {sinfo.length} bytes of {key} at offset "
                                   f"{sinfo.offset} fail their CRC-32 check")
         return io.BytesIO(data)
+
+
+# -- DCP's exceptions as parallm's ---------------------------------------------------------------------------------
+
+def dcp_failure(e: BaseException, what: str, *, abort: bool = True) -> Exception:
+    """What a collective DCP call's exception means, on every rank: a ``KeyboardInterrupt`` is re-raised; a bare
+    RuntimeError is one of DCP's collectives failing, i.e. a lost peer (raised, see :func:`lost_peer_error`;
+    ``abort`` is passed on); anything else (DCP reports a rank's own failure as a CheckpointException on every
+    rank) is returned as parallm's error (:func:`from_dcp`)."""
+    if isinstance(e, KeyboardInterrupt):
+        raise e
+    if getattr(e, "failures", None) is None and type(e) is RuntimeError:
+        raise lost_peer_error(e, what, abort=abort) from e
+    return from_dcp(e, what)
+
+
+def from_dcp(e: BaseException, what: str) -> Exception:
+    """A DCP CheckpointException (a BaseException listing each failing rank's exception) as a parallm error
+    naming the first failure; any other exception as it is (a BaseException as a ParallelError)."""
+    failures = getattr(e, "failures", None)
+    if not failures:
+        return e if isinstance(e, Exception) else ParallelError(f"{what}: {type(e).__name__}: {e}")
+    rank, (inner, _) = sorted(failures.items())[0]
+    more = f" (and {len(failures) - 1} more rank(s))" if len(failures) > 1 else ""
+    if isinstance(inner, pickle.UnpicklingError):   # an item torch.load(weights_only=True) refused
+        etype = CheckpointError
+    else:
+        etype = type(inner) if isinstance(inner, (CheckpointError, OSError, ValueError)) else ParallelError
+    try:
+        return etype(f"{what} failed on rank {rank}{more}: {inner}")
+    except Exception:  # noqa: BLE001 - an exception type with another constructor
+        return ParallelError(f"{what} failed on rank {rank}{more}: {type(inner).__name__}: {inner}")

@@ -1,0 +1,46 @@
+"""What a save and a load of a training checkpoint start from: the chunks, their layout and tensors, the
+optimizer's fit to them, earlier asynchronous saves finished."""
+
+from __future__ import annotations
+
+import os
+
+from ...families import family_of
+from ...model.decoder import as_chunks
+from ...model.table import expected_hf_shapes
+from ...parallel.state import dims_of, require_initialized
+from ...train.optim import ParallelAdamW
+from ..loader import model_entries
+from .pending import wait_for_pending_saves
+
+
+def begin(what: str, path, chunks):
+    """The process groups, the chunks and their layout, earlier async saves finished: ``(path, chunks, dims)``
+    with the path made absolute."""
+    require_initialized(what)
+    chunks = as_chunks(chunks)
+    dims = dims_of(chunks)
+    wait_for_pending_saves()
+    return os.path.abspath(os.fspath(path)), chunks, dims
+
+
+def model_layout(chunks, dims):
+    """``(shapes, mine, saved)``: every HF tensor's full shape, this rank's ``(entry, chunk)`` pairs, and the
+    ``(name, shape)`` of every tensor the model stores (all ranks' entries)."""
+    spec, task = chunks[0].spec, chunks[0].task
+    shapes = expected_hf_shapes(family_of(spec).table, spec, task=task, pp=dims.pp)
+    mine, everything = model_entries(chunks, dims)
+    saved = [(n, shapes[n]) for e in everything if e.row.save for n in e.hf]
+    return shapes, mine, saved
+
+
+def check_optimizer(optimizer, chunks) -> None:
+    """``optimizer`` is None or what ``parallm.build_optimizer`` built for these chunks."""
+    if optimizer is None:
+        return
+    if not isinstance(optimizer, ParallelAdamW):
+        raise TypeError(f"optimizer must be what parallm.build_optimizer returned, got {type(optimizer).__name__}")
+    params = {p for c in chunks for p in c.parameters()}
+    if set(optimizer.names) != params:
+        raise ValueError("the optimizer was built for other chunks than the ones passed (build it from these "
+                         "chunks with parallm.build_optimizer)")
