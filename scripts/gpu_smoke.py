@@ -14,7 +14,15 @@ Checks, each one line (PASS / FAIL, the measured value, the limit):
      step on both bit-exact
   6. a mixture-of-experts model (Qwen3-MoE, 8 experts, top 2) at ep = world (all-to-all dispatch): fp32 logits
   7. that model: one AdamW step with ZeRO at ep = world, a training checkpoint, loaded at ep = 1: weights bit-exact
-Exits 0 when all pass. Not part of the CPU test suite.
+  8. determinism: two identical MoE forward + backward passes give bit-identical outputs and gradients
+  9. pp = 2 (2 or more GPUs): a training step whose stage-boundary messages are 64 MiB each (hidden 4096 x 4096
+     tokens fp32, far above NCCL's point-to-point buffers: an exchange that needs buffering deadlocks here),
+     loss against transformers
+ 10. throughput (INFO lines, one figure each): a 1B-shaped LLaMA training step (packed, flash-attn when installed,
+     sdpa otherwise; fp32 and bf16) per GPU: tokens/s and model FLOPs utilisation against the chip's peak, next to
+     transformers' same step (forward, backward, torch AdamW) on the same GPU
+Exits 0 when all pass. Not part of the CPU test suite. With --cpu the sizes of checks 9 and 10 are cut down
+(a dry run of the script's logic, not a measurement).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -210,8 +219,140 @@ def main() -> int:
     same = torch.tensor([float(rank != 0 or R.compare_states(a, b)[0])], device=device)
     dist.all_reduce(same, op=dist.ReduceOp.MIN)
     report(f"MoE training checkpoint (ZeRO, ep={world}) loaded at ep=1: weights not bit-exact", 1.0 - same.item(), 0)
+
+    # 8. determinism: the same MoE step twice, bit for bit (no atomic adds in the expert combine)
+    def moe_pass():
+        for p in chunks[0].parameters():
+            p.grad = None
+        parallm.forward_backward(chunks, ids, mask, loss_fn=R.causal_lm_loss, num_microbatches=2)
+        return [p.grad.clone() for p in chunks[0].parameters() if p.grad is not None]
+    first, second = moe_pass(), moe_pass()
+    differ = sum(not torch.equal(a, b) for a, b in zip(first, second)) + abs(len(first) - len(second))
+    report("MoE: gradients of two identical passes not bit-identical (tensors)", float(differ), 0)
+    del chunks, opt, first, second
+    parallm.destroy_parallel()
+
+    # 9. pp = 2 with 64 MiB stage-boundary messages
+    if world >= 2:
+        hidden, tokens = (1024, 1024) if args.cpu else (4096, 4096)
+        parallm.init_parallel(tp=1, pp=2)
+        big_ckpt = os.path.join(box[0], "big")
+        big_cfg = R.tiny_config("llama", hidden_size=hidden, intermediate_size=1024, num_hidden_layers=2,
+                                num_attention_heads=hidden // 128, num_key_value_heads=hidden // 128, head_dim=128,
+                                vocab_size=512)
+        if rank == 0:
+            R.make_hf_model(big_cfg, seed=3).save_pretrained(big_ckpt)
+        dist.barrier()
+        big_ids = torch.randint(0, 512, (2, tokens), generator=g).to(device)
+        big_mask = torch.ones_like(big_ids)
+        chunks = parallm.build_model(big_ckpt)
+        parallm.load_hf_weights(chunks, big_ckpt)
+        info(f"pp=2 message: {tokens * hidden * 4 / 2 ** 20:.0f} MiB per activation / gradient")
+        t0 = time.perf_counter()
+        loss = parallm.forward_backward(chunks, big_ids, big_mask, loss_fn=R.causal_lm_loss, num_microbatches=2)
+        info(f"pp=2 step with big messages: {time.perf_counter() - t0:.2f} s")
+        del chunks
+        hf_big, _ = R.load_transformers(big_ckpt, task="causal_lm", device=device)
+        with torch.no_grad():
+            ref_loss = sum(R.causal_lm_loss(hf_big(input_ids=big_ids[i:i + 1]).logits, big_ids[i:i + 1],
+                                            big_mask[i:i + 1]).item() for i in range(2)) / 2
+        report("pp=2 step with 64 MiB messages: loss vs transformers", abs(loss.item() - ref_loss), 1e-4)
+        del hf_big
+        parallm.destroy_parallel()
+    else:
+        info("pp=2 step with 64 MiB messages: needs 2 GPUs (NCCL refuses two ranks on one device); not run")
+
+    # 10. throughput of a 1B-shaped LLaMA step (every rank its own step: dp = world)
+    parallm.init_parallel(tp=1, pp=1)
+    throughput(parallm, R, device, rank, box[0], info, cpu=args.cpu)
     parallm.destroy_parallel()
     return 0 if ok else 1
+
+
+PEAK_TFLOPS = {   # dense, without sparsity: (fp32 without tensor cores, bf16 tensor cores)
+    "H200": (67.0, 989.0), "H100": (67.0, 989.0), "A100": (19.5, 312.0), "L40S": (91.6, 362.0),
+}
+
+
+def _peak(dtype) -> float | None:
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    for key, (fp32, bf16) in PEAK_TFLOPS.items():
+        if key in name:
+            return fp32 if dtype == torch.float32 else bf16
+    return None
+
+
+def throughput(parallm, R, device, rank, workdir, info, *, cpu: bool) -> None:
+    """tokens/s and model FLOPs utilisation of a training step, parallm next to transformers (same model, same
+    tokens, same AdamW), one figure per INFO line. Model FLOPs per token: 6 x (matmul parameters) + 6 x layers x
+    hidden x sequence (causal attention scores and values); the embedding lookup is not a matmul."""
+    import importlib.util
+    shape = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=64, vocab_size=128256)
+    batch, seq = 4, 2048
+    if cpu:
+        shape.update(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=32, vocab_size=1000)
+        batch, seq = 2, 128
+    cfg = R.tiny_config("llama", **shape)
+    path = os.path.join(workdir, "llama-1b")
+    if rank == 0:
+        R.make_hf_model(cfg, seed=4).save_pretrained(path)
+    dist.barrier()
+    h, L = cfg.hidden_size, cfg.num_hidden_layers
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    matmul = L * (h * (h + 2 * kv) + h * h + 3 * h * cfg.intermediate_size) + h * cfg.vocab_size
+    flops = batch * seq * (6 * matmul + 6 * L * h * seq)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)
+    mask = torch.ones_like(ids)
+    flash = importlib.util.find_spec("flash_attn") is not None
+
+    def timed(fn, reps=3):
+        fn()                                          # warm-up (allocations, kernels)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / reps
+
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).replace("torch.", "")
+        chunks = parallm.build_model(path, packed=True, dtype=dtype)
+        parallm.load_hf_weights(chunks, path)
+        opt = parallm.build_optimizer(chunks, lr=1e-5)
+
+        def ours():
+            parallm.forward_backward(chunks, ids, mask, loss_fn=R.causal_lm_loss)
+            parallm.finalize_grads(chunks)
+            opt.step()
+            opt.zero_grad()
+        t_ours = timed(ours)
+        backend = chunks[0].attn_impl
+        del chunks, opt
+        import transformers
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation="flash_attention_2" if flash and dtype != torch.float32 else "sdpa"
+        ).to(device)
+        hf.train()
+        hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-5)
+
+        def theirs():
+            R.causal_lm_loss(hf(input_ids=ids).logits, ids, mask).backward()
+            hf_opt.step()
+            hf_opt.zero_grad()
+        t_hf = timed(theirs)
+        del hf, hf_opt
+        peak = _peak(dtype)
+        for who, t, extra in (("parallm", t_ours, f", attention {backend}"),
+                              ("transformers", t_hf, f", attention {'flash_attention_2' if flash and dtype != torch.float32 else 'sdpa'}")):
+            mfu = f"{flops / t / 1e12 / peak:.3f}" if peak else "n/a (peak unknown)"
+            info(f"throughput {name} {who}: {batch * seq / t:.0f} tokens/s, {flops / t / 1e12:.1f} TFLOP/s, "
+                 f"MFU {mfu}{extra}")
+        info(f"throughput {name}: parallm step time / transformers step time = {t_ours / t_hf:.3f}")
 
 
 if __name__ == "__main__":
