@@ -32,7 +32,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "build_model": "api", "default_position_ids": "api", "forward": "api", "forward_backward": "api",
     "load_hf_weights": "checkpoint.loader", "save_hf_weights": "checkpoint.saver",
-    "export_hf_tensors": "checkpoint.export", "finalize_grads": "parallel.grads",
+    "export_hf_tensors": "checkpoint.export", "export_metadata": "checkpoint.export",
+    "TensorMeta": "checkpoint.export_plan", "finalize_grads": "parallel.grads",
     "clip_grad_norm_": "parallel.grads", "TokenStats": "model.logprobs",
     "init_parallel": "parallel.state", "destroy_parallel": "parallel.state",
     "build_optimizer": "train.optim", "save_checkpoint": "checkpoint.train_ckpt",

@@ -1,20 +1,10 @@
 """The export stream (weight sync): every HF tensor, exactly once, to the ranks that want it, in buckets.
 
-``export_hf_tensors(chunks, *, dtype=None, bucket_bytes=..., dst_ranks=None)`` is what an RL trainer calls to push
-its weights into an inference engine: the destinations get one full HF-named tensor at a time; the other ranks
-only send.
-
-Plan (a pure function of one exchange, so every rank computes the same plan)
-    piece    the shard of one TP rank of one saved table entry (``copy`` entries: TP rank 0's only), sent by
-             the rank holding it with the lowest data-parallel rank. Pieces are found from what every rank
-             holds (a bitmap over the global entry list), never from rank arithmetic, so entries owned by
-             other kinds of ranks (expert-parallel experts) plan the same way.
-    part     one block of a piece (the layout's ``blocks``: which rows or columns of which HF tensor it is),
-             split by rows so that no part exceeds the bucket (a part holds one row at least).
-    bucket   consecutive entries whose HF tensors, plus the staging room of their packed parts, fit in
-             ``bucket_bytes`` (an entry larger than that is a bucket of its own). A bucket is one buffer: the
-             entries' HF tensors laid out one after the other (what the destination yields views of), then the
-             staging room.
+``export_hf_tensors(chunks, *, dtype=None, bucket_bytes=..., dst_ranks=None, copy=False)`` is what an RL trainer
+calls to push its weights into an inference engine: the destinations get one full HF-named tensor at a time; the
+other ranks only send. ``export_metadata(chunks, dtype=None)`` says what the stream will yield, in order, without
+moving anything. The plan (who sends which rows of which tensor in which bucket) is
+:mod:`parallm.checkpoint.export_plan`; this module runs it.
 
 Transfer, per bucket. A *direct* part (rows of an HF tensor, at least ``DIRECT_MIN_BYTES``) travels alone,
 straight from the sender into its place in the destinations' HF tensors: no copy on arrival. The other parts
@@ -24,148 +14,87 @@ destination copies them into place. A sender converts to the wire dtype in the c
 not a destination sends direct parts straight from its parameters when no conversion is needed). When every rank
 is a destination the messages are broadcasts over the world, else point-to-point sends to each destination.
 
-Memory, independent of the model's size: a destination holds two bucket buffers (the consumer holds a tensor of
-bucket k while bucket k+1 is in flight), each of at most ``max(bucket_bytes, the largest entry)``; a rank that is
-not a destination holds at most two buffers of what it must pack for one bucket (nothing when it sends straight
-from its parameters). Buffers stay with the model between calls.
+The contract with the consumer (a destination's loop over the generator):
+
+* **When a yielded tensor may be overwritten.** Without ``copy``, a yielded tensor is valid until the consumer
+  asks for the next item: from that request on, the stream may write other tensors into its memory (a
+  consumer that copies each tensor where it belongs before asking for the next, as a ``param.copy_(t)``
+  loader does, needs nothing more). After the stream's end, the last tensors stay valid until the next
+  ``export_hf_tensors`` call on the same model. What the stream actually does, no more to be relied on: it
+  has two bucket buffers and reuses one for bucket k+1 when the consumer asks for the first tensor of bucket
+  k, so that tensors of the bucket being read survive the request.
+* **``copy=True``** for consumers that keep tensors past the next request, hand them to another CUDA stream
+  without synchronising, or to another process: every yielded tensor is then the consumer's own; the stream
+  never writes into its memory again. The tensors of one bucket are views of one fresh allocation holding just
+  that bucket's HF tensors (no copy is made: the messages land there), freed when the consumer has dropped all
+  of them; clone a tensor to keep it apart from its bucket's memory.
+* **CUDA streams.** Tensors are ready on the CUDA stream that is current when they are yielded (a consumer
+  reading them on another stream makes it wait on that one first). When the consumer asks for the item that
+  ends a buffer's validity, the stream records an event on the consumer's current stream (the one current at
+  that request), and every write that reuses the buffer (the packing copy, and the receives, which NCCL orders
+  after the current stream) is ordered after that event. A consumer that reads on a side stream must therefore
+  make it visible on the current stream (``torch.cuda.current_stream().wait_stream(side)``) or ask for the next
+  item inside ``torch.cuda.stream(side)``; one that hands tensors to another process (CUDA IPC) must pass
+  ``copy=True``. Written from the CUDA semantics, not run: no GPU has run this code.
+* **Ending early.** A consumer that stops before the end (``close()``, ``break`` out of its loop, or dropping
+  the generator so that it is garbage-collected) ends the stream on every rank: the other ranks raise a
+  ``ParallelError`` naming the rank that stopped and how far it read; the stopping rank stops quietly. An
+  exception thrown into the generator (``gen.throw(e)``) ends it the same way, and the others raise ``e``'s
+  type (re-created by name, see ``parallel.errors``) with its message. Either way no rank is left in a
+  collective. The cost: one small all-gather over the world per bucket, through which every rank learns before
+  each bucket whether to go on. A consumer that stops while holding the generator alive (a reference kept in a
+  traceback, say) is not seen until the process-group timeout: close it (``contextlib.closing``).
+
+Memory, independent of the model's size: a destination holds two bucket buffers (the consumer reads bucket k
+while bucket k+1 is in flight), each of at most ``max(bucket_bytes, the largest entry)`` (with ``copy=True``
+only the staging rooms are reused; the tensors themselves are the consumer's); a rank that is not a destination
+holds at most two buffers of what it must pack for one bucket (nothing when it sends straight from its
+parameters). Buffers stay with the model between calls; two streams open on the same model at once do not share
+them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ..families import family_of
+from ..errors import ParallelError
 from ..model.decoder import as_chunks
-from ..model.sharding import make_layout
-from ..model.table import expected_hf_shapes
-from ..parallel.errors import exchange_rows, gather_objects, raise_failures, status_of
+from ..parallel.errors import exchange_rows, gather_objects, raise_failures, remote_error, status_of
 from ..parallel.state import ParallelDims, dims_of, require_initialized
 from .cast import WIRE_DTYPES, check_entry_casts
+from .export_plan import Bucket, Plan, TensorMeta, as_rows, make_plan, place, plan_buckets, stream_metadata
 from .loader import held_params, model_entries
 from .saver import parse_size
+
+# The planner's pieces under the names the tests and older code use.
+_as_rows, _place = as_rows, place
+__all__ = ["DEFAULT_BUCKET_BYTES", "DIRECT_MIN_BYTES", "TensorMeta", "export_hf_tensors", "export_metadata",
+           "plan_buckets"]
 
 DEFAULT_BUCKET_BYTES = 64 * 1024 ** 2
 DIRECT_MIN_BYTES = 4 * 1024 ** 2   # parts this large travel alone into their place; smaller ones are packed
 
 
-@dataclass(frozen=True)
-class Part:
-    """Rows ``[s0, s1)`` x columns ``[c0, c1)`` of TP rank ``tp``'s shard (seen as 2-D: ``[rows, -1]``) of entry
-    ``entry``, sent by global rank ``src``. They are, in HF tensor ``hf`` of the entry (index into its names),
-    the rows starting at ``h0`` (``dim`` 0: whole rows), or rows ``[s0, s1)`` x the columns starting at ``h0``
-    (``dim`` 1). ``offset``: where the part lies in the bucket buffer (a direct part: its place in the HF
-    tensor; a packed one: in its sender's staging segment)."""
-    entry: int
-    hf: int
-    tp: int
-    src: int
-    dim: int
-    s0: int
-    s1: int
-    c0: int
-    c1: int
-    h0: int
-    direct: bool = False
-    offset: int = 0
-
-    @property
-    def numel(self) -> int:
-        return (self.s1 - self.s0) * (self.c1 - self.c0)
+def _wire_dtype(chunks, dtype, what: str) -> torch.dtype:
+    wire = dtype or chunks[0].config.params_dtype
+    if wire not in WIRE_DTYPES:
+        raise ValueError(f"{what}: dtype must be one of {[str(d) for d in WIRE_DTYPES]}, got {dtype}")
+    return wire
 
 
-@dataclass(frozen=True)
-class Bucket:
-    outputs: tuple[tuple[int, int, int], ...]     # (entry, hf index, offset) of each HF tensor, in order
-    parts: tuple[Part, ...]
-    segments: tuple[tuple[int, int, int], ...]    # (src, offset, numel) of each sender's packed parts
-    numel: int                                    # the HF tensors, then the staging room
-    placing: tuple[tuple[Part, ...], ...] = ()    # per output: the packed parts to copy into it
-
-    def messages(self) -> list[tuple[int, int, int]]:
-        """``(src, offset, numel)`` of every message, in the order every rank issues them: the packed segments
-        (by sender), then the direct parts (in plan order)."""
-        return list(self.segments) + [(p.src, p.offset, p.numel) for p in self.parts if p.direct]
-
-
-def _rows(shape) -> int:
-    return shape[0] if len(shape) else 1
-
-
-def _parts_of(entry: int, pieces, bucket_numel: int, direct_numel: int) -> list[Part]:
-    """The parts of one entry: each primary block of each piece, split by rows into at most ``bucket_numel``
-    elements (one row at least). ``pieces``: ``(tp, src, shard shape, blocks)``."""
-    parts = []
-    for tp, src, shape, blocks in pieces:
-        rows = _rows(shape)
-        width = math.prod(shape) // rows if rows else 0
-        for source, dim, a, b, la, lb, primary in blocks:
-            if not primary or lb <= la:
-                continue
-            if dim == 0:
-                r0, r1, c0, c1, h = la, lb, 0, width, a
-            elif len(shape) == 2:
-                r0, r1, c0, c1, h = 0, rows, la, lb, a
-            else:
-                raise RuntimeError(f"internal error: a column block of a {len(shape)}-D shard")
-            per = max(1, bucket_numel // max(1, c1 - c0))
-            for r in range(r0, r1, per):
-                n = min(per, r1 - r)
-                parts.append(Part(entry, source, tp, src, dim, r, r + n, c0, c1, h + (r - r0) if dim == 0 else h,
-                                  direct=dim == 0 and n * (c1 - c0) >= direct_numel))
-    return parts
-
-
-def plan_buckets(entries, bucket_numel: int, direct_numel: int) -> list[Bucket]:
-    """``entries``: ``(entry, hf shapes, pieces)`` in global order (``pieces`` as :func:`_parts_of` takes them)
-    -> buckets of at most ``bucket_numel`` elements, HF tensors and staging room together (an entry larger than
-    that is a bucket of its own). Pure."""
-    buckets, current, used = [], [], 0
-    for entry, hf_shapes, pieces in entries:
-        parts = _parts_of(entry, pieces, bucket_numel, direct_numel)
-        cost = sum(math.prod(s) for s in hf_shapes) + sum(p.numel for p in parts if not p.direct)
-        if current and used + cost > bucket_numel:
-            buckets.append(_layout_bucket(current))
-            current, used = [], 0
-        current.append((entry, hf_shapes, parts))
-        used += cost
-    if current:
-        buckets.append(_layout_bucket(current))
-    return buckets
-
-
-def _layout_bucket(entries) -> Bucket:
-    outputs, places, offset = [], {}, 0
-    for entry, hf_shapes, _ in entries:
-        for k, shape in enumerate(hf_shapes):
-            outputs.append((entry, k, offset))
-            places[(entry, k)] = (offset, math.prod(shape) // _rows(shape) if math.prod(shape) else 0)
-            offset += math.prod(shape)
-    parts = [p for _, _, ps in entries for p in ps]
-    laid, packed = [], []
-    for k, p in enumerate(parts):
-        if p.direct:
-            start, width = places[(p.entry, p.hf)]
-            laid.append(dataclasses.replace(p, offset=start + p.h0 * width))
-        else:
-            packed.append((p.src, k, p))
-    segments = []
-    for src, _, p in sorted(packed, key=lambda x: (x[0], x[1])):
-        if not segments or segments[-1][0] != src:
-            segments.append([src, offset, 0])
-        laid.append(dataclasses.replace(p, offset=offset))
-        offset += p.numel
-        segments[-1][2] += p.numel
-    placing = {(e, k): [] for e, k, _ in outputs}
-    for p in laid:
-        if not p.direct:
-            placing[(p.entry, p.hf)].append(p)
-    return Bucket(tuple(outputs), tuple(laid), tuple(tuple(s) for s in segments), offset,
-                  tuple(tuple(placing[(e, k)]) for e, k, _ in outputs))
+def export_metadata(chunks, *, dtype: torch.dtype | None = None) -> list[TensorMeta]:
+    """What ``export_hf_tensors(chunks, dtype=dtype)`` yields on a destination, in the same order, as
+    :class:`TensorMeta` ``(name, dtype, shape)``: computed from the model's table alone, without any exchange
+    or data movement, and the same on every rank (whatever its layout coordinates). Not collective. An engine's
+    refit plan (vLLM's weight-source metadata, NeMo-RL's refit) is prepared once from it."""
+    chunks = as_chunks(chunks)
+    layout = dims_of(chunks)
+    wire = _wire_dtype(chunks, dtype, "export_metadata")
+    _, everything = model_entries(chunks, layout)
+    return stream_metadata(everything, chunks[0].spec, task=chunks[0].task, pp=layout.pp, dtype=wire)
 
 
 def _parse_bucket(bucket_bytes) -> int:
@@ -195,11 +124,11 @@ def _parse_dst(dst_ranks, world: int) -> list[int]:
 
 
 def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=DEFAULT_BUCKET_BYTES,
-                      dst_ranks=None):
-    """Every HF tensor of the model, once, in table order, as ``(hf_name, full tensor)`` on each rank of
-    ``dst_ranks`` (default: every rank). Collective: every rank calls it and iterates the returned generator
-    to its end; on a rank that is not a destination the generator yields nothing and ends once this rank's
-    part has been sent.
+                      dst_ranks=None, copy: bool = False):
+    """Every HF tensor of the model, once, in table order (the order of :func:`export_metadata`), as
+    ``(hf_name, full tensor)`` on each rank of ``dst_ranks`` (default: every rank). Collective: every rank calls
+    it and iterates the returned generator to its end; on a rank that is not a destination the generator yields
+    nothing and ends once this rank's part has been sent.
 
     ``dtype``: the tensors' dtype (default: the model's), converted on the sender while packing; a value the
     dtype cannot hold (e.g. > 65504 into float16) is a :class:`CheckpointError` on every rank, raised here
@@ -207,16 +136,25 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
     small tensors share a bucket; a tensor larger than that is a bucket of its own, sent in messages of at most
     ``bucket_bytes``.
 
-    Yielded tensors live on the parameters' device, are never views of a parameter, and may be kept: they are
-    views of the stream's output buffers, and a buffer is reused for later tensors only once nothing refers
-    to it any more (a consumer that copies each tensor and drops it, as an inference engine's weight loader
-    does, lets the stream reuse its buffers; one that keeps them makes the stream allocate afresh). The
-    memory bound is in the module docstring.
+    Yielded tensors live on the parameters' device and are never views of a parameter. Without ``copy`` a
+    tensor is valid until the next item is requested; with ``copy=True`` it is the consumer's to keep. A
+    consumer that stops early (``close()``, ``break``, garbage collection, ``throw()``) ends the stream on every
+    rank with an error there, never a hang. The contract in full, with CUDA streams, and the memory bound are
+    in the module docstring.
 
     Arguments are checked on every rank in the call's single exchange: a bucket below one byte, a destination
     outside the world, or ranks passing different arguments is a ``ValueError`` on every rank.
     """
-    require_initialized("export_hf_tensors")
+    return open_stream(chunks, dtype=dtype, bucket_bytes=bucket_bytes, dst_ranks=dst_ranks, copy=copy)[0]
+
+
+def open_stream(chunks, *, dtype=None, bucket_bytes=DEFAULT_BUCKET_BYTES, dst_ranks=None, copy=False,
+                what: str = "export_hf_tensors"):
+    """:func:`export_hf_tensors`, returning ``(generator, state)``: ``state.told_others`` says whether a failure
+    or early stop on this rank was exchanged with the other ranks through the stream (callers that agree on an
+    outcome afterwards need to know whether the others already raised). ``what`` names the operation in
+    errors."""
+    require_initialized(what)
     chunks = as_chunks(chunks)
     layout = dims_of(chunks)
     spec = chunks[0].spec
@@ -224,8 +162,7 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
     wire = dtype or chunks[0].config.params_dtype
     error, nbytes, numel, dst = None, 0, 0, []
     try:
-        if wire not in WIRE_DTYPES:
-            raise ValueError(f"export_hf_tensors: dtype must be one of {[str(d) for d in WIRE_DTYPES]}, got {dtype}")
+        wire = _wire_dtype(chunks, dtype, "export_hf_tensors")
         nbytes = _parse_bucket(bucket_bytes)
         numel = max(1, nbytes // torch.empty((), dtype=wire).element_size())
         dst = _parse_dst(dst_ranks, layout.world)
@@ -235,93 +172,113 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
     holds, params = held_params(mine, everything)
     dst_mask = [int(r in dst) for r in range(layout.world)]
     rows = exchange_rows([int(error is not None), nbytes, WIRE_DTYPES.index(wire) if wire in WIRE_DTYPES else -1,
-                          layout.tp_rank, layout.dp_rank] + dst_mask + holds, what="export_hf_tensors", error=error)
+                          layout.tp_rank, layout.dp_rank, int(bool(copy))] + dst_mask + holds, what=what,
+                         error=error)
     if rows[:, 0].any():
-        statuses = gather_objects(status_of(error), what="export_hf_tensors", error=error)
+        statuses = gather_objects(status_of(error), what=what, error=error)
         if error is not None:
             raise error
-        raise_failures(statuses, what="export_hf_tensors")
-    args = torch.cat([rows[:, 1:3], rows[:, 5:5 + layout.world]], dim=1)
+        raise_failures(statuses, what=what)
+    w = layout.world
+    args = torch.cat([rows[:, 1:3], rows[:, 5:6 + w]], dim=1)
     if not bool((args == args[0]).all()):
-        differ = [r for r in range(layout.world) if not bool((args[r] == args[0]).all())]
-        raise ValueError(f"export_hf_tensors: every rank must pass the same dtype, bucket_bytes and dst_ranks; "
+        differ = [r for r in range(w) if not bool((args[r] == args[0]).all())]
+        raise ValueError(f"{what}: every rank must pass the same dtype, bucket_bytes, dst_ranks and copy; "
                          f"rank(s) {differ} differ from rank 0")
     direct = max(1, DIRECT_MIN_BYTES // torch.empty((), dtype=wire).element_size())
-    key = (torch.cat([rows[:, 1:5], rows[:, 5 + layout.world:]], dim=1).numpy().tobytes(), direct)  # not dst_ranks
+    key = (torch.cat([rows[:, 1:5], rows[:, 6 + w:]], dim=1).numpy().tobytes(), direct)  # not dst_ranks
     cache = getattr(chunks[0], "_parallm_export", None)
     if cache is None:
         cache = chunks[0]._parallm_export = {"plans": {}, "buffers": _Buffers()}   # kept with the model
     plan = cache["plans"].get(key)
     if plan is None:
-        plan = _make_plan(rows, everything, layout, spec, chunks[0].task, chunks[0].padded_vocab_size, numel,
-                          direct)
+        plan = make_plan(rows[:, 3].tolist(), rows[:, 4].tolist(), rows[:, 6 + w:].tolist(), everything,
+                         world=w, tp=layout.tp, pp=layout.pp, spec=spec, task=chunks[0].task,
+                         padded_vocab=chunks[0].padded_vocab_size, numel=numel, direct_numel=direct)
         if len(cache["plans"]) >= 4:
             cache["plans"].pop(next(iter(cache["plans"])))
         cache["plans"][key] = plan
     device = next(chunks[0].parameters()).device
-    return _stream(plan, cache["buffers"], params, dst, wire, device, layout)
+    state = _StreamState(what, layout, plan)
+    stream = _run(plan, cache["buffers"], params, dst, wire, device, layout, bool(copy), state)
+    next(stream)   # to its first (internal) yield: from here on close() / garbage collection reach its handlers
+    return stream, state
 
 
+# -- the buffers -------------------------------------------------------------------------------------------------
+
+class _Buffers:
+    """The stream's buffers, kept with the model between calls (a weight sync runs every step, and on CPU fresh
+    memory costs a page fault per page): per (dtype, device) and slot 0 / 1, a destination's output buffer (the
+    HF tensors it yields views of) and staging buffer, and a sender's packing buffer. ``take()`` hands them to
+    one stream at a time; a second stream open at once gets buffers of its own."""
+
+    def __init__(self):
+        self.bufs = {}
+        self.busy = False
+
+    def take(self) -> "_Buffers":
+        if self.busy:
+            return _Buffers()
+        self.busy = True
+        return self
+
+    def release(self) -> None:
+        self.busy = False
+
+    def get(self, kind: str, slot: int, numel: int, dtype, device) -> torch.Tensor:
+        key = (kind, dtype, device, slot)
+        buf = self.bufs.get(key)
+        if buf is None or buf.numel() < numel:
+            self.bufs[key] = buf = None                      # the old one goes before the new one comes
+            self.bufs[key] = buf = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
+
+    def count(self, kind: str) -> int:
+        return sum(1 for k in self.bufs if k[0] == kind)
 
 
-@dataclass(frozen=True)
-class Plan:
-    buckets: list[Bucket]
-    names: dict[int, tuple[str, ...]]            # entry -> its HF names
-    shapes: dict[str, tuple[int, ...]]
+class _Fence:
+    """CUDA only: an event per buffer slot, recorded on the consumer's current stream when it releases the
+    slot's tensors (asks for the next item), waited for by the current stream before the slot is written
+    again."""
+
+    def __init__(self, device):
+        self.on = getattr(device, "type", str(device)) == "cuda"
+        self.events = {}
+
+    def release(self, slot: int) -> None:
+        if self.on:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream())
+            self.events[slot] = ev
+
+    def acquire(self, slot: int) -> None:
+        ev = self.events.pop(slot, None)
+        if ev is not None:
+            torch.cuda.current_stream().wait_event(ev)
 
 
-def _make_plan(rows, everything, layout: ParallelDims, spec, task, padded_vocab: int, numel: int,
-               direct_numel: int) -> Plan:
-    """The export plan from the exchange's rows (every rank computes the same)."""
-    shapes = expected_hf_shapes(family_of(spec).table, spec, task=task, pp=layout.pp)
-    tp_of, dp_of, held = rows[:, 3].tolist(), rows[:, 4].tolist(), rows[:, 5 + layout.world:]
-    entries, names = [], {}
-    for i, entry in enumerate(everything):
-        if not entry.row.save:
-            continue
-        hf_shapes = [shapes[n] for n in entry.hf]
-        tp_layout = make_layout(entry.row.kind, spec, padded_vocab)
-        pieces = []
-        for t in (range(layout.tp) if tp_layout.tp_dim is not None else [0]):   # replicated: TP rank 0's copy
-            holders = [r for r in range(layout.world) if held[r, i] and tp_of[r] == t]
-            if not holders:
-                raise RuntimeError(f"internal error: no rank holds TP rank {t}'s shard of {', '.join(entry.hf)}")
-            src = min(holders, key=lambda r: (dp_of[r], r))
-            pieces.append((t, src, tp_layout.shard_shape(t, layout.tp, hf_shapes),
-                           tp_layout.blocks(t, layout.tp, hf_shapes)))
-        entries.append((i, hf_shapes, pieces))
-        names[i] = tuple(entry.hf)
-    return Plan(plan_buckets(entries, numel, direct_numel), names, shapes)
+# -- the transfer -------------------------------------------------------------------------------------------------
+
+def _source(params, p) -> torch.Tensor:
+    return as_rows(params[p.entry].detach())[p.s0:p.s1, p.c0:p.c1]
 
 
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """A shard or HF tensor seen as 2-D ``[rows, -1]`` (1-D: one element per row)."""
-    return t.reshape(t.shape[0] if t.dim() else 1, -1)
+def _at(bucket: Bucket, out: torch.Tensor, staging: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
+    """Elements ``[offset, offset + numel)`` of the bucket's range: in ``out`` below ``bucket.stage``, else in
+    ``staging``."""
+    if offset < bucket.stage:
+        return out.narrow(0, offset, numel)
+    return staging.narrow(0, offset - bucket.stage, numel)
 
 
-def _source(params, p: Part) -> torch.Tensor:
-    return _as_rows(params[p.entry].detach())[p.s0:p.s1, p.c0:p.c1]
-
-
-def _pack(bucket: Bucket, buf: torch.Tensor, params, me: int) -> None:
-    """Copy (converting to ``buf``'s dtype) this rank's parts of ``bucket`` into their places in ``buf``."""
+def _pack(bucket: Bucket, out, staging, params, me: int) -> None:
+    """Copy (converting to the buffers' dtype) this rank's parts of ``bucket`` into their places."""
     with torch.no_grad():
         for p in bucket.parts:
             if p.src == me:
-                buf.narrow(0, p.offset, p.numel).view(p.s1 - p.s0, p.c1 - p.c0).copy_(_source(params, p))
-
-
-def _place(parts, target: torch.Tensor, buf: torch.Tensor) -> None:
-    """Copy packed ``parts`` from the staging room of ``buf`` into their places in HF tensor ``target`` (direct
-    parts are there already)."""
-    target = _as_rows(target)
-    for p in parts:
-        rows = buf.narrow(0, p.offset, p.numel).view(p.s1 - p.s0, p.c1 - p.c0)
-        if p.dim == 0:
-            target.narrow(0, p.h0, p.s1 - p.s0).copy_(rows)
-        else:
-            target.narrow(0, p.s0, p.s1 - p.s0).narrow(1, p.h0, p.c1 - p.c0).copy_(rows)
+                _at(bucket, out, staging, p.offset, p.numel).view(p.s1 - p.s0, p.c1 - p.c0).copy_(_source(params, p))
 
 
 def _transfer(messages, views, dst: list[int], world: int, me: int) -> list:
@@ -346,116 +303,159 @@ def _wait(works) -> None:
         w.wait()
 
 
-class _Pool:
-    """Buffers handed out as views and reused only once nothing refers to them any more: a consumer may keep a
-    yielded tensor (its buffer is then left to it and the pool allocates afresh). A consumer that drops each
-    tensor settles the pool at two buffers (the bucket it is reading, the one in flight)."""
+# -- the protocol that ends a stream on every rank -------------------------------------------------------------------
 
-    _use_count = getattr(torch._C, "_storage_Use_Count", None)
-
-    def __init__(self, numel: int, dtype, device, keep: int = 3):
-        self.numel, self.dtype, self.device, self.keep = numel, dtype, device, keep
-        self.free_at: list[tuple[torch.Tensor, int]] = []    # (buffer, its use count when nothing else holds it)
-
-    def get(self) -> torch.Tensor:
-        if self._use_count is not None:
-            for t, baseline in self.free_at:
-                if self._use_count(t.untyped_storage()._cdata) == baseline:
-                    return t
-        t = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-        if self._use_count is not None:
-            self.free_at = self.free_at[-(self.keep - 1):] + [(t, self._use_count(t.untyped_storage()._cdata))]
-        return t
+_STOPPED = "stopped"
 
 
-class _Buffers:
-    """The stream's buffers, kept with the model between calls (a weight sync runs every step, and on CPU fresh
-    memory costs a page fault per page): per dtype, the destinations' bucket pool (handed out, reused only when
-    free) and the senders' packing buffers (internal)."""
+class _StreamState:
+    """Where one rank's stream is: how many of the per-bucket agreements it has made (every rank makes them in
+    the same order: agreement k comes before bucket k's messages), its transfers still in flight, how many
+    tensors it has yielded, and whether the stream has ended for the other ranks."""
 
-    def __init__(self):
-        self.bufs, self.pools = {}, {}
+    def __init__(self, what: str, layout: ParallelDims, plan: Plan):
+        self.what, self.world, self.rank = what, layout.world, layout.rank
+        self.buckets = len(plan.buckets)
+        self.tensors = sum(len(b.outputs) for b in plan.buckets)
+        self.agreed = 0           # agreements made
+        self.pending = []         # lists of works still in flight
+        self.yielded = 0
+        self.ended = False        # no agreement may follow (the stream is over for every rank)
+        self.told_others = False  # this rank's stop or failure went through an agreement
 
-    def packing(self, numel: int, dtype, device, slot: int) -> torch.Tensor:
-        buf = self.bufs.get((dtype, device, slot))
-        if buf is None or buf.numel() < numel:
-            self.bufs[(dtype, device, slot)] = buf = None
-            self.bufs[(dtype, device, slot)] = buf = torch.empty(numel, dtype=dtype, device=device)
-        return buf[:numel]
+    def wait_pending(self) -> None:
+        while self.pending:
+            _wait(self.pending.pop(0))
 
-    def pool(self, numel: int, dtype, device) -> _Pool:
-        p = self.pools.get((dtype, device))
-        if p is None or p.numel < numel:
-            p = self.pools[(dtype, device)] = _Pool(numel, dtype, device)
-        return p
+    def go_on(self) -> None:
+        """Agreement ``self.agreed``: every rank says whether it goes on. Raises on this rank when another has
+        stopped or failed."""
+        if self.world == 1:
+            self.agreed += 1
+            return
+        self.ended = True                  # a lost peer inside ends the protocol too
+        rows = exchange_rows([0], what=self.what)
+        self.agreed += 1
+        if not rows.any():
+            self.ended = False
+            return
+        statuses = gather_objects(None, what=self.what)
+        self.wait_pending()
+        failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
+        if all(s[0] == _STOPPED for _, s in failed):
+            raise ParallelError(f"{self.what}: rank {failed[0][0]} stopped reading the stream "
+                                f"({failed[0][1][1]}); the stream ended on every rank")
+        raise remote_error(self.what, [(r, s) for r, s in failed if s[0] != _STOPPED])
+
+    def stop(self, status) -> None:
+        """This rank stops (``status``: ``status_of(error)``, or ``(_STOPPED, how far it read)``): its transfers
+        in flight complete, and the other ranks learn of it at the agreement they are waiting in. Nothing to
+        tell when every bucket is already under way (the others end by themselves)."""
+        if self.ended:
+            return
+        self.ended = True
+        self.wait_pending()
+        if self.world == 1 or self.agreed >= self.buckets:
+            return
+        self.told_others = True
+        exchange_rows([1], what=self.what)
+        gather_objects(status, what=self.what)
 
 
-def _send_only(plan: Plan, buffers: _Buffers, params, dst, wire, device, layout: ParallelDims) -> None:
+def _run(plan: Plan, cache: _Buffers, params, dst, wire, device, layout: ParallelDims, copy: bool,
+         st: _StreamState):
+    buffers = cache.take()
+    try:
+        yield None                                   # primed by open_stream
+        if layout.rank in dst:
+            yield from _destination(plan, buffers, params, dst, wire, device, layout, copy, st)
+        else:
+            _send_only(plan, buffers, params, dst, wire, device, layout, st)
+        st.ended = True
+    except GeneratorExit:                            # close(), or the generator was garbage-collected
+        st.stop((_STOPPED, f"the generator was closed or dropped after {st.yielded} of {st.tensors} tensors"))
+        raise
+    except BaseException as e:                       # a failure here, or one the consumer threw in
+        st.stop(status_of(e))
+        raise
+    finally:
+        buffers.release()
+
+
+def _send_only(plan: Plan, buffers: _Buffers, params, dst, wire, device, layout: ParallelDims,
+               st: _StreamState) -> None:
     """A rank that is not a destination: send its parts of each bucket, at most two buckets in flight. A direct
     part goes straight from the parameter when it needs no conversion; everything else is packed."""
-    me, flying, slot = layout.rank, [], 0
+    me, slot = layout.rank, 0
     for bucket in plan.buckets:
         messages = [m for m in bucket.messages() if m[0] == me]
-        if not messages:
-            continue
-        if len(flying) == 2:
-            _wait(flying.pop(0))
-        straight = {p.offset: _source(params, p) for p in bucket.parts
-                    if p.src == me and p.direct and params[p.entry].dtype == wire}
-        straight = {k: v for k, v in straight.items() if v.is_contiguous()}
-        packed = [p for p in bucket.parts if p.src == me and (not p.direct or p.offset not in straight)]
-        buf = buffers.packing(sum(p.numel for p in packed), wire, device, slot)
-        slot = 1 - slot
-        local, at = {}, 0
-        with torch.no_grad():
-            for p in packed:
-                buf.narrow(0, at, p.numel).view(p.s1 - p.s0, p.c1 - p.c0).copy_(_source(params, p))
-                local[p.offset] = at
-                at += p.numel
+        if messages and len(st.pending) == 2:
+            _wait(st.pending.pop(0))                 # frees the packing buffer of this slot
         views = []
-        for _, offset, n in messages:
-            if offset in straight:
-                views.append(straight[offset].reshape(-1))
-            else:          # a packed segment (its parts are consecutive) or a converted direct part
-                views.append(buf.narrow(0, local[offset], n))
-        flying.append(_transfer(messages, views, dst, layout.world, me))
-    for works in flying:
-        _wait(works)
+        if messages:
+            straight = {p.offset: _source(params, p) for p in bucket.parts
+                        if p.src == me and p.direct and params[p.entry].dtype == wire}
+            straight = {k: v for k, v in straight.items() if v.is_contiguous()}
+            packed = [p for p in bucket.parts if p.src == me and (not p.direct or p.offset not in straight)]
+            buf = buffers.get("packing", slot, sum(p.numel for p in packed), wire, device)
+            slot = 1 - slot
+            local, at = {}, 0
+            with torch.no_grad():
+                for p in packed:
+                    buf.narrow(0, at, p.numel).view(p.s1 - p.s0, p.c1 - p.c0).copy_(_source(params, p))
+                    local[p.offset] = at
+                    at += p.numel
+            for _, offset, n in messages:
+                if offset in straight:
+                    views.append(straight[offset].reshape(-1))
+                else:      # a packed segment (its parts are consecutive) or a converted direct part
+                    views.append(buf.narrow(0, local[offset], n))
+        st.go_on()
+        if messages:
+            st.pending.append(_transfer(messages, views, dst, layout.world, me))
+    st.wait_pending()
 
 
-def _stream(plan: Plan, buffers: _Buffers, params, dst, wire, device, layout: ParallelDims):
-    """A destination: bucket k+1 is packed and in flight while bucket k's tensors are placed (packed parts copied
-    into them) and read by the consumer; it starts once the consumer has taken bucket k's first tensor, so that
-    it no longer holds bucket k-1's last one (two buffers)."""
-    me = layout.rank
-    if me not in dst:
-        _send_only(plan, buffers, params, dst, wire, device, layout)
-        return
-    buckets = plan.buckets
-    pool = buffers.pool(max((b.numel for b in buckets), default=0), wire, device)
+def _destination(plan: Plan, buffers: _Buffers, params, dst, wire, device, layout: ParallelDims, copy: bool,
+                 st: _StreamState):
+    """A destination: bucket k+1 is packed and in flight while bucket k's tensors are placed and read by the
+    consumer. It starts once the consumer asks for bucket k's first tensor, so that it no longer holds bucket
+    k-1's, whose buffer k+1 reuses (two buffers)."""
+    me, buckets = layout.rank, plan.buckets
+    fence = _Fence(device)
+    out_numel = max((b.stage for b in buckets), default=0)
+    stage_numel = max((b.numel - b.stage for b in buckets), default=0)
 
     def start(k):
-        bucket, buf = buckets[k], pool.get()
-        _pack(bucket, buf, params, me)
+        bucket, slot = buckets[k], k % 2
+        fence.acquire(slot)
+        out = (torch.empty(bucket.stage, dtype=wire, device=device) if copy      # the consumer's own memory
+               else buffers.get("output", slot, out_numel, wire, device))
+        staging = buffers.get("staging", slot, stage_numel, wire, device)
+        _pack(bucket, out, staging, params, me)
+        st.go_on()
         messages = bucket.messages()
-        works = _transfer(messages, [buf.narrow(0, off, n) for _, off, n in messages], dst, layout.world, me)
-        return buf, works
+        works = _transfer(messages, [_at(bucket, out, staging, off, n) for _, off, n in messages], dst,
+                          layout.world, me)
+        st.pending.append(works)
+        return out, staging
 
     pending = start(0) if buckets else None
     for k, bucket in enumerate(buckets):
-        buf, works = pending
-        pending = None
-        _wait(works)
-        works = None
+        out, staging = pending
+        if k >= 1:
+            fence.release((k - 1) % 2)               # the consumer asked for this bucket: done with k-1
+        pending = start(k + 1) if k + 1 < len(buckets) else None
+        _wait(st.pending.pop(0))                     # bucket k's messages
+        tensors = []
         for (entry, hf, offset), parts in zip(bucket.outputs, bucket.placing):
             name = plan.names[entry][hf]
             shape = plan.shapes[name]
-            tensor = buf.narrow(0, offset, math.prod(shape)).view(shape)
-            _place(parts, tensor, buf)     # tensor by tensor: after the first, overlapped with bucket k+1
-            yield name, tensor
-            tensor = None
-            if pending is None and k + 1 < len(buckets):
-                pending = start(k + 1)
-        buf = None
-        if pending is None and k + 1 < len(buckets):
-            pending = start(k + 1)
+            tensor = out.narrow(0, offset, math.prod(shape)).view(shape)
+            place(parts, tensor, staging, base=bucket.stage)
+            tensors.append((name, tensor))
+        out = staging = None
+        for item in tensors:
+            st.yielded += 1
+            yield item
+        tensors = item = None

@@ -1,0 +1,218 @@
+"""The export stream's plan: which rank sends which rows of which HF tensor in which bucket, and where they land.
+
+Pure functions of the model's entry list and of what every rank holds (no torch.distributed): every rank computes
+the same plan from the same exchange, and the tests run it in one process. The exchange that runs it is
+:mod:`parallm.checkpoint.export`.
+
+    piece    the shard of one TP rank of one saved table entry (``copy`` entries: TP rank 0's only), sent by
+             the rank holding it with the lowest data-parallel rank. Pieces are found from what every rank
+             holds (a bitmap over the global entry list), never from rank arithmetic, so entries owned by
+             other kinds of ranks (expert-parallel experts) plan the same way.
+    part     one block of a piece (the layout's ``blocks``: which rows or columns of which HF tensor it is),
+             split by rows so that no part exceeds the bucket (a part holds one row at least).
+    bucket   consecutive entries whose HF tensors, plus the staging room of their packed parts, fit in
+             ``bucket_bytes`` (an entry larger than that is a bucket of its own). A bucket is laid out as one
+             range of elements: the entries' HF tensors one after the other (what the destination yields views
+             of), then, from ``Bucket.stage`` on, the staging room of the packed parts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from ..families import family_of
+from ..model.sharding import make_layout
+from ..model.table import expected_hf_shapes
+
+
+class TensorMeta(NamedTuple):
+    """One tensor of the export stream: its HF name, dtype and full shape (what ``export_hf_tensors`` yields, in
+    the same order; ``parallm.export_metadata``)."""
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Part:
+    """Rows ``[s0, s1)`` x columns ``[c0, c1)`` of TP rank ``tp``'s shard (seen as 2-D: ``[rows, -1]``) of entry
+    ``entry``, sent by global rank ``src``. They are, in HF tensor ``hf`` of the entry (index into its names),
+    the rows starting at ``h0`` (``dim`` 0: whole rows), or rows ``[s0, s1)`` x the columns starting at ``h0``
+    (``dim`` 1). ``offset``: where the part lies in the bucket's range (a direct part: its place in the HF
+    tensor; a packed one: in its sender's staging segment). ``direct``: it travels alone, straight into its
+    place, rather than packed with the sender's other parts."""
+    entry: int
+    hf: int
+    tp: int
+    src: int
+    dim: int
+    s0: int
+    s1: int
+    c0: int
+    c1: int
+    h0: int
+    direct: bool = False
+    offset: int = 0
+
+    @property
+    def numel(self) -> int:
+        return (self.s1 - self.s0) * (self.c1 - self.c0)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    outputs: tuple[tuple[int, int, int], ...]     # (entry, hf index, offset) of each HF tensor, in order
+    parts: tuple[Part, ...]
+    segments: tuple[tuple[int, int, int], ...]    # (src, offset, numel) of each sender's packed parts
+    numel: int                                    # the HF tensors, then the staging room
+    placing: tuple[tuple[Part, ...], ...] = ()    # per output: the packed parts to copy into it
+    stage: int = 0                                # where the staging room starts (= the HF tensors' numel)
+
+    def messages(self) -> list[tuple[int, int, int]]:
+        """``(src, offset, numel)`` of every message, in the order every rank issues them: the packed segments
+        (by sender), then the direct parts (in plan order)."""
+        return list(self.segments) + [(p.src, p.offset, p.numel) for p in self.parts if p.direct]
+
+
+@dataclass(frozen=True)
+class Plan:
+    buckets: list[Bucket]
+    names: dict[int, tuple[str, ...]]            # entry -> its HF names
+    shapes: dict[str, tuple[int, ...]]
+
+    def order(self) -> list[str]:
+        """Every HF name, in the order the stream yields them."""
+        return [self.names[e][k] for b in self.buckets for e, k, _ in b.outputs]
+
+
+def _rows(shape) -> int:
+    return shape[0] if len(shape) else 1
+
+
+def _parts_of(entry: int, pieces, bucket_numel: int, direct_numel: int) -> list[Part]:
+    """The parts of one entry: each primary block of each piece, split by rows into at most ``bucket_numel``
+    elements (one row at least). ``pieces``: ``(tp, src, shard shape, blocks)``."""
+    parts = []
+    for tp, src, shape, blocks in pieces:
+        rows = _rows(shape)
+        width = math.prod(shape) // rows if rows else 0
+        for source, dim, a, b, la, lb, primary in blocks:
+            if not primary or lb <= la:
+                continue
+            if dim == 0:
+                r0, r1, c0, c1, h = la, lb, 0, width, a
+            elif len(shape) == 2:
+                r0, r1, c0, c1, h = 0, rows, la, lb, a
+            else:
+                raise RuntimeError(f"internal error: a column block of a {len(shape)}-D shard")
+            per = max(1, bucket_numel // max(1, c1 - c0))
+            for r in range(r0, r1, per):
+                n = min(per, r1 - r)
+                parts.append(Part(entry, source, tp, src, dim, r, r + n, c0, c1, h + (r - r0) if dim == 0 else h,
+                                  direct=dim == 0 and n * (c1 - c0) >= direct_numel))
+    return parts
+
+
+def plan_buckets(entries, bucket_numel: int, direct_numel: int) -> list[Bucket]:
+    """``entries``: ``(entry, hf shapes, pieces)`` in global order (``pieces`` as :func:`_parts_of` takes them)
+    -> buckets of at most ``bucket_numel`` elements, HF tensors and staging room together (an entry larger than
+    that is a bucket of its own). Pure."""
+    buckets, current, used = [], [], 0
+    for entry, hf_shapes, pieces in entries:
+        parts = _parts_of(entry, pieces, bucket_numel, direct_numel)
+        cost = sum(math.prod(s) for s in hf_shapes) + sum(p.numel for p in parts if not p.direct)
+        if current and used + cost > bucket_numel:
+            buckets.append(_layout_bucket(current))
+            current, used = [], 0
+        current.append((entry, hf_shapes, parts))
+        used += cost
+    if current:
+        buckets.append(_layout_bucket(current))
+    return buckets
+
+
+def _layout_bucket(entries) -> Bucket:
+    outputs, places, offset = [], {}, 0
+    for entry, hf_shapes, _ in entries:
+        for k, shape in enumerate(hf_shapes):
+            outputs.append((entry, k, offset))
+            places[(entry, k)] = (offset, math.prod(shape) // _rows(shape) if math.prod(shape) else 0)
+            offset += math.prod(shape)
+    stage = offset
+    parts = [p for _, _, ps in entries for p in ps]
+    laid, packed = [], []
+    for k, p in enumerate(parts):
+        if p.direct:
+            start, width = places[(p.entry, p.hf)]
+            laid.append(dataclasses.replace(p, offset=start + p.h0 * width))
+        else:
+            packed.append((p.src, k, p))
+    segments = []
+    for src, _, p in sorted(packed, key=lambda x: (x[0], x[1])):
+        if not segments or segments[-1][0] != src:
+            segments.append([src, offset, 0])
+        laid.append(dataclasses.replace(p, offset=offset))
+        offset += p.numel
+        segments[-1][2] += p.numel
+    placing = {(e, k): [] for e, k, _ in outputs}
+    for p in laid:
+        if not p.direct:
+            placing[(p.entry, p.hf)].append(p)
+    return Bucket(tuple(outputs), tuple(laid), tuple(tuple(s) for s in segments), offset,
+                  tuple(tuple(placing[(e, k)]) for e, k, _ in outputs), stage)
+
+
+def saved_entries(everything):
+    """``(index into everything, entry)`` of every entry the stream carries, in stream order."""
+    return [(i, e) for i, e in enumerate(everything) if e.row.save]
+
+
+def stream_metadata(everything, spec, *, task: str, pp: int, dtype: torch.dtype) -> list[TensorMeta]:
+    """What the stream yields, in order, without a plan or an exchange: the saved entries' HF tensors in entry
+    order (buckets hold consecutive entries, each entry whole, its HF tensors in the entry's order)."""
+    shapes = expected_hf_shapes(family_of(spec).table, spec, task=task, pp=pp)
+    return [TensorMeta(name, dtype, shapes[name]) for _, e in saved_entries(everything) for name in e.hf]
+
+
+def make_plan(tp_of, dp_of, held, everything, *, world: int, tp: int, pp: int, spec, task: str,
+              padded_vocab: int, numel: int, direct_numel: int) -> Plan:
+    """The export plan. ``tp_of[r]`` / ``dp_of[r]``: rank r's TP and data-parallel rank; ``held[r][i]``: whether
+    rank r holds entry i of ``everything`` (every rank's row of the exchange)."""
+    shapes = expected_hf_shapes(family_of(spec).table, spec, task=task, pp=pp)
+    entries, names = [], {}
+    for i, entry in saved_entries(everything):
+        hf_shapes = [shapes[n] for n in entry.hf]
+        tp_layout = make_layout(entry.row.kind, spec, padded_vocab)
+        pieces = []
+        for t in (range(tp) if tp_layout.tp_dim is not None else [0]):   # replicated: TP rank 0's copy
+            holders = [r for r in range(world) if held[r][i] and tp_of[r] == t]
+            if not holders:
+                raise RuntimeError(f"internal error: no rank holds TP rank {t}'s shard of {', '.join(entry.hf)}")
+            src = min(holders, key=lambda r: (dp_of[r], r))
+            pieces.append((t, src, tp_layout.shard_shape(t, tp, hf_shapes), tp_layout.blocks(t, tp, hf_shapes)))
+        entries.append((i, hf_shapes, pieces))
+        names[i] = tuple(entry.hf)
+    return Plan(plan_buckets(entries, numel, direct_numel), names, shapes)
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A shard or HF tensor seen as 2-D ``[rows, -1]`` (1-D: one element per row)."""
+    return t.reshape(t.shape[0] if t.dim() else 1, -1)
+
+
+def place(parts, target: torch.Tensor, staging: torch.Tensor, base: int = 0) -> None:
+    """Copy packed ``parts`` into their places in HF tensor ``target`` (direct parts are there already) from
+    ``staging``, which holds the bucket's elements from ``base`` on (a part at ``offset`` is at
+    ``offset - base`` in it)."""
+    target = as_rows(target)
+    for p in parts:
+        rows = staging.narrow(0, p.offset - base, p.numel).view(p.s1 - p.s0, p.c1 - p.c0)
+        if p.dim == 0:
+            target.narrow(0, p.h0, p.s1 - p.s0).copy_(rows)
+        else:
+            target.narrow(0, p.s0, p.s1 - p.s0).narrow(1, p.h0, p.c1 - p.c0).copy_(rows)
