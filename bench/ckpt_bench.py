@@ -85,7 +85,7 @@ def rank_io(rank, world, cfg, workdir, repeat):
     out["bytes"] = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".distcp"))
     # reference: one process torch.save of the same bytes (global shapes, model + two moments), fsynced
     if rank == 0:
-        from parallm.checkpoint.train_ckpt import read_tensors
+        from parallm.checkpoint.training import read_tensors
         ref = read_tensors(path)
         out["ref_bytes"] = sum(t.numel() * t.element_size() for t in ref.values())
         best = None

@@ -231,13 +231,14 @@ def run_threads(pp: int, vpp: int, m: int, *, backward: bool, unbatched: bool = 
                             generation=layout_generation(), tp_group=None, pp_group=None, dp_group=None)
         ranks[r] = [Stage(v * pp + r, stages_n, dims) for v in range(vpp)]
     mbs = _microbatches(m)
+    m_count = len(mbs)
     outcome = {}
 
     def body(r):
         try:
             transport = fabric.endpoint(r)
             transport = Unbatched(transport) if unbatched else transport
-            keep = _loss if backward else (lambda chunk, out, m: out)
+            keep = (lambda chunk, out, m: _loss(chunk, out, m) / m_count) if backward else (lambda chunk, out, m: out)
             outcome[r] = ("ok", pipeline.run_pipeline(ranks[r], mbs, last_stage_fn=keep, backward=backward,
                                                       transport=transport))
         except BaseException as e:  # noqa: BLE001 - reported to the test
@@ -273,7 +274,7 @@ def test_pipeline_completes_under_nccl_semantics(backward):
         last = outcome[pp - 1][1]
         assert len(last) == m and all(not outcome[r][1] for r in range(pp - 1))
         for got, want in zip(last, ref):
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+            torch.testing.assert_close(got * (m if backward else 1), want, rtol=0, atol=1e-6)
         if backward:
             for r in range(pp):
                 for v, st in enumerate(ranks[r]):

@@ -98,7 +98,7 @@ def rank_reshard(rank, world, s):
 
 @pytest.mark.timeout(400)
 def test_resume_across_layouts(tmp_path):
-    from parallm.checkpoint.train_ckpt import checkpoint_to_hf, read_tensors
+    from parallm.checkpoint.training import checkpoint_to_hf, read_tensors
     import transformers
     root = str(tmp_path)
     a = helpers.make_hf_model(helpers.tiny_config("llama", num_hidden_layers=4), seed=11)
@@ -453,7 +453,7 @@ def rank_exact(rank, world, s):
 @pytest.mark.timeout(400)
 def test_exact_resume_async_and_errors(tmp_path):
     from parallm import CheckpointError
-    from parallm.checkpoint.train_ckpt import checkpoint_to_hf, read_tensors
+    from parallm.checkpoint.training import checkpoint_to_hf, read_tensors
     root = str(tmp_path)
     model = helpers.make_hf_model(helpers.tiny_config("llama"), seed=21)
     hf = helpers.save_checkpoint(model, os.path.join(root, "hf"))
@@ -562,7 +562,7 @@ def rank_killed(rank, world, s):
 
 @pytest.mark.timeout(300)
 def test_killed_writer_keeps_previous_checkpoint(tmp_path):
-    from parallm.checkpoint.train_ckpt import read_tensors
+    from parallm.checkpoint.training import read_tensors
     model = helpers.make_hf_model(helpers.tiny_config("llama"), seed=31)
     (tmp_path / "out").mkdir()
     (tmp_path / "barrier").mkdir()
@@ -603,7 +603,7 @@ def rank_big_value(rank, world, s):
 def test_offline_export_refuses_a_float16_overflow(tmp_path):
     """checkpoint_to_hf(dtype=float16) of a weight float16 cannot hold: the catalog's overflow error (as
     save_hf_weights and export_hf_tensors raise it), and no output directory; bfloat16 holds it."""
-    from parallm.checkpoint.train_ckpt import checkpoint_to_hf
+    from parallm.checkpoint.training import checkpoint_to_hf
     from parallm.errors import CheckpointError
     model = helpers.make_hf_model(helpers.tiny_config("llama"), seed=32)
     s = dict(hf=helpers.save_checkpoint(model, str(tmp_path / "hf")), ckpt=str(tmp_path / "ckpt"))

@@ -36,8 +36,8 @@ _LAZY = {
     "TensorMeta": "checkpoint.export_plan", "finalize_grads": "parallel.grads",
     "clip_grad_norm_": "parallel.grads", "TokenStats": "model.logprobs",
     "init_parallel": "parallel.state", "destroy_parallel": "parallel.state",
-    "build_optimizer": "train.optim", "save_checkpoint": "checkpoint.train_ckpt",
-    "load_checkpoint": "checkpoint.train_ckpt", "checkpoint_to_hf": "checkpoint.train_ckpt",
+    "build_optimizer": "train.optim", "save_checkpoint": "checkpoint.training",
+    "load_checkpoint": "checkpoint.training", "checkpoint_to_hf": "checkpoint.training",
 }
 
 __all__ = ["CheckpointError", "ParallelError", *sorted(_LAZY)]

@@ -219,6 +219,16 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     ``mean_m [loss_fn(mb_m) + router_aux_loss_coef * sum over MoE layers of the layer's load-balancing loss on
     mb_m]`` (each layer's loss as transformers' ``load_balancing_loss_func`` computes it for that layer alone,
     over real tokens; layers summed as Megatron does, see docs/moe.md), and the returned loss includes it.
+
+    Token-mean losses: ``loss_fn`` may return ``(loss_sum, num_tokens)`` (a scalar tensor and a count: a number or
+    a tensor) for every microbatch instead. The objective is then ``sum(loss_sum) / sum(num_tokens)`` over all
+    microbatches and all data-parallel replicas (verl's ``loss_agg_mode="token-mean"``), not a mean of
+    per-microbatch means, and that is what is returned. Each ``loss_sum`` is back-propagated unscaled and
+    :func:`parallm.finalize_grads` divides the gradients by the global token count (summed over every such call
+    since the last finalize, so gradient accumulation over several calls is token-mean over all of them; a count
+    of 0 divides by 1). With a load-balancing loss the objective is ``(sum(loss_sum) + coef * mean_m aux_m
+    summed over replicas) / sum(num_tokens)``. Mixing the two kinds within a call, or within one step before
+    ``finalize_grads``, is a ValueError.
     """
     require_initialized("forward_backward")
     chunks = as_chunks(chunks)
@@ -246,13 +256,13 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     size = b // num_microbatches
     mbs = [(input_ids[i:i + size], position_ids[i:i + size], attention_mask[i:i + size])
            for i in range(0, b, size)]
+    records = {}    # microbatch -> (loss or loss_sum, num_tokens or None), on last-stage ranks
 
     def last_stage(chunk, out, m):
         ids, _, mask = mbs[m]
-        loss = loss_fn(gather_output(chunk, out, temperature, request), ids, mask)
-        if not (torch.is_tensor(loss) and loss.dim() == 0):
-            raise ValueError("loss_fn must return a scalar tensor")
-        return loss
+        value, tokens = _loss_parts(loss_fn(gather_output(chunk, out, temperature, request), ids, mask))
+        records[m] = (value.detach().float(), tokens)
+        return value / num_microbatches if tokens is None else value    # what is back-propagated
 
     moe = chunks[0].spec.moe
     coef = moe.aux_loss_coef if moe is not None else 0.0
@@ -260,14 +270,65 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
         for chunk in chunks:
             chunk.moe_aux.start(coef / num_microbatches)
     try:
-        losses = run_pipeline(chunks, mbs, last_stage_fn=last_stage, backward=True, compute_kwargs={"stats": request})
+        run_pipeline(chunks, mbs, last_stage_fn=last_stage, backward=True, compute_kwargs={"stats": request})
     finally:
         aux_values = [v for chunk in chunks for v in chunk.moe_aux.stop()]
-    mean = torch.stack(losses).float().mean() if losses else None
-    mean = broadcast_from_last_stage(layout, mean, (), torch.float32, input_ids.device)
-    if coef:
-        mean = mean + coef * _load_balancing_total(chunks, aux_values, layout, mean.device) / num_microbatches
+    device = input_ids.device
+    # [microbatches returning a pair, sum of the values, sum of the token counts], from the last stage
+    mine = None
+    if records:
+        values = [v for v, _ in records.values()]
+        tokens = [float(t) for _, t in records.values() if t is not None]
+        mine = torch.tensor([len(tokens), torch.stack(values).sum().item(), sum(tokens)], dtype=torch.float64)
+    stats = broadcast_from_last_stage(layout, mine, (3,), torch.float64, device).cpu()
+    pairs = int(stats[0])
+    if 0 < pairs < num_microbatches:
+        raise ValueError(f"forward_backward: loss_fn returned (loss_sum, num_tokens) for {pairs} of "
+                         f"{num_microbatches} microbatches and a scalar for the others; return one kind")
+    aux = coef * _load_balancing_total(chunks, aux_values, layout, device).double().cpu() / num_microbatches \
+        if coef else torch.zeros((), dtype=torch.float64)
+    if pairs == 0:        # the mean over microbatches (and over data-parallel replicas)
+        if _pending_tokens(chunks) is not None:
+            raise ValueError("forward_backward: a scalar loss_fn after a (loss_sum, num_tokens) one before "
+                             "finalize_grads; the gradients of one step come from one kind")
+        mean = stats[1] / num_microbatches + aux
+        if layout.dp > 1:
+            mean = mean.to(device)
+            torch.distributed.all_reduce(mean, group=layout.dp_group)
+            mean = mean.cpu() / layout.dp
+        return mean.float().to(device)
+    # token-mean: sum(loss_sum) / sum(num_tokens) over microbatches and data-parallel replicas
+    total = torch.stack([stats[1] + aux, stats[2]])
     if layout.dp > 1:
-        torch.distributed.all_reduce(mean, group=layout.dp_group)
-        mean /= layout.dp
-    return mean
+        total = total.to(device)
+        torch.distributed.all_reduce(total, group=layout.dp_group)
+        total = total.cpu()
+    _add_pending_tokens(chunks, float(total[1]))
+    return (total[0] / max(float(total[1]), 1.0)).float().to(device)
+
+
+def _loss_parts(result):
+    """``loss_fn``'s return -> ``(value, num_tokens or None)``: a scalar tensor, or a pair ``(loss_sum,
+    num_tokens)`` whose count is a number or a one-element tensor."""
+    if isinstance(result, (tuple, list)):
+        if len(result) != 2:
+            raise ValueError(f"loss_fn must return a scalar tensor or (loss_sum, num_tokens); got a sequence of "
+                             f"{len(result)}")
+        value, tokens = result
+        tokens = float(tokens.detach().float().sum()) if torch.is_tensor(tokens) else float(tokens)
+        if not tokens >= 0:
+            raise ValueError(f"loss_fn's num_tokens must be >= 0, got {tokens}")
+    else:
+        value, tokens = result, None
+    if not (torch.is_tensor(value) and value.dim() == 0):
+        raise ValueError("loss_fn must return a scalar tensor (or (loss_sum, num_tokens) with a scalar loss_sum)")
+    return value, tokens
+
+
+def _pending_tokens(chunks):
+    """The token count of the (loss_sum, num_tokens) calls since the last finalize_grads, or None."""
+    return getattr(chunks[0], "pending_tokens", None)
+
+
+def _add_pending_tokens(chunks, count: float) -> None:
+    chunks[0].pending_tokens = (_pending_tokens(chunks) or 0.0) + count

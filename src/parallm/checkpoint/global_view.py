@@ -19,9 +19,9 @@ from ..model.placement import placement_of
 
 @dataclass(frozen=True)
 class GlobalSlice:
-    """Rows / columns ``[start, stop)`` along ``dim`` of the local parameter are the box of HF tensor ``name``
+    """Rows / columns ``[start, stop)`` along ``dim`` of the local parameter are the slice of HF tensor ``name``
     (full shape ``shape``) that starts at ``offsets`` and has the same sizes. ``primary``: this rank is the
-    one writer of that box (replicas elsewhere, over TP or data parallelism, hold the same values)."""
+    one writer of that slice (replicas elsewhere, over TP or data parallelism, hold the same values)."""
     name: str
     shape: tuple[int, ...]
     offsets: tuple[int, ...]
@@ -40,8 +40,8 @@ class GlobalSlice:
 
 
 def global_slices(entry, param: torch.Tensor, dims, hf_shapes: dict[str, tuple[int, ...]]) -> list[GlobalSlice]:
-    """The pieces of ``param`` (weight-table ``entry``, this rank's coordinates ``dims``) as boxes of the HF
-    tensors (full shapes ``hf_shapes``). Vocabulary padding rows belong to no box."""
+    """The pieces of ``param`` (weight-table ``entry``, this rank's coordinates ``dims``) as slices of the HF
+    tensors (full shapes ``hf_shapes``). Vocabulary padding rows belong to no slice."""
     layout = placement_of(param).layout
     shapes = [tuple(hf_shapes[n]) for n in entry.hf]
     out = []
@@ -51,7 +51,7 @@ def global_slices(entry, param: torch.Tensor, dims, hf_shapes: dict[str, tuple[i
         piece = GlobalSlice(entry.hf[src], shape, offsets, dim, la, lb, bool(primary))
         if tuple(piece.local(param).shape) != piece.sizes:
             raise RuntimeError(f"internal error: {entry.local} slice {la}:{lb} along dim {dim} has shape "
-                               f"{tuple(piece.local(param).shape)}, its box in {piece.name} {piece.sizes}")
+                               f"{tuple(piece.local(param).shape)}, its slice of {piece.name} {piece.sizes}")
         out.append(piece)
     return out
 

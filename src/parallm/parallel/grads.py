@@ -12,7 +12,10 @@ the unsharded model:
    copies' gradients are summed over Megatron's embedding group, so both copies step equally.
 3. ``tp_sum`` params (TP-replicated but fed part of the work on each rank: norms, row-parallel biases and the
    value head under sequence parallelism; per-head q/k norms always) are summed over the TP group.
-4. Data parallelism: gradients are averaged over the data-parallel group (the loss is a mean over replicas).
+4. Data parallelism: gradients are averaged over the data-parallel group (the loss is a mean over replicas);
+   after ``forward_backward`` calls whose ``loss_fn`` returned ``(loss_sum, num_tokens)`` they are summed over
+   it and divided by the calls' global token count instead (token-mean, as Megatron's
+   ``calculate_per_token_loss``), which is where that objective's division happens.
    A routed expert's weight (``placement.expert`` set) already holds the gradient of every token its
    expert-parallel group routed to it; it is summed over the expert-data-parallel group (the replicas holding the
    same expert) and divided by the data-parallel size, as megatron-core's DDP does. Router and shared expert are
@@ -148,15 +151,21 @@ def finalize_grads(chunks) -> None:
     if layout.tp > 1:
         _all_reduce_coalesced([_grad(p) for p, pl in placed if pl.tp_sum], layout.tp_group)
 
+    # the mean over replicas, or (token-mean losses) the sum over replicas divided by the global token count
+    tokens = getattr(chunks[0], "pending_tokens", None)
+    chunks[0].pending_tokens = None
+    scale = 1.0 / layout.dp if tokens is None else 1.0 / max(tokens, 1.0)
     if layout.dp > 1:
-        _all_reduce_coalesced([_grad(p) for p, pl in placed if pl.expert is None], layout.dp_group,
-                              scale=1.0 / layout.dp)
+        _all_reduce_coalesced([_grad(p) for p, pl in placed if pl.expert is None], layout.dp_group, scale=scale)
         experts = [_grad(p) for p, pl in placed if pl.expert is not None]
         if layout.edp > 1:
-            _all_reduce_coalesced(experts, layout.edp_group, scale=1.0 / layout.dp)
+            _all_reduce_coalesced(experts, layout.edp_group, scale=scale)
         else:
             for g in experts:
-                g.mul_(1.0 / layout.dp)
+                g.mul_(scale)
+    elif scale != 1.0:
+        for p, _ in placed:
+            _grad(p).mul_(scale)
 
 
 # -- gradient clipping ----------------------------------------------------------------------------------------

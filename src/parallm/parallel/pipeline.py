@@ -214,8 +214,8 @@ def run_pipeline(chunks, microbatches, *, last_stage_fn, backward: bool, compute
     turns the last stage's raw output into what is kept (a loss when ``backward``). ``compute_kwargs``: extra
     keyword arguments of ``chunk.compute``. ``transport``: what carries the messages (default
     :class:`DistTransport` over the pipeline group; tests pass a stand-in). Returns the kept values in
-    microbatch order on last-stage ranks, [] elsewhere. With ``backward``, each kept loss is back-propagated
-    scaled by ``1 / len(microbatches)``, and only detached copies are returned.
+    microbatch order on last-stage ranks, [] elsewhere. With ``backward``, what ``last_stage_fn`` returns is
+    back-propagated as it is (the caller scales it), and only detached copies are returned.
     """
     layout = dims_of(chunks)
     pp, vpp = layout.pp, len(chunks)
@@ -258,7 +258,7 @@ def run_pipeline(chunks, microbatches, *, last_stage_fn, backward: bool, compute
             else:
                 inp, out = live.pop((m, v))
                 if chunk.post_process:
-                    torch.autograd.backward(out / len(microbatches))
+                    torch.autograd.backward(out)
                 else:
                     torch.autograd.backward(out, inbox.pop((_GRAD, m, stage + 1)))
                 del out
