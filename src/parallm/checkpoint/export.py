@@ -150,10 +150,10 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
 
 def open_stream(chunks, *, dtype=None, bucket_bytes=DEFAULT_BUCKET_BYTES, dst_ranks=None, copy=False,
                 what: str = "export_hf_tensors"):
-    """:func:`export_hf_tensors`, returning ``(generator, state)``: ``state.told_others`` says whether a failure
-    or early stop on this rank was exchanged with the other ranks through the stream (callers that agree on an
-    outcome afterwards need to know whether the others already raised). ``what`` names the operation in
-    errors."""
+    """:func:`export_hf_tensors`, returning ``(generator, state)``: ``state.exchanged`` says whether the stream
+    ended early through an agreement (a rank stopped or failed and every rank learnt of it: the others raised),
+    which callers that agree on an outcome afterwards need to know; ``state.buckets``, ``state.tensors``: the
+    plan's counts. ``what`` names the operation in errors."""
     require_initialized(what)
     chunks = as_chunks(chunks)
     layout = dims_of(chunks)
@@ -321,7 +321,7 @@ class _StreamState:
         self.pending = []         # lists of works still in flight
         self.yielded = 0
         self.ended = False        # no agreement may follow (the stream is over for every rank)
-        self.told_others = False  # this rank's stop or failure went through an agreement
+        self.exchanged = False    # the stream ended early through an agreement (every rank knows)
 
     def wait_pending(self) -> None:
         while self.pending:
@@ -339,6 +339,7 @@ class _StreamState:
         if not rows.any():
             self.ended = False
             return
+        self.exchanged = True
         statuses = gather_objects(None, what=self.what)
         self.wait_pending()
         failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
@@ -357,7 +358,7 @@ class _StreamState:
         self.wait_pending()
         if self.world == 1 or self.agreed >= self.buckets:
             return
-        self.told_others = True
+        self.exchanged = True
         exchange_rows([1], what=self.what)
         gather_objects(status, what=self.what)
 
