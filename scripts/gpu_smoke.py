@@ -332,7 +332,7 @@ def throughput(parallm, R, device, rank, workdir, info, *, cpu: bool) -> None:
             opt.zero_grad()
         t_ours = timed(ours)
         backend = chunks[0].attn_impl
-        del chunks, opt
+        chunks = opt = None                           # free the model before transformers' is built
         import transformers
         hf = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation="flash_attention_2" if flash and dtype != torch.float32 else "sdpa"
@@ -345,7 +345,7 @@ def throughput(parallm, R, device, rank, workdir, info, *, cpu: bool) -> None:
             hf_opt.step()
             hf_opt.zero_grad()
         t_hf = timed(theirs)
-        del hf, hf_opt
+        hf = hf_opt = None
         peak = _peak(dtype)
         for who, t, extra in (("parallm", t_ours, f", attention {backend}"),
                               ("transformers", t_hf, f", attention {'flash_attention_2' if flash and dtype != torch.float32 else 'sdpa'}")):

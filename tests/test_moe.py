@@ -10,9 +10,11 @@ One spawn of 4 ranks runs every case of CASES in turn (init_parallel(tp, pp, ep=
 * one SGD step (``forward_backward`` + ``finalize_grads`` + ``p -= lr * p.grad``) vs the same step on the
   transformers model (loss, saved weights after the step in Hub names, outputs after the step), with the
   load-balancing loss in the objective when the config sets ``output_router_logits``;
-* every expert parameter has a gradient after ``finalize_grads`` (a tensor, never None).
+* every expert parameter has a gradient after the backward, before ``finalize_grads`` (which would fill a missing
+  one with zeros): a tensor, never None.
 
-A second spawn checks that experts no token chose get an exactly-zero gradient (and chosen ones a non-zero one).
+A second spawn checks, before ``finalize_grads``, that experts no token chose took part in the backward with an
+exactly-zero gradient (and chosen ones got a non-zero one).
 """
 
 from __future__ import annotations
@@ -157,9 +159,10 @@ def rank_cases(rank, world, cases):
         sl = slice(lay.dp_rank * per, (lay.dp_rank + 1) * per)
         loss_fn = value_loss if case["task"] == "value" else ce_loss
         loss = parallm.forward_backward(chunks, ids[sl], mask[sl], loss_fn=loss_fn, num_microbatches=case["nmb"])
-        parallm.finalize_grads(chunks)
+        # before finalize_grads, which fills a missing gradient with zeros: the backward itself reached every expert
         experts = [(n, p) for c in chunks for n, p in c.named_parameters() if placement_of(p).expert is not None]
         assert experts and all(p.grad is not None for _, p in experts), case["name"]
+        parallm.finalize_grads(chunks)
         with torch.no_grad():
             for c in chunks:
                 for p in c.parameters():
@@ -384,7 +387,8 @@ def rank_errors(rank, world, ckpt_e6, ckpt_missing, ckpt_e16, batches, chosen):
     parallm.load_hf_weights(chunks, ckpt_e16)
     ids = batches[lay.dp_rank]
     parallm.forward_backward(chunks, ids, torch.ones_like(ids), loss_fn=lambda o, i, m: o.pow(2).mean())
-    parallm.finalize_grads(chunks)
+    # checked before finalize_grads (which fills a missing gradient with zeros): an expert no token chose still
+    # ran (on an empty batch) in the backward, so it has a gradient, and that gradient is exactly zero
     zero, nonzero = [], []
     for c in chunks:
         for layer in c.layers:
@@ -396,6 +400,7 @@ def rank_errors(rank, world, ckpt_e6, ckpt_missing, ckpt_e16, batches, chosen):
                     unchosen = e not in chosen[layer.layer_number]
                     (zero if unchosen else nonzero).append(bool((p.grad == 0).all()) == unchosen)
     out["grads"] = (zero, nonzero)
+    parallm.finalize_grads(chunks)
     nmb = 2 if rank == 0 else 1
     with pytest.raises(ValueError) as e:
         parallm.forward_backward(chunks, ids.repeat(nmb, 1), torch.ones_like(ids.repeat(nmb, 1)),
