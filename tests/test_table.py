@@ -12,7 +12,7 @@ import pytest
 from parallm.model.table import (CONDITIONS, KINDS, LAYER_CONDITIONS, Row, all_entries, chunk_entries,
                                  expected_hf_shapes, select_rows)
 from parallm.families import FAMILIES, family_of, spec_from_config
-from parallm.model.spec import layer_numbers
+from parallm.parallel.stages import layer_numbers
 
 from helpers import hf_state_dict, hub_state_dict, make_hf_model, tiny_config
 

@@ -273,7 +273,7 @@ def _bf16_accumulation_error(parallm, chunks, ids, mask, loss_fn) -> float:
     computes ``fp32(g_1) / 2 + fp32(g_2) / 2`` with one fp32 addition: the same bits as the reference. An
     accumulation in bf16 instead rounds that sum to bf16, a relative error of about 2^-9 per element, which a
     bound of 1e-6 rejects."""
-    from parallm.parallel.grads import grad_of, zero_grads
+    from parallm.model.params import grad_of, zero_grads
     params = [p for c in chunks for p in c.parameters()]
     zero_grads(chunks)
     parallm.forward_backward(chunks, ids[:4], mask[:4], loss_fn=loss_fn, num_microbatches=2, output="logprobs")

@@ -17,7 +17,8 @@ from safetensors.torch import save_file
 
 from parallm.model import sharding as T
 from parallm.families import spec_from_config
-from parallm.model.spec import check_tp, layer_numbers, padded_vocab_size
+from parallm.model.spec import check_tp, padded_vocab_size
+from parallm.parallel.stages import layer_numbers
 
 from helpers import tiny_config
 
@@ -383,7 +384,7 @@ def test_primary_slices_count_every_element_once(case):
 
 @pytest.mark.parametrize("layers,pp,vpp", [(8, 2, 2), (8, 4, 1), (12, 2, 3), (4, 1, 1), (16, 4, 2)])
 def test_layer_owner_inverts_layer_numbers(layers, pp, vpp):
-    from parallm.model.spec import layer_numbers, layer_owner
+    from parallm.parallel.stages import layer_numbers, layer_owner
     for p in range(pp):
         for v in range(vpp):
             for i in layer_numbers(layers, pp, vpp, p, v):

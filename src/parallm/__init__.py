@@ -1,18 +1,21 @@
-"""parallm: Hugging Face decoder LLMs as Megatron-core tensor / pipeline / data-parallel models.
+"""parallm: Hugging Face decoder LLMs as Megatron-core tensor / pipeline / data / expert-parallel models.
 
 Public API (a contract, see docs/api.md)::
 
-    parallm.init_parallel(tp=1, pp=1, vpp=None, *, backend=None, seed=0)
-    parallm.destroy_parallel()
+    parallm.init_parallel(tp=1, pp=1, vpp=None, *, ep=1, backend=None, seed=0, timeout_s=None)
+    parallm.destroy_parallel()                       # waits for pending asynchronous checkpoint saves first
     chunks = parallm.build_model(hf_config, *, task="causal_lm", packed=False, sequence_parallel=False,
-                                 dtype=torch.float32, recompute=None)
+                                 dtype=torch.float32, vocab_multiple=1, attn_impl="auto", recompute=None)
     parallm.load_hf_weights(chunks, source, *, mode="auto")
     state = parallm.save_hf_weights(chunks, out_dir=None, *, dtype=None)
-    for name, tensor in parallm.export_hf_tensors(chunks, *, dtype=None, bucket_bytes=..., dst_ranks=None): ...
+    for name, tensor in parallm.export_hf_tensors(chunks, *, dtype=None, bucket_bytes=..., dst_ranks=None,
+                                                  copy=False): ...
+    meta = parallm.export_metadata(chunks, *, dtype=None)   # [TensorMeta(name, dtype, shape)], the stream's order
     out = parallm.forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output=None,
-                          temperature=1.0)           # output: None | "logprobs" | "logprobs+entropy"
+                          temperature=1.0, token_chunk=None)   # output: None | "logprobs" | "logprobs+entropy"
     loss = parallm.forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_microbatches=1,
-                                    position_ids=None, output=None, temperature=1.0)
+                                    position_ids=None, output=None, temperature=1.0, token_chunk=None)
+    #   loss_fn returns a scalar (mean over microbatches) or (loss_sum, num_tokens) (token-mean)
     parallm.finalize_grads(chunks)
     norm = parallm.clip_grad_norm_(chunks, max_norm, norm_type=2.0)
     opt = parallm.build_optimizer(chunks, *, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
@@ -20,6 +23,9 @@ Public API (a contract, see docs/api.md)::
     parallm.save_checkpoint(path, chunks, optimizer=None, *, step, extra=None, overwrite=False, async_save=False)
     info = parallm.load_checkpoint(path, chunks, optimizer=None)      # {"step": ..., "extra": ...}
     parallm.checkpoint_to_hf(path, out_dir, *, dtype=None, overwrite=False)   # offline, no process group
+
+    from parallm.integrations import vllm as pv      # optional; importing parallm never imports vLLM
+    llm = pv.launch(model_dir, *, rank=0, **llm_kwargs); stats = pv.push_weights(chunks, llm, *, rank=0)
 """
 
 import importlib
@@ -33,8 +39,8 @@ _LAZY = {
     "build_model": "api", "default_position_ids": "api", "forward": "api", "forward_backward": "api",
     "load_hf_weights": "checkpoint.loader", "save_hf_weights": "checkpoint.saver",
     "export_hf_tensors": "checkpoint.export", "export_metadata": "checkpoint.export",
-    "TensorMeta": "checkpoint.export_plan", "finalize_grads": "parallel.grads",
-    "clip_grad_norm_": "parallel.grads", "TokenStats": "model.logprobs",
+    "TensorMeta": "checkpoint.export_plan", "finalize_grads": "train.grads",
+    "clip_grad_norm_": "train.grads", "TokenStats": "model.logprobs",
     "init_parallel": "parallel.state", "destroy_parallel": "parallel.state",
     "build_optimizer": "train.optim", "save_checkpoint": "checkpoint.training",
     "load_checkpoint": "checkpoint.training", "checkpoint_to_hf": "checkpoint.training",

@@ -8,14 +8,14 @@ import logging
 import torch
 
 from .families import load_config, spec_from_config
-from .model.decoder import RECOMPUTE, DecoderChunk, as_chunks, build_chunks
+from .model.decoder import RECOMPUTE, DecoderChunk, build_chunks
 from .model.logprobs import TokenStats, check_output
 from .model.spec import TASKS
 from .parallel.comm import gather_last_dim
 from .parallel.errors import exchange_rows, run_local
-from .parallel.grads import attach_main_grad_hooks
+from .model.params import attach_main_grad_hooks
 from .parallel.pipeline import broadcast_from_last_stage, run_pipeline
-from .parallel.state import dims_of, kv_replica_group, require_initialized
+from .parallel.state import as_chunks, dims_of, kv_replica_group, require_initialized
 
 
 logger = logging.getLogger("parallm")
@@ -210,7 +210,7 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     ``loss_fn(out, input_ids_mb, attention_mask_mb)`` receives what :func:`forward` returns for that
     microbatch with the same ``output`` / ``temperature`` (differentiable). Gradients accumulate as the gradient
     of ``mean_m loss_fn(mb_m)``: in ``param.grad`` for fp32 parameters, in fp32 ``param.main_grad`` for
-    bf16 / fp16 ones (:func:`parallm.parallel.grads.grad_of`); call :func:`parallm.finalize_grads` before
+    bf16 / fp16 ones (:func:`parallm.model.params.grad_of`); call :func:`parallm.finalize_grads` before
     stepping. Schedules: one microbatch's forward then its backward at ``pp == 1``; 1F1B (interleaved with
     virtual stages) at ``pp > 1`` (docs/pipeline.md). Each data-parallel replica passes its own batch. Returns
     that mean, averaged over data-parallel replicas (the global loss), on every rank.

@@ -28,12 +28,11 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError, ParallelError
 from ..families import family_of
-from ..model.decoder import as_chunks
 from ..model.placement import placement_of
 from ..model.sharding import TensorSource, make_shard
-from ..model.table import Entry, all_entries, chunk_entries, expected_hf_shapes
+from ..model.table import Entry, all_entries, chunk_entries, expected_hf_shapes, held_params, model_entries  # noqa: F401
 from ..parallel.errors import exchange_rows, gather_objects, remote_error, status_of
-from ..parallel.state import ParallelDims, dims_of, require_initialized
+from ..parallel.state import ParallelDims, as_chunks, dims_of, require_initialized
 from ..progress import bar
 from .cast import WIRE_DTYPES, check_cast, copy_cast_
 from .hf_dir import HFCheckpoint, check_floating, check_keys_and_shapes, tensor_shapes
@@ -89,31 +88,6 @@ def init_value_head(param: torch.Tensor, hf_config) -> float:
     with torch.no_grad():
         param.copy_(torch.randn(param.shape, generator=g, dtype=torch.float32) * std)
     return std
-
-
-def model_entries(chunks, layout: ParallelDims):
-    """(entry, chunk) pairs owned by this rank (of a MoE layer's experts, only those of its expert-parallel
-    rank), plus the whole model's entry list (global order, every expert)."""
-    spec, task = chunks[0].spec, chunks[0].task
-    table = family_of(spec).table
-    experts = layout.expert_range(spec.moe.num_experts) if spec.moe is not None else None
-    mine = []
-    for chunk in chunks:
-        for e in chunk_entries(table, spec, task=task, pp=layout.pp, pre_process=chunk.pre_process,
-                               post_process=chunk.post_process, layers=chunk.layer_range, experts=experts):
-            mine.append((e, chunk))
-    return mine, all_entries(table, spec, task=task, pp=layout.pp)
-
-
-def held_params(mine, everything) -> tuple[list[int], dict[int, torch.Tensor]]:
-    """Which of the model's entries (indices into ``everything``) this rank holds, as the 0/1 row every rank
-    contributes to an exchange, and their parameters by index."""
-    order = {(e.row, e.layer): i for i, e in enumerate(everything)}
-    holds, params = [0] * len(everything), {}
-    for e, chunk in mine:
-        holds[order[(e.row, e.layer)]] = 1
-        params[order[(e.row, e.layer)]] = chunk.get_parameter(e.local)
-    return holds, params
 
 
 def ignorable_names(spec, task: str) -> tuple[str, ...]:

@@ -34,15 +34,13 @@ import torch
 import torch.distributed as dist
 
 from ..families import family_of
-from ..model.decoder import as_chunks
 from ..model.placement import placement_of
-from ..model.table import expected_hf_shapes
+from ..model.table import expected_hf_shapes, model_entries
 from ..parallel.errors import run_local
-from ..parallel.state import ParallelDims, dims_of, require_initialized
+from ..parallel.state import ParallelDims, as_chunks, dims_of, require_initialized
 from ..progress import bar
 from .cast import can_overflow, check_entry_casts
 from .hf_dir import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME
-from .loader import model_entries
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024 ** 3
 
@@ -284,9 +282,9 @@ def _save_dir(chunks, layout: ParallelDims, out_dir: str, *, dtype, overwrite: b
                 fh.truncate(f["size"])
         return tmp
 
-    box = [run_local(prepare, what="save_hf_weights")]
-    dist.broadcast_object_list(box, src=0)
-    tmp = box[0]
+    shared = [run_local(prepare, what="save_hf_weights")]      # rank 0's temporary directory, to every rank
+    dist.broadcast_object_list(shared, src=0)
+    tmp = shared[0]
     try:
         def write():
             wanted, _ = _ordered_entries(chunks, layout)
@@ -302,9 +300,9 @@ def _save_dir(chunks, layout: ParallelDims, out_dir: str, *, dtype, overwrite: b
                     local = param.detach().to(device="cpu", dtype=dtype)      # checked by _check_casts
                     hf_shapes = [shapes[n] for n in entry.hf]
                     for block in placement_of(param).layout.blocks(layout.tp_rank, layout.tp, hf_shapes):
-                        if not block[6]:
+                        if not block.primary:
                             continue  # a replica: another rank writes these bytes
-                        fname, start, hf_shape = where[entry.hf[block[0]]]
+                        fname, start, hf_shape = where[entry.hf[block.source]]
                         if fname not in fds:
                             fds[fname] = os.open(os.path.join(tmp, fname), os.O_WRONLY)
                         _write_block(fds[fname], start, hf_shape, elsize, block, local)

@@ -97,7 +97,8 @@ def read_checkpoint(path: str, *, task: str | None, pp: int = 1) -> dict:
 
 def check_split(spec, *, tp: int, pp: int, vpp: int | None) -> None:
     """The loader's own split checks, as a CLIError: tp over heads / KV heads / MLP, layers over pp x vpp."""
-    from ..model.spec import check_tp, layer_numbers
+    from ..model.spec import check_tp
+    from ..parallel.stages import layer_numbers
     try:
         check_tp(spec, tp)
         layer_numbers(spec.num_layers, pp, vpp or 1, 0, 0)
@@ -121,7 +122,8 @@ def rank_params(spec, task: str, *, tp: int, pp: int, vpp: int | None) -> list[d
     from ..model.sharding import make_layout
     from ..model.table import chunk_entries, resolve_shape
     from ..families import family_of
-    from ..model.spec import layer_numbers, padded_vocab_size
+    from ..model.spec import padded_vocab_size
+    from ..parallel.stages import layer_numbers
     table, vpp, padded = family_of(spec).table, vpp or 1, padded_vocab_size(spec.vocab_size, tp)
     stages = []
     for pp_rank in range(pp):
@@ -138,7 +140,8 @@ def rank_params(spec, task: str, *, tp: int, pp: int, vpp: int | None) -> list[d
 
 
 def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, task=None) -> dict:
-    from ..model.spec import check_tp, layer_numbers
+    from ..model.spec import check_tp
+    from ..parallel.stages import layer_numbers
     ck = read_checkpoint(path, task=task)
     spec, tensors, L = ck["spec"], ck["tensors"], ck["spec"].num_layers
     files = {t["file"]: os.path.getsize(os.path.join(path, t["file"])) for t in tensors.values()}

@@ -42,9 +42,9 @@ from ..api import default_position_ids
 from ..checkpoint.loader import load_hf_weights
 from ..checkpoint.saver import save_hf_weights
 from ..families import spec_from_config
-from ..model.decoder import DecoderChunk, as_chunks, prepare_config
+from ..model.decoder import DecoderChunk, prepare_config
 from ..parallel.comm import gather_last_dim
-from ..parallel.state import current_dims, _import_parallel_state, kv_replica_group
+from ..parallel.state import _import_parallel_state, as_chunks, current_dims, kv_replica_group
 
 
 def _chunk_kwargs(config, megatron_config, task, pre_process, post_process):

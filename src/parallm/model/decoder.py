@@ -20,13 +20,15 @@ from torch.utils.checkpoint import checkpoint
 
 from ..parallel.cpu_compat import enable_megatron_sequence_parallel_on_cpu
 from ..parallel.megatron_import import import_megatron
+from ..parallel.state import as_chunks  # noqa: F401 - (until every importer names parallel.state)
 from .attention import AttnBackend, Packing, make_packing, pack_tokens, resolve_attn_impl, unpack_tokens
 from .logprobs import token_stats_head
 from .mlp import MLP, no_init
 from .moe import MoEAux, MoEBlock
 from .placement import attach_placements
 from .rope import apply_rope, rope_cos_sin
-from .spec import TASKS, DecoderSpec, check_ep, check_tp, layer_numbers, padded_vocab_size
+from ..parallel.stages import layer_numbers
+from .spec import TASKS, DecoderSpec, check_ep, check_tp, padded_vocab_size
 from .table import chunk_entries
 
 _megatron = import_megatron()
@@ -155,6 +157,7 @@ class DecoderChunk(nn.Module):
         self.vpp_rank = vpp_rank
         self.dims = dims
         self.layer_range = layers
+        self.table = table          # the family's weight table (loader, saver and export read it)
         self.packed = packed
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
@@ -166,13 +169,10 @@ class DecoderChunk(nn.Module):
         self.padded_vocab_size = padded_vocab_size(spec.vocab_size, tp, vocab_multiple)
         self.share_embeddings_and_output_weights = spec.tie_word_embeddings and task == "causal_lm"
         self.input_tensor = None
-        # What Megatron's schedules read from a model: its type and a few TransformerConfig fields.
+        # What Megatron's schedules read from a model: its type (and, from the config, the fields
+        # prepare_config adds).
         from megatron.core.enums import ModelType
         self.model_type = ModelType.encoder_or_decoder
-        for name, value in (("hidden_size", spec.hidden_size), ("calculate_per_token_loss", False),
-                            ("fine_grained_activation_offloading", False)):
-            if not hasattr(config, name):
-                setattr(config, name, value)
         if pre_process:
             self.embedding = mtp.VocabParallelEmbedding(
                 self.padded_vocab_size, spec.hidden_size, init_method=no_init, config=config,
@@ -333,11 +333,6 @@ class DecoderChunk(nn.Module):
         return self._my_rows((torch.arange(ctx.total, device=attention_mask.device) < ctx.nnz).float())
 
 
-def as_chunks(chunks) -> list:
-    """The public API accepts a list of chunks or a single chunk."""
-    return list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
-
-
 def make_config(*, tp: int, pp: int, vpp: int | None, dtype: torch.dtype, sequence_parallel: bool):
     from ..parallel.state import group_device
     on_gpu = group_device().type == "cuda"
@@ -366,6 +361,12 @@ def prepare_config(spec: DecoderSpec, dims, *, task: str, dtype, sequence_parall
     layer_numbers(spec.num_layers, dims.pp, dims.vpp, 0, 0)  # raises with the numbers if the split is uneven
     config = make_config(tp=dims.tp, pp=dims.pp, vpp=dims.vpp if dims.vpp > 1 else None, dtype=dtype,
                          sequence_parallel=sequence_parallel)
+    # The TransformerConfig fields Megatron's schedules read from a model's config, set once here: the chunks of
+    # a rank share this config (as a Megatron model's chunks share one) and none of them writes to it.
+    for name, value in (("hidden_size", spec.hidden_size), ("calculate_per_token_loss", False),
+                        ("fine_grained_activation_offloading", False)):
+        if not hasattr(config, name):
+            setattr(config, name, value)
     if config.sequence_parallel and config.use_cpu_initialization:
         enable_megatron_sequence_parallel_on_cpu()
     return config

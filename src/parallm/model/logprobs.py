@@ -31,6 +31,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from .params import grad_of
+
 OUTPUTS = (None, "logprobs", "logprobs+entropy")
 
 # Default token chunk: at most this many fp32 logits ([chunk, V/tp]) per buffer (32 MiB). Smaller chunks cost
@@ -198,7 +200,6 @@ class _VocabParallelStats(torch.autograd.Function):
 def _existing_fp32_grad(weight: torch.Tensor) -> torch.Tensor | None:
     if hasattr(weight, "grad_added_to_main_grad"):      # Megatron's DDP owns this parameter's main_grad
         return None
-    from ..parallel.grads import grad_of     # (parallel.grads imports the model package)
     g = grad_of(weight)
     if g is not None and g.dtype == torch.float32 and g.shape == weight.shape and g.is_contiguous():
         return g

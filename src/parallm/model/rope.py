@@ -1,7 +1,7 @@
-"""Rotary position embeddings (RoPE) with exact Hugging Face parity.
+"""Rotary position embeddings (RoPE), equal to transformers' bit for bit.
 
-Conventions
------------
+Conventions:
+
 * "rotate_half" layout (the Hugging Face / LLaMA convention, *not* the interleaved
   GPT-J layout): the rotary dimension ``dim`` is split into two halves; ``cos`` and
   ``sin`` are ``cat((freqs, freqs), -1)`` and the rotation is
@@ -15,9 +15,7 @@ Conventions
   ``llama3``. For all four, ``transformers`` uses an attention scaling (cos/sin
   multiplier) of exactly 1.0, so none is applied here.
 
-Dynamic NTK
------------
-``transformers`` keeps ``inv_freq`` as mutable module state: on each forward it takes
+Dynamic NTK: ``transformers`` keeps ``inv_freq`` as mutable module state: on each forward it takes
 ``seq_len = max(position_ids) + 1`` over the *whole* position tensor; if it exceeds the
 cached length it recomputes ``inv_freq`` for that ``seq_len``, and it resets to the
 original ``inv_freq`` when ``seq_len < max_position_embeddings`` after having grown.
@@ -37,16 +35,6 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "RopeSpec",
-    "SUPPORTED_ROPE_KINDS",
-    "rope_spec_from_hf_config",
-    "rope_inv_freq",
-    "rope_cos_sin",
-    "apply_rope",
-    "rotate_half",
-]
-
 SUPPORTED_ROPE_KINDS = ("default", "linear", "dynamic", "llama3")
 
 _DEFAULT_THETA = 10000.0
@@ -54,20 +42,11 @@ _DEFAULT_THETA = 10000.0
 
 @dataclass(frozen=True)
 class RopeSpec:
-    """Everything needed to reproduce a Hugging Face rotary embedding.
-
-    Attributes:
-        dim: rotary dimension (= head_dim; must be even).
-        theta: RoPE base.
-        kind: one of :data:`SUPPORTED_ROPE_KINDS`.
-        factor: scaling factor (``linear``, ``dynamic``, ``llama3``); 1.0 for ``default``.
-        low_freq_factor / high_freq_factor: ``llama3`` band edges.
-        original_max_position_embeddings: ``llama3`` pre-training context length.
-            (Not used by ``dynamic``: like transformers, dynamic NTK uses
-            ``max_position_embeddings`` as its threshold.)
-        max_position_embeddings: the model's ``max_position_embeddings`` (required
-            for ``dynamic``).
-    """
+    """Everything needed to reproduce a transformers rotary embedding: the rotary ``dim`` (= head_dim, even),
+    the base ``theta``, the ``kind`` (one of :data:`SUPPORTED_ROPE_KINDS`), its scaling ``factor`` (1.0 for
+    ``default``), llama3's band edges ``low_freq_factor`` / ``high_freq_factor`` and pre-training context
+    ``original_max_position_embeddings``, and the model's ``max_position_embeddings`` (dynamic NTK's threshold,
+    as in transformers; required for ``dynamic``)."""
 
     dim: int
     theta: float
@@ -94,10 +73,7 @@ class RopeSpec:
             raise ValueError("llama3 RoPE needs original_max_position_embeddings")
 
 
-# ----------------------------------------------------------------------------------
-# Config parsing
-# ----------------------------------------------------------------------------------
-
+# -- config parsing -------------------------------------------------------------------------------------------
 
 def _cfg_get(config: Any, key: str, default: Any = None) -> Any:
     if isinstance(config, dict):
@@ -121,11 +97,8 @@ def rope_spec_from_hf_config(config: Any, head_dim: int) -> RopeSpec:
 
     A non-empty ``rope_parameters`` wins over ``rope_scaling``. Inside the chosen dict,
     ``rope_theta`` wins over a top-level ``rope_theta`` and ``"rope_type"`` over ``"type"``.
-    ``max_position_embeddings`` is read from the config top level.
-
-    Raises:
-        ValueError: unsupported kind (yarn, longrope, mrope, per-layer dicts, ...),
-            ``partial_rotary_factor != 1`` or missing required parameters.
+    ``max_position_embeddings`` is read from the config top level. An unsupported kind (yarn, longrope, mrope,
+    per-layer dicts, ...), ``partial_rotary_factor != 1`` or a missing required parameter is a ValueError.
     """
     params = _cfg_get(config, "rope_parameters")
     if not params:
@@ -202,10 +175,7 @@ def rope_spec_from_hf_config(config: Any, head_dim: int) -> RopeSpec:
     )
 
 
-# ----------------------------------------------------------------------------------
-# Frequencies
-# ----------------------------------------------------------------------------------
-
+# -- frequencies ----------------------------------------------------------------------------------------------
 
 def _exponents(dim: int, device: torch.device | str | None = None) -> torch.Tensor:
     # (0, 2, 4, ..., dim-2) / dim in fp32
@@ -257,12 +227,7 @@ def _ntk_inv_freq(spec: RopeSpec, seq_len: int, device: torch.device | str | Non
     return 1.0 / (base ** _exponents(dim, device=device))
 
 
-def rope_inv_freq(
-    spec: RopeSpec,
-    seq_len: int | None = None,
-    *,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
+def rope_inv_freq(spec: RopeSpec, seq_len: int | None = None, *, device=None) -> torch.Tensor:
     """Inverse frequencies, fp32, shape ``[spec.dim // 2]``.
 
     ``seq_len`` only matters for ``kind == "dynamic"``: ``None`` or

@@ -10,6 +10,7 @@ bit-exactly: ``merge(split(x)) == x``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import NamedTuple
 
 import torch
 
@@ -150,16 +151,19 @@ def merge_gate_up(shards: list[torch.Tensor]):
 
 # -- where each piece of a shard lives in the HF tensors ------------------------------------------------------
 
-class Block(tuple):
-    """``(source, dim, hf_start, hf_stop, local_start, local_stop, primary)``: rows (dim 0) or columns (dim 1)
-    ``[hf_start, hf_stop)`` of HF source ``source`` are rows / columns ``[local_start, local_stop)`` of this
-    rank's shard (along the same dim). ``primary`` is False for a replica another rank also holds (replicated
-    tensors, replicated KV heads), so exactly one rank writes each HF element."""
+class Block(NamedTuple):
+    """Rows (``dim`` 0) or columns (``dim`` 1) ``[hf_start, hf_stop)`` of HF source ``source`` (an index into the
+    layout's sources) are rows / columns ``[local_start, local_stop)`` of this rank's shard (along the same dim).
+    ``primary`` is False for a replica another rank also holds (replicated tensors, replicated KV heads), so
+    exactly one rank writes each HF element."""
 
-    __slots__ = ()
-
-    def __new__(cls, source, dim, hf_start, hf_stop, local_start, local_stop, primary=True):
-        return super().__new__(cls, (source, dim, hf_start, hf_stop, local_start, local_stop, primary))
+    source: int
+    dim: int
+    hf_start: int
+    hf_stop: int
+    local_start: int
+    local_stop: int
+    primary: bool = True
 
 
 

@@ -171,3 +171,29 @@ def expected_hf_shapes(table, spec: DecoderSpec, *, task: str, pp: int) -> dict[
         for name, shape in zip(e.hf, e.row.shapes):
             out[name] = resolve_shape(shape, spec)
     return out
+
+
+def model_entries(chunks, layout):
+    """(entry, chunk) pairs owned by this rank (of a MoE layer's experts, only those of its expert-parallel
+    rank), plus the whole model's entry list (global order, every expert). ``layout``: the chunks'
+    :class:`parallm.parallel.state.ParallelDims`; the table is the one the chunks were built from."""
+    spec, task = chunks[0].spec, chunks[0].task
+    table = chunks[0].table
+    experts = layout.expert_range(spec.moe.num_experts) if spec.moe is not None else None
+    mine = []
+    for chunk in chunks:
+        for e in chunk_entries(table, spec, task=task, pp=layout.pp, pre_process=chunk.pre_process,
+                               post_process=chunk.post_process, layers=chunk.layer_range, experts=experts):
+            mine.append((e, chunk))
+    return mine, all_entries(table, spec, task=task, pp=layout.pp)
+
+
+def held_params(mine, everything) -> tuple[list[int], dict]:
+    """Which of the model's entries (indices into ``everything``) this rank holds, as the 0/1 row every rank
+    contributes to an exchange, and their parameters by index."""
+    order = {(e.row, e.layer): i for i, e in enumerate(everything)}
+    holds, params = [0] * len(everything), {}
+    for e, chunk in mine:
+        holds[order[(e.row, e.layer)]] = 1
+        params[order[(e.row, e.layer)]] = chunk.get_parameter(e.local)
+    return holds, params

@@ -61,8 +61,7 @@ def _lost_peer(comm_error: BaseException, error: BaseException | None, what: str
     """:func:`lost_peer_error`, raised (this rank's own ``error`` instead, when it has one). No local variable
     may hold the raised exception: the cycle exception -> traceback -> this frame would keep the failed
     collective's frames, and with them its process group, alive until the garbage collector runs, and a peer
-    connected to this rank would wait for the timeout instead of failing at once (test_reliability's killed-rank
-    save measured 61 s instead of 0.2 s)."""
+    connected to this rank would wait for the timeout instead of failing at once."""
     if error is not None:
         if abort:
             abort_process_groups()

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .megatron_import import import_megatron
+from .stages import layer_numbers, layer_owner
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("PARALLM_TIMEOUT_S", "600"))
 
@@ -276,7 +277,6 @@ class ParallelDims:
 
     def stage_layers(self, num_layers: int, vpp_rank: int) -> range:
         """Global layer indices of this rank's virtual stage ``vpp_rank`` (Megatron's interleaving)."""
-        from ..model.spec import layer_numbers
         return layer_numbers(num_layers, self.pp, self.vpp, self.pp_rank, vpp_rank)
 
     def owner_pp_rank(self, stage: str, layer: int | None, num_layers: int) -> int:
@@ -285,12 +285,16 @@ class ParallelDims:
             return 0
         if stage == "last":
             return self.pp - 1
-        from ..model.spec import layer_owner
         return layer_owner(num_layers, self.pp, self.vpp, layer)[0]
 
 
 def current_dims() -> ParallelDims:
     return ParallelDims.current()
+
+
+def as_chunks(chunks) -> list:
+    """The public API accepts a list of chunks or a single chunk."""
+    return list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
 
 
 def dims_of(chunks) -> ParallelDims:

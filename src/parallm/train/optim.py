@@ -35,11 +35,11 @@ import inspect
 
 import torch
 
-from ..model.decoder import as_chunks
 from ..model.placement import placement_of
+from ..model.table import model_entries
 from ..parallel.errors import run_local
-from ..parallel.grads import clear_grad, grad_of, uses_main_grad
-from ..parallel.state import dims_of, require_initialized
+from ..model.params import clear_grad, grad_of, uses_main_grad
+from ..parallel.state import as_chunks, dims_of, require_initialized
 
 
 def default_no_decay(name: str, param: torch.Tensor) -> bool:
@@ -166,7 +166,6 @@ class ParallelAdamW:
     """
 
     def __init__(self, chunks, *, lr, betas, eps, weight_decay, shard_over_dp, no_decay):
-        from ..checkpoint.loader import model_entries
         self.chunks = as_chunks(chunks)
         self.dims = dims_of(self.chunks)
         self.shard_over_dp = bool(shard_over_dp)

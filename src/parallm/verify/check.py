@@ -68,9 +68,9 @@ class Check:
 
 
 def _broadcast(value):
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    shared = [value]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
 
 
 def _timed(t0: float) -> float:

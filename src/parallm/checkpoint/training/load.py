@@ -9,7 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ...parallel.errors import agree, run_local
-from ...parallel.grads import LOW_PRECISION
+from ...model.params import LOW_PRECISION
 from ..dcp_io import SliceLoadPlanner, VerifyingReader, dcp_failure
 from ..global_view import global_slices, uncovered_rows
 from .extra import decode_extra

@@ -7,7 +7,7 @@ import json
 import os
 
 from ...errors import CheckpointError
-from ...parallel.grads import LOW_PRECISION
+from ...model.params import LOW_PRECISION
 from ..dcp_io import METADATA_FILE, VerifyingReader, check_files, file_crc
 from ..saver import hf_config_dict
 from .extra import extra_keys

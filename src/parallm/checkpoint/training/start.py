@@ -6,11 +6,9 @@ from __future__ import annotations
 import os
 
 from ...families import family_of
-from ...model.decoder import as_chunks
-from ...model.table import expected_hf_shapes
-from ...parallel.state import dims_of, require_initialized
+from ...model.table import expected_hf_shapes, model_entries
+from ...parallel.state import as_chunks, dims_of, require_initialized
 from ...train.optim import ParallelAdamW
-from ..loader import model_entries
 from .pending import wait_for_pending_saves
 
 

@@ -21,11 +21,7 @@ the unsharded model:
    same expert) and divided by the data-parallel size, as megatron-core's DDP does. Router and shared expert are
    dense: averaged over the whole data-parallel group. An expert that no token chose ends with a zero gradient.
 
-Where gradients live: fp32 parameters in ``param.grad``; bf16 / fp16 parameters in an fp32 ``param.main_grad``
-(as Megatron's DDP): :func:`attach_main_grad_hooks` gives them a post-accumulate-grad hook that adds each fresh
-``param.grad`` into ``main_grad`` and frees it, so microbatches accumulate in fp32 and no low-precision
-``param.grad`` is kept. :func:`grad_of` is the one place that says which tensor is a parameter's gradient;
-finalize_grads, clip_grad_norm_ and optimizers read it.
+Where gradients live (``param.grad`` or an fp32 ``param.main_grad``): :mod:`parallm.model.params`.
 
 :func:`clip_grad_norm_` (after finalize_grads): the total norm of the unsharded model's gradient, each element
 counted once (the placement's ``primary_slices``; the tied head copy skipped), then every gradient scaled.
@@ -37,67 +33,9 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..model.decoder import as_chunks
+from ..model.params import grad_of, uses_main_grad
 from ..model.placement import placement_of
-from .state import _import_parallel_state, dims_of, kv_replica_group
-
-LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-def uses_main_grad(p: torch.Tensor) -> bool:
-    """Whether ``p``'s gradient accumulates in an fp32 ``main_grad`` (bf16 / fp16 parameters)."""
-    return p.dtype in LOW_PRECISION
-
-
-def grad_of(p: torch.Tensor) -> torch.Tensor | None:
-    """The tensor holding ``p``'s gradient: ``p.main_grad`` (fp32) when present, else ``p.grad``."""
-    main = getattr(p, "main_grad", None)
-    return main if main is not None else p.grad
-
-
-def _accumulate_main_grad(p: torch.Tensor) -> None:
-    grad = p.grad
-    if grad is None:
-        return
-    if getattr(p, "main_grad", None) is None:
-        p.main_grad = grad.float()      # the hook is only on bf16 / fp16 parameters: a new fp32 tensor
-    else:
-        p.main_grad.add_(grad)
-    p.grad = None
-
-
-def attach_main_grad_hooks(chunks) -> None:
-    """Give every bf16 / fp16 parameter of ``chunks`` the hook that accumulates into fp32 ``main_grad``.
-
-    ``main_grad`` is created on the first backward that reaches the parameter. A ``main_grad`` set by someone
-    else (Megatron's DDP assigns views of its buffer) is used as it is: whichever hook runs first moves
-    ``param.grad`` into it and the other finds nothing left to add.
-    """
-    for chunk in as_chunks(chunks):
-        for p in chunk.parameters():
-            if uses_main_grad(p) and not getattr(p, "_parallm_main_grad_hook", False):
-                p.register_post_accumulate_grad_hook(_accumulate_main_grad)
-                p._parallm_main_grad_hook = True
-
-
-def clear_grad(p: torch.Tensor, *, set_to_none: bool = True) -> None:
-    """Reset ``p``'s gradient before the next accumulation: ``main_grad`` zeroed in place (the fp32 buffer is
-    kept), ``param.grad`` dropped (or zeroed with ``set_to_none=False``)."""
-    if p.grad is not None:
-        if set_to_none:
-            p.grad = None
-        else:
-            p.grad.zero_()
-    main = getattr(p, "main_grad", None)
-    if main is not None:
-        main.zero_()
-
-
-def zero_grads(chunks) -> None:
-    """:func:`clear_grad` of every parameter of ``chunks``."""
-    for chunk in as_chunks(chunks):
-        for p in chunk.parameters():
-            clear_grad(p)
+from ..parallel.state import _import_parallel_state, as_chunks, dims_of, kv_replica_group
 
 
 def _grad(p: torch.nn.Parameter) -> torch.Tensor:
