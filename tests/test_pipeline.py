@@ -73,6 +73,10 @@ def rank_cases(rank, world, cases):
         ids, mask = case["ids"], case["mask"]
         logits = parallm.forward(chunks, ids, mask)
         fwd = helpers.max_diff_real(logits, case["ref_logits"], mask)
+        if pp > 1:   # the pipelined forward (default: pp microbatches) against one microbatch and against 4
+            for m in (1, 4):
+                other = parallm.forward(chunks, ids, mask, num_microbatches=m)
+                fwd = max(fwd, helpers.max_diff_real(other, case["ref_logits"], mask))
         # round trip before training
         sd = parallm.save_hf_weights(chunks)
         if rank == 0:

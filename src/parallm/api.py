@@ -145,15 +145,26 @@ def _output_shape(chunk, b, s, request):
     return {"causal_lm": (b, s, spec.vocab_size), "hidden": (b, s, spec.hidden_size)}.get(chunk.task, (b, s))
 
 
+def default_forward_microbatches(batch: int, pp: int) -> int:
+    """``forward``'s microbatch count at ``pp > 1`` when none is given: ``pp`` when ``pp`` divides the batch (the
+    pipeline's stages then all work at once after a fill of ``pp - 1`` steps); otherwise the largest divisor of
+    the batch below ``pp`` (1 for a prime batch smaller than ``pp``)."""
+    return max(m for m in range(1, min(pp, batch) + 1) if batch % m == 0) if batch else 1
+
+
 def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output=None, temperature=1.0,
-            token_chunk=None):
+            token_chunk=None, num_microbatches=None):
     """Whole-batch output on every rank.
 
     ``output=None``: fp32 logits ``[B, S, V]`` (causal_lm; divided by ``temperature``) or values ``[B, S]``
     (value). ``output="logprobs"``: fp32 ``[B, S]``, ``log_softmax(logits[b, t] / temperature)[input_ids[b,
     t+1]]`` (0 at ``t = S-1`` and at padded positions). ``output="logprobs+entropy"``: a :class:`TokenStats` of
-    two such tensors. Log-probs are computed vocab-parallel in chunks of ``token_chunk`` tokens (default: about
-    32 MiB of logits per chunk), never gathering ``[..., V]``.
+    two such tensors. At ``pp > 1`` the batch runs through the pipeline as ``num_microbatches`` microbatches
+    (default :func:`default_forward_microbatches`: ``pp`` when it divides the batch), so the stages overlap
+    instead of waiting for each other; results are the same for any count (at ``pp == 1`` it is ignored).
+    Log-probs are computed vocab-parallel in chunks of ``token_chunk`` tokens (default: about
+    32 MiB of fp32 logits per chunk on CPU, 2 GiB on GPU: ``model.logprobs.DEFAULT_CHUNK_BYTES``), never
+    gathering ``[..., V]``.
     """
     require_initialized("forward")
     chunks = as_chunks(chunks)
@@ -161,19 +172,27 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output
 
     def check():
         request = check_output(output, temperature, task=chunks[0].task, token_chunk=token_chunk)
-        return _check_batch(chunks, input_ids, attention_mask, position_ids), request
-    (input_ids, attention_mask, position_ids), request = run_local(check, what="forward")
+        batch = _check_batch(chunks, input_ids, attention_mask, position_ids)
+        b = batch[0].shape[0]
+        m = num_microbatches if num_microbatches is not None else default_forward_microbatches(b, layout.pp)
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1 or (b and b % m):
+            raise ValueError(f"batch size {b} does not split into num_microbatches={num_microbatches}")
+        return batch, request, m
+    (input_ids, attention_mask, position_ids), request, m = run_local(check, what="forward")
     if layout.pp == 1:
         return gather_output(chunks[0], chunks[0].compute(input_ids, position_ids, attention_mask, stats=request),
                              temperature, request)
+    b, s = input_ids.shape
+    size = b // m if b else 0
+    mbs = [(input_ids[i:i + size], position_ids[i:i + size], attention_mask[i:i + size])
+           for i in range(0, b, size)] if b else [(input_ids, position_ids, attention_mask)]
     with torch.no_grad():
-        outs = run_pipeline(chunks, [(input_ids, position_ids, attention_mask)],
-                            last_stage_fn=lambda chunk, out, m: _stackable(
+        outs = run_pipeline(chunks, mbs, last_stage_fn=lambda chunk, out, i: _stackable(
                                 gather_output(chunk, out, temperature, request)),
                             backward=False, compute_kwargs={"stats": request})
-    b, s = input_ids.shape
-    out = broadcast_from_last_stage(layout, outs[0] if outs else None, _output_shape(chunks[0], b, s, request),
-                                    torch.float32, input_ids.device)
+    joined = torch.cat(outs, dim=1 if request is not None and request.entropy else 0) if outs else None
+    out = broadcast_from_last_stage(layout, joined, _output_shape(chunks[0], b, s, request), torch.float32,
+                                    input_ids.device)
     return TokenStats(out[0], out[1]) if request is not None and request.entropy else out
 
 

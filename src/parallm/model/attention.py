@@ -79,9 +79,10 @@ def unpack_tokens(x: torch.Tensor, packing: Packing) -> torch.Tensor:
 
 def padded_attention(q, k, v, mask):
     """q: [B, hq, S, d]; k, v: [B, hkv, S, d] (grouped-query: hq a multiple of hkv); mask: boolean
-    [B, 1, S, S]."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(q.shape[-1]),
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    [B, 1, S, S], or None for a batch without padding: plain causal attention (``is_causal``), no S x S mask,
+    which lets SDPA pick its flash / memory-efficient kernels."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                          scale=1.0 / math.sqrt(q.shape[-1]), enable_gqa=k.shape[1] != q.shape[1])
 
 
 def sdpa_loop_varlen(q, k, v, packing: Packing):

@@ -242,7 +242,8 @@ class DecoderChunk(nn.Module):
                                else 1)
             positions = pack_tokens(position_ids, ctx)[:, None]            # [T, 1]
         else:
-            ctx = padded_attention_mask(attention_mask)
+            # no padding: causal attention without a [B, 1, S, S] mask (None)
+            ctx = None if bool(attention_mask.all()) else padded_attention_mask(attention_mask)
             positions = position_ids.transpose(0, 1)                     # [S, B]
         if self.pre_process:
             ids = pack_tokens(input_ids, ctx)[None] if self.packed else input_ids

@@ -35,9 +35,12 @@ from .params import grad_of
 
 OUTPUTS = (None, "logprobs", "logprobs+entropy")
 
-# Default token chunk: at most this many fp32 logits ([chunk, V/tp]) per buffer (32 MiB). Smaller chunks cost
-# matmul efficiency (bench: 512 x 76k x 256 head, CPU time: 55-token chunks 1.22x the 256-token ones).
-DEFAULT_CHUNK_ELEMENTS = 1 << 23
+# Default token chunk, by the bytes of one chunk's fp32 logits ([chunk, V/tp]) buffer, per device type. Smaller
+# chunks cost matmul efficiency (CPU bench: 512 x 76k x 256 head, 55-token chunks 1.22x the time of 256-token
+# ones), and every chunk re-reads the head weight: on a GPU a few MiB would re-read a 152k-vocab head every ~55
+# tokens, so the GPU budget is large (2 GiB: about 3.5k tokens at V/tp = 152k); on CPU 32 MiB keeps the buffer
+# in reach of the caches.
+DEFAULT_CHUNK_BYTES = {"cpu": 32 << 20, "cuda": 2 << 30}
 
 
 class TokenStats(NamedTuple):
@@ -52,7 +55,7 @@ class StatsRequest:
     """What the last stage computes instead of logits."""
     entropy: bool
     temperature: float
-    chunk: int | None = None   # tokens per chunk (None: DEFAULT_CHUNK_ELEMENTS / local vocab columns)
+    chunk: int | None = None   # tokens per chunk (None: DEFAULT_CHUNK_BYTES of fp32 logits for the device)
     # Add the head weight's gradient straight into its existing fp32 main_grad / grad (what forward_backward
     # asks for; see _VocabParallelStats.backward), instead of returning it to autograd.
     accumulate: bool = False
@@ -82,10 +85,13 @@ def check_output(output, temperature, *, task: str, token_chunk=None) -> StatsRe
     return StatsRequest(entropy=output == "logprobs+entropy", temperature=float(temperature), chunk=token_chunk)
 
 
-def _chunk_tokens(request: StatsRequest, columns: int) -> int:
+def chunk_tokens(request: StatsRequest, columns: int, device) -> int:
+    """Tokens per head chunk: ``request.chunk``, or as many as fit :data:`DEFAULT_CHUNK_BYTES` of fp32 logits
+    over ``columns`` vocabulary columns on ``device``'s type (other devices: the CUDA budget)."""
     if request.chunk is not None:
         return request.chunk
-    return max(1, DEFAULT_CHUNK_ELEMENTS // max(columns, 1))
+    budget = DEFAULT_CHUNK_BYTES.get(torch.device(device).type, DEFAULT_CHUNK_BYTES["cuda"])
+    return max(1, budget // (4 * max(columns, 1)))
 
 
 class _VocabParallelStats(torch.autograd.Function):
@@ -226,7 +232,7 @@ def vocab_parallel_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     group of one: no communication)."""
     if group is not None and dist.get_world_size(group) == 1:
         group = None
-    chunk = _chunk_tokens(request, real)
+    chunk = chunk_tokens(request, real, hidden.device)
     return _VocabParallelStats.apply(hidden, weight, targets, real, vocab_start, request.temperature,
                                      request.entropy, chunk, group, request.accumulate)
 
