@@ -107,35 +107,90 @@ def finalize_grads(chunks) -> None:
 
 
 # -- gradient clipping ----------------------------------------------------------------------------------------
+#
+# The total norm is summed exactly as a per-parameter loop ``acc += vector_norm(part, p) ** p`` would sum it
+# (every parameter's primary slices in chunk / parameter order, in fp32, one addition after another), so the
+# result has the same bits; the per-tensor work runs in a few ``torch._foreach_*`` calls instead of a Python
+# loop of several kernels per tensor.
+
+def _norm_plan(chunk, dims) -> list[tuple[torch.nn.Parameter, bool, list | None]]:
+    """``(param, is_expert, slices)`` for every parameter of ``chunk`` that counts in the norm (all but the tied
+    head copy), in parameter order; ``slices`` None for the whole tensor, else the placement's
+    ``primary_slices`` (possibly none). Layouts are fixed at build: computed once per chunk."""
+    cached = getattr(chunk, "_parallm_norm_plan", None)
+    if cached is not None and cached[0] == (dims.tp_rank, dims.tp):
+        return cached[1]
+    plan = []
+    for p in chunk.parameters():
+        pl = placement_of(p)
+        if pl.tied == "copy":
+            continue
+        shape = tuple(p.shape)
+        slices = pl.layout.primary_slices(dims.tp_rank, dims.tp, shape)
+        plan.append((p, pl.expert is not None, None if shape and slices == [(0, 0, shape[0])] else slices))
+    chunk._parallm_norm_plan = ((dims.tp_rank, dims.tp), plan)
+    return plan
+
+
+def _norm_parts(chunks, dims) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """This rank's primary gradient pieces as fp32 tensors, in the order the norm sums them: ``(dense,
+    experts)`` (routed experts are split over the expert-parallel group, so they are combined apart)."""
+    dense, experts = [], []
+    for chunk in chunks:
+        for p, is_expert, slices in _norm_plan(chunk, dims):
+            g = grad_of(p)
+            if g is None:
+                continue
+            out = experts if is_expert else dense
+            pieces = [g] if slices is None else [g.narrow(d, a, b - a) for d, a, b in slices]
+            for part in pieces:
+                if part.numel():
+                    out.append(part if part.dtype == torch.float32 else part.float())
+    return dense, experts
+
+
+# exponents whose pow kernel computes a vector element by element exactly as it computes a 0-dim tensor (products
+# and copies; a general exponent's vectorised pow may round differently from the scalar one)
+_EXACT_VECTOR_POW = (1.0, 2.0, 3.0)
+
+
+def _sum_of_powers(parts: list[torch.Tensor], norm_type: float, device) -> torch.Tensor:
+    """``sum |part|_p ** p`` (``max |part|`` for inf) as an fp32 scalar on ``device``, added in list order one
+    value at a time, as ``acc += torch.linalg.vector_norm(part, p) ** p`` in a loop adds them."""
+    if not parts:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(parts, norm_type)
+    if norm_type == float("inf"):
+        return torch.stack(norms).max().clamp_(min=0.0)
+    return _sequential_sum(_powers(norms, norm_type))
+
+
+def _powers(norms: list[torch.Tensor], p: float) -> torch.Tensor:
+    """``[n ** p for n in norms]`` as one 1-D tensor, each element rounded as the 0-dim ``n ** p`` is."""
+    if p in _EXACT_VECTOR_POW:
+        return torch.stack(norms) ** p
+    return torch.stack(torch._foreach_pow(norms, p))
+
+
+def _sequential_sum(values: torch.Tensor) -> torch.Tensor:
+    """``((v0 + v1) + v2) + ...`` in the dtype of the 1-D ``values``, one rounding per addition (torch's sum and
+    cumsum reorder or widen the additions; numpy's ``add.accumulate`` does not). One small device-to-host copy
+    for a GPU tensor."""
+    import numpy as np
+    host = values.detach().cpu().numpy()
+    total = np.add.accumulate(host)[-1]
+    return torch.tensor(total, dtype=values.dtype).to(values.device)
+
 
 def _local_norm_partials(chunks, norm_type: float) -> dict[str, torch.Tensor]:
     """This rank's share of the total norm, by reduction domain: ``{"model": sum |g|^p (or max |g| for inf)}``
-    over the elements this rank is the one owner of (``primary_slices``; the tied head copy not at all).
+    over the elements this rank is the one owner of (``primary_slices``; the tied head copy not at all), and
+    ``"expert"`` the same over routed experts' weights.
 
-    Keys name how the partial must be combined across ranks (:func:`_reduce_norm_partials`); parameters that
-    are sharded over another dimension (experts) add their own key there."""
+    Keys name how the partial must be combined across ranks (:func:`_reduce_norm_partials`)."""
     device = next(chunks[0].parameters()).device
-    inf = norm_type == float("inf")
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    expert_total = torch.zeros((), dtype=torch.float32, device=device)
-    dims = chunks[0].dims
-    for chunk in chunks:
-        for p in chunk.parameters():
-            g = grad_of(p)
-            pl = placement_of(p)
-            if g is None or pl.tied == "copy":
-                continue
-            for dim, start, stop in pl.layout.primary_slices(dims.tp_rank, dims.tp, tuple(g.shape)):
-                part = g.narrow(dim, start, stop - start).float()
-                if part.numel() == 0:
-                    continue
-                # routed experts are split over the expert-parallel group: each EP rank holds other experts
-                acc = expert_total if pl.expert is not None else total
-                if inf:
-                    acc.copy_(torch.maximum(acc, part.abs().max()))
-                else:
-                    acc += torch.linalg.vector_norm(part, norm_type) ** norm_type
-    return {"model": total, "expert": expert_total}
+    dense, experts = _norm_parts(chunks, chunks[0].dims)
+    return {"model": _sum_of_powers(dense, norm_type, device), "expert": _sum_of_powers(experts, norm_type, device)}
 
 
 def _reduce_norm_partials(partials: dict[str, torch.Tensor], norm_type: float, dims) -> torch.Tensor:
@@ -170,9 +225,7 @@ def clip_grad_norm_(chunks, max_norm: float, norm_type: float = 2.0) -> torch.Te
     dims = dims_of(chunks)
     total = _reduce_norm_partials(_local_norm_partials(chunks, norm_type), norm_type, dims)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for chunk in chunks:
-        for p in chunk.parameters():
-            g = grad_of(p)
-            if g is not None:
-                g.mul_(coef)
+    grads = [g for g in (grad_of(p) for chunk in chunks for p in chunk.parameters()) if g is not None]
+    if grads:
+        torch._foreach_mul_(grads, coef)
     return total

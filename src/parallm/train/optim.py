@@ -87,8 +87,9 @@ class MasterAdamW(torch.optim.AdamW):
     def sync_masters(self) -> None:
         """Take the master copy of every low-precision parameter whose master was not loaded from a checkpoint
         and has not stepped yet."""
-        for p in self._stale_masters:
-            self.state[p]["master"].copy_(p)
+        stale = list(self._stale_masters)
+        if stale:
+            torch._foreach_copy_([self.state[p]["master"] for p in stale], stale)
         self._stale_masters.clear()
 
     def mark_master_loaded(self, p) -> None:
@@ -126,8 +127,8 @@ class MasterAdamW(torch.optim.AdamW):
                   differentiable=False, fused=None, grad_scale=None, found_inf=None, has_complex=False,
                   amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
                   eps=group["eps"], maximize=False)
-            for p, master in rounded:
-                p.copy_(master)
+            if rounded:   # each parameter becomes its master rounded, as p.copy_(master) makes it
+                torch._foreach_copy_([p for p, _ in rounded], [m for _, m in rounded])
         return loss
 
 
