@@ -128,7 +128,7 @@ def test_plan_puts_every_element_once_in_its_place(numel, direct):
         seen_entries += entries_here
         assert b.numel <= numel or len(entries_here) == 1, (numel, b)
         for p in b.parts:
-            assert p.numel <= numel or p.s1 - p.s0 == 1
+            assert p.numel <= numel or p.rows == 1
             assert not p.direct or (p.dim == 0 and p.numel >= direct)
         off = max(off + _n(shapes[f"{e}.{k}"]) for e, k, off in b.outputs)   # staging starts after the tensors
         for src, start, n in b.segments:
@@ -139,8 +139,8 @@ def test_plan_puts_every_element_once_in_its_place(numel, direct):
         assert off == b.numel and len({s for s, _, _ in b.segments}) == len(b.segments)
         buf = torch.full((b.numel,), float("nan"))          # an element nobody writes stays NaN
         for p in b.parts:
-            piece = _as_rows(shards[(p.entry, p.tp)])[p.s0:p.s1, p.c0:p.c1]
-            buf.narrow(0, p.offset, p.numel).view(p.s1 - p.s0, p.c1 - p.c0).copy_(piece)
+            piece = _as_rows(shards[(p.entry, p.tp)])[p.row_start:p.row_stop, p.col_start:p.col_stop]
+            buf.narrow(0, p.offset, p.numel).view(p.rows, p.cols).copy_(piece)
         for (e, k, o), parts in zip(b.outputs, b.placing):
             tensor = buf.narrow(0, o, _n(shapes[f"{e}.{k}"])).view(shapes[f"{e}.{k}"])
             _place(parts, tensor, buf)

@@ -181,22 +181,27 @@ def rank_cases(rank, world, cases):
 
 
 def _check_attributes(chunks, lay):
-    """megatron-core's marks: expert weights ``allreduce=False`` under ep > 1 (True at ep = 1) and TP-split like
-    a dense MLP; the router and the shared expert's gate replicated with ``sequence_parallel`` set as norms."""
+    """megatron-core's marks: the stacked expert weights (this rank's experts along dim 0) ``allreduce=False``
+    under ep > 1 (True at ep = 1) and TP-split like a dense MLP within each expert; the router and the shared
+    expert's gate replicated with ``sequence_parallel`` set as norms. At most 8 parameter tensors per MoE layer."""
     from parallm.model.placement import placement_of
     for c in chunks:
+        per_layer = {}
         for name, p in c.named_parameters():
             pl = placement_of(p)
-            if ".local_experts." in name:
-                x = int(name.split(".local_experts.")[1].split(".")[0])
-                assert pl.expert == lay.expert_range(c.spec.moe.num_experts)[x], name
+            layer = name.split(".")[1] if name.startswith("layers.") else None
+            if name.endswith(("mlp.experts.linear_fc1.weight", "mlp.experts.linear_fc2.weight")):
+                assert pl.expert == lay.expert_range(c.spec.moe.num_experts) and p.shape[0] == len(pl.expert), name
                 assert p.allreduce is (lay.ep == 1), name
-                assert p.tensor_model_parallel and p.partition_dim == (0 if "fc1" in name else 1), name
+                assert p.tensor_model_parallel and p.partition_dim == (1 if "fc1" in name else 2), name
             else:
                 assert pl.expert is None, name
+            if ".mlp." in name:
+                per_layer[layer] = per_layer.get(layer, 0) + 1
             if name.endswith(("router.weight", "gate_weight")):
                 assert p.sequence_parallel is c.sequence_parallel and not p.tensor_model_parallel, name
                 assert pl.tp_sum is c.sequence_parallel, name
+        assert max(per_layer.values()) <= 8, per_layer
 
 
 @pytest.mark.timeout(900)
@@ -392,13 +397,12 @@ def rank_errors(rank, world, ckpt_e6, ckpt_missing, ckpt_e16, batches, chosen):
     zero, nonzero = [], []
     for c in chunks:
         for layer in c.layers:
-            for x, expert in enumerate(layer.mlp.experts.local_experts):
-                e = lay.expert_range(16)[x]
-                for p in expert.parameters():
-                    assert placement_of(p).expert == e
-                    assert p.grad is not None, (layer.layer_number, e)
+            for p in layer.mlp.experts.parameters():   # stacked: [local expert, ...]
+                assert placement_of(p).expert == lay.expert_range(16)
+                assert p.grad is not None, layer.layer_number
+                for x, e in enumerate(lay.expert_range(16)):
                     unchosen = e not in chosen[layer.layer_number]
-                    (zero if unchosen else nonzero).append(bool((p.grad == 0).all()) == unchosen)
+                    (zero if unchosen else nonzero).append(bool((p.grad[x] == 0).all()) == unchosen)
     out["grads"] = (zero, nonzero)
     parallm.finalize_grads(chunks)
     nmb = 2 if rank == 0 else 1

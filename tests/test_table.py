@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from parallm.model.table import (CONDITIONS, KINDS, LAYER_CONDITIONS, Row, all_entries, chunk_entries,
-                                 expected_hf_shapes, select_rows)
+                                 expected_hf_shapes, fused_layout, select_rows)
 from parallm.families import FAMILIES, family_of, spec_from_config
 from parallm.parallel.stages import layer_numbers
 
@@ -91,7 +91,7 @@ def test_stages_partition_entries(hf_shapes, case, pp):
         layers = layer_numbers(spec.num_layers, pp, 1, p, 0)
         ents = chunk_entries(family.table, spec, task="causal_lm", pp=pp, pre_process=p == 0,
                              post_process=p == pp - 1, layers=layers)
-        locals_ = [e.local for e in ents]
+        locals_ = [(e.local, e.index) for e in ents]   # a stacked expert parameter: one entry per expert
         assert len(locals_) == len(set(locals_)), f"duplicate local names on stage {p}: {locals_}"
         got += [(e.row, e.layer) for e in ents]
         # local layer names restart at 0 in every chunk and the HF names carry the global index
@@ -117,7 +117,8 @@ def test_family_tables_are_well_formed():
         for row in fam.table:
             assert row.kind in KINDS
             assert all(c in CONDITIONS or c in LAYER_CONDITIONS for c in row.when)
-            assert row.per_expert == ("{x}" in row.local) == all("{e}" in h for h in row.hf)
+            assert row.per_expert == all("{e}" in h for h in row.hf) and "{x}" not in row.local
+            assert row.per_expert == (".experts." in row.local and ".shared_experts." not in row.local)
             if row.stage == "layer":
                 assert "{l}" in row.local and all("{i}" in h for h in row.hf)
             else:
@@ -135,7 +136,8 @@ def test_family_tables_are_well_formed():
 @pytest.mark.parametrize("ep", [1, 2, 4])
 def test_expert_ranks_partition_expert_entries(hf_shapes, case, ep):
     """The experts of the ep ranks together hold every expert entry of every MoE layer once, dense entries on
-    every rank; local expert names count from 0 on each rank and the HF names carry the global index."""
+    every rank; each rank's experts of a layer are one stacked parameter per projection (index 0, 1, ... along dim
+    0, in global order) and the HF names carry the global index."""
     spec, family, _ = hf_shapes[case, "causal_lm"]
     everything = all_entries(family.table, spec, task="causal_lm", pp=1)
     per = spec.moe.num_experts // ep
@@ -145,12 +147,19 @@ def test_expert_ranks_partition_expert_entries(hf_shapes, case, ep):
         ents = chunk_entries(family.table, spec, task="causal_lm", pp=1, pre_process=True, post_process=True,
                              layers=range(spec.num_layers), experts=mine)
         assert [e for e in ents if e.expert is None] == [e for e in everything if e.expert is None]
+        stacks = {}
         for e in ents:
             if e.expert is not None:
                 assert e.expert in mine and e.layer in spec.moe.layers
-                assert f".local_experts.{e.expert - mine.start}." in e.local
+                assert e.index == e.expert - mine.start and e.local.endswith(("experts.linear_fc1.weight",
+                                                                               "experts.linear_fc2.weight"))
                 assert all(f".experts.{e.expert}." in n for n in e.hf)
                 expert_keys.append((e.row, e.layer))
+                stacks.setdefault(e.local, []).append(e.index)
+            else:
+                assert e.index is None
+        assert len(stacks) == 2 * len(spec.moe.layers), sorted(stacks)
+        assert all(v == list(range(per)) for v in stacks.values()), stacks
     want = [(e.row, e.layer) for e in everything if e.expert is not None]
     assert len(want) == len(spec.moe.layers) * spec.moe.num_experts * 2
     assert sorted(expert_keys, key=repr) == sorted(want, key=repr)
@@ -183,3 +192,48 @@ def test_row_validation():
         Row("x", ("y",), "copy", "first")
     with pytest.raises(ValueError, match="unknown condition"):
         Row("x", ("y",), "copy", "first", ((1,),), when=("sometimes",))
+
+
+@pytest.mark.parametrize("case", [c for c, (f, _) in CASES.items() if f in MOE])
+def test_fused_layout_names_transformers_in_memory_tensors(tmp_path, case):
+    """The table's fused names are exactly the MoE tensors of transformers 5's in-memory state dict that the
+    Hub's names do not have, and each per-expert HF tensor is the stated rows block of its expert's slab: built
+    from a real model's ``state_dict()`` and compared with what ``save_pretrained`` writes."""
+    import torch
+    family_name, overrides = CASES[case]
+    model = make_hf_model(tiny_config(family_name, num_hidden_layers=4, **overrides))
+    spec, family = spec_from_config(model.config)
+    memory, hub = model.state_dict(), hub_state_dict(model, str(tmp_path / "hub"))
+    if spec.tie_word_embeddings:
+        memory.pop("lm_head.weight")       # the tied head: in memory, not in the files
+    fused = fused_layout(family.table, spec, task="causal_lm", pp=1)
+    assert set(memory) - set(hub) == {p.name for p in fused.values()} - set(hub)
+    assert set(hub) - set(memory) == set(fused) - set(memory)
+    for name, part in fused.items():
+        whole = memory[part.name]
+        got = whole if part.expert is None else whole[part.expert].chunk(part.parts, dim=0)[part.part]
+        assert torch.equal(got, hub[name]), name
+
+
+def test_expert_stack_round_trips_and_its_blocks_describe_its_shard():
+    """merge(shard(x)) == x bit for bit for stacked gate/up and down experts at tp 1, 2, 4, and every block names
+    the slab (source // sources_per_expert) and rows / columns of the shard it describes."""
+    import torch
+    from parallm.model.sharding import ExpertStack, GateUpSplit, Split
+    g = torch.Generator().manual_seed(0)
+    count, width, hidden = 3, 8, 4
+    for inner, shapes in ((GateUpSplit(), [(width, hidden)] * 2), (Split(1), [(hidden, width)])):
+        layout = ExpertStack(inner, count)
+        sources = [torch.randn(s, generator=g) for _ in range(count) for s in shapes]
+        for tp in (1, 2, 4):
+            shards = [layout.shard(sources, r, tp) for r in range(tp)]
+            assert all(t.shape[0] == count for t in shards) and layout.tp_dim == inner.tp_dim + 1
+            assert all(torch.equal(a, b) for a, b in zip(layout.merge(shards), sources))
+            for r, shard in enumerate(shards):
+                covered = torch.zeros(shard.shape, dtype=torch.bool)
+                for b in layout.blocks(r, tp, [tuple(x.shape) for x in sources]):
+                    x = b.source // inner.sources
+                    local = shard[x].narrow(b.dim, b.local_start, b.local_stop - b.local_start)
+                    assert torch.equal(local, sources[b.source].narrow(b.dim, b.hf_start, b.hf_stop - b.hf_start))
+                    covered[x].narrow(b.dim, b.local_start, b.local_stop - b.local_start).fill_(True)
+                assert covered.all() and layout.primary_slices(r, tp, tuple(shard.shape)) == [(0, 0, count)]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CheckpointError
+from ..model.table import entry_tensor
 
 # The floating dtypes weights travel in between ranks; a dtype's index here is its code in a status word.
 WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -76,7 +77,7 @@ def check_entry_casts(mine, dtype: torch.dtype, *, instead: str) -> None:
     any collective of a save or an export, so that an overflow is an error on every rank."""
     for e, chunk in mine:
         if e.row.save:
-            check_cast(chunk.get_parameter(e.local).detach(), dtype, e.hf, instead=instead)
+            check_cast(entry_tensor(chunk, e).detach(), dtype, e.hf, instead=instead)
 
 
 def copy_cast_(dst: torch.Tensor, src: torch.Tensor, names, *, instead: str = "build the model") -> None:

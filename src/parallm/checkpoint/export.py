@@ -61,12 +61,11 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ParallelError
-from ..model.decoder import as_chunks
+from ..model.table import held_params, model_entries
 from ..parallel.errors import exchange_rows, gather_objects, raise_failures, remote_error, status_of
-from ..parallel.state import ParallelDims, dims_of, require_initialized
+from ..parallel.state import ParallelDims, as_chunks, dims_of, require_initialized
 from .cast import WIRE_DTYPES, check_entry_casts
 from .export_plan import Bucket, Plan, TensorMeta, as_rows, make_plan, place, plan_buckets, stream_metadata
-from .loader import held_params, model_entries
 from .saver import parse_size
 
 # The planner's pieces under the names the tests and older code use.
@@ -262,7 +261,7 @@ class _Fence:
 # -- the transfer -------------------------------------------------------------------------------------------------
 
 def _source(params, p) -> torch.Tensor:
-    return as_rows(params[p.entry].detach())[p.s0:p.s1, p.c0:p.c1]
+    return as_rows(params[p.entry].detach())[p.row_start:p.row_stop, p.col_start:p.col_stop]
 
 
 def _at(bucket: Bucket, out: torch.Tensor, staging: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
@@ -278,7 +277,7 @@ def _pack(bucket: Bucket, out, staging, params, me: int) -> None:
     with torch.no_grad():
         for p in bucket.parts:
             if p.src == me:
-                _at(bucket, out, staging, p.offset, p.numel).view(p.s1 - p.s0, p.c1 - p.c0).copy_(_source(params, p))
+                _at(bucket, out, staging, p.offset, p.numel).view(p.rows, p.cols).copy_(_source(params, p))
 
 
 def _transfer(messages, views, dst: list[int], world: int, me: int) -> list:
@@ -403,7 +402,7 @@ def _send_only(plan: Plan, buffers: _Buffers, params, dst, wire, device, layout:
             local, at = {}, 0
             with torch.no_grad():
                 for p in packed:
-                    buf.narrow(0, at, p.numel).view(p.s1 - p.s0, p.c1 - p.c0).copy_(_source(params, p))
+                    buf.narrow(0, at, p.numel).view(p.rows, p.cols).copy_(_source(params, p))
                     local[p.offset] = at
                     at += p.numel
             for _, offset, n in messages:

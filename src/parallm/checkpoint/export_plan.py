@@ -40,28 +40,37 @@ class TensorMeta(NamedTuple):
 
 @dataclass(frozen=True)
 class Part:
-    """Rows ``[s0, s1)`` x columns ``[c0, c1)`` of TP rank ``tp``'s shard (seen as 2-D: ``[rows, -1]``) of entry
-    ``entry``, sent by global rank ``src``. They are, in HF tensor ``hf`` of the entry (index into its names),
-    the rows starting at ``h0`` (``dim`` 0: whole rows), or rows ``[s0, s1)`` x the columns starting at ``h0``
-    (``dim`` 1). ``offset``: where the part lies in the bucket's range (a direct part: its place in the HF
-    tensor; a packed one: in its sender's staging segment). ``direct``: it travels alone, straight into its
-    place, rather than packed with the sender's other parts."""
+    """Rows ``[row_start, row_stop)`` x columns ``[col_start, col_stop)`` of TP rank ``tp``'s shard (seen as 2-D:
+    ``[rows, -1]``) of entry ``entry``, sent by global rank ``src``. In HF tensor ``hf`` of the entry (an index
+    into its names, seen as 2-D too) they land at rows ``[hf_start, hf_start + rows)`` (``dim`` 0: whole rows),
+    or at rows ``[row_start, row_stop)`` x columns ``[hf_start, hf_start + cols)`` (``dim`` 1: a column block of
+    a row-parallel weight). ``offset``: where the part lies in the bucket's range (a direct part: its place in
+    the HF tensor; a packed one: in its sender's staging segment). ``direct``: it travels alone, straight into
+    its place, rather than packed with the sender's other parts."""
     entry: int
     hf: int
     tp: int
     src: int
     dim: int
-    s0: int
-    s1: int
-    c0: int
-    c1: int
-    h0: int
+    row_start: int
+    row_stop: int
+    col_start: int
+    col_stop: int
+    hf_start: int
     direct: bool = False
     offset: int = 0
 
     @property
+    def rows(self) -> int:
+        return self.row_stop - self.row_start
+
+    @property
+    def cols(self) -> int:
+        return self.col_stop - self.col_start
+
+    @property
     def numel(self) -> int:
-        return (self.s1 - self.s0) * (self.c1 - self.c0)
+        return self.rows * self.cols
 
 
 @dataclass(frozen=True)
@@ -101,20 +110,21 @@ def _parts_of(entry: int, pieces, bucket_numel: int, direct_numel: int) -> list[
     for tp, src, shape, blocks in pieces:
         rows = _rows(shape)
         width = math.prod(shape) // rows if rows else 0
-        for source, dim, a, b, la, lb, primary in blocks:
-            if not primary or lb <= la:
+        for block in blocks:
+            if not block.primary or block.local_stop <= block.local_start:
                 continue
-            if dim == 0:
-                r0, r1, c0, c1, h = la, lb, 0, width, a
-            elif len(shape) == 2:
-                r0, r1, c0, c1, h = 0, rows, la, lb, a
+            if block.dim == 0:      # whole rows of the shard and of the HF tensor
+                r0, r1, c0, c1 = block.local_start, block.local_stop, 0, width
+            elif len(shape) == 2:   # a column block: every row of the shard
+                r0, r1, c0, c1 = 0, rows, block.local_start, block.local_stop
             else:
                 raise RuntimeError(f"internal error: a column block of a {len(shape)}-D shard")
             per = max(1, bucket_numel // max(1, c1 - c0))
             for r in range(r0, r1, per):
                 n = min(per, r1 - r)
-                parts.append(Part(entry, source, tp, src, dim, r, r + n, c0, c1, h + (r - r0) if dim == 0 else h,
-                                  direct=dim == 0 and n * (c1 - c0) >= direct_numel))
+                hf_start = block.hf_start + (r - r0) if block.dim == 0 else block.hf_start
+                parts.append(Part(entry, block.source, tp, src, block.dim, r, r + n, c0, c1, hf_start,
+                                  direct=block.dim == 0 and n * (c1 - c0) >= direct_numel))
     return parts
 
 
@@ -149,7 +159,7 @@ def _layout_bucket(entries) -> Bucket:
     for k, p in enumerate(parts):
         if p.direct:
             start, width = places[(p.entry, p.hf)]
-            laid.append(dataclasses.replace(p, offset=start + p.h0 * width))
+            laid.append(dataclasses.replace(p, offset=start + p.hf_start * width))
         else:
             packed.append((p.src, k, p))
     segments = []
@@ -211,8 +221,8 @@ def place(parts, target: torch.Tensor, staging: torch.Tensor, base: int = 0) -> 
     ``offset - base`` in it)."""
     target = as_rows(target)
     for p in parts:
-        rows = staging.narrow(0, p.offset - base, p.numel).view(p.s1 - p.s0, p.c1 - p.c0)
+        rows = staging.narrow(0, p.offset - base, p.numel).view(p.rows, p.cols)
         if p.dim == 0:
-            target.narrow(0, p.h0, p.s1 - p.s0).copy_(rows)
+            target.narrow(0, p.hf_start, p.rows).copy_(rows)
         else:
-            target.narrow(0, p.s0, p.s1 - p.s0).narrow(1, p.h0, p.c1 - p.c0).copy_(rows)
+            target.narrow(0, p.row_start, p.rows).narrow(1, p.hf_start, p.cols).copy_(rows)

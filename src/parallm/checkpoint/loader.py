@@ -28,9 +28,9 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError, ParallelError
 from ..families import family_of
-from ..model.placement import placement_of
-from ..model.sharding import TensorSource, make_shard
-from ..model.table import Entry, all_entries, chunk_entries, expected_hf_shapes, held_params, model_entries  # noqa: F401
+from ..model.sharding import SlabSource, TensorSource, make_shard
+from ..model.table import (Entry, all_entries, chunk_entries, entry_view, expected_hf_shapes,  # noqa: F401
+                           fused_layout, held_params, model_entries)
 from ..parallel.errors import exchange_rows, gather_objects, remote_error, status_of
 from ..parallel.state import ParallelDims, as_chunks, dims_of, require_initialized
 from ..progress import bar
@@ -67,15 +67,38 @@ def value_head_plan(present: dict, spec, task: str) -> tuple[dict[str, str], tup
     return {}, (VALUE_HEAD,)
 
 
-def check_checkpoint(present: dict, spec, task: str, expected: dict, *, strict: bool, where: str):
-    """The checkpoint's tensor names and shapes against the model's (``expected``), value-head sources
-    included. Raises :class:`CheckpointError` naming every problem; returns ``value_head_plan``'s
-    (aliases, initialised)."""
+def fused_plan(present: dict, expected: dict, fused: dict, *, num_experts: int, where: str) -> dict:
+    """Tensors the checkpoint stores fused (transformers 5's in-memory MoE layout, :class:`FusedPart`): HF name ->
+    its part, for every expected tensor absent under its own name whose fused tensor is present. A fused tensor
+    whose shape is not ``[E, parts * rows, cols]`` of the tensors it holds is a :class:`CheckpointError`."""
+    plan = {}
+    for name, part in fused.items():
+        if name in present or part.name not in present:
+            continue
+        rows, *cols = expected[name]
+        want = (rows * part.parts, *cols) if part.expert is None else (num_experts, rows * part.parts, *cols)
+        if tuple(present[part.name]) != tuple(want):
+            raise CheckpointError(f"{where}: wrong shape: {part.name}: checkpoint {tuple(present[part.name])} vs "
+                                  f"model {want} (the fused layout of {name} and its kin)")
+        plan[name] = part
+    return plan
+
+
+def check_checkpoint(present: dict, spec, task: str, expected: dict, *, strict: bool, where: str,
+                     fused: dict | None = None):
+    """The checkpoint's tensor names and shapes against the model's (``expected``), value-head sources and
+    fused MoE tensors (``fused``: :func:`~parallm.model.table.fused_layout`) included. Raises
+    :class:`CheckpointError` naming every problem; returns ``(aliases, initialised, fused parts)``:
+    ``value_head_plan``'s two and :func:`fused_plan`'s."""
     aliases, init = value_head_plan(present, spec, task)
-    seen = {**present, **{k: present[v] for k, v in aliases.items()}}
+    parts = fused_plan(present, expected, fused or {}, where=where,
+                       num_experts=spec.moe.num_experts if spec.moe is not None else 0)
+    seen = {k: v for k, v in present.items() if k not in {p.name for p in parts.values()}}
+    seen.update({k: present[v] for k, v in aliases.items()})
+    seen.update({k: expected[k] for k in parts})
     want = {k: v for k, v in expected.items() if k not in init}
     check_keys_and_shapes(seen, want, strict=strict, ignorable=ignorable_names(spec, task), where=where)
-    return aliases, init
+    return aliases, init, parts
 
 
 def init_value_head(param: torch.Tensor, hf_config) -> float:
@@ -129,11 +152,12 @@ def _choose_mode(mode: str, kinds: list[tuple[str, str]]) -> str:
     return mode
 
 
-def _fill_from_blocks(param, entry: Entry, sources, layout: ParallelDims) -> None:
-    """Read each piece of this rank's shard (its layout's ``blocks``) straight into its place in the parameter,
+def _fill_from_blocks(view, entry: Entry, sources, layout: ParallelDims) -> None:
+    """Read each piece of this rank's shard (its layout's ``blocks``) straight into its place in the parameter
+    (``view``: :func:`entry_view`'s tensor and layout: a routed expert's slab of its stacked parameter),
     converting to the parameter's dtype in the same copy (:func:`copy_cast_`): one copy per byte, no
     intermediate shard. Vocab padding rows are zeroed."""
-    tp_layout = placement_of(param).layout
+    param, tp_layout = view
     blocks = tp_layout.blocks(layout.tp_rank, layout.tp, [s.shape for s in sources])
     filled = 0
     with torch.no_grad():
@@ -171,7 +195,7 @@ def _fill_all(own, get, layout: ParallelDims, progress) -> None:
     """Fill every (entry, chunk) of ``own`` from ``get``, the entries spread over :func:`load_threads` threads;
     the first failing entry (in table order) is raised after every started fill has ended."""
     pbar = bar(total=len(own), desc="parallm load", rank=layout.rank, progress=progress)
-    jobs = [(chunk.get_parameter(entry.local), entry, [get(n) for n in entry.hf]) for entry, chunk in own]
+    jobs = [(entry_view(chunk, entry), entry, [get(n) for n in entry.hf]) for entry, chunk in own]
     try:
         threads = min(load_threads(), len(jobs))
         if threads <= 1:
@@ -278,7 +302,8 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
 def _open_and_check(source, spec, task, layout: ParallelDims, *, strict: bool, allow_pickle: bool):
     """Open this rank's source and check every tensor's name, shape and dtype at once. Returns
     ``(get, initialised)``: ``get(hf_name)`` gives the :class:`Source` to read (value-head aliases applied)."""
-    expected = expected_hf_shapes(family_of(spec).table, spec, task=task, pp=layout.pp)
+    table = family_of(spec).table
+    expected = expected_hf_shapes(table, spec, task=task, pp=layout.pp)
     if isinstance(source, dict):
         present, where = tensor_shapes(source), "state dict"
         def raw(name):
@@ -287,10 +312,19 @@ def _open_and_check(source, spec, task, layout: ParallelDims, *, strict: bool, a
         ckpt = HFCheckpoint(source, allow_pickle=allow_pickle)
         raw, where = ckpt.source, ckpt.path
         present = {k: raw(k).shape for k in ckpt.keys()}
-    aliases, init = check_checkpoint(present, spec, task, expected, strict=strict, where=where)
-    check_floating([aliases.get(k, k) for k in expected if k not in init], lambda n: raw(n).is_floating,
-                   where=where)
-    return (lambda name: raw(aliases.get(name, name))), init
+    aliases, init, fused = check_checkpoint(present, spec, task, expected, strict=strict, where=where,
+                                            fused=fused_layout(table, spec, task=task, pp=layout.pp))
+    check_floating([fused[k].name if k in fused else aliases.get(k, k) for k in expected if k not in init],
+                   lambda n: raw(n).is_floating, where=where)
+
+    def get(name):
+        part = fused.get(name)
+        if part is None:
+            return raw(aliases.get(name, name))
+        if part.expert is None:
+            return raw(part.name)
+        return SlabSource(raw(part.name), part.expert, part.part, part.parts)
+    return get, init
 
 
 def _readers(mode: str, kinds: list[str]) -> list[bool]:

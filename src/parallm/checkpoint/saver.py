@@ -34,8 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..families import family_of
-from ..model.placement import placement_of
-from ..model.table import expected_hf_shapes, model_entries
+from ..model.table import entry_view, expected_hf_shapes, model_entries
 from ..parallel.errors import run_local
 from ..parallel.state import ParallelDims, as_chunks, dims_of, require_initialized
 from ..progress import bar
@@ -79,11 +78,13 @@ def _gather_tp(param: torch.Tensor, layout: ParallelDims, dst_tp: int | None) ->
     return out
 
 
-def _merge_entry(entry, param, shards, *, dtype, device) -> dict[str, torch.Tensor]:
-    """Every TP rank's shard -> this entry's HF tensors, on ``device`` in ``dtype`` (None: the param's). Never
-    a view of the live parameter: the caller may keep the tensors while training changes it."""
+def _merge_entry(entry, view, shards, *, dtype, device) -> dict[str, torch.Tensor]:
+    """Every TP rank's shard -> this entry's HF tensors, on ``device`` in ``dtype`` (None: the param's).
+    ``view``: :func:`entry_view`'s (tensor, layout). Never a view of the live parameter: the caller may keep the
+    tensors while training changes it."""
+    param, tp_layout = view
     out = {}
-    for name, tensor in zip(entry.hf, placement_of(param).layout.merge(shards)):
+    for name, tensor in zip(entry.hf, tp_layout.merge(shards)):
         tensor = tensor.to(device=device, dtype=dtype or tensor.dtype).contiguous()   # checked by _check_casts
         if tensor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
             tensor = tensor.clone()
@@ -105,10 +106,10 @@ def gather_stage_tensors(chunks, layout: ParallelDims, dtype=None, *, progress=N
     for i, entry, chunk in bar(wanted, desc="parallm save (gather)", rank=layout.rank, progress=progress):
         if not entry.row.save or not writes(entry, layout):
             continue
-        param = chunk.get_parameter(entry.local)
-        shards = _gather_tp(param, layout, 0)
+        view = entry_view(chunk, entry)
+        shards = _gather_tp(view[0], layout, 0)
         if shards is not None:
-            out.update(_merge_entry(entry, param, shards, dtype=dtype, device="cpu"))
+            out.update(_merge_entry(entry, view, shards, dtype=dtype, device="cpu"))
     return out
 
 
@@ -246,7 +247,7 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
 
 def _write_block(fd: int, start: int, hf_shape, elsize: int, block, local: torch.Tensor) -> None:
     """Write one block of this rank's shard straight into its place in the HF tensor's bytes."""
-    _, dim, a, b, la, lb, _ = block
+    dim, a, la, lb = block.dim, block.hf_start, block.local_start, block.local_stop
     piece = local.narrow(dim, la, lb - la).contiguous()
     if dim == 0:
         row_bytes = elsize
@@ -296,10 +297,10 @@ def _save_dir(chunks, layout: ParallelDims, out_dir: str, *, dtype, overwrite: b
             elsize = torch.empty((), dtype=dtype).element_size()
             try:
                 for _, entry, chunk in bar(wanted, desc="parallm save", rank=layout.rank, progress=progress):
-                    param = chunk.get_parameter(entry.local)
+                    param, tp_layout = entry_view(chunk, entry)
                     local = param.detach().to(device="cpu", dtype=dtype)      # checked by _check_casts
                     hf_shapes = [shapes[n] for n in entry.hf]
-                    for block in placement_of(param).layout.blocks(layout.tp_rank, layout.tp, hf_shapes):
+                    for block in tp_layout.blocks(layout.tp_rank, layout.tp, hf_shapes):
                         if not block.primary:
                             continue  # a replica: another rank writes these bytes
                         fname, start, hf_shape = where[entry.hf[block.source]]

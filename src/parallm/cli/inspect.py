@@ -30,6 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--pp", type=positive, help="... and this many pipeline stages")
     p.add_argument("--vpp", type=positive, help="... and this many virtual stages per pipeline rank")
     p.add_argument("--dp", type=positive, help="... and this many data-parallel replicas (sets the world size)")
+    p.add_argument("--ep", type=positive, help="... and this many expert-parallel ranks (mixture of experts; "
+                                               "divides --dp)")
     p.add_argument("--task", choices=("auto", "causal_lm", "value"), default="auto",
                    help="count a value head instead of the lm head (default: from the config)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -41,7 +43,10 @@ def run(args) -> int:
     import json
     if args.vpp and args.vpp > 1 and not (args.pp and args.pp > 1):
         raise UsageError(f"--vpp {args.vpp} needs --pp > 1 (virtual stages interleave a pipeline)")
-    report = inspect_checkpoint(args.checkpoint, tp=args.tp, pp=args.pp, vpp=args.vpp, dp=args.dp,
+    if args.ep and args.ep > 1 and (args.dp or 1) % args.ep:
+        raise UsageError(f"--ep {args.ep} must divide --dp {args.dp or 1} (experts are split over data-parallel "
+                         "ranks)")
+    report = inspect_checkpoint(args.checkpoint, tp=args.tp, pp=args.pp, vpp=args.vpp, dp=args.dp, ep=args.ep,
                                 task=None if args.task == "auto" else args.task)
     print(json.dumps(report, indent=2, default=str) if args.json else render(report))
     return EXIT_FAIL if report["problem"] else EXIT_OK
@@ -57,7 +62,7 @@ def read_checkpoint(path: str, *, task: str | None, pp: int = 1) -> dict:
     from ..api import resolve_task
     from ..checkpoint.hf_dir import SAFETENSORS_DTYPES, HFCheckpoint
     from ..checkpoint.loader import check_checkpoint
-    from ..model.table import expected_hf_shapes
+    from ..model.table import expected_hf_shapes, fused_layout
     from ..families import load_config, spec_from_config
     if not os.path.isdir(path):
         raise CLIError(f"{path} does not exist" if not os.path.exists(path) else
@@ -83,8 +88,12 @@ def read_checkpoint(path: str, *, task: str | None, pp: int = 1) -> dict:
     problem, notes = None, []
     try:
         expected = expected_hf_shapes(family.table, spec, task=task, pp=pp)
-        aliases, init = check_checkpoint({k: v["shape"] for k, v in tensors.items()}, spec, task, expected,
-                                         strict=True, where=os.path.abspath(path))
+        aliases, init, fused = check_checkpoint({k: v["shape"] for k, v in tensors.items()}, spec, task, expected,
+                                                strict=True, where=os.path.abspath(path),
+                                                fused=fused_layout(family.table, spec, task=task, pp=pp))
+        if fused:
+            notes.append(f"{len(fused)} tensors are read from fused MoE tensors (transformers 5's in-memory "
+                         "layout, e.g. mlp.experts.gate_up_proj); saves write the Hub's per-expert names")
         if init:
             notes.append(f"{', '.join(init)} is not in the checkpoint: a value model initialises it (seeded)")
         if aliases:
@@ -114,9 +123,10 @@ def _splits(fn, *args) -> bool:
         return False
 
 
-def rank_params(spec, task: str, *, tp: int, pp: int, vpp: int | None) -> list[dict]:
+def rank_params(spec, task: str, *, tp: int, pp: int, vpp: int | None, ep: int = 1) -> list[dict]:
     """Per pipeline stage: parameters one of its TP ranks holds (every TP rank of a stage holds the same count;
-    vocabulary padding included, the tied head copy of the last stage included when pp > 1)."""
+    vocabulary padding included, the tied head copy of the last stage included when pp > 1; of a MoE layer's
+    experts, one expert-parallel rank's ``E / ep``)."""
     import math
 
     from ..model.sharding import make_layout
@@ -131,15 +141,40 @@ def rank_params(spec, task: str, *, tp: int, pp: int, vpp: int | None) -> list[d
         for v in range(vpp):
             rng = layer_numbers(spec.num_layers, pp, vpp, pp_rank, v)
             layers.append(f"{rng.start}-{rng.stop - 1}" if len(rng) > 1 else str(rng.start))
+            experts = range(spec.moe.num_experts // ep) if spec.moe is not None else None
             for e in chunk_entries(table, spec, task=task, pp=pp, pre_process=(pp_rank == 0 and v == 0),
-                                   post_process=(pp_rank == pp - 1 and v == vpp - 1), layers=rng):
+                                   post_process=(pp_rank == pp - 1 and v == vpp - 1), layers=rng, experts=experts):
                 shapes = [resolve_shape(s, spec) for s in e.row.shapes]
                 count += math.prod(make_layout(e.kind, spec, padded).shard_shape(0, tp, shapes))
         stages.append(dict(pp_rank=pp_rank, layers=", ".join(layers), params=count))
     return stages
 
 
-def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, task=None) -> dict:
+def moe_facts(spec, *, dtype: str, tp: int) -> dict | None:
+    """A mixture-of-experts model's experts and how they run: per MoE layer the experts, top-k and widths, the
+    parameter tensors the layer holds (router, two stacked expert tensors, the shared expert's), and the expert
+    GEMM kernel this machine's default device would use for the checkpoint's dtype at ``tp``
+    (:func:`parallm.model.moe.expert_kernel`, the choice ``build_model`` makes)."""
+    import torch
+
+    from ..model.moe import expert_kernel, grouped_mm_support
+    moe = spec.moe
+    if moe is None:
+        return None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch_dtype = getattr(torch, dtype, torch.float32)
+    width = moe.expert_intermediate_size // tp if moe.expert_intermediate_size % tp == 0 else 0
+    sizes = (spec.hidden_size, 2 * width, width)
+    kernel = expert_kernel(device, torch_dtype, sizes) if width else "loop"
+    return dict(experts=moe.num_experts, top_k=moe.top_k, layers=len(moe.layers),
+                expert_width=moe.expert_intermediate_size, shared_width=moe.shared_expert_intermediate_size,
+                tensors_per_layer=3 + (2 + int(moe.shared_expert_gate) if moe.shared_expert_intermediate_size else 0),
+                kernel=kernel, device=device,
+                kernel_note=(grouped_mm_support(device, torch_dtype, sizes) if width else
+                             f"moe_intermediate_size {moe.expert_intermediate_size} does not split over tp={tp}"))
+
+
+def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, ep=None, task=None) -> dict:
     from ..model.spec import check_tp
     from ..parallel.stages import layer_numbers
     ck = read_checkpoint(path, task=task)
@@ -166,11 +201,15 @@ def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, task=N
         # pp -> the vpp values (> 1) that split the layers evenly (Megatron's interleaving)
         pipelines={pp: [v for v in range(2, L // pp + 1) if pp > 1 and _splits(layer_numbers, L, pp, v, 0, 0)]
                    for pp in range(1, L + 1) if _splits(layer_numbers, L, pp, 1, 0, 0)})
-    if any(x is not None for x in (tp, pp, vpp, dp)):
-        tp, pp, dp, vpp = tp or 1, pp or 1, dp or 1, vpp if vpp and vpp > 1 else None
+    report["moe"] = moe_facts(spec, dtype=main, tp=tp or 1)
+    if any(x is not None for x in (tp, pp, vpp, dp, ep)):
+        tp, pp, dp, vpp, ep = tp or 1, pp or 1, dp or 1, vpp if vpp and vpp > 1 else None, ep or 1
         check_split(spec, tp=tp, pp=pp, vpp=vpp)
-        report["layout"] = dict(tp=tp, pp=pp, vpp=vpp, dp=dp, world=tp * pp * dp,
-                                stages=rank_params(spec, ck["task"], tp=tp, pp=pp, vpp=vpp))
+        if ep > 1 and (spec.moe is None or spec.moe.num_experts % ep):
+            raise CLIError(f"--ep {ep}: " + ("the model has no experts" if spec.moe is None else
+                                             f"num_experts={spec.moe.num_experts} is not divisible by ep={ep}"))
+        report["layout"] = dict(tp=tp, pp=pp, vpp=vpp, dp=dp, ep=ep, world=tp * pp * dp,
+                                stages=rank_params(spec, ck["task"], tp=tp, pp=pp, vpp=vpp, ep=ep))
     return report
 
 
@@ -226,10 +265,20 @@ def render(report: dict) -> str:
     lines.append("valid pp/vpp  " + "; ".join(f"pp {p}" + (f" (vpp {', '.join(map(str, v))})" if v else "")
                                             for p, v in report["pipelines"].items()))
     lines.append(f"              ({c['layers']} layers split evenly: pp x vpp must divide {c['layers']})")
+    moe = report.get("moe")
+    if moe:
+        shared = f", shared expert {moe['shared_width']} wide" if moe["shared_width"] else ""
+        lines.append(f"experts       {moe['experts']} per MoE layer ({moe['layers']} layers), top-{moe['top_k']}, "
+                     f"{moe['expert_width']} wide{shared}; {moe['tensors_per_layer']} parameter tensors per MoE "
+                     "layer (each rank's experts stacked per projection)")
+        how = "torch._grouped_mm" if moe["kernel"] == "grouped_mm" else "a loop over the experts"
+        lines.append(f"expert GEMMs  {how} on {moe['device']} in {report['dtype']}"
+                     + (f" ({moe['kernel_note']})" if moe["kernel_note"] else ""))
     if "layout" in report:
         lay, b, fp32 = report["layout"], report["dtype_bytes"], report["dtype"] == "float32"
         lines.append(f"\nparameter memory per rank, tp {lay['tp']} x pp {lay['pp']}"
-                     + (f" x vpp {lay['vpp']}" if lay["vpp"] else "") + f" x dp {lay['dp']} = {lay['world']} rank(s):")
+                     + (f" x vpp {lay['vpp']}" if lay["vpp"] else "") + f" x dp {lay['dp']}"
+                     + (f" (ep {lay['ep']})" if lay["ep"] > 1 else "") + f" = {lay['world']} rank(s):")
         rows = [[str(st["pp_rank"]), st["layers"], _count(st["params"])]
                 + ([] if fp32 else [_bytes(st["params"] * b)]) + [_bytes(st["params"] * 4), _bytes(st["params"] * 16)]
                 for st in lay["stages"]]

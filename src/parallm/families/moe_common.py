@@ -2,9 +2,11 @@
 
 A MoE family's table is the dense decoder table with its MLP rows limited to dense layers (``dense_layer``)
 plus the rows below for MoE layers (``moe_layer``). Expert rows are per-expert templates (``{e}`` = global
-expert index in the HF names; see :mod:`parallm.model.table`), in the names transformers' ``save_pretrained``
-writes (transformers 5 fuses the experts in memory, ``experts.gate_up_proj`` ``[E, 2I, H]``, but writes the
-Hub's per-expert tensors).
+expert index in the HF names; see :mod:`parallm.model.table`) of two stacked parameters per layer
+(``mlp.experts.linear_fc1.weight [E_local, 2 I / tp, H]``, ``linear_fc2.weight [E_local, H, I / tp]``), in the
+names transformers' ``save_pretrained`` writes. The rows also name the fused layout transformers 5 keeps in
+memory (``mlp.experts.gate_up_proj [E, 2 I, H]``, ``mlp.experts.down_proj [E, H, I]``, Mixtral's router as
+``mlp.gate.weight``), so a checkpoint or state dict stored that way loads too.
 """
 
 from __future__ import annotations
@@ -18,18 +20,20 @@ from .llama import DECODER_TABLE
 H, EI, SI, E = "hidden_size", "expert_intermediate_size", "shared_expert_intermediate_size", "num_experts"
 
 
+FUSED_BLOCK = "model.layers.{i}.mlp."   # where transformers 5 keeps a MoE layer's modules in memory
+
+
 def moe_rows(block: str, *, router: str, gate: str, up: str, down: str) -> tuple[Row, ...]:
     """``block``: the HF module of a MoE layer (``model.layers.{i}.mlp.``); ``router``: its router weight
     (relative to ``block``); ``gate`` / ``up`` / ``down``: expert e's projections (``{e}`` in them)."""
     mlp = "layers.{l}.mlp."
-    expert = mlp + "experts.local_experts.{x}."
     return (
         Row(mlp + "router.weight", (block + router,), "copy", "layer", ((E, H),), when=("moe_layer",),
-            tp_sum="sp"),
-        Row(expert + "linear_fc1.weight", (block + gate, block + up), "gate_up", "layer", ((EI, H), (EI, H)),
-            when=("moe_layer",), per_expert=True),
-        Row(expert + "linear_fc2.weight", (block + down,), "row", "layer", ((H, EI),), when=("moe_layer",),
-            per_expert=True),
+            tp_sum="sp", fused=(FUSED_BLOCK + "gate.weight",)),
+        Row(mlp + "experts.linear_fc1.weight", (block + gate, block + up), "gate_up", "layer", ((EI, H), (EI, H)),
+            when=("moe_layer",), per_expert=True, fused=(FUSED_BLOCK + "experts.gate_up_proj",)),
+        Row(mlp + "experts.linear_fc2.weight", (block + down,), "row", "layer", ((H, EI),), when=("moe_layer",),
+            per_expert=True, fused=(FUSED_BLOCK + "experts.down_proj",)),
         Row(mlp + "shared_experts.linear_fc1.weight",
             (block + "shared_expert.gate_proj.weight", block + "shared_expert.up_proj.weight"), "gate_up", "layer",
             ((SI, H), (SI, H)), when=("moe_layer", "shared_expert")),

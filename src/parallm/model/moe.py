@@ -1,51 +1,135 @@
-"""The mixture-of-experts MLP: an fp32 top-k router, routed experts split over expert-parallel ranks (each
-expert's FFN split over TP like a dense MLP), and an optional gated shared expert (Qwen2-MoE).
+"""The mixture-of-experts MLP: a top-k router (logits in fp32), routed experts split over expert-parallel ranks
+(each expert's FFN split over TP like a dense MLP) and stacked into one parameter per projection, and an
+optional gated shared expert (Qwen2-MoE).
 
-Parameter names follow megatron-core's MoE layer (SequentialMLP experts)::
+Parameters of one MoE layer (megatron-core's MoE layer naming, experts stacked as in its GroupedMLP)::
 
-    mlp.router.weight                                 [E, H]        replicated over TP
-    mlp.experts.local_experts.{x}.linear_fc1.weight   [2 I / tp, H] [gate_r; up_r] of global expert e = e0 + x
-    mlp.experts.local_experts.{x}.linear_fc2.weight   [H, I / tp]   down_proj columns of TP rank r
-    mlp.shared_experts.linear_fc1.weight / linear_fc2.weight        a dense MLP (Column/RowParallelLinear)
-    mlp.shared_experts.gate_weight                    [1, H]        replicated over TP
+    mlp.router.weight                      [E, H]                  replicated over TP
+    mlp.experts.linear_fc1.weight          [E_local, 2 I / tp, H]  [x]: [gate_r; up_r] of global expert e0 + x
+    mlp.experts.linear_fc2.weight          [E_local, H, I / tp]    [x]: down_proj columns of TP rank r
+    mlp.shared_experts.linear_fc1.weight / linear_fc2.weight       a dense MLP (Column/RowParallelLinear)
+    mlp.shared_experts.gate_weight         [1, H]                  replicated over TP
+
+The experts' GEMMs run as one ``torch._grouped_mm`` per projection where the device and dtype support it, else
+as a loop over the local experts (:func:`expert_kernel`: chosen once per process and model shape, logged; the
+MoE layers keep it as ``experts.kernel``, :func:`expert_kernel_of` reads it from chunks). Both give the same
+bits on CPU.
 
 Data flow of one MoE layer on one rank (N local tokens; under sequence parallelism N = T / tp)::
 
-    router (fp32): logits [N, E] -> softmax -> top-k weights w [N, k] (renormalised when norm_topk_prob), experts
-    into the TP region: sequence parallel: all-gather tokens, w and choices over TP (backward: reduce-scatter);
-                        TP without SP: tokens and w enter as replicas (backward: all-reduce, as a column-parallel
-                        linear's input); then every TP rank holds the same T tokens and choices
+    router: logits = x W^T in the model dtype, then fp32 (what transformers computes), softmax -> top-k weights
+    w [N, k] (renormalised when norm_topk_prob), experts [N, k]
     slots (token, choice) sorted by expert -> all-to-all over the expert-parallel group (parallel/experts.py)
     -> each local expert computes its TP shard of the FFN on its rows -> all-to-all back -> slots unsorted by the
     inverse permutation, viewed [N, k, H], weighted and summed over the k choices (no atomic adds: the same bits
-    on every run on any device) -> out of the TP region: reduce-scatter (SP) / all-reduce (TP), summing the TP
-    partial sums.
+    on every run on any device)
 
-The weights are applied before the TP reduction, so their gradient on each TP rank is partial; the way in
-(reduce-scatter / all-reduce in backward) sums it, and the router's gradient is complete for the tokens it saw.
-Routing is dropless (no capacity), and an expert that no token chose still runs on an empty batch, so its
-weights get a zero gradient rather than None.
+and under TP (``tp`` > 1) one of two ways, decided at build:
 
-Compared with transformers (Qwen2/Qwen3-MoE, Mixtral): the same softmax / top-k / renormalisation, so the same
-choices and weights in fp32. The router runs in fp32 here in every model dtype (transformers computes the logits
-in the model dtype and the softmax in fp32), and the weights are cast to the model dtype before weighting
-(as Qwen; Mixtral weights in fp32), so bf16 models differ from transformers by rounding only.
+* ``ep`` > 1 (the dispatch is Megatron's): each TP rank dispatches only its share of the tokens (under sequence
+  parallelism its own tokens; without it a contiguous share of the TP replica, routed on every rank alike), the
+  TP ranks all-gather the rows the all-to-all brought them and each computes its shard of every local expert on
+  all of them; a reduce-scatter over TP adds the shards' partial sums, so each rank's rows come back complete
+  and the all-to-all back carries complete outputs. No TP rank sends what another sends: the all-to-all carries
+  1 / tp of what it would if every TP rank dispatched the whole replica. Without sequence parallelism the
+  shares' outputs are then all-gathered into the replica (backward: each rank's share of the replicated
+  gradient), and the routing weights enter through ``copy_to_tensor_model_parallel_region`` (backward: the
+  shares' weight gradients summed over TP), so the router's gradient is complete on every rank.
+* ``ep`` = 1: no all-to-all at all; the tokens enter the TP region (sequence parallelism: tokens, weights and
+  choices all-gathered over TP; without it they are TP replicas), every TP rank computes its shard of every
+  expert on all slots, and a reduce-scatter (SP) / all-reduce (TP) sums the TP partial sums, as a dense MLP
+  does. Gathering tokens before they become k slots moves k times less than gathering slots.
+
+Routing is dropless (no capacity), and an expert that no token chose still takes part in the backward (an empty
+group), so its slab of the weights gets a zero gradient.
+
+Compared with transformers (Qwen2/Qwen3-MoE, Mixtral): the same logits, softmax / top-k / renormalisation, so the
+same choices and weights (in bf16 too); the weights are cast to the model dtype before weighting (as Qwen;
+Mixtral weights in fp32), and the k choices are summed by one reduction rather than accumulated one by one, so
+bf16 models differ from transformers by rounding only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.experts import combine, dispatch
+from ..parallel.experts import (combine, dispatch, expert_counts, gather_shares, inverse_permutation, share_of,
+                                share_sizes, slots_of)
 from ..parallel.megatron_import import import_megatron
 from .mlp import MLP
 from .spec import DecoderSpec
 
 mtp = import_megatron().tensor_parallel
+logger = logging.getLogger("parallm")
+
+KERNELS = ("grouped_mm", "loop")
+KERNEL_ENV = "PARALLM_MOE_EXPERTS"     # "auto" (default), "grouped_mm" or "loop"
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def grouped_mm_support(device, dtype: torch.dtype, sizes) -> str | None:
+    """Why ``torch._grouped_mm`` cannot run the experts here (None: it can). ``sizes``: the GEMMs' inner and outer
+    dimensions (hidden, 2 I / tp, I / tp). What it requires: torch >= 2.8 on CPU (a C++ loop of ``mm`` per group,
+    the same bits as a Python loop), fp32 / bf16 / fp16, 16-byte aligned rows (every size a multiple of 16 bytes);
+    on CUDA bf16 on compute capability >= 9.0, where torch has a grouped kernel (elsewhere it falls back to a
+    per-group loop that reads the group offsets on the host: a device sync per call)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    if dtype not in _GROUPED_DTYPES:
+        return f"torch._grouped_mm takes {', '.join(str(d) for d in _GROUPED_DTYPES)}, not {dtype}"
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    odd = [n for n in sizes if (n * itemsize) % 16]
+    if odd:
+        return f"sizes {odd} x {itemsize} B are not multiples of 16 bytes (torch._grouped_mm's row alignment)"
+    kind = torch.device(device).type if device is not None else "cpu"
+    if kind == "cpu":
+        return None
+    if kind == "cuda":
+        if dtype != torch.bfloat16:
+            return f"on CUDA torch._grouped_mm has a grouped kernel for bfloat16 only, not {dtype}"
+        index = torch.device(device).index
+        if torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device())[0] < 9:
+            return "torch._grouped_mm has no grouped kernel below compute capability 9.0"
+        return None
+    return f"torch._grouped_mm is not used on {kind} devices"
+
+
+def expert_kernel(device_type: str, dtype: torch.dtype, sizes: tuple[int, ...]) -> str:
+    """``"grouped_mm"`` or ``"loop"`` for experts of these GEMM sizes in ``dtype`` on a ``device_type`` device:
+    grouped where :func:`grouped_mm_support` allows it, unless env ``PARALLM_MOE_EXPERTS`` says ``loop`` (or
+    ``grouped_mm``, which then must be supported). Chosen once per process and argument set, and logged."""
+    return _choose_kernel(device_type, dtype, tuple(sizes), os.environ.get(KERNEL_ENV, "auto").strip().lower()
+                          or "auto")
+
+
+@functools.cache
+def _choose_kernel(device_type: str, dtype: torch.dtype, sizes: tuple[int, ...], wanted: str) -> str:
+    if wanted not in KERNELS + ("auto",):
+        raise ValueError(f"{KERNEL_ENV}={wanted!r}: use auto, grouped_mm or loop")
+    problem = grouped_mm_support(device_type, dtype, sizes)
+    if wanted == "grouped_mm" and problem:
+        raise ValueError(f"{KERNEL_ENV}=grouped_mm, but {problem}")
+    kernel = "loop" if wanted == "loop" or problem else "grouped_mm"
+    why = f"{KERNEL_ENV}={wanted}" if wanted != "auto" else (problem or "supported here")
+    logger.info("parallm: MoE experts (%s on %s) compute with %s (%s)", str(dtype).replace("torch.", ""),
+                device_type, "torch._grouped_mm" if kernel == "grouped_mm" else "a loop over the experts", why)
+    return kernel
+
+
+def expert_kernel_of(chunks) -> str | None:
+    """The experts' kernel of a model's chunks (every MoE layer holds the same), None for a dense model."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, Experts):
+                return module.kernel
+    return None
 
 
 class _Weight(nn.Module):
@@ -59,28 +143,30 @@ class Router(_Weight):
     parallm_param_kind = "replicated"
 
 
-class Expert(nn.Module):
-    """One routed expert's TP shard: ``down_r(silu(gate_r x) * up_r x)``, a partial sum over TP ranks."""
-
-    def __init__(self, hidden: int, width_local: int, dtype, device):
-        super().__init__()
-        self.linear_fc1 = _Weight((2 * width_local, hidden), dtype, device)
-        self.linear_fc2 = _Weight((hidden, width_local), dtype, device)
-
-    def forward(self, x):
-        gate, up = F.linear(x, self.linear_fc1.weight).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.linear_fc2.weight)
-
-
 class Experts(nn.Module):
+    """This rank's routed experts, stacked: ``linear_fc1.weight [E_local, 2 I / tp, H]`` (expert x's
+    ``[gate_r; up_r]``) and ``linear_fc2.weight [E_local, H, I / tp]``. ``forward`` computes every local
+    expert's TP shard ``down_r(silu(gate_r x) * up_r x)`` (a partial sum over TP ranks) on its rows."""
+
     def __init__(self, n_local: int, hidden: int, width_local: int, dtype, device):
         super().__init__()
-        self.local_experts = nn.ModuleList(Expert(hidden, width_local, dtype, device) for _ in range(n_local))
+        self.linear_fc1 = _Weight((n_local, 2 * width_local, hidden), dtype, device)
+        self.linear_fc2 = _Weight((n_local, hidden, width_local), dtype, device)
+        device_type = torch.device(device).type if device is not None else "cpu"
+        self.kernel = expert_kernel(device_type, dtype, (hidden, 2 * width_local, width_local))
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """``rows`` grouped by local expert, ``counts[x]`` for local expert x (zero: an empty batch, so the
-        expert still takes part in autograd and gets a zero gradient)."""
-        outs = [expert(part) for expert, part in zip(self.local_experts, rows.split(counts, dim=0))]
+    def forward(self, rows: torch.Tensor, counts: list[int], counts_device: torch.Tensor) -> torch.Tensor:
+        """``rows`` grouped by local expert, ``counts[x]`` of them for local expert x (``counts_device``: the same
+        on the device). An expert with no rows still takes part in autograd: its weights get a zero gradient."""
+        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
+        if self.kernel == "grouped_mm":
+            offsets = counts_device.cumsum(0).to(torch.int32)
+            gate, up = torch._grouped_mm(rows, w1.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
+            return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
+        outs = []
+        for part, fc1, fc2 in zip(rows.split(counts, dim=0), w1.unbind(0), w2.unbind(0)):
+            gate, up = F.linear(part, fc1).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, fc2))
         return torch.cat(outs, dim=0)
 
 
@@ -175,8 +261,11 @@ class MoEBlock(nn.Module):
         self.num_experts, self.top_k, self.norm_topk_prob = moe.num_experts, moe.top_k, moe.norm_topk_prob
         self.hidden = spec.hidden_size
         self.sequence_parallel = bool(config.sequence_parallel)
-        self.tp, self.tp_group = tp, dims.tp_group
+        self.tp, self.tp_group, self.tp_rank = tp, dims.tp_group, dims.tp_rank
         self.ep, self.ep_group = dims.ep, dims.ep_group
+        # each TP rank dispatches its share of the tokens (Megatron's dispatch) when there is an all-to-all to
+        # share; at ep = 1 the tokens enter the TP region as a dense MLP's do (k times less to move than slots)
+        self.shares = tp > 1 and dims.ep > 1
         self.experts_held = dims.expert_range(moe.num_experts)
         self.aux: MoEAux | None = None      # the chunk's tracker, set by the chunk
         self.router = Router((moe.num_experts, spec.hidden_size), config.params_dtype, device)
@@ -186,8 +275,9 @@ class MoEBlock(nn.Module):
             self.shared_experts = SharedExpert(spec, config, moe.shared_expert_gate, device)
 
     def route(self, h):
-        """fp32 router: (probs [N, E], weights [N, k], choices [N, k])."""
-        logits = F.linear(h.float(), self.router.weight.float())
+        """(probs [N, E] fp32, weights [N, k] fp32, choices [N, k]): the logits in the model dtype, as transformers
+        computes them, then fp32 (the activations are not upcast: only the [N, E] logits are)."""
+        logits = F.linear(h, self.router.weight).float()
         probs = torch.softmax(logits, dim=-1)
         weights, choices = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -213,6 +303,23 @@ class MoEBlock(nn.Module):
             return mtp.reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
         return out
 
+    def _routed(self, h, weights, choices, *, tp_group):
+        """The routed experts' weighted sum for the tokens ``h`` [n, H] (their TP shards' partial sums unless
+        ``tp_group`` shares the dispatch, see :func:`dispatch`)."""
+        n, k = choices.shape
+        flat = choices.reshape(-1)
+        order = torch.argsort(flat, stable=True)                        # slots (token-major) sorted by expert
+        unsort = inverse_permutation(order)
+        counts = expert_counts(flat.index_select(0, order), self.num_experts)
+        # Deterministic on every device: rows move by permutations and by slots_of, whose backward is a
+        # permutation and a sum over the k choices; nothing accumulates by index_add / scatter-add, whose
+        # colliding atomic adds on CUDA vary in order from run to run.
+        rows, plan = dispatch(slots_of(h, order, unsort, k), counts, ep=self.ep, group=self.ep_group, tp=self.tp,
+                              tp_group=tp_group)
+        rows = combine(self.experts(rows, plan.local_counts, plan.local_counts_device), plan)  # sorted-slot order
+        rows = rows.index_select(0, unsort).view(n, k, self.hidden)     # slot order: [token, choice]
+        return (rows * weights.to(rows.dtype).unsqueeze(-1)).sum(dim=1)
+
     def forward(self, x, tokens=None):
         """x: ``[S, B, H]`` (or ``[T / tp, 1, H]`` under sequence parallelism). ``tokens``: 1 for the real rows
         of ``x.reshape(-1, H)`` (the load-balancing loss counts those only); None: all rows are real."""
@@ -224,21 +331,19 @@ class MoEBlock(nn.Module):
             real = tokens if tokens is not None else torch.ones(h.shape[0], device=h.device)
             aux = load_balancing_loss(probs, choices, real, num_experts=self.num_experts,
                                       tp_group=self.tp_group if self.sequence_parallel else None)
-        h_all, w_all, c_all = self._into_tp_region(h, weights, choices)
-        n, k = c_all.shape
-        flat = c_all.reshape(-1)
-        order = torch.argsort(flat, stable=True)                        # slots (token-major) sorted by expert
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        # Deterministic on every device: only permutations move rows (a gather by a permutation, and its
-        # backward, touch each row once), and the k choices of a token are summed by a reduction, not by
-        # index_add / scatter-add, whose colliding atomic adds on CUDA vary in order from run to run.
-        slots = h_all.unsqueeze(1).expand(n, k, self.hidden).reshape(n * k, self.hidden)
-        rows, plan = dispatch(slots.index_select(0, order), counts, ep=self.ep, group=self.ep_group)
-        rows = combine(self.experts(rows, plan.local_counts), plan)     # back in sorted-slot order
-        unsort = torch.empty_like(order).scatter_(0, order, torch.arange(n * k, device=order.device))
-        rows = rows.index_select(0, unsort).view(n, k, self.hidden)     # slot order: [token, choice]
-        out = (rows * w_all.to(rows.dtype).unsqueeze(-1)).sum(dim=1)
-        out = self._out_of_tp_region(out).view(shape)
+        if self.shares and self.sequence_parallel:       # this rank's own tokens are its share
+            out = self._routed(h, weights, choices, tp_group=self.tp_group)
+        elif self.shares:                                # a TP replica: route it all, dispatch this rank's share
+            weights = mtp.copy_to_tensor_model_parallel_region(weights, group=self.tp_group)
+            mine = dict(rank=self.tp_rank, size=self.tp, group=self.tp_group)
+            sizes = share_sizes(h.shape[0], self.tp)
+            start, rows = sum(sizes[:self.tp_rank]), sizes[self.tp_rank]
+            out = self._routed(share_of(h, **mine), weights.narrow(0, start, rows), choices.narrow(0, start, rows),
+                               tp_group=self.tp_group)
+            out = gather_shares(out, rows=h.shape[0], **mine)
+        else:
+            out = self._out_of_tp_region(self._routed(*self._into_tp_region(h, weights, choices), tp_group=None))
+        out = out.view(shape)
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(x)
         if aux is not None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sharding import TPLayout, make_layout
+from .sharding import ExpertStack, TPLayout, make_layout
 
 # megatron-core's defaults for a parameter that is not split over TP (_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS).
 _MEGATRON_TP_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
@@ -43,16 +43,17 @@ class Placement:
     ``tied``: ``"embedding"`` for the first stage's embedding and ``"copy"`` for the last stage's head copy when
     embeddings are tied across pipeline stages (gradients summed over the embedding group; the copy is neither
     saved nor counted in norms); None otherwise.
-    ``expert``: for a routed expert's weight, its global expert index (its layer's expert-parallel rank
-    ``ep_rank`` holds experts ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)``; within the expert the ``layout`` TP
-    split applies as for a dense MLP); None for everything dense (router and shared expert included). Expert
-    gradients are averaged over the expert-data-parallel group, dense ones over the data-parallel group; each
-    expert is held by exactly one rank of every expert-parallel group.
+    ``expert``: for the stacked weight of a layer's routed experts, the global indices of the experts it holds
+    along dim 0 (a ``range``: expert-parallel rank ``ep_rank`` holds ``[ep_rank * E / ep, (ep_rank + 1) * E /
+    ep)``; ``layout`` is then an :class:`~parallm.model.sharding.ExpertStack` whose per-expert split is a dense
+    MLP's); None for everything dense (router and shared expert included). Expert gradients are averaged over the
+    expert-data-parallel group, dense ones over the data-parallel group; each expert is held by exactly one rank
+    of every expert-parallel group.
     """
     layout: TPLayout
     tp_sum: bool = False
     tied: str | None = None
-    expert: int | None = None
+    expert: range | None = None
 
     @property
     def tensor_parallel(self) -> bool:
@@ -120,11 +121,16 @@ def _module_kinds(chunk) -> dict[str, str]:
 def attach_placements(chunk, entries, *, pp: int) -> None:
     """Give every parameter of ``chunk`` its placement from the table ``entries`` that apply to the chunk. A
     parameter without a row, or a row without a parameter, is an internal error naming them (the table must
-    cover the model exactly)."""
+    cover the model exactly). The entries of one stacked expert parameter (one per expert it holds, ``index``
+    0, 1, ... in order) make one placement."""
     spec = chunk.spec
     sp = chunk.sequence_parallel
     params = dict(chunk.named_parameters())
     rows = {e.local: e.row for e in entries}
+    stacked: dict[str, list] = {}
+    for e in entries:
+        if e.index is not None:
+            stacked.setdefault(e.local, []).append(e)
     missing = sorted(set(params) - set(rows))
     extra = sorted(set(rows) - set(params))
     if missing or extra:
@@ -135,7 +141,16 @@ def attach_placements(chunk, entries, *, pp: int) -> None:
     for name, param in params.items():
         row = rows[name]
         tied = row.tied if tied_across else None
-        placement = Placement(layout=make_layout(row.kind, spec, chunk.padded_vocab_size),
-                              tp_sum=row.tp_sum == "always" or (row.tp_sum == "sp" and sp), tied=tied,
-                              expert=row.expert)
+        layout, experts = make_layout(row.kind, spec, chunk.padded_vocab_size), None
+        if name in stacked:
+            held = stacked[name]
+            experts = range(held[0].row.expert, held[-1].row.expert + 1)
+            if [e.index for e in held] != list(range(len(held))) or [e.row.expert for e in held] != list(experts):
+                raise RuntimeError(f"internal error: {name} stacks experts {[e.row.expert for e in held]} at "
+                                   f"{[e.index for e in held]}")
+            if param.shape[0] != len(held):
+                raise RuntimeError(f"internal error: {name} {tuple(param.shape)} stacks {len(held)} experts")
+            layout = ExpertStack(layout, len(held))
+        placement = Placement(layout=layout, tp_sum=row.tp_sum == "always" or (row.tp_sum == "sp" and sp),
+                              tied=tied, expert=experts)
         place(param, placement, module_kind=kinds[name], sequence_parallel=sp, expert_parallel=chunk.dims.ep > 1)

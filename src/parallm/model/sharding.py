@@ -51,6 +51,26 @@ class TensorSource(Source):
         return self.tensor
 
 
+class SlabSource(Source):
+    """Rows block ``part`` of ``parts`` equal blocks of ``base[index]`` (one expert's slab of a fused
+    ``[E, rows, cols]`` tensor), read through ``base`` without copying: only the bytes a reader copies are
+    touched."""
+
+    def __init__(self, base: Source, index: int, part: int = 0, parts: int = 1):
+        rows = base.shape[1] // parts
+        self.base, self.index, self.start, self.rows = base, index, part * rows, rows
+        self.shape = (rows,) + tuple(base.shape[2:])
+        self.dtype = getattr(base, "dtype", None)
+
+    @property
+    def is_floating(self) -> bool:
+        return self.base.is_floating
+
+    def read(self, dim, start, stop):
+        slab = self.base.read(0, self.index, self.index + 1)[0].narrow(0, self.start, self.rows)
+        return slab.narrow(dim, start, stop - start)
+
+
 def _as_source(x) -> Source:
     return x if isinstance(x, Source) else TensorSource(x)
 
@@ -349,6 +369,49 @@ class GateUpSplit(TPLayout):
     def blocks(self, rank, tp, hf_shapes):
         a, b = _split_range(hf_shapes[0][0], rank, tp, "gate/up")
         return [Block(0, 0, a, b, 0, b - a), Block(1, 0, a, b, b - a, 2 * (b - a))]
+
+
+class ExpertStack(TPLayout):
+    """Routed experts stacked along a new leading dim: ``shard[x]`` is local expert x's shard in the per-expert
+    layout ``inner`` (``GateUpSplit`` for ``[gate_r; up_r]``: ``[E_local, 2 I / tp, H]``; ``Split(1)`` for
+    down: ``[E_local, H, I / tp]``). The sources are the experts' HF tensors one expert after the other:
+    source ``k`` is source ``k % inner.sources`` of local expert ``k // inner.sources``, and each of the
+    :meth:`blocks` of that source lies in ``shard[k // inner.sources]`` (its dim and local range are those of
+    the expert's own 2-D shard). No piece is replicated over TP, so every rank is the one owner of its whole
+    shard. megatron-core's ``partition_dim`` is the inner split's, one further out."""
+    name = "experts"
+
+    def __init__(self, inner: TPLayout, count: int):
+        if inner.tp_dim is None:
+            raise ValueError(f"stacked experts need a TP-split per-expert layout, got {inner!r}")
+        self.inner, self.count = inner, count
+        self.sources = inner.sources * count
+        self.tp_dim = inner.tp_dim + 1
+        self.stride = inner.stride
+
+    def _per_expert(self, items) -> list[list]:
+        n = self.inner.sources
+        if len(items) != self.sources:
+            raise ValueError(f"{self!r}: {self.sources} sources expected, got {len(items)}")
+        return [list(items[x * n:(x + 1) * n]) for x in range(self.count)]
+
+    def shard(self, sources, rank, tp):
+        return torch.stack([self.inner.shard(s, rank, tp) for s in self._per_expert(sources)])
+
+    def merge(self, shards):
+        return [t for x in range(self.count) for t in self.inner.merge([s[x] for s in shards])]
+
+    def blocks(self, rank, tp, hf_shapes):
+        n = self.inner.sources
+        return [b._replace(source=x * n + b.source)
+                for x, shapes in enumerate(self._per_expert(list(hf_shapes)))
+                for b in self.inner.blocks(rank, tp, shapes)]
+
+    def primary_slices(self, rank, tp, local_shape):
+        return [(0, 0, local_shape[0])] if local_shape else []
+
+    def __repr__(self):
+        return f"ExpertStack({self.inner!r}, count={self.count})"
 
 
 # Layout kind names (as weight-table rows write them) -> constructor from the model spec and padded vocab.

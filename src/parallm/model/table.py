@@ -15,16 +15,20 @@ see :mod:`parallm.model.placement`):
     gate_up  two HF tensors (gate, up) fused per rank as [gate_r; up_r]
 
 Mixture of experts: a row with ``per_expert=True`` is a template for every expert of a layer (``{e}`` in its HF
-names = global expert index, ``{x}`` in its local name = the expert's index among those of its expert-parallel
-rank). :func:`select_rows` expands it into one row per expert (``expert`` set, HF names filled in, the local name
-still a template), so every (row, layer) pair names one tensor of the whole model; :func:`chunk_entries` keeps
-the experts a rank owns. Layer conditions (``moe_layer`` / ``dense_layer``) pick the rows of each layer.
+names = global expert index). Its local name is one parameter that stacks the experts a rank holds along dim 0
+(``[E_local, ...]``, see :class:`parallm.model.sharding.ExpertStack`). :func:`select_rows` expands the template
+into one row per expert (``expert`` set, HF names filled in), so every (row, layer) pair still names the HF
+tensors of one expert, in the Hub's per-expert format; :func:`chunk_entries` keeps the experts a rank owns and
+gives each entry its ``index``: the expert's place along dim 0 of the stacked parameter (:func:`entry_view`
+returns that slab and its per-expert layout). Layer conditions (``moe_layer`` / ``dense_layer``) pick the rows
+of each layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .placement import placement_of
 from .spec import DecoderSpec
 
 KINDS = ("copy", "vocab", "column", "row", "qkv", "gate_up")
@@ -65,8 +69,10 @@ class Row:
     tp_sum: str = "never"           # gradient is a partial sum over TP: "never", "sp" (under sequence
                                     # parallelism: fed 1/tp of the tokens), "always" (per-head q/k norms)
     tied: str | None = None         # tied embeddings across stages: "embedding" (first stage) / "copy" (head)
-    per_expert: bool = False        # a template expanded per expert by select_rows ({e} / {x} in the names)
+    per_expert: bool = False        # a template expanded per expert by select_rows ({e} in the HF names; the
+                                    # local name is the stacked parameter of the rank's experts)
     expert: int | None = None       # the global expert index of an expanded per-expert row
+    fused: tuple[str, ...] = ()     # the names in a checkpoint that stores experts fused (FusedPart)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -84,6 +90,10 @@ class Row:
                 raise ValueError(f"unknown condition {c!r}")
         if self.per_expert and self.stage != "layer":
             raise ValueError(f"row {self.local}: per-expert rows are layer rows")
+        if self.fused and (self.stage != "layer" or len(self.fused) != (1 if self.per_expert or self.expert is not None
+                                                                        else len(self.hf))):
+            raise ValueError(f"row {self.local}: fused names are one per source of a layer row, or one stacked "
+                             f"tensor for a per-expert row; got {self.fused}")
 
     def applies(self, spec: DecoderSpec, task: str, pp: int) -> bool:
         return all(CONDITIONS[c](spec, task, pp) for c in self.when if c in CONDITIONS)
@@ -99,6 +109,7 @@ class Entry:
     local: str                      # parameter name inside its chunk
     hf: tuple[str, ...]
     layer: int | None               # global layer index, None for non-layer rows
+    index: int | None = None        # a routed expert's place along dim 0 of its stacked parameter
 
     @property
     def kind(self) -> str:
@@ -147,9 +158,9 @@ def chunk_entries(table, spec: DecoderSpec, *, task: str, pp: int, pre_process: 
         for row in layer_rows:
             if not row.applies_to_layer(spec, global_idx):
                 continue
-            x = None if row.expert is None else row.expert - first_expert
-            out.append(Entry(row, row.local.format(l=local_idx, x=x),
-                             tuple(h.format(i=global_idx) for h in row.hf), global_idx))
+            index = None if row.expert is None else row.expert - first_expert
+            out.append(Entry(row, row.local.format(l=local_idx), tuple(h.format(i=global_idx) for h in row.hf),
+                             global_idx, index))
     return out
 
 
@@ -157,6 +168,34 @@ def all_entries(table, spec: DecoderSpec, *, task: str, pp: int) -> list[Entry]:
     """Every entry of the whole model (as if one chunk held everything, every expert included)."""
     return chunk_entries(table, spec, task=task, pp=pp, pre_process=True, post_process=True,
                          layers=range(spec.num_layers))
+
+
+@dataclass(frozen=True)
+class FusedPart:
+    """Where an HF tensor lies in a checkpoint that stores a layer's experts fused, as transformers 5 holds them in
+    memory (``mlp.experts.gate_up_proj [E, 2 I, H]`` = every expert's ``[gate; up]``, ``mlp.experts.down_proj
+    [E, H, I]``, Mixtral's ``block_sparse_moe.`` renamed ``mlp.``): rows block ``part`` of ``parts`` equal blocks
+    of ``name[expert]``; ``expert`` None: the whole tensor ``name`` (a rename)."""
+    name: str
+    expert: int | None = None
+    part: int = 0
+    parts: int = 1
+
+
+def fused_layout(table, spec: DecoderSpec, *, task: str, pp: int) -> dict[str, FusedPart]:
+    """HF name -> its :class:`FusedPart`, for every tensor whose row declares ``fused`` names (``{i}`` = layer)."""
+    out = {}
+    for e in all_entries(table, spec, task=task, pp=pp):
+        if not e.row.fused:
+            continue
+        if e.expert is None:
+            for name, alt in zip(e.hf, e.row.fused):
+                out[name] = FusedPart(alt.format(i=e.layer))
+        else:
+            stacked = e.row.fused[0].format(i=e.layer)
+            for k, name in enumerate(e.hf):
+                out[name] = FusedPart(stacked, e.expert, k, len(e.hf))
+    return out
 
 
 def resolve_shape(shape, spec: DecoderSpec) -> tuple[int, ...]:
@@ -188,12 +227,30 @@ def model_entries(chunks, layout):
     return mine, all_entries(table, spec, task=task, pp=layout.pp)
 
 
+def entry_view(chunk, entry: Entry):
+    """``(tensor, layout)`` of what ``entry`` names in ``chunk``: its parameter and the parameter's TP layout, or,
+    for a routed expert, the expert's slab ``param[entry.index]`` of the stacked parameter (a view of the
+    parameter's storage, without autograd history: writing it writes the parameter) and the per-expert layout
+    of that slab. Loaders, savers and the export stream move one entry at a time through this view."""
+    param = chunk.get_parameter(entry.local)
+    layout = placement_of(param).layout
+    if entry.index is None:
+        return param, layout
+    return param.detach()[entry.index], layout.inner
+
+
+def entry_tensor(chunk, entry: Entry):
+    """The tensor of :func:`entry_view` alone."""
+    return entry_view(chunk, entry)[0]
+
+
 def held_params(mine, everything) -> tuple[list[int], dict]:
     """Which of the model's entries (indices into ``everything``) this rank holds, as the 0/1 row every rank
-    contributes to an exchange, and their parameters by index."""
+    contributes to an exchange, and their tensors by index (:func:`entry_tensor`: a routed expert's slab of its
+    stacked parameter)."""
     order = {(e.row, e.layer): i for i, e in enumerate(everything)}
     holds, params = [0] * len(everything), {}
     for e, chunk in mine:
         holds[order[(e.row, e.layer)]] = 1
-        params[order[(e.row, e.layer)]] = chunk.get_parameter(e.local)
+        params[order[(e.row, e.layer)]] = entry_tensor(chunk, e)
     return holds, params

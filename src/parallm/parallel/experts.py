@@ -1,14 +1,30 @@
-"""Token dispatch for expert parallelism, on torch.distributed's all-to-all (no CUDA streams, CPU and GPU alike).
+"""Token dispatch for expert parallelism, on torch.distributed's all-to-all and all-gather (no CUDA streams, CPU and
+GPU alike).
 
 The experts of a MoE layer are split over the ``ep`` ranks of an expert-parallel group: rank r holds experts
-``[r * E / ep, (r + 1) * E / ep)``. Every rank routes its own tokens; :func:`dispatch` sends each (token, choice)
-slot to the rank holding the chosen expert and regroups what arrives by local expert, :func:`combine` is its
-inverse. Both are differentiable (the backward of an all-to-all is the all-to-all with the splits swapped). Split
-sizes vary from call to call (dropless routing), so every call first exchanges the per-expert counts (one small
-all-to-all of ``E`` integers per rank).
+``[r * E / ep, (r + 1) * E / ep)``. :func:`dispatch` sends each routed slot (token, choice), sorted by expert, to
+the rank holding the chosen expert and regroups what arrives by local expert; :func:`combine` is its inverse.
+Both are differentiable (the backward of an all-to-all is the all-to-all with the splits swapped).
 
-Collective over the expert-parallel group: every member must run the same MoE layers in the same order (they
-do: they are data-parallel replicas of the same pipeline stage running the same schedule).
+Under tensor parallelism the experts are TP-split too (expert TP = TP): every TP rank computes its shard of every
+local expert, on the same rows. Passing ``tp_group`` to :func:`dispatch` makes it Megatron's dispatch: each TP rank
+sends only *its share* of the tokens over the expert-parallel group (no TP rank sends what another sends), then
+the TP ranks all-gather what they received, so each holds the rows of all of them; :func:`combine` reduce-scatters
+the experts' TP partial sums back (each TP rank gets the complete outputs of its own rows) before the all-to-all
+back. Uneven row counts travel through these equal-size collectives padded to the largest. Helpers for the
+caller's side: :func:`share_of` / :func:`gather_shares` (a TP replica's rows split into shares and back).
+
+Host synchronisation: split sizes vary from call to call (dropless routing), so the ranks first exchange the
+per-expert counts (an all-to-all of ``E`` integers over the expert-parallel group, an all-gather of the received
+counts over TP), and :func:`dispatch` reads every size it needs in one device-to-host copy: one wait per MoE layer
+on a GPU. Nothing else reads device values on the host, in the forward or the backward.
+
+Determinism: rows move only by permutations (gathers whose index has no repeats) and by concatenation; sums are
+collectives or reductions, never index_add / scatter-add (whose colliding atomic adds on CUDA vary in order).
+
+Collective over the expert-parallel group (and the TP group with ``tp_group``): every member runs the same MoE
+layers in the same order (they do: they are data-parallel replicas of the same pipeline stage running the same
+schedule).
 """
 
 from __future__ import annotations
@@ -42,17 +58,166 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
+def _all_gather_rows(x, group, size):
+    out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter_rows(x, group, size):
+    out = x.new_empty((x.shape[0] // size,) + tuple(x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward: every rank's ``[m, ...]`` rows, concatenated in rank order. Backward: the sum over ranks of the
+    gradient, each rank keeping its own rows (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, group, size):
+        ctx.group, ctx.size = group, size
+        return _all_gather_rows(x, group, size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_rows(grad, ctx.group, ctx.size), None, None
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    """Forward: the sum over ranks of ``[size * m, ...]``, each rank keeping its own ``m`` rows. Backward: an
+    all-gather of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group, size):
+        ctx.group, ctx.size = group, size
+        return _reduce_scatter_rows(x, group, size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_rows(grad, ctx.group, ctx.size), None, None
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    if x.shape[0] == rows:
+        return x
+    return torch.cat([x, x.new_zeros((rows - x.shape[0],) + tuple(x.shape[1:]))])
+
+
+def _unpad(x: torch.Tensor, sizes: list[int], width: int) -> torch.Tensor:
+    """Rows ``[q * width, q * width + sizes[q])`` of each block q, concatenated."""
+    return torch.cat([x.narrow(0, q * width, n) for q, n in enumerate(sizes)])
+
+
+def _repad(x: torch.Tensor, sizes: list[int], width: int) -> torch.Tensor:
+    """Inverse of :func:`_unpad`: block q's ``sizes[q]`` rows, then zero rows up to ``width``."""
+    return torch.cat([_pad_rows(part, width) for part in x.split(sizes)])
+
+
+# -- a TP replica's rows as shares, and back ------------------------------------------------------------------
+
+def share_sizes(rows: int, tp: int) -> list[int]:
+    """Rows of each TP rank's share of ``rows`` replicated rows: contiguous, the first ``rows % tp`` one longer."""
+    per, extra = divmod(rows, tp)
+    return [per + (q < extra) for q in range(tp)]
+
+
+class _ShareOf(torch.autograd.Function):
+    """Forward: this TP rank's share of a TP replica (a view). Backward: the shares' gradients gathered, so every
+    rank gets the gradient of the whole replica (each share's gradient is complete on its own rank)."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, rank, group):
+        ctx.sizes, ctx.group = sizes, group
+        return x.narrow(0, sum(sizes[:rank]), sizes[rank])
+
+    @staticmethod
+    def backward(ctx, grad):
+        width, size = max(ctx.sizes), len(ctx.sizes)
+        full = _all_gather_rows(_pad_rows(grad, width), ctx.group, size)
+        return _unpad(full, ctx.sizes, width), None, None, None
+
+
+class _GatherShares(torch.autograd.Function):
+    """Inverse of :class:`_ShareOf`: forward gathers every rank's share into the whole replica; backward keeps this
+    rank's share of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, rank, group):
+        ctx.sizes, ctx.rank = sizes, rank
+        width = max(sizes)
+        return _unpad(_all_gather_rows(_pad_rows(x, width), group, len(sizes)), sizes, width)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.narrow(0, sum(ctx.sizes[:ctx.rank]), ctx.sizes[ctx.rank]), None, None, None
+
+
+def share_of(x: torch.Tensor, *, rank: int, size: int, group) -> torch.Tensor:
+    """TP rank ``rank``'s share (:func:`share_sizes`) of the rows of ``x``, a TP replica; see :class:`_ShareOf`."""
+    return _ShareOf.apply(x, share_sizes(x.shape[0], size), rank, group)
+
+
+def gather_shares(x: torch.Tensor, *, rows: int, rank: int, size: int, group) -> torch.Tensor:
+    """Every TP rank's share (of ``rows`` rows in all) into the whole replica; see :class:`_GatherShares`."""
+    return _GatherShares.apply(x, share_sizes(rows, size), rank, group)
+
+
+# -- slots, counts ---------------------------------------------------------------------------------------------
+
+class _RepeatRows(torch.autograd.Function):
+    """Forward: ``x[index]`` where ``index = order // k`` names each row k times (the k choices of a token), in
+    the slot order ``order``. Backward: the slot gradients back in token-major order (a permutation) and summed
+    over the k choices (a reduction): no accumulating scatter, deterministic on every device."""
+
+    @staticmethod
+    def forward(ctx, x, order, unsort, k):
+        ctx.save_for_backward(unsort)
+        ctx.k = k
+        return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (unsort,) = ctx.saved_tensors
+        grad = grad.index_select(0, unsort)
+        return grad.view(-1, ctx.k, *grad.shape[1:]).sum(dim=1), None, None, None
+
+
+def slots_of(x: torch.Tensor, order: torch.Tensor, unsort: torch.Tensor, k: int) -> torch.Tensor:
+    """The routed slots of the tokens ``x`` ``[n, H]``: row ``j`` is token ``order[j] // k`` (``order`` sorts the
+    ``n * k`` slots, token-major, by expert; ``unsort`` is its inverse). See :class:`_RepeatRows`."""
+    return _RepeatRows.apply(x, order, unsort, k)
+
+
+def expert_counts(sorted_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Slots per expert from the slots' experts in sorted order, on the device (no host sync: ``bincount`` on
+    CUDA reads its input's maximum on the host)."""
+    edges = torch.arange(num_experts + 1, device=sorted_experts.device, dtype=sorted_experts.dtype)
+    return torch.searchsorted(sorted_experts, edges).diff()
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
+# -- dispatch / combine ----------------------------------------------------------------------------------------
+
 @dataclass
 class Dispatch:
     """What :func:`combine` needs to send expert outputs back where their tokens came from.
 
-    ``local_counts``: rows per local expert, in local-expert order, of the tensor :func:`dispatch` returned.
-    """
+    ``local_counts``: rows per local expert, in local-expert order, of the tensor :func:`dispatch` returned (on the
+    host), ``local_counts_device`` the same on the device. ``send_splits`` / ``recv_splits``: the expert-parallel
+    all-to-all's; ``tp_sizes``: rows each TP rank received from it (``tp_group`` given); ``regroup``: the
+    permutation from arrival order to local-expert order (None: already in it)."""
     local_counts: list[int]
+    local_counts_device: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
-    regroup: torch.Tensor | None      # (source rank, expert) order -> (expert, source rank) order
-    group: object
+    tp_sizes: list[int] | None
+    regroup: torch.Tensor | None
+    ep_group: object
+    tp_group: object
 
 
 def _regroup_index(counts: torch.Tensor, total: int) -> torch.Tensor:
@@ -66,32 +231,58 @@ def _regroup_index(counts: torch.Tensor, total: int) -> torch.Tensor:
                                                                                output_size=total)
 
 
-def dispatch(rows: torch.Tensor, expert_counts: torch.Tensor, *, ep: int, group) -> tuple[torch.Tensor, Dispatch]:
-    """Send ``rows`` (one per routed slot, sorted by global expert; ``expert_counts[e]`` of them for expert e) to
-    the ranks holding their experts. Returns the rows this rank's experts must process, grouped by local expert,
-    and the :class:`Dispatch` that :func:`combine` reverses."""
+def dispatch(rows: torch.Tensor, expert_counts: torch.Tensor, *, ep: int, group, tp: int = 1,
+             tp_group=None) -> tuple[torch.Tensor, Dispatch]:
+    """Send ``rows`` (one per routed slot, sorted by global expert; ``expert_counts[e]`` of them for expert e, on
+    the device) to the ranks holding their experts. Returns the rows this rank's experts must process, grouped
+    by local expert, and the :class:`Dispatch` that :func:`combine` reverses. With ``tp_group`` (``tp`` > 1) the
+    rows are this TP rank's share: what the TP ranks received is all-gathered over TP (see the module doc).
+    Reads the sizes on the host once."""
     num_experts = expert_counts.numel()
     local = num_experts // ep
-    if ep == 1:
-        return rows, Dispatch(expert_counts.tolist(), [], [], None, group)
     per_rank = expert_counts.view(ep, local)
-    received = torch.empty_like(expert_counts)
-    dist.all_to_all_single(received, expert_counts.contiguous(), group=group)   # equal splits: E / ep each
-    received = received.view(ep, local)                                       # [source rank, local expert]
-    # every count the host needs, in one device-to-host copy (one wait per MoE layer on a GPU, not four)
-    sizes = torch.cat([per_rank.sum(1), received.sum(1), received.sum(0)]).tolist()
-    send_splits, recv_splits, local_counts = sizes[:ep], sizes[ep:2 * ep], sizes[2 * ep:]
-    arrived = all_to_all(rows, recv_splits, send_splits, group)
-    regroup = _regroup_index(received, sum(recv_splits))
-    return arrived.index_select(0, regroup), Dispatch(local_counts, send_splits, recv_splits, regroup, group)
+    if ep > 1:
+        received = torch.empty_like(expert_counts)
+        dist.all_to_all_single(received, expert_counts.contiguous(), group=group)   # equal splits: E / ep each
+        received = received.view(ep, local)                                       # [source rank, local expert]
+    else:
+        received = per_rank
+    sharing = tp_group is not None and tp > 1
+    counts = received
+    if sharing:
+        counts = received.new_empty((tp * ep, local))             # [(tp rank, source), expert]
+        dist.all_gather_into_tensor(counts, received.contiguous(), group=tp_group)
+    counts = counts.reshape(-1, local)                                            # [(tp rank, source), expert]
+    # every size the host needs, in one device-to-host copy (one wait per MoE layer on a GPU)
+    host = torch.cat([per_rank.sum(1), counts.reshape(-1)]).tolist()
+    send_splits, table = host[:ep], host[ep:]
+    sources = len(table) // local
+    by_source = [sum(table[s * local:(s + 1) * local]) for s in range(sources)]
+    local_counts = [sum(table[s * local + x] for s in range(sources)) for x in range(local)]
+    me = dist.get_rank(tp_group) if sharing else 0
+    recv_splits = by_source[me * ep:(me + 1) * ep] if ep > 1 else []
+    arrived = all_to_all(rows, recv_splits, send_splits, group) if ep > 1 else rows
+    tp_sizes = None
+    if sharing:
+        tp_sizes = [sum(by_source[q * ep:(q + 1) * ep]) for q in range(tp)]
+        width = max(tp_sizes)
+        arrived = _unpad(_GatherRows.apply(_pad_rows(arrived, width), tp_group, tp), tp_sizes, width)
+    regroup = _regroup_index(counts, sum(by_source)) if sources > 1 else None
+    out = arrived.index_select(0, regroup) if regroup is not None else arrived
+    return out, Dispatch(local_counts, counts.sum(0), send_splits, recv_splits, tp_sizes, regroup, group,
+                         tp_group if sharing else None)
 
 
 def combine(rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
     """Inverse of :func:`dispatch`: expert outputs (grouped by local expert) back to the ranks and slot order
-    their tokens came from."""
-    if plan.regroup is None:
+    their tokens came from; with ``tp_group`` the TP ranks' partial sums are added up on the way (each TP rank
+    receives the complete outputs of the rows it sent)."""
+    if plan.regroup is not None:
+        rows = rows.index_select(0, inverse_permutation(plan.regroup))
+    if plan.tp_group is not None:
+        width, tp = max(plan.tp_sizes), len(plan.tp_sizes)
+        mine = plan.tp_sizes[dist.get_rank(plan.tp_group)]
+        rows = _ReduceScatterRows.apply(_repad(rows, plan.tp_sizes, width), plan.tp_group, tp).narrow(0, 0, mine)
+    if not plan.recv_splits:
         return rows
-    inverse = torch.empty_like(plan.regroup)
-    inverse[plan.regroup] = torch.arange(plan.regroup.numel(), device=plan.regroup.device)
-    back = rows.index_select(0, inverse)
-    return all_to_all(back, plan.send_splits, plan.recv_splits, plan.group)
+    return all_to_all(rows, plan.send_splits, plan.recv_splits, plan.ep_group)

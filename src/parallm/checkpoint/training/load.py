@@ -14,7 +14,7 @@ from ..dcp_io import SliceLoadPlanner, VerifyingReader, dcp_failure
 from ..global_view import global_slices, uncovered_rows
 from .extra import decode_extra
 from .record import META_NAME, MOMENTS, check_against, check_loadable, read_record
-from .start import begin, check_optimizer, model_layout
+from .start import begin, check_optimizer, entries_by_param, model_layout
 
 
 def _load_targets(dims, optimizer, shapes, mine, has_master):
@@ -38,9 +38,9 @@ def _load_targets(dims, optimizer, shapes, mine, has_master):
                 param.detach()[param.shape[0] - pad:].zero_()
         stepped = []
         if optimizer is not None:
+            entries = entries_by_param(mine)
             for param, st in optimizer.owned():
-                entry = optimizer.entries[param]
-                pieces = global_slices(entry, param, dims, shapes)
+                pieces = [piece for entry in entries[param] for piece in global_slices(entry, param, dims, shapes)]
                 for piece in pieces:
                     for k in MOMENTS:
                         want(f"optim/{k}/{piece.name}", piece, st[k])
@@ -51,7 +51,8 @@ def _load_targets(dims, optimizer, shapes, mine, has_master):
                     for t in st.values():
                         if torch.is_tensor(t) and t.dim():
                             t[t.shape[0] - pad:].zero_()
-                targets.setdefault(f"optim/step/{entry.hf[0]}", []).append(st["step"])
+                # one counter per parameter (a stacked expert parameter's experts all stored the same one)
+                targets.setdefault(f"optim/step/{entries[param][0].hf[0]}", []).append(st["step"])
                 stepped.append(param)
     return targets, stepped
 

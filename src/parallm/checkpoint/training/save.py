@@ -17,7 +17,7 @@ from ..saver import _move_into_place, check_target, make_tmp_beside
 from .extra import encode_extra
 from .pending import AsyncCheckpointSave, async_group
 from .record import MOMENTS, make_record, write_record
-from .start import begin, check_optimizer, model_layout
+from .start import begin, check_optimizer, entries_by_param, model_layout
 
 
 def _save_state(dims, optimizer, shapes, mine, extra_tensors):
@@ -38,16 +38,17 @@ def _save_state(dims, optimizer, shapes, mine, extra_tensors):
                 offer(f"model/{piece.name}", piece, param)
     if optimizer is not None:
         optimizer.sync_masters()
+        entries = entries_by_param(mine)
         for param, st in optimizer.owned():
-            entry = optimizer.entries[param]
-            if not entry.row.save:
-                continue
-            for piece in global_slices(entry, param, dims, shapes):
-                if piece.primary:
-                    for k in MOMENTS + (("master",) if "master" in st else ()):
-                        offer(f"optim/{k}/{piece.name}", piece, st[k])
-            for name in entry.hf:
-                state[f"optim/step/{name}"] = st["step"]
+            for entry in entries[param]:
+                if not entry.row.save:
+                    continue
+                for piece in global_slices(entry, param, dims, shapes):
+                    if piece.primary:
+                        for k in MOMENTS + (("master",) if "master" in st else ()):
+                            offer(f"optim/{k}/{piece.name}", piece, st[k])
+                for name in entry.hf:       # a stacked expert parameter's one counter, under each expert's names
+                    state[f"optim/step/{name}"] = st["step"]
     if dims.rank == 0:
         state.update(extra_tensors)
     return state, slices

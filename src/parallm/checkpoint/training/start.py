@@ -32,6 +32,15 @@ def model_layout(chunks, dims):
     return shapes, mine, saved
 
 
+def entries_by_param(mine) -> dict:
+    """Parameter -> its weight-table entries among ``mine`` (one, or a stacked expert parameter's one per expert,
+    in ``index`` order)."""
+    out: dict = {}
+    for entry, chunk in mine:
+        out.setdefault(chunk.get_parameter(entry.local), []).append(entry)
+    return out
+
+
 def check_optimizer(optimizer, chunks) -> None:
     """``optimizer`` is None or what ``parallm.build_optimizer`` built for these chunks."""
     if optimizer is None:
