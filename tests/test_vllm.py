@@ -44,6 +44,10 @@ DENSE = dict(head_dim=32, hidden_size=128, num_attention_heads=4, num_key_value_
 
 def _sample(llm, prompts, seed):
     """vLLM's samples of ``prompts`` on rank 0 and its log-probs of each sampled token, on every rank."""
+    return _sample_on(llm, prompts, seed, src=0)
+
+
+def _sample_on(llm, prompts, seed, *, src):
     import torch.distributed as dist
     obj = [None]
     if llm is not None:
@@ -53,7 +57,7 @@ def _sample(llm, prompts, seed):
         res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         obj = [[(list(o.outputs[0].token_ids),
                  [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]) for o in res]]
-    dist.broadcast_object_list(obj, src=0)
+    dist.broadcast_object_list(obj, src=src)
     return obj[0]
 
 
@@ -141,7 +145,7 @@ def _dense_rank(rank, world, s):
     _attempt(out, "dtype", lambda: pv.push_weights(chunks, llm, rank=0, dtype=torch.bfloat16))
     for key, cfg in s["others"].items():
         other = parallm.build_model(cfg)                # the check comes before any data: no weights needed
-        _attempt(out, key, lambda: pv.push_weights(other, llm, rank=0))
+        _attempt(out, key, lambda other=other: pv.push_weights(other, llm, rank=0))
         del other
     original = pv._reload
 
@@ -156,6 +160,19 @@ def _dense_rank(rank, world, s):
     _attempt(out, "push-after-errors", lambda: pv.push_weights(chunks, llm, rank=0))
     out["after-errors"] = _max_diff(chunks, prompts, _sample(llm, prompts, 4))
     out["threads_fn_restored"] = torch.set_num_threads.__module__ != "vllm.v1.worker.cpu_worker"
+    # the engine shut down (vLLM's own shutdown, what its finalizer runs) leaves the trainer's world alone; a new
+    # engine starts beside it
+    if llm is not None:
+        llm.llm_engine.engine_core.shutdown()
+    del llm
+    x = torch.ones(1) * (rank + 1)
+    dist.all_reduce(x)
+    out["all_reduce_after_shutdown"] = x.item()
+    llm = pv.launch(s["ckpt"], rank=1, **ENGINE)
+    out["second_engine_here"] = llm is not None
+    pv.push_weights(chunks, llm, rank=1)
+    samples = _sample_on(llm, prompts, 5, src=1)
+    out["second_engine"] = _max_diff(chunks, prompts, samples)
     return out
 
 
@@ -214,9 +231,14 @@ def moe(tmp_path_factory):
 
 @pytest.mark.timeout(600)
 def test_engine_beside_the_trainer(dense):
+    """The engine on its rank only; the trainer's collectives work beside it and after it is shut down (vLLM's
+    shutdown destroys torch.distributed's default group unless launch stops it); a second engine on another
+    rank then works."""
     assert [r["engine_here"] for r in dense] == [True, False, False, False]
-    assert all(r["all_reduce"] == 10.0 for r in dense)
+    assert all(r["all_reduce"] == 10.0 and r["all_reduce_after_shutdown"] == 10.0 for r in dense)
     assert all(r["threads_fn_restored"] for r in dense)
+    assert [r["second_engine_here"] for r in dense] == [False, True, False, False]
+    assert all(r["second_engine"] <= TOL for r in dense)
 
 
 @pytest.mark.timeout(600)
@@ -271,7 +293,7 @@ def test_grpo_example_runs(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING", PARALLM_PROGRESS="0")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "examples", "grpo.py"), "--steps", "3", "--warmup-steps", "20",
-           "--workdir", str(tmp_path), "--log", str(tmp_path / "log.jsonl")]
+           "--workdir", str(tmp_path), "--jsonl", str(tmp_path / "log.jsonl")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     import json

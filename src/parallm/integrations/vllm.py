@@ -39,19 +39,21 @@ is loaded).
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import random
 import time
+import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
 
 from ..checkpoint.cast import WIRE_DTYPES
 from ..checkpoint.export import DEFAULT_BUCKET_BYTES, export_metadata, open_stream
-from ..model.decoder import as_chunks
 from ..parallel.errors import agree, exchange_rows, gather_objects, raise_failures, status_of
-from ..parallel.state import dims_of
+from ..parallel.state import as_chunks, dims_of
 
 __all__ = ["launch", "push_weights"]
 
@@ -140,7 +142,38 @@ def _start_engine(model_dir, llm_kwargs: dict):
     if not any(os.path.exists(os.path.join(os.fspath(model_dir), f)) for f in _TOKENIZER_FILES):
         kwargs.setdefault("skip_tokenizer_init", True)  # token-id prompts: vllm.inputs.TokensPrompt
     with _process_state_kept():
-        return vllm.LLM(model=os.fspath(model_dir), **kwargs)
+        llm = vllm.LLM(model=os.fspath(model_dir), **kwargs)
+    _keep_groups_at_shutdown(llm)
+    return llm
+
+
+def _keep_groups_at_shutdown(llm) -> None:
+    """vLLM's in-process engine core, when it shuts down (explicitly, or through its finalizer when the engine
+    is garbage-collected or the process exits), runs ``cleanup_dist_env_and_memory``: it destroys vLLM's groups
+    and then torch.distributed's default group, which here is the trainer's world. For this engine, that step
+    becomes a garbage collection: vLLM's groups stay (every rank made them; the next engine reuses them) and the
+    trainer's world stays the trainer's."""
+    import vllm.v1.engine.core as core_module
+    client = getattr(llm.llm_engine, "engine_core", None)
+    core = getattr(client, "engine_core", None)
+    finalizer = getattr(client, "_finalizer", None)
+    if core is None or not hasattr(core_module, "cleanup_dist_env_and_memory") or finalizer is None:
+        warnings.warn("parallm.integrations.vllm: this vLLM's in-process engine is not laid out as vLLM 0.32's; "
+                      "shutting the engine down may destroy the trainer's default process group", stacklevel=3)
+        return
+    original = core.shutdown
+
+    def shutdown():
+        cleanup = core_module.cleanup_dist_env_and_memory
+        core_module.cleanup_dist_env_and_memory = lambda *args, **kwargs: gc.collect()
+        try:
+            original()
+        finally:
+            core_module.cleanup_dist_env_and_memory = cleanup
+
+    core.shutdown = shutdown
+    if finalizer.detach() is not None:
+        client._finalizer = weakref.finalize(client, shutdown)
 
 
 def launch(model_dir, *, rank: int = 0, **llm_kwargs):
