@@ -463,3 +463,194 @@ def test_verify_harness_passes_a_moe_checkpoint_under_expert_parallelism(tmp_pat
     row = helpers.run_ranks(rank_verify, WORLD, check)[0]
     assert row["layout"] == "tp2 dp2 ep2", row["layout"]
     assert row["ok"] and row["roundtrip"] and row["reload"], row
+
+
+# -- fused checkpoints: transformers 5's in-memory layout loads too ------------------------------------------------
+
+FUSED_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+
+
+def rank_fused(rank, world, cases):
+    """Each case: the in-memory state dict saved as safetensors (fused names) -> slice load, a state dict on rank 0
+    only -> broadcast load; logits vs transformers, saved Hub tensors bit-exact; each rank reads only its own
+    experts' slabs of the fused tensors."""
+    import parallm
+    from parallm.checkpoint import hf_dir
+    from parallm.parallel.state import current_dims
+    reads = []
+    original = hf_dir.SliceSource.read
+
+    def recording(self, dim, start, stop):
+        reads.append((self.name, dim, start, stop))
+        return original(self, dim, start, stop)
+
+    hf_dir.SliceSource.read = recording
+    out = []
+    try:
+        for case in cases:
+            parallm.init_parallel(tp=2, ep=2)
+            lay = current_dims()
+            chunks = parallm.build_model(case["fused"])
+            helpers.nan_fill(chunks)
+            reads.clear()
+            parallm.load_hf_weights(chunks, case["fused"], mode="slice")
+            stacked = {(n, s) for n, d, s, e in reads if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+            assert stacked and {s for _, s in stacked} == set(lay.expert_range(case["experts"])), sorted(stacked)
+            logits = parallm.forward(chunks, case["ids"], case["mask"])
+            sd = parallm.save_hf_weights(chunks)
+            if rank == 0:
+                helpers.assert_same_state(sd, case["hub"])
+            chunks_b = parallm.build_model(case["fused"])
+            helpers.nan_fill(chunks_b)
+            parallm.load_hf_weights(chunks_b, case["memory"] if rank == 0 else None, mode="broadcast")
+            assert torch.equal(parallm.forward(chunks_b, case["ids"], case["mask"]), logits), case["family"]
+            out.append(helpers.max_diff_real(logits, case["ref"], case["mask"]))
+            parallm.destroy_parallel()
+    finally:
+        hf_dir.SliceSource.read = original
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_fused_checkpoints_load_at_tp2_ep2(tmp_path):
+    """A checkpoint (or state dict) in transformers 5's in-memory MoE layout (mlp.experts.gate_up_proj [E, 2I, H],
+    mlp.experts.down_proj [E, H, I], Mixtral's router as mlp.gate) loads by slice and broadcast like the Hub's
+    per-expert tensors."""
+    from safetensors.torch import save_file
+    cases = []
+    for i, family in enumerate(FUSED_FAMILIES):
+        cfg = helpers.tiny_config(family)
+        model = helpers.make_hf_model(cfg, seed=40 + i)
+        memory = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+        assert any(k.endswith("experts.gate_up_proj") for k in memory)
+        hub = helpers.hub_state_dict(model, str(tmp_path / f"hub{i}"))
+        fused = tmp_path / f"fused{i}"
+        model.config.save_pretrained(fused)
+        save_file(memory, str(fused / "model.safetensors"), metadata={"format": "pt"})
+        ids, mask = helpers.padded_batch(cfg.vocab_size, seed=i, batch=4, seq=7)
+        cases.append(dict(family=family, fused=str(fused), memory=memory, hub=hub, ids=ids, mask=mask,
+                          experts=4, ref=helpers.hf_logits(model, ids, mask)))
+    results = helpers.run_ranks(rank_fused, 4, cases)
+    for i, case in enumerate(cases):
+        worst = max(r[i] for r in results)
+        assert worst < 2e-5, (case["family"], worst)
+
+
+def test_a_fused_tensor_of_the_wrong_shape_is_named(tmp_path):
+    """No process group: the loader's check names the fused tensor and both shapes."""
+    from parallm.checkpoint.loader import check_checkpoint
+    from parallm.errors import CheckpointError
+    from parallm.families import spec_from_config
+    from parallm.model.table import expected_hf_shapes, fused_layout
+    model = helpers.make_hf_model(helpers.tiny_config("qwen3_moe"), seed=1)
+    spec, family = spec_from_config(model.config)
+    present = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    expected = expected_hf_shapes(family.table, spec, task="causal_lm", pp=1)
+    fused = fused_layout(family.table, spec, task="causal_lm", pp=1)
+    _, _, parts = check_checkpoint(present, spec, "causal_lm", expected, strict=True, where="sd", fused=fused)
+    assert set(parts) == {n for n in expected if ".experts." in n}
+    bad = "model.layers.1.mlp.experts.down_proj"
+    present[bad] = (4, 64, 16)
+    with pytest.raises(CheckpointError, match=rf"{bad}: checkpoint \(4, 64, 16\) vs model \(4, 64, 32\)"):
+        check_checkpoint(present, spec, "causal_lm", expected, strict=True, where="sd", fused=fused)
+
+
+# -- the dispatch: each TP rank sends its share, one host read per layer ------------------------------------------
+
+SYNC_OPS = ("nonzero", "bincount", "_local_scalar_dense", "masked_select", "unique", "_unique", "_unique2")
+
+
+def _count_host_reads(fn):
+    """Run ``fn()``; count the calls that read device values on the host: Tensor.tolist / item / __bool__ /
+    __int__ / numpy / cpu, and aten ops that do so inside (nonzero, bincount, unique, masked_select,
+    repeat_interleave without output_size). Returns (result, {what: count})."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    counts = {}
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "item", "__bool__", "__int__", "numpy",
+                                                                  "cpu")}
+
+    def counting(name):
+        def wrapper(self, *a, **k):
+            counts[name] = counts.get(name, 0) + 1
+            return originals[name](self, *a, **k)
+        return wrapper
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = func.__name__.split(".")[0]
+            if name in SYNC_OPS or (name == "repeat_interleave" and kwargs.get("output_size") is None
+                                    and isinstance(args[0], torch.Tensor) and len(args) < 3):
+                counts[name] = counts.get(name, 0) + 1
+            return func(*args, **kwargs)
+
+    for name in originals:
+        setattr(torch.Tensor, name, counting(name))
+    try:
+        with Ops():
+            result = fn()
+    finally:
+        for name, f in originals.items():
+            setattr(torch.Tensor, name, f)
+    return result, counts
+
+
+def rank_dispatch(rank, world, ckpt, layouts):
+    import torch.distributed as dist
+
+    import parallm
+    from parallm.parallel.experts import share_sizes
+    from parallm.parallel.state import current_dims
+    sent = []
+    original = dist.all_to_all_single
+
+    def recording(out, inp, out_splits=None, in_splits=None, **kw):
+        if inp.dim() == 2:                 # rows (the counts exchange is 1-D)
+            sent.append(inp.shape[0])
+        return original(out, inp, out_splits, in_splits, **kw)
+
+    dist.all_to_all_single = recording
+    report = []
+    try:
+        for tp, ep, sp in layouts:
+            parallm.init_parallel(tp=tp, ep=ep)
+            lay = current_dims()
+            chunks = parallm.build_model(ckpt, packed=sp, sequence_parallel=sp)
+            parallm.load_hf_weights(chunks, ckpt)
+            block = chunks[0].layers[0].mlp
+            tokens = 12                                    # per data-parallel replica
+            g = torch.Generator().manual_seed(lay.dp_rank)  # the same replica on every TP rank
+            x = torch.randn(tokens, 1, block.hidden, generator=g)
+            if sp:
+                x = x.narrow(0, lay.tp_rank * tokens // tp, tokens // tp)   # this rank's sequence-parallel share
+            x.requires_grad_(True)
+            sent.clear()
+            out, forward = _count_host_reads(lambda: block(x))
+            rows_sent = sent[:1] + [len(sent)]     # the dispatch's rows, and all-to-alls in all (there and back)
+            _, backward = _count_host_reads(lambda: (out * torch.linspace(-1, 1, block.hidden)).sum().backward())
+            mine = (tokens // tp if sp else share_sizes(tokens, tp)[lay.tp_rank]) if tp > 1 else tokens
+            report.append(dict(layout=(tp, ep, sp), shares=block.shares, forward=forward, backward=backward,
+                               rows_sent=rows_sent, expected=[mine * block.top_k, 2] if ep > 1 else [0],
+                               grad=x.grad is not None and bool(torch.isfinite(x.grad).all())))
+            parallm.destroy_parallel()
+    finally:
+        dist.all_to_all_single = original
+    return report
+
+
+@pytest.mark.timeout(300)
+def test_dispatch_sends_each_tp_ranks_share_with_one_host_read_per_layer(tmp_path):
+    """At ep > 1 under TP each TP rank all-to-alls only its share of the slots (the TP group together sends every
+    slot once: tokens x k, not tp x that), with and without sequence parallelism; at every layout a MoE layer's
+    forward reads device values on the host once (the dispatch's sizes: one ``tolist``) and its backward never."""
+    model = helpers.make_hf_model(helpers.tiny_config("qwen3_moe", num_experts=8), seed=6)
+    ckpt = helpers.save_checkpoint(model, str(tmp_path / "m"))
+    layouts = [(2, 2, False), (2, 2, True), (2, 1, False), (2, 1, True), (1, 4, False)]
+    results = helpers.run_ranks(rank_dispatch, 4, ckpt, layouts)
+    for per_rank in zip(*results):
+        for r in per_rank:
+            assert r["rows_sent"] == r["expected"], r
+            assert r["shares"] == (r["layout"][0] > 1 and r["layout"][1] > 1), r
+            assert r["forward"] == {"tolist": 1}, r
+            assert r["backward"] == {}, r
+            assert r["grad"], r

@@ -4,14 +4,20 @@ On CUDA ``index_add`` / ``scatter_add`` and the backward of an ``index_select`` 
 adds whose order varies from run to run, so outputs and gradients would differ in their last bits between two
 identical steps. CPU kernels are ordered, so a CPU test cannot see that variation; it checks the property that
 makes it impossible instead: in the autograd graph of a MoE layer's output (top-k 2 and 4, with a shared expert)
-every row gather uses an index without repeats, and no accumulating scatter / index-add appears. The layer is
-also checked against a per-token reference, and two identical forward + backward passes for equal bits.
+every row gather uses an index without repeats, and no accumulating scatter / index-add appears (the slots are
+made by ``slots_of``, whose backward is a permutation and a sum over the k choices). The layer is also checked
+against a per-token reference, and two identical forward + backward passes for equal bits; ``torch._grouped_mm``
+and the per-expert loop for equal bits; and, on 4 gloo ranks, the distributed paths (each TP rank dispatching its
+share at tp2 ep2 with and without sequence parallelism, tokens entering the TP region at tp2 ep1) for the same
+graph property and equal bits over two steps.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+import helpers
 
 ACCUMULATING = ("IndexAddBackward", "ScatterAddBackward", "IndexPutBackward", "EmbeddingBackward")
 
@@ -85,26 +91,89 @@ def world_of_one(tmp_path_factory):
         dist.destroy_process_group()
 
 
+def _check_permutations_only(out):
+    """The autograd graph of ``out``: every row gather's index has no repeats (its backward touches each row
+    once) and no accumulating scatter / index-add appears. Returns the node names."""
+    nodes = _graph(out.grad_fn)
+    names = sorted({type(n).__name__ for n in nodes})
+    gathers = [n for n in nodes if type(n).__name__.startswith("IndexSelectBackward")]
+    assert gathers, names          # the dispatch's regroup / the unsort are gathers
+    for node in gathers:
+        index = node._saved_index
+        assert index.numel() == index.unique().numel(), f"a gather repeats rows (its backward accumulates): {names}"
+    assert not [n for n in names if n.startswith(ACCUMULATING)], names
+    return names
+
+
+def _step(block, x):
+    xx = x.detach().clone().requires_grad_(True)
+    for p in block.parameters():
+        p.grad = None
+    out = block(xx)
+    (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return [out.detach(), xx.grad] + [p.grad.clone() for p in block.parameters()]
+
+
 @pytest.mark.parametrize("top_k,shared", [(2, False), (4, True)])
 def test_moe_moves_rows_by_permutations_only(world_of_one, top_k, shared):
     block = _block(top_k, shared)
     x = torch.randn(5, 3, 16, generator=torch.Generator().manual_seed(7), requires_grad=True)
     out = block(x)
-    nodes = _graph(out.grad_fn)
-    names = sorted({type(n).__name__ for n in nodes})
-    gathers = [n for n in nodes if type(n).__name__.startswith("IndexSelectBackward")]
-    assert gathers, names          # the dispatch and the unsort are gathers
-    for node in gathers:
-        index = node._saved_index
-        assert index.numel() == index.unique().numel(), f"a gather repeats rows (its backward accumulates): {names}"
-    assert not [n for n in names if n.startswith(ACCUMULATING)], names
+    names = _check_permutations_only(out)
+    assert "_RepeatRowsBackward" in names, names     # the slots: a gather by token whose backward is a sum over k
     torch.testing.assert_close(out, _reference(block, x), rtol=1e-5, atol=1e-6)
-
-    def step():
-        xx = x.detach().clone().requires_grad_(True)
-        for p in block.parameters():
-            p.grad = None
-        (block(xx) * torch.linspace(-1, 1, 16)).sum().backward()
-        return [xx.grad] + [p.grad.clone() for p in block.parameters()]
-    first, second = step(), step()
+    first, second = _step(block, x), _step(block, x)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.mark.parametrize("top_k,shared", [(2, False), (4, True)])
+def test_grouped_mm_and_the_loop_give_the_same_bits(world_of_one, top_k, shared):
+    """In fp32 on CPU torch._grouped_mm (one GEMM per projection) and the per-expert loop give bit-identical
+    outputs and gradients, an expert no token chose included (6 experts, 15 tokens, top 2: some are empty)."""
+    block = _block(top_k, shared)
+    assert block.experts.kernel == "grouped_mm"
+    x = torch.randn(5, 3, 16, generator=torch.Generator().manual_seed(8))
+    grouped = _step(block, x)
+    block.experts.kernel = "loop"
+    loop = _step(block, x)
+    assert all(torch.equal(a, b) for a, b in zip(grouped, loop))
+    assert all(torch.isfinite(t).all() for t in grouped)
+
+
+def rank_graphs(rank, world, ckpt, layouts):
+    """Per layout: the MoE layer's graph moves rows by permutations only, and two identical steps give the same
+    bits (outputs, input and weight gradients)."""
+    import parallm
+    from parallm.parallel.state import current_dims
+    out = []
+    for tp, ep, sp in layouts:
+        parallm.init_parallel(tp=tp, ep=ep)
+        lay = current_dims()
+        chunks = parallm.build_model(ckpt, packed=sp, sequence_parallel=sp)
+        parallm.load_hf_weights(chunks, ckpt)
+        block = chunks[0].layers[0].mlp
+        x = torch.randn(12, 1, block.hidden, generator=torch.Generator().manual_seed(lay.dp_rank))
+        if sp:
+            x = x.narrow(0, lay.tp_rank * 12 // tp, 12 // tp)
+        names = _check_permutations_only(block(x.clone().requires_grad_(True)))
+        first, second = _step(block, x), _step(block, x)
+        out.append((block.shares, names, all(torch.equal(a, b) for a, b in zip(first, second))))
+        parallm.destroy_parallel()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_the_dispatch_under_tp_and_ep_moves_rows_by_permutations_only(tmp_path):
+    """The same property for the distributed paths: each TP rank dispatching its share (tp2 ep2, with and without
+    sequence parallelism: the all-gather / reduce-scatter over TP, the shares' gather) and the tokens entering the
+    TP region (tp2 ep1), on 4 gloo ranks."""
+    model = helpers.make_hf_model(helpers.tiny_config("qwen3_moe", num_experts=8, num_experts_per_tok=3), seed=9)
+    ckpt = helpers.save_checkpoint(model, str(tmp_path / "m"))
+    layouts = [(2, 2, False), (2, 2, True), (2, 1, False)]
+    results = helpers.run_ranks(rank_graphs, 4, ckpt, layouts)
+    for rank_result in results:
+        for (shares, names, same), (tp, ep, sp) in zip(rank_result, layouts):
+            assert shares == (ep > 1), (tp, ep, sp)
+            assert same, (tp, ep, sp)
+            if shares:
+                assert {"_GatherRowsBackward", "_RepeatRowsBackward"} <= set(names), names

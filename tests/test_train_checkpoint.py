@@ -617,3 +617,51 @@ def test_offline_export_refuses_a_float16_overflow(tmp_path):
     import transformers
     got = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16"), dtype=torch.bfloat16)
     assert got.state_dict()["model.layers.1.mlp.down_proj.weight"].view(-1)[0] == torch.tensor(1e6).bfloat16()
+
+
+# -- checkpoints written when every routed expert was a parameter of its own ---------------------------------------
+
+PER_EXPERT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "moe_per_expert_checkpoint")
+
+
+def rank_per_expert(rank, world, config_dir, root, layouts):
+    import parallm
+    out = {}
+    for tp, ep, shard in layouts:
+        parallm.init_parallel(tp=tp, ep=ep)
+        chunks = parallm.build_model(config_dir)
+        opt = parallm.build_optimizer(chunks, lr=5.0, weight_decay=0.1, shard_over_dp=shard)
+        info = parallm.load_checkpoint(PER_EXPERT, chunks, opt)
+        path = os.path.join(root, f"tp{tp}-ep{ep}-{'zero' if shard else 'plain'}")
+        parallm.save_checkpoint(path, chunks, opt, step=info["step"], extra=info["extra"])
+        out[path] = (info, parallm.save_hf_weights(chunks), [g["lr"] for g in opt.param_groups])
+        parallm.destroy_parallel()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_per_expert_checkpoints_of_earlier_parallm_load_with_stacked_experts(tmp_path):
+    """tests/data/moe_per_expert_checkpoint was saved (tests/data/make_per_expert_checkpoint.py) by parallm before
+    routed experts were stacked, at tp1 dp2 ep2 with AdamW state. Loaded with stacked experts at ep 1, 2 (ZeRO), 4
+    and tp2.ep2, and saved again, every stored tensor (weights, moments, step counters) comes back bit for bit
+    under the same per-expert keys, and the model's HF tensors equal the stored weights."""
+    import json
+
+    from parallm.checkpoint.training import read_tensors
+    with open(os.path.join(PER_EXPERT, "parallm.json")) as f:
+        record = json.load(f)
+    assert record["saved_with"]["ep"] == 2
+    config_dir = helpers.write_config(str(tmp_path / "config"), record["hf_config"])
+    stored = read_tensors(PER_EXPERT)
+    assert any(".mlp.experts.3.gate_proj." in k for k in stored) and any(k.startswith("optim/step/") for k in stored)
+    layouts = [(1, 1, False), (1, 2, True), (1, 4, False), (2, 2, False)]
+    res = helpers.run_ranks(rank_per_expert, 4, config_dir, str(tmp_path), layouts)[0]
+    weights = {k[len("model/"):]: v for k, v in stored.items() if k.startswith("model/")}
+    for path, (info, hf, lrs) in res.items():
+        assert info == {"step": 1, "extra": {"written_by": "per-expert parameters"}}, info
+        assert set(lrs) == {1e-2}, lrs
+        helpers.assert_same_state(hf, weights)
+        again = read_tensors(path)
+        assert again.keys() == stored.keys(), sorted(set(again) ^ set(stored))[:5]
+        bad = [k for k in stored if not torch.equal(again[k], stored[k])]
+        assert not bad, (path, bad[:5])
