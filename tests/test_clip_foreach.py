@@ -149,8 +149,8 @@ def test_sum_of_powers_adds_like_the_loop(norm_type):
             acc += torch.linalg.vector_norm(part, norm_type) ** norm_type
     assert torch.equal(_sum_of_powers(parts, norm_type, torch.device("cpu")), acc)
     if norm_type != float("inf"):
-        norms = list((torch.rand(20000, generator=g) * 100).unbind())
-        assert torch.equal(_powers(norms, norm_type), torch.stack([n ** norm_type for n in norms]))
+        norms = torch.rand(20000, generator=g) * 100
+        assert torch.equal(_powers(norms, norm_type), torch.stack([n ** norm_type for n in norms.unbind()]))
 
 
 def test_master_copies_match_per_tensor_copies_bit_for_bit():

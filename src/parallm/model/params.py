@@ -54,7 +54,16 @@ def attach_main_grad_hooks(chunks) -> None:
 
 def clear_grad(p: torch.Tensor, *, set_to_none: bool = True) -> None:
     """Reset ``p``'s gradient before the next accumulation: ``main_grad`` zeroed in place (the fp32 buffer is
-    kept), ``param.grad`` dropped (or zeroed with ``set_to_none=False``)."""
+    kept), ``param.grad`` dropped (or zeroed with ``set_to_none=False``). A gradient that is a view into a
+    gradient bucket (``build_optimizer(overlap_grad_reduce=True)``) is zeroed in place and stays that view."""
+    view = getattr(p, "_parallm_grad_view", None)
+    if view is not None:
+        view.zero_()
+        if uses_main_grad(p):
+            p.main_grad = view
+        else:
+            p.grad = view
+        return
     if p.grad is not None:
         if set_to_none:
             p.grad = None
@@ -66,7 +75,12 @@ def clear_grad(p: torch.Tensor, *, set_to_none: bool = True) -> None:
 
 
 def zero_grads(chunks) -> None:
-    """:func:`clear_grad` of every parameter of ``chunks``."""
-    for chunk in as_chunks(chunks):
+    """:func:`clear_grad` of every parameter of ``chunks`` (with gradient buckets: every bucket zeroed and the
+    step's accumulation counts reset)."""
+    chunks = as_chunks(chunks)
+    buffers = getattr(chunks[0], "_parallm_grad_buffers", None) if chunks else None
+    if buffers is not None:
+        buffers.zero()
+    for chunk in chunks:
         for p in chunk.parameters():
             clear_grad(p)

@@ -36,6 +36,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from ..model.params import grad_of, uses_main_grad
 from ..model.placement import placement_of
 from ..parallel.state import _import_parallel_state, as_chunks, dims_of, kv_replica_group
+from .buckets import grad_buffers_of, reduction_domains
 
 
 def _grad(p: torch.nn.Parameter) -> torch.Tensor:
@@ -61,10 +62,16 @@ def _all_reduce_coalesced(grads: list[torch.Tensor], group, scale: float | None 
 
 
 def finalize_grads(chunks) -> None:
-    """Collective over the world. See the module docstring for what it does."""
+    """Collective over the world. See the module docstring for what it does. With gradient buckets
+    (``build_optimizer(overlap_grad_reduce=True)``) it waits for the buckets already being reduced, applies the
+    model-parallel corrections, reduces the remaining buckets and scales: the same operations on the same
+    values (see :mod:`parallm.train.buckets` for when the bits are the same)."""
     chunks = as_chunks(chunks)
     layout = dims_of(chunks)
     spec = chunks[0].spec
+    buffers = grad_buffers_of(chunks)
+    if buffers is not None:
+        buffers.bind_all()
     params = [p for c in chunks for p in c.parameters() if p.requires_grad]
     placed = [(p, placement_of(p)) for p in params]
 
@@ -93,17 +100,44 @@ def finalize_grads(chunks) -> None:
     tokens = getattr(chunks[0], "pending_tokens", None)
     chunks[0].pending_tokens = None
     scale = 1.0 / layout.dp if tokens is None else 1.0 / max(tokens, 1.0)
+    domains = reduction_domains(layout)
+    if buffers is not None:
+        buffers.launch_rest()
+        buffers.wait_and_scale(scale)
+        rest = [p for p, _ in placed if not buffers.manages(p)]   # domains of one rank: nothing to reduce
+        if layout.dp > 1 or scale != 1.0:
+            for p in rest:
+                g = _grad(p)
+                if scale != 1.0:
+                    g.mul_(scale)
+        return
     if layout.dp > 1:
-        _all_reduce_coalesced([_grad(p) for p, pl in placed if pl.expert is None], layout.dp_group, scale=scale)
+        (dense_group, _), (expert_group, edp) = domains["dense"], domains["expert"]
+        _all_reduce_coalesced([_grad(p) for p, pl in placed if pl.expert is None], dense_group, scale=scale)
         experts = [_grad(p) for p, pl in placed if pl.expert is not None]
-        if layout.edp > 1:
-            _all_reduce_coalesced(experts, layout.edp_group, scale=scale)
+        if edp > 1:
+            _all_reduce_coalesced(experts, expert_group, scale=scale)
         else:
             for g in experts:
                 g.mul_(scale)
     elif scale != 1.0:
         for p, _ in placed:
             _grad(p).mul_(scale)
+
+
+def expect_microbatches(chunks, num_microbatches: int) -> None:
+    """Announce that the next ``num_microbatches`` backward passes of each chunk (the pipeline engine runs one
+    per microbatch per chunk; over several ``forward_backward`` calls, their total) complete this step's
+    gradients, so each gradient bucket's data-parallel reduction may start as soon as the last of them has
+    filled it, while the backward goes on. Call it before the step's first backward. Without gradient buckets
+    (``build_optimizer(overlap_grad_reduce=True)``) it does nothing; without it nothing is reduced before
+    ``finalize_grads``. More backward passes than announced is a RuntimeError in the first one too many."""
+    chunks = as_chunks(chunks)
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
+    buffers = grad_buffers_of(chunks)
+    if buffers is not None:
+        buffers.expect(num_microbatches)
 
 
 # -- gradient clipping ----------------------------------------------------------------------------------------
@@ -132,9 +166,10 @@ def _norm_plan(chunk, dims) -> list[tuple[torch.nn.Parameter, bool, list | None]
     return plan
 
 
-def _norm_parts(chunks, dims) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """This rank's primary gradient pieces as fp32 tensors, in the order the norm sums them: ``(dense,
-    experts)`` (routed experts are split over the expert-parallel group, so they are combined apart)."""
+def _norm_parts(chunks, dims) -> tuple[list, list]:
+    """This rank's primary gradient pieces as fp32 tensors with their parameters, ``[(part, param)]``, in the
+    order the norm sums them: ``(dense, experts)`` (routed experts are split over the expert-parallel group, so
+    they are combined apart)."""
     dense, experts = [], []
     for chunk in chunks:
         for p, is_expert, slices in _norm_plan(chunk, dims):
@@ -145,7 +180,7 @@ def _norm_parts(chunks, dims) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
             pieces = [g] if slices is None else [g.narrow(d, a, b - a) for d, a, b in slices]
             for part in pieces:
                 if part.numel():
-                    out.append(part if part.dtype == torch.float32 else part.float())
+                    out.append((part if part.dtype == torch.float32 else part.float(), p))
     return dense, experts
 
 
@@ -159,17 +194,22 @@ def _sum_of_powers(parts: list[torch.Tensor], norm_type: float, device) -> torch
     value at a time, as ``acc += torch.linalg.vector_norm(part, p) ** p`` in a loop adds them."""
     if not parts:
         return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch._foreach_norm(parts, norm_type)
+    return _combine(torch.stack(torch._foreach_norm(parts, norm_type)), norm_type)
+
+
+def _combine(norms: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """The 1-D tensor of per-part norms -> the partial: their max (inf) or the sequential sum of their p-th
+    powers."""
     if norm_type == float("inf"):
-        return torch.stack(norms).max().clamp_(min=0.0)
+        return norms.max().clamp_(min=0.0)
     return _sequential_sum(_powers(norms, norm_type))
 
 
-def _powers(norms: list[torch.Tensor], p: float) -> torch.Tensor:
-    """``[n ** p for n in norms]`` as one 1-D tensor, each element rounded as the 0-dim ``n ** p`` is."""
+def _powers(norms: torch.Tensor, p: float) -> torch.Tensor:
+    """``norms ** p`` for a 1-D tensor, each element rounded as the 0-dim ``n ** p`` is."""
     if p in _EXACT_VECTOR_POW:
-        return torch.stack(norms) ** p
-    return torch.stack(torch._foreach_pow(norms, p))
+        return norms ** p
+    return torch.stack(torch._foreach_pow(list(norms.unbind()), p))
 
 
 def _sequential_sum(values: torch.Tensor) -> torch.Tensor:
@@ -182,15 +222,42 @@ def _sequential_sum(values: torch.Tensor) -> torch.Tensor:
     return torch.tensor(total, dtype=values.dtype).to(values.device)
 
 
+def _sharded_partial(pairs, norm_type: float, device, group, holds) -> torch.Tensor:
+    """The partial of ``pairs`` when each rank of ``group`` holds the global gradient of its own parameters only
+    (ZeRO with reduce-scattered buckets): each rank computes the norms of the parts it holds, one all-reduce of
+    the vector of all parts' norms (zeros elsewhere: each entry is one rank's value plus zeros, exactly) gives
+    every rank all of them, and they are combined in the same order as unsharded, so the bits are the same."""
+    if not pairs:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    mine = [i for i, (_, p) in enumerate(pairs) if holds(p)]
+    norms = torch.zeros(len(pairs), dtype=torch.float32, device=device)
+    if mine:
+        values = torch.stack(torch._foreach_norm([pairs[i][0] for i in mine], norm_type))
+        norms.index_copy_(0, torch.tensor(mine, device=device), values)
+    dist.all_reduce(norms, group=group)
+    return _combine(norms, norm_type)
+
+
 def _local_norm_partials(chunks, norm_type: float) -> dict[str, torch.Tensor]:
     """This rank's share of the total norm, by reduction domain: ``{"model": sum |g|^p (or max |g| for inf)}``
     over the elements this rank is the one owner of (``primary_slices``; the tied head copy not at all), and
-    ``"expert"`` the same over routed experts' weights.
+    ``"expert"`` the same over routed experts' weights. With reduce-scattered gradient buckets the share of
+    every data-parallel replica is the same (:func:`_sharded_partial`).
 
     Keys name how the partial must be combined across ranks (:func:`_reduce_norm_partials`)."""
     device = next(chunks[0].parameters()).device
-    dense, experts = _norm_parts(chunks, chunks[0].dims)
-    return {"model": _sum_of_powers(dense, norm_type, device), "expert": _sum_of_powers(experts, norm_type, device)}
+    dims = chunks[0].dims
+    dense, experts = _norm_parts(chunks, dims)
+    buffers = grad_buffers_of(chunks)
+    out = {}
+    domains = reduction_domains(dims)
+    for key, domain, pairs in (("model", "dense", dense), ("expert", "expert", experts)):
+        group, size = domains[domain]
+        if buffers is not None and buffers.shard and size > 1:
+            out[key] = _sharded_partial(pairs, norm_type, device, group, buffers.holds)
+        else:
+            out[key] = _sum_of_powers([part for part, _ in pairs], norm_type, device)
+    return out
 
 
 def _reduce_norm_partials(partials: dict[str, torch.Tensor], norm_type: float, dims) -> torch.Tensor:
@@ -225,7 +292,10 @@ def clip_grad_norm_(chunks, max_norm: float, norm_type: float = 2.0) -> torch.Te
     dims = dims_of(chunks)
     total = _reduce_norm_partials(_local_norm_partials(chunks, norm_type), norm_type, dims)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    grads = [g for g in (grad_of(p) for chunk in chunks for p in chunk.parameters()) if g is not None]
+    buffers = grad_buffers_of(chunks)
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    grads = buffers.all_buffers() if buffers is not None else []     # a bucket's views scaled in one kernel
+    grads += [g for g in (grad_of(p) for p in params if buffers is None or not buffers.manages(p)) if g is not None]
     if grads:
         torch._foreach_mul_(grads, coef)
     return total

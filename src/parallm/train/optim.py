@@ -35,11 +35,11 @@ import inspect
 
 import torch
 
-from ..model.placement import placement_of
 from ..model.table import model_entries
 from ..parallel.errors import run_local
 from ..model.params import clear_grad, grad_of, uses_main_grad
 from ..parallel.state import as_chunks, dims_of, require_initialized
+from .buckets import DEFAULT_BUCKET_BYTES, GradBuffers, ParamBuckets, grad_buffers_of, plan_domains
 
 
 def default_no_decay(name: str, param: torch.Tensor) -> bool:
@@ -145,31 +145,20 @@ def _copy_hyperparameters(source: list[dict], target: list[dict]) -> None:
                 group[k] = tuple(saved[k]) if k == "betas" else saved[k]
 
 
-def _build(groups, process_group, defaults):
-    """MasterAdamW over ``groups``; with ``process_group``, sharded over it by ZeroRedundancyOptimizer."""
-    if process_group is None:
-        return MasterAdamW(groups, **defaults)
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    return ZeroRedundancyOptimizer(groups, optimizer_class=MasterAdamW, process_group=process_group,
-                                   parameters_as_bucket_view=False, **defaults)
-
-
-def _local_of(opt) -> "MasterAdamW":
-    """The MasterAdamW holding this rank's state: ``opt`` itself, or a ZeroRedundancyOptimizer's local one."""
-    return opt if isinstance(opt, MasterAdamW) else opt.optim
-
-
 class ParallelAdamW:
     """What :func:`build_optimizer` returns: AdamW over this rank's parameters (see the module docstring).
 
-    ``param_groups``: ``[decay, no_decay]``, torch-style dicts (``"lr"``, ``"betas"``, ``"eps"``,
-    ``"weight_decay"``, ``"name"``); change ``"lr"`` (or call :meth:`set_lr`) between steps.
+    ``param_groups``: ``[decay, no_decay]``, torch-style dicts (``"params"``, ``"lr"``, ``"betas"``, ``"eps"``,
+    ``"weight_decay"``, ``"name"``) over every trainable parameter; change ``"lr"`` (or call :meth:`set_lr`)
+    between steps: each step copies them into the local optimizers.
     """
 
-    def __init__(self, chunks, *, lr, betas, eps, weight_decay, shard_over_dp, no_decay):
+    def __init__(self, chunks, *, lr, betas, eps, weight_decay, shard_over_dp, no_decay,
+                 overlap_grad_reduce=False, bucket_bytes=None):
         self.chunks = as_chunks(chunks)
         self.dims = dims_of(self.chunks)
         self.shard_over_dp = bool(shard_over_dp)
+        self.overlap_grad_reduce = bool(overlap_grad_reduce)
         self.names: dict[torch.Tensor, str] = {}       # param -> "<vpp rank>.<local name>" (unique on a rank)
         self.entries: dict[torch.Tensor, object] = {}  # param -> its weight-table entry (HF names)
         mine, _ = model_entries(self.chunks, self.dims)
@@ -191,26 +180,43 @@ class ParallelAdamW:
             return decay, skip
         decay, skip = run_local(split, what="build_optimizer")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        self._groups = [dict(defaults, params=decay, name="decay"),
+                        dict(defaults, params=skip, weight_decay=0.0, name="no_decay")]
+        self._parts: list[tuple[MasterAdamW, ParamBuckets | None]] = []
+        if not (self.shard_over_dp or self.overlap_grad_reduce):
+            self._add_part(decay + skip, None, defaults)
+            return
+        # One plan per reduction domain (routed experts over the expert-data-parallel group, the rest over the
+        # data-parallel group): the gradient buckets and, under ZeRO, which rank owns each parameter's state.
+        domains = plan_domains(self.chunks, self.dims, bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
+                               shard=self.shard_over_dp)
+        if self.overlap_grad_reduce:
+            GradBuffers(self.chunks, domains, shard=self.shard_over_dp)
+        if not self.shard_over_dp:
+            self._add_part(decay + skip, None, defaults)
+            return
+        trainable = set(map(id, decay + skip))
+        for d in domains:
+            buckets = ParamBuckets(d) if d.size > 1 else None
+            owned = buckets.owned() if buckets is not None else d.params
+            self._add_part([p for p in owned if id(p) in trainable], buckets, defaults)
 
-        def groups(keep):
-            return [{"params": [p for p in decay if keep(p)], "weight_decay": weight_decay, "name": "decay"},
-                    {"params": [p for p in skip if keep(p)], "weight_decay": 0.0, "name": "no_decay"}]
-        # ZeRO partitions a parameter list that every rank of its group holds alike. Under expert parallelism the
-        # data-parallel ranks hold different experts: routed experts are partitioned over the expert-data-parallel
-        # group (the ranks holding the same experts), everything else over the data-parallel group.
-        by_expert = self.shard_over_dp and self.dims.ep > 1
-        expert = lambda p: by_expert and placement_of(p).expert is not None  # noqa: E731
-        self._opt = _build(groups(lambda p: not expert(p)), self.dims.dp_group if self.shard_over_dp else None,
-                           defaults)
-        expert_groups = [g for g in groups(expert) if g["params"]]   # its hyperparameters follow self._opt's
-        self._expert_opt = None if not expert_groups else _build(
-            expert_groups, self.dims.edp_group if self.dims.edp > 1 else None, defaults)
-        self._locals: list[MasterAdamW] = [_local_of(o) for o in (self._opt, self._expert_opt) if o is not None]
+    def _add_part(self, params, buckets, defaults):
+        """A local MasterAdamW over ``params`` (split into the two named groups) and, under ZeRO, the parameter
+        buckets its domain syncs after each step."""
+        keep = set(map(id, params))
+        groups = [{"params": [p for p in g["params"] if id(p) in keep], "weight_decay": g["weight_decay"],
+                   "name": g["name"]} for g in self._groups]
+        self._parts.append((MasterAdamW(groups, **defaults), buckets))
+
+    @property
+    def _locals(self) -> list[MasterAdamW]:
+        return [local for local, _ in self._parts]
 
     # -- torch.optim-like surface ----------------------------------------------------------------------
     @property
     def param_groups(self) -> list[dict]:
-        return self._opt.param_groups
+        return self._groups
 
     def set_lr(self, lr: float) -> None:
         for group in self.param_groups:
@@ -218,19 +224,29 @@ class ParallelAdamW:
 
     def step(self) -> None:
         """One AdamW step of every parameter with a gradient (``grad_of``). Call after
-        ``parallm.finalize_grads``. With ``shard_over_dp`` it is collective over the data-parallel group."""
+        ``parallm.finalize_grads``. With ``shard_over_dp`` it is collective over the data-parallel group: each
+        rank steps the parameters it owns, then one all-gather (or broadcast) per bucket brings every replica's
+        parameters to the owners' new values."""
         dims_of(self.chunks)
-        if self._expert_opt is not None:      # the experts take the user-facing groups' hyperparameters
-            _copy_hyperparameters(self._opt.param_groups, self._expert_opt.param_groups)
-        self._opt.step()
-        if self._expert_opt is not None:
-            self._expert_opt.step()
+        for local, buckets in self._parts:
+            if buckets is not None:
+                buckets.rebind()
+            _copy_hyperparameters(self._groups, local.param_groups)
+            local.step()
+        for _, buckets in self._parts:
+            if buckets is not None:
+                buckets.sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``param.grad`` (None, or zeros with ``set_to_none=False``) and zero ``param.main_grad`` in place
-        (an fp32 accumulation buffer is kept, not freed)."""
+        (an fp32 accumulation buffer is kept, not freed). With gradient buckets every bucket is zeroed in place
+        and each gradient stays its view (``set_to_none`` does not apply to them)."""
+        buffers = grad_buffers_of(self.chunks)
+        if buffers is not None:
+            buffers.zero()
         for p in self.names:
-            clear_grad(p, set_to_none=set_to_none)
+            if buffers is None or not buffers.manages(p):
+                clear_grad(p, set_to_none=set_to_none)
 
     # -- state ---------------------------------------------------------------------------------------------
     def owned(self):
@@ -300,11 +316,17 @@ class ParallelAdamW:
 
 
 def build_optimizer(chunks, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                    shard_over_dp: bool = False, no_decay=default_no_decay) -> ParallelAdamW:
+                    shard_over_dp: bool = False, no_decay=default_no_decay, overlap_grad_reduce: bool = False,
+                    bucket_bytes: int | None = None) -> ParallelAdamW:
     """AdamW over ``chunks`` (this rank's model): ``torch.optim.AdamW`` semantics, fp32 master weights and
     moments for bf16 / fp16 parameters, weight decay skipping biases and norm weights unless ``no_decay``
     (``(hf_name, param) -> bool``) says otherwise, and with ``shard_over_dp=True`` the state sharded over the
-    data-parallel group (ZeRO-1). Collective (every rank calls it). See :mod:`parallm.train.optim`."""
+    data-parallel group (ZeRO-1). ``overlap_grad_reduce=True``: gradients live in buckets of about
+    ``bucket_bytes`` (default: megatron-core's 40M fp32 elements) that ``finalize_grads`` reduces bucket by
+    bucket, starting during the backward once :func:`parallm.train.grads.expect_microbatches` announced the
+    step; with ``shard_over_dp`` too, reduce-scattered, so after ``finalize_grads`` only the parameters this rank
+    owns hold the global gradient (:mod:`parallm.train.buckets`). Collective (every rank calls it). See
+    :mod:`parallm.train.optim`."""
     require_initialized("build_optimizer")
     for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
         if not isinstance(value, (int, float)) or value < 0:
@@ -313,5 +335,9 @@ def build_optimizer(chunks, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
         raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
     if not callable(no_decay):
         raise TypeError("no_decay must be callable: no_decay(hf_name, param) -> bool")
+    if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
+                                     or bucket_bytes < 1):
+        raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
     return ParallelAdamW(chunks, lr=float(lr), betas=tuple(float(b) for b in betas), eps=float(eps),
-                         weight_decay=float(weight_decay), shard_over_dp=shard_over_dp, no_decay=no_decay)
+                         weight_decay=float(weight_decay), shard_over_dp=shard_over_dp, no_decay=no_decay,
+                         overlap_grad_reduce=overlap_grad_reduce, bucket_bytes=bucket_bytes)
