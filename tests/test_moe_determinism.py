@@ -9,7 +9,9 @@ made by ``slots_of``, whose backward is a permutation and a sum over the k choic
 against a per-token reference, and two identical forward + backward passes for equal bits; ``torch._grouped_mm``
 and the per-expert loop for equal bits; and, on 4 gloo ranks, the distributed paths (each TP rank dispatching its
 share at tp2 ep2 with and without sequence parallelism, tokens entering the TP region at tp2 ep1) for the same
-graph property and equal bits over two steps.
+graph property and equal bits over two steps. Every path also runs, forward and backward, without any aten op
+that accumulates by index (index_add, scatter_add, index_put with accumulate, ...), the inside of parallm's own
+autograd functions included.
 """
 
 from __future__ import annotations
@@ -96,13 +98,36 @@ def _check_permutations_only(out):
     once) and no accumulating scatter / index-add appears. Returns the node names."""
     nodes = _graph(out.grad_fn)
     names = sorted({type(n).__name__ for n in nodes})
-    gathers = [n for n in nodes if type(n).__name__.startswith("IndexSelectBackward")]
-    assert gathers, names          # the dispatch's regroup / the unsort are gathers
+    gathers = [n for n in nodes if type(n).__name__.startswith("IndexSelectBackward")]   # e.g. the regroup
     for node in gathers:
         index = node._saved_index
         assert index.numel() == index.unique().numel(), f"a gather repeats rows (its backward accumulates): {names}"
     assert not [n for n in names if n.startswith(ACCUMULATING)], names
     return names
+
+
+ACCUMULATING_OPS = ("index_add", "scatter_add", "scatter_reduce", "index_reduce", "embedding_dense_backward",
+                    "_embedding_bag_backward")
+
+
+def _accumulating_ops(fn):
+    """The aten ops that accumulate by index (colliding atomic adds on CUDA) run by ``fn()``, forward and backward,
+    custom autograd functions' insides included (``index_put`` counts with ``accumulate=True``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = func.__name__.split(".")[0].rstrip("_")
+            accumulate = kwargs.get("accumulate", args[3] if len(args) > 3 and "index_put" in name else False)
+            if name in ACCUMULATING_OPS or ("index_put" in name and accumulate):
+                seen.append(func.__name__)
+            return func(*args, **kwargs)
+
+    with Ops():
+        fn()
+    return seen
 
 
 def _step(block, x):
@@ -120,10 +145,13 @@ def test_moe_moves_rows_by_permutations_only(world_of_one, top_k, shared):
     x = torch.randn(5, 3, 16, generator=torch.Generator().manual_seed(7), requires_grad=True)
     out = block(x)
     names = _check_permutations_only(out)
-    assert "_RepeatRowsBackward" in names, names     # the slots: a gather by token whose backward is a sum over k
+    # the slots (a gather by token whose backward is a permutation and a sum over k) and their weighted sum
+    # (whose backward is a gather and an in-place product)
+    assert {"_RepeatRowsBackward", "_WeightedSumBackward", "_SwiGLUBackward"} <= set(names), names
     torch.testing.assert_close(out, _reference(block, x), rtol=1e-5, atol=1e-6)
     first, second = _step(block, x), _step(block, x)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert _accumulating_ops(lambda: _step(block, x)) == []
 
 
 @pytest.mark.parametrize("top_k,shared", [(2, False), (4, True)])
@@ -157,7 +185,8 @@ def rank_graphs(rank, world, ckpt, layouts):
             x = x.narrow(0, lay.tp_rank * 12 // tp, 12 // tp)
         names = _check_permutations_only(block(x.clone().requires_grad_(True)))
         first, second = _step(block, x), _step(block, x)
-        out.append((block.shares, names, all(torch.equal(a, b) for a, b in zip(first, second))))
+        same = all(torch.equal(a, b) for a, b in zip(first, second))
+        out.append((block.shares, names, same, _accumulating_ops(lambda: _step(block, x))))
         parallm.destroy_parallel()
     return out
 
@@ -172,8 +201,26 @@ def test_the_dispatch_under_tp_and_ep_moves_rows_by_permutations_only(tmp_path):
     layouts = [(2, 2, False), (2, 2, True), (2, 1, False)]
     results = helpers.run_ranks(rank_graphs, 4, ckpt, layouts)
     for rank_result in results:
-        for (shares, names, same), (tp, ep, sp) in zip(rank_result, layouts):
+        for (shares, names, same, accumulating), (tp, ep, sp) in zip(rank_result, layouts):
             assert shares == (ep > 1), (tp, ep, sp)
-            assert same, (tp, ep, sp)
+            assert same and accumulating == [], (tp, ep, sp, accumulating)
+            assert {"_RepeatRowsBackward", "_WeightedSumBackward"} <= set(names), names
             if shares:
-                assert {"_GatherRowsBackward", "_RepeatRowsBackward"} <= set(names), names
+                assert {"_GatherRowsBackward", "_PermuteBackward"} <= set(names), names
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_swiglu_gives_autograds_bits(dtype):
+    """The experts' fused ``silu(gate) * up`` (one saved tensor, one gradient buffer) equals autograd on
+    ``F.silu(gate) * up`` bit for bit, forward and backward, in every training dtype."""
+    from parallm.model.moe import swiglu
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(37, 24, generator=g).to(dtype).requires_grad_(True)
+    grad = torch.randn(37, 12, generator=g).to(dtype)
+    out = swiglu(h)
+    out.backward(grad)
+    mine, h.grad = h.grad, None
+    gate, up = h.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    ref.backward(grad)
+    assert torch.equal(out, ref) and torch.equal(mine, h.grad)

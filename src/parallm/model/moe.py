@@ -60,8 +60,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.experts import (combine, dispatch, expert_counts, gather_shares, inverse_permutation, share_of,
-                                share_sizes, slots_of)
+from ..parallel.experts import (combine, dispatch, expert_counts, gather_shares, share_of, share_sizes, slots_of,
+                                sort_slots, weighted_sum)
 from ..parallel.megatron_import import import_megatron
 from .mlp import MLP
 from .spec import DecoderSpec
@@ -143,6 +143,37 @@ class Router(_Weight):
     parallm_param_kind = "replicated"
 
 
+class _SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` of ``h = [gate | up]`` (the experts' fc1 output, ``[m, 2 w]``), keeping only ``h`` for
+    the backward, which writes both halves of the gradient into one ``[m, 2 w]`` tensor (autograd would keep
+    ``silu(gate)`` as well, and concatenate the two halves' gradients afterwards). The same operations as
+    autograd's, so the same bits in every dtype."""
+
+    @staticmethod
+    def forward(ctx, h):
+        gate, up = h.chunk(2, dim=-1)
+        out = F.silu(gate)
+        out.mul_(up)
+        ctx.save_for_backward(h)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (h,) = ctx.saved_tensors
+        gate, up = h.chunk(2, dim=-1)
+        out = torch.empty_like(h)
+        grad_gate, grad_up = out.chunk(2, dim=-1)
+        torch.ops.aten.silu.out(gate, out=grad_up)
+        grad_up.mul_(grad)                                  # d/d up = grad * silu(gate)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)   # d/d gate
+        return out
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``h = [gate | up]`` along the last dim; see :class:`_SwiGLU`."""
+    return _SwiGLU.apply(h)
+
+
 class Experts(nn.Module):
     """This rank's routed experts, stacked: ``linear_fc1.weight [E_local, 2 I / tp, H]`` (expert x's
     ``[gate_r; up_r]``) and ``linear_fc2.weight [E_local, H, I / tp]``. ``forward`` computes every local
@@ -161,12 +192,10 @@ class Experts(nn.Module):
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
         if self.kernel == "grouped_mm":
             offsets = counts_device.cumsum(0).to(torch.int32)
-            gate, up = torch._grouped_mm(rows, w1.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
-            return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
-        outs = []
-        for part, fc1, fc2 in zip(rows.split(counts, dim=0), w1.unbind(0), w2.unbind(0)):
-            gate, up = F.linear(part, fc1).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, fc2))
+            h = swiglu(torch._grouped_mm(rows, w1.transpose(-2, -1), offs=offsets))
+            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+        outs = [F.linear(swiglu(F.linear(part, fc1)), fc2)
+                for part, fc1, fc2 in zip(rows.split(counts, dim=0), w1.unbind(0), w2.unbind(0))]
         return torch.cat(outs, dim=0)
 
 
@@ -306,19 +335,15 @@ class MoEBlock(nn.Module):
     def _routed(self, h, weights, choices, *, tp_group):
         """The routed experts' weighted sum for the tokens ``h`` [n, H] (their TP shards' partial sums unless
         ``tp_group`` shares the dispatch, see :func:`dispatch`)."""
-        n, k = choices.shape
-        flat = choices.reshape(-1)
-        order = torch.argsort(flat, stable=True)                        # slots (token-major) sorted by expert
-        unsort = inverse_permutation(order)
-        counts = expert_counts(flat.index_select(0, order), self.num_experts)
-        # Deterministic on every device: rows move by permutations and by slots_of, whose backward is a
-        # permutation and a sum over the k choices; nothing accumulates by index_add / scatter-add, whose
-        # colliding atomic adds on CUDA vary in order from run to run.
-        rows, plan = dispatch(slots_of(h, order, unsort, k), counts, ep=self.ep, group=self.ep_group, tp=self.tp,
+        slots, experts = sort_slots(choices)
+        counts = expert_counts(experts, self.num_experts)
+        # Deterministic on every device: rows move by gathers whose backward is a gather too (slots_of,
+        # weighted_sum) or by permutations; nothing accumulates by index_add / scatter-add, whose colliding atomic
+        # adds on CUDA vary in order from run to run.
+        rows, plan = dispatch(slots_of(h, slots), counts, ep=self.ep, group=self.ep_group, tp=self.tp,
                               tp_group=tp_group)
         rows = combine(self.experts(rows, plan.local_counts, plan.local_counts_device), plan)  # sorted-slot order
-        rows = rows.index_select(0, unsort).view(n, k, self.hidden)     # slot order: [token, choice]
-        return (rows * weights.to(rows.dtype).unsqueeze(-1)).sum(dim=1)
+        return weighted_sum(rows, weights.to(rows.dtype), slots)
 
     def forward(self, x, tokens=None):
         """x: ``[S, B, H]`` (or ``[T / tp, 1, H]`` under sequence parallelism). ``tokens``: 1 for the real rows

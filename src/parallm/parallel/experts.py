@@ -165,28 +165,98 @@ def gather_shares(x: torch.Tensor, *, rows: int, rank: int, size: int, group) ->
 
 # -- slots, counts ---------------------------------------------------------------------------------------------
 
+@dataclass
+class Slots:
+    """The ``n * k`` routed slots of ``n`` tokens (slot ``t * k + j``: token t's choice j), sorted by expert:
+    ``order`` (stable, so token-major within an expert), ``unsort`` its inverse, ``token[s]`` the token of sorted
+    slot s."""
+    order: torch.Tensor
+    unsort: torch.Tensor
+    token: torch.Tensor
+    k: int
+
+
+def sort_slots(choices: torch.Tensor) -> tuple[Slots, torch.Tensor]:
+    """``(Slots, experts of the sorted slots)`` for the ``[n, k]`` expert choices."""
+    flat = choices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    k = choices.shape[1]
+    slots = Slots(order, inverse_permutation(order), torch.div(order, k, rounding_mode="floor"), k)
+    return slots, flat.index_select(0, order)
+
+
 class _RepeatRows(torch.autograd.Function):
-    """Forward: ``x[index]`` where ``index = order // k`` names each row k times (the k choices of a token), in
-    the slot order ``order``. Backward: the slot gradients back in token-major order (a permutation) and summed
-    over the k choices (a reduction): no accumulating scatter, deterministic on every device."""
+    """Forward: the token row of every sorted slot (each token k times). Backward: the slot gradients back in
+    token-major order (a permutation) and summed over the k choices (a reduction): no accumulating scatter,
+    deterministic on every device."""
 
     @staticmethod
-    def forward(ctx, x, order, unsort, k):
-        ctx.save_for_backward(unsort)
-        ctx.k = k
-        return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+    def forward(ctx, x, slots):
+        ctx.slots = slots
+        return x.index_select(0, slots.token)
 
     @staticmethod
     def backward(ctx, grad):
-        (unsort,) = ctx.saved_tensors
-        grad = grad.index_select(0, unsort)
-        return grad.view(-1, ctx.k, *grad.shape[1:]).sum(dim=1), None, None, None
+        slots = ctx.slots
+        grad = grad.index_select(0, slots.unsort)
+        return grad.view(-1, slots.k, *grad.shape[1:]).sum(dim=1), None
 
 
-def slots_of(x: torch.Tensor, order: torch.Tensor, unsort: torch.Tensor, k: int) -> torch.Tensor:
-    """The routed slots of the tokens ``x`` ``[n, H]``: row ``j`` is token ``order[j] // k`` (``order`` sorts the
-    ``n * k`` slots, token-major, by expert; ``unsort`` is its inverse). See :class:`_RepeatRows`."""
-    return _RepeatRows.apply(x, order, unsort, k)
+def slots_of(x: torch.Tensor, slots: Slots) -> torch.Tensor:
+    """The routed slots of the tokens ``x`` ``[n, H]`` in sorted order; see :class:`_RepeatRows`."""
+    return _RepeatRows.apply(x, slots)
+
+
+class _WeightedSum(torch.autograd.Function):
+    """``out[t] = sum_j weights[t, j] * rows[slot (t, j)]`` for ``rows`` in sorted-slot order: the slots gathered
+    back token-major (a permutation) and reduced by a batched matrix product. Backward: the gradient of each
+    sorted slot is its token's gradient (a gather) times its weight, in place; the weights' gradient a batched
+    product with the gathered rows kept from the forward. No accumulating scatter; one ``[n * k, H]`` buffer
+    each way."""
+
+    @staticmethod
+    def forward(ctx, rows, weights, slots):
+        n, k = weights.shape
+        picked = rows.index_select(0, slots.unsort).view(n, k, rows.shape[-1])
+        ctx.save_for_backward(picked, weights)
+        ctx.slots = slots
+        return torch.bmm(weights.unsqueeze(1), picked).squeeze(1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        picked, weights = ctx.saved_tensors
+        slots = ctx.slots
+        grad = grad.contiguous()
+        grad_weights = torch.bmm(picked, grad.unsqueeze(2)).squeeze(2)
+        grad_rows = grad.index_select(0, slots.token)
+        grad_rows.mul_(weights.reshape(-1).index_select(0, slots.order).unsqueeze(1))
+        return grad_rows, grad_weights, None
+
+
+def weighted_sum(rows: torch.Tensor, weights: torch.Tensor, slots: Slots) -> torch.Tensor:
+    """Each token's expert outputs (``rows``, sorted-slot order) weighted by ``weights`` ``[n, k]`` (same dtype)
+    and summed over its k choices: ``[n, H]``. See :class:`_WeightedSum`."""
+    return _WeightedSum.apply(rows, weights, slots)
+
+
+class _Permute(torch.autograd.Function):
+    """Forward: ``x[index]`` for a permutation ``index`` of the rows. Backward: ``grad[inverse]``, a gather as
+    well (autograd's backward of a gather zero-fills and index-adds)."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` in the order of the permutation ``index`` (``inverse``: its inverse); see :class:`_Permute`."""
+    return _Permute.apply(x, index, inverse)
 
 
 def expert_counts(sorted_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -209,13 +279,13 @@ class Dispatch:
     ``local_counts``: rows per local expert, in local-expert order, of the tensor :func:`dispatch` returned (on the
     host), ``local_counts_device`` the same on the device. ``send_splits`` / ``recv_splits``: the expert-parallel
     all-to-all's; ``tp_sizes``: rows each TP rank received from it (``tp_group`` given); ``regroup``: the
-    permutation from arrival order to local-expert order (None: already in it)."""
+    permutation from arrival order to local-expert order and its inverse (None: already in that order)."""
     local_counts: list[int]
     local_counts_device: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
     tp_sizes: list[int] | None
-    regroup: torch.Tensor | None
+    regroup: tuple[torch.Tensor, torch.Tensor] | None
     ep_group: object
     tp_group: object
 
@@ -267,10 +337,13 @@ def dispatch(rows: torch.Tensor, expert_counts: torch.Tensor, *, ep: int, group,
         tp_sizes = [sum(by_source[q * ep:(q + 1) * ep]) for q in range(tp)]
         width = max(tp_sizes)
         arrived = _unpad(_GatherRows.apply(_pad_rows(arrived, width), tp_group, tp), tp_sizes, width)
-    regroup = _regroup_index(counts, sum(by_source)) if sources > 1 else None
-    out = arrived.index_select(0, regroup) if regroup is not None else arrived
-    return out, Dispatch(local_counts, counts.sum(0), send_splits, recv_splits, tp_sizes, regroup, group,
-                         tp_group if sharing else None)
+    regroup = None
+    if sources > 1:
+        index = _regroup_index(counts, sum(by_source))
+        regroup = (index, inverse_permutation(index))
+        arrived = permute_rows(arrived, *regroup)
+    return arrived, Dispatch(local_counts, counts.sum(0), send_splits, recv_splits, tp_sizes, regroup, group,
+                             tp_group if sharing else None)
 
 
 def combine(rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
@@ -278,7 +351,8 @@ def combine(rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
     their tokens came from; with ``tp_group`` the TP ranks' partial sums are added up on the way (each TP rank
     receives the complete outputs of the rows it sent)."""
     if plan.regroup is not None:
-        rows = rows.index_select(0, inverse_permutation(plan.regroup))
+        index, inverse = plan.regroup
+        rows = permute_rows(rows, inverse, index)
     if plan.tp_group is not None:
         width, tp = max(plan.tp_sizes), len(plan.tp_sizes)
         mine = plan.tp_sizes[dist.get_rank(plan.tp_group)]
