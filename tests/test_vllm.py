@@ -287,18 +287,26 @@ def test_push_errors_on_every_rank(dense, key, needles):
     assert all(r["push-after-errors"][0] == "ok" for r in dense)
 
 
-@pytest.mark.timeout(900)
-def test_grpo_example_runs(tmp_path):
-    """examples/grpo.py end to end for a few steps at tp2 on 2 ranks (vLLM rollouts, pushes every step)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING", PARALLM_PROGRESS="0")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "examples", "grpo.py"), "--steps", "3", "--warmup-steps", "20",
-           "--workdir", str(tmp_path), "--jsonl", str(tmp_path / "log.jsonl")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=800)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+@pytest.mark.timeout(600)
+def test_grpo_example_learns(tmp_path):
+    """examples/grpo.py end to end under torchrun at tp2 on 2 ranks, vLLM rollouts and a push every step: the
+    engine's log-probs of its samples equal the trainer's on every step (a push that did not land leaves them
+    ~1 apart: the engine would still serve the checkpoint from before the warm-up), and the reward rises within
+    24 steps (0.23 -> 0.43 when measured; each step's sampling is seeded, so the run is reproducible)."""
     import json
-    rows = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="ERROR", PARALLM_PROGRESS="0")
+    log = tmp_path / "log.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "examples", "grpo.py"), "--rollout", "vllm", "--steps", "24",
+           "--workdir", str(tmp_path), "--jsonl", str(log)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in open(log)]
+    assert [r["step"] for r in rows] == list(range(1, 25))
     for r in rows:
-        assert r["rollout"] == "vllm" and 0.0 <= r["reward"] <= 1.0 and r["push_s"] > 0
-        assert abs(r["logprob_mismatch"]) < 1e-3, r       # vLLM's sampled log-probs vs parallm's, same weights
+        assert r["rollout"] == "vllm" and 0.0 <= r["reward"] <= 1.0 and r["push_s"] > 0, r
+        assert r["logprob_mismatch_max"] < 1e-3, r
+        assert r["entropy"] > 0 and 0.0 <= r["clip_frac"] <= 1.0, r
+    first, last = (sum(r["reward"] for r in part) / len(part) for part in (rows[:5], rows[-5:]))
+    assert last > first + 0.1, [round(r["reward"], 3) for r in rows]
+    assert "greedy accuracy on 256 held-out prompts" in proc.stdout

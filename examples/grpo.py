@@ -1,0 +1,349 @@
+"""GRPO on a verifiable toy task, end to end: parallm trains at tp=2 on 2 local ranks, vLLM samples on rank 0.
+
+    python examples/grpo.py [--task reverse] [--steps 100] [--warmup-steps 30] [--jsonl steps.jsonl]
+
+It starts itself under ``torch.distributed.run`` with 2 local ranks (gloo on CPU); ``torchrun --nproc-per-node 2
+examples/grpo.py`` works too (the model runs at tp = the number of ranks). vLLM comes from ``bash
+scripts/setup_vllm.sh``: run this with ``.venv-vllm/bin/python`` for vLLM rollouts. Without vLLM the rollouts fall
+back to transformers' ``generate`` on rank 0, its weights refreshed from ``save_hf_weights`` every step.
+
+The task (``--task``): a prompt is ``<task> d1 .. dN <sep>`` (N = ``--digits``, 4 by default); the answer is the N
+digits repeated, reversed or sorted; ``mix`` draws the task per prompt. The reward is the fraction of the N answer
+positions that hold the right digit. The model: a Qwen2-shaped decoder (hidden 128, 2 layers, 4 query heads of 32
+over 2 KV heads, tied embeddings; vLLM's CPU attention needs head_dim >= 32) built from a config, then warmed up
+with a few supervised steps on the task so that it starts above chance and well below perfect.
+
+One GRPO step:
+
+1. rollouts: ``--prompts`` prompts x ``--group`` samples at temperature 1 from the engine, with the engine's
+   log-probs of the sampled tokens, sent to every rank;
+2. rewards, and group-relative advantages (the reward minus its group's mean, over the group's std);
+3. the trainer's log-probs of the same tokens (``forward(output="logprobs")``): the old policy of the PPO ratio,
+   and the rollout / trainer mismatch (the engine's log-probs against them: when the two differ the "on-policy"
+   update is not, a known RL pitfall);
+4. ``--updates`` PPO-clip updates over minibatches of the rollouts: ``forward_backward(output="logprobs+entropy")``
+   with a token-mean loss (``loss_fn`` returns ``(loss_sum, num_tokens)``: the sum over the answer tokens of the
+   batch over their number), ``finalize_grads``, ``clip_grad_norm_``, parallm's AdamW;
+5. ``push_weights`` into the engine.
+
+Logged per step (a progress bar on rank 0; one JSON line per step with ``--jsonl``): mean reward, entropy (of the
+policy on its rollouts), clip fraction (answer tokens where the clipped term was the one taken, in the updates
+after the first), the mismatch (mean and max of |engine - trainer| over the sampled tokens), push seconds. At the
+end: the mean reward of the first and last 10 % of the steps, and the greedy accuracy on 256 held-out prompts
+before and after GRPO. docs/rl.md has the figures of a full run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+SEP, VOCAB = 10, 16                     # tokens 0..9 are the digits
+TASKS = {"repeat": 11, "reverse": 12, "sort": 13}
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", choices=[*TASKS, "mix"], default="repeat")
+    ap.add_argument("--digits", type=int, default=4, help="digits per prompt (N)")
+    ap.add_argument("--steps", type=int, default=100, help="GRPO steps")
+    ap.add_argument("--warmup-steps", type=int, default=8, help="supervised steps before GRPO")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    ap.add_argument("--group", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--updates", type=int, default=2, help="PPO minibatch updates per step")
+    ap.add_argument("--lr", type=float, default=1e-3, help="GRPO learning rate")
+    ap.add_argument("--warmup-lr", type=float, default=3e-3)
+    ap.add_argument("--clip", type=float, default=0.2, help="PPO clip epsilon")
+    ap.add_argument("--entropy-coef", type=float, default=0.0)
+    ap.add_argument("--rollout", choices=["auto", "vllm", "transformers"], default="auto",
+                    help="auto: vLLM when it is installed, else transformers")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workdir", default=None, help="where the initial checkpoint goes (default: a temporary dir)")
+    ap.add_argument("--jsonl", default=None, help="write one JSON line per step to this file (rank 0)")
+    args = ap.parse_args(argv)
+    if args.prompts * args.group % args.updates:
+        ap.error(f"--prompts x --group ({args.prompts * args.group}) must split into --updates {args.updates}")
+    return args
+
+
+# -- the task ---------------------------------------------------------------------------------------------------
+
+def make_prompts(n: int, task: str, digits: int, g: torch.Generator) -> torch.Tensor:
+    """[n, digits + 2]: ``<task> d1 .. dN <sep>``."""
+    kinds = list(TASKS) if task == "mix" else [task]
+    token = torch.tensor([TASKS[k] for k in kinds])[torch.randint(0, len(kinds), (n,), generator=g)]
+    return torch.cat([token[:, None], torch.randint(0, 10, (n, digits), generator=g),
+                      torch.full((n, 1), SEP)], dim=1)
+
+
+def answer_of(prompts: torch.Tensor) -> torch.Tensor:
+    digits, token = prompts[:, 1:-1], prompts[:, :1]
+    return torch.where(token == TASKS["repeat"], digits,
+                       torch.where(token == TASKS["reverse"], digits.flip(1), digits.sort(1).values))
+
+
+def reward(prompts: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
+    """The fraction of the answer positions that hold the right digit, per row."""
+    return (answers == answer_of(prompts)).float().mean(1)
+
+
+# -- the model --------------------------------------------------------------------------------------------------
+
+def make_checkpoint(path: str, digits: int, seed: int) -> None:
+    import transformers
+    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   tie_word_embeddings=True, max_position_embeddings=4 * digits + 8,
+                                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(path)
+
+
+def answer_slice(out: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    """Position t of a log-prob / entropy row scores token t + 1: the answer tokens are at [start - 1, +n)."""
+    return out[:, start - 1:start - 1 + n]
+
+
+def warmup(chunks, opt, args, g: torch.Generator) -> float:
+    """Supervised steps on the task: next-token loss on the answer tokens, token-mean."""
+    import parallm
+    loss = float("nan")
+    for _ in range(args.warmup_steps):
+        p = make_prompts(64, args.task, args.digits, g)
+        ids = torch.cat([p, answer_of(p)], dim=1)
+
+        def loss_fn(lp, ids, mask):
+            lp = answer_slice(lp, p.shape[1], args.digits)
+            return -lp.sum(), lp.numel()
+        loss = float(parallm.forward_backward(chunks, ids, loss_fn=loss_fn, output="logprobs"))
+        parallm.finalize_grads(chunks)
+        parallm.clip_grad_norm_(chunks, 1.0)
+        opt.step()
+        opt.zero_grad()
+    return loss
+
+
+# -- rollouts: one engine on rank 0 -----------------------------------------------------------------------------
+
+def on_rank0(fn):
+    """``fn()`` on rank 0, its result on every rank; an exception there is raised on every rank (the other rank
+    would otherwise wait in the broadcast)."""
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [("ok", fn())]
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+            box = [("error", f"{type(e).__name__}: {e}")]
+            error = e
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status != "ok":
+        if dist.get_rank() == 0:
+            raise error
+        raise RuntimeError(f"rank 0 failed: {value}")
+    return value
+
+
+class VLLMRollout:
+    name = "vllm"
+
+    def __init__(self, ckpt: str, max_len: int, seed: int):
+        from parallm.integrations import vllm as pv
+        self.pv = pv
+        self.llm = pv.launch(ckpt, rank=0, dtype="float32", max_model_len=max_len, kv_cache_memory_bytes=64 << 20,
+                             seed=seed)
+
+    def sample(self, prompts: torch.Tensor, *, n: int, temperature: float, seed: int):
+        """Rank 0: (answers [B, n], the engine's log-probs of them [B, n])."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        # a seed per request: the repeats of one prompt (a GRPO group) must not share a random stream, and the
+        # trainer's global RNG stays untouched
+        params = [SamplingParams(max_tokens=n, temperature=temperature, logprobs=0, seed=seed * 65537 + i,
+                                 ignore_eos=True) for i in range(len(prompts))]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts], params,
+                                 use_tqdm=False)
+        answers = torch.tensor([list(o.outputs[0].token_ids) for o in outs])
+        lps = torch.tensor([[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                            for o in outs])
+        return answers, lps
+
+    def push(self, chunks) -> dict:
+        return self.pv.push_weights(chunks, self.llm, rank=0)
+
+
+class TransformersRollout:
+    """Without vLLM: transformers' ``generate`` on rank 0, its weights refreshed from ``save_hf_weights``."""
+    name = "transformers"
+
+    def __init__(self, ckpt: str, max_len: int, seed: int):
+        import transformers
+        self.model = None
+        if dist.get_rank() == 0:
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval()
+
+    def sample(self, prompts, *, n: int, temperature: float, seed: int):
+        kw = dict(do_sample=False) if temperature == 0 else dict(do_sample=True, temperature=temperature, top_k=0,
+                                                                  top_p=1.0)
+        rng = torch.get_rng_state()
+        torch.manual_seed(seed)
+        try:
+            with torch.no_grad():
+                out = self.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n,
+                                          min_new_tokens=n, output_scores=True, return_dict_in_generate=True,
+                                          pad_token_id=0, eos_token_id=None, **kw)
+        finally:
+            torch.set_rng_state(rng)
+        answers = out.sequences[:, prompts.shape[1]:]
+        scores = torch.stack(out.scores, 1)            # after the temperature: the sampling distribution
+        return answers, scores.log_softmax(-1).gather(-1, answers[..., None]).squeeze(-1)
+
+    def push(self, chunks) -> dict:
+        import parallm
+        t = time.perf_counter()
+        state = parallm.save_hf_weights(chunks)        # collective; the full state dict on rank 0
+        if self.model is not None:
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+            if unexpected or set(missing) - {"lm_head.weight"}:
+                raise RuntimeError(f"push: missing {missing}, unexpected {unexpected}")
+            self.model.tie_weights()
+        return {"seconds": time.perf_counter() - t}
+
+
+# -- GRPO -------------------------------------------------------------------------------------------------------
+
+def ppo_update(chunks, opt, ids, start, n, old, adv, args):
+    """``args.updates`` PPO-clip minibatch steps over the rollouts. Returns (the policy's mean entropy on the
+    rollouts, from the first update; the clip fraction of the later ones)."""
+    import parallm
+    b = ids.shape[0]
+    order = torch.randperm(b, generator=torch.Generator().manual_seed(int(ids.sum())))
+    entropy, clipped = None, []
+    for u in range(args.updates):
+        sel = order[u * b // args.updates:(u + 1) * b // args.updates]
+        mb_old, mb_adv = old[sel], adv[sel][:, None]
+        stats = {}
+
+        def loss_fn(out, mb_ids, mask):
+            lp, ent = answer_slice(out.logprobs, start, n), answer_slice(out.entropy, start, n)
+            ratio = torch.exp(lp - mb_old)
+            unclipped, clipped_ = ratio * mb_adv, ratio.clamp(1 - args.clip, 1 + args.clip) * mb_adv
+            stats["entropy"] = ent.detach().mean().item()
+            stats["clipped"] = (clipped_ < unclipped).float().mean().item()     # min() took the clipped term
+            loss = -torch.minimum(unclipped, clipped_) - args.entropy_coef * ent
+            return loss.sum(), loss.numel()                                    # token-mean over the batch
+        parallm.forward_backward(chunks, ids[sel], loss_fn=loss_fn, output="logprobs+entropy")
+        parallm.finalize_grads(chunks)
+        parallm.clip_grad_norm_(chunks, 1.0)
+        opt.step()
+        opt.zero_grad()
+        if u == 0:
+            entropy = stats["entropy"]
+        else:
+            clipped.append(stats["clipped"])
+    return entropy, sum(clipped) / len(clipped) if clipped else 0.0
+
+
+def greedy_accuracy(rollout, prompts, n: int) -> float:
+    return on_rank0(lambda: reward(prompts, rollout.sample(prompts, n=n, temperature=0.0, seed=0)[0]).mean().item())
+
+
+def pick_rollout(choice: str):
+    if choice == "auto":
+        try:
+            import vllm  # noqa: F401
+            choice = "vllm"
+        except ImportError:
+            choice = "transformers"
+    return VLLMRollout if choice == "vllm" else TransformersRollout
+
+
+def main(args) -> list[dict]:
+    import parallm
+    from tqdm.auto import tqdm
+    t_start = time.perf_counter()
+    parallm.init_parallel(tp=int(os.environ.get("WORLD_SIZE", "1")))
+    rank = dist.get_rank()
+    workdir = args.workdir or tempfile.mkdtemp(prefix="parallm-grpo-")
+    ckpt = os.path.join(workdir, "init")
+    n, start = args.digits, args.digits + 2
+    if rank == 0:
+        make_checkpoint(ckpt, n, args.seed)
+    dist.barrier()
+    chunks = parallm.build_model(ckpt)
+    parallm.load_hf_weights(chunks, ckpt)
+    g = torch.Generator().manual_seed(args.seed)     # the same stream on every rank: the same prompts
+    warm_loss = warmup(chunks, parallm.build_optimizer(chunks, lr=args.warmup_lr), args, g)
+    opt = parallm.build_optimizer(chunks, lr=args.lr)
+
+    rollout = pick_rollout(args.rollout)(ckpt, start + n, args.seed)
+    rollout.push(chunks)                             # the engine started from the initial checkpoint
+    eval_prompts = make_prompts(256, args.task, n, torch.Generator().manual_seed(10 ** 6 + args.seed))
+    acc_before = greedy_accuracy(rollout, eval_prompts, n)
+
+    log = open(args.jsonl, "w") if args.jsonl and rank == 0 else None
+    rows = []
+    bar = tqdm(range(1, args.steps + 1), desc=f"GRPO {args.task} ({rollout.name})", disable=rank != 0,
+               dynamic_ncols=True, file=sys.stdout, mininterval=1.0)
+    for step in bar:
+        t0 = time.perf_counter()
+        prompts = make_prompts(args.prompts, args.task, n, g).repeat_interleave(args.group, dim=0)
+        answers, rollout_lp = on_rank0(lambda: rollout.sample(prompts, n=n, temperature=1.0,
+                                                              seed=args.seed * 100003 + step))
+        t_rollout = time.perf_counter() - t0
+        r = reward(prompts, answers)
+        grouped = r.view(args.prompts, args.group)
+        adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1)
+        ids = torch.cat([prompts, answers], dim=1)
+        with torch.no_grad():
+            old = answer_slice(parallm.forward(chunks, ids, output="logprobs"), start, n)
+        mismatch = (rollout_lp - old).abs()
+        entropy, clip_frac = ppo_update(chunks, opt, ids, start, n, old, adv, args)
+        push = rollout.push(chunks)
+        row = dict(step=step, rollout=rollout.name, reward=r.mean().item(), entropy=entropy, clip_frac=clip_frac,
+                   logprob_mismatch=mismatch.mean().item(), logprob_mismatch_max=mismatch.max().item(),
+                   push_s=push["seconds"], rollout_s=t_rollout, step_s=time.perf_counter() - t0)
+        if args.task == "mix":
+            task_of = prompts[:, 0]
+            row["reward_by_task"] = {k: r[task_of == t].mean().item() for k, t in TASKS.items()
+                                     if (task_of == t).any()}
+        rows.append(row)
+        bar.set_postfix_str(f"reward {row['reward']:.3f} entropy {entropy:.2f} clip {clip_frac:.2f} "
+                            f"mismatch {row['logprob_mismatch']:.1e} push {push['seconds'] * 1e3:.0f} ms", refresh=False)
+        if log:
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+    bar.close()
+    acc_after = greedy_accuracy(rollout, eval_prompts, n)
+    if rank == 0:
+        k = max(1, len(rows) // 10)
+        first, last = (sum(x["reward"] for x in part) / len(part) for part in (rows[:k], rows[-k:]))
+        print(f"task {args.task}, {n} digits; rollouts: {rollout.name}; warm-up loss {warm_loss:.3f} after "
+              f"{args.warmup_steps} steps")
+        if rows:
+            print(f"mean reward: first {k} steps {first:.3f}, last {k} steps {last:.3f}; max log-prob mismatch "
+                  f"{max(x['logprob_mismatch_max'] for x in rows):.1e}; push {min(x['push_s'] for x in rows):.3f}-"
+                  f"{max(x['push_s'] for x in rows):.3f} s")
+        print(f"greedy accuracy on {len(eval_prompts)} held-out prompts: {acc_before:.3f} before GRPO, "
+              f"{acc_after:.3f} after; {time.perf_counter() - t_start:.0f} s")
+    if log:
+        log.close()
+    parallm.destroy_parallel()
+    return rows
+
+
+if __name__ == "__main__":
+    if "RANK" not in os.environ:        # start 2 local ranks running this file
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        os.environ.setdefault("PARALLM_PROGRESS", "0")
+        os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                  "--nproc-per-node", "2", os.path.abspath(__file__), *sys.argv[1:]])
+    main(parse())
