@@ -1,6 +1,6 @@
 """Training-step memory and time at a real vocabulary size. Not part of the test suite.
 
-    PYTHONPATH=src python bench/train_bench.py [--steps 2] [--rounds 1] [--parts main,pp,recompute]
+    PYTHONPATH=src python bench/train_bench.py [--steps 2] [--rounds 1] [--reps 5] [--parts main,pp,recompute,clip,dp2]
 
 Every process runs one thread; peak memory is the process's peak anonymous RSS (sampled every 2 ms), with
 glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_) so freed large tensors go back to the OS on both sides.
@@ -14,6 +14,15 @@ main       Qwen2-shaped model (vocab 151936, hidden 256, 2 layers, 4 heads / 2 K
            sides alternate and each keeps its best round.
 pp         per-rank peak at pp=2 for 2 vs 8 microbatches of 1 x 512 (LLaMA-shaped, vocab 32000, hidden 256,
            4 layers: activations, not the head, dominate).
+clip       clip_grad_norm_ on a model with ~12k parameter tensors (a LLaMA of 2000 layers, hidden 16, built by
+           parallm at tp=1, gradients set seeded, fp32 and bf16 with fp32 main_grad): parallm's _foreach version
+           against the per-parameter loop it replaced (tests/test_clip_foreach.py's reference), alternating,
+           best of ``--reps``; both must give the same norm bit for bit.
+dp2        a dp2 training step (forward_backward of 4 microbatches, finalize_grads, clip_grad_norm_, AdamW step,
+           zero_grad; LLaMA-shaped, vocab 32000, hidden 256, 8 layers, 4 x 256 tokens per replica, fp32) with
+           today's finalize_grads against gradient buckets reduced during the backward
+           (``overlap_grad_reduce=True`` + ``expect_microbatches``), unsharded and under ZeRO (reduce-scatter),
+           alternating rounds, best step per round; the weights after the steps must be equal.
 recompute  memory held by one microbatch's forward graph (1 x 2048 tokens, 8 layers, hidden 256, vocab 32000,
            tp 1; padded attention, which keeps each layer's [S, S] scores, and packed) with recompute=None vs
            "full", and the backward's peak above it.
@@ -206,16 +215,122 @@ def part_recompute(args, root):
     print(table(rows, ["attention", "recompute", "held by the forward graph MiB", "backward peak above it MiB"]))
 
 
+def clip_worker(rank, world, layers, reps):
+    import torch
+
+    import parallm
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from test_clip_foreach import _set_grads, reference_clip   # the per-parameter loop parallm had before
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    parallm.init_parallel()
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        chunks = parallm.build_model(cfg, dtype=dtype)
+        tensors = sum(1 for c in chunks for _ in c.parameters())
+        times = {"loop": [], "foreach": []}
+        norms = {}
+        for _ in range(reps):
+            for name, fn in (("loop", reference_clip), ("foreach", parallm.clip_grad_norm_)):
+                _set_grads(chunks, seed=7)
+                t = time.perf_counter()
+                norms[name] = fn(chunks, 1e-3, 2.0)
+                times[name].append(time.perf_counter() - t)
+        out[str(dtype).split(".")[-1]] = dict(tensors=tensors, loop=min(times["loop"]),
+                                              foreach=min(times["foreach"]),
+                                              equal=bool(torch.equal(norms["loop"], norms["foreach"])))
+        del chunks
+    parallm.destroy_parallel()
+    return out
+
+
+def part_clip(args, root):
+    res = run_world(clip_worker, 1, 2000, args.reps)[0]
+    print("clip: clip_grad_norm_(max_norm=1e-3, p=2) on a LLaMA of 2000 layers (hidden 16), tp=1, one thread, "
+          f"best of {args.reps}")
+    rows = [(dt, r["tensors"], f"{r['loop'] * 1e3:.1f}", f"{r['foreach'] * 1e3:.1f}", f"{r['foreach'] / r['loop']:.3f}",
+             "yes" if r["equal"] else "NO") for dt, r in res.items()]
+    print(table(rows, ["dtype", "parameter tensors", "per-parameter loop ms", "_foreach ms", "ratio",
+                       "same norm bits"]))
+
+
+def dp_step_worker(rank, world, ckpt, nmb, steps, overlap, shard):
+    import torch
+
+    import parallm
+    from parallm.parallel.state import current_dims
+    from parallm.train.grads import expect_microbatches
+    parallm.init_parallel()
+    dims = current_dims()
+    chunks = parallm.build_model(ckpt)
+    parallm.load_hf_weights(chunks, ckpt, progress=False)
+    opt = parallm.build_optimizer(chunks, lr=1e-4, shard_over_dp=shard, overlap_grad_reduce=overlap)
+    ids, mask = _tokens(chunks[0].spec.vocab_size, 4 * dims.dp, 256, seed=3)
+    per = ids.shape[0] // dims.dp
+    ids, mask = ids[dims.dp_rank * per:(dims.dp_rank + 1) * per], mask[dims.dp_rank * per:(dims.dp_rank + 1) * per]
+
+    def step():
+        if overlap:
+            expect_microbatches(chunks, nmb)
+        loss = parallm.forward_backward(chunks, ids, mask, loss_fn=nll_from_logprobs, num_microbatches=nmb,
+                                        output="logprobs")
+        parallm.finalize_grads(chunks)
+        parallm.clip_grad_norm_(chunks, 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    torch.distributed.barrier()
+    out = _timed_steps(step, steps)
+    out["weights"] = {n: p.detach().clone() for n, p in chunks[0].named_parameters()} if rank == 0 else None
+    parallm.destroy_parallel()
+    return out
+
+
+def part_dp2(args, root):
+    import torch
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    ckpt = _ckpt(cfg, root)
+    sides = {("today", False): (False, False), ("overlap", False): (True, False),
+             ("today", True): (False, True), ("overlap", True): (True, True)}
+    runs = {k: [] for k in sides}
+    for _ in range(args.rounds):
+        for key, (overlap, shard) in sides.items():
+            runs[key].append(run_world(dp_step_worker, 2, ckpt, 4, args.steps, overlap, shard))
+
+    def best(key, field):
+        return min(max(r[field] for r in ranks) for ranks in runs[key])
+    print(f"dp2: LLaMA-shaped vocab 32000, hidden 256, 8 layers, fp32, 4 microbatches of 1 x 256 per replica, "
+          f"output=logprobs; step = forward_backward + finalize_grads + clip + AdamW; best step of {args.steps - 1} "
+          f"after a warm-up, best of {args.rounds} round(s)")
+    rows = []
+    for shard in (False, True):
+        t = {k: (best((k, shard), "time"), best((k, shard), "cpu")) for k in ("today", "overlap")}
+        same = all(torch.equal(runs[("today", shard)][0][0]["weights"][n], runs[("overlap", shard)][0][0]["weights"][n])
+                   for n in runs[("today", shard)][0][0]["weights"])
+        label = "ZeRO" if shard else "unsharded"
+        rows.append((label, f"{t['today'][0]:.3f}", f"{t['overlap'][0]:.3f}", f"{t['overlap'][0] / t['today'][0]:.3f}",
+                     f"{t['today'][1]:.3f}", f"{t['overlap'][1]:.3f}", f"{t['overlap'][1] / t['today'][1]:.3f}",
+                     "yes" if same else "NO"))
+    print(table(rows, ["optimizer", "today s (wall)", "overlap s (wall)", "wall ratio", "today s (CPU)",
+                       "overlap s (CPU)", "CPU ratio", "same weights"]))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2, help="steps per run; the first is a warm-up")
     ap.add_argument("--parts", default="main,pp,recompute")
-    ap.add_argument("--rounds", type=int, default=1, help="main: alternate transformers / parallm this many times")
+    ap.add_argument("--rounds", type=int, default=1, help="main, dp2: alternate the sides this many times")
+    ap.add_argument("--reps", type=int, default=5, help="clip: timed calls per side")
     args = ap.parse_args(argv)
     os.environ["PARALLM_PROGRESS"] = "0"
     with tempfile.TemporaryDirectory(prefix="parallm-tbench-") as root:
         for part in args.parts.split(","):
-            {"main": part_main, "pp": part_pp, "recompute": part_recompute}[part](args, root)
+            {"main": part_main, "pp": part_pp, "recompute": part_recompute, "clip": part_clip,
+             "dp2": part_dp2}[part](args, root)
             print(flush=True)
 
 

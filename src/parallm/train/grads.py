@@ -147,41 +147,60 @@ def expect_microbatches(chunks, num_microbatches: int) -> None:
 # result has the same bits; the per-tensor work runs in a few ``torch._foreach_*`` calls instead of a Python
 # loop of several kernels per tensor.
 
-def _norm_plan(chunk, dims) -> list[tuple[torch.nn.Parameter, bool, list | None]]:
-    """``(param, is_expert, slices)`` for every parameter of ``chunk`` that counts in the norm (all but the tied
-    head copy), in parameter order; ``slices`` None for the whole tensor, else the placement's
-    ``primary_slices`` (possibly none). Layouts are fixed at build: computed once per chunk."""
-    cached = getattr(chunk, "_parallm_norm_plan", None)
-    if cached is not None and cached[0] == (dims.tp_rank, dims.tp):
-        return cached[1]
-    plan = []
-    for p in chunk.parameters():
-        pl = placement_of(p)
-        if pl.tied == "copy":
-            continue
-        shape = tuple(p.shape)
-        slices = pl.layout.primary_slices(dims.tp_rank, dims.tp, shape)
-        plan.append((p, pl.expert is not None, None if shape and slices == [(0, 0, shape[0])] else slices))
-    chunk._parallm_norm_plan = ((dims.tp_rank, dims.tp), plan)
+class _NormPlan:
+    """What the norm reads, fixed once the model is built: every parameter of the chunks in order, and per
+    domain (dense, routed experts) the ``(parameter index, slices)`` that count, in parameter order; ``slices``
+    None for the whole tensor, else the placement's ``primary_slices`` (possibly none). The tied head copy does
+    not count."""
+
+    def __init__(self, chunks, dims):
+        self.key = (tuple(map(id, chunks)), dims.tp_rank, dims.tp)
+        self.params = [p for chunk in chunks for p in chunk.parameters()]
+        self.counted: tuple[list, list] = ([], [])
+        for i, p in enumerate(self.params):
+            pl = placement_of(p)
+            if pl.tied == "copy":
+                continue
+            shape = tuple(p.shape)
+            slices = pl.layout.primary_slices(dims.tp_rank, dims.tp, shape)
+            self.counted[pl.expert is not None].append((i, None if shape and slices == [(0, 0, shape[0])]
+                                                        else slices))
+        self.low_precision = any(p.dtype != torch.float32 for p in self.params)
+        self.whole = tuple([i for i, sl in c] if all(sl is None for _, sl in c) else None for c in self.counted)
+
+
+def _norm_plan(chunks, dims) -> _NormPlan:
+    cached = getattr(chunks[0], "_parallm_norm_plan", None)
+    if cached is not None and cached.key == (tuple(map(id, chunks)), dims.tp_rank, dims.tp):
+        return cached
+    chunks[0]._parallm_norm_plan = plan = _NormPlan(chunks, dims)
     return plan
 
 
-def _norm_parts(chunks, dims) -> tuple[list, list]:
-    """This rank's primary gradient pieces as fp32 tensors with their parameters, ``[(part, param)]``, in the
-    order the norm sums them: ``(dense, experts)`` (routed experts are split over the expert-parallel group, so
-    they are combined apart)."""
-    dense, experts = [], []
-    for chunk in chunks:
-        for p, is_expert, slices in _norm_plan(chunk, dims):
-            g = grad_of(p)
+def _grads_of(params) -> list:
+    """:func:`grad_of` of each parameter (``main_grad`` when set, else ``grad``), without a call per parameter."""
+    return [g if (g := getattr(p, "main_grad", None)) is not None else p.grad for p in params]
+
+
+def _norm_parts(plan: _NormPlan, grads: list, k: int) -> tuple[list[torch.Tensor], list[int]]:
+    """This rank's primary gradient pieces of domain ``k`` (0 dense, 1 routed experts, which are split over the
+    expert-parallel group and so combined apart) as fp32 tensors in the order the norm sums them, and the
+    index of each one's parameter. Empty pieces may be among them: their norm, 0, adds nothing."""
+    if plan.whole[k] is not None:     # every counted tensor whole (tp = 1, most layouts): no slicing
+        owners = [i for i in plan.whole[k] if grads[i] is not None]
+        parts = [grads[i] for i in owners]
+    else:
+        parts, owners = [], []
+        for i, slices in plan.counted[k]:
+            g = grads[i]
             if g is None:
                 continue
-            out = experts if is_expert else dense
             pieces = [g] if slices is None else [g.narrow(d, a, b - a) for d, a, b in slices]
-            for part in pieces:
-                if part.numel():
-                    out.append((part if part.dtype == torch.float32 else part.float(), p))
-    return dense, experts
+            parts.extend(pieces)
+            owners.extend([i] * len(pieces))
+    if plan.low_precision:     # a bf16 / fp16 parameter without main_grad has a gradient of its own dtype
+        parts = [part if part.dtype == torch.float32 else part.float() for part in parts]
+    return parts, owners
 
 
 # exponents whose pow kernel computes a vector element by element exactly as it computes a 0-dim tensor (products
@@ -222,41 +241,46 @@ def _sequential_sum(values: torch.Tensor) -> torch.Tensor:
     return torch.tensor(total, dtype=values.dtype).to(values.device)
 
 
-def _sharded_partial(pairs, norm_type: float, device, group, holds) -> torch.Tensor:
-    """The partial of ``pairs`` when each rank of ``group`` holds the global gradient of its own parameters only
-    (ZeRO with reduce-scattered buckets): each rank computes the norms of the parts it holds, one all-reduce of
-    the vector of all parts' norms (zeros elsewhere: each entry is one rank's value plus zeros, exactly) gives
-    every rank all of them, and they are combined in the same order as unsharded, so the bits are the same."""
-    if not pairs:
+def _sharded_partial(parts, held, norm_type: float, device, group) -> torch.Tensor:
+    """The partial of ``parts`` when each rank of ``group`` holds the global gradient of its own parameters only
+    (ZeRO with reduce-scattered buckets; ``held[j]``: part j is this rank's): each rank computes the norms of the
+    parts it holds, one all-reduce of the vector of all parts' norms (zeros elsewhere: each entry is one rank's
+    value plus zeros, exactly) gives every rank all of them, and they are combined in the same order as
+    unsharded, so the bits are the same."""
+    if not parts:
         return torch.zeros((), dtype=torch.float32, device=device)
-    mine = [i for i, (_, p) in enumerate(pairs) if holds(p)]
-    norms = torch.zeros(len(pairs), dtype=torch.float32, device=device)
+    mine = [j for j, h in enumerate(held) if h]
+    norms = torch.zeros(len(parts), dtype=torch.float32, device=device)
     if mine:
-        values = torch.stack(torch._foreach_norm([pairs[i][0] for i in mine], norm_type))
+        values = torch.stack(torch._foreach_norm([parts[j] for j in mine], norm_type))
         norms.index_copy_(0, torch.tensor(mine, device=device), values)
     dist.all_reduce(norms, group=group)
     return _combine(norms, norm_type)
 
 
-def _local_norm_partials(chunks, norm_type: float) -> dict[str, torch.Tensor]:
+def _local_norm_partials(chunks, norm_type: float, plan: _NormPlan | None = None,
+                         grads: list | None = None) -> dict[str, torch.Tensor]:
     """This rank's share of the total norm, by reduction domain: ``{"model": sum |g|^p (or max |g| for inf)}``
     over the elements this rank is the one owner of (``primary_slices``; the tied head copy not at all), and
     ``"expert"`` the same over routed experts' weights. With reduce-scattered gradient buckets the share of
     every data-parallel replica is the same (:func:`_sharded_partial`).
 
     Keys name how the partial must be combined across ranks (:func:`_reduce_norm_partials`)."""
-    device = next(chunks[0].parameters()).device
     dims = chunks[0].dims
-    dense, experts = _norm_parts(chunks, dims)
+    plan = plan or _norm_plan(chunks, dims)
+    grads = grads if grads is not None else _grads_of(plan.params)
+    device = plan.params[0].device
     buffers = grad_buffers_of(chunks)
     out = {}
     domains = reduction_domains(dims)
-    for key, domain, pairs in (("model", "dense", dense), ("expert", "expert", experts)):
+    for k, (key, domain) in enumerate((("model", "dense"), ("expert", "expert"))):
+        parts, owners = _norm_parts(plan, grads, k)
         group, size = domains[domain]
         if buffers is not None and buffers.shard and size > 1:
-            out[key] = _sharded_partial(pairs, norm_type, device, group, buffers.holds)
+            held = [buffers.holds(plan.params[i]) for i in owners]
+            out[key] = _sharded_partial(parts, held, norm_type, device, group)
         else:
-            out[key] = _sum_of_powers([part for part, _ in pairs], norm_type, device)
+            out[key] = _sum_of_powers(parts, norm_type, device)
     return out
 
 
@@ -290,12 +314,14 @@ def clip_grad_norm_(chunks, max_norm: float, norm_type: float = 2.0) -> torch.Te
     if not norm_type > 0:
         raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type}")
     dims = dims_of(chunks)
-    total = _reduce_norm_partials(_local_norm_partials(chunks, norm_type), norm_type, dims)
+    plan = _norm_plan(chunks, dims)
+    grads = _grads_of(plan.params)
+    total = _reduce_norm_partials(_local_norm_partials(chunks, norm_type, plan, grads), norm_type, dims)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     buffers = grad_buffers_of(chunks)
-    params = [p for chunk in chunks for p in chunk.parameters()]
-    grads = buffers.all_buffers() if buffers is not None else []     # a bucket's views scaled in one kernel
-    grads += [g for g in (grad_of(p) for p in params if buffers is None or not buffers.manages(p)) if g is not None]
+    if buffers is not None:   # a bucket's views scaled in one kernel
+        grads = buffers.all_buffers() + [g for p, g in zip(plan.params, grads) if not buffers.manages(p)]
+    grads = [g for g in grads if g is not None]
     if grads:
         torch._foreach_mul_(grads, coef)
     return total
