@@ -1,7 +1,34 @@
 #!/usr/bin/env bash
-# Set up (idempotent) and run the test suite. Extra arguments go to pytest.
+# Set up both venvs (idempotent) and run the tests (docs/testing.md):
+#   1. the main suite in .venv, without the vLLM tests; extra arguments go to this pytest (with a path among
+#      them, only what they name runs);
+#   2. the vLLM tests (tests/test_vllm.py) in .venv-vllm, made by scripts/setup_vllm.sh, with
+#      PARALLM_REQUIRE_VLLM=1: a missing or broken vLLM fails them instead of skipping them.
+# PARALLM_TEST_VLLM=0 leaves step 2 and its setup out (for quick local runs; CI runs both).
+# Both steps run; the exit status is non-zero when either failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+VLLM_TESTS=tests/test_vllm.py
+VLLM_VENV=${PARALLM_VLLM_VENV:-.venv-vllm}      # where scripts/setup_vllm.sh puts it
+with_vllm=${PARALLM_TEST_VLLM:-1}
 bash scripts/setup.sh
+if [ "$with_vllm" != 0 ]; then
+  bash scripts/setup_vllm.sh
+fi
 export OMP_NUM_THREADS=1
-.venv/bin/python -m pytest tests -q --durations=15 "$@"
+
+paths=(tests)
+for arg in "$@"; do
+  if [ -e "${arg%%::*}" ]; then paths=(); break; fi      # a path (or path::test) given: run what it names
+done
+status=0
+echo "== main suite (.venv)"
+.venv/bin/python -m pytest "${paths[@]}" --ignore="$VLLM_TESTS" -q --durations=15 "$@" || status=$?
+if [ "$with_vllm" != 0 ]; then
+  echo "== vLLM tests ($VLLM_VENV)"
+  PARALLM_REQUIRE_VLLM=1 VLLM_LOGGING_LEVEL=WARNING "$VLLM_VENV/bin/python" -m pytest "$VLLM_TESTS" -q \
+    --durations=15 || status=$?
+else
+  echo "== vLLM tests left out (PARALLM_TEST_VLLM=0)"
+fi
+exit "$status"
