@@ -654,3 +654,29 @@ def test_dispatch_sends_each_tp_ranks_share_with_one_host_read_per_layer(tmp_pat
             assert r["forward"] == {"tolist": 1}, r
             assert r["backward"] == {}, r
             assert r["grad"], r
+
+
+def test_inspect_describes_experts_kernel_and_memory_per_expert_rank(tmp_path):
+    """`parallm inspect` (no process group) on a Qwen2-MoE checkpoint: experts, top-k, parameter tensors per MoE
+    layer, the expert kernel build_model would choose here (the same function), per-rank parameters at --ep 2
+    smaller by half the routed experts; a fused (in-memory layout) checkpoint passes the check with a note."""
+    from safetensors.torch import save_file
+
+    from parallm.cli.inspect import inspect_checkpoint, render
+    from parallm.model.moe import expert_kernel
+    model = helpers.make_hf_model(helpers.tiny_config("qwen2_moe"), seed=2)
+    ckpt = helpers.save_checkpoint(model, str(tmp_path / "hub"))
+    one = inspect_checkpoint(ckpt, tp=1, dp=2)
+    two = inspect_checkpoint(ckpt, tp=1, dp=2, ep=2)
+    moe = one["moe"]
+    assert (moe["experts"], moe["top_k"], moe["layers"], moe["tensors_per_layer"]) == (4, 2, 2, 6), moe
+    assert moe["kernel"] == expert_kernel("cpu", torch.float32, (64, 64, 32)) == "grouped_mm", moe
+    routed = 2 * 4 * 3 * 64 * 32            # layers x experts x (gate, up, down) x H x I
+    assert one["layout"]["stages"][0]["params"] - two["layout"]["stages"][0]["params"] == routed // 2
+    text = render(two)
+    assert "torch._grouped_mm on cpu" in text and "(ep 2)" in text and "6 parameter tensors per MoE layer" in text
+    fused = tmp_path / "fused"
+    model.config.save_pretrained(fused)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(fused / "model.safetensors"))
+    report = inspect_checkpoint(str(fused))
+    assert report["problem"] is None and any("fused MoE tensors" in n for n in report["notes"]), report["notes"]
