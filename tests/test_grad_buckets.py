@@ -110,7 +110,7 @@ def _train(case, kind, dims):
     """Two steps of forward_backward + finalize_grads + clip + AdamW; what each produced, per step."""
     import parallm
     from parallm.train.buckets import grad_buffers_of
-    from parallm.train.grads import expect_microbatches
+    from parallm.train.grads import announce_step, expect_microbatches
     chunks = parallm.build_model(case["ckpt"], dtype=case.get("dtype", torch.float32),
                                  sequence_parallel=case.get("sp", False), packed=case.get("sp", False),
                                  recompute=case.get("recompute"))
@@ -125,10 +125,16 @@ def _train(case, kind, dims):
         ids, mask = _batch(chunks[0].spec.vocab_size, step)
         per = ids.shape[0] // dims.dp
         mine = slice(dims.dp_rank * per, (dims.dp_rank + 1) * per)
+        calls = case.get("calls", 1)     # gradient accumulation over several forward_backward calls
         if kind == "overlap":
-            expect_microbatches(chunks, case.get("announce", m))
-        parallm.forward_backward(chunks, ids[mine], mask[mine], num_microbatches=m, output=case.get("output"),
-                                 loss_fn=nll_sum if case.get("output") else ce_loss)
+            expect_microbatches(chunks, case.get("announce", m * calls))
+        rows = per // calls
+        for c in range(calls):
+            part = slice(mine.start + c * rows, mine.start + (c + 1) * rows)
+            if kind == "overlap":
+                announce_step(chunks, m)       # what forward_backward would call: leaves the announcement alone
+            parallm.forward_backward(chunks, ids[part], mask[part], num_microbatches=m, output=case.get("output"),
+                                     loss_fn=nll_sum if case.get("output") else ce_loss)
         early = 0 if buffers is None else sum(b.work is not None for bs in buffers.buckets for b in bs)  # launched
         parallm.finalize_grads(chunks)
         grads = _grads(chunks)
@@ -180,9 +186,10 @@ def test_bucketed_overlapped_reduction_has_the_bits_of_finalize_grads(tmp_path):
         # one KV head over tp2 (QKV deferred: summed over its replicas first), packed + SP (norms tp_sum), dp2
         dict(name="llama nkv1 tp2.dp2 sp", ckpt=ckpts["llama"], tp=2, sp=True, microbatches=4, shard=False,
              bucket_bytes=small, kinds=both),
-        # tied across stages (both copies deferred), token-mean losses from fused log-prob heads, 4 microbatches
-        dict(name="qwen2 tied pp2.dp2 logprobs", ckpt=ckpts["tied"], pp=2, microbatches=4, shard=False,
-             output="logprobs", bucket_bytes=small, kinds=both),
+        # tied across stages (both copies deferred), token-mean losses from fused log-prob heads accumulated over
+        # two forward_backward calls of 2 microbatches each (4 backward passes announced)
+        dict(name="qwen2 tied pp2.dp2 logprobs 2 calls", ckpt=ckpts["tied"], pp=2, microbatches=2, calls=2,
+             shard=False, output="logprobs", bucket_bytes=small, kinds=both),
         # ZeRO: reduce-scattered buckets, bf16 parameters with fp32 main_grad views, parameters as views
         dict(name="qwen2 tied pp2.dp2 bf16 zero", ckpt=ckpts["tied"], pp=2, microbatches=4, shard=True,
              dtype=torch.bfloat16, bucket_bytes=small, kinds=both),

@@ -140,6 +140,16 @@ def expect_microbatches(chunks, num_microbatches: int) -> None:
         buffers.expect(num_microbatches)
 
 
+def announce_step(chunks, num_microbatches: int) -> None:
+    """What ``forward_backward`` should call before its pipeline runs (one line there): announce its
+    ``num_microbatches`` backward passes (:func:`expect_microbatches`) unless this step was announced already
+    (a user accumulating over several calls announces their total first) or has accumulated gradients without
+    an announcement (nothing then starts before ``finalize_grads``). Does nothing without gradient buckets."""
+    buffers = grad_buffers_of(as_chunks(chunks))
+    if buffers is not None and buffers.expected is None and not buffers.accumulated:
+        buffers.expect(num_microbatches)
+
+
 # -- gradient clipping ----------------------------------------------------------------------------------------
 #
 # The total norm is summed exactly as a per-parameter loop ``acc += vector_norm(part, p) ** p`` would sum it

@@ -1,6 +1,6 @@
 """AdamW for parallm chunks: ``torch.optim.AdamW``'s step, fp32 master weights for bf16 / fp16 parameters, and
-optionally the optimizer state sharded over the data-parallel group (ZeRO-1, torch's
-``ZeroRedundancyOptimizer``).
+optionally the optimizer state sharded over the data-parallel group (ZeRO-1) and the gradients reduced in buckets
+during the backward (:mod:`parallm.train.buckets`).
 
 Math. :class:`MasterAdamW` is a ``torch.optim.AdamW`` whose ``step`` hands torch's own functional Adam
 (``decoupled_weight_decay=True``, the same call ``AdamW.step`` makes) different tensors: for a bf16 / fp16
@@ -18,14 +18,20 @@ Weight decay. Two parameter groups, ``"decay"`` and ``"no_decay"``. By default, 
 everything else (matrices, the embedding, the head) is. ``no_decay(hf_name, param)`` replaces that rule; it is
 asked with every HF name of a parameter (a fused QKV bias: the q, k and v bias names), which must agree.
 
-Sharding (``shard_over_dp=True``): ``ZeroRedundancyOptimizer`` over the data-parallel group, with
-:class:`MasterAdamW` as its local optimizer. Each parameter's state (master copy, moments, step) lives on one
-data-parallel rank, chosen by ZeRO's size-balancing partition, so per-rank optimizer memory falls as 1/dp; after
-each step the owner broadcasts the updated (rounded) parameter to its replicas. The math per parameter is
-unchanged, so sharded and unsharded runs give the same bits. Under expert parallelism (``ep > 1``) the
-data-parallel ranks hold different experts, so routed experts' state is partitioned by a second
-``ZeroRedundancyOptimizer`` over the expert-data-parallel group (the ranks holding the same experts; none when
-that group is one rank), with the hyperparameters of the user-facing groups copied into it at every step.
+Sharding (``shard_over_dp=True``): ZeRO-1 over each reduction domain (:func:`parallm.train.buckets.
+reduction_domains`: routed experts over the expert-data-parallel group, the ranks holding the same experts,
+everything else over the data-parallel group). The partition is the gradient-bucket plan of
+:mod:`parallm.train.buckets`: every parameter has one owner rank, whose local :class:`MasterAdamW` holds its state
+(master copy, moments, step), so per-rank optimizer memory falls as 1/dp; parameters are views into per-bucket
+buffers, and after each step one all-gather (or one broadcast from the bucket's owner) per bucket copies the
+owners' updated parameters to every replica. The math per parameter is unchanged, so sharded and unsharded runs
+give the same bits. (torch's ``ZeroRedundancyOptimizer`` partitions by size alone; aligning ownership with the
+gradient buckets is what lets them be reduce-scattered.) The user-facing ``param_groups`` are copied into the
+local optimizers at every step.
+
+Gradient buckets (``overlap_grad_reduce=True``): :class:`parallm.train.buckets.GradBuffers` over the same plan;
+with sharding too, buckets are reduce-scattered and after ``finalize_grads`` each rank holds the global gradient
+of the parameters it owns only (what its step reads).
 """
 
 from __future__ import annotations
