@@ -65,3 +65,38 @@ def test_head_chunk_sized_by_bytes_per_device():
     assert chunk_tokens(req, cols, "cuda") > 60 * chunk_tokens(req, cols, "cpu")
     assert chunk_tokens(StatsRequest(entropy=False, temperature=1.0, chunk=7), cols, "cuda") == 7
     assert chunk_tokens(req, 10 ** 12, "cpu") == 1
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_microbatches_scale_dynamic_rope_for_the_whole_batch(world_of_one, tmp_path, packed):
+    """Dynamic NTK RoPE scales for the batch's longest position. Run as microbatches (forward at pp > 1 by
+    default, forward_backward's num_microbatches), every microbatch must use the whole batch's frequencies, as
+    transformers does on the whole batch: here row 0 is longer than max_position_embeddings, row 1 is not, so
+    each microbatch's own length would pick other frequencies for row 1."""
+    import parallm
+    cfg = helpers.tiny_config("qwen2", max_position_embeddings=8,
+                              rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    model = helpers.make_hf_model(cfg)
+    ckpt = helpers.save_checkpoint(model, str(tmp_path / "m"))
+    chunks = parallm.build_model(ckpt, packed=packed)
+    parallm.load_hf_weights(chunks, ckpt)
+    ids = torch.randint(0, cfg.vocab_size, (2, 14), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0                                      # row 1: 6 tokens (< 8), row 0: 14 (> 8)
+    pos = parallm.default_position_ids(mask)
+
+    def loss_fn(out, i, m):
+        return (out.float().pow(2).sum(-1) * m).sum() / m.sum()
+
+    ref = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    assert helpers.max_diff_real(parallm.forward(chunks, ids, mask), ref, mask) < 2e-5
+    loss = parallm.forward_backward(chunks, ids, mask, loss_fn=loss_fn, num_microbatches=2).item()
+    # the whole-batch reference: the two microbatches' losses averaged, with transformers' whole-batch frequencies
+    ref_loss = sum(loss_fn(ref[b:b + 1], ids[b:b + 1], mask[b:b + 1]) for b in range(2)) / 2
+    assert abs(loss - ref_loss.item()) < 1e-5 * abs(ref_loss.item())
+    ref_loss.backward()
+    torch.testing.assert_close(chunks[0].layers[0].self_attention.linear_proj.weight.grad,
+                               model.model.layers[0].self_attn.o_proj.weight.grad, rtol=1e-4, atol=1e-5)
+    # row 1 alone, with its own (unscaled) frequencies, gives another loss: the check above can fail
+    own = model(input_ids=ids[1:, :6], attention_mask=mask[1:, :6], position_ids=pos[1:, :6]).logits
+    assert (own[0] - ref[1, :6]).abs().max() > 1e-3

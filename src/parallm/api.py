@@ -189,7 +189,9 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output
     with torch.no_grad():
         outs = run_pipeline(chunks, mbs, last_stage_fn=lambda chunk, out, i: _stackable(
                                 gather_output(chunk, out, temperature, request)),
-                            backward=False, compute_kwargs={"stats": request})
+                            backward=False, compute_kwargs={"stats": request,
+                                                            "rope_length": chunks[0].rope_length(position_ids,
+                                                                                                 attention_mask)})
     joined = torch.cat(outs, dim=1 if request is not None and request.entropy else 0) if outs else None
     out = broadcast_from_last_stage(layout, joined, _output_shape(chunks[0], b, s, request), torch.float32,
                                     input_ids.device)
@@ -289,7 +291,8 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
         for chunk in chunks:
             chunk.moe_aux.start(coef / num_microbatches)
     try:
-        run_pipeline(chunks, mbs, last_stage_fn=last_stage, backward=True, compute_kwargs={"stats": request})
+        run_pipeline(chunks, mbs, last_stage_fn=last_stage, backward=True, compute_kwargs={
+            "stats": request, "rope_length": chunks[0].rope_length(position_ids, attention_mask)})
     finally:
         aux_values = [v for chunk in chunks for v in chunk.moe_aux.stop()]
     device = input_ids.device

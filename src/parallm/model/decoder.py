@@ -230,13 +230,25 @@ class DecoderChunk(nn.Module):
             return self.embedding.weight
         return self.output_layer.weight
 
+    def rope_length(self, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> int | None:
+        """The sequence length dynamic NTK RoPE scales for, of a whole ``[B, S]`` batch (``None`` for every other
+        RoPE kind): ``max(position_ids) + 1`` over the positions this layout rotates (every slot when padded, the
+        real tokens when packed), as :meth:`compute` on the whole batch would take it."""
+        if self.spec.rope.kind != "dynamic":
+            return None
+        pos = position_ids[attention_mask.bool()] if self.packed else position_ids
+        return int(pos.max()) + 1 if pos.numel() else None
+
     def compute(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                stats=None):
+                stats=None, rope_length=None):
         """input_ids / position_ids / attention_mask: ``[B, S]`` (padded layout). parallm's engine calls this;
         ``forward`` is the same unless a subclass (the verl-compatible classes) gives it another signature.
 
         ``stats``: a :class:`parallm.model.logprobs.StatsRequest`: the last stage of a causal_lm returns next-token
-        log-probs (and entropy) ``[B, S]`` computed vocab-parallel from the hidden states instead of logits."""
+        log-probs (and entropy) ``[B, S]`` computed vocab-parallel from the hidden states instead of logits.
+
+        ``rope_length``: the whole batch's :meth:`rope_length` when this is one microbatch of it (dynamic RoPE
+        then scales every microbatch as transformers scales the whole batch); ``None``: this batch's own."""
         if self.packed:
             ctx = make_packing(attention_mask, self.config.tensor_model_parallel_size if self.sequence_parallel
                                else 1)
@@ -255,7 +267,7 @@ class DecoderChunk(nn.Module):
             if self.input_tensor is None:
                 raise RuntimeError("DecoderChunk without pre_process needs set_input_tensor() before forward")
             x = self.input_tensor
-        cos, sin = rope_cos_sin(self.spec.rope, positions)
+        cos, sin = rope_cos_sin(self.spec.rope, positions, rope_length)
         cos, sin = cos.to(x.device), sin.to(x.device)
         recompute = self.recompute == "full" and torch.is_grad_enabled()
         tokens = self._real_tokens(attention_mask, ctx) if self.moe_aux.scale is not None else None

@@ -242,17 +242,19 @@ def rope_inv_freq(spec: RopeSpec, seq_len: int | None = None, *, device=None) ->
     return _static_inv_freq(spec).to(device=device, copy=True)
 
 
-def rope_cos_sin(spec: RopeSpec, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(spec: RopeSpec, position_ids: torch.Tensor, seq_len: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables for arbitrary-shaped integer ``position_ids``.
 
     Returns fp32 ``cos, sin`` of shape ``position_ids.shape + (spec.dim,)`` on
     ``position_ids.device``, in the rotate_half convention (``cat((freqs, freqs), -1)``).
     For ``dynamic`` the effective sequence length is ``position_ids.max() + 1`` over the
-    whole tensor (all batch rows together), like transformers.
+    whole tensor (all batch rows together), like transformers, unless ``seq_len`` gives it: a batch run as
+    microbatches (or split over context-parallel ranks) passes the whole batch's length so that every piece
+    uses the frequencies transformers uses for the whole batch.
     """
     device = position_ids.device
-    seq_len = None
-    if spec.kind == "dynamic" and position_ids.numel() > 0:
+    if spec.kind == "dynamic" and seq_len is None and position_ids.numel() > 0:
         seq_len = int(position_ids.max()) + 1
     inv_freq = rope_inv_freq(spec, seq_len, device=device)
     freqs = position_ids[..., None].float() * inv_freq
