@@ -177,7 +177,7 @@ def _rank(rank, world, s):
     _attempt(out, "copy-differs", lambda: list(parallm.export_hf_tensors(chunks, copy=rank == 3)))
     _attempt(out, "meta-bad-dtype", lambda: parallm.export_metadata(chunks, dtype=torch.int8))
     # a value float16 cannot hold: export and save refuse it on every rank, before anything moves
-    from parallm.checkpoint.loader import model_entries
+    from parallm.model.table import model_entries
     from parallm.parallel.state import dims_of
     layout = dims_of(chunks)
     if layout.tp_rank == 1:   # one TP rank's shard only: its error must reach every rank

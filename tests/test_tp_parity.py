@@ -121,7 +121,7 @@ def _build_nan(parallm, source, task, **kwargs):
 
 def _load_coverage_problems(chunks, layout) -> list[str]:
     """Every parameter was loaded (none still NaN) and the weight table names exactly the chunk's parameters."""
-    from parallm.checkpoint.loader import model_entries
+    from parallm.model.table import model_entries
     problems = []
     nan = _nan_params(chunks)
     if nan:

@@ -590,7 +590,7 @@ def rank_big_value(rank, world, s):
     parallm.init_parallel(tp=1)
     chunks = parallm.build_model(s["hf"])
     parallm.load_hf_weights(chunks, s["hf"])
-    from parallm.checkpoint.loader import model_entries
+    from parallm.model.table import model_entries
     from parallm.parallel.state import dims_of
     for e, c in model_entries(chunks, dims_of(chunks))[0]:
         if "model.layers.1.mlp.down_proj.weight" in e.hf:

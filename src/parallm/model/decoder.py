@@ -20,7 +20,6 @@ from torch.utils.checkpoint import checkpoint
 
 from ..parallel.cpu_compat import enable_megatron_sequence_parallel_on_cpu
 from ..parallel.megatron_import import import_megatron
-from ..parallel.state import as_chunks  # noqa: F401 - (until every importer names parallel.state)
 from .attention import AttnBackend, Packing, make_packing, pack_tokens, resolve_attn_impl, unpack_tokens
 from .logprobs import token_stats_head
 from .mlp import MLP, no_init
