@@ -53,6 +53,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--microbatches", default="", help="more microbatch counts to time at pp=2, e.g. 4,8")
     args = ap.parse_args(argv)
     import torch
 
@@ -67,7 +68,8 @@ def main(argv=None):
         ckpt = os.path.join(tmp, "m")
         make_hf_model(cfg).save_pretrained(ckpt)
         one = run_world(_rank, 1, ckpt, ids, 1, [1], args.iters)[0]
-        two = run_world(_rank, 2, ckpt, ids, 2, sorted({1, default}), args.iters)[0]
+        two = run_world(_rank, 2, ckpt, ids, 2, sorted({1, default, *(int(x) for x in args.microbatches.split(",") if x)}),
+                        args.iters)[0]
     t1, lp1 = one[1]
     print(f"model: LLaMA-shaped, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, fp32; "
           f"forward(output='logprobs') of {args.batch} x {args.seq} tokens; load {os.getloadavg()[0]:.2f}")

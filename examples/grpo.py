@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -271,7 +272,10 @@ def main(args) -> list[dict]:
     t_start = time.perf_counter()
     parallm.init_parallel(tp=int(os.environ.get("WORLD_SIZE", "1")))
     rank = dist.get_rank()
-    workdir = args.workdir or tempfile.mkdtemp(prefix="parallm-grpo-")
+    # one directory for both ranks: rank 0 makes the temporary one and tells the others its path
+    made = [tempfile.mkdtemp(prefix="parallm-grpo-") if rank == 0 and not args.workdir else None]
+    dist.broadcast_object_list(made, src=0)
+    workdir = args.workdir or made[0]
     ckpt = os.path.join(workdir, "init")
     n, start = args.digits, args.digits + 2
     if rank == 0:
@@ -336,6 +340,8 @@ def main(args) -> list[dict]:
     if log:
         log.close()
     parallm.destroy_parallel()
+    if made[0] is not None and rank == 0:
+        shutil.rmtree(made[0], ignore_errors=True)
     return rows
 
 

@@ -23,7 +23,7 @@ def test_grpo_example_transformers_rollouts(tmp_path):
     env.pop("RANK", None)
     log = tmp_path / "log.jsonl"
     cmd = [sys.executable, os.path.join(ROOT, "examples", "grpo.py"), "--rollout", "transformers", "--steps", "3",
-           "--prompts", "8", "--workdir", str(tmp_path), "--jsonl", str(log)]
+           "--prompts", "8", "--jsonl", str(log)]     # no --workdir: both ranks must find rank 0's temporary one
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in open(log)]
