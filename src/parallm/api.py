@@ -177,15 +177,15 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output
         m = num_microbatches if num_microbatches is not None else default_forward_microbatches(b, layout.pp)
         if isinstance(m, bool) or not isinstance(m, int) or m < 1 or (b and b % m):
             raise ValueError(f"batch size {b} does not split into num_microbatches={num_microbatches}")
-        return batch, request, m
-    (input_ids, attention_mask, position_ids), request, m = run_local(check, what="forward")
+        return batch, request, m, _cp_fingerprint(layout, batch, m, request)
+    (input_ids, attention_mask, position_ids), request, m, fingerprint = run_local(check, what="forward")
+    if layout.cp > 1:
+        _same_batch_in_cp_group(layout, fingerprint, "forward")
     if layout.pp == 1:
         return gather_output(chunks[0], chunks[0].compute(input_ids, position_ids, attention_mask, stats=request),
                              temperature, request)
     b, s = input_ids.shape
-    size = b // m if b else 0
-    mbs = [(input_ids[i:i + size], position_ids[i:i + size], attention_mask[i:i + size])
-           for i in range(0, b, size)] if b else [(input_ids, position_ids, attention_mask)]
+    mbs = _microbatches(chunks, input_ids, position_ids, attention_mask, m)
     with torch.no_grad():
         outs = run_pipeline(chunks, mbs, last_stage_fn=lambda chunk, out, i: _stackable(
                                 gather_output(chunk, out, temperature, request)),
@@ -196,6 +196,60 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output
     out = broadcast_from_last_stage(layout, joined, _output_shape(chunks[0], b, s, request), torch.float32,
                                     input_ids.device)
     return TokenStats(out[0], out[1]) if request is not None and request.entropy else out
+
+
+def _microbatches(chunks, input_ids, position_ids, attention_mask, m: int) -> list[tuple]:
+    """The batch as ``m`` microbatches along dim 0: ``(input_ids, position_ids, attention_mask)``, with this
+    rank's context-parallel split of each as a fourth element under context parallelism (computed once per
+    microbatch here; it travels through the pipeline with its microbatch)."""
+    b = input_ids.shape[0]
+    size = b // m if b else 0
+    mbs = [(input_ids[i:i + size], position_ids[i:i + size], attention_mask[i:i + size])
+           for i in range(0, b, size)] if b else [(input_ids, position_ids, attention_mask)]
+    if chunks[0].dims.cp > 1:
+        mbs = [mb + (chunks[0].context_split(*mb),) for mb in mbs]
+    return mbs
+
+
+def _batch_fingerprint(input_ids, position_ids, attention_mask, *extra: int) -> list[int]:
+    """A few integers that differ when two batches differ (in any id, position or mask value, or shape), computed
+    on the batch's device: for each tensor, the int64 sum of its values times fixed odd weights (a single
+    changed element always changes it). ``extra``: more integers to agree on (microbatches, output kind)."""
+    out = [int(input_ids.shape[0]), int(input_ids.shape[1]), *extra]
+    for t in (input_ids, position_ids, attention_mask):
+        flat = t.reshape(-1).long()
+        weights = torch.arange(flat.numel(), dtype=torch.long, device=flat.device).mul_(2654435761).add_(
+            40503).remainder_(1 << 31).mul_(2).add_(1)
+        out.append(int((flat * weights).sum()))
+    return out
+
+
+def _cp_fingerprint(layout, batch, num_microbatches: int, request) -> list[int] | None:
+    """:func:`_batch_fingerprint` of a checked ``(input_ids, attention_mask, position_ids)`` under context
+    parallelism (None at cp = 1: nothing is exchanged)."""
+    if layout.cp == 1:
+        return None
+    ids, mask, pos = batch
+    kind = 0 if request is None else 2 if request.entropy else 1
+    return _batch_fingerprint(ids, pos, mask, num_microbatches, kind)
+
+
+def _same_batch_in_cp_group(layout, fingerprint: list[int], what: str) -> None:
+    """Every rank of a context-parallel group must pass the same batch (each computes its share of it): one
+    all-gather over the world's gloo control group of each rank's CP-group leader and
+    :func:`_batch_fingerprint`; a rank whose batch differs from its leader's is a ValueError on every rank,
+    naming it (a wrong result or a hang otherwise)."""
+    import torch.distributed as dist
+    ranks = dist.get_process_group_ranks(layout.cp_group)
+    rows = exchange_rows([ranks[0]] + list(fingerprint), what=what)
+    leaders = rows[:, 0].tolist()
+    bad = [r for r in range(layout.world) if not torch.equal(rows[r, 1:], rows[leaders[r], 1:])]
+    if bad:
+        first = bad[0]
+        more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
+        raise ValueError(f"{what}: every rank of a context-parallel group must pass the same batch (input_ids, "
+                         f"attention_mask, position_ids, num_microbatches, output); rank {first}'s differs from "
+                         f"rank {leaders[first]}'s, the first of its group{more}")
 
 
 def _stackable(out):
@@ -219,6 +273,8 @@ def _load_balancing_total(chunks, values, layout, device) -> torch.Tensor:
     total = total.to(device)
     if chunks[0].sequence_parallel:
         torch.distributed.all_reduce(total, group=layout.tp_group)
+    if layout.cp > 1:     # each context-parallel rank holds its tokens' share
+        torch.distributed.all_reduce(total, group=layout.cp_group)
     if layout.pp > 1:
         torch.distributed.all_reduce(total, group=layout.pp_group)
     return total
@@ -267,20 +323,19 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
             raise ValueError("forward_backward: float16 parameters need loss scaling, which parallm does not do "
                              "(small fp16 gradients underflow to zero); train in bfloat16 (same memory, fp32 "
                              "main_grad) or float32. float16 models can still run forward")
-        return batch, request
-    (input_ids, attention_mask, position_ids), request = run_local(check, what="forward_backward")
+        return batch, request, _cp_fingerprint(layout, batch, num_microbatches, request)
+    (input_ids, attention_mask, position_ids), request, fingerprint = run_local(check, what="forward_backward")
+    if layout.cp > 1:
+        _same_batch_in_cp_group(layout, fingerprint, "forward_backward")
     if request is not None:   # the head's weight gradient goes straight into its existing gradient buffer
         request = dataclasses.replace(request, accumulate=True)
     if layout.ep > 1 and chunks[0].spec.moe is not None:
         _same_microbatches(num_microbatches, layout)
-    b = input_ids.shape[0]
-    size = b // num_microbatches
-    mbs = [(input_ids[i:i + size], position_ids[i:i + size], attention_mask[i:i + size])
-           for i in range(0, b, size)]
+    mbs = _microbatches(chunks, input_ids, position_ids, attention_mask, num_microbatches)
     records = {}    # microbatch -> (loss or loss_sum, num_tokens or None), on last-stage ranks
 
     def last_stage(chunk, out, m):
-        ids, _, mask = mbs[m]
+        ids, mask = mbs[m][0], mbs[m][2]
         value, tokens = _loss_parts(loss_fn(gather_output(chunk, out, temperature, request), ids, mask))
         records[m] = (value.detach().float(), tokens)
         return value / num_microbatches if tokens is None else value    # what is back-propagated

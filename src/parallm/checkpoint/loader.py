@@ -285,7 +285,7 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
     for entry, chunk in mine:
         if set(entry.hf) & set(init):
             std = init_value_head(chunk.get_parameter(entry.local), chunk.hf_config)
-            if layout.rank == 0 or chunk.post_process and layout.tp_rank == 0 and layout.dp_rank == 0:
+            if layout.rank == 0 or chunk.post_process and layout.tp_rank == 0 and layout.dp_cp_rank == 0:
                 warnings.warn(f"{', '.join(entry.hf)} is not in the checkpoint (a causal-LM checkpoint loaded as a "
                               f"value model): initialised N(0, {std}) with seed {VALUE_HEAD_INIT_SEED}",
                               stacklevel=2)

@@ -93,9 +93,10 @@ def _merge_entry(entry, view, shards, *, dtype, device) -> dict[str, torch.Tenso
 
 
 def writes(entry, layout: ParallelDims) -> bool:
-    """Whether this rank's TP group is the one that saves ``entry``: data-parallel replica 0 for dense tensors,
-    expert-data-parallel replica 0 for an expert's (every expert-parallel rank saves its own experts)."""
-    return layout.edp_rank == 0 if entry.expert is not None else layout.dp_rank == 0
+    """Whether this rank's TP group is the one that saves ``entry``: data-parallel (and context-parallel) replica 0
+    for dense tensors, expert-data-parallel replica 0 for an expert's (every expert-parallel rank saves its own
+    experts)."""
+    return layout.edp_rank == 0 if entry.expert is not None else layout.dp_cp_rank == 0
 
 
 def gather_stage_tensors(chunks, layout: ParallelDims, dtype=None, *, progress=None):
@@ -120,7 +121,7 @@ def _collect_on_rank0(local: dict[str, torch.Tensor], layout: ParallelDims, devi
     :func:`_collect_experts_on_rank0`."""
     if layout.ep > 1:
         return _collect_experts_on_rank0(local, layout, device)
-    if layout.pp == 1 or layout.tp_rank != 0 or layout.dp_rank != 0:
+    if layout.pp == 1 or layout.tp_rank != 0 or layout.dp_cp_rank != 0:
         return local if layout.rank == 0 else {}
     group = layout.pp_group
     ranks = dist.get_process_group_ranks(group)

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from ..parallel.cpu_compat import enable_megatron_sequence_parallel_on_cpu
 from ..parallel.megatron_import import import_megatron
 from .attention import AttnBackend, Packing, make_packing, pack_tokens, resolve_attn_impl, unpack_tokens
+from .context_parallel import ContextSplit, cp_attention, split_batch
 from .logprobs import token_stats_head
 from .mlp import MLP, no_init
 from .moe import MoEAux, MoEBlock
@@ -57,9 +58,10 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int, device=None, *,
-                 backend: AttnBackend):
+                 backend: AttnBackend, cp_group=None):
         super().__init__()
         self.backend = backend
+        self.cp_group = cp_group          # context parallelism: keys and values gathered over it
         if spec.qk_norm:
             # One weight over head_dim shared by all heads; each TP rank sees only its heads, so its gradient is
             # a partial sum over TP (the table row says tp_sum="always").
@@ -77,8 +79,9 @@ class Attention(nn.Module):
             input_is_parallel=True, skip_bias_add=False)
 
     def forward(self, x, cos, sin, ctx):
-        """x: [S, B, H] (or [T/tp, 1, H] under sequence parallelism); ctx: a boolean mask [B, 1, S, S] (padded)
-        or a :class:`Packing` (packed, causal within each sequence)."""
+        """x: [S, B, H] (or [T/tp, 1, H] under sequence parallelism); ctx: a boolean mask [B, 1, S, S] (padded),
+        a :class:`Packing` (packed, causal within each sequence), or a :class:`ContextSplit` (context
+        parallelism, either layout: this rank's tokens attend to the whole sequence's keys)."""
         qkv, _ = self.linear_qkv(x)  # sequence parallel: all-gathered to [T, 1, ...] here
         s, b, _ = qkv.shape
         hq, hkv, d = self.num_heads_local, self.num_kv_local, self.head_dim
@@ -89,7 +92,9 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         v = heads[:, :, hq + hkv:]
-        if isinstance(ctx, Packing):
+        if isinstance(ctx, ContextSplit):
+            out = cp_attention(q, k, v, ctx, self.cp_group)                   # [rows, width, hq, d]
+        elif isinstance(ctx, Packing):
             out = self.backend.fn(q[:, 0], k[:, 0], v[:, 0], ctx).unsqueeze(1)  # [T, 1, hq, d]
         else:
             # [S, B, h, d] -> [B, h, S, d]
@@ -105,7 +110,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number  # global index in the full model
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
-        self.self_attention = Attention(spec, config, tp, device, backend=backend)
+        self.self_attention = Attention(spec, config, tp, device, backend=backend,
+                                        cp_group=dims.cp_group if dims is not None and dims.cp > 1 else None)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
         # The spec says which layers route over experts (model/moe.py); the others keep the dense MLP.
         self.mlp = MoEBlock(spec, config, dims, device) if spec.is_moe_layer(layer_number) else MLP(spec, config)
@@ -238,8 +244,18 @@ class DecoderChunk(nn.Module):
         pos = position_ids[attention_mask.bool()] if self.packed else position_ids
         return int(pos.max()) + 1 if pos.numel() else None
 
+    def context_split(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      attention_mask: torch.Tensor) -> ContextSplit | None:
+        """This rank's share of a ``[B, S]`` batch under context parallelism (None at cp = 1): see
+        :mod:`parallm.model.context_parallel`. The same on every chunk of a rank, so the engine computes it once
+        per microbatch and hands it to :meth:`compute` (``cp=``)."""
+        if self.dims.cp == 1:
+            return None
+        return split_batch(input_ids, position_ids, attention_mask, cp=self.dims.cp, rank=self.dims.cp_rank,
+                           packed=self.packed, multiple=self.dims.tp if self.sequence_parallel else 1)
+
     def compute(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                stats=None, rope_length=None):
+                stats=None, rope_length=None, cp: ContextSplit | None = None):
         """input_ids / position_ids / attention_mask: ``[B, S]`` (padded layout). parallm's engine calls this;
         ``forward`` is the same unless a subclass (the verl-compatible classes) gives it another signature.
 
@@ -247,8 +263,18 @@ class DecoderChunk(nn.Module):
         log-probs (and entropy) ``[B, S]`` computed vocab-parallel from the hidden states instead of logits.
 
         ``rope_length``: the whole batch's :meth:`rope_length` when this is one microbatch of it (dynamic RoPE
-        then scales every microbatch as transformers scales the whole batch); ``None``: this batch's own."""
-        if self.packed:
+        then scales every microbatch as transformers scales the whole batch); ``None``: this batch's own.
+
+        ``cp``: the batch's :meth:`context_split` (computed here when None and cp > 1). Under context parallelism
+        this rank computes its own tokens only and the outputs are gathered over the CP group, so what this
+        returns is what it returns at cp = 1 (zeros at padded positions)."""
+        split = cp if cp is not None else self.context_split(input_ids, position_ids, attention_mask)
+        if split is not None:
+            ctx = split
+            positions = split.positions.transpose(0, 1)                  # [rows, width]
+            if rope_length is None:     # dynamic RoPE: the whole batch's length, not this rank's share
+                rope_length = self.rope_length(position_ids, attention_mask)
+        elif self.packed:
             ctx = make_packing(attention_mask, self.config.tensor_model_parallel_size if self.sequence_parallel
                                else 1)
             positions = pack_tokens(position_ids, ctx)[:, None]            # [T, 1]
@@ -257,7 +283,10 @@ class DecoderChunk(nn.Module):
             ctx = None if bool(attention_mask.all()) else padded_attention_mask(attention_mask)
             positions = position_ids.transpose(0, 1)                     # [S, B]
         if self.pre_process:
-            ids = pack_tokens(input_ids, ctx)[None] if self.packed else input_ids
+            if split is not None:
+                ids = split.ids                                           # [B, rows] / [1, rows]
+            else:
+                ids = pack_tokens(input_ids, ctx)[None] if self.packed else input_ids
             x = self.embedding(ids)  # sequence parallel: reduce-scattered to [T/tp, 1, H] already
             if not self.sequence_parallel:
                 x = x.transpose(0, 1).contiguous()                       # [S, B, H] / [T, 1, H]
@@ -282,7 +311,10 @@ class DecoderChunk(nn.Module):
             return x
         x = self.final_norm(x)
         if stats is not None and self.task == "causal_lm":
-            return token_stats_head(self, x, ctx if self.packed else None, input_ids, attention_mask, stats)
+            return token_stats_head(self, x, ctx if self.packed and split is None else None, input_ids,
+                                    attention_mask, stats, split=split)
+        if split is not None:
+            return self._cp_output(x, split)
         if self.task == "causal_lm":
             weight = self.head_weight()
             if self.packed:
@@ -305,19 +337,40 @@ class DecoderChunk(nn.Module):
             out = unpack_tokens(out[:, 0], ctx)                           # [S, B, ...], zeros at padding
         return out
 
+    def _cp_output(self, x, split: ContextSplit):
+        """Under context parallelism: this rank's logits / values / hidden states of its slots, gathered over the
+        CP group and placed into ``[S, B, ...]`` as at cp = 1 (zeros at padded positions)."""
+        if self.task == "causal_lm":
+            out, _ = self.output_layer(x, weight=self.head_weight())    # sequence parallel: all-gathered inside
+            if self.real_vocab_columns is not None:
+                pad = torch.arange(out.shape[-1], device=out.device) >= self.real_vocab_columns
+                out = out.masked_fill(pad, torch.finfo(out.dtype).min)
+        else:
+            out = self.score(x).squeeze(-1) if self.task == "value" else x
+            if self.sequence_parallel:
+                out = mtp.gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False)
+        out = out.reshape((split.slots,) + tuple(out.shape[2:]))
+        return split.place(out, self.dims.cp_group).transpose(0, 1)
+
     def forward(self, input_ids, position_ids, attention_mask):
         return self.compute(input_ids, position_ids, attention_mask)
 
     def boundary_shapes(self, batches) -> list[tuple[int, int, int]]:
         """The shape of the activation (and of its gradient) that crosses a pipeline-stage boundary for each
-        ``(input_ids, attention_mask)`` of ``batches``: ``[S, B, H]`` padded; ``[T, 1, H]`` packed, ``T`` the
-        real tokens rounded up as :func:`make_packing` rounds them, divided by tp under sequence parallelism. Every
-        rank of a pipeline computes it from the batch it holds; one host sync for all of them when packed."""
+        ``(input_ids, attention_mask)`` (or ``(input_ids, attention_mask, context_split)``) of ``batches``:
+        ``[S, B, H]`` padded; ``[T, 1, H]`` packed, ``T`` the real tokens rounded up as :func:`make_packing`
+        rounds them, divided by tp under sequence parallelism; under context parallelism this rank's share
+        (``[rows, width, H]`` of the split, rows / tp under sequence parallelism). Every rank of a pipeline
+        computes it from the batch it holds; one host sync for all of them when packed."""
         h = self.spec.hidden_size
-        if not self.packed:
-            return [(ids.shape[1], ids.shape[0], h) for ids, _ in batches]
         tp = self.config.tensor_model_parallel_size
         multiple = tp if self.sequence_parallel else 1
+        splits = [batch[2] if len(batch) > 2 else None for batch in batches]
+        if any(sp is not None for sp in splits):     # context parallelism: this rank's share
+            return [(sp.rows // multiple, sp.width, h) for sp in splits]
+        batches = [batch[:2] for batch in batches]
+        if not self.packed:
+            return [(ids.shape[1], ids.shape[0], h) for ids, _ in batches]
         counts = torch.stack([mask.bool().sum() for _, mask in batches]).tolist() if batches else []
         return [(-(-max(n, 1) // multiple), 1, h) for n in counts]     # total / tp: ceil(n / multiple)
 
@@ -339,7 +392,10 @@ class DecoderChunk(nn.Module):
 
     def _real_tokens(self, attention_mask, ctx) -> torch.Tensor:
         """1.0 for each real token among this rank's activation rows, in row order: ``[S * B]`` (s-major) in the
-        padded layout; this rank's slice of the packed stream (padding tail 0) when packed."""
+        padded layout; this rank's slice of the packed stream (padding tail 0) when packed; this rank's slots
+        under context parallelism."""
+        if isinstance(ctx, ContextSplit):
+            return self._my_rows(ctx.slot_values(ctx.real).float())
         if not isinstance(ctx, Packing):
             return attention_mask.transpose(0, 1).reshape(-1).float()
         return self._my_rows((torch.arange(ctx.total, device=attention_mask.device) < ctx.nnz).float())

@@ -238,18 +238,24 @@ def vocab_parallel_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: to
 
 
 def token_stats_head(chunk, x: torch.Tensor, packing, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     request: StatsRequest):
+                     request: StatsRequest, *, split=None):
     """The last stage's head for ``output="logprobs"`` / ``"logprobs+entropy"``.
 
     ``x``: the final-normed hidden states, ``[S, B, H]`` (padded), ``[T, 1, H]`` (packed) or ``[T/tp, 1, H]``
     (packed + sequence parallel); ``packing``: the chunk's :class:`Packing` (packed) or None. Only real tokens
     (attention_mask 1) are computed; padded positions are 0. Returns fp32 ``[B, S]`` logprobs, or a
     :class:`TokenStats`.
+
+    ``split``: under context parallelism, this rank's :class:`parallm.model.context_parallel.ContextSplit`
+    (``x`` then holds its slots): its real tokens are computed with the next-token targets the split took from
+    the full batch, and only the ``[B, S]`` results are gathered over the CP group.
     """
     from ..parallel.megatron_import import import_megatron
     mtp = import_megatron().tensor_parallel
 
     group = chunk.dims.tp_group
+    if split is not None:
+        return _split_stats(chunk, x, split, request, mtp)
     b, s = input_ids.shape
     # next-token targets in [B, S]; the last position has none (its log-prob is 0)
     targets = torch.zeros_like(input_ids)
@@ -284,3 +290,28 @@ def token_stats_head(chunk, x: torch.Tensor, packing, input_ids: torch.Tensor, a
     if not request.entropy:
         return place(logprobs)
     return TokenStats(place(logprobs), place(entropy))
+
+
+def _split_stats(chunk, x, split, request: StatsRequest, mtp):
+    """:func:`token_stats_head` under context parallelism."""
+    group = chunk.dims.tp_group
+    if chunk.sequence_parallel:
+        x = mtp.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=group)
+    flat = split.slot_values(split.real).nonzero(as_tuple=False).squeeze(-1)     # this rank's real slots
+    hidden = x.reshape(split.slots, x.shape[-1]).index_select(0, flat)
+    if not chunk.sequence_parallel:
+        hidden = mtp.copy_to_tensor_model_parallel_region(hidden, group=group)
+    targets = split.slot_values(split.targets).index_select(0, flat)
+    has_next = split.slot_values(split.has_next).index_select(0, flat)
+    weight = chunk.head_weight()
+    per = chunk.padded_vocab_size // chunk.dims.tp
+    real = chunk.real_vocab_columns if chunk.real_vocab_columns is not None else per
+    logprobs, entropy = vocab_parallel_stats(hidden, weight, targets, real=real,
+                                             vocab_start=chunk.dims.tp_rank * per, request=request, group=group)
+    logprobs = logprobs.masked_fill(~has_next, 0.0)
+    values = torch.stack([logprobs, entropy], dim=1) if request.entropy else logprobs[:, None]
+    local = values.new_zeros((split.slots, values.shape[1])).index_put((flat,), values)
+    out = split.place(local, chunk.dims.cp_group)                     # [B, S, 1 or 2]
+    if not request.entropy:
+        return out[..., 0]
+    return TokenStats(out[..., 0], out[..., 1])

@@ -264,9 +264,10 @@ class _AttachAux(torch.autograd.Function):
 def load_balancing_loss(probs, choices, tokens, *, num_experts: int, tp_group=None):
     """One layer's loss, transformers' ``load_balancing_loss_func`` applied to this layer alone:
     ``E * sum_e f_e * P_e`` with ``f_e`` = top-k assignments to expert e per real token and ``P_e`` = mean router
-    probability of e over real tokens. ``tokens``: 1 for real rows, 0 for padding. With ``tp_group`` (sequence
-    parallelism: this rank saw its share of the tokens) the counts are summed over TP and the returned value
-    is this rank's share of the loss (the shares sum to the loss; each carries the gradient of its tokens)."""
+    probability of e over real tokens. ``tokens``: 1 for real rows, 0 for padding. With ``tp_group`` (the
+    ranks sharing the sequence's tokens: TP under sequence parallelism, the context-parallel group, or both)
+    the counts are summed over it and the returned value is this rank's share of the loss (the shares sum to
+    the loss; each carries the gradient of its tokens)."""
     k = choices.shape[1]
     counts = torch.zeros(num_experts, dtype=torch.float32, device=probs.device)
     counts.scatter_add_(0, choices.reshape(-1), tokens.float().repeat_interleave(k))
@@ -291,6 +292,11 @@ class MoEBlock(nn.Module):
         self.hidden = spec.hidden_size
         self.sequence_parallel = bool(config.sequence_parallel)
         self.tp, self.tp_group, self.tp_rank = tp, dims.tp_group, dims.tp_rank
+        # the ranks holding the other tokens of this rank's sequences (the load-balancing loss counts over them):
+        # TP under sequence parallelism, the context-parallel ranks, or both
+        cp = dims.cp > 1
+        self.sequence_group = (dims.tp_cp_group if cp else self.tp_group) if self.sequence_parallel else \
+            (dims.cp_group if cp else None)
         self.ep, self.ep_group = dims.ep, dims.ep_group
         # each TP rank dispatches its share of the tokens (Megatron's dispatch) when there is an all-to-all to
         # share; at ep = 1 the tokens enter the TP region as a dense MLP's do (k times less to move than slots)
@@ -355,7 +361,7 @@ class MoEBlock(nn.Module):
         if self.aux is not None and self.aux.scale is not None and torch.is_grad_enabled():
             real = tokens if tokens is not None else torch.ones(h.shape[0], device=h.device)
             aux = load_balancing_loss(probs, choices, real, num_experts=self.num_experts,
-                                      tp_group=self.tp_group if self.sequence_parallel else None)
+                                      tp_group=self.sequence_group)
         if self.shares and self.sequence_parallel:       # this rank's own tokens are its share
             out = self._routed(h, weights, choices, tp_group=self.tp_group)
         elif self.shares:                                # a TP replica: route it all, dispatch this rank's share

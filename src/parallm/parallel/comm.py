@@ -28,3 +28,58 @@ def gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     if dist.get_world_size(group) == 1:
         return x
     return _GatherLastDim.apply(x, group)
+
+
+class _GatherRowsKeepOwn(torch.autograd.Function):
+    """Forward: every rank's tensor stacked along dim 0 (rank order of ``group``). Backward: this rank's slice of
+    the gradient. For outputs that every rank of the group then uses identically (the same loss on the same
+    gathered tensor): each rank's gradient of its own rows is already the whole gradient of those rows."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous()
+        out = x.new_empty((dist.get_world_size(group) * x.shape[0],) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        world, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(world, dim=0)[rank].contiguous(), None
+
+
+def gather_rows_keep_own(x: torch.Tensor, group) -> torch.Tensor:
+    """:class:`_GatherRowsKeepOwn` (the identity for a group of one)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    return _GatherRowsKeepOwn.apply(x, group)
+
+
+class _GatherRowsSumBack(torch.autograd.Function):
+    """Forward: every rank's tensor stacked along dim 0 (rank order of ``group``). Backward: the gradients every
+    rank computed for the gathered rows, summed onto the rows' owner (a reduce-scatter): for tensors each rank
+    uses differently (context parallelism's keys and values, which every rank's queries attend to)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous()
+        out = x.new_empty((dist.get_world_size(group) * x.shape[0],) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        world = dist.get_world_size(ctx.group)
+        grad = grad.contiguous()
+        out = grad.new_empty((grad.shape[0] // world,) + tuple(grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        return out, None
+
+
+def gather_rows_sum_back(x: torch.Tensor, group) -> torch.Tensor:
+    """:class:`_GatherRowsSumBack` (the identity for a group of one)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    return _GatherRowsSumBack.apply(x, group)

@@ -210,7 +210,10 @@ def run_pipeline(chunks, microbatches, *, last_stage_fn, backward: bool, compute
     """Run every microbatch through this rank's chunks in the order of :func:`schedule`, exchanging activations
     and gradients as :func:`exchange_plan` says.
 
-    ``microbatches``: list of ``(input_ids, position_ids, attention_mask)``. ``last_stage_fn(chunk, out, mb_index)``
+    ``microbatches``: list of ``(input_ids, position_ids, attention_mask)``, or of ``(input_ids, position_ids,
+    attention_mask, context_split)`` under context parallelism (the split, this rank's share of the microbatch,
+    travels with it to every chunk's ``compute(cp=...)`` and sizes the stage-boundary messages: the activations
+    exchanged are the local ones). ``last_stage_fn(chunk, out, mb_index)``
     turns the last stage's raw output into what is kept (a loss when ``backward``). ``compute_kwargs``: extra
     keyword arguments of ``chunk.compute``. ``transport``: what carries the messages (default
     :class:`DistTransport` over the pipeline group; tests pass a stand-in). Returns the kept values in
@@ -226,7 +229,8 @@ def run_pipeline(chunks, microbatches, *, last_stage_fn, backward: bool, compute
         transport = DistTransport(layout.pp_group)
     param = next(chunks[0].parameters())
     dtype, device = chunks[0].config.params_dtype, param.device
-    shapes = chunks[0].boundary_shapes([(ids, mask) for ids, _, mask in microbatches]) if pp > 1 else None
+    shapes = chunks[0].boundary_shapes([(mb[0], mb[2]) + tuple(mb[3:]) for mb in microbatches]) \
+        if pp > 1 else None
     inbox, outbox = {}, {}       # name -> received tensor / tensor to send
     live = {}       # (m, v) -> (received input, output): the graphs still waiting for their backward
     kept = {}
@@ -240,13 +244,13 @@ def run_pipeline(chunks, microbatches, *, last_stage_fn, backward: bool, compute
             chunk = chunks[v]
             stage = v * pp + layout.pp_rank
             if kind == "F":
-                ids, pos, mask = microbatches[m]
+                ids, pos, mask, *split = microbatches[m]
                 inp = None
                 if not chunk.pre_process:
                     inp = inbox.pop((_ACT, m, stage - 1))
                     inp.requires_grad_(backward)
                 chunk.set_input_tensor(inp)
-                out = chunk.compute(ids, pos, mask, **kwargs)
+                out = chunk.compute(ids, pos, mask, **kwargs, **({"cp": split[0]} if split else {}))
                 chunk.set_input_tensor(None)
                 if chunk.post_process:
                     out = last_stage_fn(chunk, out, m)

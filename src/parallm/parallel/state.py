@@ -28,8 +28,8 @@ def _import_parallel_state():
     return import_megatron().parallel_state
 
 
-def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, ep: int = 1, backend: str | None = None,
-                  seed: int = 0, timeout_s: float | None = None) -> None:
+def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, cp: int = 1, ep: int = 1,
+                  backend: str | None = None, seed: int = 0, timeout_s: float | None = None) -> None:
     """Initialise torch.distributed (if needed) and Megatron-core's model-parallel groups.
 
     torch.distributed is started from the environment (``env://``, as torchrun sets RANK / WORLD_SIZE /
@@ -42,16 +42,20 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, ep: int =
     or a lost peer ends there in an exception. A data-moving collective on NCCL whose peer died ends when
     NCCL's watchdog fires at the timeout (docs/reliability.md).
 
-    ``world_size`` must equal ``tp * pp * dp`` for an integer dp; Megatron's rank order (tp fastest, then dp,
-    then pp) decides which ranks share a group.
+    ``world_size`` must equal ``tp * cp * pp * dp`` for an integer dp; Megatron's rank order (tp fastest, then
+    cp, then dp, then pp: megatron-core's ``tp-cp-ep-dp-pp``) decides which ranks share a group.
 
-    ``ep``: expert parallelism for mixture-of-experts models, carved out of the data-parallel ranks as in
-    Megatron (``expert_model_parallel_size``): ``ep`` must divide dp; the experts of every MoE layer are split
-    over the ``ep`` ranks of an expert-parallel group (data-parallel ranks with the same tp and pp rank), and
-    ranks holding the same experts form the expert-data-parallel group (size ``dp / ep``). Within an expert the
-    FFN is split over the tp ranks like a dense MLP (expert-TP = tp).
+    ``cp``: context parallelism (megatron-core's ``context_parallel_size``): the ranks of a context-parallel
+    group hold the same model replica and each computes its share of every sequence (docs/context-parallel.md).
+    Every rank of a CP group passes the same full batch; outputs are the same as at cp = 1 on every rank.
+
+    ``ep``: expert parallelism for mixture-of-experts models, carved out of the data-parallel x context-parallel
+    ranks as in Megatron (``expert_model_parallel_size``): ``ep`` must divide ``dp * cp``; the experts of every
+    MoE layer are split over the ``ep`` ranks of an expert-parallel group (ranks with the same tp and pp rank),
+    and ranks holding the same experts form the expert-data-parallel group (size ``dp * cp / ep``). Within an
+    expert the FFN is split over the tp ranks like a dense MLP (expert-TP = tp).
     """
-    for name, value in (("tp", tp), ("pp", pp), ("ep", ep)):
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if vpp is not None:
@@ -76,12 +80,16 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, ep: int =
                                 world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
         _OWN["process_group"] = True
     world = dist.get_world_size()
-    if world % (tp * pp) != 0:
-        raise ValueError(f"world size {world} is not tp*pp*dp: tp={tp} x pp={pp} = {tp * pp} does not divide {world}")
-    dp = world // (tp * pp)
-    if dp % ep:
-        raise ValueError(f"ep={ep} does not divide the data-parallel size dp={dp} (world {world} = tp={tp} x "
-                         f"pp={pp} x dp={dp}); expert-parallel ranks are carved out of the data-parallel ranks")
+    if world % (tp * cp * pp) != 0:
+        cps = f" x cp={cp}" if cp > 1 else ""
+        raise ValueError(f"world size {world} is not tp*{'cp*' if cp > 1 else ''}pp*dp: tp={tp}{cps} x pp={pp} = "
+                         f"{tp * cp * pp} does not divide {world}")
+    dp = world // (tp * cp * pp)
+    if (dp * cp) % ep:
+        what = f"dp={dp} x cp={cp} = {dp * cp}" if cp > 1 else f"dp={dp}"
+        raise ValueError(f"ep={ep} does not divide the data-parallel size {what} (world {world} = tp={tp} x "
+                         f"{f'cp={cp} x ' if cp > 1 else ''}pp={pp} x dp={dp}); expert-parallel ranks are carved out "
+                         f"of the data-parallel{' x context-parallel' if cp > 1 else ''} ranks")
     ps = _import_parallel_state()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
@@ -89,6 +97,7 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, ep: int =
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=tp,
         distributed_timeout_minutes=timeout.total_seconds() / 60,   # megatron-core builds a timedelta of it
@@ -239,6 +248,15 @@ class ParallelDims:
     edp_rank: int = 0
     ep_group: object = field(default=None, compare=False, repr=False)
     edp_group: object = field(default=None, compare=False, repr=False)
+    # context parallelism: cp ranks (same tp / pp / dp rank) hold the same replica and split every sequence;
+    # dp_cp_group: the data-parallel ranks with their context-parallel ranks (size dp * cp), over which replicated
+    # parameters' gradients are summed; dp_cp_rank 0 is the one that writes / reports for all of them
+    cp: int = 1
+    cp_rank: int = 0
+    dp_cp_rank: int = 0
+    cp_group: object = field(default=None, compare=False, repr=False)
+    dp_cp_group: object = field(default=None, compare=False, repr=False)
+    tp_cp_group: object = field(default=None, compare=False, repr=False)   # the ranks sharing one sequence
 
     @classmethod
     def current(cls) -> "ParallelDims":
@@ -252,12 +270,23 @@ class ParallelDims:
                    dp_group=ps.get_data_parallel_group(),
                    ep=ps.get_expert_model_parallel_world_size(), ep_rank=ps.get_expert_model_parallel_rank(),
                    edp=ps.get_expert_data_parallel_world_size(), edp_rank=ps.get_expert_data_parallel_rank(),
-                   ep_group=ps.get_expert_model_parallel_group(), edp_group=ps.get_expert_data_parallel_group())
+                   ep_group=ps.get_expert_model_parallel_group(), edp_group=ps.get_expert_data_parallel_group(),
+                   cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
+                   dp_cp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+                   cp_group=ps.get_context_parallel_group(),
+                   dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
+                   tp_cp_group=ps.get_tensor_and_context_parallel_group())
+
+    @property
+    def dp_cp(self) -> int:
+        """Size of the data-parallel x context-parallel group (the ranks holding the same model shard)."""
+        return self.dp * self.cp
 
     def describe(self) -> str:
         vpp = f" x vpp={self.vpp}" if self.vpp > 1 else ""
+        cp = f" x cp={self.cp}" if self.cp > 1 else ""
         ep = f" (ep={self.ep})" if self.ep > 1 else ""
-        return f"tp={self.tp} x pp={self.pp}{vpp} x dp={self.dp}{ep}"
+        return f"tp={self.tp}{cp} x pp={self.pp}{vpp} x dp={self.dp}{ep}"
 
     # -- experts: decided here only ---------------------------------------------------------------------------
     def expert_range(self, num_experts: int) -> range:

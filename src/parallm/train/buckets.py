@@ -142,9 +142,13 @@ def plan_buckets(sizes: list[int], deferred: list[bool], *, world: int, bucket_n
 
 def reduction_domains(dims) -> dict[str, tuple[object, int]]:
     """The group (and its size) over which each kind of gradient is combined: ``"dense"`` (everything but routed
-    experts) over the data-parallel group, ``"expert"`` over the expert-data-parallel group. The one place that
-    says so: finalize_grads, the buckets, the ZeRO partition and the sharded grad norm all ask here."""
-    return {"dense": (dims.dp_group, dims.dp), "expert": (dims.edp_group, dims.edp)}
+    experts) over the data-parallel group, with its context-parallel ranks under context parallelism (each holds
+    the gradient of its share of the tokens: they are summed, and the scale stays 1 / dp), ``"expert"`` over the
+    expert-data-parallel group (megatron-core carves it from dp x cp, so it holds the context-parallel ranks
+    already). The one place that says so: finalize_grads, the buckets, the ZeRO partition and the sharded grad
+    norm all ask here."""
+    dense = (dims.dp_cp_group, dims.dp_cp) if dims.cp > 1 else (dims.dp_group, dims.dp)
+    return {"dense": dense, "expert": (dims.edp_group, dims.edp)}
 
 
 def _needs_correction(p, dims, spec) -> bool:

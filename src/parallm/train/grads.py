@@ -12,7 +12,9 @@ the unsharded model:
    copies' gradients are summed over Megatron's embedding group, so both copies step equally.
 3. ``tp_sum`` params (TP-replicated but fed part of the work on each rank: norms, row-parallel biases and the
    value head under sequence parallelism; per-head q/k norms always) are summed over the TP group.
-4. Data parallelism: gradients are averaged over the data-parallel group (the loss is a mean over replicas);
+4. Data parallelism: gradients are averaged over the data-parallel group (the loss is a mean over replicas;
+   under context parallelism the ranks of a CP group hold the gradients of their shares of the same replica's
+   tokens, so the sum runs over data x context parallelism and the scale stays 1 / dp);
    after ``forward_backward`` calls whose ``loss_fn`` returned ``(loss_sum, num_tokens)`` they are summed over
    it and divided by the calls' global token count instead (token-mean, as Megatron's
    ``calculate_per_token_loss``), which is where that objective's division happens.
@@ -111,7 +113,7 @@ def finalize_grads(chunks) -> None:
                 if scale != 1.0:
                     g.mul_(scale)
         return
-    if layout.dp > 1:
+    if layout.dp * layout.cp > 1:
         (dense_group, _), (expert_group, edp) = domains["dense"], domains["expert"]
         _all_reduce_coalesced([_grad(p) for p, pl in placed if pl.expert is None], dense_group, scale=scale)
         experts = [_grad(p) for p, pl in placed if pl.expert is not None]

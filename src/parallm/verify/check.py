@@ -1,6 +1,6 @@
 """One layout checked against transformers, on every rank of an initialised world.
 
-    1. ``init_parallel(tp, pp, vpp)``; build the model (fp32, whatever the checkpoint's dtype: the check is about
+    1. ``init_parallel(tp, pp, vpp, cp)``; build the model (fp32, whatever the checkpoint's dtype: the check is about
        the weight mapping) and load the checkpoint (timed: "load_s").
     2. Gather the weights back (``save_hf_weights``) and compare them bit for bit with what transformers loads
        from the same checkpoint ("roundtrip").
@@ -32,15 +32,16 @@ from .reference import compare_states, loss_for, max_diff_real, padded_batch, re
 
 @dataclass
 class Check:
-    """One layout check (picklable: launchers send it to the ranks). ``dp`` None: world / (tp x pp); a given dp
-    must match the world. ``lr`` None: chosen from transformers' gradients (see :func:`reference`)."""
+    """One layout check (picklable: launchers send it to the ranks). ``dp`` None: world / (tp x cp x pp); a given
+    dp must match the world. ``lr`` None: chosen from transformers' gradients (see :func:`reference`)."""
     ckpt: str
     save_dir: str | None = None   # where the stepped model is saved (new or empty); required by check_layout
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
     dp: int | None = None
-    ep: int = 1                   # expert parallelism (mixture-of-experts models), carved out of dp
+    ep: int = 1                   # expert parallelism (mixture-of-experts models), carved out of dp x cp
+    cp: int = 1                   # context parallelism: every rank of a CP group passes the same batch
     packed: bool = False
     sequence_parallel: bool = False
     task: str | None = None       # None: from the checkpoint's architectures
@@ -58,8 +59,8 @@ class Check:
     def name(self, dp: int | None = None) -> str:
         """"tp2 pp2 vpp2 dp2 packed+SP value broadcast": the parts that differ from the defaults."""
         dp = dp or self.dp or 1
-        parts = [f"tp{self.tp}"] + [f"{k}{v}" for k, v in (("pp", self.pp), ("vpp", self.vpp or 1), ("dp", dp),
-                                                            ("ep", self.ep)) if v > 1]
+        parts = [f"tp{self.tp}"] + [f"{k}{v}" for k, v in (("cp", self.cp), ("pp", self.pp), ("vpp", self.vpp or 1),
+                                                            ("dp", dp), ("ep", self.ep)) if v > 1]
         if self.sequence_parallel or self.packed:
             parts.append("packed+SP" if self.sequence_parallel else "packed")
         if self.task == "value":
@@ -88,10 +89,12 @@ def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
     from ..parallel.state import current_dims
 
     world = dist.get_world_size()
-    if check.dp and world != check.tp * check.pp * check.dp:
-        raise ValueError(f"the world has {world} rank(s), not tp={check.tp} x pp={check.pp} x dp={check.dp} = "
-                         f"{check.tp * check.pp * check.dp}")
-    parallm.init_parallel(tp=check.tp, pp=check.pp, vpp=check.vpp, ep=check.ep, timeout_s=check.timeout_s)
+    if check.dp and world != check.tp * check.cp * check.pp * check.dp:
+        cp = f" x cp={check.cp}" if check.cp > 1 else ""
+        raise ValueError(f"the world has {world} rank(s), not tp={check.tp}{cp} x pp={check.pp} x dp={check.dp} = "
+                         f"{check.tp * check.cp * check.pp * check.dp}")
+    parallm.init_parallel(tp=check.tp, pp=check.pp, vpp=check.vpp, cp=check.cp, ep=check.ep,
+                          timeout_s=check.timeout_s)
     dims = current_dims()
     rank0, dp, dp_rank = dims.rank == 0, dims.dp, dims.dp_rank
     ckpt = check.ckpt

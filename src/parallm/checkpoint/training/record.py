@@ -26,7 +26,7 @@ def make_record(chunks, dims, optimizer, step: int, saved, extra_entry: dict) ->
         "format": FORMAT, "version": VERSION, "step": step,
         "task": chunks[0].task, "dtype": str(dtype).replace("torch.", ""),
         "hf_config": hf_config_dict(chunks[0], dtype),
-        "saved_with": {"tp": dims.tp, "pp": dims.pp, "vpp": dims.vpp, "dp": dims.dp, "ep": dims.ep,
+        "saved_with": {"tp": dims.tp, "cp": dims.cp, "pp": dims.pp, "vpp": dims.vpp, "dp": dims.dp, "ep": dims.ep,
                        "shard_over_dp": bool(optimizer is not None and optimizer.shard_over_dp)},
         "optimizer": None if optimizer is None else {
             "kind": "AdamW", "master_weights": dtype in LOW_PRECISION,

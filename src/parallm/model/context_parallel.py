@@ -1,0 +1,268 @@
+"""Context parallelism: every sequence of a batch split over the ranks of a context-parallel (CP) group.
+
+Every rank of a CP group holds the same full batch (``[B, S]`` ids, positions, mask); :func:`split_batch` cuts
+out this rank's tokens, the same way on every rank (a pure function of the batch, ``cp`` and the rank):
+
+* **Compaction.** Each row's real tokens (mask 1) are taken in order; padding never travels. Row ``b`` has
+  ``L_b`` of them, compact indices ``0 .. L_b - 1``.
+* **Load-balanced chunks (zigzag).** A sequence of (padded) length ``P`` is cut into ``2 cp`` chunks of
+  ``c = P / (2 cp)`` tokens; rank ``r`` keeps chunks ``r`` and ``2 cp - 1 - r``, so under causal attention every
+  rank attends to the same number of keys. Padded layout: every row padded to the same ``P``, the longest
+  ``L_b`` rounded up to a multiple of ``2 cp``; the local batch is ``[B, P / cp]``. Packed layout: each row
+  (document) padded on its own to a multiple of ``2 cp``; the local stream is every document's two chunks in
+  turn, then a tail of padding up to a multiple of ``tp`` under sequence parallelism, so every CP rank's stream
+  has the same length. Padding sits at the end of each (compacted) row.
+* **Per token**, kept from the full batch: the id, the given position id (so RoPE rotates by the true position,
+  whatever the chunk), whether it is real, and its next-token target ``input_ids[b, t + 1]`` (``t`` its index in
+  the full row) with whether that exists (``t < S - 1``, as at cp = 1): a token at a chunk boundary predicts its
+  true neighbour, which another rank holds.
+* **origin**: for every rank's local slots (rank-major, each rank's activations' rows ``[rows, width]``
+  flattened), the flat index ``b * S + t`` in the full batch, or -1 for padding: how gathered outputs go back to
+  ``[B, S]``.
+* **order**: rows of the rank-major all-gathered keys / values (``[cp * rows, width, ...]``) in global order
+  (per row / document, compact index ascending): what every rank's queries attend to.
+* **pieces**: the attention work of this rank: each of its chunks (contiguous local rows ``[q0, q1)``) attends
+  to the keys ``[k0, k1)`` of its row / document up to its own end, causally with the queries at the end of the
+  key range (bottom-right aligned): key ``k`` is visible to query ``q`` when ``k <= q`` in compact index. No
+  realness mask is needed: padding sits after every real token of its row, so a real query never sees it (a
+  padding query sees real keys and padding, which is harmless: its output is never used).
+
+Activations keep the layouts of cp = 1: padded ``[rows, B, H]`` with ``rows = P / cp``; packed ``[rows, 1, H]``
+(``[rows / tp, 1, H]`` between the linears under sequence parallelism). Attention (:func:`cp_attention`)
+all-gathers keys and values over the CP group (backward: the gradients reduce-scattered to their owners).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..parallel.comm import gather_rows_keep_own, gather_rows_sum_back
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Local query rows ``[q0, q1)`` attend to global key rows ``[k0, k1)``; ``mask``: boolean ``[q1 - q0,
+    k1 - k0]`` (key visible), causal aligned at the bottom right."""
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    mask: torch.Tensor
+
+
+@dataclass
+class ContextSplit:
+    """This rank's share of a ``[batch, seq]`` batch under context parallelism (see the module docstring).
+
+    Local token tensors are ``[width, rows]`` (batch-first like ``input_ids``): padded ``width = B`` rows of
+    ``rows = P / cp`` tokens; packed ``width = 1``, ``rows`` the local stream. The activations are their
+    transpose, ``[rows, width, ...]``; a *slot* is one of the ``rows * width`` activation rows in that order."""
+    cp: int
+    rank: int
+    packed: bool
+    batch: int
+    seq: int
+    rows: int
+    width: int
+    ids: torch.Tensor
+    positions: torch.Tensor
+    real: torch.Tensor
+    targets: torch.Tensor
+    has_next: torch.Tensor
+    origin: torch.Tensor          # [cp * rows * width] long, -1: padding
+    order: torch.Tensor           # [G] long: gathered key rows in global order
+    pieces: tuple[Piece, ...]
+    tail: int                     # local rows after the last piece (the packed stream's padding to tp)
+    real_tokens: int              # real tokens of the whole batch
+    _place: tuple | None = field(default=None, repr=False)
+
+    @property
+    def slots(self) -> int:
+        return self.rows * self.width
+
+    def slot_values(self, t: torch.Tensor) -> torch.Tensor:
+        """A local ``[width, rows]`` tensor in slot order (``[rows * width]``)."""
+        return t.transpose(0, 1).reshape(-1)
+
+    def placement(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices into the gathered slots that hold real tokens, their flat positions in ``[B * S]``)."""
+        if self._place is None:
+            src = (self.origin >= 0).nonzero(as_tuple=False).squeeze(-1)
+            self._place = (src, self.origin.index_select(0, src))
+        return self._place
+
+    def place(self, local: torch.Tensor, group) -> torch.Tensor:
+        """This rank's per-slot results ``[slots, ...]`` -> the whole batch's ``[B, S, ...]``, batch-first, zeros at
+        padded positions, the same on every rank of the CP group. Differentiable: the backward keeps this rank's
+        own slots (every rank computes the same loss on the same gathered tensor)."""
+        gathered = gather_rows_keep_own(local, group)                 # [cp * slots, ...]
+        src, dst = self.placement()
+        rest = tuple(gathered.shape[1:])
+        out = gathered.new_zeros((self.batch * self.seq,) + rest)
+        out = out.index_put((dst,), gathered.index_select(0, src))
+        return out.view((self.batch, self.seq) + rest)
+
+
+def _chunk_pairs(cp: int, device) -> torch.Tensor:
+    """``[cp, 2]``: the chunks rank q keeps, ``(q, 2 cp - 1 - q)``."""
+    q = torch.arange(cp, device=device)
+    return torch.stack([q, 2 * cp - 1 - q], dim=1)
+
+
+def _owner(j: torch.Tensor, cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rank, half) holding global chunk ``j``: chunk ``j < cp`` is rank j's first, else rank ``2 cp - 1 - j``'s
+    second."""
+    second = j >= cp
+    return torch.where(second, 2 * cp - 1 - j, j), second.long()
+
+
+_MASKS: dict = {}
+
+
+def _causal_mask(c: int, j: int, device) -> torch.Tensor:
+    """``[c, (j + 1) c]``: query ``i`` of chunk ``j`` sees key ``k`` when ``k <= j c + i`` (cached: the same for
+    every row, document and layer)."""
+    key = (c, j, str(device))
+    mask = _MASKS.get(key)
+    if mask is None:
+        if len(_MASKS) > 256:
+            _MASKS.clear()
+        k = torch.arange((j + 1) * c, device=device)
+        q = j * c + torch.arange(c, device=device)
+        mask = _MASKS[key] = k[None, :] <= q[:, None]
+    return mask
+
+
+def split_batch(input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, *, cp: int,
+                rank: int, packed: bool, multiple: int = 1) -> ContextSplit:
+    """This rank's :class:`ContextSplit` of a ``[B, S]`` batch (see the module docstring). ``multiple``: the
+    packed local stream's length is a multiple of it (tp under sequence parallelism). One host sync (the row
+    lengths)."""
+    if not 0 <= rank < cp:
+        raise ValueError(f"rank {rank} is not in [0, cp={cp})")
+    device = input_ids.device
+    b, s = input_ids.shape
+    mask = attention_mask.bool()
+    lengths_t = mask.sum(1)
+    lengths = lengths_t.tolist()
+    # compact order of each row: its real positions first, in order (a stable sort of "is padding")
+    perm = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
+    pairs = _chunk_pairs(cp, device)
+    if packed:
+        return _split_packed(input_ids, position_ids, perm, lengths, cp=cp, rank=rank, multiple=multiple,
+                             pairs=pairs)
+    c = -(-max(max(lengths, default=0), 1) // (2 * cp))
+    rows = 2 * c
+    # compact indices of every rank's local slots: [cp, rows]
+    comp = (pairs[:, :, None] * c + torch.arange(c, device=device)).reshape(cp, rows)
+    src = perm.gather(1, comp.reshape(1, -1).clamp(max=max(s - 1, 0)).expand(b, -1)).view(b, cp, rows)
+    real = comp[None] < lengths_t[:, None, None]                                   # [B, cp, rows]
+    src = torch.where(real, src, -1)
+    origin = torch.where(real, src + (torch.arange(b, device=device) * s)[:, None, None], -1)
+    origin = origin.permute(1, 2, 0).reshape(-1)                                   # [cp, rows, B] flattened
+    mine = src[:, rank]
+    # global key order: compact index g of a row -> its row in the gathered [cp * rows, B, ...]
+    g = torch.arange(cp * rows, device=device)
+    j = g // c
+    owner, half = _owner(j, cp)
+    order = owner * rows + half * c + (g - j * c)
+    pieces = tuple(Piece(h * c, (h + 1) * c, 0, (jj + 1) * c, _causal_mask(c, jj, device))
+                   for h, jj in enumerate((rank, 2 * cp - 1 - rank)))
+    return _finish(input_ids, position_ids, mine, cp=cp, rank=rank, packed=False, rows=rows, width=b,
+                   origin=origin, order=order, pieces=pieces, tail=0, real_tokens=sum(lengths))
+
+
+def _split_packed(input_ids, position_ids, perm, lengths, *, cp, rank, multiple, pairs) -> ContextSplit:
+    device = input_ids.device
+    b, s = input_ids.shape
+    docs = [(row, n) for row, n in enumerate(lengths) if n > 0]
+    local_len = [2 * -(-n // (2 * cp)) for _, n in docs]               # 2 c_d per rank
+    used = sum(local_len)
+    rows = -(-max(used, 1) // multiple) * multiple
+    comps, rows_of, reals, order, pieces = [], [], [], [], []
+    at_local, at_global = 0, 0
+    for (row, n), two_c in zip(docs, local_len):
+        c = two_c // 2
+        comp = (pairs[:, :, None] * c + torch.arange(c, device=device)).reshape(cp, two_c)   # [cp, 2c]
+        comps.append(comp)
+        rows_of.append(torch.full((two_c,), row, dtype=torch.long, device=device))
+        reals.append(comp < n)
+        g = torch.arange(2 * cp * c, device=device)
+        j = g // c
+        owner, half = _owner(j, cp)
+        order.append(owner * rows + at_local + half * c + (g - j * c))
+        for h, jj in enumerate((rank, 2 * cp - 1 - rank)):
+            pieces.append(Piece(at_local + h * c, at_local + (h + 1) * c, at_global, at_global + (jj + 1) * c,
+                                _causal_mask(c, jj, device)))
+        at_local += two_c
+        at_global += 2 * cp * c
+    tail = rows - used
+    empty = torch.zeros(cp, 0, dtype=torch.long, device=device)
+    comp = torch.cat(comps, dim=1) if comps else empty                            # [cp, used]
+    row_of = torch.cat(rows_of) if rows_of else empty[0]
+    real = torch.cat(reals, dim=1) if reals else empty.bool()
+    src = perm[row_of[None].expand(cp, -1), comp.clamp(max=max(s - 1, 0))] if comps else empty
+    src = torch.where(real, src, -1)
+    pad = torch.full((cp, tail), -1, dtype=torch.long, device=device)
+    src_all = torch.cat([src, pad], dim=1)                                        # [cp, rows]
+    row_all = torch.cat([row_of, torch.zeros(tail, dtype=torch.long, device=device)])
+    origin = torch.where(src_all >= 0, src_all + row_all[None] * s, -1).reshape(-1)
+    mine = src_all[rank]
+    order = torch.cat(order) if order else empty[0]
+    return _finish(input_ids, position_ids, mine[None], cp=cp, rank=rank, packed=True, rows=rows, width=1,
+                   origin=origin, order=order, pieces=tuple(pieces), tail=tail, real_tokens=sum(lengths),
+                   rows_of=row_all[None])
+
+
+def _finish(input_ids, position_ids, src, *, cp, rank, packed, rows, width, origin, order, pieces, tail,
+            real_tokens, rows_of=None) -> ContextSplit:
+    """Local ids / positions / realness / targets from ``src`` (``[width, rows]``: each local slot's index in its
+    full row, -1 for padding; ``rows_of``: each slot's row, packed only)."""
+    device = input_ids.device
+    s = input_ids.shape[1]
+    real = src >= 0
+    at = src.clamp(min=0)
+    if rows_of is None:
+        rows_of = torch.arange(input_ids.shape[0], device=device)[:, None].expand_as(src)
+    ids = torch.where(real, input_ids[rows_of, at], 0)
+    pos = torch.where(real, position_ids[rows_of, at], 0)
+    has_next = real & (src + 1 < s)
+    targets = torch.where(has_next, input_ids[rows_of, (src + 1).clamp(min=0, max=max(s - 1, 0))], 0)
+    return ContextSplit(cp=cp, rank=rank, packed=packed, batch=input_ids.shape[0], seq=s, rows=rows,
+                        width=width, ids=ids, positions=pos, real=real, targets=targets, has_next=has_next,
+                        origin=origin, order=order, pieces=pieces, tail=tail, real_tokens=real_tokens)
+
+
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: ContextSplit, group) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence's keys: q ``[rows, width, hq, d]``, k / v
+    ``[rows, width, hkv, d]`` (this rank's tokens, RoPE applied) -> ``[rows, width, hq, d]``.
+
+    Keys and values are all-gathered over the CP group in one collective (backward: their gradients
+    reduce-scattered onto the owners), then :func:`attend_pieces`. Exact (no merging of partial softmaxes);
+    memory: the whole sequence's K and V per layer, ``2 * hkv * d`` values per token."""
+    kv = gather_rows_sum_back(torch.cat([k, v], dim=2), group)                 # [cp * rows, width, 2 hkv, d]
+    return attend_pieces(q, kv, split)
+
+
+def attend_pieces(q: torch.Tensor, kv: torch.Tensor, split: ContextSplit) -> torch.Tensor:
+    """q ``[rows, width, hq, d]``; kv: every rank's keys and values, rank-major, ``[cp * rows, width, 2 hkv,
+    d]`` (keys first along dim 2). The keys are put in global order (:attr:`ContextSplit.order`) and each
+    :class:`Piece` runs one ``scaled_dot_product_attention`` of its chunk against its key range with the
+    bottom-right causal mask; the packed stream's tail rows get zeros."""
+    rows, width, hq, d = q.shape
+    hkv = kv.shape[2] // 2
+    kv = kv.index_select(0, split.order).permute(1, 2, 0, 3)                  # [width, 2 hkv, G, d]
+    keys, values = kv[:, :hkv], kv[:, hkv:]
+    queries = q.permute(1, 2, 0, 3)                                           # [width, hq, rows, d]
+    scale = 1.0 / math.sqrt(d)
+    outs = [F.scaled_dot_product_attention(queries[:, :, p.q0:p.q1], keys[:, :, p.k0:p.k1],
+                                           values[:, :, p.k0:p.k1], attn_mask=p.mask, scale=scale,
+                                           enable_gqa=hkv != hq)
+            for p in split.pieces]
+    if split.tail:
+        outs.append(queries.new_zeros((width, hq, split.tail, d)))
+    return torch.cat(outs, dim=2).permute(2, 0, 1, 3)
