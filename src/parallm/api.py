@@ -23,8 +23,8 @@ logger = logging.getLogger("parallm")
 
 def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = False,
                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
-                vocab_multiple: int = 1, attn_impl: str = "auto", recompute: str | None = None
-                ) -> list[DecoderChunk]:
+                vocab_multiple: int = 1, attn_impl: str = "auto", recompute: str | None = None,
+                cp_attn: str = "auto") -> list[DecoderChunk]:
     """Build this rank's share of the model: one chunk per virtual pipeline stage (``len == vpp`` or 1).
 
     ``hf_config``: a transformers ``PretrainedConfig``, a checkpoint directory, or a config.json path.
@@ -37,6 +37,9 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     The vocabulary is padded to a multiple of ``vocab_multiple * tp`` (zero rows, never visible in outputs).
     ``attn_impl``: the attention kernel (``"auto"``, ``"sdpa"``, ``"sdpa-loop"``, ``"flash-attn"``; see
     :mod:`parallm.model.attention`); the choice is logged and kept as ``chunk.attn_impl``.
+    ``cp_attn``: under context parallelism (``init_parallel(cp=...)``), how attention reaches the other ranks'
+    keys: ``"allgather"`` (all-gathered once per layer), ``"ring"`` (passed around the CP group, merged by
+    log-sum-exp), or ``"auto"`` (docs/context-parallel.md says which and why); kept as ``chunk.cp_attn``.
     ``recompute="full"``: keep only each decoder layer's input in the forward and recompute its activations in
     the backward (``torch.utils.checkpoint``, non-reentrant, RNG state restored).
     bf16 / fp16 parameters accumulate their gradients in fp32 ``param.main_grad`` (a post-accumulate-grad hook
@@ -53,10 +56,10 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     task = resolve_task(config, task)
     chunks = build_chunks(spec, table=family.table, task=task, dtype=dtype, sequence_parallel=sequence_parallel,
                           vocab_multiple=vocab_multiple, packed=packed, attn_impl=attn_impl,
-                          recompute=recompute)
+                          recompute=recompute, cp_attn=cp_attn)
     if chunks[0].dims.rank == 0:
-        logger.info("build_model: %s %s, %s, attention %s", spec.architecture, task, chunks[0].dims.describe(),
-                    chunks[0].attn_impl)
+        logger.info("build_model: %s %s, %s, attention %s%s", spec.architecture, task, chunks[0].dims.describe(),
+                    chunks[0].attn_impl, f" (context parallel: {chunks[0].cp_attn})" if chunks[0].cp_attn else "")
     kv_replica_group(spec.num_kv_heads)
     attach_main_grad_hooks(chunks)
     for chunk in chunks:

@@ -78,7 +78,9 @@ class ContextSplit:
     pieces: tuple[Piece, ...]
     tail: int                     # local rows after the last piece (the packed stream's padding to tp)
     real_tokens: int              # real tokens of the whole batch
+    segments: tuple[tuple[int, int], ...] = ()   # (first local row, chunk size c) of each row / document
     _place: tuple | None = field(default=None, repr=False)
+    _ring: dict = field(default_factory=dict, repr=False)
 
     @property
     def slots(self) -> int:
@@ -173,7 +175,8 @@ def split_batch(input_ids: torch.Tensor, position_ids: torch.Tensor, attention_m
     pieces = tuple(Piece(h * c, (h + 1) * c, 0, (jj + 1) * c, _causal_mask(c, jj, device))
                    for h, jj in enumerate((rank, 2 * cp - 1 - rank)))
     return _finish(input_ids, position_ids, mine, cp=cp, rank=rank, packed=False, rows=rows, width=b,
-                   origin=origin, order=order, pieces=pieces, tail=0, real_tokens=sum(lengths))
+                   origin=origin, order=order, pieces=pieces, tail=0, real_tokens=sum(lengths),
+                   segments=((0, c),))
 
 
 def _split_packed(input_ids, position_ids, perm, lengths, *, cp, rank, multiple, pairs) -> ContextSplit:
@@ -183,12 +186,13 @@ def _split_packed(input_ids, position_ids, perm, lengths, *, cp, rank, multiple,
     local_len = [2 * -(-n // (2 * cp)) for _, n in docs]               # 2 c_d per rank
     used = sum(local_len)
     rows = -(-max(used, 1) // multiple) * multiple
-    comps, rows_of, reals, order, pieces = [], [], [], [], []
+    comps, rows_of, reals, order, pieces, segments = [], [], [], [], [], []
     at_local, at_global = 0, 0
     for (row, n), two_c in zip(docs, local_len):
         c = two_c // 2
         comp = (pairs[:, :, None] * c + torch.arange(c, device=device)).reshape(cp, two_c)   # [cp, 2c]
         comps.append(comp)
+        segments.append((at_local, c))
         rows_of.append(torch.full((two_c,), row, dtype=torch.long, device=device))
         reals.append(comp < n)
         g = torch.arange(2 * cp * c, device=device)
@@ -215,11 +219,11 @@ def _split_packed(input_ids, position_ids, perm, lengths, *, cp, rank, multiple,
     order = torch.cat(order) if order else empty[0]
     return _finish(input_ids, position_ids, mine[None], cp=cp, rank=rank, packed=True, rows=rows, width=1,
                    origin=origin, order=order, pieces=tuple(pieces), tail=tail, real_tokens=sum(lengths),
-                   rows_of=row_all[None])
+                   rows_of=row_all[None], segments=tuple(segments))
 
 
 def _finish(input_ids, position_ids, src, *, cp, rank, packed, rows, width, origin, order, pieces, tail,
-            real_tokens, rows_of=None) -> ContextSplit:
+            real_tokens, rows_of=None, segments=()) -> ContextSplit:
     """Local ids / positions / realness / targets from ``src`` (``[width, rows]``: each local slot's index in its
     full row, -1 for padding; ``rows_of``: each slot's row, packed only)."""
     device = input_ids.device
@@ -234,7 +238,8 @@ def _finish(input_ids, position_ids, src, *, cp, rank, packed, rows, width, orig
     targets = torch.where(has_next, input_ids[rows_of, (src + 1).clamp(min=0, max=max(s - 1, 0))], 0)
     return ContextSplit(cp=cp, rank=rank, packed=packed, batch=input_ids.shape[0], seq=s, rows=rows,
                         width=width, ids=ids, positions=pos, real=real, targets=targets, has_next=has_next,
-                        origin=origin, order=order, pieces=pieces, tail=tail, real_tokens=real_tokens)
+                        origin=origin, order=order, pieces=pieces, tail=tail, real_tokens=real_tokens,
+                        segments=segments)
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: ContextSplit, group) -> torch.Tensor:
@@ -266,3 +271,178 @@ def attend_pieces(q: torch.Tensor, kv: torch.Tensor, split: ContextSplit) -> tor
     if split.tail:
         outs.append(queries.new_zeros((width, hq, split.tail, d)))
     return torch.cat(outs, dim=2).permute(2, 0, 1, 3)
+
+
+# -- the ring ---------------------------------------------------------------------------------------------------
+#
+# Keys and values travel around the CP group (rank i sends to i + 1) instead of being gathered: at step t rank r
+# holds the block of rank (r - t) mod cp, attends its queries to it (each of its chunks against each of the
+# block's chunks that is not in its future: chunk j before chunk i entirely, j == i causally) and merges the
+# partial result into fp32 accumulators with the log-sum-exp correction; the next block's transfer runs during
+# the compute. The backward walks the ring again from the saved output and log-sum-exp: each block's dK / dV
+# accumulate (fp32) in a buffer that travels with it and arrives at its owner after the last step.
+
+
+def ring_pieces(split: ContextSplit, source: int) -> tuple[Piece, ...]:
+    """This rank's work against the key block of rank ``source``: ``Piece(q0, q1, k0, k1, mask)`` with local
+    query rows and local rows of the block (the same layout on every rank); ``mask`` None means every key is
+    visible, else boolean ``[q1 - q0, k1 - k0]``. Chunks with nothing to see are left out."""
+    cached = split._ring.get(source)
+    if cached is not None:
+        return cached
+    cp, r = split.cp, split.rank
+    out = []
+    for start, c in split.segments:
+        if c == 0:
+            continue
+        device = split.order.device
+        diag = _causal_mask(c, 0, device)
+        for h, i in enumerate((r, 2 * cp - 1 - r)):
+            seen = [(h2, j) for h2, j in enumerate((source, 2 * cp - 1 - source)) if j <= i]
+            q0, q1 = start + h * c, start + (h + 1) * c
+            if len(seen) == 1:
+                h2, j = seen[0]
+                out.append(Piece(q0, q1, start + h2 * c, start + (h2 + 1) * c, None if j < i else diag))
+            elif len(seen) == 2:
+                full = torch.ones(c, c, dtype=torch.bool, device=device)
+                second = full if seen[1][1] < i else diag
+                out.append(Piece(q0, q1, start, start + 2 * c, torch.cat([full, second], dim=1)))
+    split._ring[source] = out = tuple(out)
+    return out
+
+
+def _scores(q, k, mask, scale):
+    """fp32 ``q k^T * scale`` ``[W, hkv, g, Lq, Lk]`` for q ``[W, hq, Lq, d]``, k ``[W, hkv, Lk, d]`` (query head
+    ``h`` uses key head ``h // g``), masked keys at -inf."""
+    w, hq, lq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    s = torch.matmul(q.reshape(w, hkv, g * lq, d), k.transpose(-1, -2)).mul_(scale).view(w, hkv, g, lq, -1)
+    if mask is not None:
+        s.masked_fill_(~mask, float("-inf"))
+    return s
+
+
+def block_forward(q, k, v, mask, scale):
+    """One block of attention in fp32: ``(out [W, hq, Lq, d], lse [W, hq, Lq])`` (log-sum-exp of the scaled
+    scores of each query over this block's visible keys; every query sees at least one)."""
+    w, hq, lq, d = q.shape
+    hkv = k.shape[1]
+    s = _scores(q, k, mask, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    out = torch.matmul(p.view(w, hkv, -1, k.shape[2]), v).view(w, hq, lq, d)
+    return out, lse.view(w, hq, lq)
+
+
+def block_backward(q, k, v, out, lse, grad, mask, scale):
+    """Gradients ``(dq, dk, dv)`` (fp32) of one block from the *final* output and log-sum-exp of its queries
+    (``P = exp(S - lse)`` is then this block's share of the whole softmax): ``dV = P^T dO``,
+    ``dS = P (dO V^T - rowsum(dO O))``, ``dQ = dS K scale``, ``dK = dS^T Q scale``."""
+    w, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    g = hq // hkv
+    s = _scores(q, k, mask, scale)
+    p = torch.exp(s - lse.view(w, hkv, g, lq, 1)).view(w, hkv, g * lq, lk)
+    do = grad.reshape(w, hkv, g * lq, d)
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    dp = torch.matmul(do, v.transpose(-1, -2))
+    delta = (grad * out).sum(-1).reshape(w, hkv, g * lq, 1)
+    ds = p.mul_(dp.sub_(delta))
+    dq = torch.matmul(ds, k).mul_(scale).view(w, hq, lq, d)
+    dk = torch.matmul(ds.transpose(-1, -2), q.reshape(w, hkv, g * lq, d)).mul_(scale)
+    return dq, dk, dv
+
+
+def _merge(acc_out, acc_lse, out, lse, q0, q1):
+    """Fold one block's ``(out, lse)`` for query rows ``[q0, q1)`` into the fp32 accumulators (in place)."""
+    old_o, old_l = acc_out[:, :, q0:q1], acc_lse[:, :, q0:q1]
+    new_l = torch.logaddexp(old_l, lse)
+    old_o.mul_(torch.exp(old_l - new_l).unsqueeze(-1)).add_(out * torch.exp(lse - new_l).unsqueeze(-1))
+    old_l.copy_(new_l)
+
+
+class _RingAttention(torch.autograd.Function):
+    """q ``[rows, width, hq, d]``, k / v ``[rows, width, hkv, d]`` -> ``[rows, width, hq, d]``; see the notes
+    above :func:`ring_pieces`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, split, group):
+        from ..parallel.comm import RingExchange
+        cp, r = split.cp, split.rank
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        hkv = k.shape[2]
+        qf = q.permute(1, 2, 0, 3).float()                                       # [W, hq, rows, d]
+        acc = torch.zeros_like(qf)
+        lse = torch.full(qf.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.cat([k, v], dim=2)
+        ring = RingExchange(group)
+        for step in range(cp):
+            if step < cp - 1:
+                ring.start(kv)
+            block = kv.permute(1, 2, 0, 3).float()                                # [W, 2 hkv, rows, d]
+            kb, vb = block[:, :hkv], block[:, hkv:]
+            for p in ring_pieces(split, (r - step) % cp):
+                o, s = block_forward(qf[:, :, p.q0:p.q1], kb[:, :, p.k0:p.k1], vb[:, :, p.k0:p.k1], p.mask, scale)
+                _merge(acc, lse, o, s, p.q0, p.q1)
+            if step < cp - 1:
+                kv = ring.wait()
+        ctx.split, ctx.group, ctx.scale = split, group, scale
+        ctx.save_for_backward(q, k, v, acc, lse)
+        return acc.to(q.dtype).permute(2, 0, 1, 3)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from ..parallel.comm import RingExchange
+        q, k, v, out, lse = ctx.saved_tensors
+        split, scale = ctx.split, ctx.scale
+        cp, r = split.cp, split.rank
+        hkv = k.shape[2]
+        qf = q.permute(1, 2, 0, 3).float()
+        g = grad.permute(1, 2, 0, 3).float()
+        dq = torch.zeros_like(qf)
+        kv = torch.cat([k, v], dim=2)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)     # travels with its block
+        ring, back = RingExchange(ctx.group), RingExchange(ctx.group)
+        for step in range(cp):
+            if step < cp - 1:
+                ring.start(kv)
+            block = kv.permute(1, 2, 0, 3).float()
+            kb, vb = block[:, :hkv], block[:, hkv:]
+            dblock = dkv.permute(1, 2, 0, 3)                                      # a view: adds land in dkv
+            for p in ring_pieces(split, (r - step) % cp):
+                rows = slice(p.q0, p.q1)
+                dqp, dkp, dvp = block_backward(qf[:, :, rows], kb[:, :, p.k0:p.k1], vb[:, :, p.k0:p.k1],
+                                               out[:, :, rows], lse[:, :, rows], g[:, :, rows], p.mask, scale)
+                dq[:, :, rows] += dqp
+                dblock[:, :hkv, p.k0:p.k1] += dkp
+                dblock[:, hkv:, p.k0:p.k1] += dvp
+            back.start(dkv)          # to the next rank; after the last step it reaches the block's owner
+            if step < cp - 1:
+                kv = ring.wait()
+            dkv = back.wait()
+        dq = dq.to(q.dtype).permute(2, 0, 1, 3)
+        dk, dv = dkv.to(k.dtype).split(hkv, dim=2)
+        return dq, dk, dv, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: ContextSplit, group) -> torch.Tensor:
+    """:func:`cp_attention`'s result by a ring of point-to-point transfers instead of an all-gather: no rank holds
+    more than two blocks of keys and values (``2 / cp`` of the sequence's) at a time, and nothing of them is kept
+    for the backward; the price is ``cp`` steps of fp32 block attention (recomputed in the backward) with their
+    transfers overlapping the compute. Exact up to fp32 rounding (the log-sum-exp merge)."""
+    return _RingAttention.apply(q, k, v, split, group)
+
+
+CP_KERNELS = {"allgather": cp_attention, "ring": ring_attention}
+CP_AUTO = "allgather"      # what cp_attn="auto" picks (docs/context-parallel.md says why)
+
+
+def resolve_cp_attn(cp_attn: str) -> str:
+    """The context-parallel attention a model built with ``cp_attn`` ("auto" or a name in :data:`CP_KERNELS`)
+    runs; anything else is a ValueError naming the choices."""
+    if cp_attn == "auto":
+        return CP_AUTO
+    if cp_attn not in CP_KERNELS:
+        raise ValueError(f"cp_attn must be 'auto' or one of {sorted(CP_KERNELS)}, got {cp_attn!r}")
+    return cp_attn

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from ..parallel.cpu_compat import enable_megatron_sequence_parallel_on_cpu
 from ..parallel.megatron_import import import_megatron
 from .attention import AttnBackend, Packing, make_packing, pack_tokens, resolve_attn_impl, unpack_tokens
-from .context_parallel import ContextSplit, cp_attention, split_batch
+from .context_parallel import CP_KERNELS, ContextSplit, resolve_cp_attn, split_batch
 from .logprobs import token_stats_head
 from .mlp import MLP, no_init
 from .moe import MoEAux, MoEBlock
@@ -58,10 +58,11 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int, device=None, *,
-                 backend: AttnBackend, cp_group=None):
+                 backend: AttnBackend, cp_group=None, cp_attn: str = "allgather"):
         super().__init__()
         self.backend = backend
         self.cp_group = cp_group          # context parallelism: keys and values gathered over it
+        self.cp_fn = CP_KERNELS[cp_attn]
         if spec.qk_norm:
             # One weight over head_dim shared by all heads; each TP rank sees only its heads, so its gradient is
             # a partial sum over TP (the table row says tp_sum="always").
@@ -93,7 +94,7 @@ class Attention(nn.Module):
         k = apply_rope(k, cos, sin)
         v = heads[:, :, hq + hkv:]
         if isinstance(ctx, ContextSplit):
-            out = cp_attention(q, k, v, ctx, self.cp_group)                   # [rows, width, hq, d]
+            out = self.cp_fn(q, k, v, ctx, self.cp_group)                     # [rows, width, hq, d]
         elif isinstance(ctx, Packing):
             out = self.backend.fn(q[:, 0], k[:, 0], v[:, 0], ctx).unsqueeze(1)  # [T, 1, hq, d]
         else:
@@ -106,12 +107,13 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int, layer_number: int, device, *,
-                 backend: AttnBackend, dims=None):
+                 backend: AttnBackend, dims=None, cp_attn: str = "allgather"):
         super().__init__()
         self.layer_number = layer_number  # global index in the full model
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
         self.self_attention = Attention(spec, config, tp, device, backend=backend,
-                                        cp_group=dims.cp_group if dims is not None and dims.cp > 1 else None)
+                                        cp_group=dims.cp_group if dims is not None and dims.cp > 1 else None,
+                                        cp_attn=cp_attn)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
         # The spec says which layers route over experts (model/moe.py); the others keep the dense MLP.
         self.mlp = MoEBlock(spec, config, dims, device) if spec.is_moe_layer(layer_number) else MLP(spec, config)
@@ -145,11 +147,14 @@ class DecoderChunk(nn.Module):
 
     def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, *, task: str, pre_process: bool,
                  post_process: bool, layers: range, vpp_rank: int, table, dims, vocab_multiple: int = 1,
-                 packed: bool = False, attn_impl: str = "auto", recompute: str | None = None):
+                 packed: bool = False, attn_impl: str = "auto", recompute: str | None = None,
+                 cp_attn: str = "auto"):
         """``table``: the family's weight table (each parameter's placement is attached from its row);
         ``dims``: the :class:`parallm.parallel.state.ParallelDims` the chunk is built for (kept as
         ``chunk.dims``); ``attn_impl``: an attention backend of :mod:`parallm.model.attention` or "auto" (the
-        resolved name is kept as ``chunk.attn_impl``); ``recompute``: None, or ``"full"`` to recompute every
+        resolved name is kept as ``chunk.attn_impl``); ``cp_attn``: the context-parallel attention ("auto",
+        "allgather", "ring": :mod:`parallm.model.context_parallel`; kept as ``chunk.cp_attn``, None at cp = 1);
+        ``recompute``: None, or ``"full"`` to recompute every
         layer's activations in backward."""
         super().__init__()
         tp = config.tensor_model_parallel_size
@@ -184,8 +189,10 @@ class DecoderChunk(nn.Module):
                 reduce_scatter_embeddings=self.sequence_parallel)
         backend = resolve_attn_impl(attn_impl, packed=packed, device=device or "cpu", dtype=config.params_dtype)
         self.attn_impl = backend.name
-        self.layers = nn.ModuleList(DecoderLayer(spec, config, tp, i, device, backend=backend, dims=dims)
-                                    for i in layers)
+        cp_kernel = resolve_cp_attn(cp_attn)
+        self.cp_attn = cp_kernel if dims.cp > 1 else None
+        self.layers = nn.ModuleList(DecoderLayer(spec, config, tp, i, device, backend=backend, dims=dims,
+                                                 cp_attn=cp_kernel) for i in layers)
         self.moe_aux = MoEAux()  # load-balancing loss of this chunk's MoE layers (forward_backward turns it on)
         for layer in self.layers:
             if isinstance(layer.mlp, MoEBlock):
@@ -442,7 +449,8 @@ def prepare_config(spec: DecoderSpec, dims, *, task: str, dtype, sequence_parall
 
 def build_chunks(spec: DecoderSpec, *, table, task: str = "causal_lm", dtype=torch.float32,
                  sequence_parallel=False, vocab_multiple: int = 1, packed: bool = False,
-                 attn_impl: str = "auto", recompute: str | None = None) -> list[DecoderChunk]:
+                 attn_impl: str = "auto", recompute: str | None = None, cp_attn: str = "auto"
+                 ) -> list[DecoderChunk]:
     """Build this rank's chunks (one per virtual stage) for the current parallel layout."""
     from ..parallel.state import current_dims
     dims = current_dims()
@@ -450,5 +458,5 @@ def build_chunks(spec: DecoderSpec, *, table, task: str = "causal_lm", dtype=tor
     return [DecoderChunk(spec, config, task=task, pre_process=dims.is_first_stage(v),
                          post_process=dims.is_last_stage(v), layers=dims.stage_layers(spec.num_layers, v),
                          vpp_rank=v, table=table, dims=dims, vocab_multiple=vocab_multiple, packed=packed,
-                         attn_impl=attn_impl, recompute=recompute)
+                         attn_impl=attn_impl, recompute=recompute, cp_attn=cp_attn)
             for v in range(dims.vpp)]

@@ -83,3 +83,31 @@ def gather_rows_sum_back(x: torch.Tensor, group) -> torch.Tensor:
     if group is None or dist.get_world_size(group) == 1:
         return x
     return _GatherRowsSumBack.apply(x, group)
+
+
+class RingExchange:
+    """Point-to-point around the ring of ``group`` (rank i sends to i + 1, receives from i - 1, peers asked of the
+    group): :meth:`start` posts one send and one receive together (``batch_isend_irecv``: NCCL pairs them without
+    buffering), :meth:`wait` returns the received tensor. Used by context parallelism's ring attention, whose
+    compute overlaps the transfer."""
+
+    def __init__(self, group):
+        self.group = group
+        ranks = dist.get_process_group_ranks(group)
+        me = dist.get_rank(group)
+        self.next, self.prev = ranks[(me + 1) % len(ranks)], ranks[(me - 1) % len(ranks)]
+        self.works, self.received = [], None
+
+    def start(self, tensor: torch.Tensor) -> None:
+        tensor = tensor.contiguous()
+        self.received = torch.empty_like(tensor)
+        self.works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, self.next, group=self.group),
+                                             dist.P2POp(dist.irecv, self.received, self.prev, group=self.group)])
+        self._sent = tensor          # kept alive until the send completes
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        self.works, self._sent = [], None
+        out, self.received = self.received, None
+        return out
