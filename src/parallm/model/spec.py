@@ -9,8 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .rope import RopeSpec
+from .routing import check_grouping
+from .yarn import YarnSpec
 
 TASKS = ("causal_lm", "value", "hidden")   # "hidden": headless (final-normed hidden states)
+ROUTERS = ("softmax", "sigmoid_grouped")
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,14 @@ class MoESpec:
     capacity limit). ``shared_expert_intermediate_size`` > 0 adds an always-on MLP of that width, scaled by
     ``sigmoid(shared_expert_gate(x))`` when ``shared_expert_gate`` (Qwen2-MoE). ``aux_loss_coef`` > 0 adds the
     load-balancing loss to ``forward_backward``'s loss (HF ``output_router_logits=True``; docs/moe.md).
+
+    ``router``: ``"softmax"`` (the above: Qwen-MoE, Mixtral) or ``"sigmoid_grouped"`` (DeepSeek-V3, Kimi-K2,
+    Moonlight, GLM-4.5; :mod:`parallm.model.routing`): sigmoid scores, plus the fp32 selection bias
+    ``e_score_correction_bias`` when ``score_bias``, choose the ``top_k`` experts among the ``topk_group`` best of
+    ``n_group`` groups; the weights are the unbiased scores (renormalised when ``norm_topk_prob``) times
+    ``routed_scaling_factor``. The shared expert of those families is one ungated MLP of ``n_shared_experts *
+    moe_intermediate_size`` (``shared_expert_intermediate_size``), as transformers builds it; their dense-first
+    layers (``first_k_dense_replace``) are the layers not in ``layers``.
     """
     num_experts: int
     top_k: int
@@ -33,6 +44,70 @@ class MoESpec:
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False
     aux_loss_coef: float = 0.0
+    router: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    score_bias: bool = False
+
+    def __post_init__(self):
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
+        if self.router == "softmax":
+            extras = {k: v for k, v in (("n_group", self.n_group != 1), ("topk_group", self.topk_group != 1),
+                                        ("routed_scaling_factor", self.routed_scaling_factor != 1.0),
+                                        ("score_bias", self.score_bias)) if v}
+            if extras:
+                raise ValueError(f"the softmax router takes none of {sorted(extras)} (sigmoid_grouped does)")
+        else:
+            check_grouping(self.num_experts, self.top_k, self.n_group, self.topk_group)
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, Moonlight; transformers' ``DeepseekV3Attention``).
+
+    Queries: ``q_b(norm(q_a(x)))`` with a ``q_lora_rank`` latent, or ``q_proj(x)`` when ``q_lora_rank`` is None
+    (Moonlight); keys and values: ``kv_a_proj_with_mqa(x)`` gives a ``kv_lora_rank`` latent, normed and expanded
+    per head by ``kv_b`` into ``[k_nope; v]``, plus one ``qk_rope_head_dim`` key part shared by every head. RoPE
+    rotates the rope part of queries and keys only (interleaved pairs when ``rope_interleave``). The latent norms
+    use ``latent_norm_eps`` (transformers builds them with the default 1e-6, whatever ``rms_norm_eps`` says).
+    ``down_proj_bias``: ``q_a_proj`` / ``kv_a_proj_with_mqa`` carry a bias (``attention_bias``; o_proj's bias is
+    :attr:`DecoderSpec.o_bias`). ``softmax_scale``: as ``DeepseekV3Attention.scaling`` (yarn's mscale squared
+    included, :func:`parallm.model.yarn.mla_softmax_scale`); None: ``q_head_dim ** -0.5``.
+
+    Naming trap: :attr:`q_head_dim` (nope + rope) is transformers' ``qk_head_dim``; megatron-core's
+    ``qk_head_dim`` is the nope part alone (its rope part is ``qk_pos_emb_head_dim``).
+    """
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    rope_interleave: bool = True
+    softmax_scale: float | None = None
+    latent_norm_eps: float = 1e-6
+    down_proj_bias: bool = False
+
+    def __post_init__(self):
+        sizes = {"kv_lora_rank": self.kv_lora_rank, "qk_nope_head_dim": self.qk_nope_head_dim,
+                 "qk_rope_head_dim": self.qk_rope_head_dim, "v_head_dim": self.v_head_dim}
+        if self.q_lora_rank is not None:
+            sizes["q_lora_rank"] = self.q_lora_rank
+        bad = [f"{k}={v!r}" for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v <= 0]
+        if bad:
+            raise ValueError(f"invalid multi-head latent attention sizes: {', '.join(bad)} (positive integers)")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+
+    @property
+    def q_head_dim(self) -> int:
+        """nope + rope: transformers' ``qk_head_dim`` (megatron-core: ``qk_head_dim + qk_pos_emb_head_dim``)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def scale(self) -> float:
+        return self.softmax_scale if self.softmax_scale is not None else self.q_head_dim ** (-0.5)
 
 
 @dataclass(frozen=True)
@@ -58,10 +133,35 @@ class DecoderSpec:
     qk_norm: bool = False       # Qwen3: RMSNorm over head_dim on every query / key head, before RoPE
     sliding_window: int | None = None   # Mistral: sequences longer than this are refused (full attention below)
     moe: MoESpec | None = None  # mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral); None: every MLP dense
+    # Multi-head latent attention instead of GQA (DeepSeek-V3 family); head_dim is then its q_head_dim and
+    # num_kv_heads == num_heads (MLA expands keys and values to every head).
+    mla: MLASpec | None = None
+    # YaRN RoPE: when set, cos / sin come from parallm.model.yarn.yarn_cos_sin(yarn, ...) and ``rope`` holds only
+    # the rotary dim and theta (kind "default"); None: ``rope`` is the whole story.
+    yarn: YarnSpec | None = None
+    # num_nextn_predict_layers: the checkpoint may carry that many multi-token-prediction layers after the last
+    # decoder layer (model.layers.{num_layers + j}.*); the decoder does not run them (transformers drops them).
+    mtp_layers: int = 0
+
+    def __post_init__(self):
+        # only the fields that existing families never set are checked here (tests replace() sizes freely)
+        if self.yarn is not None and (self.rope.kind != "default" or self.rope.dim != self.yarn.dim):
+            raise ValueError(f"with yarn RoPE, rope must be the default kind of the same dim (got {self.rope})")
+        if self.mla is not None:
+            if self.rotary_dim != self.mla.qk_rope_head_dim:
+                raise ValueError(f"rotary dim {self.rotary_dim} != qk_rope_head_dim={self.mla.qk_rope_head_dim}")
+            if self.num_kv_heads != self.num_heads or self.head_dim != self.mla.q_head_dim:
+                raise ValueError("a multi-head latent attention spec has num_kv_heads == num_heads and head_dim == "
+                                 f"q_head_dim (got {self.num_kv_heads}, {self.head_dim})")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer ``layer`` runs the routed-experts block instead of the dense MLP."""
         return self.moe is not None and layer in self.moe.layers
+
+    @property
+    def rotary_dim(self) -> int:
+        """The channels of each head RoPE rotates: ``head_dim`` unless partial (GLM-4.5) or MLA (its rope part)."""
+        return self.yarn.dim if self.yarn is not None else self.rope.dim
 
     @property
     def q_size(self) -> int:
@@ -83,6 +183,30 @@ class DecoderSpec:
     @property
     def shared_expert_intermediate_size(self) -> int:
         return self.moe.shared_expert_intermediate_size if self.moe else 0
+
+    # shapes the multi-head latent attention rows name (0 without MLA)
+    @property
+    def q_lora_rank(self) -> int:
+        return (self.mla.q_lora_rank or 0) if self.mla else 0
+
+    @property
+    def kv_lora_rank(self) -> int:
+        return self.mla.kv_lora_rank if self.mla else 0
+
+    @property
+    def mla_kv_a_size(self) -> int:
+        """``kv_a_proj_with_mqa``'s rows: the latent, then the rope part of the shared key."""
+        return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim if self.mla else 0
+
+    @property
+    def mla_kv_b_size(self) -> int:
+        """``kv_b_proj``'s rows: per head ``[k_nope; v]``."""
+        return self.num_heads * (self.mla.qk_nope_head_dim + self.mla.v_head_dim) if self.mla else 0
+
+    @property
+    def mla_v_size(self) -> int:
+        """``o_proj``'s columns: every head's value."""
+        return self.num_heads * self.mla.v_head_dim if self.mla else 0
 
 
 def check_tp(spec: DecoderSpec, tp: int) -> None:

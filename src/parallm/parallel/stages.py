@@ -1,26 +1,141 @@
 """Which layers each pipeline stage owns (Megatron's interleaving), decided here alone: the decoder builds its
-chunks from it, the layout answers "who owns layer i" with it, the loader and ``inspect`` plan with it."""
+chunks from it, the layout answers "who owns layer i" with it, the loader and ``inspect`` plan with it.
+
+Virtual stages are numbered in Megatron's global order ``k = vpp_rank * pp + pp_rank``, and stage ``k`` holds
+the ``sizes[k]`` layers after those of stages ``0 .. k-1``. The sizes come from one of three splits:
+
+* even (the default): ``L / (pp * vpp)`` layers per virtual stage;
+* Megatron's uneven split, ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``
+  (either or both, ``pp >= 2``): the first (last) pipeline rank holds that many layers, the ranks between
+  share the rest equally; with virtual stages each pipeline rank's layers are split equally over its ``vpp``
+  chunks (megatron-core's ``get_num_layers_to_build`` / ``get_transformer_layer_offset``, and its
+  ``TransformerConfig`` checks: the first / last counts and each middle rank's count divisible by ``vpp``);
+* an explicit ``layers_per_stage``: one count per virtual stage in the order above (``pp * vpp`` of them), as
+  megatron-core's ``pipeline_model_parallel_layout`` lists its stages; every stage holds at least one layer.
+"""
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections.abc import Sequence
+from itertools import accumulate
 
-def layer_numbers(num_layers: int, pp: int, vpp: int, pp_rank: int, vpp_rank: int) -> range:
+
+def _balanced(num_layers: int, stages: int) -> list[int]:
+    """``stages`` counts adding up to ``num_layers``, differing by at most one, the larger ones last."""
+    base, extra = divmod(num_layers, stages)
+    return [base] * (stages - extra) + [base + 1] * extra
+
+
+def _uneven_hint(num_layers: int, pp: int, vpp: int) -> str:
+    stages = pp * vpp
+    if num_layers < stages:
+        return " (fewer layers than stages: use fewer stages)"
+    example = _balanced(num_layers, stages)
+    hint = f"; give the split explicitly, e.g. layers_per_stage={example}"
+    if vpp == 1 and pp >= 2:
+        first = num_layers // pp
+        if (num_layers - first) % (pp - 1) == 0:
+            hint += f", or num_layers_in_first_pipeline_stage={first}"
+        last = num_layers - (num_layers // pp) * (pp - 1)
+        hint += f", or num_layers_in_last_pipeline_stage={last}"
+    return hint
+
+
+def _check_count(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def stage_sizes(num_layers: int, pp: int, vpp: int = 1, *, num_layers_in_first_pipeline_stage: int | None = None,
+                num_layers_in_last_pipeline_stage: int | None = None,
+                layers_per_stage: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The number of layers of each virtual stage ``k = vpp_rank * pp + pp_rank`` (``pp * vpp`` counts adding up
+    to ``num_layers``); see the module docstring for the three splits. An impossible split is a ValueError naming
+    the numbers (and, for an even split that does not divide, how to give an uneven one)."""
+    first, last = num_layers_in_first_pipeline_stage, num_layers_in_last_pipeline_stage
+    stages = pp * vpp
+    if layers_per_stage is not None:
+        if first is not None or last is not None:
+            raise ValueError("give either layers_per_stage or num_layers_in_first/last_pipeline_stage, not both")
+        sizes = list(layers_per_stage)
+        if len(sizes) != stages:
+            raise ValueError(f"layers_per_stage has {len(sizes)} entries; pp={pp} x vpp={vpp} needs {stages} (one "
+                             f"per virtual stage, in the order vpp_rank * pp + pp_rank)")
+        bad = [n for n in sizes if isinstance(n, bool) or not isinstance(n, int) or n <= 0]
+        if bad:
+            raise ValueError(f"layers_per_stage={list(layers_per_stage)}: every stage needs a positive whole number "
+                             f"of layers (got {bad})")
+        if sum(sizes) != num_layers:
+            raise ValueError(f"layers_per_stage={sizes} adds up to {sum(sizes)} layers; the model has {num_layers}")
+        return tuple(sizes)
+    if first is None and last is None:
+        if num_layers % stages:
+            raise ValueError(f"{num_layers} layers do not split into pp={pp} x vpp={vpp} = {stages} equal stages"
+                             + _uneven_hint(num_layers, pp, vpp))
+        return (num_layers // stages,) * stages
+
+    # Megatron's uneven split (its TransformerConfig checks, then get_num_layers_to_build's counts).
+    given = {k: v for k, v in (("num_layers_in_first_pipeline_stage", first),
+                               ("num_layers_in_last_pipeline_stage", last)) if v is not None}
+    for name, value in given.items():
+        _check_count(name, value)
+        if value % vpp:
+            raise ValueError(f"{name}={value} is not divisible by vpp={vpp} (each of the stage's {vpp} virtual "
+                             "stages holds the same number of layers)")
+    if pp < 2:
+        raise ValueError(f"an uneven pipeline split ({', '.join(f'{k}={v}' for k, v in given.items())}) needs "
+                         f"pp >= 2, got pp={pp}")
+    middle_ranks = pp - len(given)
+    middle = num_layers - sum(given.values())
+    described = " + ".join(f"{v} ({k.split('_')[3]})" for k, v in given.items())
+    if middle_ranks == 0:
+        if middle:
+            raise ValueError(f"{num_layers} layers at pp={pp}: {described} = {sum(given.values())} layers, and "
+                             f"there is no middle stage for the other {middle}")
+    else:
+        if middle <= 0 or middle % middle_ranks or (middle // middle_ranks) % vpp:
+            raise ValueError(f"{num_layers} layers at pp={pp} x vpp={vpp}: {described} leaves {middle} layers for "
+                             f"{middle_ranks} middle pipeline rank(s), which must each get the same positive number "
+                             f"of layers, divisible by vpp={vpp}")
+    per_middle = middle // middle_ranks if middle_ranks else 0
+    per_rank = [per_middle] * pp
+    if first is not None:
+        per_rank[0] = first
+    if last is not None:
+        per_rank[-1] = last
+    return tuple(per_rank[p] // vpp for _ in range(vpp) for p in range(pp))
+
+
+def layer_numbers(num_layers: int, pp: int, vpp: int, pp_rank: int, vpp_rank: int, *,
+                  num_layers_in_first_pipeline_stage: int | None = None,
+                  num_layers_in_last_pipeline_stage: int | None = None,
+                  layers_per_stage: Sequence[int] | None = None) -> range:
     """Global indices of the layers owned by virtual stage ``vpp_rank`` of pipeline rank ``pp_rank``.
 
-    Megatron's interleaving: ``offset = vpp_rank * (L / vpp) + pp_rank * (L / pp / vpp)``, each chunk holding
-    ``L / (pp * vpp)`` consecutive layers.
+    Even split (no keyword given): Megatron's interleaving, ``offset = vpp_rank * (L / vpp) + pp_rank * (L / pp /
+    vpp)``, each chunk holding ``L / (pp * vpp)`` consecutive layers. The keywords give an uneven split (see
+    :func:`stage_sizes`); its layers are consecutive in the virtual-stage order ``vpp_rank * pp + pp_rank``.
     """
-    stages = pp * vpp
-    if num_layers % stages:
-        raise ValueError(f"{num_layers} layers do not split into pp={pp} x vpp={vpp} = {stages} equal stages")
-    per = num_layers // stages
-    offset = vpp_rank * (num_layers // vpp) + pp_rank * per
-    return range(offset, offset + per)
+    sizes = stage_sizes(num_layers, pp, vpp, num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
+                        num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
+                        layers_per_stage=layers_per_stage)
+    k = vpp_rank * pp + pp_rank
+    offset = sum(sizes[:k])
+    return range(offset, offset + sizes[k])
 
 
-def layer_owner(num_layers: int, pp: int, vpp: int, layer: int) -> tuple[int, int]:
-    """(pp_rank, vpp_rank) owning global ``layer``: the inverse of :func:`layer_numbers` (chunk ``k = layer //
-    per`` of the interleaved order is virtual stage ``k // pp`` of pipeline rank ``k % pp``)."""
-    per = num_layers // (pp * vpp)
-    chunk = layer // per
-    return chunk % pp, chunk // pp
+def layer_owner(num_layers: int, pp: int, vpp: int, layer: int, *,
+                num_layers_in_first_pipeline_stage: int | None = None,
+                num_layers_in_last_pipeline_stage: int | None = None,
+                layers_per_stage: Sequence[int] | None = None) -> tuple[int, int]:
+    """(pp_rank, vpp_rank) owning global ``layer``: the inverse of :func:`layer_numbers` (virtual stage ``k`` of
+    the global order is virtual stage ``k // pp`` of pipeline rank ``k % pp``)."""
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"layer {layer} is not in the model's {num_layers} layers")
+    sizes = stage_sizes(num_layers, pp, vpp, num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
+                        num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
+                        layers_per_stage=layers_per_stage)
+    k = bisect_right(list(accumulate(sizes)), layer)
+    return k % pp, k // pp

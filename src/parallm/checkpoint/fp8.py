@@ -1,0 +1,152 @@
+"""FP8 block-quantised checkpoints (DeepSeek-V3 / R1 / V3.1, Kimi-K2): dequantisation on load.
+
+Such a checkpoint stores a quantised linear weight as two tensors::
+
+    <name>.weight             [rows, cols]                float8_e4m3fn
+    <name>.weight_scale_inv   [ceil(rows / 128), ceil(cols / 128)]   float32, one per 128 x 128 block
+
+(``quantization_config: {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], ...}`` in
+config.json; embeddings, norms, the router and the head stay bf16). The real weight is ``weight * scale_inv``
+block by block; the edge blocks of a dimension that is not a multiple of 128 are ragged (DeepSeek-V3's
+``kv_a_proj_with_mqa`` is ``[576, 7168]``: five block rows, the last 64 rows high) and use their block's scale.
+A bare ``weight.to(bf16)`` is off by the scale (typically 1e-3 .. 1e-1): silently wrong weights, Megatron-Bridge's
+known trap. So here a float8 weight without its scale, a scale of the wrong grid, or a scale without its weight
+is a :class:`~parallm.errors.CheckpointError` naming the tensor.
+
+The arithmetic is transformers' load-time ``Fp8Dequantize``: both factors taken to fp32, multiplied in fp32,
+the product cast to the target dtype (one rounding). Unlike that routine, which derives the block from the scale
+grid (``rows // scale_rows``, wrong for ragged shapes), the block size here is the checkpoint's
+``weight_block_size``, so ragged edges come out right; on them the result equals transformers'
+``_dequantize_fp8_weight`` in fp32 (``tests/test_deepseek_parts.py``).
+
+:func:`dequantize` also takes a slice of a weight (``start``: where it begins in the full tensor) with the full
+scale grid, so a loader that reads only a rank's rows or columns dequantises exactly those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..errors import CheckpointError
+
+BLOCK = (128, 128)
+SCALE_SUFFIX = "_scale_inv"
+# float8 storage dtypes this torch has (e8m0 is a scale format, not a weight format)
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                   if hasattr(torch, n))
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is a float8 weight format (one that needs its scale to mean anything)."""
+    return dtype in FP8_DTYPES
+
+
+def scale_name(weight_name: str) -> str:
+    """``x.weight`` -> ``x.weight_scale_inv`` (the checkpoint's name of the weight's block scales)."""
+    return weight_name + SCALE_SUFFIX
+
+
+def block_size_of(config) -> tuple[int, int] | None:
+    """The block of an FP8 block-quantised checkpoint's config (``quantization_config.weight_block_size``), None
+    when the config has no quantization. Another quantization method, a per-tensor FP8 config without a block,
+    or activation scales are refused by name (a cast would silently load wrong weights)."""
+    q = config.get("quantization_config") if isinstance(config, Mapping) else getattr(config, "quantization_config",
+                                                                                      None)
+    if not q:
+        return None
+    if not isinstance(q, Mapping):
+        q = q.to_dict() if hasattr(q, "to_dict") else vars(q)
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise CheckpointError(f"quantization_config.quant_method={method!r} is not supported (parallm dequantises "
+                              "FP8 block checkpoints, quant_method 'fp8', only)")
+    block = q.get("weight_block_size")
+    if not block or len(block) != 2 or any(not isinstance(b, int) or b <= 0 for b in block):
+        raise CheckpointError(f"an FP8 checkpoint without a valid weight_block_size (got {block!r}): parallm "
+                              "dequantises block-scaled FP8 (weight_scale_inv per block) only")
+    scheme = q.get("activation_scheme", "dynamic")
+    if scheme not in (None, "dynamic"):
+        raise CheckpointError(f"FP8 activation_scheme={scheme!r} is not supported (static activation scales)")
+    return int(block[0]), int(block[1])
+
+
+def scale_grid(shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> tuple[int, ...]:
+    """The scale tensor's shape for a weight of ``shape`` (leading dims kept, e.g. fused experts ``[E, ...]``):
+    ``ceil(rows / block[0]), ceil(cols / block[1])`` over the last two."""
+    if len(shape) < 2:
+        raise ValueError(f"block scales need a weight of at least 2 dims, got shape {list(shape)}")
+    *lead, rows, cols = shape
+    return (*lead, -(-rows // block[0]), -(-cols // block[1]))
+
+
+def check_scale(name: str, weight_shape, weight_dtype: torch.dtype, scale_shape, scale_dtype: torch.dtype,
+                block: tuple[int, int] = BLOCK) -> None:
+    """Raise :class:`CheckpointError` naming ``name`` (the weight's checkpoint name) when its scale cannot
+    dequantise it: a non-float8 weight, a scale that is not a float tensor, or a grid that is not the block
+    grid of the weight. Reads metadata only."""
+    if not is_fp8(weight_dtype):
+        raise CheckpointError(f"{name} has a block scale {scale_name(name)} but is {weight_dtype}, not a float8 "
+                              "weight")
+    if not scale_dtype.is_floating_point or scale_dtype in FP8_DTYPES:
+        raise CheckpointError(f"{scale_name(name)} is {scale_dtype}; block scales must be floating point "
+                              "(float32 / bfloat16 / float8_e8m0fnu)")
+    want = scale_grid(tuple(weight_shape), block)
+    if tuple(scale_shape) != want:
+        raise CheckpointError(f"{scale_name(name)} has shape {list(scale_shape)}; a {list(weight_shape)} weight in "
+                              f"{block[0]}x{block[1]} blocks needs {list(want)}")
+
+
+def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, *, block: tuple[int, int] = BLOCK,
+               dtype: torch.dtype = torch.bfloat16, start: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """``weight * scale_inv`` block by block, computed in fp32 and returned in ``dtype``.
+
+    ``weight``: float8 ``[..., r, c]``, the whole tensor or a slice of it beginning at row / column ``start`` of
+    the full tensor (leading dims whole); ``scale_inv``: the full tensor's scale grid (``[..., R, C]``). Rows and
+    columns of a ragged edge block use that block's scale."""
+    if not is_fp8(weight.dtype):
+        raise ValueError(f"dequantize: weight is {weight.dtype}, not float8")
+    r0, c0 = start
+    rows, cols = weight.shape[-2:]
+    br, bc = block
+    row_block = torch.div(torch.arange(r0, r0 + rows, device=weight.device), br, rounding_mode="floor")
+    first, last = c0 // bc, (c0 + cols - 1) // bc
+    if rows and int(row_block[-1]) >= scale_inv.shape[-2] or cols and last >= scale_inv.shape[-1]:
+        raise ValueError(f"dequantize: rows [{r0}, {r0 + rows}) x columns [{c0}, {c0 + cols}) in {br}x{bc} blocks "
+                         f"need more than the {list(scale_inv.shape[-2:])} scales given")
+    out = weight.to(torch.float32)
+    # each row's scales ([..., rows, C]: small), applied one column block at a time, in place: no weight-sized
+    # scale tensor; every element is the fp32 product weight * scale of its block
+    row_scales = scale_inv.to(device=weight.device, dtype=torch.float32).index_select(-2, row_block)
+    for b in range(first, last + 1 if cols else first):
+        lo, hi = max(b * bc, c0) - c0, min((b + 1) * bc, c0 + cols) - c0
+        out[..., lo:hi].mul_(row_scales[..., b:b + 1])
+    return out.to(dtype)
+
+
+def dequantize_state_dict(state: Mapping[str, torch.Tensor], *, dtype: torch.dtype = torch.bfloat16,
+                          block: tuple[int, int] = BLOCK) -> dict[str, torch.Tensor]:
+    """A state dict with every float8 weight replaced by its dequantised ``dtype`` tensor and the scales
+    removed; other tensors unchanged. A float8 tensor without its ``_scale_inv``, a scale of the wrong grid or
+    dtype, and a scale without its weight are a :class:`CheckpointError` naming the tensor."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name.endswith(SCALE_SUFFIX):
+            weight = name[: -len(SCALE_SUFFIX)]
+            if weight not in state:
+                raise CheckpointError(f"{name} is a block scale without its weight {weight}")
+            continue
+        scale = state.get(scale_name(name))
+        if is_fp8(tensor.dtype):
+            if scale is None:
+                raise CheckpointError(f"{name} is {tensor.dtype} but the checkpoint has no {scale_name(name)} "
+                                      f"(one scale per {block[0]}x{block[1]} block): a plain cast would load wrong "
+                                      "weights")
+            check_scale(name, tensor.shape, tensor.dtype, scale.shape, scale.dtype, block)
+            out[name] = dequantize(tensor, scale, block=block, dtype=dtype)
+        elif scale is not None:
+            check_scale(name, tensor.shape, tensor.dtype, scale.shape, scale.dtype, block)  # raises: not float8
+        else:
+            out[name] = tensor
+    return out
