@@ -31,6 +31,7 @@ import torch
 
 from helpers import (write_ckpt, write_config, file_barrier, hf_state_dict, make_hf_model, nan_fill, padded_batch, run_ranks, run_ranks_allow_dead,
                      save_checkpoint, tiny_config, tree_digest)
+from helpers import max_diff_real as helpers_max_diff
 
 BOUND_S = 60.0          # a failing call must end within this many seconds on every rank
 WORLD = 4
@@ -101,6 +102,13 @@ CATALOG = {
     "layers-not-pp-vpp": ("ValueError", ["2 layers", "pp=2", "vpp=2"]),
     "unsupported-arch": ("ValueError", ["GemmaForCausalLM", "LlamaForCausalLM"]),
     "not-divisible-by-tp": ("ValueError", ["intermediate_size=90", "tp=4"]),
+    # context parallelism
+    "world-not-tp-cp-pp-dp": ("ValueError", ["world size 4", "cp=3"]),
+    "ep-not-dp-cp": ("ValueError", ["ep=3", "dp=2 x cp=2"]),
+    "cp-attn-unknown": ("ValueError", ["cp_attn", "'nope'", "ring"]),
+    "cp-batch-differs/forward": ("ValueError", ["forward", "context-parallel", "rank 1's differs from rank 0's"]),
+    "cp-batch-differs/forward_backward": ("ValueError", ["forward_backward", "context-parallel",
+                                                         "rank 3's differs from rank 2's"]),
     # saving into a non-empty directory without overwrite=True
     "save-nonempty": ("FileExistsError", ["atomic", "target", "overwrite=True"]),
 }
@@ -197,6 +205,20 @@ def _catalog_rank(rank, world, s):
     attempt("unsupported-arch", lambda: parallm.build_model(s["unsupported"]))
     parallm.init_parallel(tp=4)
     attempt("not-divisible-by-tp", lambda: parallm.build_model(s["split"]))
+    attempt("world-not-tp-cp-pp-dp", lambda: parallm.init_parallel(cp=3))
+    attempt("ep-not-dp-cp", lambda: parallm.init_parallel(cp=2, ep=3))
+    parallm.init_parallel(cp=2)       # cp groups [0, 1] and [2, 3]: each holds one batch
+    attempt("cp-attn-unknown", lambda: parallm.build_model(s["good"], cp_attn="nope"))
+    cp_chunks = parallm.build_model(s["good"])
+    parallm.load_hf_weights(cp_chunks, s["good"])
+    other = ids.clone()
+    other[0, 3] = (other[0, 3] + 1) % s["config"]["vocab_size"]       # one token differs
+    attempt("cp-batch-differs/forward", lambda: parallm.forward(cp_chunks, other if rank == 1 else ids, mask))
+    attempt("cp-batch-differs/forward_backward", lambda: parallm.forward_backward(
+        cp_chunks, ids, mask, loss_fn=loss_fn, position_ids=parallm.default_position_ids(mask) + (rank == 3)))
+    with torch.no_grad():     # and the ranks are in step afterwards
+        out["cp-after-error"] = parallm.forward(cp_chunks, ids, mask)
+    del cp_chunks
 
     parallm.init_parallel(tp=2)  # dp=2: broadcast reaches replicas too
     chunks = parallm.build_model(s["good"])
@@ -233,6 +255,7 @@ def _catalog_rank(rank, world, s):
     parallm.load_hf_weights(chunks, s["good"], mode="broadcast")
     with torch.no_grad():
         out["final-equal"] = bool(torch.equal(parallm.forward(chunks, ids, mask), ref))
+    out["cp-after-error-close"] = helpers_max_diff(out.pop("cp-after-error"), ref, mask) < 2e-5
     return out
 
 
@@ -309,6 +332,7 @@ def test_atomic_save_basics(catalog, ckpts):
 @pytest.mark.timeout(300)
 def test_ranks_in_step_after_catalog(catalog):
     assert all(res["final-equal"] for res in catalog)
+    assert all(res["cp-after-error-close"] for res in catalog)   # the cp2 model after its errors
 
 
 @pytest.mark.timeout(60)

@@ -42,6 +42,7 @@ class Check:
     dp: int | None = None
     ep: int = 1                   # expert parallelism (mixture-of-experts models), carved out of dp x cp
     cp: int = 1                   # context parallelism: every rank of a CP group passes the same batch
+    cp_attn: str = "auto"         # its attention (build_model's cp_attn)
     packed: bool = False
     sequence_parallel: bool = False
     task: str | None = None       # None: from the checkpoint's architectures
@@ -65,6 +66,8 @@ class Check:
             parts.append("packed+SP" if self.sequence_parallel else "packed")
         if self.task == "value":
             parts.append("value")
+        if self.cp > 1 and self.cp_attn != "auto":
+            parts.append(self.cp_attn)
         return " ".join(parts + ([self.mode] if self.mode != "auto" else []))
 
 
@@ -107,7 +110,8 @@ def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
     t0 = time.perf_counter()
     dist.barrier()
     chunks = parallm.build_model(raw, task=check.task, packed=check.packed or check.sequence_parallel,
-                                 sequence_parallel=check.sequence_parallel, dtype=torch.float32)
+                                 sequence_parallel=check.sequence_parallel, dtype=torch.float32,
+                                 cp_attn=check.cp_attn)
     task = chunks[0].task
     report = parallm.load_hf_weights(chunks, ckpt, mode=check.mode)
     row.update(load_s=_timed(t0), load_mode=report.mode)
