@@ -218,7 +218,7 @@ def _catalog_rank(rank, world, s):
         cp_chunks, ids, mask, loss_fn=loss_fn, position_ids=parallm.default_position_ids(mask) + (rank == 3)))
     with torch.no_grad():     # and the ranks are in step afterwards
         out["cp-after-error"] = parallm.forward(cp_chunks, ids, mask)
-    del cp_chunks
+    cp_chunks = None      # freed
 
     parallm.init_parallel(tp=2)  # dp=2: broadcast reaches replicas too
     chunks = parallm.build_model(s["good"])
