@@ -65,9 +65,12 @@ YARN_VARIANTS = {
     # DeepSeek-V3's own numbers (attention factor 1 exactly, softmax mscale^2 = 1.87)
     "deepseek-v3": dict(factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0,
                         mscale_all_dim=1.0),
-    # Kimi-K2: beta_fast == beta_slow, a zero-width ramp (transformers' +0.001 guard)
+    # Kimi-K2: beta_fast == beta_slow (floor / ceil of one correction dim: a ramp one channel wide)
     "kimi-k2": dict(factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0, beta_slow=1.0, mscale=1.0,
                     mscale_all_dim=1.0),
+    # both correction dims in (-1, 0]: low == high == 0, a zero-width ramp starting on channel 0 (0 / 0 without
+    # transformers' +0.001 guard)
+    "degenerate-ramp": dict(factor=4.0, original_max_position_embeddings=16, beta_fast=3.3, beta_slow=2.6),
     "truncate-off": dict(factor=8.0, original_max_position_embeddings=512, mscale=0.9, mscale_all_dim=0.6,
                          truncate=False),
     "explicit-attention-factor": dict(factor=6.0, original_max_position_embeddings=256, attention_factor=1.3),
