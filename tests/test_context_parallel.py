@@ -75,7 +75,8 @@ def _causal_reference(q, k, v, mask):
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 def test_split_keeps_every_token_once_with_its_targets_and_attention(cp, packed):
-    from parallm.model.context_parallel import attend_pieces, block_forward, ring_pieces, split_batch
+    from parallm.model.attention import CPU_FLASH_BLOCK, MATH_BLOCK
+    from parallm.model.context_parallel import attend_pieces, ring_pieces, split_batch
     ids, pos, mask = _batch()
     b, s = ids.shape
     splits = [split_batch(ids, pos, mask, cp=cp, rank=r, packed=packed, multiple=2 if packed else 1)
@@ -104,15 +105,15 @@ def test_split_keeps_every_token_once_with_its_targets_and_attention(cp, packed)
     full = torch.zeros(b * s, h, d)
     full[kept] = got[origin >= 0]
     assert (full.view(b, s, h, d) - ref)[mask.bool()].abs().max() < 1e-6
-    # the ring's pieces: block by block, merged by log-sum-exp, the same attention
-    for sp in splits:
+    # the ring's pieces: block by block, merged by log-sum-exp, the same attention (both block kernels)
+    for sp, kernel in zip(splits, [MATH_BLOCK, CPU_FLASH_BLOCK] * cp):
         qf = _local(q, sp).permute(1, 2, 0, 3)
         outs, lses = torch.zeros_like(qf), torch.full(qf.shape[:3], float("-inf"))
         for src in range(cp):
             block = torch.cat([_local(k, splits[src]), _local(v, splits[src])], dim=2).permute(1, 2, 0, 3)
             for p in ring_pieces(sp, src):
-                o, lse = block_forward(qf[:, :, p.q0:p.q1], block[:, :h, p.k0:p.k1], block[:, h:, p.k0:p.k1],
-                                       p.mask, d ** -0.5)
+                o, lse = kernel.forward(qf[:, :, p.q0:p.q1], block[:, :h, p.k0:p.k1], block[:, h:, p.k0:p.k1],
+                                        p.mask, d ** -0.5)
                 new = torch.logaddexp(lses[:, :, p.q0:p.q1], lse)
                 outs[:, :, p.q0:p.q1] = outs[:, :, p.q0:p.q1] * torch.exp(lses[:, :, p.q0:p.q1] - new)[..., None] \
                     + o * torch.exp(lse - new)[..., None]
@@ -121,6 +122,26 @@ def test_split_keeps_every_token_once_with_its_targets_and_attention(cp, packed)
         real = mine >= 0
         want = ref.reshape(b * s, h, d)[mine[real]]
         assert (outs.permute(2, 0, 1, 3).reshape(-1, h, d)[real] - want).abs().max() < 1e-6
+
+
+def test_block_kernels_agree():
+    """The ring's block kernels (explicit fp32 and the CPU's fused one) give the same output, log-sum-exp and
+    gradients, with grouped-query heads and each mask kind the ring uses (none, causal, [all | causal])."""
+    from parallm.model.attention import CPU_FLASH_BLOCK, MATH_BLOCK
+    g = torch.Generator().manual_seed(2)
+    c, d = 8, 16
+    q = torch.randn(2, 4, c, d, generator=g)
+    k, v = torch.randn(2, 2, 2 * c, d, generator=g), torch.randn(2, 2, 2 * c, d, generator=g)
+    causal = torch.ones(c, c, dtype=torch.bool).tril()
+    for mask, keys in ((None, slice(0, c)), (causal, slice(0, c)),
+                       (torch.cat([torch.ones(c, c, dtype=torch.bool), causal], 1), slice(0, 2 * c))):
+        kk, vv = k[:, :, keys].contiguous(), v[:, :, keys].contiguous()
+        (o1, l1), (o2, l2) = (kern.forward(q, kk, vv, mask, d ** -0.5) for kern in (MATH_BLOCK, CPU_FLASH_BLOCK))
+        assert (o1 - o2).abs().max() < 1e-6 and (l1 - l2).abs().max() < 1e-5
+        grad = torch.randn(o1.shape, generator=g)
+        for a, b in zip(MATH_BLOCK.backward(q, kk, vv, o1, l1, grad, mask, d ** -0.5),
+                        CPU_FLASH_BLOCK.backward(q, kk, vv, o1, l1, grad, mask, d ** -0.5)):
+            assert a.shape == b.shape and (a - b).abs().max() < 1e-5
 
 
 def test_zigzag_balances_causal_work():

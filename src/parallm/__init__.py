@@ -1,11 +1,13 @@
-"""parallm: Hugging Face decoder LLMs as Megatron-core tensor / pipeline / data / expert-parallel models.
+"""parallm: Hugging Face decoder LLMs as Megatron-core tensor / pipeline / context / data / expert-parallel models.
 
 Public API (a contract, see docs/api.md)::
 
-    parallm.init_parallel(tp=1, pp=1, vpp=None, *, ep=1, backend=None, seed=0, timeout_s=None)
+    parallm.init_parallel(tp=1, pp=1, vpp=None, *, cp=1, ep=1, backend=None, seed=0, timeout_s=None)
+    #   cp: context parallelism; every rank of a CP group passes the same batch, outputs as at cp = 1
     parallm.destroy_parallel()                       # waits for pending asynchronous checkpoint saves first
     chunks = parallm.build_model(hf_config, *, task="causal_lm", packed=False, sequence_parallel=False,
-                                 dtype=torch.float32, vocab_multiple=1, attn_impl="auto", recompute=None)
+                                 dtype=torch.float32, vocab_multiple=1, attn_impl="auto", recompute=None,
+                                 cp_attn="auto")                # cp_attn: "allgather" | "ring" | "auto"
     parallm.load_hf_weights(chunks, source, *, mode="auto")
     state = parallm.save_hf_weights(chunks, out_dir=None, *, dtype=None)
     for name, tensor in parallm.export_hf_tensors(chunks, *, dtype=None, bucket_bytes=..., dst_ranks=None,

@@ -103,14 +103,104 @@ def flash_varlen(q, k, v, packing: Packing):
     return _flash_varlen(q, k, v, cu, cu, packing.max_seqlen, packing.max_seqlen, causal=True)
 
 
+# -- blocks with their log-sum-exp (context parallelism's ring) -------------------------------------------------
+
+def _scores(q, k, mask, scale):
+    """fp32 ``q k^T * scale`` ``[W, hkv, g, Lq, Lk]`` for q ``[W, hq, Lq, d]``, k ``[W, hkv, Lk, d]`` (query head
+    ``h`` uses key head ``h // g``), masked keys at -inf."""
+    w, hq, lq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    s = torch.matmul(q.reshape(w, hkv, g * lq, d), k.transpose(-1, -2)).mul_(scale).view(w, hkv, g, lq, -1)
+    if mask is not None:
+        s.masked_fill_(~mask, float("-inf"))
+    return s
+
+
+def block_forward(q, k, v, mask, scale):
+    """One block of attention in fp32: ``(out [W, hq, Lq, d], lse [W, hq, Lq])`` (log-sum-exp of the scaled
+    scores of each query over this block's visible keys; every query sees at least one)."""
+    w, hq, lq, d = q.shape
+    hkv = k.shape[1]
+    s = _scores(q, k, mask, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    out = torch.matmul(p.view(w, hkv, -1, k.shape[2]), v).view(w, hq, lq, d)
+    return out, lse.view(w, hq, lq)
+
+
+def block_backward(q, k, v, out, lse, grad, mask, scale):
+    """Gradients ``(dq, dk, dv)`` (fp32) of one block from the *final* output and log-sum-exp of its queries
+    (``P = exp(S - lse)`` is then this block's share of the whole softmax): ``dV = P^T dO``,
+    ``dS = P (dO V^T - rowsum(dO O))``, ``dQ = dS K scale``, ``dK = dS^T Q scale``."""
+    w, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    g = hq // hkv
+    s = _scores(q, k, mask, scale)
+    p = torch.exp(s - lse.view(w, hkv, g, lq, 1)).view(w, hkv, g * lq, lk)
+    do = grad.reshape(w, hkv, g * lq, d)
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    dp = torch.matmul(do, v.transpose(-1, -2))
+    delta = (grad * out).sum(-1).reshape(w, hkv, g * lq, 1)
+    ds = p.mul_(dp.sub_(delta))
+    dq = torch.matmul(ds, k).mul_(scale).view(w, hq, lq, d)
+    dk = torch.matmul(ds.transpose(-1, -2), q.reshape(w, hkv, g * lq, d)).mul_(scale)
+    return dq, dk, dv
+
+
+def _additive(mask: torch.Tensor | None):
+    return None if mask is None else torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
+        ~mask, float("-inf"))
+
+
+def cpu_block_forward(q, k, v, mask, scale):
+    """:func:`block_forward` by the CPU's fused flash-attention kernel (``aten._scaled_dot_product_flash_attention_
+    for_cpu``, which returns the log-sum-exp; grouped-query heads as they are): the same values to fp32
+    rounding, without the ``[Lq, Lk]`` scores of every head in memory at once."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False,
+                                                                          attn_mask=_additive(mask), scale=scale)
+    return out, lse
+
+
+def cpu_block_backward(q, k, v, out, lse, grad, mask, scale):
+    """:func:`block_backward` by the CPU's fused flash-attention backward (from the final output and lse)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, 0.0, False, attn_mask=_additive(mask), scale=scale)
+
+
+@dataclass(frozen=True)
+class BlockKernel:
+    """Attention over one block of keys that also returns the log-sum-exp, and its backward from the final output
+    and log-sum-exp (what a ring of partial results needs): fp32 ``q [W, hq, Lq, d]``, ``k, v [W, hkv, Lk, d]``,
+    ``mask`` boolean ``[Lq, Lk]`` or None (every key visible)."""
+    name: str
+    forward: Callable
+    backward: Callable
+
+
+MATH_BLOCK = BlockKernel("math", block_forward, block_backward)
+CPU_FLASH_BLOCK = BlockKernel("cpu-flash", cpu_block_forward, cpu_block_backward)
+
+
+def block_kernel(backend: "AttnBackend | None", device) -> BlockKernel:
+    """The block kernel the ring runs for a model of ``backend`` on ``device``: the backend's own when it has
+    one, else the CPU's fused kernel on CPU and the explicit fp32 one elsewhere."""
+    if backend is not None and backend.block is not None:
+        return backend.block
+    return CPU_FLASH_BLOCK if torch.device(device).type == "cpu" else MATH_BLOCK
+
+
 @dataclass(frozen=True)
 class AttnBackend:
     """One attention kernel: ``packed`` says which input it takes (a :class:`Packing` stream or a padded batch
-    with a boolean mask); ``unavailable(device, dtype)`` returns why it cannot run there, or None."""
+    with a boolean mask); ``unavailable(device, dtype)`` returns why it cannot run there, or None; ``block``: its
+    :class:`BlockKernel` for context parallelism's ring (None: :func:`block_kernel`'s default for the device;
+    a fused GPU kernel returning the log-sum-exp, such as flash-attn's, plugs in here)."""
     name: str
     packed: bool
     fn: Callable
     unavailable: Callable[[torch.device, torch.dtype], str | None] = lambda device, dtype: None
+    block: BlockKernel | None = None
 
 
 def _flash_unavailable(device, dtype):

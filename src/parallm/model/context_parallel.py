@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ..parallel.comm import gather_rows_keep_own, gather_rows_sum_back
+from .attention import BlockKernel, block_kernel
 
 
 @dataclass(frozen=True)
@@ -242,13 +243,15 @@ def _finish(input_ids, position_ids, src, *, cp, rank, packed, rows, width, orig
                         segments=segments)
 
 
-def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: ContextSplit, group) -> torch.Tensor:
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: ContextSplit, group,
+                 kernel: BlockKernel | None = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence's keys: q ``[rows, width, hq, d]``, k / v
     ``[rows, width, hkv, d]`` (this rank's tokens, RoPE applied) -> ``[rows, width, hq, d]``.
 
     Keys and values are all-gathered over the CP group in one collective (backward: their gradients
     reduce-scattered onto the owners), then :func:`attend_pieces`. Exact (no merging of partial softmaxes);
-    memory: the whole sequence's K and V per layer, ``2 * hkv * d`` values per token."""
+    memory: the whole sequence's K and V per layer, ``2 * hkv * d`` values per token. (``kernel``: unused; the
+    pieces run ``scaled_dot_product_attention``.)"""
     kv = gather_rows_sum_back(torch.cat([k, v], dim=2), group)                 # [cp * rows, width, 2 hkv, d]
     return attend_pieces(q, kv, split)
 
@@ -311,49 +314,6 @@ def ring_pieces(split: ContextSplit, source: int) -> tuple[Piece, ...]:
     return out
 
 
-def _scores(q, k, mask, scale):
-    """fp32 ``q k^T * scale`` ``[W, hkv, g, Lq, Lk]`` for q ``[W, hq, Lq, d]``, k ``[W, hkv, Lk, d]`` (query head
-    ``h`` uses key head ``h // g``), masked keys at -inf."""
-    w, hq, lq, d = q.shape
-    hkv = k.shape[1]
-    g = hq // hkv
-    s = torch.matmul(q.reshape(w, hkv, g * lq, d), k.transpose(-1, -2)).mul_(scale).view(w, hkv, g, lq, -1)
-    if mask is not None:
-        s.masked_fill_(~mask, float("-inf"))
-    return s
-
-
-def block_forward(q, k, v, mask, scale):
-    """One block of attention in fp32: ``(out [W, hq, Lq, d], lse [W, hq, Lq])`` (log-sum-exp of the scaled
-    scores of each query over this block's visible keys; every query sees at least one)."""
-    w, hq, lq, d = q.shape
-    hkv = k.shape[1]
-    s = _scores(q, k, mask, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1))
-    out = torch.matmul(p.view(w, hkv, -1, k.shape[2]), v).view(w, hq, lq, d)
-    return out, lse.view(w, hq, lq)
-
-
-def block_backward(q, k, v, out, lse, grad, mask, scale):
-    """Gradients ``(dq, dk, dv)`` (fp32) of one block from the *final* output and log-sum-exp of its queries
-    (``P = exp(S - lse)`` is then this block's share of the whole softmax): ``dV = P^T dO``,
-    ``dS = P (dO V^T - rowsum(dO O))``, ``dQ = dS K scale``, ``dK = dS^T Q scale``."""
-    w, hq, lq, d = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
-    g = hq // hkv
-    s = _scores(q, k, mask, scale)
-    p = torch.exp(s - lse.view(w, hkv, g, lq, 1)).view(w, hkv, g * lq, lk)
-    do = grad.reshape(w, hkv, g * lq, d)
-    dv = torch.matmul(p.transpose(-1, -2), do)
-    dp = torch.matmul(do, v.transpose(-1, -2))
-    delta = (grad * out).sum(-1).reshape(w, hkv, g * lq, 1)
-    ds = p.mul_(dp.sub_(delta))
-    dq = torch.matmul(ds, k).mul_(scale).view(w, hq, lq, d)
-    dk = torch.matmul(ds.transpose(-1, -2), q.reshape(w, hkv, g * lq, d)).mul_(scale)
-    return dq, dk, dv
-
-
 def _merge(acc_out, acc_lse, out, lse, q0, q1):
     """Fold one block's ``(out, lse)`` for query rows ``[q0, q1)`` into the fp32 accumulators (in place)."""
     old_o, old_l = acc_out[:, :, q0:q1], acc_lse[:, :, q0:q1]
@@ -367,7 +327,7 @@ class _RingAttention(torch.autograd.Function):
     above :func:`ring_pieces`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, split, group):
+    def forward(ctx, q, k, v, split, group, kernel):
         from ..parallel.comm import RingExchange
         cp, r = split.cp, split.rank
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -383,11 +343,11 @@ class _RingAttention(torch.autograd.Function):
             block = kv.permute(1, 2, 0, 3).float()                                # [W, 2 hkv, rows, d]
             kb, vb = block[:, :hkv], block[:, hkv:]
             for p in ring_pieces(split, (r - step) % cp):
-                o, s = block_forward(qf[:, :, p.q0:p.q1], kb[:, :, p.k0:p.k1], vb[:, :, p.k0:p.k1], p.mask, scale)
+                o, s = kernel.forward(qf[:, :, p.q0:p.q1], kb[:, :, p.k0:p.k1], vb[:, :, p.k0:p.k1], p.mask, scale)
                 _merge(acc, lse, o, s, p.q0, p.q1)
             if step < cp - 1:
                 kv = ring.wait()
-        ctx.split, ctx.group, ctx.scale = split, group, scale
+        ctx.split, ctx.group, ctx.scale, ctx.kernel = split, group, scale, kernel
         ctx.save_for_backward(q, k, v, acc, lse)
         return acc.to(q.dtype).permute(2, 0, 1, 3)
 
@@ -412,8 +372,8 @@ class _RingAttention(torch.autograd.Function):
             dblock = dkv.permute(1, 2, 0, 3)                                      # a view: adds land in dkv
             for p in ring_pieces(split, (r - step) % cp):
                 rows = slice(p.q0, p.q1)
-                dqp, dkp, dvp = block_backward(qf[:, :, rows], kb[:, :, p.k0:p.k1], vb[:, :, p.k0:p.k1],
-                                               out[:, :, rows], lse[:, :, rows], g[:, :, rows], p.mask, scale)
+                dqp, dkp, dvp = ctx.kernel.backward(qf[:, :, rows], kb[:, :, p.k0:p.k1], vb[:, :, p.k0:p.k1],
+                                                    out[:, :, rows], lse[:, :, rows], g[:, :, rows], p.mask, scale)
                 dq[:, :, rows] += dqp
                 dblock[:, :hkv, p.k0:p.k1] += dkp
                 dblock[:, hkv:, p.k0:p.k1] += dvp
@@ -423,15 +383,18 @@ class _RingAttention(torch.autograd.Function):
             dkv = back.wait()
         dq = dq.to(q.dtype).permute(2, 0, 1, 3)
         dk, dv = dkv.to(k.dtype).split(hkv, dim=2)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: ContextSplit, group) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: ContextSplit, group,
+                   kernel: BlockKernel | None = None) -> torch.Tensor:
     """:func:`cp_attention`'s result by a ring of point-to-point transfers instead of an all-gather: no rank holds
     more than two blocks of keys and values (``2 / cp`` of the sequence's) at a time, and nothing of them is kept
     for the backward; the price is ``cp`` steps of fp32 block attention (recomputed in the backward) with their
-    transfers overlapping the compute. Exact up to fp32 rounding (the log-sum-exp merge)."""
-    return _RingAttention.apply(q, k, v, split, group)
+    transfers overlapping the compute. Exact up to fp32 rounding (the log-sum-exp merge). ``kernel``: the block
+    kernel (the model's attention backend's, :func:`parallm.model.attention.block_kernel`; default: the one for
+    this device)."""
+    return _RingAttention.apply(q, k, v, split, group, kernel or block_kernel(None, q.device))
 
 
 CP_KERNELS = {"allgather": cp_attention, "ring": ring_attention}

@@ -20,7 +20,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..parallel.cpu_compat import enable_megatron_sequence_parallel_on_cpu
 from ..parallel.megatron_import import import_megatron
-from .attention import AttnBackend, Packing, make_packing, pack_tokens, resolve_attn_impl, unpack_tokens
+from .attention import (AttnBackend, Packing, block_kernel, make_packing, pack_tokens, resolve_attn_impl,
+                        unpack_tokens)
 from .context_parallel import CP_KERNELS, ContextSplit, resolve_cp_attn, split_batch
 from .logprobs import token_stats_head
 from .mlp import MLP, no_init
@@ -63,6 +64,7 @@ class Attention(nn.Module):
         self.backend = backend
         self.cp_group = cp_group          # context parallelism: keys and values gathered over it
         self.cp_fn = CP_KERNELS[cp_attn]
+        self.cp_block = block_kernel(backend, device or "cpu")     # the ring's block kernel
         if spec.qk_norm:
             # One weight over head_dim shared by all heads; each TP rank sees only its heads, so its gradient is
             # a partial sum over TP (the table row says tp_sum="always").
@@ -94,7 +96,7 @@ class Attention(nn.Module):
         k = apply_rope(k, cos, sin)
         v = heads[:, :, hq + hkv:]
         if isinstance(ctx, ContextSplit):
-            out = self.cp_fn(q, k, v, ctx, self.cp_group)                     # [rows, width, hq, d]
+            out = self.cp_fn(q, k, v, ctx, self.cp_group, self.cp_block)      # [rows, width, hq, d]
         elif isinstance(ctx, Packing):
             out = self.backend.fn(q[:, 0], k[:, 0], v[:, 0], ctx).unsqueeze(1)  # [T, 1, hq, d]
         else:
