@@ -24,7 +24,9 @@ logger = logging.getLogger("parallm")
 def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = False,
                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32,
                 vocab_multiple: int = 1, attn_impl: str = "auto", recompute: str | None = None,
-                cp_attn: str = "auto") -> list[DecoderChunk]:
+                cp_attn: str = "auto", num_layers_in_first_pipeline_stage: int | None = None,
+                num_layers_in_last_pipeline_stage: int | None = None,
+                layers_per_stage=None) -> list[DecoderChunk]:
     """Build this rank's share of the model: one chunk per virtual pipeline stage (``len == vpp`` or 1).
 
     ``hf_config``: a transformers ``PretrainedConfig``, a checkpoint directory, or a config.json path.
@@ -42,6 +44,12 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     log-sum-exp), or ``"auto"`` (docs/context-parallel.md says which and why); kept as ``chunk.cp_attn``.
     ``recompute="full"``: keep only each decoder layer's input in the forward and recompute its activations in
     the backward (``torch.utils.checkpoint``, non-reentrant, RNG state restored).
+    Pipeline split (``pp > 1``; default: ``L / (pp * vpp)`` layers per virtual stage): Megatron's
+    ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage`` (that many layers on the
+    first / last pipeline rank, the rest shared equally by the ranks between; with vpp, each rank's layers
+    split equally over its virtual stages), or ``layers_per_stage``, one count per virtual stage in the order
+    ``vpp_rank * pp + pp_rank``. An impossible split is a ValueError naming the numbers (and suggesting one).
+    Every rank passes the same split; it is kept in ``chunk.dims.layer_split``.
     bf16 / fp16 parameters accumulate their gradients in fp32 ``param.main_grad`` (a post-accumulate-grad hook
     adds each fresh ``param.grad`` into it and frees it); fp32 parameters keep ``param.grad``.
     Collective (every rank calls it): replicated-KV groups are created here when num_key_value_heads < tp.
@@ -56,7 +64,10 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     task = resolve_task(config, task)
     chunks = build_chunks(spec, table=family.table, task=task, dtype=dtype, sequence_parallel=sequence_parallel,
                           vocab_multiple=vocab_multiple, packed=packed, attn_impl=attn_impl,
-                          recompute=recompute, cp_attn=cp_attn)
+                          recompute=recompute, cp_attn=cp_attn,
+                          pipeline_split=dict(num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
+                                              num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
+                                              layers_per_stage=layers_per_stage))
     if chunks[0].dims.rank == 0:
         logger.info("build_model: %s %s, %s, attention %s%s", spec.architecture, task, chunks[0].dims.describe(),
                     chunks[0].attn_impl, f" (context parallel: {chunks[0].cp_attn})" if chunks[0].cp_attn else "")

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import CheckpointError
+from ..model.sharding import Source
 
 BLOCK = (128, 128)
 SCALE_SUFFIX = "_scale_inv"
@@ -150,3 +151,64 @@ def dequantize_state_dict(state: Mapping[str, torch.Tensor], *, dtype: torch.dty
         else:
             out[name] = tensor
     return out
+
+
+# -- the loader's view: a float8 weight read through its scales --------------------------------------------------
+
+class DequantizedSource(Source):
+    """A float8 weight of a checkpoint read as its dequantised fp32 values (:func:`dequantize`): ``read`` takes
+    just the requested rows / columns of the stored float8 tensor and the full (small) scale grid, so a loader
+    reading one TP rank's slice touches only that slice's bytes. fp32 is exact for the product (float8 x fp32
+    scale), so the loader's copy into the parameter rounds once, into the model dtype, as transformers does. A
+    3-D weight (experts stacked ``[E, rows, cols]``) is read along dim 0 (whole experts) only."""
+
+    def __init__(self, weight: Source, scale: Source, block: tuple[int, int]):
+        self.weight, self.scale, self.block = weight, scale, block
+        self.shape = tuple(weight.shape)
+        self.dtype = torch.float32
+        self._scale = None
+
+    @property
+    def is_floating(self) -> bool:
+        return True
+
+    def _scales(self) -> torch.Tensor:
+        if self._scale is None:
+            self._scale = self.scale.full().to(torch.float32)
+        return self._scale
+
+    def read(self, dim, start, stop):
+        part = self.weight.read(dim, start, stop)
+        if len(self.shape) == 2:
+            at = (start, 0) if dim == 0 else (0, start)
+            return dequantize(part, self._scales(), block=self.block, dtype=torch.float32, start=at)
+        if dim != 0:
+            raise ValueError(f"a {len(self.shape)}-D float8 weight is read along dim 0 only (got dim {dim})")
+        return dequantize(part, self._scales().narrow(0, start, stop - start), block=self.block, dtype=torch.float32)
+
+
+def fp8_plan(present: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.dtype],
+             block: tuple[int, int] | None, *, where: str) -> dict[str, str]:
+    """Which checkpoint tensors are float8 weights with block scales: ``{weight name: its scale's name}``, every
+    pairing checked (:func:`check_scale`) from metadata alone. ``block``: the config's
+    (:func:`block_size_of`); None: a checkpoint without a quantization config, which must hold no float8 tensor
+    and no scale. Raises :class:`CheckpointError` naming each problem (a float8 weight without its scale, a scale
+    without its weight or of the wrong grid, float8 weights where the config declares no quantization)."""
+    scales = {n[: -len(SCALE_SUFFIX)]: n for n in present if n.endswith(SCALE_SUFFIX)}
+    fp8 = sorted(n for n, d in dtypes.items() if is_fp8(d))
+    if block is None:
+        if fp8 or scales:
+            shown = ", ".join((fp8 or sorted(scales.values()))[:4])
+            raise CheckpointError(f"{where}: float8 tensors / block scales ({shown}) but the config has no "
+                                  "quantization_config (weight_block_size): a plain cast would load wrong weights")
+        return {}
+    for weight, scale in sorted(scales.items()):
+        if weight not in present:
+            raise CheckpointError(f"{where}: {scale} is a block scale without its weight {weight}")
+        check_scale(weight, present[weight], dtypes[weight], present[scale], dtypes[scale], block)
+    unscaled = [n for n in fp8 if n not in scales]
+    if unscaled:
+        raise CheckpointError(f"{where}: {', '.join(unscaled[:4])} is float8 but the checkpoint has no "
+                              f"{scale_name(unscaled[0])} (one scale per {block[0]}x{block[1]} block): a plain cast "
+                              "would load wrong weights")
+    return scales

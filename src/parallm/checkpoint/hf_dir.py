@@ -41,6 +41,11 @@ class SliceSource(Source):
     def is_floating(self) -> bool:
         return self.dtype_code.startswith(("F", "BF"))
 
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The stored dtype (None for a code torch has no dtype for), from the header: no data touched."""
+        return SAFETENSORS_DTYPES.get(self.dtype_code)
+
     def read(self, dim, start, stop):
         if self._view is None:          # the whole tensor as a zero-copy view of the mapping, made once
             self._view = self._handle.get_tensor(self.name)

@@ -35,6 +35,7 @@ from ..parallel.errors import exchange_rows, gather_objects, remote_error, statu
 from ..parallel.state import ParallelDims, as_chunks, dims_of, require_initialized
 from ..progress import bar
 from .cast import WIRE_DTYPES, check_cast, copy_cast_
+from .fp8 import DequantizedSource, block_size_of, fp8_plan
 from .hf_dir import HFCheckpoint, check_floating, check_keys_and_shapes, tensor_shapes
 
 logger = logging.getLogger("parallm")
@@ -263,7 +264,9 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
     reads = status == _OK and (layout.rank == 0 if mode == "broadcast" else kind in ("dir", "dict"))
     if reads:
         try:
-            get, init = _open_and_check(source, spec, task, layout, strict=strict, allow_pickle=allow_pickle)
+            block = block_size_of(chunks[0].hf_config)     # FP8 block checkpoints: dequantised while read
+            get, init = _open_and_check(source, spec, task, layout, strict=strict, allow_pickle=allow_pickle,
+                                        fp8_block=block)
             own = [(e, c) for e, c in mine if not set(e.hf) & set(init)]
             _fill_all(own, get, layout, progress)
         except Exception as e:  # noqa: BLE001
@@ -299,9 +302,15 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
     return LoadReport(mode=mode, tensors=len(mine), seconds=time.perf_counter() - t0, initialised=tuple(init))
 
 
-def _open_and_check(source, spec, task, layout: ParallelDims, *, strict: bool, allow_pickle: bool):
+def _open_and_check(source, spec, task, layout: ParallelDims, *, strict: bool, allow_pickle: bool,
+                    fp8_block: tuple[int, int] | None = None):
     """Open this rank's source and check every tensor's name, shape and dtype at once. Returns
-    ``(get, initialised)``: ``get(hf_name)`` gives the :class:`Source` to read (value-head aliases applied)."""
+    ``(get, initialised)``: ``get(hf_name)`` gives the :class:`Source` to read (value-head aliases applied).
+
+    ``fp8_block``: the config's FP8 block (``quantization_config.weight_block_size``): float8 weights are then
+    read through their ``*_scale_inv`` block scales (:class:`~parallm.checkpoint.fp8.DequantizedSource`, fp32,
+    rounded once into the model dtype by the filling copy) and the scales are not weights of their own. Without
+    it a float8 tensor or a scale is an error naming it."""
     table = family_of(spec).table
     expected = expected_hf_shapes(table, spec, task=task, pp=layout.pp)
     if isinstance(source, dict):
@@ -312,6 +321,14 @@ def _open_and_check(source, spec, task, layout: ParallelDims, *, strict: bool, a
         ckpt = HFCheckpoint(source, allow_pickle=allow_pickle)
         raw, where = ckpt.source, ckpt.path
         present = {k: raw(k).shape for k in ckpt.keys()}
+    scales = fp8_plan(present, {k: getattr(raw(k), "dtype", None) for k in present}, fp8_block, where=where)
+    if scales:
+        stored = raw
+        present = {k: v for k, v in present.items() if k not in set(scales.values())}
+
+        def raw(name):
+            scale = scales.get(name)
+            return stored(name) if scale is None else DequantizedSource(stored(name), stored(scale), fp8_block)
     aliases, init, fused = check_checkpoint(present, spec, task, expected, strict=strict, where=where,
                                             fused=fused_layout(table, spec, task=task, pp=layout.pp))
     check_floating([fused[k].name if k in fused else aliases.get(k, k) for k in expected if k not in init],

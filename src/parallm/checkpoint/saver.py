@@ -365,6 +365,9 @@ def hf_config_dict(chunk, dtype=None) -> dict:
     cfg = chunk.hf_config
     d = dict(cfg) if isinstance(cfg, dict) else (cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg)))
     d = {k: v for k, v in d.items() if not k.startswith("_")}
+    # the weights are written dequantised, in the model's (or the requested) dtype: an FP8 checkpoint's
+    # quantization_config would make readers look for block scales that are not there
+    d.pop("quantization_config", None)
     family = family_of(chunk.spec)
     if chunk.task == "value":
         d["architectures"] = [family.value_architecture]

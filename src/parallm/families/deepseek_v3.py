@@ -16,19 +16,24 @@ routers: transformers' DeepseekV3 code ignores these keys and would run the sigm
 ``moe_layer_freq != 1``, ``num_key_value_heads != num_attention_heads`` (MLA gives every head its own key and
 value; transformers would repeat them), RoPE kinds other than default / yarn.
 
-Not registered yet: the decoder's MLA layer, the sigmoid router in the MoE block and the weight table are the
-integration step (docs/families.md).
+The weight table: LLaMA's embedding, norms, dense MLP (dense-first layers) and head, the MLA rows of
+:data:`parallm.model.mla.MLA_WEIGHTS` instead of the fused QKV, and the MoE rows of GLM-4.5 / DeepSeek-V3
+(:data:`parallm.families.moe_common.GROUPED_MOE_ROWS`: ``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``,
+per-expert ``mlp.experts.{e}.*``, ``mlp.shared_experts.*``). docs/families.md has the table with shapes.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from ..model.mla import MLA_WEIGHTS
 from ..model.rope import RopeSpec
 from ..model.spec import DecoderSpec, MLASpec, MoESpec
+from ..model.table import Row
 from ..model.yarn import mla_softmax_scale, rope_parameters, yarn_spec_from_params
-from .moe_common import moe_spec
-from .registry import base_spec_kwargs, load_config
+from .llama import DECODER_TABLE
+from .moe_common import GROUPED_MOE_ROWS, moe_spec, moe_table
+from .registry import Family, base_spec_kwargs, load_config, register
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV3ForSequenceClassification", "DeepseekV3Model")
@@ -156,3 +161,52 @@ def deepseek_v3_spec(config) -> DecoderSpec:
                                 max_position_embeddings=max_pos))
     return DecoderSpec(**kwargs, o_bias=bias, mla=mla, yarn=yarn, moe=grouped_moe_spec(config),
                        mtp_layers=mtp_layers_of(config, DEEPSEEK_DEFAULTS["num_nextn_predict_layers"]))
+
+
+# -- the weight table -----------------------------------------------------------------------------------------
+
+H = "hidden_size"
+# the full HF shape of each MLA tensor (DecoderSpec attribute names: q_size = heads x (nope + rope))
+_MLA_SHAPES = {
+    "q_a_proj.weight": ("q_lora_rank", H), "q_a_proj.bias": ("q_lora_rank",),
+    "q_a_layernorm.weight": ("q_lora_rank",), "q_b_proj.weight": ("q_size", "q_lora_rank"),
+    "q_proj.weight": ("q_size", H),
+    "kv_a_proj_with_mqa.weight": ("mla_kv_a_size", H), "kv_a_proj_with_mqa.bias": ("mla_kv_a_size",),
+    "kv_a_layernorm.weight": ("kv_lora_rank",), "kv_b_proj.weight": ("mla_kv_b_size", "kv_lora_rank"),
+    "o_proj.weight": (H, "mla_v_size"), "o_proj.bias": (H,),
+}
+
+
+def mla_rows() -> tuple[Row, ...]:
+    """One row per :data:`~parallm.model.mla.MLA_WEIGHTS` entry: its parameter in the layer's
+    ``self_attention`` (an :class:`~parallm.model.mla.MLAttention`), layout kind, ``tp_sum`` and conditions
+    (``q_lora`` / ``no_q_lora`` / ``down_bias`` / ``o_bias``)."""
+    return tuple(Row(f"layers.{{l}}.self_attention.{local}", ("model.layers.{i}.self_attn." + hf,), kind, "layer",
+                     (_MLA_SHAPES[hf],), when=tuple(cond.split("+")) if cond else (), tp_sum=tp_sum)
+                 for hf, (local, kind, tp_sum, cond) in MLA_WEIGHTS.items())
+
+
+def _with_mla(table: tuple[Row, ...]) -> tuple[Row, ...]:
+    """``table`` with its standard attention rows replaced by the MLA rows, where they stood."""
+    out, placed = [], False
+    for r in table:
+        if ".self_attention." in r.local:
+            if not placed:
+                out.extend(mla_rows())
+                placed = True
+            continue
+        out.append(r)
+    return tuple(out)
+
+
+DEEPSEEK_V3_TABLE = moe_table(GROUPED_MOE_ROWS, base=_with_mla(DECODER_TABLE))
+
+DEEPSEEK_V3 = register(Family(
+    name="deepseek_v3",
+    model_types=MODEL_TYPES,
+    architectures=ARCHITECTURES,
+    spec=deepseek_v3_spec,
+    table=DEEPSEEK_V3_TABLE,
+    causal_architecture="DeepseekV3ForCausalLM",
+    value_architecture="DeepseekV3ForSequenceClassification",
+))

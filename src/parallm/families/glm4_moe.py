@@ -9,7 +9,8 @@ expert (:func:`parallm.families.deepseek_v3.grouped_moe_spec`, with GLM's defaul
 1.0, one group). MTP layers (``num_nextn_predict_layers``, GLM-4.5: 1) are recorded, not run.
 
 YaRN is refused here: no GLM-4.5 checkpoint uses it, and its partial rotary would need it in the standard
-attention path (docs/families.md). Not registered yet (the integration step).
+attention path (docs/families.md). The weight table: LLaMA's (q / k / v biases, qk-norm rows) with the MoE rows
+of DeepSeek-V3 (:data:`parallm.families.moe_common.GROUPED_MOE_ROWS`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from ..model.rope import rope_spec_from_hf_config
 from ..model.spec import DecoderSpec
 from ..model.yarn import rope_parameters, rotary_dim
 from .deepseek_v3 import base_kwargs_without_rope, grouped_moe_spec, mtp_layers_of
+from .moe_common import GROUPED_MOE_ROWS, moe_table
+from .registry import Family, register
 
 MODEL_TYPES = ("glm4_moe",)
 ARCHITECTURES = ("Glm4MoeForCausalLM", "Glm4MoeForSequenceClassification", "Glm4MoeModel")
@@ -51,3 +54,16 @@ def glm4_moe_spec(config) -> DecoderSpec:
     return DecoderSpec(**kwargs, qkv_bias=bias, o_bias=False, qk_norm=bool(getattr(config, "use_qk_norm", False)),
                        moe=grouped_moe_spec(config, GLM_DEFAULTS),
                        mtp_layers=mtp_layers_of(config, GLM_DEFAULTS["num_nextn_predict_layers"]))
+
+
+GLM4_MOE_TABLE = moe_table(GROUPED_MOE_ROWS)
+
+GLM4_MOE = register(Family(
+    name="glm4_moe",
+    model_types=MODEL_TYPES,
+    architectures=ARCHITECTURES,
+    spec=glm4_moe_spec,
+    table=GLM4_MOE_TABLE,
+    causal_architecture="Glm4MoeForCausalLM",
+    value_architecture="Glm4MoeForSequenceClassification",
+))

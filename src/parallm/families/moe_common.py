@@ -23,37 +23,50 @@ H, EI, SI, E = "hidden_size", "expert_intermediate_size", "shared_expert_interme
 FUSED_BLOCK = "model.layers.{i}.mlp."   # where transformers 5 keeps a MoE layer's modules in memory
 
 
-def moe_rows(block: str, *, router: str, gate: str, up: str, down: str) -> tuple[Row, ...]:
+def moe_rows(block: str, *, router: str, gate: str, up: str, down: str, shared: str = "shared_expert.",
+             router_bias: str | None = None) -> tuple[Row, ...]:
     """``block``: the HF module of a MoE layer (``model.layers.{i}.mlp.``); ``router``: its router weight
-    (relative to ``block``); ``gate`` / ``up`` / ``down``: expert e's projections (``{e}`` in them)."""
+    (relative to ``block``); ``gate`` / ``up`` / ``down``: expert e's projections (``{e}`` in them); ``shared``:
+    the shared expert's module (Qwen2-MoE ``shared_expert.``, DeepSeek-V3 / GLM-4.5 ``shared_experts.``);
+    ``router_bias``: the sigmoid router's fp32 selection bias (``gate.e_score_correction_bias``), a tensor without
+    gradient (``tp_sum`` never: nothing to sum), present when the spec's ``score_bias`` says so."""
     mlp = "layers.{l}.mlp."
+    bias = () if router_bias is None else (
+        Row(mlp + "router.e_score_correction_bias", (block + router_bias,), "copy", "layer", ((E,),),
+            when=("moe_layer", "score_bias")),)
     return (
         Row(mlp + "router.weight", (block + router,), "copy", "layer", ((E, H),), when=("moe_layer",),
             tp_sum="sp", fused=(FUSED_BLOCK + "gate.weight",)),
+        *bias,
         Row(mlp + "experts.linear_fc1.weight", (block + gate, block + up), "gate_up", "layer", ((EI, H), (EI, H)),
             when=("moe_layer",), per_expert=True, fused=(FUSED_BLOCK + "experts.gate_up_proj",)),
         Row(mlp + "experts.linear_fc2.weight", (block + down,), "row", "layer", ((H, EI),), when=("moe_layer",),
             per_expert=True, fused=(FUSED_BLOCK + "experts.down_proj",)),
         Row(mlp + "shared_experts.linear_fc1.weight",
-            (block + "shared_expert.gate_proj.weight", block + "shared_expert.up_proj.weight"), "gate_up", "layer",
+            (block + shared + "gate_proj.weight", block + shared + "up_proj.weight"), "gate_up", "layer",
             ((SI, H), (SI, H)), when=("moe_layer", "shared_expert")),
-        Row(mlp + "shared_experts.linear_fc2.weight", (block + "shared_expert.down_proj.weight",), "row", "layer",
+        Row(mlp + "shared_experts.linear_fc2.weight", (block + shared + "down_proj.weight",), "row", "layer",
             ((H, SI),), when=("moe_layer", "shared_expert")),
         Row(mlp + "shared_experts.gate_weight", (block + "shared_expert_gate.weight",), "copy", "layer", ((1, H),),
             when=("moe_layer", "shared_expert_gate"), tp_sum="sp"),
     )
 
 
-def moe_table(expert_rows: tuple[Row, ...]) -> tuple[Row, ...]:
-    """The dense decoder table (its MLP rows now for dense layers only) followed by ``expert_rows``. A new
-    table: the shared dense one is not changed."""
-    dense = tuple(replace(r, when=r.when + ("dense_layer",)) if ".mlp." in r.local else r for r in DECODER_TABLE)
+def moe_table(expert_rows: tuple[Row, ...], base: tuple[Row, ...] = DECODER_TABLE) -> tuple[Row, ...]:
+    """The dense decoder table ``base`` (its MLP rows now for dense layers only) followed by ``expert_rows``. A
+    new table: the shared dense one is not changed."""
+    dense = tuple(replace(r, when=r.when + ("dense_layer",)) if ".mlp." in r.local else r for r in base)
     return dense + expert_rows
 
 
 QWEN_MOE_ROWS = moe_rows("model.layers.{i}.mlp.", router="gate.weight", gate="experts.{e}.gate_proj.weight",
                          up="experts.{e}.up_proj.weight", down="experts.{e}.down_proj.weight")
 QWEN_MOE_TABLE = moe_table(QWEN_MOE_ROWS)
+
+# DeepSeek-V3 and GLM-4.5: the router with its selection bias, the shared expert under ``shared_experts.``
+GROUPED_MOE_ROWS = moe_rows("model.layers.{i}.mlp.", router="gate.weight", gate="experts.{e}.gate_proj.weight",
+                            up="experts.{e}.up_proj.weight", down="experts.{e}.down_proj.weight",
+                            shared="shared_experts.", router_bias="gate.e_score_correction_bias")
 
 
 def moe_layers(config, num_experts: int) -> tuple[int, ...]:

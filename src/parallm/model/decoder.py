@@ -24,13 +24,15 @@ from .attention import (AttnBackend, Packing, block_kernel, make_packing, pack_t
                         unpack_tokens)
 from .context_parallel import CP_KERNELS, ContextSplit, resolve_cp_attn, split_batch
 from .logprobs import token_stats_head
+from .mla import MLAttention
 from .mlp import MLP, no_init
 from .moe import MoEAux, MoEBlock
 from .placement import attach_placements
-from .rope import apply_rope, rope_cos_sin
+from .rope import rope_cos_sin
 from ..parallel.stages import layer_numbers
 from .spec import TASKS, DecoderSpec, check_ep, check_tp, padded_vocab_size
 from .table import chunk_entries
+from .yarn import apply_partial_rope, yarn_cos_sin
 
 _megatron = import_megatron()
 ModelParallelConfig = _megatron.ModelParallelConfig
@@ -92,8 +94,8 @@ class Attention(nn.Module):
         q, k = heads[:, :, :hq], heads[:, :, hq:hq + hkv]
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        q = apply_partial_rope(q, cos, sin)     # the first rotary_dim channels (GLM-4.5); all of them otherwise
+        k = apply_partial_rope(k, cos, sin)
         v = heads[:, :, hq + hkv:]
         if isinstance(ctx, ContextSplit):
             out = self.cp_fn(q, k, v, ctx, self.cp_group, self.cp_block)      # [rows, width, hq, d]
@@ -113,9 +115,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number  # global index in the full model
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
-        self.self_attention = Attention(spec, config, tp, device, backend=backend,
-                                        cp_group=dims.cp_group if dims is not None and dims.cp > 1 else None,
-                                        cp_attn=cp_attn)
+        if spec.mla is not None:     # multi-head latent attention (DeepSeek-V3): model/mla.py
+            self.self_attention = MLAttention(spec, config, tp, device, backend=backend, norm=RMSNorm)
+        else:
+            self.self_attention = Attention(spec, config, tp, device, backend=backend,
+                                            cp_group=dims.cp_group if dims is not None and dims.cp > 1 else None,
+                                            cp_attn=cp_attn)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
         # The spec says which layers route over experts (model/moe.py); the others keep the dense MLP.
         self.mlp = MoEBlock(spec, config, dims, device) if spec.is_moe_layer(layer_number) else MLP(spec, config)
@@ -304,7 +309,10 @@ class DecoderChunk(nn.Module):
             if self.input_tensor is None:
                 raise RuntimeError("DecoderChunk without pre_process needs set_input_tensor() before forward")
             x = self.input_tensor
-        cos, sin = rope_cos_sin(self.spec.rope, positions, rope_length)
+        if self.spec.yarn is not None:      # YaRN: its frequencies and the cos / sin attention factor
+            cos, sin = yarn_cos_sin(self.spec.yarn, positions)
+        else:
+            cos, sin = rope_cos_sin(self.spec.rope, positions, rope_length)
         cos, sin = cos.to(x.device), sin.to(x.device)
         recompute = self.recompute == "full" and torch.is_grad_enabled()
         tokens = self._real_tokens(attention_mask, ctx) if self.moe_aux.scale is not None else None
@@ -435,7 +443,11 @@ def prepare_config(spec: DecoderSpec, dims, *, task: str, dtype, sequence_parall
         raise ValueError(f"hidden_act={spec.hidden_act!r} is not supported (parallm implements 'silu')")
     check_tp(spec, dims.tp)
     check_ep(spec, dims.ep)
-    layer_numbers(spec.num_layers, dims.pp, dims.vpp, 0, 0)  # raises with the numbers if the split is uneven
+    if spec.mla is not None and dims.cp > 1:
+        raise ValueError(f"{spec.architecture}: context parallelism (cp={dims.cp}) with multi-head latent attention "
+                         "is not supported yet (its values are narrower than its keys); use cp=1")
+    # raises with the numbers if the layers do not split (evenly, or as dims.layer_split says)
+    layer_numbers(spec.num_layers, dims.pp, dims.vpp, 0, 0, layers_per_stage=dims.layer_split)
     config = make_config(tp=dims.tp, pp=dims.pp, vpp=dims.vpp if dims.vpp > 1 else None, dtype=dtype,
                          sequence_parallel=sequence_parallel)
     # The TransformerConfig fields Megatron's schedules read from a model's config, set once here: the chunks of
@@ -451,11 +463,13 @@ def prepare_config(spec: DecoderSpec, dims, *, task: str, dtype, sequence_parall
 
 def build_chunks(spec: DecoderSpec, *, table, task: str = "causal_lm", dtype=torch.float32,
                  sequence_parallel=False, vocab_multiple: int = 1, packed: bool = False,
-                 attn_impl: str = "auto", recompute: str | None = None, cp_attn: str = "auto"
-                 ) -> list[DecoderChunk]:
-    """Build this rank's chunks (one per virtual stage) for the current parallel layout."""
+                 attn_impl: str = "auto", recompute: str | None = None, cp_attn: str = "auto",
+                 pipeline_split: dict | None = None) -> list[DecoderChunk]:
+    """Build this rank's chunks (one per virtual stage) for the current parallel layout. ``pipeline_split``: the
+    keywords of :meth:`parallm.parallel.state.ParallelDims.with_layer_split` (an uneven pipeline split; the
+    chunks' ``dims`` carry it)."""
     from ..parallel.state import current_dims
-    dims = current_dims()
+    dims = current_dims().with_layer_split(spec.num_layers, **(pipeline_split or {}))
     config = prepare_config(spec, dims, task=task, dtype=dtype, sequence_parallel=sequence_parallel)
     return [DecoderChunk(spec, config, task=task, pre_process=dims.is_first_stage(v),
                          post_process=dims.is_last_stage(v), layers=dims.stage_layers(spec.num_layers, v),

@@ -154,8 +154,9 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 class ReplicatedLinear(nn.Module):
     """``F.linear`` with a weight replicated over TP (megatron-core's duplicated linear, marked
-    ``sequence_parallel`` like a norm: parallm's placement kind ``"replicated"``)."""
-    parallm_param_kind = "replicated"
+    ``sequence_parallel`` like a norm and ``allreduce`` like a linear: parallm's placement kind
+    ``"replicated_linear"``)."""
+    parallm_param_kind = "replicated_linear"
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, device):
         super().__init__()

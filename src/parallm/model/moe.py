@@ -64,6 +64,7 @@ from ..parallel.experts import (combine, dispatch, expert_counts, gather_shares,
                                 sort_slots, weighted_sum)
 from ..parallel.megatron_import import import_megatron
 from .mlp import MLP
+from .routing import GroupLimitedRouter
 from .spec import DecoderSpec
 
 mtp = import_megatron().tensor_parallel
@@ -303,7 +304,13 @@ class MoEBlock(nn.Module):
         self.shares = tp > 1 and dims.ep > 1
         self.experts_held = dims.expert_range(moe.num_experts)
         self.aux: MoEAux | None = None      # the chunk's tracker, set by the chunk
-        self.router = Router((moe.num_experts, spec.hidden_size), config.params_dtype, device)
+        if moe.router == "sigmoid_grouped":   # DeepSeek-V3 / GLM-4.5: fp32 weight and selection bias
+            self.router = GroupLimitedRouter(moe.num_experts, spec.hidden_size, top_k=moe.top_k, n_group=moe.n_group,
+                                             topk_group=moe.topk_group, norm_topk_prob=moe.norm_topk_prob,
+                                             routed_scaling_factor=moe.routed_scaling_factor,
+                                             score_bias=moe.score_bias, device=device)
+        else:
+            self.router = Router((moe.num_experts, spec.hidden_size), config.params_dtype, device)
         self.experts = Experts(len(self.experts_held), spec.hidden_size, moe.expert_intermediate_size // tp,
                                config.params_dtype, device)
         if moe.shared_expert_intermediate_size:
@@ -311,7 +318,11 @@ class MoEBlock(nn.Module):
 
     def route(self, h):
         """(probs [N, E] fp32, weights [N, k] fp32, choices [N, k]): the logits in the model dtype, as transformers
-        computes them, then fp32 (the activations are not upcast: only the [N, E] logits are)."""
+        computes them, then fp32 (the activations are not upcast: only the [N, E] logits are). The sigmoid
+        group-limited router (:mod:`parallm.model.routing`) gives its sigmoid scores as the probabilities."""
+        if isinstance(self.router, GroupLimitedRouter):
+            logits, weights, choices = self.router(h)
+            return logits.sigmoid(), weights, choices
         logits = F.linear(h, self.router.weight).float()
         probs = torch.softmax(logits, dim=-1)
         weights, choices = torch.topk(probs, self.top_k, dim=-1)

@@ -10,8 +10,10 @@ code read parallm's chunks correctly:
                                                                it initialises a weight; parallm builds without)
     sequence_parallel                                          norms, row-parallel biases, MoE router and shared
                                                                expert gate: config's value
-    allreduce                                                  linear weights and biases: True; expert
-                                                               weights: False when ep > 1 (megatron-core's
+    allreduce                                                  linear weights and biases (the replicated
+                                                               down-projections of MLA too, as megatron-core's
+                                                               duplicated linears): True; expert weights:
+                                                               False when ep > 1 (megatron-core's
                                                                ``not (is_expert and expert_parallel)``)
     shared / shared_embedding                                  tied across stages: the first stage's embedding is
                                                                ``shared_embedding``; the last stage's head copy
@@ -73,7 +75,8 @@ def place(param: torch.Tensor, placement: Placement, *, module_kind: str, sequen
     owns it: ``"linear"`` (a megatron Column/RowParallelLinear weight or column bias), ``"row_bias"`` (a
     RowParallelLinear bias), ``"norm"`` (an RMSNorm weight), ``"replicated"`` (a TP-replicated weight that
     megatron-core marks ``sequence_parallel`` like a norm: the MoE router and the shared expert's gate),
-    ``"embedding"`` or ``"other"``. ``expert_parallel``: ep > 1 (expert weights are then not all-reduced over
+    ``"replicated_linear"`` (a linear replicated over TP: megatron-core's duplicated linear, marked
+    ``sequence_parallel`` and ``allreduce``: MLA's down-projections), ``"embedding"`` or ``"other"``. ``expert_parallel``: ep > 1 (expert weights are then not all-reduced over
     data parallelism: megatron-core's ``allreduce=False``)."""
     param.parallm_placement = placement
     if placement.tensor_parallel:
@@ -83,9 +86,10 @@ def place(param: torch.Tensor, placement: Placement, *, module_kind: str, sequen
     else:
         for name, value in _MEGATRON_TP_DEFAULTS.items():
             setattr(param, name, value)
-    if module_kind in ("norm", "row_bias", "replicated") or (placement.tp_sum and module_kind == "other"):
+    if module_kind in ("norm", "row_bias", "replicated", "replicated_linear") or (placement.tp_sum
+                                                                                  and module_kind == "other"):
         param.sequence_parallel = sequence_parallel
-    if module_kind in ("linear", "row_bias"):
+    if module_kind in ("linear", "row_bias", "replicated_linear"):
         param.allreduce = True
     if placement.expert is not None:
         param.allreduce = not expert_parallel

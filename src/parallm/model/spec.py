@@ -222,7 +222,7 @@ def check_tp(spec: DecoderSpec, tp: int) -> None:
                         "(KV heads can only be replicated in equal blocks)")
     if spec.num_heads % nkv:
         problems.append(f"num_attention_heads={spec.num_heads} is not a multiple of num_key_value_heads={nkv}")
-    dense = spec.moe is None or len(spec.moe.layers) < spec.num_layers
+    dense = any(not spec.is_moe_layer(i) for i in range(spec.num_layers))
     if dense and spec.intermediate_size % tp:
         problems.append(f"intermediate_size={spec.intermediate_size} is not divisible by tp={tp}")
     if spec.moe is not None:

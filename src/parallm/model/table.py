@@ -48,6 +48,12 @@ CONDITIONS = {
     "tied_copy": lambda spec, task, pp: spec.tie_word_embeddings and pp > 1,
     "shared_expert": lambda spec, task, pp: spec.moe is not None and spec.moe.shared_expert_intermediate_size > 0,
     "shared_expert_gate": lambda spec, task, pp: spec.moe is not None and spec.moe.shared_expert_gate,
+    # the sigmoid group-limited router's fp32 selection bias (e_score_correction_bias: DeepSeek-V3, GLM-4.5)
+    "score_bias": lambda spec, task, pp: spec.moe is not None and spec.moe.score_bias,
+    # multi-head latent attention (DeepSeek-V3): with / without a q LoRA, the down-projections' bias
+    "q_lora": lambda spec, task, pp: spec.mla is not None and spec.mla.q_lora_rank is not None,
+    "no_q_lora": lambda spec, task, pp: spec.mla is not None and spec.mla.q_lora_rank is None,
+    "down_bias": lambda spec, task, pp: spec.mla is not None and spec.mla.down_proj_bias,
 }
 
 # Conditions on the global layer index (all must hold for the row to exist in that layer).

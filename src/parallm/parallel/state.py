@@ -12,14 +12,14 @@ Which pipeline stage is first or last and which stage owns a layer is decided he
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from .megatron_import import import_megatron
-from .stages import layer_numbers, layer_owner
+from .stages import layer_numbers, layer_owner, stage_sizes
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("PARALLM_TIMEOUT_S", "600"))
 
@@ -257,6 +257,9 @@ class ParallelDims:
     cp_group: object = field(default=None, compare=False, repr=False)
     dp_cp_group: object = field(default=None, compare=False, repr=False)
     tp_cp_group: object = field(default=None, compare=False, repr=False)   # the ranks sharing one sequence
+    # an uneven pipeline split: layers per virtual stage (order vpp_rank * pp + pp_rank), set by build_model for
+    # the chunks it builds (:meth:`with_layer_split`); None: the even split
+    layer_split: tuple[int, ...] | None = None
 
     @classmethod
     def current(cls) -> "ParallelDims":
@@ -305,8 +308,9 @@ class ParallelDims:
         return self.pp_rank == self.pp - 1 and vpp_rank == self.vpp - 1
 
     def stage_layers(self, num_layers: int, vpp_rank: int) -> range:
-        """Global layer indices of this rank's virtual stage ``vpp_rank`` (Megatron's interleaving)."""
-        return layer_numbers(num_layers, self.pp, self.vpp, self.pp_rank, vpp_rank)
+        """Global layer indices of this rank's virtual stage ``vpp_rank`` (Megatron's interleaving; the uneven
+        split of :attr:`layer_split` when set)."""
+        return layer_numbers(num_layers, self.pp, self.vpp, self.pp_rank, vpp_rank, layers_per_stage=self.layer_split)
 
     def owner_pp_rank(self, stage: str, layer: int | None, num_layers: int) -> int:
         """Pipeline rank owning a weight-table row's parameter: ``stage`` "first" / "last" / "layer"."""
@@ -314,7 +318,23 @@ class ParallelDims:
             return 0
         if stage == "last":
             return self.pp - 1
-        return layer_owner(num_layers, self.pp, self.vpp, layer)[0]
+        return layer_owner(num_layers, self.pp, self.vpp, layer, layers_per_stage=self.layer_split)[0]
+
+    def with_layer_split(self, num_layers: int, *, num_layers_in_first_pipeline_stage: int | None = None,
+                         num_layers_in_last_pipeline_stage: int | None = None,
+                         layers_per_stage=None) -> "ParallelDims":
+        """This layout with the pipeline split of a ``num_layers`` model (:func:`parallm.parallel.stages.
+        stage_sizes`: Megatron's ``num_layers_in_first/last_pipeline_stage`` or an explicit ``layers_per_stage``;
+        none given: the even split). An impossible split is a ValueError naming the numbers."""
+        if num_layers_in_first_pipeline_stage is None and num_layers_in_last_pipeline_stage is None \
+                and layers_per_stage is None:
+            stage_sizes(num_layers, self.pp, self.vpp)        # raises, with a hint, if it does not divide evenly
+            return replace(self, layer_split=None)
+        sizes = stage_sizes(num_layers, self.pp, self.vpp,
+                            num_layers_in_first_pipeline_stage=num_layers_in_first_pipeline_stage,
+                            num_layers_in_last_pipeline_stage=num_layers_in_last_pipeline_stage,
+                            layers_per_stage=layers_per_stage)
+        return replace(self, layer_split=sizes)
 
 
 def current_dims() -> ParallelDims:
