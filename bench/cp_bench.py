@@ -5,8 +5,11 @@ MLP 1024, vocab 32000), fp32, ``output="logprobs"`` with the token-mean next-tok
 ``[T, V]`` logits are kept).
 
 memory  per rank: anonymous memory held by the forward graph (after ``forward(..., output="logprobs")`` with
-        gradients on, minus before) and the backward's peak above that, plus the bytes autograd saved
-        (``saved_tensors_hooks``, parameters not counted: exact, whatever the allocator does); cp = 1 on one rank, cp = 4 on four, for
+        gradients on, minus before), the bytes autograd saved (``saved_tensors_hooks``, parameters not counted),
+        the peak of that forward and its ``.backward()`` above the memory before the forward, and the peak of a
+        training step (``forward_backward``, whose log-prob head adds its weight gradient into the existing
+        buffer) above the memory before it; glibc is set to map every allocation of 64 KiB or more on its own,
+        so RSS follows what tensors hold; cp = 1 on one rank, cp = 4 on four, for
         both context-parallel attentions (``cp_attn`` "allgather" and "ring"), all in one run.
 time    the same work both ways on four ranks: four sequences at cp = 4 (each split over the four ranks, one
         microbatch per sequence) against cp = 1 x dp = 4 (one sequence per rank); seconds per step (forward,
@@ -54,10 +57,21 @@ class SavedBytes:
         return t
 
 
+def _exact_rss() -> None:
+    """glibc: allocations of 64 KiB and more are mapped on their own and unmapped when freed (a fixed threshold:
+    the default one grows as large blocks are freed, after which freed tensors stay in the heap and RSS no longer
+    falls when memory is released), so the process's anonymous memory follows the bytes tensors hold."""
+    import ctypes
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 << 10)      # M_MMAP_THRESHOLD
+    libc.mallopt(-1, 64 << 10)      # M_TRIM_THRESHOLD
+
+
 def memory_worker(rank, world, ckpt, ids, mask, cp, cp_attn):
     import torch
 
     import parallm
+    _exact_rss()
     parallm.init_parallel(cp=cp)
     chunks = parallm.build_model(ckpt, packed=True, cp_attn=cp_attn)
     parallm.load_hf_weights(chunks, ckpt, progress=False)
@@ -73,9 +87,14 @@ def memory_worker(rank, world, ckpt, ids, mask, cp, cp_attn):
     loss, count = token_mean_nll(lp, ids, mask)
     with PeakRss() as peak:
         (loss / count).backward()
-    del lp
+    del lp, loss
+    parallm.finalize_grads(chunks)
+    torch.distributed.barrier()
+    before_step = rss_anon()
+    with PeakRss() as step_peak:     # a training step as forward_backward runs it (the head's gradient fused)
+        parallm.forward_backward(chunks, ids, mask, loss_fn=token_mean_nll, output="logprobs")
     parallm.destroy_parallel()
-    return dict(held=held, peak=peak.peak - before, saved=saved.now)
+    return dict(held=held, peak=peak.peak - before, saved=saved.now, step=step_peak.peak - before_step)
 
 
 def time_worker(rank, world, ckpt, ids, mask, cp, cp_attn, steps):
@@ -132,18 +151,17 @@ def _tokens(batch, tokens, seed=0):
 def part_memory(args, ckpt):
     ids, mask = _tokens(1, args.tokens)
     base = run_world(memory_worker, 1, ckpt, ids, mask, 1, "auto")[0]
-    rows = [("cp=1", "-", f"{base['held'] / MB:.0f}", f"{base['peak'] / MB:.0f}", f"{base['saved'] / MB:.0f}",
-             "1", "1", "1")]
+    keys = ("held", "saved", "peak", "step")
+    rows = [("cp=1", "-") + tuple(f"{base[k] / MB:.0f}" for k in keys) + ("1",) * len(keys)]
     for cp_attn in ("allgather", "ring"):
         res = run_world(memory_worker, 4, ckpt, ids, mask, 4, cp_attn)
-        worst = {k: max(r[k] for r in res) for k in ("held", "peak", "saved")}
-        rows.append(("cp=4 (max over ranks)", cp_attn, f"{worst['held'] / MB:.0f}", f"{worst['peak'] / MB:.0f}",
-                     f"{worst['saved'] / MB:.0f}", f"{worst['held'] / base['held']:.3f}",
-                     f"{worst['peak'] / base['peak']:.3f}", f"{worst['saved'] / base['saved']:.3f}"))
+        worst = {k: max(r[k] for r in res) for k in keys}
+        rows.append(("cp=4 (max over ranks)", cp_attn) + tuple(f"{worst[k] / MB:.0f}" for k in keys)
+                    + tuple(f"{worst[k] / base[k]:.3f}" for k in keys))
     print(f"memory: one packed sequence of {args.tokens} tokens, LLaMA-shaped hidden 256, 4 layers, vocab 32000, "
           "fp32, output='logprobs'")
-    print(table(rows, ["run", "cp_attn", "forward graph MiB (RSS)", "backward peak above it MiB", "activations saved MiB",
-                       "graph / cp1", "peak / cp1", "saved / cp1"]))
+    print(table(rows, ["run", "cp_attn", "forward graph MiB", "activations saved MiB", "forward+backward peak MiB",
+                       "forward_backward peak MiB", "graph / cp1", "saved / cp1", "peak / cp1", "step peak / cp1"]))
 
 
 def part_time(args, ckpt):

@@ -113,7 +113,7 @@ def test_split_keeps_every_token_once_with_its_targets_and_attention(cp, packed)
             block = torch.cat([_local(k, splits[src]), _local(v, splits[src])], dim=2).permute(1, 2, 0, 3)
             for p in ring_pieces(sp, src):
                 o, lse = kernel.forward(qf[:, :, p.q0:p.q1], block[:, :h, p.k0:p.k1], block[:, h:, p.k0:p.k1],
-                                        p.mask, d ** -0.5)
+                                        p.causal, d ** -0.5)
                 new = torch.logaddexp(lses[:, :, p.q0:p.q1], lse)
                 outs[:, :, p.q0:p.q1] = outs[:, :, p.q0:p.q1] * torch.exp(lses[:, :, p.q0:p.q1] - new)[..., None] \
                     + o * torch.exp(lse - new)[..., None]
@@ -125,22 +125,22 @@ def test_split_keeps_every_token_once_with_its_targets_and_attention(cp, packed)
 
 
 def test_block_kernels_agree():
-    """The ring's block kernels (explicit fp32 and the CPU's fused one) give the same output, log-sum-exp and
-    gradients, with grouped-query heads and each mask kind the ring uses (none, causal, [all | causal])."""
+    """The block kernels (explicit fp32 and the CPU's fused one) give the same output, log-sum-exp and gradients,
+    with grouped-query heads, for both kinds of block (all keys visible: a chunk against the chunks before it;
+    the square causal diagonal)."""
     from parallm.model.attention import CPU_FLASH_BLOCK, MATH_BLOCK
     g = torch.Generator().manual_seed(2)
     c, d = 8, 16
     q = torch.randn(2, 4, c, d, generator=g)
-    k, v = torch.randn(2, 2, 2 * c, d, generator=g), torch.randn(2, 2, 2 * c, d, generator=g)
-    causal = torch.ones(c, c, dtype=torch.bool).tril()
-    for mask, keys in ((None, slice(0, c)), (causal, slice(0, c)),
-                       (torch.cat([torch.ones(c, c, dtype=torch.bool), causal], 1), slice(0, 2 * c))):
+    k, v = torch.randn(2, 2, 3 * c, d, generator=g), torch.randn(2, 2, 3 * c, d, generator=g)
+    for causal, keys in ((False, slice(0, 3 * c)), (True, slice(0, c))):
         kk, vv = k[:, :, keys].contiguous(), v[:, :, keys].contiguous()
-        (o1, l1), (o2, l2) = (kern.forward(q, kk, vv, mask, d ** -0.5) for kern in (MATH_BLOCK, CPU_FLASH_BLOCK))
-        assert (o1 - o2).abs().max() < 1e-6 and (l1 - l2).abs().max() < 1e-5
+        (o1, l1), (o2, l2) = (kern.forward(q, kk, vv, causal, d ** -0.5) for kern in (MATH_BLOCK, CPU_FLASH_BLOCK))
+        ref = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=causal, enable_gqa=True)
+        assert (o1 - ref).abs().max() < 1e-6 and (o1 - o2).abs().max() < 1e-6 and (l1 - l2).abs().max() < 1e-5
         grad = torch.randn(o1.shape, generator=g)
-        for a, b in zip(MATH_BLOCK.backward(q, kk, vv, o1, l1, grad, mask, d ** -0.5),
-                        CPU_FLASH_BLOCK.backward(q, kk, vv, o1, l1, grad, mask, d ** -0.5)):
+        for a, b in zip(MATH_BLOCK.backward(q, kk, vv, o1, l1, grad, causal, d ** -0.5),
+                        CPU_FLASH_BLOCK.backward(q, kk, vv, o1, l1, grad, causal, d ** -0.5)):
             assert a.shape == b.shape and (a - b).abs().max() < 1e-5
 
 
@@ -155,7 +155,8 @@ def test_zigzag_balances_causal_work():
         work = []
         for r in range(cp):
             sp = split_batch(ids, (mask.cumsum(-1) - 1), mask, cp=cp, rank=r, packed=False)
-            work.append(sum(int(p.mask.sum()) for p in sp.pieces))
+            work.append(sum((p.q1 - p.q0) * (p.q1 - p.q0 + 1) // 2 if p.causal else (p.q1 - p.q0) * (p.k1 - p.k0)
+                            for p in sp.pieces))
         assert len(set(work)) == 1, work
 
 
@@ -441,3 +442,4 @@ def test_export_under_cp(vs_cp1):
     """export_metadata and export_hf_tensors at cp2 x dp2: every tensor once, equal to save_hf_weights."""
     e = vs_cp1["export"]
     assert e["meta"] == e["state"] and e["equal"]
+

@@ -103,40 +103,44 @@ def flash_varlen(q, k, v, packing: Packing):
     return _flash_varlen(q, k, v, cu, cu, packing.max_seqlen, packing.max_seqlen, causal=True)
 
 
-# -- blocks with their log-sum-exp (context parallelism's ring) -------------------------------------------------
+# -- blocks with their log-sum-exp (context parallelism) --------------------------------------------------------
+#
+# A block is a run of queries against a run of keys that is either entirely visible to them or the square causal
+# diagonal (query i sees keys <= i): with compacted, zigzag-split sequences every piece of context-parallel
+# attention is one of the two, so no mask tensor is ever built.
 
-def _scores(q, k, mask, scale):
+def _scores(q, k, causal: bool, scale):
     """fp32 ``q k^T * scale`` ``[W, hkv, g, Lq, Lk]`` for q ``[W, hq, Lq, d]``, k ``[W, hkv, Lk, d]`` (query head
-    ``h`` uses key head ``h // g``), masked keys at -inf."""
+    ``h`` uses key head ``h // g``); ``causal``: a square block, keys after the query at -inf."""
     w, hq, lq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
     s = torch.matmul(q.reshape(w, hkv, g * lq, d), k.transpose(-1, -2)).mul_(scale).view(w, hkv, g, lq, -1)
-    if mask is not None:
-        s.masked_fill_(~mask, float("-inf"))
+    if causal:
+        s.masked_fill_(torch.ones(lq, k.shape[2], dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
     return s
 
 
-def block_forward(q, k, v, mask, scale):
-    """One block of attention in fp32: ``(out [W, hq, Lq, d], lse [W, hq, Lq])`` (log-sum-exp of the scaled
-    scores of each query over this block's visible keys; every query sees at least one)."""
+def block_forward(q, k, v, causal: bool, scale):
+    """One block of attention in fp32: ``(out [W, hq, Lq, d], lse [W, hq, Lq])``, the log-sum-exp of the scaled
+    scores of each query over this block's visible keys."""
     w, hq, lq, d = q.shape
     hkv = k.shape[1]
-    s = _scores(q, k, mask, scale)
+    s = _scores(q, k, causal, scale)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
     out = torch.matmul(p.view(w, hkv, -1, k.shape[2]), v).view(w, hq, lq, d)
     return out, lse.view(w, hq, lq)
 
 
-def block_backward(q, k, v, out, lse, grad, mask, scale):
+def block_backward(q, k, v, out, lse, grad, causal: bool, scale):
     """Gradients ``(dq, dk, dv)`` (fp32) of one block from the *final* output and log-sum-exp of its queries
     (``P = exp(S - lse)`` is then this block's share of the whole softmax): ``dV = P^T dO``,
     ``dS = P (dO V^T - rowsum(dO O))``, ``dQ = dS K scale``, ``dK = dS^T Q scale``."""
     w, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     g = hq // hkv
-    s = _scores(q, k, mask, scale)
+    s = _scores(q, k, causal, scale)
     p = torch.exp(s - lse.view(w, hkv, g, lq, 1)).view(w, hkv, g * lq, lk)
     do = grad.reshape(w, hkv, g * lq, d)
     dv = torch.matmul(p.transpose(-1, -2), do)
@@ -148,31 +152,24 @@ def block_backward(q, k, v, out, lse, grad, mask, scale):
     return dq, dk, dv
 
 
-def _additive(mask: torch.Tensor | None):
-    return None if mask is None else torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
-        ~mask, float("-inf"))
-
-
-def cpu_block_forward(q, k, v, mask, scale):
+def cpu_block_forward(q, k, v, causal: bool, scale):
     """:func:`block_forward` by the CPU's fused flash-attention kernel (``aten._scaled_dot_product_flash_attention_
     for_cpu``, which returns the log-sum-exp; grouped-query heads as they are): the same values to fp32
     rounding, without the ``[Lq, Lk]`` scores of every head in memory at once."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False,
-                                                                          attn_mask=_additive(mask), scale=scale)
-    return out, lse
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
 
-def cpu_block_backward(q, k, v, out, lse, grad, mask, scale):
+def cpu_block_backward(q, k, v, out, lse, grad, causal: bool, scale):
     """:func:`block_backward` by the CPU's fused flash-attention backward (from the final output and lse)."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad, q, k, v, out, lse, 0.0, False, attn_mask=_additive(mask), scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, causal,
+                                                                               scale=scale)
 
 
 @dataclass(frozen=True)
 class BlockKernel:
     """Attention over one block of keys that also returns the log-sum-exp, and its backward from the final output
-    and log-sum-exp (what a ring of partial results needs): fp32 ``q [W, hq, Lq, d]``, ``k, v [W, hkv, Lk, d]``,
-    ``mask`` boolean ``[Lq, Lk]`` or None (every key visible)."""
+    and log-sum-exp (what merging partial results needs): fp32 ``q [W, hq, Lq, d]``, ``k, v [W, hkv, Lk, d]``,
+    ``causal``: the block is the square causal diagonal (else every key is visible)."""
     name: str
     forward: Callable
     backward: Callable
@@ -183,8 +180,8 @@ CPU_FLASH_BLOCK = BlockKernel("cpu-flash", cpu_block_forward, cpu_block_backward
 
 
 def block_kernel(backend: "AttnBackend | None", device) -> BlockKernel:
-    """The block kernel the ring runs for a model of ``backend`` on ``device``: the backend's own when it has
-    one, else the CPU's fused kernel on CPU and the explicit fp32 one elsewhere."""
+    """The block kernel context parallelism runs for a model of ``backend`` on ``device``: the backend's own when
+    it has one, else the CPU's fused kernel on CPU and the explicit fp32 one elsewhere."""
     if backend is not None and backend.block is not None:
         return backend.block
     return CPU_FLASH_BLOCK if torch.device(device).type == "cpu" else MATH_BLOCK
@@ -194,7 +191,7 @@ def block_kernel(backend: "AttnBackend | None", device) -> BlockKernel:
 class AttnBackend:
     """One attention kernel: ``packed`` says which input it takes (a :class:`Packing` stream or a padded batch
     with a boolean mask); ``unavailable(device, dtype)`` returns why it cannot run there, or None; ``block``: its
-    :class:`BlockKernel` for context parallelism's ring (None: :func:`block_kernel`'s default for the device;
+    :class:`BlockKernel` for context parallelism (None: :func:`block_kernel`'s default for the device;
     a fused GPU kernel returning the log-sum-exp, such as flash-attn's, plugs in here)."""
     name: str
     packed: bool

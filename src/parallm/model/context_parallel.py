@@ -21,15 +21,17 @@ out this rank's tokens, the same way on every rank (a pure function of the batch
   ``[B, S]``.
 * **order**: rows of the rank-major all-gathered keys / values (``[cp * rows, width, ...]``) in global order
   (per row / document, compact index ascending): what every rank's queries attend to.
-* **pieces**: the attention work of this rank: each of its chunks (contiguous local rows ``[q0, q1)``) attends
-  to the keys ``[k0, k1)`` of its row / document up to its own end, causally with the queries at the end of the
-  key range (bottom-right aligned): key ``k`` is visible to query ``q`` when ``k <= q`` in compact index. No
-  realness mask is needed: padding sits after every real token of its row, so a real query never sees it (a
-  padding query sees real keys and padding, which is harmless: its output is never used).
+* **pieces**: the attention work of this rank: each of its chunks ``j`` (contiguous local rows) attends to the
+  ``j c`` keys of its row / document before it, entirely, and to its own chunk's, causally (query ``i`` sees keys
+  up to ``i``); no other mask is needed: padding sits after every real token of its row, so a real query never
+  sees it (a padding query sees real keys and padding, which is harmless: its output is never used). Every
+  piece is a block of the model's block kernel (:func:`parallm.model.attention.block_kernel`), and the blocks
+  of a chunk are merged by log-sum-exp in fp32: no ``[queries, keys]`` mask or score tensor is kept.
 
 Activations keep the layouts of cp = 1: padded ``[rows, B, H]`` with ``rows = P / cp``; packed ``[rows, 1, H]``
-(``[rows / tp, 1, H]`` between the linears under sequence parallelism). Attention (:func:`cp_attention`)
-all-gathers keys and values over the CP group (backward: the gradients reduce-scattered to their owners).
+(``[rows / tp, 1, H]`` between the linears under sequence parallelism). Attention reaches the other ranks' keys
+and values by an all-gather over the CP group (:func:`cp_attention`; backward: the gradients reduce-scattered to
+their owners) or by a ring of point-to-point transfers (:func:`ring_attention`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from ..parallel.comm import gather_rows_keep_own, gather_rows_sum_back
 from .attention import BlockKernel, block_kernel
@@ -46,13 +47,20 @@ from .attention import BlockKernel, block_kernel
 
 @dataclass(frozen=True)
 class Piece:
-    """Local query rows ``[q0, q1)`` attend to global key rows ``[k0, k1)``; ``mask``: boolean ``[q1 - q0,
-    k1 - k0]`` (key visible), causal aligned at the bottom right."""
+    """Local query rows ``[q0, q1)`` attend to key rows ``[k0, k1)``: all of them, or (``causal``) the square
+    causal diagonal, query ``i`` seeing keys up to ``i``."""
     q0: int
     q1: int
     k0: int
     k1: int
-    mask: torch.Tensor
+    causal: bool
+
+
+def _chunk_pieces(q0: int, k0: int, c: int, j: int) -> list[Piece]:
+    """Chunk ``j`` (``c`` queries from local row ``q0``) against its row's keys (global rows from ``k0``): the
+    ``j c`` keys of the chunks before it, entirely, and its own chunk's, causally."""
+    full = [Piece(q0, q0 + c, k0, k0 + j * c, False)] if j else []
+    return full + [Piece(q0, q0 + c, k0 + j * c, k0 + (j + 1) * c, True)]
 
 
 @dataclass
@@ -123,23 +131,6 @@ def _owner(j: torch.Tensor, cp: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(second, 2 * cp - 1 - j, j), second.long()
 
 
-_MASKS: dict = {}
-
-
-def _causal_mask(c: int, j: int, device) -> torch.Tensor:
-    """``[c, (j + 1) c]``: query ``i`` of chunk ``j`` sees key ``k`` when ``k <= j c + i`` (cached: the same for
-    every row, document and layer)."""
-    key = (c, j, str(device))
-    mask = _MASKS.get(key)
-    if mask is None:
-        if len(_MASKS) > 256:
-            _MASKS.clear()
-        k = torch.arange((j + 1) * c, device=device)
-        q = j * c + torch.arange(c, device=device)
-        mask = _MASKS[key] = k[None, :] <= q[:, None]
-    return mask
-
-
 def split_batch(input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, *, cp: int,
                 rank: int, packed: bool, multiple: int = 1) -> ContextSplit:
     """This rank's :class:`ContextSplit` of a ``[B, S]`` batch (see the module docstring). ``multiple``: the
@@ -173,8 +164,7 @@ def split_batch(input_ids: torch.Tensor, position_ids: torch.Tensor, attention_m
     j = g // c
     owner, half = _owner(j, cp)
     order = owner * rows + half * c + (g - j * c)
-    pieces = tuple(Piece(h * c, (h + 1) * c, 0, (jj + 1) * c, _causal_mask(c, jj, device))
-                   for h, jj in enumerate((rank, 2 * cp - 1 - rank)))
+    pieces = tuple(p for h, jj in enumerate((rank, 2 * cp - 1 - rank)) for p in _chunk_pieces(h * c, 0, c, jj))
     return _finish(input_ids, position_ids, mine, cp=cp, rank=rank, packed=False, rows=rows, width=b,
                    origin=origin, order=order, pieces=pieces, tail=0, real_tokens=sum(lengths),
                    segments=((0, c),))
@@ -201,8 +191,7 @@ def _split_packed(input_ids, position_ids, perm, lengths, *, cp, rank, multiple,
         owner, half = _owner(j, cp)
         order.append(owner * rows + at_local + half * c + (g - j * c))
         for h, jj in enumerate((rank, 2 * cp - 1 - rank)):
-            pieces.append(Piece(at_local + h * c, at_local + (h + 1) * c, at_global, at_global + (jj + 1) * c,
-                                _causal_mask(c, jj, device)))
+            pieces += _chunk_pieces(at_local + h * c, at_global, c, jj)
         at_local += two_c
         at_global += 2 * cp * c
     tail = rows - used
@@ -243,37 +232,91 @@ def _finish(input_ids, position_ids, src, *, cp, rank, packed, rows, width, orig
                         segments=segments)
 
 
+def _attend(qf, kf, vf, pieces, kernel: BlockKernel, acc, lse, scale) -> None:
+    """Every piece's block attention (fp32 ``qf [W, hq, rows, d]``, ``kf`` / ``vf [W, hkv, keys, d]``) merged into
+    the accumulators ``acc`` / ``lse`` in place."""
+    for p in pieces:
+        o, s = kernel.forward(qf[:, :, p.q0:p.q1], kf[:, :, p.k0:p.k1], vf[:, :, p.k0:p.k1], p.causal, scale)
+        _merge(acc, lse, o, s, p.q0, p.q1)
+
+
+def _attend_backward(qf, kf, vf, out, lse, g, pieces, kernel: BlockKernel, dq, dk, dv, scale) -> None:
+    """The gradients of :func:`_attend`'s pieces from the final ``out`` / ``lse``, added into ``dq`` and the fp32
+    ``dk`` / ``dv`` (shaped like ``kf`` / ``vf``) in place."""
+    for p in pieces:
+        rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
+        dqp, dkp, dvp = kernel.backward(qf[:, :, rows], kf[:, :, keys], vf[:, :, keys], out[:, :, rows],
+                                        lse[:, :, rows], g[:, :, rows], p.causal, scale)
+        dq[:, :, rows] += dqp
+        dk[:, :, keys] += dkp
+        dv[:, :, keys] += dvp
+
+
+def _merge(acc_out, acc_lse, out, lse, q0, q1):
+    """Fold one block's ``(out, lse)`` for query rows ``[q0, q1)`` into the fp32 accumulators (in place)."""
+    old_o, old_l = acc_out[:, :, q0:q1], acc_lse[:, :, q0:q1]
+    new_l = torch.logaddexp(old_l, lse)
+    old_o.mul_(torch.exp(old_l - new_l).unsqueeze(-1)).add_(out * torch.exp(lse - new_l).unsqueeze(-1))
+    old_l.copy_(new_l)
+
+
+def _accumulators(qf):
+    return torch.zeros_like(qf), torch.full(qf.shape[:3], float("-inf"), dtype=torch.float32, device=qf.device)
+
+
+class _PieceAttention(torch.autograd.Function):
+    """q ``[rows, width, hq, d]`` against the whole sequence's keys and values in global order ``kv [G, width,
+    2 hkv, d]`` -> ``[rows, width, hq, d]``: each :class:`Piece` a block of the kernel, merged by log-sum-exp in
+    fp32; the backward from the saved output and log-sum-exp. Saves q, kv, the fp32 output and lse: no
+    ``[queries, keys]`` tensor, no mask."""
+
+    @staticmethod
+    def forward(ctx, q, kv, split, kernel):
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        hkv = kv.shape[2] // 2
+        qf = q.permute(1, 2, 0, 3).float()                                       # [W, hq, rows, d]
+        kvf = kv.permute(1, 2, 0, 3).float()                                     # [W, 2 hkv, G, d]
+        acc, lse = _accumulators(qf)
+        _attend(qf, kvf[:, :hkv], kvf[:, hkv:], split.pieces, kernel, acc, lse, scale)
+        ctx.split, ctx.kernel, ctx.scale = split, kernel, scale
+        ctx.save_for_backward(q, kv, acc, lse)
+        return acc.to(q.dtype).permute(2, 0, 1, 3)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, kv, out, lse = ctx.saved_tensors
+        hkv = kv.shape[2] // 2
+        qf = q.permute(1, 2, 0, 3).float()
+        kvf = kv.permute(1, 2, 0, 3).float()
+        g = grad.permute(1, 2, 0, 3).float()
+        dq = torch.zeros_like(qf)
+        dkv = torch.zeros(kvf.shape, dtype=torch.float32, device=kv.device)
+        _attend_backward(qf, kvf[:, :hkv], kvf[:, hkv:], out, lse, g, ctx.split.pieces, ctx.kernel, dq,
+                         dkv[:, :hkv], dkv[:, hkv:], ctx.scale)
+        return dq.to(q.dtype).permute(2, 0, 1, 3), dkv.to(kv.dtype).permute(2, 0, 1, 3), None, None
+
+
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: ContextSplit, group,
                  kernel: BlockKernel | None = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence's keys: q ``[rows, width, hq, d]``, k / v
     ``[rows, width, hkv, d]`` (this rank's tokens, RoPE applied) -> ``[rows, width, hq, d]``.
 
     Keys and values are all-gathered over the CP group in one collective (backward: their gradients
-    reduce-scattered onto the owners), then :func:`attend_pieces`. Exact (no merging of partial softmaxes);
-    memory: the whole sequence's K and V per layer, ``2 * hkv * d`` values per token. (``kernel``: unused; the
-    pieces run ``scaled_dot_product_attention``.)"""
+    reduce-scattered onto the owners), then :func:`attend_pieces`. Memory kept for the backward: the whole
+    sequence's K and V per layer, ``2 * hkv * d`` values per token. ``kernel``: the block kernel
+    (:func:`parallm.model.attention.block_kernel`; default: the one for this device)."""
     kv = gather_rows_sum_back(torch.cat([k, v], dim=2), group)                 # [cp * rows, width, 2 hkv, d]
-    return attend_pieces(q, kv, split)
+    return attend_pieces(q, kv, split, kernel)
 
 
-def attend_pieces(q: torch.Tensor, kv: torch.Tensor, split: ContextSplit) -> torch.Tensor:
+def attend_pieces(q: torch.Tensor, kv: torch.Tensor, split: ContextSplit, kernel: BlockKernel | None = None
+                  ) -> torch.Tensor:
     """q ``[rows, width, hq, d]``; kv: every rank's keys and values, rank-major, ``[cp * rows, width, 2 hkv,
-    d]`` (keys first along dim 2). The keys are put in global order (:attr:`ContextSplit.order`) and each
-    :class:`Piece` runs one ``scaled_dot_product_attention`` of its chunk against its key range with the
-    bottom-right causal mask; the packed stream's tail rows get zeros."""
-    rows, width, hq, d = q.shape
-    hkv = kv.shape[2] // 2
-    kv = kv.index_select(0, split.order).permute(1, 2, 0, 3)                  # [width, 2 hkv, G, d]
-    keys, values = kv[:, :hkv], kv[:, hkv:]
-    queries = q.permute(1, 2, 0, 3)                                           # [width, hq, rows, d]
-    scale = 1.0 / math.sqrt(d)
-    outs = [F.scaled_dot_product_attention(queries[:, :, p.q0:p.q1], keys[:, :, p.k0:p.k1],
-                                           values[:, :, p.k0:p.k1], attn_mask=p.mask, scale=scale,
-                                           enable_gqa=hkv != hq)
-            for p in split.pieces]
-    if split.tail:
-        outs.append(queries.new_zeros((width, hq, split.tail, d)))
-    return torch.cat(outs, dim=2).permute(2, 0, 1, 3)
+    d]`` (keys first along dim 2). The keys are put in global order (:attr:`ContextSplit.order`) and each chunk
+    of this rank attends to the keys of its row / document before it (entirely) and to its own chunk's
+    (causally), merged by log-sum-exp (:class:`_PieceAttention`); the packed stream's tail rows get zeros."""
+    kv = kv.index_select(0, split.order)                                      # [G, width, 2 hkv, d]
+    return _PieceAttention.apply(q, kv, split, kernel or block_kernel(None, q.device))
 
 
 # -- the ring ---------------------------------------------------------------------------------------------------
@@ -287,39 +330,21 @@ def attend_pieces(q: torch.Tensor, kv: torch.Tensor, split: ContextSplit) -> tor
 
 
 def ring_pieces(split: ContextSplit, source: int) -> tuple[Piece, ...]:
-    """This rank's work against the key block of rank ``source``: ``Piece(q0, q1, k0, k1, mask)`` with local
-    query rows and local rows of the block (the same layout on every rank); ``mask`` None means every key is
-    visible, else boolean ``[q1 - q0, k1 - k0]``. Chunks with nothing to see are left out."""
+    """This rank's work against the key block of rank ``source``: pieces with local query rows and local rows of
+    the block (the same layout on every rank); chunks with nothing to see are left out."""
     cached = split._ring.get(source)
     if cached is not None:
         return cached
     cp, r = split.cp, split.rank
     out = []
     for start, c in split.segments:
-        if c == 0:
-            continue
-        device = split.order.device
-        diag = _causal_mask(c, 0, device)
         for h, i in enumerate((r, 2 * cp - 1 - r)):
-            seen = [(h2, j) for h2, j in enumerate((source, 2 * cp - 1 - source)) if j <= i]
-            q0, q1 = start + h * c, start + (h + 1) * c
-            if len(seen) == 1:
-                h2, j = seen[0]
-                out.append(Piece(q0, q1, start + h2 * c, start + (h2 + 1) * c, None if j < i else diag))
-            elif len(seen) == 2:
-                full = torch.ones(c, c, dtype=torch.bool, device=device)
-                second = full if seen[1][1] < i else diag
-                out.append(Piece(q0, q1, start, start + 2 * c, torch.cat([full, second], dim=1)))
+            for h2, j in enumerate((source, 2 * cp - 1 - source)):
+                if j <= i:
+                    out.append(Piece(start + h * c, start + (h + 1) * c, start + h2 * c, start + (h2 + 1) * c,
+                                     j == i))
     split._ring[source] = out = tuple(out)
     return out
-
-
-def _merge(acc_out, acc_lse, out, lse, q0, q1):
-    """Fold one block's ``(out, lse)`` for query rows ``[q0, q1)`` into the fp32 accumulators (in place)."""
-    old_o, old_l = acc_out[:, :, q0:q1], acc_lse[:, :, q0:q1]
-    new_l = torch.logaddexp(old_l, lse)
-    old_o.mul_(torch.exp(old_l - new_l).unsqueeze(-1)).add_(out * torch.exp(lse - new_l).unsqueeze(-1))
-    old_l.copy_(new_l)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -333,18 +358,15 @@ class _RingAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.shape[-1])
         hkv = k.shape[2]
         qf = q.permute(1, 2, 0, 3).float()                                       # [W, hq, rows, d]
-        acc = torch.zeros_like(qf)
-        lse = torch.full(qf.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        acc, lse = _accumulators(qf)
         kv = torch.cat([k, v], dim=2)
         ring = RingExchange(group)
         for step in range(cp):
             if step < cp - 1:
                 ring.start(kv)
             block = kv.permute(1, 2, 0, 3).float()                                # [W, 2 hkv, rows, d]
-            kb, vb = block[:, :hkv], block[:, hkv:]
-            for p in ring_pieces(split, (r - step) % cp):
-                o, s = kernel.forward(qf[:, :, p.q0:p.q1], kb[:, :, p.k0:p.k1], vb[:, :, p.k0:p.k1], p.mask, scale)
-                _merge(acc, lse, o, s, p.q0, p.q1)
+            _attend(qf, block[:, :hkv], block[:, hkv:], ring_pieces(split, (r - step) % cp), kernel, acc, lse,
+                    scale)
             if step < cp - 1:
                 kv = ring.wait()
         ctx.split, ctx.group, ctx.scale, ctx.kernel = split, group, scale, kernel
@@ -368,15 +390,9 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 ring.start(kv)
             block = kv.permute(1, 2, 0, 3).float()
-            kb, vb = block[:, :hkv], block[:, hkv:]
             dblock = dkv.permute(1, 2, 0, 3)                                      # a view: adds land in dkv
-            for p in ring_pieces(split, (r - step) % cp):
-                rows = slice(p.q0, p.q1)
-                dqp, dkp, dvp = ctx.kernel.backward(qf[:, :, rows], kb[:, :, p.k0:p.k1], vb[:, :, p.k0:p.k1],
-                                                    out[:, :, rows], lse[:, :, rows], g[:, :, rows], p.mask, scale)
-                dq[:, :, rows] += dqp
-                dblock[:, :hkv, p.k0:p.k1] += dkp
-                dblock[:, hkv:, p.k0:p.k1] += dvp
+            _attend_backward(qf, block[:, :hkv], block[:, hkv:], out, lse, g, ring_pieces(split, (r - step) % cp),
+                             ctx.kernel, dq, dblock[:, :hkv], dblock[:, hkv:], scale)
             back.start(dkv)          # to the next rank; after the last step it reaches the block's owner
             if step < cp - 1:
                 kv = ring.wait()
@@ -390,10 +406,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: Con
                    kernel: BlockKernel | None = None) -> torch.Tensor:
     """:func:`cp_attention`'s result by a ring of point-to-point transfers instead of an all-gather: no rank holds
     more than two blocks of keys and values (``2 / cp`` of the sequence's) at a time, and nothing of them is kept
-    for the backward; the price is ``cp`` steps of fp32 block attention (recomputed in the backward) with their
-    transfers overlapping the compute. Exact up to fp32 rounding (the log-sum-exp merge). ``kernel``: the block
-    kernel (the model's attention backend's, :func:`parallm.model.attention.block_kernel`; default: the one for
-    this device)."""
+    for the backward; the price is ``cp`` steps (recomputed in the backward) whose transfers overlap the compute.
+    ``kernel``: the block kernel (the model's attention backend's, :func:`parallm.model.attention.block_kernel`;
+    default: the one for this device)."""
     return _RingAttention.apply(q, k, v, split, group, kernel or block_kernel(None, q.device))
 
 

@@ -272,7 +272,10 @@ def run_pipeline(chunks, microbatches, *, last_stage_fn, backward: bool, compute
         if inbox or outbox:
             raise RuntimeError(f"pipeline: messages left over: received {sorted(inbox)}, unsent {sorted(outbox)}")
     except BaseException:
-        if pp > 1:   # the peers wait in an exchange with this rank: make it fail for them too
+        # the peers wait in an exchange with this rank (a pipeline message, or under context parallelism the
+        # backward's reduce-scatter of the keys and values): make it fail for them too (at once where aborting
+        # closes the connections; on gloo that happens when this process ends)
+        if pp > 1 or getattr(layout, "cp", 1) > 1:
             from .errors import abort_process_groups
             abort_process_groups()
         raise
