@@ -413,7 +413,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: Con
 
 
 CP_KERNELS = {"allgather": cp_attention, "ring": ring_attention}
-CP_AUTO = "allgather"      # what cp_attn="auto" picks (docs/context-parallel.md says why)
+CP_AUTO = "ring"           # what cp_attn="auto" picks (docs/context-parallel.md says why: measured)
 
 
 def resolve_cp_attn(cp_attn: str) -> str:
