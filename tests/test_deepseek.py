@@ -301,3 +301,192 @@ def test_deepseek_glm_parity_round_trip_and_sgd_step(tmp_path):
         assert after < 5e-5, case["name"]
         assert lp < 2e-5, case["name"]
         assert all(r["exported"] == len(case["ref_sd"]) for r in per_rank), case["name"]
+
+
+# -- MTP layers carried, training in bf16 with fp32 router tensors, refusals ------------------------------------
+
+MTP_EXTRAS = (("embed_tokens.weight", "V H"), ("enorm.weight", "H"), ("hnorm.weight", "H"),
+              ("eh_proj.weight", "H 2H"), ("shared_head.norm.weight", "H"), ("shared_head.head.weight", "V H"))
+
+
+def mtp_checkpoint(model, path: str) -> tuple[dict, dict]:
+    """A checkpoint of ``model`` plus one multi-token-prediction layer ``model.layers.{L}.*`` (DeepSeek-V3's
+    names: a decoder layer like the last one, here a perturbed copy of it, and the MTP layer's own tensors,
+    random), as DeepSeek-V3 ships them; transformers drops them on load. Returns (the checkpoint's state dict,
+    its MTP tensors)."""
+    hub = helpers.hub_state_dict(model, path)
+    cfg = model.config
+    last, mtp_layer = f"model.layers.{cfg.num_hidden_layers - 1}.", f"model.layers.{cfg.num_hidden_layers}."
+    g = torch.Generator().manual_seed(11)
+    mtp = {k.replace(last, mtp_layer): v + 0.05 * torch.randn(v.shape, generator=g) for k, v in hub.items()
+           if k.startswith(last)}
+    sizes = {"V": cfg.vocab_size, "H": cfg.hidden_size, "2H": 2 * cfg.hidden_size}
+    for name, dims in MTP_EXTRAS:
+        mtp[mtp_layer + name] = torch.randn([sizes[d] for d in dims.split()], generator=g)
+    full = dict(hub, **mtp)
+    helpers.write_ckpt(path, full, cfg.to_dict())
+    return full, mtp
+
+
+def rank_training(rank, world, ckpt, full, mtp_names, ref, ids, mask, ref_new, tmp, fp8_bad, fp8_unconfigured):
+    import collections
+
+    import parallm
+    from parallm.errors import CheckpointError
+    from parallm.parallel.state import current_dims
+    out = {}
+    # 1. MTP carried at pp2 x ep2: on the last stage, not run, not trained, every tensor saved / exported once
+    parallm.init_parallel(tp=1, pp=2, ep=2)
+    lay = current_dims()
+    chunks = parallm.build_model(ckpt)
+    carried = [p for c in chunks for n, p in c.named_parameters() if n.startswith("mtp_layers.")]
+    assert bool(carried) == (lay.pp_rank == 1) and not any(p.requires_grad for p in carried)
+    _load(chunks, ckpt, "slice")
+    out["fwd"] = helpers.max_diff_real(parallm.forward(chunks, ids, mask), ref, mask)
+    sd = parallm.save_hf_weights(chunks)
+    if rank == 0:
+        helpers.assert_same_state(sd, full)
+    names = [n for n, t in parallm.export_hf_tensors(chunks) if torch.equal(t, full[n])]
+    assert collections.Counter(names) == collections.Counter(list(full)), sorted(set(full) - set(names))[:5]
+    saved = os.path.join(tmp, "saved")
+    parallm.save_hf_weights(chunks, saved)
+    again = parallm.build_model(saved)            # from parallm's own directory: carried again
+    _load(again, saved, "broadcast")
+    sd_again = parallm.save_hf_weights(again)
+    if rank == 0:
+        helpers.assert_same_state(sd_again, full)
+    del again
+    per = ids.shape[0] // lay.dp
+    sl = slice(lay.dp_rank * per, (lay.dp_rank + 1) * per)
+    parallm.forward_backward(chunks, ids[sl], mask[sl], loss_fn=causal_lm_loss, num_microbatches=2)
+    parallm.finalize_grads(chunks)
+    assert all(p.grad is None for p in carried)
+    with torch.no_grad():
+        for c in chunks:
+            for p in c.parameters():
+                if p.requires_grad:
+                    p -= LR * p.grad
+    sd = parallm.save_hf_weights(chunks)
+    if rank == 0:
+        assert all(torch.equal(sd[k], full[k]) for k in mtp_names)             # MTP tensors untouched
+        out["weights"] = max((sd[k] - ref_new[k]).abs().max().item() for k in ref_new)
+    # built without MTP: a strict load names them; strict=False drops them
+    plain = parallm.build_model(ckpt, mtp=False)
+    for mode in ("slice", "broadcast"):
+        with pytest.raises(CheckpointError, match=r"multi-token-prediction layer tensors \(model\.layers\.4\."):
+            parallm.load_hf_weights(plain, ckpt, mode=mode)
+    parallm.load_hf_weights(plain, ckpt, strict=False)
+    sd = parallm.save_hf_weights(plain)
+    if rank == 0:
+        assert set(sd) == set(full) - set(mtp_names)
+    del plain, chunks
+    # an impossible split, named on every rank
+    with pytest.raises(ValueError, match=r"layers_per_stage=\[3, 2\] adds up to 5 layers; the model has 4"):
+        parallm.build_model(ckpt, layers_per_stage=[3, 2])
+    with pytest.raises(ValueError, match=r"4 layers at pp=2 x vpp=1: 4 \(first\) leaves 0 layers for 1 middle"):
+        parallm.build_model(ckpt, num_layers_in_first_pipeline_stage=4)
+
+    # 2. bf16 at tp2 x ep2: fp32 router weight and selection bias beside bf16 weights; AdamW unsharded vs ZeRO
+    #    with overlapped gradient buckets, clipping, two steps: the same bits; the bias and MTP never change
+    parallm.init_parallel(tp=2, pp=1, ep=2)
+    lay = current_dims()
+    per = ids.shape[0] // lay.dp
+    sl = slice(lay.dp_rank * per, (lay.dp_rank + 1) * per)
+    runs = {}
+    for kind, kw in (("plain", {}), ("zero", dict(shard_over_dp=True, overlap_grad_reduce=True, bucket_bytes=4096))):
+        chunks = parallm.build_model(ckpt, dtype=torch.bfloat16)
+        parallm.load_hf_weights(chunks, ckpt)
+        dtypes = {n: p.dtype for c in chunks for n, p in c.named_parameters()}
+        assert all(d == torch.float32 for n, d in dtypes.items() if ".router." in n)
+        assert all(d == torch.bfloat16 for n, d in dtypes.items() if ".router." not in n)
+        opt = parallm.build_optimizer(chunks, lr=1e-2, weight_decay=0.1, **kw)
+        norms = []
+        for step in range(2):
+            opt.zero_grad()
+            parallm.forward_backward(chunks, ids[sl], mask[sl], loss_fn=causal_lm_loss)
+            parallm.finalize_grads(chunks)
+            norms.append(parallm.clip_grad_norm_(chunks, 0.5).item())
+            opt.step()
+            if step == 0 and kind == "zero":
+                parallm.save_checkpoint(os.path.join(tmp, "train"), chunks, opt, step=1)
+                after_one = parallm.save_hf_weights(chunks)
+        runs[kind] = (parallm.save_hf_weights(chunks), norms)
+    if rank == 0:
+        (a, na), (b, nb) = runs["plain"], runs["zero"]
+        assert na == nb, (na, nb)
+        helpers.assert_same_state(a, b)
+        routers = [k for k in a if k.endswith("mlp.gate.weight") and k not in mtp_names]
+        assert routers and all(a[k].dtype == torch.float32 and not torch.equal(a[k], full[k]) for k in routers)
+        biases = [k for k in a if k.endswith("e_score_correction_bias")]
+        assert biases and all(a[k].dtype == torch.float32 and torch.equal(a[k], full[k]) for k in biases)
+        assert all(torch.equal(a[k], full[k].to(a[k].dtype)) for k in mtp_names)
+        out["norms"] = na
+    # the training checkpoint (step 1) resumed at another layout: every tensor, the fp32 ones and MTP included
+    parallm.init_parallel(tp=1, pp=2, ep=2)
+    chunks = parallm.build_model(ckpt, dtype=torch.bfloat16)
+    opt = parallm.build_optimizer(chunks, lr=1e-2, weight_decay=0.1, shard_over_dp=True)
+    assert parallm.load_checkpoint(os.path.join(tmp, "train"), chunks, opt)["step"] == 1
+    resumed = parallm.save_hf_weights(chunks)
+    if rank == 0:
+        helpers.assert_same_state(resumed, after_one)
+    # ... and at the layout that saved it, the second step equal bit for bit to the uninterrupted run's (fp32
+    # masters of the bf16 weights, moments of the fp32 router weights, no state for the bias or MTP)
+    parallm.init_parallel(tp=2, pp=1, ep=2)
+    chunks = parallm.build_model(ckpt, dtype=torch.bfloat16)
+    opt = parallm.build_optimizer(chunks, lr=1e-2, weight_decay=0.1, shard_over_dp=True, overlap_grad_reduce=True,
+                                  bucket_bytes=4096)
+    parallm.load_checkpoint(os.path.join(tmp, "train"), chunks, opt)
+    opt.zero_grad()
+    parallm.forward_backward(chunks, ids[sl], mask[sl], loss_fn=causal_lm_loss)
+    parallm.finalize_grads(chunks)
+    parallm.clip_grad_norm_(chunks, 0.5)
+    opt.step()
+    resumed = parallm.save_hf_weights(chunks)
+    if rank == 0:
+        helpers.assert_same_state(resumed, runs["zero"][0])
+
+    # 3. FP8 checkpoints that cannot be dequantised, refused by name on every rank
+    parallm.init_parallel(tp=2, pp=1, ep=2)
+    for bad, pattern in ((fp8_bad, r"self_attn\.kv_b_proj\.weight is float8 but the checkpoint has no "
+                                   r"model\.layers\.0\.self_attn\.kv_b_proj\.weight_scale_inv"),
+                         (fp8_unconfigured, r"float8 tensors / block scales .* but the config has no "
+                                            r"quantization_config")):
+        chunks = parallm.build_model(bad)
+        for mode in ("slice", "broadcast"):
+            with pytest.raises(CheckpointError, match=pattern):
+                parallm.load_hf_weights(chunks, bad, mode=mode)
+    parallm.destroy_parallel()
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_mtp_bf16_training_and_refusals(tmp_path):
+    cfg = deepseek_config(num_hidden_layers=4)
+    model = helpers.make_hf_model(cfg, seed=7)
+    set_selection_bias(model, seed=8)
+    ckpt = str(tmp_path / "mtp")
+    full, mtp = mtp_checkpoint(model, ckpt)
+    assert cfg.num_nextn_predict_layers == 1 and len(mtp) > 40
+    ids, mask = helpers.padded_batch(cfg.vocab_size, seed=5, batch=8, seq=9)
+    with torch.no_grad():
+        ref = hf_output(model, ids, mask)
+    _, ref_new, _ = reference_step(model, ids, mask, 4, "causal_lm", str(tmp_path / "step"))
+    # FP8 checkpoints: one weight's scale missing; float8 weights without a quantization_config
+    fp8_model = helpers.make_hf_model(deepseek_config(), seed=9)
+    set_selection_bias(fp8_model, seed=10)
+    fp8_bad, fp8_unconfigured = str(tmp_path / "fp8-bad"), str(tmp_path / "fp8-unconfigured")
+    fp8_checkpoint(fp8_model, tmp_path / "fp8-ref", fp8_bad)
+    from safetensors.torch import load_file, save_file
+    quantized = load_file(os.path.join(fp8_bad, "model.safetensors"))
+    del quantized["model.layers.0.self_attn.kv_b_proj.weight_scale_inv"]
+    save_file(quantized, os.path.join(fp8_bad, "model.safetensors"))
+    with open(os.path.join(fp8_bad, "config.json")) as f:
+        config = json.load(f)
+    config.pop("quantization_config")
+    helpers.write_ckpt(fp8_unconfigured, load_file(os.path.join(fp8_bad, "model.safetensors")), config)
+    results = helpers.run_ranks(rank_training, WORLD, ckpt, full, sorted(mtp), ref, ids, mask, ref_new,
+                                str(tmp_path / "work"), fp8_bad, fp8_unconfigured, timeout=380)
+    print(results[0])
+    assert max(r["fwd"] for r in results) < 2e-5
+    assert results[0]["weights"] < 2e-5
+    assert len(results[0]["norms"]) == 2 and all(n > 0 for n in results[0]["norms"])

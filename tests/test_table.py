@@ -131,7 +131,7 @@ def test_family_tables_are_well_formed():
             assert all(c in CONDITIONS or c in LAYER_CONDITIONS for c in row.when)
             assert row.per_expert == all("{e}" in h for h in row.hf) and "{x}" not in row.local
             assert row.per_expert == (".experts." in row.local and ".shared_experts." not in row.local)
-            if row.stage == "layer":
+            if row.stage in ("layer", "mtp"):
                 assert "{l}" in row.local and all("{i}" in h for h in row.hf)
             else:
                 assert "{l}" not in row.local and all("{i}" not in h for h in row.hf)
@@ -249,3 +249,32 @@ def test_expert_stack_round_trips_and_its_blocks_describe_its_shard():
                     assert torch.equal(local, sources[b.source].narrow(b.dim, b.hf_start, b.hf_stop - b.hf_start))
                     covered[x].narrow(b.dim, b.local_start, b.local_stop - b.local_start).fill_(True)
                 assert covered.all() and layout.primary_slices(r, tp, tuple(shard.shape)) == [(0, 0, count)]
+
+
+def test_carried_mtp_layers_live_on_the_last_stage(hf_shapes):
+    """With its multi-token-prediction layer carried, a DeepSeek-V3 model's entries include ``model.layers.{L}.*``
+    (a MoE decoder layer, every expert, plus the MTP layer's own tensors) once, all on the last pipeline stage
+    under ``mtp_layers.0.``, none of them trained; without it (the spec from a config alone) none."""
+    from dataclasses import replace
+
+    from parallm.model.table import is_trained
+    spec, family, ckpt = hf_shapes["deepseek-v3-q-lora-bias", "causal_lm"]
+    assert spec.mtp_layers == 1 and spec.carried_mtp_layers == 0
+    L = spec.num_layers
+    assert not [n for n in expected_hf_shapes(family.table, spec, task="causal_lm", pp=1)
+                if n.startswith(f"model.layers.{L}.")]
+    carried = replace(spec, carried_mtp_layers=1)
+    expected = expected_hf_shapes(family.table, carried, task="causal_lm", pp=2)
+    mtp = {n: s for n, s in expected.items() if n.startswith(f"model.layers.{L}.")}
+    last = f"model.layers.{L - 1}."
+    assert {n.replace(f"model.layers.{L}.", last) for n in mtp if not n.split(".")[3] in
+            ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")} == {n for n in ckpt if n.startswith(last)}
+    assert mtp[f"model.layers.{L}.eh_proj.weight"] == (spec.hidden_size, 2 * spec.hidden_size)
+    assert sum(".mlp.experts." in n for n in mtp) == spec.moe.num_experts * 3
+    for p in range(2):
+        ents = chunk_entries(family.table, carried, task="causal_lm", pp=2, pre_process=p == 0, post_process=p == 1,
+                             layers=layer_numbers(L, 2, 1, p, 0))
+        held = [e for e in ents if e.layer == L]
+        assert (len(held) > 0) == (p == 1)
+        assert all(e.local.startswith("mtp_layers.0.") and not is_trained(e) for e in held)
+        assert all(is_trained(e) != e.local.endswith("e_score_correction_bias") for e in ents if e.layer != L)

@@ -26,7 +26,7 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
                 vocab_multiple: int = 1, attn_impl: str = "auto", recompute: str | None = None,
                 cp_attn: str = "auto", num_layers_in_first_pipeline_stage: int | None = None,
                 num_layers_in_last_pipeline_stage: int | None = None,
-                layers_per_stage=None) -> list[DecoderChunk]:
+                layers_per_stage=None, mtp: bool | None = None) -> list[DecoderChunk]:
     """Build this rank's share of the model: one chunk per virtual pipeline stage (``len == vpp`` or 1).
 
     ``hf_config``: a transformers ``PretrainedConfig``, a checkpoint directory, or a config.json path.
@@ -50,6 +50,13 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     split equally over its virtual stages), or ``layers_per_stage``, one count per virtual stage in the order
     ``vpp_rank * pp + pp_rank``. An impossible split is a ValueError naming the numbers (and suggesting one).
     Every rank passes the same split; it is kept in ``chunk.dims.layer_split``.
+    ``mtp``: carry the config's multi-token-prediction layers (DeepSeek-V3 / GLM-4.5 ``num_nextn_predict_layers``,
+    HF ``model.layers.{L + j}.*``): the last pipeline stage holds them, sharded like a decoder layer, and
+    ``load_hf_weights`` / ``save_hf_weights`` / ``export_hf_tensors`` / training checkpoints move them bit for
+    bit; they are never run nor trained (``requires_grad=False``). None (default): carried when ``hf_config`` is
+    a checkpoint directory whose tensors include ``model.layers.{L}.*`` (transformers' configs say 1 even for
+    checkpoints without them), else not; True: carried (the checkpoint must then hold them); False: not carried
+    (a checkpoint holding them then loads only with ``strict=False``, which drops them, as transformers does).
     bf16 / fp16 parameters accumulate their gradients in fp32 ``param.main_grad`` (a post-accumulate-grad hook
     adds each fresh ``param.grad`` into it and frees it); fp32 parameters keep ``param.grad``.
     Collective (every rank calls it): replicated-KV groups are created here when num_key_value_heads < tp.
@@ -62,6 +69,7 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     config = load_config(hf_config)
     spec, family = spec_from_config(config)
     task = resolve_task(config, task)
+    spec = with_mtp(spec, hf_config, mtp)
     chunks = build_chunks(spec, table=family.table, task=task, dtype=dtype, sequence_parallel=sequence_parallel,
                           vocab_multiple=vocab_multiple, packed=packed, attn_impl=attn_impl,
                           recompute=recompute, cp_attn=cp_attn,
@@ -76,6 +84,35 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     for chunk in chunks:
         chunk.hf_config = getattr(config, "_raw", config)
     return chunks
+
+
+def with_mtp(spec, hf_config, mtp: bool | None):
+    """``spec`` carrying its multi-token-prediction layers or not (see :func:`build_model`'s ``mtp``)."""
+    if mtp not in (None, True, False):
+        raise ValueError(f"mtp must be None, True or False, got {mtp!r}")
+    if mtp is None:
+        mtp = spec.mtp_layers > 0 and checkpoint_has_mtp(hf_config, spec.num_layers)
+    if mtp and not spec.mtp_layers:
+        raise ValueError(f"mtp=True, but {spec.architecture}'s config has no multi-token-prediction layers "
+                         "(num_nextn_predict_layers is 0 or the family has none)")
+    return dataclasses.replace(spec, carried_mtp_layers=spec.mtp_layers if mtp else 0)
+
+
+def checkpoint_has_mtp(hf_config, num_layers: int) -> bool:
+    """Whether ``hf_config`` is a checkpoint directory whose tensor names include ``model.layers.{num_layers}.``
+    (read from the index or the safetensors header: no tensor data)."""
+    import os
+
+    from .checkpoint.hf_dir import HFCheckpoint
+    from .errors import CheckpointError
+    if not isinstance(hf_config, (str, os.PathLike)) or not os.path.isdir(hf_config):
+        return False
+    try:
+        names = HFCheckpoint(hf_config).keys()
+    except CheckpointError:          # a config-only directory, or one the loader will name the problem of
+        return False
+    prefix = f"model.layers.{num_layers}."
+    return any(n.startswith(prefix) for n in names)
 
 
 def resolve_task(config, task):

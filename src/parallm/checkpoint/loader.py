@@ -91,6 +91,8 @@ def check_checkpoint(present: dict, spec, task: str, expected: dict, *, strict: 
     fused MoE tensors (``fused``: :func:`~parallm.model.table.fused_layout`) included. Raises
     :class:`CheckpointError` naming every problem; returns ``(aliases, initialised, fused parts)``:
     ``value_head_plan``'s two and :func:`fused_plan`'s."""
+    if strict and spec.mtp_layers and not spec.carried_mtp_layers:
+        refuse_uncarried_mtp(present, spec, where)
     aliases, init = value_head_plan(present, spec, task)
     parts = fused_plan(present, expected, fused or {}, where=where,
                        num_experts=spec.moe.num_experts if spec.moe is not None else 0)
@@ -100,6 +102,21 @@ def check_checkpoint(present: dict, spec, task: str, expected: dict, *, strict: 
     want = {k: v for k, v in expected.items() if k not in init}
     check_keys_and_shapes(seen, want, strict=strict, ignorable=ignorable_names(spec, task), where=where)
     return aliases, init, parts
+
+
+def refuse_uncarried_mtp(present: dict, spec, where: str) -> None:
+    """A checkpoint holding multi-token-prediction layers (``model.layers.{L + j}.*``, ``L`` decoder layers) for a
+    model built without them: a :class:`CheckpointError` that says how to carry or drop them."""
+    import re
+    pattern = re.compile(r"model\.layers\.(\d+)\.")
+    extra = sorted(k for k in present if (m := pattern.match(k)) and int(m.group(1)) >= spec.num_layers)
+    if extra:
+        raise CheckpointError(
+            f"{where}: the checkpoint carries multi-token-prediction layer tensors ({', '.join(extra[:3])}"
+            f"{f' and {len(extra) - 3} more' if len(extra) > 3 else ''}) and the model was built without them: "
+            "build it with build_model(..., mtp=True) (the default when built from this checkpoint directory) to "
+            "carry them through save_hf_weights / export_hf_tensors, or load with strict=False to drop them (as "
+            "transformers does)")
 
 
 def init_value_head(param: torch.Tensor, hf_config) -> float:

@@ -199,7 +199,26 @@ def _with_mla(table: tuple[Row, ...]) -> tuple[Row, ...]:
     return tuple(out)
 
 
-DEEPSEEK_V3_TABLE = moe_table(GROUPED_MOE_ROWS, base=_with_mla(DECODER_TABLE))
+_MTP = "model.layers.{i}."
+# A multi-token-prediction layer's own tensors (DeepSeek-V3's and GLM-4.5's ``model.layers.{num_layers + j}.*``
+# besides its decoder layer): its embedding copy, the norms of the embedding and of the previous hidden state,
+# their projection ``eh_proj [H, 2H]`` and the shared head (norm and output layer). Carried when the model is
+# built with MTP (condition ``mtp``): sharded like their counterparts (vocab rows, eh_proj's rows over TP),
+# loaded, saved and exported, never run.
+MTP_ROWS: tuple[Row, ...] = (
+    Row("mtp_layers.{l}.embed_tokens.weight", (_MTP + "embed_tokens.weight",), "vocab", "mtp",
+        (("vocab_size", H),), when=("mtp",)),
+    Row("mtp_layers.{l}.enorm.weight", (_MTP + "enorm.weight",), "copy", "mtp", ((H,),), when=("mtp",)),
+    Row("mtp_layers.{l}.hnorm.weight", (_MTP + "hnorm.weight",), "copy", "mtp", ((H,),), when=("mtp",)),
+    Row("mtp_layers.{l}.eh_proj.weight", (_MTP + "eh_proj.weight",), "column", "mtp", ((H, "mtp_eh_proj_in"),),
+        when=("mtp",)),
+    Row("mtp_layers.{l}.shared_head.norm.weight", (_MTP + "shared_head.norm.weight",), "copy", "mtp", ((H,),),
+        when=("mtp",)),
+    Row("mtp_layers.{l}.shared_head.head.weight", (_MTP + "shared_head.head.weight",), "vocab", "mtp",
+        (("vocab_size", H),), when=("mtp",)),
+)
+
+DEEPSEEK_V3_TABLE = moe_table(GROUPED_MOE_ROWS, base=_with_mla(DECODER_TABLE)) + MTP_ROWS
 
 DEEPSEEK_V3 = register(Family(
     name="deepseek_v3",

@@ -18,7 +18,7 @@ from __future__ import annotations
 from ..model.rope import rope_spec_from_hf_config
 from ..model.spec import DecoderSpec
 from ..model.yarn import rope_parameters, rotary_dim
-from .deepseek_v3 import base_kwargs_without_rope, grouped_moe_spec, mtp_layers_of
+from .deepseek_v3 import MTP_ROWS, base_kwargs_without_rope, grouped_moe_spec, mtp_layers_of
 from .moe_common import GROUPED_MOE_ROWS, moe_table
 from .registry import Family, register
 
@@ -56,7 +56,7 @@ def glm4_moe_spec(config) -> DecoderSpec:
                        mtp_layers=mtp_layers_of(config, GLM_DEFAULTS["num_nextn_predict_layers"]))
 
 
-GLM4_MOE_TABLE = moe_table(GROUPED_MOE_ROWS)
+GLM4_MOE_TABLE = moe_table(GROUPED_MOE_ROWS) + MTP_ROWS
 
 GLM4_MOE = register(Family(
     name="glm4_moe",

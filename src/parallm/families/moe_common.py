@@ -33,7 +33,7 @@ def moe_rows(block: str, *, router: str, gate: str, up: str, down: str, shared: 
     mlp = "layers.{l}.mlp."
     bias = () if router_bias is None else (
         Row(mlp + "router.e_score_correction_bias", (block + router_bias,), "copy", "layer", ((E,),),
-            when=("moe_layer", "score_bias")),)
+            when=("moe_layer", "score_bias"), trained=False),)
     return (
         Row(mlp + "router.weight", (block + router,), "copy", "layer", ((E, H),), when=("moe_layer",),
             tp_sum="sp", fused=(FUSED_BLOCK + "gate.weight",)),

@@ -133,6 +133,42 @@ class DecoderLayer(nn.Module):
         return x + (self.mlp(h, tokens) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
 
 
+class _SharedHead(nn.Module):
+    def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, padded_vocab: int, device):
+        super().__init__()
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
+        self.head = mtp.ColumnParallelLinear(spec.hidden_size, padded_vocab, config=config, init_method=no_init,
+                                             bias=False, gather_output=False)
+
+
+class MTPLayer(nn.Module):
+    """One multi-token-prediction layer (DeepSeek-V3 / GLM-4.5, ``model.layers.{num_layers + j}.*``), carried,
+    not run: its embedding copy (vocab-parallel), ``enorm`` / ``hnorm``, ``eh_proj`` (``[H, 2H]``, rows split over
+    TP), a decoder layer built like the last one (MLA / attention and MoE, sharded as every layer is) and the
+    shared head (``norm``, a vocab-parallel ``head``). Every parameter has ``requires_grad=False``: the optimizer,
+    the gradient reductions and clipping pass them by; loading, saving, exporting and training checkpoints carry
+    them bit for bit (docs/families.md)."""
+
+    def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int, layer_number: int, device, *,
+                 backend: AttnBackend, dims, padded_vocab: int):
+        super().__init__()
+        self.layer_number = layer_number
+        self.embed_tokens = mtp.VocabParallelEmbedding(padded_vocab, spec.hidden_size, init_method=no_init,
+                                                       config=config)
+        self.enorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
+        self.hnorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
+        self.eh_proj = mtp.ColumnParallelLinear(2 * spec.hidden_size, spec.hidden_size, config=config,
+                                                init_method=no_init, bias=False, gather_output=False)
+        self.layer = DecoderLayer(spec, config, tp, layer_number, device, backend=backend, dims=dims)
+        self.shared_head = _SharedHead(spec, config, padded_vocab, device)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError("parallm carries multi-token-prediction layers (load, save, export) but does not "
+                                  "run them")
+
+
 def padded_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Boolean ``[B, 1, S, S]`` mask: causal, real keys only, and every query may see itself.
 
@@ -222,6 +258,10 @@ class DecoderChunk(nn.Module):
                 self.real_vocab_columns = real if real < per else None
             else:
                 self.score = nn.Linear(spec.hidden_size, 1, bias=False, dtype=config.params_dtype, device=device)
+            if spec.carried_mtp_layers:      # carried multi-token-prediction layers: loaded, saved, never run
+                self.mtp_layers = nn.ModuleList(
+                    MTPLayer(spec, config, tp, spec.num_layers + j, device, backend=backend, dims=dims,
+                             padded_vocab=self.padded_vocab_size) for j in range(spec.carried_mtp_layers))
         # Every parameter's placement (TP layout, partial-sum gradients, tied copies) from its table row, with
         # megatron-core's own attributes.
         experts = dims.expert_range(spec.moe.num_experts) if spec.moe is not None else None

@@ -47,7 +47,7 @@ def attach_main_grad_hooks(chunks) -> None:
     """
     for chunk in as_chunks(chunks):
         for p in chunk.parameters():
-            if uses_main_grad(p) and not getattr(p, "_parallm_main_grad_hook", False):
+            if uses_main_grad(p) and p.requires_grad and not getattr(p, "_parallm_main_grad_hook", False):
                 p.register_post_accumulate_grad_hook(_accumulate_main_grad)
                 p._parallm_main_grad_hook = True
 

@@ -142,11 +142,17 @@ class DecoderSpec:
     # num_nextn_predict_layers: the checkpoint may carry that many multi-token-prediction layers after the last
     # decoder layer (model.layers.{num_layers + j}.*); the decoder does not run them (transformers drops them).
     mtp_layers: int = 0
+    # how many of them this model carries (build_model(mtp=...)): held on the last pipeline stage, sharded like a
+    # decoder layer, loaded, saved and exported, never run nor trained (requires_grad=False); 0: none
+    carried_mtp_layers: int = 0
 
     def __post_init__(self):
         # only the fields that existing families never set are checked here (tests replace() sizes freely)
         if self.yarn is not None and (self.rope.kind != "default" or self.rope.dim != self.yarn.dim):
             raise ValueError(f"with yarn RoPE, rope must be the default kind of the same dim (got {self.rope})")
+        if not 0 <= self.carried_mtp_layers <= self.mtp_layers:
+            raise ValueError(f"carried_mtp_layers={self.carried_mtp_layers} must lie in [0, mtp_layers="
+                             f"{self.mtp_layers}]")
         if self.mla is not None:
             if self.rotary_dim != self.mla.qk_rope_head_dim:
                 raise ValueError(f"rotary dim {self.rotary_dim} != qk_rope_head_dim={self.mla.qk_rope_head_dim}")
@@ -155,8 +161,17 @@ class DecoderSpec:
                                  f"q_head_dim (got {self.num_kv_heads}, {self.head_dim})")
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether global layer ``layer`` runs the routed-experts block instead of the dense MLP."""
-        return self.moe is not None and layer in self.moe.layers
+        """Whether global layer ``layer`` runs the routed-experts block instead of the dense MLP. A
+        multi-token-prediction layer (``layer >= num_layers``) is built like the last decoder layer (DeepSeek-V3's
+        and GLM-4.5's are MoE layers)."""
+        if self.moe is None:
+            return False
+        return layer in self.moe.layers or (layer >= self.num_layers and self.num_layers - 1 in self.moe.layers)
+
+    @property
+    def mtp_eh_proj_in(self) -> int:
+        """The input width of an MTP layer's ``eh_proj``: ``[enorm(embedding); hnorm(hidden)]``."""
+        return 2 * self.hidden_size
 
     @property
     def rotary_dim(self) -> int:

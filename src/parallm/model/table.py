@@ -32,7 +32,10 @@ from .placement import placement_of
 from .spec import DecoderSpec
 
 KINDS = ("copy", "vocab", "column", "row", "qkv", "gate_up")
-STAGES = ("first", "layer", "last")
+# "mtp": a multi-token-prediction layer's own tensors ({l}: its index j among them, {i}: its HF layer index
+# num_layers + j), held by the chunk with post_process; the decoder layer inside it takes the "layer" rows
+STAGES = ("first", "layer", "last", "mtp")
+MTP_MODULE = "mtp_layers"       # the last chunk's module of carried MTP layers: mtp_layers.{j}.layer.* etc.
 TP_SUM = ("never", "sp", "always")
 
 # Conditions a row may require (all must hold).
@@ -54,6 +57,8 @@ CONDITIONS = {
     "q_lora": lambda spec, task, pp: spec.mla is not None and spec.mla.q_lora_rank is not None,
     "no_q_lora": lambda spec, task, pp: spec.mla is not None and spec.mla.q_lora_rank is None,
     "down_bias": lambda spec, task, pp: spec.mla is not None and spec.mla.down_proj_bias,
+    # the model carries multi-token-prediction layers (build_model(mtp=...))
+    "mtp": lambda spec, task, pp: spec.carried_mtp_layers > 0,
 }
 
 # Conditions on the global layer index (all must hold for the row to exist in that layer).
@@ -79,6 +84,8 @@ class Row:
                                     # local name is the stacked parameter of the rank's experts)
     expert: int | None = None       # the global expert index of an expanded per-expert row
     fused: tuple[str, ...] = ()     # the names in a checkpoint that stores experts fused (FusedPart)
+    trained: bool = True            # False: a parameter without gradient (requires_grad=False: the router's
+                                    # selection bias, updated by a rule, never by the optimizer)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -94,6 +101,8 @@ class Row:
         for c in self.when:
             if c not in CONDITIONS and c not in LAYER_CONDITIONS:
                 raise ValueError(f"unknown condition {c!r}")
+        if self.stage == "mtp" and "mtp" not in self.when:
+            raise ValueError(f"row {self.local}: an mtp-stage row needs the condition 'mtp'")
         if self.per_expert and self.stage != "layer":
             raise ValueError(f"row {self.local}: per-expert rows are layer rows")
         if self.fused and (self.stage != "layer" or len(self.fused) != (1 if self.per_expert or self.expert is not None
@@ -150,8 +159,11 @@ def select_rows(table, spec: DecoderSpec, task: str, pp: int) -> list[Row]:
 
 def chunk_entries(table, spec: DecoderSpec, *, task: str, pp: int, pre_process: bool, post_process: bool,
                   layers, experts: range | None = None) -> list[Entry]:
-    """Entries owned by one chunk, in table order (layer rows for every layer of the chunk, in order).
-    ``experts``: the global expert indices this rank holds (its expert-parallel share); None: every expert."""
+    """Entries owned by one chunk, in table order (layer rows for every layer of the chunk, in order), then, on
+    the chunk with ``post_process``, those of the carried multi-token-prediction layers (``spec.
+    carried_mtp_layers``): for layer ``j`` (HF index ``num_layers + j``) the layer rows under
+    ``mtp_layers.{j}.layer.`` and the ``mtp`` rows. ``experts``: the global expert indices this rank holds (its
+    expert-parallel share); None: every expert."""
     out = []
     rows = select_rows(table, spec, task, pp)
     for row in rows:
@@ -167,7 +179,26 @@ def chunk_entries(table, spec: DecoderSpec, *, task: str, pp: int, pre_process: 
             index = None if row.expert is None else row.expert - first_expert
             out.append(Entry(row, row.local.format(l=local_idx), tuple(h.format(i=global_idx) for h in row.hf),
                              global_idx, index))
+    if post_process:
+        mtp_rows = [r for r in rows if r.stage == "mtp"]
+        for j in range(spec.carried_mtp_layers):
+            global_idx = spec.num_layers + j
+            for row in layer_rows:
+                if not row.applies_to_layer(spec, global_idx):
+                    continue
+                index = None if row.expert is None else row.expert - first_expert
+                local = f"{MTP_MODULE}.{j}.layer." + row.local.removeprefix("layers.{l}.")
+                out.append(Entry(row, local, tuple(h.format(i=global_idx) for h in row.hf), global_idx, index))
+            for row in mtp_rows:
+                out.append(Entry(row, row.local.format(l=j), tuple(h.format(i=global_idx) for h in row.hf),
+                                 global_idx))
     return out
+
+
+def is_trained(entry: Entry) -> bool:
+    """Whether the optimizer trains the parameter of ``entry``: not for a row marked ``trained=False`` (the
+    selection bias), nor for anything of a carried multi-token-prediction layer (held, never run)."""
+    return entry.row.trained and not entry.local.startswith(MTP_MODULE + ".")
 
 
 def all_entries(table, spec: DecoderSpec, *, task: str, pp: int) -> list[Entry]:

@@ -14,12 +14,13 @@ from ..dcp_io import SliceLoadPlanner, VerifyingReader, dcp_failure
 from ..global_view import global_slices, uncovered_rows
 from .extra import decode_extra
 from .record import META_NAME, MOMENTS, check_against, check_loadable, read_record
-from .start import begin, check_optimizer, entries_by_param, model_layout
+from .start import begin, check_optimizer, entries_by_param, model_layout, trained_names
 
 
-def _load_targets(dims, optimizer, shapes, mine, has_master):
+def _load_targets(dims, optimizer, shapes, mine, masters):
     """Planner targets: every slice of every parameter (and of this rank's optimizer state), vocabulary padding
-    rows zeroed. A full-precision parameter reads the fp32 master weights when the checkpoint has them.
+    rows zeroed. A full-precision parameter reads the fp32 master weights when the checkpoint has them
+    (``masters``: the HF names that have them).
     Returns ``(targets, params whose optimizer state is read)``."""
     targets: dict = {}
 
@@ -30,8 +31,8 @@ def _load_targets(dims, optimizer, shapes, mine, has_master):
         for entry, chunk in mine:
             param = chunk.get_parameter(entry.local)
             pieces = global_slices(entry, param, dims, shapes)
-            src = "optim/master" if has_master and param.dtype not in LOW_PRECISION else "model"
             for piece in pieces:
+                src = "optim/master" if piece.name in masters and param.dtype not in LOW_PRECISION else "model"
                 want(f"{src}/{piece.name}", piece, param)
             pad = uncovered_rows(param, pieces)
             if pad:
@@ -45,7 +46,8 @@ def _load_targets(dims, optimizer, shapes, mine, has_master):
                     for k in MOMENTS:
                         want(f"optim/{k}/{piece.name}", piece, st[k])
                     if "master" in st:
-                        want(f"{'optim/master' if has_master else 'model'}/{piece.name}", piece, st["master"])
+                        want(f"{'optim/master' if piece.name in masters else 'model'}/{piece.name}", piece,
+                             st["master"])
                 pad = uncovered_rows(param, pieces)
                 if pad:
                     for t in st.values():
@@ -75,7 +77,7 @@ def load_checkpoint(path, chunks, optimizer=None) -> dict:
         check_optimizer(optimizer, chunks)
         record, metadata = read_record(path)
         extra_keys = check_loadable(record, metadata, path)
-        has_master = check_against(record, metadata, path, saved, optimizer)
+        has_master = check_against(record, metadata, path, saved, optimizer, trained_names(chunks, dims))
         tensors = {k: torch.empty(tuple(metadata.state_dict_metadata[k].size),
                                   dtype=metadata.state_dict_metadata[k].properties.dtype) for k in extra_keys}
         # extra with its (still empty) tensors in place: dcp.load below fills them

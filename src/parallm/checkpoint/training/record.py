@@ -111,11 +111,15 @@ def saved_shapes(metadata, prefix: str) -> dict[str, tuple[int, ...]]:
             if k.startswith(prefix) and hasattr(v, "size")}
 
 
-def check_against(record, metadata, path, saved, optimizer) -> bool:
+def check_against(record, metadata, path, saved, optimizer, trained=None) -> set[str]:
     """The checkpoint holds this model's tensors (names and shapes; ``saved``: what the model stores) and, when
-    ``optimizer`` is given, optimizer state for each. Returns whether it has fp32 master weights."""
+    ``optimizer`` is given, optimizer state for each of the ``trained`` ones (HF names; None: all of them; a
+    tensor without gradient, such as the router's selection bias or a carried MTP layer, has none). Returns the
+    names whose fp32 master weights the checkpoint holds: every trained tensor it stores in low precision, or
+    none (a checkpoint saved from an fp32 model)."""
     present = saved_shapes(metadata, "model/")
     expected = dict(saved)
+    trained = set(expected) if trained is None else set(trained)
     missing = sorted(set(expected) - set(present))
     unexpected = sorted(set(present) - set(expected))
     bad = [f"{k}: checkpoint {present[k]} vs model {tuple(expected[k])}" for k in sorted(set(present) & set(expected))
@@ -136,8 +140,10 @@ def check_against(record, metadata, path, saved, optimizer) -> bool:
             raise CheckpointError(f"{path} holds no optimizer state (it was saved without optimizer=...); load it "
                                   "without the optimizer, or start the optimizer fresh")
         for k in MOMENTS + ("step",):
-            lacking = sorted(set(expected) - set(saved_shapes(metadata, f"optim/{k}/")))
+            lacking = sorted(trained - set(saved_shapes(metadata, f"optim/{k}/")))
             if lacking:
                 raise CheckpointError(f"{path}: optimizer state optim/{k} is missing for {', '.join(lacking[:8])}")
-    masters = saved_shapes(metadata, "optim/master/")
-    return bool(masters) and set(masters) >= set(expected)
+    masters = set(saved_shapes(metadata, "optim/master/"))
+    stored = metadata.state_dict_metadata
+    low = {n for n in trained if stored[f"model/{n}"].properties.dtype in LOW_PRECISION}
+    return masters & trained if masters and masters >= low else set()

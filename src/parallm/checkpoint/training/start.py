@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from ...families import family_of
-from ...model.table import expected_hf_shapes, model_entries
+from ...model.table import expected_hf_shapes, is_trained, model_entries
 from ...parallel.state import as_chunks, dims_of, require_initialized
 from ...train.optim import ParallelAdamW
 from .pending import wait_for_pending_saves
@@ -30,6 +30,16 @@ def model_layout(chunks, dims):
     mine, everything = model_entries(chunks, dims)
     saved = [(n, shapes[n]) for e in everything if e.row.save for n in e.hf]
     return shapes, mine, saved
+
+
+def trained_names(chunks, dims) -> list[str]:
+    """The HF names of the stored tensors the optimizer trains (of every rank): those of parameters with
+    ``requires_grad`` (not the router's selection bias, not a carried MTP layer). Read from this rank's chunks'
+    parameters and the table alone: every rank computes the same list."""
+    mine, everything = model_entries(chunks, dims)
+    frozen = {(e.row, e.layer) for e, c in mine if not c.get_parameter(e.local).requires_grad}
+    frozen |= {(e.row, e.layer) for e in everything if not is_trained(e)}
+    return [n for e in everything if e.row.save and (e.row, e.layer) not in frozen for n in e.hf]
 
 
 def entries_by_param(mine) -> dict:
