@@ -411,6 +411,31 @@ def rank_training(rank, world, ckpt, full, mtp_names, ref, ids, mask, ref_new, t
                 parallm.save_checkpoint(os.path.join(tmp, "train"), chunks, opt, step=1)
                 after_one = parallm.save_hf_weights(chunks)
         runs[kind] = (parallm.save_hf_weights(chunks), norms)
+    # the fp32 router tensors stay fp32 on every way out of a bf16 model (a bf16 selection bias changes which
+    # experts win): the export stream in bf16 and fp16 (their bits travel in pairs of wire elements), its
+    # metadata, the directory save
+    dict_save = parallm.save_hf_weights(chunks)
+    dict_save = {k: v for k, v in dict_save.items()} if rank == 0 else None
+    for wire in (None, torch.float16):
+        meta = {m.name: m.dtype for m in parallm.export_metadata(chunks, dtype=wire)}
+        got = {n: t.clone() for n, t in parallm.export_hf_tensors(chunks, dtype=wire, bucket_bytes=2048)}
+        assert {n: t.dtype for n, t in got.items()} == meta
+        kept = [n for n in got if n.endswith(("mlp.gate.weight", "e_score_correction_bias"))]
+        assert kept and all(got[n].dtype == torch.float32 for n in kept)
+        assert all(t.dtype == (wire or torch.bfloat16) for n, t in got.items() if n not in kept)
+        if rank == 0:
+            assert all(torch.equal(got[n], dict_save[n]) for n in kept)
+            assert all(torch.equal(got[n], dict_save[n].to(got[n].dtype)) for n in got)
+    parallm.save_hf_weights(chunks, os.path.join(tmp, "bf16-dir"))
+    if rank == 0:
+        from safetensors.torch import load_file
+
+        from parallm.checkpoint.training import checkpoint_to_hf
+        on_disk = load_file(os.path.join(tmp, "bf16-dir", "model.safetensors"))
+        helpers.assert_same_state(on_disk, dict_save)
+        # the training checkpoint exported offline, in its own dtype: the fp32 router tensors stay fp32 too
+        checkpoint_to_hf(os.path.join(tmp, "train"), os.path.join(tmp, "offline"))
+        helpers.assert_same_state(load_file(os.path.join(tmp, "offline", "model.safetensors")), after_one)
     if rank == 0:
         (a, na), (b, nb) = runs["plain"], runs["zero"]
         assert na == nb, (na, nb)

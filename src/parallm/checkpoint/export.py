@@ -193,11 +193,14 @@ def open_stream(chunks, *, dtype=None, bucket_bytes=DEFAULT_BUCKET_BYTES, dst_ra
     if plan is None:
         plan = make_plan(rows[:, 3].tolist(), rows[:, 4].tolist(), rows[:, 6 + w:].tolist(), everything,
                          world=w, tp=layout.tp, pp=layout.pp, spec=spec, task=chunks[0].task,
-                         padded_vocab=chunks[0].padded_vocab_size, numel=numel, direct_numel=direct)
+                         padded_vocab=chunks[0].padded_vocab_size, numel=numel, direct_numel=direct, wire=wire)
         if len(cache["plans"]) >= 4:
             cache["plans"].pop(next(iter(cache["plans"])))
         cache["plans"][key] = plan
     device = next(chunks[0].parameters()).device
+    for i in params:        # fp32 rows in a 2-byte stream: their bits, two wire elements per value
+        if any(n in plan.fp32_bits for n in everything[i].hf):
+            params[i] = params[i].detach().float().contiguous().view(wire)
     state = _StreamState(what, layout, plan)
     stream = _run(plan, cache["buffers"], params, dst, wire, device, layout, bool(copy), state)
     next(stream)   # to its first (internal) yield: from here on close() / garbage collection reach its handlers
@@ -453,7 +456,7 @@ def _destination(plan: Plan, buffers: _Buffers, params, dst, wire, device, layou
             shape = plan.shapes[name]
             tensor = out.narrow(0, offset, math.prod(shape)).view(shape)
             place(parts, tensor, staging, base=bucket.stage)
-            tensors.append((name, tensor))
+            tensors.append((name, tensor.view(torch.float32) if name in plan.fp32_bits else tensor))
         out = staging = None
         for item in tensors:
             st.yielded += 1

@@ -93,6 +93,9 @@ class Plan:
     buckets: list[Bucket]
     names: dict[int, tuple[str, ...]]            # entry -> its HF names
     shapes: dict[str, tuple[int, ...]]
+    # HF names whose fp32 bits travel as pairs of 2-byte wire elements (keep_fp32 rows in a bf16 / fp16 stream):
+    # their planned shape has a last dim twice the real one; destinations view them back as float32
+    fp32_bits: frozenset = frozenset()
 
     def order(self) -> list[str]:
         """Every HF name, in the order the stream yields them."""
@@ -184,16 +187,36 @@ def saved_entries(everything):
 
 def stream_metadata(everything, spec, *, task: str, pp: int, dtype: torch.dtype) -> list[TensorMeta]:
     """What the stream yields, in order, without a plan or an exchange: the saved entries' HF tensors in entry
-    order (buckets hold consecutive entries, each entry whole, its HF tensors in the entry's order)."""
+    order (buckets hold consecutive entries, each entry whole, its HF tensors in the entry's order). A
+    ``keep_fp32`` row's tensors come in float32 whatever ``dtype``."""
     shapes = expected_hf_shapes(family_of(spec).table, spec, task=task, pp=pp)
-    return [TensorMeta(name, dtype, shapes[name]) for _, e in saved_entries(everything) for name in e.hf]
+    return [TensorMeta(name, torch.float32 if e.row.keep_fp32 else dtype, shapes[name])
+            for _, e in saved_entries(everything) for name in e.hf]
+
+
+def fp32_bit_names(everything, wire: torch.dtype) -> frozenset:
+    """The HF names of ``keep_fp32`` rows that a stream of 2-byte ``wire`` elements carries as the raw bits of
+    their fp32 values (two wire elements per value; only replicated rows, whose blocks are whole rows). In an
+    fp32 or fp64 stream they are converted like everything else (fp32 -> fp64 is exact)."""
+    if torch.empty((), dtype=wire).element_size() >= 4:
+        return frozenset()
+    out = set()
+    for _, e in saved_entries(everything):
+        if e.row.keep_fp32:
+            if e.row.kind != "copy":
+                raise RuntimeError(f"internal error: keep_fp32 row {e.row.local} is not replicated")
+            out.update(e.hf)
+    return frozenset(out)
 
 
 def make_plan(tp_of, dp_of, held, everything, *, world: int, tp: int, pp: int, spec, task: str,
-              padded_vocab: int, numel: int, direct_numel: int) -> Plan:
+              padded_vocab: int, numel: int, direct_numel: int, wire: torch.dtype = torch.float32) -> Plan:
     """The export plan. ``tp_of[r]`` / ``dp_of[r]``: rank r's TP and data-parallel rank; ``held[r][i]``: whether
-    rank r holds entry i of ``everything`` (every rank's row of the exchange)."""
+    rank r holds entry i of ``everything`` (every rank's row of the exchange); ``wire``: the stream's dtype
+    (:func:`fp32_bit_names` travel as pairs of its elements)."""
     shapes = expected_hf_shapes(family_of(spec).table, spec, task=task, pp=pp)
+    bits = fp32_bit_names(everything, wire)
+    shapes = {n: (s[:-1] + (2 * s[-1],) if n in bits else s) for n, s in shapes.items()}
     entries, names = [], {}
     for i, entry in saved_entries(everything):
         hf_shapes = [shapes[n] for n in entry.hf]
@@ -207,7 +230,7 @@ def make_plan(tp_of, dp_of, held, everything, *, world: int, tp: int, pp: int, s
             pieces.append((t, src, tp_layout.shard_shape(t, tp, hf_shapes), tp_layout.blocks(t, tp, hf_shapes)))
         entries.append((i, hf_shapes, pieces))
         names[i] = tuple(entry.hf)
-    return Plan(plan_buckets(entries, numel, direct_numel), names, shapes)
+    return Plan(plan_buckets(entries, numel, direct_numel), names, shapes, bits)
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:

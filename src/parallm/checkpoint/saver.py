@@ -84,6 +84,8 @@ def _merge_entry(entry, view, shards, *, dtype, device) -> dict[str, torch.Tenso
     tensors while training changes it."""
     param, tp_layout = view
     out = {}
+    if entry.row.keep_fp32:          # the router's weight and selection bias: fp32 whatever the model's dtype
+        dtype = torch.float32
     for name, tensor in zip(entry.hf, tp_layout.merge(shards)):
         tensor = tensor.to(device=device, dtype=dtype or tensor.dtype).contiguous()   # checked by _check_casts
         if tensor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
@@ -204,15 +206,16 @@ def _check_casts(chunks, layout: ParallelDims, dtype) -> None:
 _ST_DTYPES = {SAFETENSORS_DTYPES[code]: code for code in ("F64", "F32", "F16", "BF16")}
 
 
-def plan_files(tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, limit: int) -> list[dict]:
+def plan_files(tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, limit: int, *,
+               fp32: frozenset | set = frozenset()) -> list[dict]:
     """Split ``(name, shape)`` (global order) into safetensors files of at most ``limit`` bytes and compute each
-    file's header and tensor offsets. Pure: every rank computes the same plan without talking to the others."""
+    file's header and tensor offsets; every tensor in ``dtype``, those named in ``fp32`` in float32. Pure: every
+    rank computes the same plan without talking to the others."""
     if dtype not in _ST_DTYPES:
         raise ValueError(f"cannot save dtype {dtype}; use one of {sorted(str(d) for d in _ST_DTYPES)}")
-    elsize = torch.empty((), dtype=dtype).element_size()
     groups, current, size = [], [], 0
     for name, shape in tensors:
-        n = elsize
+        n = torch.empty((), dtype=torch.float32 if name in fp32 else dtype).element_size()
         for d in shape:
             n *= d
         if current and size + n > limit:
@@ -227,7 +230,8 @@ def plan_files(tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, l
         fname = SINGLE_NAME if len(groups) == 1 else f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
         header, offsets, pos = {"__metadata__": {"format": "pt"}}, {}, 0
         for name, shape, n in group:
-            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [pos, pos + n]}
+            code = _ST_DTYPES[torch.float32 if name in fp32 else dtype]
+            header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [pos, pos + n]}
             offsets[name] = (pos, shape)
             pos += n
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -270,7 +274,8 @@ def _save_dir(chunks, layout: ParallelDims, out_dir: str, *, dtype, overwrite: b
     shapes = expected_hf_shapes(family_of(spec).table, spec, task=task, pp=layout.pp)
     _, everything = model_entries(chunks, layout)
     saved = [n for e in everything if e.row.save for n in e.hf]
-    files = plan_files([(n, shapes[n]) for n in saved], dtype, max_shard_size)
+    fp32 = {n for e in everything if e.row.save and e.row.keep_fp32 for n in e.hf}
+    files = plan_files([(n, shapes[n]) for n in saved], dtype, max_shard_size, fp32=fp32)
     where = {n: (f["name"], *f["tensors"][n]) for f in files for n in f["tensors"]}
 
     def prepare():
@@ -295,11 +300,12 @@ def _save_dir(chunks, layout: ParallelDims, out_dir: str, *, dtype, overwrite: b
                 raise FileNotFoundError(f"rank {layout.rank} cannot see {tmp}: out_dir must be on a filesystem "
                                         "shared by all writing ranks")
             fds = {}
-            elsize = torch.empty((), dtype=dtype).element_size()
             try:
                 for _, entry, chunk in bar(wanted, desc="parallm save", rank=layout.rank, progress=progress):
                     param, tp_layout = entry_view(chunk, entry)
-                    local = param.detach().to(device="cpu", dtype=dtype)      # checked by _check_casts
+                    out_dtype = torch.float32 if entry.row.keep_fp32 else dtype
+                    elsize = torch.empty((), dtype=out_dtype).element_size()
+                    local = param.detach().to(device="cpu", dtype=out_dtype)      # checked by _check_casts
                     hf_shapes = [shapes[n] for n in entry.hf]
                     for block in tp_layout.blocks(layout.tp_rank, layout.tp, hf_shapes):
                         if not block.primary:

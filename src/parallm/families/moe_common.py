@@ -24,19 +24,20 @@ FUSED_BLOCK = "model.layers.{i}.mlp."   # where transformers 5 keeps a MoE layer
 
 
 def moe_rows(block: str, *, router: str, gate: str, up: str, down: str, shared: str = "shared_expert.",
-             router_bias: str | None = None) -> tuple[Row, ...]:
+             router_bias: str | None = None, fp32_router: bool = False) -> tuple[Row, ...]:
     """``block``: the HF module of a MoE layer (``model.layers.{i}.mlp.``); ``router``: its router weight
     (relative to ``block``); ``gate`` / ``up`` / ``down``: expert e's projections (``{e}`` in them); ``shared``:
     the shared expert's module (Qwen2-MoE ``shared_expert.``, DeepSeek-V3 / GLM-4.5 ``shared_experts.``);
     ``router_bias``: the sigmoid router's fp32 selection bias (``gate.e_score_correction_bias``), a tensor without
-    gradient (``tp_sum`` never: nothing to sum), present when the spec's ``score_bias`` says so."""
+    gradient (``tp_sum`` never: nothing to sum), present when the spec's ``score_bias`` says so.
+    ``fp32_router``: the router's tensors are fp32 whatever the model dtype (``keep_fp32``: the sigmoid router)."""
     mlp = "layers.{l}.mlp."
     bias = () if router_bias is None else (
         Row(mlp + "router.e_score_correction_bias", (block + router_bias,), "copy", "layer", ((E,),),
-            when=("moe_layer", "score_bias"), trained=False),)
+            when=("moe_layer", "score_bias"), trained=False, keep_fp32=fp32_router),)
     return (
         Row(mlp + "router.weight", (block + router,), "copy", "layer", ((E, H),), when=("moe_layer",),
-            tp_sum="sp", fused=(FUSED_BLOCK + "gate.weight",)),
+            tp_sum="sp", fused=(FUSED_BLOCK + "gate.weight",), keep_fp32=fp32_router),
         *bias,
         Row(mlp + "experts.linear_fc1.weight", (block + gate, block + up), "gate_up", "layer", ((EI, H), (EI, H)),
             when=("moe_layer",), per_expert=True, fused=(FUSED_BLOCK + "experts.gate_up_proj",)),
@@ -66,7 +67,8 @@ QWEN_MOE_TABLE = moe_table(QWEN_MOE_ROWS)
 # DeepSeek-V3 and GLM-4.5: the router with its selection bias, the shared expert under ``shared_experts.``
 GROUPED_MOE_ROWS = moe_rows("model.layers.{i}.mlp.", router="gate.weight", gate="experts.{e}.gate_proj.weight",
                             up="experts.{e}.up_proj.weight", down="experts.{e}.down_proj.weight",
-                            shared="shared_experts.", router_bias="gate.e_score_correction_bias")
+                            shared="shared_experts.", router_bias="gate.e_score_correction_bias",
+                            fp32_router=True)
 
 
 def moe_layers(config, num_experts: int) -> tuple[int, ...]:

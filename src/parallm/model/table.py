@@ -86,6 +86,9 @@ class Row:
     fused: tuple[str, ...] = ()     # the names in a checkpoint that stores experts fused (FusedPart)
     trained: bool = True            # False: a parameter without gradient (requires_grad=False: the router's
                                     # selection bias, updated by a rule, never by the optimizer)
+    keep_fp32: bool = False         # held, saved and exported in fp32 whatever the model's / requested dtype
+                                    # (the sigmoid router's weight and bias: transformers'
+                                    # _keep_in_fp32_modules_strict; a bf16 bias changes which experts win)
 
     def __post_init__(self):
         if self.kind not in KINDS:

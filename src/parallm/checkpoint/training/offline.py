@@ -62,16 +62,22 @@ def checkpoint_to_hf(path, out_dir, *, dtype: torch.dtype | None = None, overwri
     dtype = dtype or saved_dtype
     names = [(n, tuple(s)) for n, s in record["tensors"]]
     masters = saved_shapes(metadata, "optim/master/")
-    src = "optim/master" if dtype.itemsize >= 4 and all(n in masters for n, _ in names) else "model"
-    files = plan_files(names, dtype, parse_size(max_shard_size))
+    stored = metadata.state_dict_metadata
+    # a tensor a lower-precision run kept in fp32 (the sigmoid router's weight and selection bias) stays fp32
+    fp32 = {n for n, _ in names if saved_dtype != torch.float32 and stored[f"model/{n}"].properties.dtype ==
+            torch.float32} if dtype.itemsize < 4 else set()
+    # fp32 masters where the run has them (a trained low-precision tensor); the stored tensor elsewhere
+    sources = {n: "optim/master" if dtype.itemsize >= 4 and n in masters else "model" for n, _ in names}
+    files = plan_files(names, dtype, parse_size(max_shard_size), fp32=fp32)
     check_target(out_dir, overwrite)
     tmp = make_tmp_beside(out_dir)
     try:
         from safetensors.torch import save_file
         for f in files:
-            full = _read_full(path, record, metadata, [f"{src}/{name}" for name in f["tensors"]],
+            full = _read_full(path, record, metadata, [f"{sources[name]}/{name}" for name in f["tensors"]],
                               what="checkpoint_to_hf")
-            out = {name: cast(full[f"{src}/{name}"], dtype, name, instead="export").contiguous()
+            out = {name: cast(full[f"{sources[name]}/{name}"], torch.float32 if name in fp32 else dtype, name,
+                              instead="export").contiguous()
                    for name in f["tensors"]}
             save_file(out, os.path.join(tmp, f["name"]), metadata={"format": "pt"})
         if len(files) > 1:
