@@ -515,3 +515,31 @@ def test_mtp_bf16_training_and_refusals(tmp_path):
     assert max(r["fwd"] for r in results) < 2e-5
     assert results[0]["weights"] < 2e-5
     assert len(results[0]["norms"]) == 2 and all(n > 0 for n in results[0]["norms"])
+
+
+def test_inspect_deepseek_uneven_split_and_mtp(tmp_path):
+    """`parallm inspect` (no process group) on an MTP-carrying DeepSeek-V3 checkpoint: the check passes with the
+    MTP layer carried, yarn and latent attention reported, 6 parameter tensors per MoE layer (the selection bias
+    among them), an uneven split's layers and memory per stage (the MTP layer on the last stage), and an even split
+    that does not divide refused with a suggestion."""
+    from parallm.cli.errors import CLIError
+    from parallm.cli.inspect import inspect_checkpoint, render
+    model = helpers.make_hf_model(deepseek_config(num_hidden_layers=5), seed=2)
+    ckpt = str(tmp_path / "mtp")
+    full, mtp = mtp_checkpoint(model, ckpt)
+    report = inspect_checkpoint(ckpt, pp=2, dp=2, ep=2, split={"layers_per_stage": [2, 3]})
+    assert report["problem"] is None, report["problem"]
+    c = report["config"]
+    assert (c["rope"], c["latent_attention"], c["mtp_layers"]) == ("yarn", True, 1), c
+    assert report["moe"]["tensors_per_layer"] == 6 and report["parameters"] == sum(t.numel() for t in full.values())
+    stages = report["layout"]["stages"]
+    assert [s["layers"] for s in stages] == ["0-1", "2-4"] and report["layout"]["split"] == [2, 3]
+    mtp_params = sum(t.numel() for n, t in mtp.items() if ".experts." not in n) + sum(
+        t.numel() for n, t in mtp.items() if ".experts." in n) // 2
+    plain = inspect_checkpoint(helpers.save_checkpoint(model, str(tmp_path / "plain")), pp=2, dp=2, ep=2,
+                               split={"layers_per_stage": [2, 3]})
+    assert plain["config"]["mtp_layers"] == 0 and plain["layout"]["stages"][0] == stages[0]
+    assert stages[1]["params"] - plain["layout"]["stages"][1]["params"] == mtp_params    # half the MTP experts
+    assert "--layers-per-stage" in render(report)
+    with pytest.raises(CLIError, match=r"layers_per_stage=\[2, 3\]"):
+        inspect_checkpoint(ckpt, pp=2)

@@ -32,6 +32,13 @@ def add_parser(sub) -> None:
     p.add_argument("--dp", type=positive, help="... and this many data-parallel replicas (sets the world size)")
     p.add_argument("--ep", type=positive, help="... and this many expert-parallel ranks (mixture of experts; "
                                                "divides --dp)")
+    p.add_argument("--num-layers-in-first-pipeline-stage", type=positive, metavar="N",
+                   help="an uneven pipeline split (Megatron's name): N layers on the first pipeline rank")
+    p.add_argument("--num-layers-in-last-pipeline-stage", type=positive, metavar="N",
+                   help="... N layers on the last pipeline rank (the ranks between share the rest equally)")
+    p.add_argument("--layers-per-stage", metavar="N,N,...",
+                   type=lambda s: [int(x) for x in s.split(",")],
+                   help="an explicit split: one count per virtual stage, in the order vpp_rank * pp + pp_rank")
     p.add_argument("--task", choices=("auto", "causal_lm", "value"), default="auto",
                    help="count a value head instead of the lm head (default: from the config)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -46,8 +53,11 @@ def run(args) -> int:
     if args.ep and args.ep > 1 and (args.dp or 1) % args.ep:
         raise UsageError(f"--ep {args.ep} must divide --dp {args.dp or 1} (experts are split over data-parallel "
                          "ranks)")
+    split = {k: v for k, v in (("num_layers_in_first_pipeline_stage", args.num_layers_in_first_pipeline_stage),
+                               ("num_layers_in_last_pipeline_stage", args.num_layers_in_last_pipeline_stage),
+                               ("layers_per_stage", args.layers_per_stage)) if v is not None}
     report = inspect_checkpoint(args.checkpoint, tp=args.tp, pp=args.pp, vpp=args.vpp, dp=args.dp, ep=args.ep,
-                                task=None if args.task == "auto" else args.task)
+                                task=None if args.task == "auto" else args.task, split=split)
     print(json.dumps(report, indent=2, default=str) if args.json else render(report))
     return EXIT_FAIL if report["problem"] else EXIT_OK
 
@@ -59,7 +69,7 @@ def read_checkpoint(path: str, *, task: str | None, pp: int = 1) -> dict:
     """config.json, family, task and every tensor's header, checked as the loader checks them (for ``pp``
     stages). Raises CLIError naming what cannot be read; missing / unexpected / mis-shaped tensors land in
     ``problem`` instead (``inspect`` still describes such a checkpoint)."""
-    from ..api import resolve_task
+    from ..api import resolve_task, with_mtp
     from ..checkpoint.hf_dir import SAFETENSORS_DTYPES, HFCheckpoint
     from ..checkpoint.loader import check_checkpoint
     from ..model.table import expected_hf_shapes, fused_layout
@@ -76,6 +86,7 @@ def read_checkpoint(path: str, *, task: str | None, pp: int = 1) -> dict:
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{path}/config.json: {e}") from None
         task = resolve_task(config, task)
+        spec = with_mtp(spec, path, None)          # MTP layers carried when the checkpoint holds them
         ckpt = HFCheckpoint(path)
         tensors = {}
         for name, fname in ckpt.weight_map.items():
@@ -104,13 +115,14 @@ def read_checkpoint(path: str, *, task: str | None, pp: int = 1) -> dict:
                 dtypes=sorted({t["dtype"] for t in tensors.values()}))
 
 
-def check_split(spec, *, tp: int, pp: int, vpp: int | None) -> None:
-    """The loader's own split checks, as a CLIError: tp over heads / KV heads / MLP, layers over pp x vpp."""
+def check_split(spec, *, tp: int, pp: int, vpp: int | None, split: dict | None = None) -> None:
+    """The loader's own split checks, as a CLIError: tp over heads / KV heads / MLP, layers over pp x vpp (evenly,
+    or as ``split``, ``build_model``'s pipeline-split keywords, says)."""
     from ..model.spec import check_tp
-    from ..parallel.stages import layer_numbers
+    from ..parallel.stages import stage_sizes
     try:
         check_tp(spec, tp)
-        layer_numbers(spec.num_layers, pp, vpp or 1, 0, 0)
+        stage_sizes(spec.num_layers, pp, vpp or 1, **(split or {}))
     except ValueError as e:
         raise CLIError(str(e)) from None
 
@@ -123,7 +135,8 @@ def _splits(fn, *args) -> bool:
         return False
 
 
-def rank_params(spec, task: str, *, tp: int, pp: int, vpp: int | None, ep: int = 1) -> list[dict]:
+def rank_params(spec, task: str, *, tp: int, pp: int, vpp: int | None, ep: int = 1,
+                split: dict | None = None) -> list[dict]:
     """Per pipeline stage: parameters one of its TP ranks holds (every TP rank of a stage holds the same count;
     vocabulary padding included, the tied head copy of the last stage included when pp > 1; of a MoE layer's
     experts, one expert-parallel rank's ``E / ep``)."""
@@ -139,7 +152,7 @@ def rank_params(spec, task: str, *, tp: int, pp: int, vpp: int | None, ep: int =
     for pp_rank in range(pp):
         count, layers = 0, []
         for v in range(vpp):
-            rng = layer_numbers(spec.num_layers, pp, vpp, pp_rank, v)
+            rng = layer_numbers(spec.num_layers, pp, vpp, pp_rank, v, **(split or {}))
             layers.append(f"{rng.start}-{rng.stop - 1}" if len(rng) > 1 else str(rng.start))
             experts = range(spec.moe.num_experts // ep) if spec.moe is not None else None
             for e in chunk_entries(table, spec, task=task, pp=pp, pre_process=(pp_rank == 0 and v == 0),
@@ -168,15 +181,19 @@ def moe_facts(spec, *, dtype: str, tp: int) -> dict | None:
     kernel = expert_kernel(device, torch_dtype, sizes) if width else "loop"
     return dict(experts=moe.num_experts, top_k=moe.top_k, layers=len(moe.layers),
                 expert_width=moe.expert_intermediate_size, shared_width=moe.shared_expert_intermediate_size,
-                tensors_per_layer=3 + (2 + int(moe.shared_expert_gate) if moe.shared_expert_intermediate_size else 0),
+                tensors_per_layer=3 + int(moe.score_bias) + (2 + int(moe.shared_expert_gate)
+                                                             if moe.shared_expert_intermediate_size else 0),
                 kernel=kernel, device=device,
                 kernel_note=(grouped_mm_support(device, torch_dtype, sizes) if width else
                              f"moe_intermediate_size {moe.expert_intermediate_size} does not split over tp={tp}"))
 
 
-def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, ep=None, task=None) -> dict:
+def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, ep=None, task=None,
+                       split: dict | None = None) -> dict:
+    """The report ``parallm inspect`` prints (see the module docstring); ``split``: ``build_model``'s
+    pipeline-split keywords for the per-rank memory of ``tp`` / ``pp`` / ``vpp``."""
     from ..model.spec import check_tp
-    from ..parallel.stages import layer_numbers
+    from ..parallel.stages import layer_numbers, stage_sizes
     ck = read_checkpoint(path, task=task)
     spec, tensors, L = ck["spec"], ck["tensors"], ck["spec"].num_layers
     files = {t["file"]: os.path.getsize(os.path.join(path, t["file"])) for t in tensors.values()}
@@ -194,7 +211,9 @@ def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, ep=Non
         config=dict(layers=spec.num_layers, hidden=spec.hidden_size, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
                     head_dim=spec.head_dim, intermediate=spec.intermediate_size, vocab=spec.vocab_size,
                     tied=spec.tie_word_embeddings, qkv_bias=spec.qkv_bias, o_bias=spec.o_bias, mlp_bias=spec.mlp_bias,
-                    rope=spec.rope.kind, rope_theta=spec.rope.theta, rms_norm_eps=spec.rms_norm_eps),
+                    rope="yarn" if spec.yarn is not None else spec.rope.kind, rope_theta=spec.rope.theta,
+                    rms_norm_eps=spec.rms_norm_eps, latent_attention=spec.mla is not None,
+                    mtp_layers=spec.carried_mtp_layers),
         parameters=sum(dtypes.values()), tensors=len(tensors), dtypes=dtypes, dtype=main,
         dtype_bytes=itemsize.get(main, 4), files=files, problem=ck["problem"], notes=ck["notes"],
         valid_tp=[tp for tp in range(1, spec.num_heads + 1) if _splits(check_tp, spec, tp)],
@@ -204,12 +223,13 @@ def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, ep=Non
     report["moe"] = moe_facts(spec, dtype=main, tp=tp or 1)
     if any(x is not None for x in (tp, pp, vpp, dp, ep)):
         tp, pp, dp, vpp, ep = tp or 1, pp or 1, dp or 1, vpp if vpp and vpp > 1 else None, ep or 1
-        check_split(spec, tp=tp, pp=pp, vpp=vpp)
+        check_split(spec, tp=tp, pp=pp, vpp=vpp, split=split)
         if ep > 1 and (spec.moe is None or spec.moe.num_experts % ep):
             raise CLIError(f"--ep {ep}: " + ("the model has no experts" if spec.moe is None else
                                              f"num_experts={spec.moe.num_experts} is not divisible by ep={ep}"))
         report["layout"] = dict(tp=tp, pp=pp, vpp=vpp, dp=dp, ep=ep, world=tp * pp * dp,
-                                stages=rank_params(spec, ck["task"], tp=tp, pp=pp, vpp=vpp, ep=ep))
+                                stages=rank_params(spec, ck["task"], tp=tp, pp=pp, vpp=vpp, ep=ep, split=split),
+                                split=(list(stage_sizes(L, pp, vpp or 1, **split)) if split else None))
     return report
 
 
@@ -264,7 +284,8 @@ def render(report: dict) -> str:
         lines.append(f"              kv heads are replicated at tp {', '.join(reps)}")
     lines.append("valid pp/vpp  " + "; ".join(f"pp {p}" + (f" (vpp {', '.join(map(str, v))})" if v else "")
                                             for p, v in report["pipelines"].items()))
-    lines.append(f"              ({c['layers']} layers split evenly: pp x vpp must divide {c['layers']})")
+    lines.append(f"              ({c['layers']} layers split evenly: pp x vpp must divide {c['layers']}; other pp "
+                 "with --layers-per-stage or --num-layers-in-first/last-pipeline-stage)")
     moe = report.get("moe")
     if moe:
         shared = f", shared expert {moe['shared_width']} wide" if moe["shared_width"] else ""
