@@ -152,6 +152,11 @@ CASES = [
      dict(tp=4, pp=1, ep=1, nmb=1), {}, {}),
     ("deepseek-v3 FP8 block checkpoint (16x16, ragged) tp2 ep2", lambda: deepseek_config(),
      dict(tp=2, pp=1, ep=2, nmb=1), {}, dict(fp8=True)),
+    ("deepseek-v3 cp2 dp2 ep2 ring", lambda: deepseek_config(),
+     dict(tp=1, pp=1, cp=2, ep=2, nmb=1), {"cp_attn": "ring"}, {}),
+    ("moonlight tp2 cp2 packed+SP all-gather ep2", lambda: moonlight_config(),
+     dict(tp=2, pp=1, cp=2, ep=2, nmb=1), {"packed": True, "sequence_parallel": True, "cp_attn": "allgather"},
+     dict(logprobs=True)),
 ]
 
 
@@ -172,7 +177,7 @@ def make_cases(tmp_path):
         if opts.get("kimi"):
             to_kimi_k2(ckpt)
         ids, mask = helpers.padded_batch(cfg.vocab_size, seed=i, batch=8, seq=9)
-        dp = WORLD // (layout["tp"] * layout["pp"])
+        dp = WORLD // (layout["tp"] * layout["pp"] * layout.get("cp", 1))
         loss, new_sd, after = reference_step(model, ids, mask, dp * layout["nmb"], task, str(tmp_path / f"s{i}"))
         with torch.no_grad():
             ref = hf_output(model, ids, mask, task=task)
@@ -199,7 +204,7 @@ def rank_cases(rank, world, cases):
     from parallm.parallel.state import current_dims
     out = []
     for case in cases:
-        parallm.init_parallel(tp=case["tp"], pp=case["pp"], ep=case["ep"])
+        parallm.init_parallel(tp=case["tp"], pp=case["pp"], cp=case.get("cp", 1), ep=case["ep"])
         lay = current_dims()
         opts, ids, mask = case["opts"], case["ids"], case["mask"]
         chunks = parallm.build_model(case["ckpt"], **case["build"])

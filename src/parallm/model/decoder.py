@@ -115,11 +115,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number  # global index in the full model
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
+        cp_group = dims.cp_group if dims is not None and dims.cp > 1 else None
         if spec.mla is not None:     # multi-head latent attention (DeepSeek-V3): model/mla.py
-            self.self_attention = MLAttention(spec, config, tp, device, backend=backend, norm=RMSNorm)
+            self.self_attention = MLAttention(spec, config, tp, device, backend=backend, norm=RMSNorm,
+                                              cp_group=cp_group, cp_attn=cp_attn)
         else:
-            self.self_attention = Attention(spec, config, tp, device, backend=backend,
-                                            cp_group=dims.cp_group if dims is not None and dims.cp > 1 else None,
+            self.self_attention = Attention(spec, config, tp, device, backend=backend, cp_group=cp_group,
                                             cp_attn=cp_attn)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
         # The spec says which layers route over experts (model/moe.py); the others keep the dense MLP.
@@ -483,9 +484,6 @@ def prepare_config(spec: DecoderSpec, dims, *, task: str, dtype, sequence_parall
         raise ValueError(f"hidden_act={spec.hidden_act!r} is not supported (parallm implements 'silu')")
     check_tp(spec, dims.tp)
     check_ep(spec, dims.ep)
-    if spec.mla is not None and dims.cp > 1:
-        raise ValueError(f"{spec.architecture}: context parallelism (cp={dims.cp}) with multi-head latent attention "
-                         "is not supported yet (its values are narrower than its keys); use cp=1")
     # raises with the numbers if the layers do not split (evenly, or as dims.layer_split says)
     layer_numbers(spec.num_layers, dims.pp, dims.vpp, 0, 0, layers_per_stage=dims.layer_split)
     config = make_config(tp=dims.tp, pp=dims.pp, vpp=dims.vpp if dims.vpp > 1 else None, dtype=dtype,

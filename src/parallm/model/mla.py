@@ -38,8 +38,8 @@ rotate_half layout.
 Softmax scale: :attr:`parallm.model.spec.MLASpec.scale` (yarn's ``mscale(factor, mscale_all_dim) ** 2`` times
 ``q_head_dim ** -0.5``). The attention kernels of :mod:`parallm.model.attention` scale by
 ``q_head_dim ** -0.5`` themselves, so the queries are multiplied by ``scale * sqrt(q_head_dim)`` first (skipped
-when that is 1): the same logits up to rounding. The flash-attn kernel needs the values as wide as the keys:
-they are zero-padded for it and the output cut back.
+when that is 1): the same logits up to rounding. The flash-attn kernel and the context-parallel kernels need the
+values as wide as the keys: they are zero-padded for them and the output cut back.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.megatron_import import import_megatron
-from .attention import AttnBackend, Packing
+from .attention import AttnBackend, Packing, block_kernel
+from .context_parallel import CP_KERNELS, ContextSplit
 from .mlp import no_init
 from .rope import apply_rope
 from .sharding import Replicated, Split, TPLayout
@@ -174,8 +175,12 @@ class MLAttention(nn.Module):
     ``norm``: the RMSNorm class to build the two latent norms with (the decoder's ``RMSNorm``, signature
     ``(size, eps, dtype, device)``), passed in so this module does not import the decoder."""
 
-    def __init__(self, spec: DecoderSpec, config, tp: int, device=None, *, backend: AttnBackend, norm):
+    def __init__(self, spec: DecoderSpec, config, tp: int, device=None, *, backend: AttnBackend, norm,
+                 cp_group=None, cp_attn: str = "allgather"):
         super().__init__()
+        self.cp_group = cp_group            # context parallelism: keys and values reach the other ranks' tokens
+        self.cp_fn = CP_KERNELS[cp_attn]
+        self.cp_block = block_kernel(backend, device or "cpu")
         if spec.mla is None:
             raise ValueError(f"{spec.architecture} has no multi-head latent attention (spec.mla is None)")
         check_mla_tp(spec, tp)
@@ -219,6 +224,15 @@ class MLAttention(nn.Module):
         """q, k ``[S, B, h, q_head_dim]``, v ``[S, B, h, v_dim]`` -> ``[S, B, h, v_dim]`` through the backend."""
         if self.q_factor is not None:
             q = q * self.q_factor
+        if isinstance(ctx, ContextSplit):
+            # the context-parallel kernels move keys and values together and attend in one width: the values
+            # zero-padded to the keys' width (the padded channels of the output are zeros, cut off)
+            pad = self.q_head_dim - self.v_dim
+            if pad < 0:
+                raise ValueError(f"context parallelism needs v_head_dim ({self.v_dim}) <= the key width "
+                                 f"({self.q_head_dim})")
+            out = self.cp_fn(q, k, F.pad(v, (0, pad)) if pad else v, ctx, self.cp_group, self.cp_block)
+            return out[..., :self.v_dim] if pad else out
         pad = self.q_head_dim - self.v_dim if self.backend.name == "flash-attn" else 0
         if pad > 0:
             v = F.pad(v, (0, pad))
@@ -234,7 +248,8 @@ class MLAttention(nn.Module):
     def forward(self, x, cos, sin, ctx):
         """x: ``[S, B, H]`` (or this rank's ``[T / tp, 1, H]`` under sequence parallelism); cos / sin:
         ``[S, B, rope]`` / ``[T, 1, rope]`` fp32 for every position; ctx: a boolean mask ``[B, 1, S, S]`` or None
-        (padded), or a :class:`Packing` (packed). Returns ``[S, B, H]`` (sequence parallel: ``[T / tp, 1, H]``)."""
+        (padded), a :class:`Packing` (packed), or a :class:`ContextSplit` (context parallelism: this rank's share
+        of every sequence, either layout). Returns ``[S, B, H]`` (sequence parallel: ``[T / tp, 1, H]``)."""
         if hasattr(self, "linear_q_down_proj"):
             q, _ = self.linear_q_up_proj(self.q_layernorm(self.linear_q_down_proj(x)))   # SP: gathered here
         else:
