@@ -651,19 +651,6 @@ def _check_mla(results, ref, mask, *, packed, sp, spec, tol=2e-6):
     return max(errors.values())
 
 
-@pytest.fixture(scope="module")
-def world_of_one(tmp_path_factory):
-    import torch.distributed as dist
-
-    import parallm
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg')}/store", rank=0,
-                            world_size=1)
-    try:
-        parallm.init_parallel()
-        yield
-    finally:
-        parallm.destroy_parallel()
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

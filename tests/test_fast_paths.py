@@ -9,19 +9,6 @@ import torch
 import helpers
 
 
-@pytest.fixture(scope="module")
-def world_of_one(tmp_path_factory):
-    import torch.distributed as dist
-
-    import parallm
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg')}/store", rank=0,
-                            world_size=1)
-    try:
-        parallm.init_parallel()
-        yield
-    finally:
-        parallm.destroy_parallel()
-        dist.destroy_process_group()
 
 
 def test_unpadded_batch_runs_without_a_mask(world_of_one, tmp_path, monkeypatch):

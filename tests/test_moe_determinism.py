@@ -77,20 +77,6 @@ def _reference(block, x):
     return out + block.shared_experts(x) if hasattr(block, "shared_experts") else out
 
 
-@pytest.fixture(scope="module")
-def world_of_one(tmp_path_factory):
-    """A one-rank gloo world (the shared expert's megatron-core linears need parallel groups)."""
-    import torch.distributed as dist
-
-    import parallm
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg')}/store", rank=0,
-                            world_size=1)
-    try:
-        parallm.init_parallel()
-        yield
-    finally:
-        parallm.destroy_parallel()
-        dist.destroy_process_group()
 
 
 def _check_permutations_only(out):

@@ -30,6 +30,14 @@ def gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     return _GatherLastDim.apply(x, group)
 
 
+def _gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``x`` stacked along dim 0, in the rank order of ``group``."""
+    x = x.contiguous()
+    out = x.new_empty((dist.get_world_size(group) * x.shape[0],) + tuple(x.shape[1:]))
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
 class _GatherRowsKeepOwn(torch.autograd.Function):
     """Forward: every rank's tensor stacked along dim 0 (rank order of ``group``). Backward: this rank's slice of
     the gradient. For outputs that every rank of the group then uses identically (the same loss on the same
@@ -38,10 +46,7 @@ class _GatherRowsKeepOwn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        x = x.contiguous()
-        out = x.new_empty((dist.get_world_size(group) * x.shape[0],) + tuple(x.shape[1:]))
-        dist.all_gather_into_tensor(out, x, group=group)
-        return out
+        return _gather_rows(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -64,10 +69,7 @@ class _GatherRowsSumBack(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        x = x.contiguous()
-        out = x.new_empty((dist.get_world_size(group) * x.shape[0],) + tuple(x.shape[1:]))
-        dist.all_gather_into_tensor(out, x, group=group)
-        return out
+        return _gather_rows(x, group)
 
     @staticmethod
     def backward(ctx, grad):
