@@ -191,3 +191,59 @@ def test_master_copies_match_per_tensor_copies_bit_for_bit():
                 expect = torch.empty(p.shape, dtype=torch.float32)
                 expect.copy_(p)
                 assert torch.equal(fresh.state[p]["master"], expect)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_part_norms_match_one_norm_per_part(threads):
+    """The row-wise norms of stacked same-shape parts (CPU) have the bits of one ``vector_norm`` per part, for
+    every p, at one and two threads: many parts of a few shapes (grouped), parts above the one-thread size
+    (a whole-tensor norm splits them over threads: not grouped), non-contiguous slices and empty pieces, in an
+    interleaved order the result must keep."""
+    from parallm.train.grads import _part_norms
+    g = torch.Generator().manual_seed(3)
+    shapes = [(16,), (64, 16), (1,), (3, 5), (128, 256), (100000,), (40000,), (8, 4096)]
+    parts = []
+    for k in range(600):
+        shape = shapes[int(torch.randint(0, len(shapes), (), generator=g))]
+        if shape[0] >= 40000 and sum(p.numel() >= 40000 for p in parts) >= 12:
+            shape = (7,)
+        t = torch.randn(shape, generator=g) * float(10.0 ** torch.randint(-3, 3, (), generator=g))
+        if k % 50 == 0 and t.dim() == 2:
+            t = t[:, 1:]                               # a column slice: not contiguous
+        if k % 97 == 0:
+            t = t.reshape(-1)[:0]                      # an empty piece
+        parts.append(t)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for norm_type in NORMS:
+            expect = torch.stack([torch.linalg.vector_norm(p, norm_type) if p.numel() else torch.zeros(())
+                                  for p in parts])
+            got = _part_norms(parts, norm_type)
+            assert torch.equal(got, expect), (norm_type, (got != expect).nonzero()[:5])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_part_norms_memo_is_reused_only_while_it_holds():
+    """The row-norm grouping kept between calls: reused for the same owners, rebuilt when the owners change
+    (another parameter's gradient is None), bypassed when a part is not contiguous; every result exact."""
+    from parallm.train.grads import _part_norms
+    g = torch.Generator().manual_seed(5)
+
+    def norms_of(parts):
+        return torch.stack([torch.linalg.vector_norm(p) for p in parts])
+
+    store = {}
+    a = [torch.randn(4, 3, generator=g), torch.randn(5, generator=g), torch.randn(4, 3, generator=g)]
+    assert torch.equal(_part_norms(a, 2.0, (store, "k", [0, 1, 2])), norms_of(a))
+    assert store["k"][0] == [0, 1, 2]
+    kept = store["k"]
+    fresh = [torch.randn(4, 3, generator=g), torch.randn(5, generator=g), torch.randn(4, 3, generator=g)]
+    assert torch.equal(_part_norms(fresh, 2.0, (store, "k", [0, 1, 2])), norms_of(fresh))
+    assert store["k"] is kept                                    # same owners: the grouping reused
+    other = [torch.randn(5, generator=g), torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g)]
+    assert torch.equal(_part_norms(other, 2.0, (store, "k", [1, 2, 3])), norms_of(other))
+    assert store["k"][0] == [1, 2, 3]                            # owners changed: rebuilt
+    strided = [torch.randn(5, generator=g), torch.randn(3, 4, generator=g).t(), torch.randn(4, 3, generator=g)]
+    assert torch.equal(_part_norms(strided, 2.0, (store, "k", [1, 2, 3])), norms_of(strided))

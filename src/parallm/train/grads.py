@@ -156,8 +156,8 @@ def announce_step(chunks, num_microbatches: int) -> None:
 #
 # The total norm is summed exactly as a per-parameter loop ``acc += vector_norm(part, p) ** p`` would sum it
 # (every parameter's primary slices in chunk / parameter order, in fp32, one addition after another), so the
-# result has the same bits; the per-tensor work runs in a few ``torch._foreach_*`` calls instead of a Python
-# loop of several kernels per tensor.
+# result has the same bits; the per-tensor work runs in a few ``torch._foreach_*`` calls (and, on CPU, one row-wise
+# norm per shape: :func:`_part_norms`) instead of a Python loop of several kernels per tensor.
 
 class _NormPlan:
     """What the norm reads, fixed once the model is built: every parameter of the chunks in order, and per
@@ -178,6 +178,7 @@ class _NormPlan:
             self.counted[pl.expert is not None].append((i, None if shape and slices == [(0, 0, shape[0])]
                                                         else slices))
         self.low_precision = any(p.dtype != torch.float32 for p in self.params)
+        self.groupings: dict = {}     # _part_norms' row-norm groups, by (domain, sharded)
         self.whole = tuple([i for i, sl in c] if all(sl is None for _, sl in c) else None for c in self.counted)
 
 
@@ -220,12 +221,74 @@ def _norm_parts(plan: _NormPlan, grads: list, k: int) -> tuple[list[torch.Tensor
 _EXACT_VECTOR_POW = (1.0, 2.0, 3.0)
 
 
-def _sum_of_powers(parts: list[torch.Tensor], norm_type: float, device) -> torch.Tensor:
+# A CPU reduction over at most this many elements runs on one thread (ATen's GRAIN_SIZE), so the norm of each row
+# of a stacked [k, n] tensor has the bits of the norm of that row alone, at any thread count (checked for every
+# p in tests/test_clip_foreach.py). Above it a whole-tensor norm splits the work over threads and may round
+# differently from a row of a stacked tensor.
+_ROW_NORM_MAX_NUMEL = 32768
+
+
+def _group_parts(parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    """Which parts :func:`_part_norms` norms row by row: index tensors of the CPU parts of one shape each (non-empty,
+    contiguous, at most ``_ROW_NORM_MAX_NUMEL`` elements), and the indices of the other non-empty parts."""
+    groups: dict[tuple, list[int]] = {}
+    rest: list[int] = []
+    for j, part in enumerate(parts):
+        n = part.numel()
+        if n == 0:
+            continue      # an empty piece: norm 0 (torch refuses the inf norm of an empty tensor)
+        if part.device.type == "cpu" and n <= _ROW_NORM_MAX_NUMEL and part.is_contiguous():
+            groups.setdefault(tuple(part.shape), []).append(j)
+        else:
+            rest.append(j)
+    return [torch.tensor(idx) for idx in groups.values()], rest
+
+
+def _part_norms(parts: list[torch.Tensor], norm_type: float, memo: tuple | None = None) -> torch.Tensor:
+    """``torch.stack([torch.linalg.vector_norm(part, norm_type) for part in parts])`` with the same bits, in a few
+    kernels. On CUDA ``torch._foreach_norm`` is one fused kernel. On CPU it is a loop of one norm per tensor, so
+    there small contiguous parts of one shape (a model's many norm weights, biases, small projections) are
+    stacked and normed row by row in one kernel per shape; the rest go through ``_foreach_norm``. An empty part's
+    norm is 0 (for every p, inf included).
+
+    ``memo``: ``(store, key, owners)`` when the parts are a plan's pieces of the parameters ``owners`` (their
+    shapes fixed by the plan): the grouping is kept in ``store[key]`` and reused while the owners are the same and
+    every part is contiguous."""
+    if parts[0].device.type != "cpu" and all(p.numel() for p in parts):
+        return torch.stack(torch._foreach_norm(parts, norm_type))
+    grouping = None
+    contiguous = all(map(torch.Tensor.is_contiguous, parts))
+    if memo is not None and contiguous:
+        store, key, owners = memo
+        held = store.get(key)
+        if held is not None and held[0] == owners:
+            grouping = held[1]
+    if grouping is None:
+        grouping = _group_parts(parts)
+        if memo is not None and contiguous:
+            store[key] = (list(owners), grouping)
+    return _part_norms_grouped(parts, norm_type, grouping)
+
+
+def _part_norms_grouped(parts, norm_type: float, grouping) -> torch.Tensor:
+    groups, rest = grouping
+    norms = torch.zeros(len(parts), dtype=torch.float32, device=parts[0].device)
+    for idx in groups:
+        rows = torch.stack([parts[j] for j in idx.tolist()]).reshape(len(idx), -1)
+        norms.index_copy_(0, idx, torch.linalg.vector_norm(rows, norm_type, dim=1))
+    if rest:
+        norms.index_copy_(0, torch.tensor(rest, device=norms.device),
+                          torch.stack(torch._foreach_norm([parts[j] for j in rest], norm_type)))
+    return norms
+
+
+def _sum_of_powers(parts: list[torch.Tensor], norm_type: float, device, memo: tuple | None = None) -> torch.Tensor:
     """``sum |part|_p ** p`` (``max |part|`` for inf) as an fp32 scalar on ``device``, added in list order one
-    value at a time, as ``acc += torch.linalg.vector_norm(part, p) ** p`` in a loop adds them."""
+    value at a time, as ``acc += torch.linalg.vector_norm(part, p) ** p`` in a loop adds them. ``memo``: as for
+    :func:`_part_norms`."""
     if not parts:
         return torch.zeros((), dtype=torch.float32, device=device)
-    return _combine(torch.stack(torch._foreach_norm(parts, norm_type)), norm_type)
+    return _combine(_part_norms(parts, norm_type, memo), norm_type)
 
 
 def _combine(norms: torch.Tensor, norm_type: float) -> torch.Tensor:
@@ -253,18 +316,22 @@ def _sequential_sum(values: torch.Tensor) -> torch.Tensor:
     return torch.tensor(total, dtype=values.dtype).to(values.device)
 
 
-def _sharded_partial(parts, held, norm_type: float, device, group) -> torch.Tensor:
+def _sharded_partial(parts, held, norm_type: float, device, group, memo: tuple | None = None) -> torch.Tensor:
     """The partial of ``parts`` when each rank of ``group`` holds the global gradient of its own parameters only
     (ZeRO with reduce-scattered buckets; ``held[j]``: part j is this rank's): each rank computes the norms of the
     parts it holds, one all-reduce of the vector of all parts' norms (zeros elsewhere: each entry is one rank's
     value plus zeros, exactly) gives every rank all of them, and they are combined in the same order as
-    unsharded, so the bits are the same."""
+    unsharded, so the bits are the same. ``memo``: ``(store, key, owners)`` of all the parts (see
+    :func:`_part_norms`)."""
     if not parts:
         return torch.zeros((), dtype=torch.float32, device=device)
     mine = [j for j, h in enumerate(held) if h]
     norms = torch.zeros(len(parts), dtype=torch.float32, device=device)
     if mine:
-        values = torch.stack(torch._foreach_norm([parts[j] for j in mine], norm_type))
+        if memo is not None:
+            store, key, owners = memo
+            memo = (store, key, [owners[j] for j in mine])
+        values = _part_norms([parts[j] for j in mine], norm_type, memo)
         norms.index_copy_(0, torch.tensor(mine, device=device), values)
     dist.all_reduce(norms, group=group)
     return _combine(norms, norm_type)
@@ -290,9 +357,9 @@ def _local_norm_partials(chunks, norm_type: float, plan: _NormPlan | None = None
         group, size = domains[domain]
         if buffers is not None and buffers.shard and size > 1:
             held = [buffers.holds(plan.params[i]) for i in owners]
-            out[key] = _sharded_partial(parts, held, norm_type, device, group)
+            out[key] = _sharded_partial(parts, held, norm_type, device, group, (plan.groupings, (k, True), owners))
         else:
-            out[key] = _sum_of_powers(parts, norm_type, device)
+            out[key] = _sum_of_powers(parts, norm_type, device, (plan.groupings, (k, False), owners))
     return out
 
 
