@@ -17,6 +17,12 @@ alternating, ``--reps`` rounds after a warm-up round:
   reload+head  the same from the directory that also holds ``lm_head.weight``: what a reload of a tied model
                has to read on vLLM-CPU to be right (without it the engine keeps its old prepacked head; the
                last phase shows it)
+  stream       the push's export stream alone (``open_stream(..., dst_ranks=[0], copy=True)``, its tensors
+               dropped), and
+  engine       the engine alone loading the same tensors (with ``lm_head.weight``) from a list already in
+               memory (``reload_weights(weights_iterator=...)``): a push runs the two at once (the stream on a
+               thread of the engine's rank, the engine on its main thread), so push ÷ (stream + engine) < 1
+               is the overlap
   cold reload  with ``--cold``: ``reload``, the file dropped from the page cache first (posix_fadvise
                DONTNEED on that file only)
   save+reload  with ``--with-save``: ``save_hf_weights(chunks, dir)`` then ``reload`` of it, what a sync
@@ -161,7 +167,29 @@ def rank_push(rank, world, ckpt, head_dir, save_dir, reps, bucket, cold, with_sa
             worst = max(worst, (lp - torch.tensor(lps)).abs().max().item())
         return worst
 
-    cases = {"push": push, "reload": lambda: reload(ckpt), "reload+head": lambda: reload(head_dir)}
+    from parallm.checkpoint.export import open_stream
+    items = list(open_stream(chunks, dst_ranks=[0], copy=True)[0])
+    if llm is not None:                          # the model is tied: what a push hands over again
+        items.append(("lm_head.weight", dict(items)["model.embed_tokens.weight"]))
+
+    def stream():
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in open_stream(chunks, dst_ranks=[0], copy=True)[0]:
+            pass
+        dist.barrier()
+        return time.perf_counter() - t
+
+    def engine():
+        dist.barrier()
+        t = time.perf_counter()
+        if llm is not None:
+            pv._reload(llm, iter(items))
+        dist.barrier()
+        return time.perf_counter() - t
+
+    cases = {"push": push, "reload": lambda: reload(ckpt), "reload+head": lambda: reload(head_dir),
+             "stream": stream, "engine": engine}
     if cold:
         cases["cold reload"] = lambda: reload(ckpt, evicted=True)
     if with_save:
@@ -172,6 +200,7 @@ def rank_push(rank, world, ckpt, head_dir, save_dir, reps, bucket, cold, with_sa
             t = fn()
             if i:
                 times[name].append(t)
+    items = None
     out = {"times": times, "peak_extra": max(peaks[1:] or peaks)}
     out["check_after_reload"] = check()        # the engine holds the checkpoint, the trainer too
     with torch.no_grad():                      # new weights: what a training step does
@@ -220,6 +249,7 @@ def main(argv=None):
         med = {k: statistics.median(v) for k, v in times.items()}
         best = {k: min(v) for k, v in times.items()}
         nbytes = {"push": res["bytes"], "reload": disk[ckpt], "reload+head": disk[head_dir],
+                  "stream": res["bytes"], "engine": disk[head_dir],
                   "cold reload": disk[ckpt], "save+reload": disk[ckpt]}
         from parallm.checkpoint.export import DEFAULT_BUCKET_BYTES as PUSH_BUCKET_BYTES
         bucket = args.bucket or f"{PUSH_BUCKET_BYTES // 2 ** 20}MiB (default)"
@@ -233,6 +263,8 @@ def main(argv=None):
         print(table(rows, ["", "median", "best", "GB/s (median)", "/ reload", "every rep (s)"]))
         print(f"push / reload = {med['push'] / med['reload']:.2f} (median; best {best['push'] / best['reload']:.2f});"
               f" push / reload+head = {med['push'] / med['reload+head']:.2f}; target <= 1.0, aim 0.5")
+        print(f"push / (stream + engine) = {med['push'] / (med['stream'] + med['engine']):.2f} (the overlap); "
+              f"push / engine = {med['push'] / med['engine']:.2f}")
         print(f"engine rank's peak extra anonymous memory during a push: {res['peak_extra'] / 2 ** 20:.0f} MiB")
         print(f"log-probs, max |vLLM - parallm|: {res['check_after_reload']:.1e} after the timed rounds; weights "
               f"x 1.05: {res['stale']:.1e} stale, {res['after_save_reload']:.1e} after save_hf_weights + reload, "

