@@ -12,7 +12,7 @@ from .model.decoder import RECOMPUTE, DecoderChunk, build_chunks
 from .model.logprobs import TokenStats, check_output
 from .model.spec import TASKS
 from .parallel.comm import gather_last_dim
-from .parallel.errors import exchange_rows, run_local
+from .parallel.errors import agree, exchange_rows, run_local
 from .model.params import attach_main_grad_hooks
 from .parallel.pipeline import broadcast_from_last_stage, run_pipeline
 from .parallel.state import as_chunks, dims_of, kv_replica_group, require_initialized
@@ -357,6 +357,11 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     of 0 divides by 1). With a load-balancing loss the objective is ``(sum(loss_sum) + coef * mean_m aux_m
     summed over replicas) / sum(num_tokens)``. Mixing the two kinds within a call, or within one step before
     ``finalize_grads``, is a ValueError.
+
+    A ``loss_fn`` that raises on some ranks: those ranks finish the schedule back-propagating zero for that
+    microbatch and the later ones (their peers get every message and collective they wait for), then every rank
+    raises at the end of the call (the raising rank its own exception, the others the same type naming it). The
+    process groups stay usable; the gradients hold the failed call's partial sums: zero them before going on.
     """
     require_initialized("forward_backward")
     chunks = as_chunks(chunks)
@@ -384,10 +389,18 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
         _same_microbatches(num_microbatches, layout)
     mbs = _microbatches(chunks, input_ids, position_ids, attention_mask, num_microbatches)
     records = {}    # microbatch -> (loss or loss_sum, num_tokens or None), on last-stage ranks
+    failure = []    # loss_fn's first exception on this rank: raised on every rank once the schedule is over
 
     def last_stage(chunk, out, m):
         ids, mask = mbs[m][0], mbs[m][2]
-        value, tokens = _loss_parts(loss_fn(gather_output(chunk, out, temperature, request), ids, mask))
+        result = gather_output(chunk, out, temperature, request)
+        if not failure:
+            try:
+                value, tokens = _loss_parts(loss_fn(result, ids, mask))
+            except Exception as e:  # noqa: BLE001 - agreed on by every rank after the schedule
+                failure.append(e)
+        if failure:     # this rank keeps its place in the schedule: the same messages, zero gradients
+            value, tokens = _zero_loss(result), None
         records[m] = (value.detach().float(), tokens)
         return value / num_microbatches if tokens is None else value    # what is back-propagated
 
@@ -401,6 +414,7 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
             "stats": request, "rope_length": chunks[0].rope_length(position_ids, attention_mask)})
     finally:
         aux_values = [v for chunk in chunks for v in chunk.moe_aux.stop()]
+    agree(failure[0] if failure else None, what="forward_backward")
     device = input_ids.device
     # [microbatches returning a pair, sum of the values, sum of the token counts], from the last stage
     mine = None
@@ -433,6 +447,14 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
         total = total.cpu()
     _add_pending_tokens(chunks, float(total[1]))
     return (total[0] / max(float(total[1]), 1.0)).float().to(device)
+
+
+def _zero_loss(result) -> torch.Tensor:
+    """A loss whose gradient is zero, through the same graph as ``result`` (a tensor or a TokenStats): what a
+    rank whose ``loss_fn`` raised back-propagates, so that its backward makes the same collectives and sends as
+    its peers'."""
+    tensors = list(result) if isinstance(result, TokenStats) else [result]
+    return sum((t * 0).sum() for t in tensors)
 
 
 def _loss_parts(result):
