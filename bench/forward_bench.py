@@ -20,12 +20,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import run_world  # noqa: E402
 
 
-def _rank(rank, world, ckpt, ids, pp, microbatches, iters):
+def _rank(rank, world, ckpt, ids, pp, microbatches, iters, last_stage_layers=None):
     import torch
 
     import parallm
     parallm.init_parallel(pp=pp)
-    chunks = parallm.build_model(ckpt)
+    split = {"num_layers_in_last_pipeline_stage": last_stage_layers} if pp > 1 and last_stage_layers else {}
+    chunks = parallm.build_model(ckpt, **split)
     parallm.load_hf_weights(chunks, ckpt)
     mask = torch.ones_like(ids)
     out = {}
@@ -54,6 +55,8 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--microbatches", default="", help="more microbatch counts to time at pp=2, e.g. 4,8")
+    ap.add_argument("--last-stage-layers", type=int, default=None,
+                    help="also time pp=2 with this many layers on the last stage (it holds the head)")
     args = ap.parse_args(argv)
     import torch
 
@@ -68,14 +71,20 @@ def main(argv=None):
         ckpt = os.path.join(tmp, "m")
         make_hf_model(cfg).save_pretrained(ckpt)
         one = run_world(_rank, 1, ckpt, ids, 1, [1], args.iters)[0]
-        two = run_world(_rank, 2, ckpt, ids, 2, sorted({1, default, *(int(x) for x in args.microbatches.split(",") if x)}),
-                        args.iters)[0]
+        counts = sorted({1, default, *(int(x) for x in args.microbatches.split(",") if x)})
+        two = run_world(_rank, 2, ckpt, ids, 2, counts, args.iters)[0]
+        uneven = (run_world(_rank, 2, ckpt, ids, 2, [m for m in counts if m > 1], args.iters,
+                            args.last_stage_layers)[0] if args.last_stage_layers else {})
     t1, lp1 = one[1]
     print(f"model: LLaMA-shaped, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, fp32; "
           f"forward(output='logprobs') of {args.batch} x {args.seq} tokens; load {os.getloadavg()[0]:.2f}")
     print(f"pp=1, 1 rank:                         {t1:.3f} s")
     for m, (t, lp) in sorted(two.items()):
         label = f"pp=2, 2 ranks, {m} microbatch(es)" + (" (default)" if m == default else "")
+        print(f"{label:<38}{t:.3f} s   ratio to pp=1 {t / t1:.3f}   max |dlogprob| {(lp - lp1).abs().max():.1e}")
+    for m, (t, lp) in sorted(uneven.items()):
+        label = (f"pp=2, {args.layers - args.last_stage_layers}+{args.last_stage_layers} layers, {m} mb"
+                 + (" (default)" if m == default else ""))
         print(f"{label:<38}{t:.3f} s   ratio to pp=1 {t / t1:.3f}   max |dlogprob| {(lp - lp1).abs().max():.1e}")
 
 
