@@ -33,7 +33,9 @@ holds each layer's tensors until the layer is complete (and the vocabulary-padde
 which the stream's default contract (valid until the next item) does not allow; with ``copy=True`` each bucket's
 tensors are memory of their own (no extra copy: the messages land there), freed when vLLM drops them. Tied
 models also send ``lm_head.weight`` (vLLM's CPU build keeps a prepacked copy of the head, refreshed only when it
-is loaded).
+is loaded). On the engine's rank the stream runs on a thread of its own (:class:`_ReadAhead`), up to two buckets
+ahead of the engine loading on the calling thread; that thread is the only one issuing collectives until the
+stream ends.
 """
 
 from __future__ import annotations
@@ -414,14 +416,15 @@ def push_weights(chunks, llm, *, rank: int = 0, dtype: torch.dtype | None = None
     """Push the model's current weights into the vLLM engine on global rank ``rank`` (what :func:`launch`
     returned there; None elsewhere). Collective over every rank, at any tp / pp / vpp / ep layout: the stream
     ``export_hf_tensors(chunks, dtype=..., bucket_bytes=..., dst_ranks=[rank], copy=True)`` goes into one
-    ``reload_weights`` call of the engine as it arrives, bucket by bucket (``bucket_bytes``, default 64 MiB).
+    ``reload_weights`` call of the engine as it arrives, bucket by bucket (``bucket_bytes``, default 64 MiB), read
+    on a thread of the engine's rank up to two buckets ahead of the engine.
 
     ``dtype``: None pushes in the engine's dtype; any other value must be the engine's dtype. Checked on the
     engine's rank before anything moves, and raised on every rank (no rank left waiting): no engine on ``rank``
     (or one whose engine core runs in another process); a dtype mismatch; names the engine does not know,
     engine tensors the model does not have, or shapes that differ (the engine's side read from its config
     through parallm's table for its architecture). A failure inside the engine while loading ends the stream on
-    every rank with the engine's error.
+    every rank with the engine's error; a failure on a sending rank, with that rank's.
 
     Returns, on every rank: ``{"bytes": bytes streamed, "seconds": wall time of the slowest rank, "gbps":
     bytes / seconds / 1e9, "tensors": tensors pushed, "buckets": buckets}``.
