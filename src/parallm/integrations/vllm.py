@@ -482,6 +482,9 @@ def push_weights(chunks, llm, *, rank: int = 0, dtype: torch.dtype | None = None
             _reload(llm, weights())
         except Exception as e:  # noqa: BLE001 - ends the stream on every rank, or is agreed on below
             error = e
+        except BaseException as e:  # KeyboardInterrupt and the like: the others are told, then it goes on up
+            ahead.close(e)
+            raise
         ahead.close(error)          # tells the others when buckets are left; a no-op when the stream has ended
         if state.exchanged:         # the others raised inside their stream: nobody takes part in the last round
             raise error if error is not None else ahead.abort
