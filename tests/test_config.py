@@ -151,9 +151,29 @@ def test_qwen2_sliding_window_rejected():
 
 def test_unsupported_rope_kind_rejected():
     raw = tiny_config("llama").to_dict()
-    raw["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
-    with pytest.raises(ValueError, match="yarn"):
+    raw["rope_parameters"] = {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4,
+                              "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    with pytest.raises(ValueError, match="longrope"):
         spec_from_config(raw)
+    raw["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5"):
+        spec_from_config(raw)
+    raw["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "mrope_section": [2, 3, 3]}
+    with pytest.raises(ValueError, match="mrope"):
+        spec_from_config(raw)
+
+
+def test_yarn_config_gives_a_yarn_spec():
+    """A Qwen-style long-context config (4.x ``rope_scaling`` with ``type``) reads as YaRN over the whole head;
+    the decoder's parity with transformers is in test_yarn_dense.py."""
+    raw = tiny_config("qwen2").to_dict()
+    raw.pop("rope_parameters", None)
+    raw["rope_theta"] = 1e6
+    raw["rope_scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    spec = spec_from_config(raw)[0]
+    assert spec.rope.kind == "default" and spec.yarn is not None
+    assert (spec.yarn.dim, spec.yarn.theta, spec.yarn.factor, spec.yarn.original_max_position_embeddings) == (
+        spec.head_dim, 1e6, 4.0, 32768)
 
 
 def test_load_config_errors(tmp_path):

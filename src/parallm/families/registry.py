@@ -7,8 +7,9 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from ..model.rope import rope_spec_from_hf_config
+from ..model.rope import RopeSpec, rope_spec_from_hf_config
 from ..model.spec import DecoderSpec
+from ..model.yarn import rope_parameters, yarn_spec_from_params
 
 
 @dataclass(frozen=True)
@@ -121,12 +122,29 @@ def base_spec_kwargs(config, family: str) -> dict:
         intermediate_size=int(config.intermediate_size),
         vocab_size=int(config.vocab_size),
         rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
-        rope=rope_spec_from_hf_config(config if not isinstance(config, _DictConfig) else config._raw,
-                                      int(head_dim)),
+        **_rope_kwargs(config if not isinstance(config, _DictConfig) else config._raw, int(head_dim)),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         pad_token_id=_pad_token_id(config),
         hidden_act=act,
     )
+
+
+def _rope_kwargs(config, head_dim: int) -> dict:
+    """``rope`` (a :class:`RopeSpec`), and for ``rope_type: "yarn"`` also ``yarn`` (a :class:`YarnSpec`, over the
+    whole head; ``rope`` then holds the base only): the decoder takes YaRN's frequencies and its cos / sin
+    attention factor from it, as transformers' LLaMA-like rotary embeddings do from ``ROPE_INIT_FUNCTIONS``."""
+    params = rope_parameters(config)
+    if params["rope_type"] != "yarn" or "mrope_section" in params or _get(config, "mrope_section") is not None:
+        return {"rope": rope_spec_from_hf_config(config, head_dim)}     # every other kind and its errors
+    factor = params.get("partial_rotary_factor")
+    if factor is not None and float(factor) != 1.0:
+        raise ValueError(f"partial_rotary_factor={factor} is not supported with yarn RoPE in this family (only "
+                         "full rotary embeddings)")
+    max_pos = _get(config, "max_position_embeddings")
+    max_pos = int(max_pos) if max_pos is not None else None
+    yarn = yarn_spec_from_params(params, dim=head_dim, max_position_embeddings=max_pos)
+    return {"rope": RopeSpec(dim=head_dim, theta=yarn.theta, kind="default", max_position_embeddings=max_pos),
+            "yarn": yarn}
 
 
 def _pad_token_id(config) -> int | None:
