@@ -15,6 +15,7 @@ Checks, each one line (PASS / FAIL, the measured value, the limit):
   6. a mixture-of-experts model (Qwen3-MoE, 8 experts, top 2) at ep = world (all-to-all dispatch): fp32 logits
   7. that model: one AdamW step with ZeRO at ep = world, a training checkpoint, loaded at ep = 1: weights bit-exact
   8. determinism: two identical MoE forward + backward passes give bit-identical outputs and gradients
+  8b. YaRN RoPE (a Qwen2 long-context config, factor 4): fp32 logits against transformers
   9. pp = 2 (2 or more GPUs): a training step whose stage-boundary messages are 64 MiB each (hidden 4096 x 4096
      tokens fp32, far above NCCL's point-to-point buffers: an exchange that needs buffering deadlocks here),
      loss against transformers
@@ -230,6 +231,27 @@ def main() -> int:
     differ = sum(not torch.equal(a, b) for a, b in zip(first, second)) + abs(len(first) - len(second))
     report("MoE: gradients of two identical passes not bit-identical (tensors)", float(differ), 0)
     del chunks, opt, first, second
+    parallm.destroy_parallel()
+
+    # 8b. YaRN RoPE (a Qwen2 long-context config) on the device: fp32 logits against transformers
+    parallm.init_parallel(tp=1, pp=1)
+    yarn_ckpt = os.path.join(box[0], "yarn")
+    yarn_cfg = R.tiny_config("qwen2", hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=32, vocab_size=1001,
+                             rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                              "original_max_position_embeddings": 16})
+    if rank == 0:
+        R.make_hf_model(yarn_cfg, seed=3).save_pretrained(yarn_ckpt)
+    dist.barrier()
+    hf, _ = R.load_transformers(yarn_ckpt, task="causal_lm", device=device)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+    chunks = parallm.build_model(yarn_ckpt)
+    parallm.load_hf_weights(chunks, yarn_ckpt)
+    with torch.no_grad():
+        out = parallm.forward(chunks, ids, mask)
+    report("YaRN (Qwen2, factor 4) fp32 logits", (out - ref)[real].abs().max().item(), 1e-3)
+    del chunks, hf
     parallm.destroy_parallel()
 
     # 9. pp = 2 with 64 MiB stage-boundary messages
