@@ -79,12 +79,12 @@ def main(argv=None):
     print(f"model: LLaMA-shaped, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, fp32; "
           f"forward(output='logprobs') of {args.batch} x {args.seq} tokens; load {os.getloadavg()[0]:.2f}")
     print(f"pp=1, 1 rank:                         {t1:.3f} s")
-    for m, (t, lp) in sorted(two.items()):
-        label = f"pp=2, 2 ranks, {m} microbatch(es)" + (" (default)" if m == default else "")
-        print(f"{label:<38}{t:.3f} s   ratio to pp=1 {t / t1:.3f}   max |dlogprob| {(lp - lp1).abs().max():.1e}")
-    for m, (t, lp) in sorted(uneven.items()):
-        label = (f"pp=2, {args.layers - args.last_stage_layers}+{args.last_stage_layers} layers, {m} mb"
-                 + (" (default)" if m == default else ""))
+    rows = [(f"pp=2, 2 ranks, {m} microbatch(es)", m, r) for m, r in sorted(two.items())]
+    if uneven:
+        split = f"{args.layers - args.last_stage_layers}+{args.last_stage_layers} layers"
+        rows += [(f"pp=2, {split}, {m} mb", m, r) for m, r in sorted(uneven.items())]
+    for label, m, (t, lp) in rows:
+        label += " (default)" if m == default else ""
         print(f"{label:<38}{t:.3f} s   ratio to pp=1 {t / t1:.3f}   max |dlogprob| {(lp - lp1).abs().max():.1e}")
 
 

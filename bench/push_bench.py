@@ -172,24 +172,23 @@ def rank_push(rank, world, ckpt, head_dir, save_dir, reps, bucket, cold, with_sa
     if llm is not None:                          # the model is tied: what a push hands over again
         items.append(("lm_head.weight", dict(items)["model.embed_tokens.weight"]))
 
-    def stream():
+    def timed(fn):
         dist.barrier()
         t = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - t
+
+    def stream():
         for _ in open_stream(chunks, dst_ranks=[0], copy=True)[0]:
             pass
-        dist.barrier()
-        return time.perf_counter() - t
 
     def engine():
-        dist.barrier()
-        t = time.perf_counter()
         if llm is not None:
             pv._reload(llm, iter(items))
-        dist.barrier()
-        return time.perf_counter() - t
 
     cases = {"push": push, "reload": lambda: reload(ckpt), "reload+head": lambda: reload(head_dir),
-             "stream": stream, "engine": engine}
+             "stream": lambda: timed(stream), "engine": lambda: timed(engine)}
     if cold:
         cases["cold reload"] = lambda: reload(ckpt, evicted=True)
     if with_save:

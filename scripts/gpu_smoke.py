@@ -188,21 +188,28 @@ def main() -> int:
     # 6. mixture of experts at ep = world
     parallm.destroy_parallel()
     parallm.init_parallel(tp=1, pp=1, ep=world)
-    moe_ckpt = os.path.join(box[0], "moe")
+    def logits_check(name, cfg, seed, label):
+        """Save ``cfg``'s model (rank 0), load it in parallm at the current layout: fp32 logits against
+        transformers on the device. Returns the checkpoint and the loaded chunks."""
+        ckpt = os.path.join(box[0], name)
+        if rank == 0:
+            R.make_hf_model(cfg, seed=seed).save_pretrained(ckpt)
+        dist.barrier()
+        hf, _ = R.load_transformers(ckpt, task="causal_lm", device=device)
+        with torch.no_grad():
+            ref = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+        del hf
+        loaded = parallm.build_model(ckpt)
+        parallm.load_hf_weights(loaded, ckpt)
+        with torch.no_grad():
+            out = parallm.forward(loaded, ids, mask)
+        report(label, (out - ref)[real].abs().max().item(), 1e-3)
+        return ckpt, loaded
+
     moe_cfg = R.tiny_config("qwen3_moe", hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=32, vocab_size=1001, num_experts=8, num_experts_per_tok=2,
                             moe_intermediate_size=64, norm_topk_prob=True)
-    if rank == 0:
-        R.make_hf_model(moe_cfg, seed=2).save_pretrained(moe_ckpt)
-    dist.barrier()
-    hf, _ = R.load_transformers(moe_ckpt, task="causal_lm", device=device)
-    with torch.no_grad():
-        ref = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
-    chunks = parallm.build_model(moe_ckpt)
-    parallm.load_hf_weights(chunks, moe_ckpt)
-    with torch.no_grad():
-        out = parallm.forward(chunks, ids, mask)
-    report(f"MoE (8 experts, top 2) fp32 logits at ep={world}", (out - ref)[real].abs().max().item(), 1e-3)
+    moe_ckpt, chunks = logits_check("moe", moe_cfg, 2, f"MoE (8 experts, top 2) fp32 logits at ep={world}")
 
     # 7. MoE training with ZeRO at ep = world: one step, a training checkpoint, loaded at ep = 1
     opt = parallm.build_optimizer(chunks, **hp, shard_over_dp=True)
@@ -235,23 +242,12 @@ def main() -> int:
 
     # 8b. YaRN RoPE (a Qwen2 long-context config) on the device: fp32 logits against transformers
     parallm.init_parallel(tp=1, pp=1)
-    yarn_ckpt = os.path.join(box[0], "yarn")
     yarn_cfg = R.tiny_config("qwen2", hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, head_dim=32, vocab_size=1001,
                              rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                               "original_max_position_embeddings": 16})
-    if rank == 0:
-        R.make_hf_model(yarn_cfg, seed=3).save_pretrained(yarn_ckpt)
-    dist.barrier()
-    hf, _ = R.load_transformers(yarn_ckpt, task="causal_lm", device=device)
-    with torch.no_grad():
-        ref = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
-    chunks = parallm.build_model(yarn_ckpt)
-    parallm.load_hf_weights(chunks, yarn_ckpt)
-    with torch.no_grad():
-        out = parallm.forward(chunks, ids, mask)
-    report("YaRN (Qwen2, factor 4) fp32 logits", (out - ref)[real].abs().max().item(), 1e-3)
-    del chunks, hf
+    _, chunks = logits_check("yarn", yarn_cfg, 3, "YaRN (Qwen2, factor 4) fp32 logits")
+    del chunks
     parallm.destroy_parallel()
 
     # 9. pp = 2 with 64 MiB stage-boundary messages

@@ -34,17 +34,15 @@ def _rank(rank, world, cases):
 def test_yarn_dense_families_match_transformers(tmp_path):
     cases, want, plain = {}, {}, {}
     for key, (family, rope) in CASES.items():
-        cfg = helpers.tiny_config(family, num_hidden_layers=2, head_dim=32, num_attention_heads=4,
-                                  num_key_value_heads=2, hidden_size=128, max_position_embeddings=64,
-                                  rope_parameters=rope)
+        shape = dict(num_hidden_layers=2, head_dim=32, num_attention_heads=4, num_key_value_heads=2,
+                     hidden_size=128, max_position_embeddings=64)
+        cfg = helpers.tiny_config(family, **shape, rope_parameters=rope)
         assert cfg.rope_parameters["rope_type"] == "yarn", cfg.rope_parameters
         model = helpers.make_hf_model(cfg)
         ids = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
         mask = torch.ones_like(ids)
         want[key] = helpers.hf_logits(model, ids, mask)
-        cfg_plain = helpers.tiny_config(family, num_hidden_layers=2, head_dim=32, num_attention_heads=4,
-                                        num_key_value_heads=2, hidden_size=128, max_position_embeddings=64)
-        other = helpers.make_hf_model(cfg_plain)
+        other = helpers.make_hf_model(helpers.tiny_config(family, **shape))
         other.load_state_dict(model.state_dict())
         plain[key] = helpers.hf_logits(other, ids, mask)       # the same weights without yarn
         cases[key] = (helpers.save_checkpoint(model, str(tmp_path / key)), ids, mask)

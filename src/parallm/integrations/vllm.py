@@ -55,8 +55,8 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.cast import WIRE_DTYPES
-from ..errors import ParallelError
 from ..checkpoint.export import DEFAULT_BUCKET_BYTES, _parse_bucket, export_metadata, open_stream
+from ..errors import ParallelError
 from ..parallel.errors import agree, exchange_rows, gather_objects, raise_failures, status_of
 from ..parallel.state import as_chunks, dims_of
 
