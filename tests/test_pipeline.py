@@ -69,12 +69,13 @@ def rank_cases(rank, world, cases):
         loss_fn = LOSSES[case.get("loss", "ce")]
         chunks = parallm.build_model(case["ckpt"], **build)
         assert len(chunks) == (vpp or 1)
+        assert chunks[0].dims.layer_split == case.get("split"), case["name"]
         parallm.load_hf_weights(chunks, case["ckpt"], mode="slice")
         ids, mask = case["ids"], case["mask"]
         logits = parallm.forward(chunks, ids, mask)
         fwd = helpers.max_diff_real(logits, case["ref_logits"], mask)
-        if pp > 1:   # the pipelined forward (default: pp microbatches) against one microbatch and against 4
-            for m in (1, 4):
+        if pp > 1:   # the pipelined forward (default: 4 pp microbatches) against 1, 3 (uneven sizes) and 4
+            for m in (1, 3, 4):
                 other = parallm.forward(chunks, ids, mask, num_microbatches=m)
                 fwd = max(fwd, helpers.max_diff_real(other, case["ref_logits"], mask))
         # round trip before training
@@ -139,6 +140,9 @@ CASES = [
      dict(tp=2, pp=2, vpp=None, nmb=2), {}),
     ("llama tp2 dp2 untied nkv1 mb2", "llama", dict(num_key_value_heads=1, attention_bias=True),
      dict(tp=2, pp=1, vpp=None, nmb=2), {}),
+    # the head (vocab 2000) costs 4.2 layers' work: layers_per_stage="balanced" gives the last stage one layer
+    ("qwen2 pp2 dp2 tied balanced 3+1", "qwen2", dict(num_hidden_layers=4, tie_word_embeddings=True, vocab_size=2000),
+     dict(tp=1, pp=2, vpp=None, nmb=2), {"build": {"layers_per_stage": "balanced"}, "split": (3, 1)}),
 ]
 
 

@@ -15,7 +15,7 @@ from .parallel.comm import gather_last_dim
 from .parallel.errors import agree, exchange_rows, run_local
 from .model.params import attach_main_grad_hooks
 from .parallel.pipeline import broadcast_from_last_stage, run_pipeline
-from .parallel.state import as_chunks, dims_of, kv_replica_group, require_initialized
+from .parallel.state import as_chunks, current_dims, dims_of, kv_replica_group, require_initialized
 
 
 logger = logging.getLogger("parallm")
@@ -48,8 +48,10 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage`` (that many layers on the
     first / last pipeline rank, the rest shared equally by the ranks between; with vpp, each rank's layers
     split equally over its virtual stages), or ``layers_per_stage``, one count per virtual stage in the order
-    ``vpp_rank * pp + pp_rank``. An impossible split is a ValueError naming the numbers (and suggesting one).
-    Every rank passes the same split; it is kept in ``chunk.dims.layer_split``.
+    ``vpp_rank * pp + pp_rank``, or ``layers_per_stage="balanced"``: the counts that make the dearest virtual
+    stage cheapest when the last one also pays for the head (:func:`balanced_layers_per_stage`; with a large
+    vocabulary the last stage gets fewer layers). An impossible split is a ValueError naming the numbers (and
+    suggesting one). Every rank passes the same split; it is kept in ``chunk.dims.layer_split``.
     ``mtp``: carry the config's multi-token-prediction layers (DeepSeek-V3 / GLM-4.5 ``num_nextn_predict_layers``,
     HF ``model.layers.{L + j}.*``): the last pipeline stage holds them, sharded like a decoder layer, and
     ``load_hf_weights`` / ``save_hf_weights`` / ``export_hf_tensors`` / training checkpoints move them bit for
@@ -70,6 +72,11 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     spec, family = spec_from_config(config)
     task = resolve_task(config, task)
     spec = with_mtp(spec, hf_config, mtp)
+    if isinstance(layers_per_stage, str):
+        if layers_per_stage != "balanced":
+            raise ValueError(f"layers_per_stage must be a list of counts or 'balanced', got {layers_per_stage!r}")
+        dims = current_dims()
+        layers_per_stage = balanced_layers_per_stage(spec, task=task, pp=dims.pp, vpp=dims.vpp)
     chunks = build_chunks(spec, table=family.table, task=task, dtype=dtype, sequence_parallel=sequence_parallel,
                           vocab_multiple=vocab_multiple, packed=packed, attn_impl=attn_impl,
                           recompute=recompute, cp_attn=cp_attn,
@@ -84,6 +91,20 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     for chunk in chunks:
         chunk.hf_config = getattr(config, "_raw", config)
     return chunks
+
+
+def balanced_layers_per_stage(spec, *, task: str, pp: int, vpp: int = 1) -> list[int] | None:
+    """``build_model(layers_per_stage="balanced")``'s split of ``spec`` (a :class:`parallm.model.spec.DecoderSpec`)
+    over ``pp x vpp`` virtual stages: :func:`parallm.parallel.stages.balanced_sizes` of the per-token
+    multiply-adds of each layer and of the ``task``'s head (:func:`parallm.model.table.forward_costs`). None at
+    ``pp * vpp == 1``. The same on every rank (a pure function of the config)."""
+    from .families import family_of
+    from .model.table import forward_costs
+    from .parallel.stages import balanced_sizes
+    if pp * vpp == 1:
+        return None
+    layers, head = forward_costs(family_of(spec).table, spec, task=task)
+    return list(balanced_sizes(layers, head, pp * vpp))
 
 
 def with_mtp(spec, hf_config, mtp: bool | None):
@@ -196,11 +217,26 @@ def _output_shape(chunk, b, s, request):
     return {"causal_lm": (b, s, spec.vocab_size), "hidden": (b, s, spec.hidden_size)}.get(chunk.task, (b, s))
 
 
-def default_forward_microbatches(batch: int, pp: int) -> int:
-    """``forward``'s microbatch count at ``pp > 1`` when none is given: ``pp`` when ``pp`` divides the batch (the
-    pipeline's stages then all work at once after a fill of ``pp - 1`` steps); otherwise the largest divisor of
-    the batch below ``pp`` (1 for a prime batch smaller than ``pp``)."""
-    return max(m for m in range(1, min(pp, batch) + 1) if batch % m == 0) if batch else 1
+# Fewest tokens a microbatch of forward's default count holds beyond pp microbatches, by device type (others:
+# the CUDA figure). CPU: about where the per-microbatch cost (a send per stage, the Python of every layer) stays
+# under a few percent of the work on this project's 2-core machine; CUDA: a guess sized for kernel launches,
+# not measured on a GPU.
+MIN_FORWARD_MICROBATCH_TOKENS = {"cpu": 128, "cuda": 4096}
+
+
+def default_forward_microbatches(batch: int, pp: int, tokens: int | None = None, device="cpu") -> int:
+    """``forward``'s microbatch count at ``pp > 1`` when none is given: ``pp`` (at most one per sequence), and
+    up to ``4 pp`` while each microbatch keeps :data:`MIN_FORWARD_MICROBATCH_TOKENS` of the batch's ``tokens``
+    (``batch x seq``; None: no floor) on ``device``'s type. With ``m`` microbatches a pipeline of equal stages
+    idles ``(pp - 1) / (m + pp - 1)`` of the time: 1/3 at ``m = pp = 2``, 1/9 at ``m = 4 pp``. A forward keeps
+    nothing of a microbatch once it has passed, so more of them cost no memory, only smaller matrix products
+    and one more message per stage each."""
+    if tokens is None:
+        more = 4 * pp
+    else:
+        floor = MIN_FORWARD_MICROBATCH_TOKENS.get(torch.device(device).type, MIN_FORWARD_MICROBATCH_TOKENS["cuda"])
+        more = min(4 * pp, tokens // floor)
+    return max(1, min(batch, max(pp, more)))
 
 
 def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output=None, temperature=1.0,
@@ -211,8 +247,9 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output
     (value). ``output="logprobs"``: fp32 ``[B, S]``, ``log_softmax(logits[b, t] / temperature)[input_ids[b,
     t+1]]`` (0 at ``t = S-1`` and at padded positions). ``output="logprobs+entropy"``: a :class:`TokenStats` of
     two such tensors. At ``pp > 1`` the batch runs through the pipeline as ``num_microbatches`` microbatches
-    (default :func:`default_forward_microbatches`: ``pp`` when it divides the batch), so the stages overlap
-    instead of waiting for each other; results are the same for any count (at ``pp == 1`` it is ignored).
+    along dim 0, their sizes differing by at most one (default :func:`default_forward_microbatches`: ``pp``, up
+    to ``4 pp`` for batches with enough tokens, at most one per sequence), so the stages overlap instead of
+    waiting for each other; results are the same for any count (at ``pp == 1`` it is ignored).
     Log-probs are computed vocab-parallel in chunks of ``token_chunk`` tokens (default: about
     32 MiB of fp32 logits per chunk on CPU, 2 GiB on GPU: ``model.logprobs.DEFAULT_CHUNK_BYTES``), never
     gathering ``[..., V]``.
@@ -225,13 +262,17 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output
         request = check_output(output, temperature, task=chunks[0].task, token_chunk=token_chunk)
         batch = _check_batch(chunks, input_ids, attention_mask, position_ids)
         b = batch[0].shape[0]
-        m = num_microbatches if num_microbatches is not None else default_forward_microbatches(b, layout.pp)
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1 or (b and b % m):
-            raise ValueError(f"batch size {b} does not split into num_microbatches={num_microbatches}")
+        m = num_microbatches if num_microbatches is not None else default_forward_microbatches(
+            b, layout.pp, batch[0].numel(), batch[0].device)
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1 or m > max(b, 1):
+            raise ValueError(f"num_microbatches={num_microbatches!r} must be a whole number from 1 to the batch "
+                             f"size {b}")
         return batch, request, m, _cp_fingerprint(layout, batch, m, request)
     (input_ids, attention_mask, position_ids), request, m, fingerprint = run_local(check, what="forward")
     if layout.cp > 1:
         _same_batch_in_cp_group(layout, fingerprint, "forward")
+    if layout.pp > 1 and layout.ep > 1 and chunks[0].spec.moe is not None:
+        m = _same_microbatches(m, layout, "forward", default=num_microbatches is None)
     if layout.pp == 1:
         return gather_output(chunks[0], chunks[0].compute(input_ids, position_ids, attention_mask, stats=request),
                              temperature, request)
@@ -250,13 +291,13 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output
 
 
 def _microbatches(chunks, input_ids, position_ids, attention_mask, m: int) -> list[tuple]:
-    """The batch as ``m`` microbatches along dim 0: ``(input_ids, position_ids, attention_mask)``, with this
-    rank's context-parallel split of each as a fourth element under context parallelism (computed once per
-    microbatch here; it travels through the pipeline with its microbatch)."""
+    """The batch as ``m`` microbatches along dim 0 (sizes differing by at most one, the larger first; equal when
+    ``m`` divides the batch): ``(input_ids, position_ids, attention_mask)``, with this rank's context-parallel
+    split of each as a fourth element under context parallelism (computed once per microbatch here; it travels
+    through the pipeline with its microbatch)."""
     b = input_ids.shape[0]
-    size = b // m if b else 0
-    mbs = [(input_ids[i:i + size], position_ids[i:i + size], attention_mask[i:i + size])
-           for i in range(0, b, size)] if b else [(input_ids, position_ids, attention_mask)]
+    mbs = list(zip(*(t.tensor_split(m) for t in (input_ids, position_ids, attention_mask)))) if b else \
+        [(input_ids, position_ids, attention_mask)]
     if chunks[0].dims.cp > 1:
         mbs = [mb + (chunks[0].context_split(*mb),) for mb in mbs]
     return mbs
@@ -307,13 +348,21 @@ def _stackable(out):
     return torch.stack(tuple(out)) if isinstance(out, TokenStats) else out
 
 
-def _same_microbatches(num_microbatches: int, layout) -> None:
+def _same_microbatches(num_microbatches: int, layout, what: str = "forward_backward", *,
+                       default: bool = False) -> int:
     """Under expert parallelism the data-parallel replicas exchange tokens in every MoE layer, so they must run
-    the same number of microbatches (batch sizes may differ); a mismatch is an error on every rank, not a hang."""
-    counts = exchange_rows([num_microbatches], what="forward_backward")[:, 0].tolist()
-    if len(set(counts)) > 1:
-        raise ValueError(f"forward_backward: with expert parallelism (ep={layout.ep}) every rank must pass the "
-                         f"same num_microbatches; got {counts} (by global rank)")
+    the same number of microbatches (batch sizes may differ): a mismatch is an error on every rank, not a hang.
+    ``default``: no rank was given a count (``num_microbatches`` is this rank's default); every rank then runs
+    the smallest default of any rank. Returns the count to run."""
+    rows = exchange_rows([num_microbatches, int(default)], what=what)
+    counts, defaults = rows[:, 0].tolist(), rows[:, 1].tolist()
+    if all(defaults):
+        return min(counts)
+    if len(set(counts)) > 1 or any(defaults):
+        given = [c if not d else "default" for c, d in zip(counts, defaults)]
+        raise ValueError(f"{what}: with expert parallelism (ep={layout.ep}) every rank must pass the "
+                         f"same num_microbatches; got {given} (by global rank)")
+    return num_microbatches
 
 
 def _load_balancing_total(chunks, values, layout, device) -> torch.Tensor:

@@ -37,8 +37,9 @@ def add_parser(sub) -> None:
     p.add_argument("--num-layers-in-last-pipeline-stage", type=positive, metavar="N",
                    help="... N layers on the last pipeline rank (the ranks between share the rest equally)")
     p.add_argument("--layers-per-stage", metavar="N,N,...",
-                   type=lambda s: [int(x) for x in s.split(",")],
-                   help="an explicit split: one count per virtual stage, in the order vpp_rank * pp + pp_rank")
+                   type=lambda s: s if s == "balanced" else [int(x) for x in s.split(",")],
+                   help="an explicit split: one count per virtual stage, in the order vpp_rank * pp + pp_rank; or "
+                        "'balanced': build_model's split that evens out the stages' work, the head included")
     p.add_argument("--task", choices=("auto", "causal_lm", "value"), default="auto",
                    help="count a value head instead of the lm head (default: from the config)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -223,6 +224,13 @@ def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, ep=Non
     report["moe"] = moe_facts(spec, dtype=main, tp=tp or 1)
     if any(x is not None for x in (tp, pp, vpp, dp, ep)):
         tp, pp, dp, vpp, ep = tp or 1, pp or 1, dp or 1, vpp if vpp and vpp > 1 else None, ep or 1
+        if split and split.get("layers_per_stage") == "balanced":
+            from ..api import balanced_layers_per_stage
+            if L < pp * (vpp or 1):
+                raise CLIError(f"{L} layers do not split into pp={pp} x vpp={vpp or 1} stages")
+            sizes = balanced_layers_per_stage(spec, task=ck["task"], pp=pp, vpp=vpp or 1)
+            split = dict(split, layers_per_stage=sizes) if sizes else {k: v for k, v in split.items()
+                                                                       if k != "layers_per_stage"}
         check_split(spec, tp=tp, pp=pp, vpp=vpp, split=split)
         if ep > 1 and (spec.moe is None or spec.moe.num_experts % ep):
             raise CLIError(f"--ep {ep}: " + ("the model has no experts" if spec.moe is None else

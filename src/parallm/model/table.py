@@ -294,3 +294,24 @@ def held_params(mine, everything) -> tuple[list[int], dict]:
         holds[order[(e.row, e.layer)]] = 1
         params[order[(e.row, e.layer)]] = entry_tensor(chunk, e)
     return holds, params
+
+
+def forward_costs(table, spec: DecoderSpec, *, task: str) -> tuple[list[int], int]:
+    """Multiply-adds per token of each decoder layer's forward and of the head, estimated from the weights the
+    table declares: every matrix of a layer costs its size (a linear), a routed expert's matrices ``top_k /
+    num_experts`` of theirs (a token visits ``top_k`` experts), vectors (norms, biases) nothing; the head costs
+    ``vocab x hidden`` (causal_lm), ``hidden`` (value) or nothing (hidden). Not counted: the attention scores
+    themselves (``~ seq x head_dim`` per head, the same in every layer, so long sequences make the layers
+    relatively dearer than this says), elementwise work, the embedding lookup and the carried MTP layers (never
+    run). What :func:`parallm.parallel.stages.balanced_sizes` balances."""
+    from fractions import Fraction
+    layers = [Fraction(0)] * spec.num_layers
+    for e in chunk_entries(table, spec, task=task, pp=1, pre_process=False, post_process=False,
+                           layers=range(spec.num_layers)):
+        share = Fraction(spec.moe.top_k, spec.moe.num_experts) if e.expert is not None else Fraction(1)
+        for shape in e.row.shapes:
+            full = resolve_shape(shape, spec)
+            if len(full) == 2:
+                layers[e.layer] += share * full[0] * full[1]
+    head = {"causal_lm": spec.vocab_size * spec.hidden_size, "value": spec.hidden_size}.get(task, 0)
+    return [round(c) for c in layers], head

@@ -12,6 +12,7 @@ the ``sizes[k]`` layers after those of stages ``0 .. k-1``. The sizes come from 
   ``TransformerConfig`` checks: the first / last counts and each middle rank's count divisible by ``vpp``);
 * an explicit ``layers_per_stage``: one count per virtual stage in the order above (``pp * vpp`` of them), as
   megatron-core's ``pipeline_model_parallel_layout`` lists its stages; every stage holds at least one layer.
+  :func:`balanced_sizes` computes one from per-layer costs (``build_model(layers_per_stage="balanced")``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,53 @@ def _balanced(num_layers: int, stages: int) -> list[int]:
     """``stages`` counts adding up to ``num_layers``, differing by at most one, the larger ones last."""
     base, extra = divmod(num_layers, stages)
     return [base] * (stages - extra) + [base + 1] * extra
+
+
+def balanced_sizes(layer_costs: Sequence[int], head_cost: int, stages: int) -> tuple[int, ...]:
+    """Layers per virtual stage (global order, consecutive, at least one each) that make the dearest stage as
+    cheap as it can be, the last stage paying ``head_cost`` on top of its layers: the split that lets a pipeline
+    run fastest when a stage costs the sum of its layers' ``layer_costs``. Ties go to the split whose stage costs
+    have the smallest sum of squares (the most even), then to fewer layers on later stages. Exact (dynamic
+    programming over integer costs, O(stages x layers^2)); a ValueError when there are fewer layers than
+    stages."""
+    costs, n = [int(c) for c in layer_costs], len(layer_costs)
+    if stages < 1 or n < stages:
+        raise ValueError(f"{n} layers do not split into {stages} stages of at least one layer each")
+    prefix = [0, *accumulate(costs)]
+
+    def cost(j: int, i: int, k: int) -> int:           # stage k holding layers j .. i-1
+        return prefix[i] - prefix[j] + (head_cost if k == stages - 1 else 0)
+
+    def search(key, bound=None):
+        """best[k][i]: the least ``key`` total of layers 0 .. i-1 in stages 0 .. k (``key`` combines a stage's
+        cost into the total: max for the dearest stage, + square for the sum of squares; stages dearer than
+        ``bound`` not allowed), and where stage k starts; the latest start wins a tie."""
+        best = [{i: key(None, cost(0, i, 0)) for i in range(1, n - stages + 2)
+                 if bound is None or cost(0, i, 0) <= bound}]
+        back = [{}]
+        for k in range(1, stages):
+            row, starts = {}, {}
+            for i in ((n,) if k == stages - 1 else range(k + 1, n - stages + k + 2)):
+                for j in range(i - 1, k - 1, -1):
+                    c = cost(j, i, k)
+                    if j not in best[k - 1] or bound is not None and c > bound:
+                        continue
+                    total = key(best[k - 1][j], c)
+                    if i not in row or total < row[i]:
+                        row[i], starts[i] = total, j
+            best.append(row)
+            back.append(starts)
+        return best, back
+
+    # the dearest stage as cheap as it can be, then, among the splits reaching it, the most even
+    best, _ = search(lambda total, c: c if total is None else max(total, c))
+    best, back = search(lambda total, c: c * c + (total or 0), bound=best[-1][n])
+    sizes, i = [], n
+    for k in range(stages - 1, 0, -1):
+        j = back[k][i]
+        sizes.append(i - j)
+        i = j
+    return (i, *reversed(sizes))
 
 
 def _uneven_hint(num_layers: int, pp: int, vpp: int) -> str:
