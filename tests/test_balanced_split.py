@@ -127,3 +127,18 @@ def test_default_forward_microbatches():
     assert default(3, 4, 3 * 4096) == 3                # fewer sequences than pp
     assert default(64, 4, 64 * 1024, "cuda") == 16 and default(8, 2, 8 * 256, "cuda") == 2
     assert default(8, 2) == 8 and default(0, 2, 0) == 1
+
+
+def test_forward_costs_of_deepseek_v3_latent_attention_and_dense_first_layer():
+    """DeepSeek-V3: latent attention's projections, a dense first layer (first_k_dense_replace) and MoE layers
+    with shared experts, each at the cost of what transformers builds."""
+    from test_deepseek_parts import deepseek_config
+
+    from parallm.families import spec_from_config
+    from parallm.model.table import forward_costs
+    cfg = deepseek_config(num_hidden_layers=3)
+    spec, fam = spec_from_config(cfg)
+    model = helpers.make_hf_model(cfg, seed=0)
+    layers, head = forward_costs(fam.table, spec, task="causal_lm")
+    assert (layers, head) == _reference_costs(model, spec, "causal_lm")
+    assert layers[0] != layers[1] == layers[2]

@@ -78,6 +78,8 @@ def rank_cases(rank, world, cases):
             for m in (1, 3, 4):
                 other = parallm.forward(chunks, ids, mask, num_microbatches=m)
                 fwd = max(fwd, helpers.max_diff_real(other, case["ref_logits"], mask))
+            with pytest.raises(ValueError, match="num_microbatches=9 must be a whole number from 1 to the batch"):
+                parallm.forward(chunks, ids, mask, num_microbatches=9)
         # round trip before training
         sd = parallm.save_hf_weights(chunks)
         if rank == 0:
