@@ -5,9 +5,10 @@
 
 ``forward(output="logprobs")`` of ``batch`` sequences of a LLaMA-shaped fp32 model, wall time (best of
 ``iters`` after a warm-up; with ``--rounds``, pp=1 and pp=2 timed in turn and the best of every round kept) at
-pp = 2 on 2 ranks (one thread each), against the same call at pp = 1 on one rank: with the even layer split and with ``build_model(layers_per_stage="balanced")`` (the last stage, which holds the
-head, gets fewer layers), each with the default microbatch count, with one microbatch (the whole batch at once:
-what forward did before it pipelined) and with the ``--microbatches`` counts. Same weights, same tokens; the
+pp = 2 on 2 ranks (one thread each), against the same call at pp = 1 on one rank: with the even layer split
+and with ``build_model(layers_per_stage="balanced")`` (the last stage, which holds the head, gets fewer
+layers), each with the default microbatch count, with one microbatch (the whole batch at once: what forward did
+before it pipelined) and with the ``--microbatches`` counts. Same weights, same tokens; the
 log-probs are compared. Run it with nothing else on the machine.
 """
 

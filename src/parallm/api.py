@@ -103,6 +103,9 @@ def balanced_layers_per_stage(spec, *, task: str, pp: int, vpp: int = 1) -> list
     from .parallel.stages import balanced_sizes
     if pp * vpp == 1:
         return None
+    if spec.num_layers < pp * vpp:
+        raise ValueError(f"{spec.num_layers} layers do not split into pp={pp} x vpp={vpp} stages of at least one "
+                         "layer each")
     layers, head = forward_costs(family_of(spec).table, spec, task=task)
     return list(balanced_sizes(layers, head, pp * vpp))
 

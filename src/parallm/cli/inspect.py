@@ -224,13 +224,13 @@ def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, ep=Non
     report["moe"] = moe_facts(spec, dtype=main, tp=tp or 1)
     if any(x is not None for x in (tp, pp, vpp, dp, ep)):
         tp, pp, dp, vpp, ep = tp or 1, pp or 1, dp or 1, vpp if vpp and vpp > 1 else None, ep or 1
-        if split and split.get("layers_per_stage") == "balanced":
+        if split and split.get("layers_per_stage") == "balanced":     # build_model's own split
             from ..api import balanced_layers_per_stage
-            if L < pp * (vpp or 1):
-                raise CLIError(f"{L} layers do not split into pp={pp} x vpp={vpp or 1} stages")
-            sizes = balanced_layers_per_stage(spec, task=ck["task"], pp=pp, vpp=vpp or 1)
-            split = dict(split, layers_per_stage=sizes) if sizes else {k: v for k, v in split.items()
-                                                                       if k != "layers_per_stage"}
+            try:
+                split = dict(split, layers_per_stage=balanced_layers_per_stage(spec, task=ck["task"], pp=pp,
+                                                                               vpp=vpp or 1))
+            except ValueError as e:
+                raise CLIError(str(e)) from None
         check_split(spec, tp=tp, pp=pp, vpp=vpp, split=split)
         if ep > 1 and (spec.moe is None or spec.moe.num_experts % ep):
             raise CLIError(f"--ep {ep}: " + ("the model has no experts" if spec.moe is None else
