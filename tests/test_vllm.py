@@ -13,7 +13,7 @@ Two 4-rank spawns, each with one in-process engine on rank 0 beside the trainer'
   not have, shapes that differ, the engine failing halfway through the stream, a sending rank failing halfway
   through it (the engine's rank reads the stream on a thread of its own);
 * a Qwen3-MoE at tp2 x ep2 (dp 2): the same before / stale / after comparison (vLLM-CPU's MoE reload needs the
-  experts repacked, see ``parallm.integrations.vllm._cpu_experts_repacked``), and a second push after more
+  experts repacked, see ``parallm.integrations.vllm.fixes.cpu_experts_repacked``), and a second push after more
   training.
 
 The GRPO example runs a few steps end to end in a third test (torchrun, 2 ranks).
@@ -148,15 +148,15 @@ def _dense_rank(rank, world, s):
         other = parallm.build_model(cfg)                # the check comes before any data: no weights needed
         _attempt(out, key, lambda other=other: pv.push_weights(other, llm, rank=0))
         del other
-    original = pv._reload
+    original = pv.push._reload
 
     def failing(llm_, weights):                         # the engine fails after 5 tensors
         for k, _ in enumerate(weights):
             if k == 4:
                 raise RuntimeError("the engine's loader failed")
-    pv._reload = failing if rank == 0 else original
+    pv.push._reload = failing if rank == 0 else original
     _attempt(out, "engine-fails", lambda: pv.push_weights(chunks, llm, rank=0, bucket_bytes="64KB"))
-    pv._reload = original
+    pv.push._reload = original
     from parallm.checkpoint import export as ex
     source, calls = ex._source, [0]
 

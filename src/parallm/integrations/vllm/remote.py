@@ -1,0 +1,241 @@
+"""The push into engines in other processes: one export stream, fanned out to every engine of a
+:class:`~parallm.integrations.vllm.client.Connection` (``push_weights(chunks, connection)``).
+
+Every trainer rank runs the export stream with the connection's sending rank as its only destination (collective
+at any tp / pp / vpp / ep / cp layout). On the sender, each tensor is copied into one of two slots (the
+shared-memory file of ``parallm_shm``; a buffer of the sender for ``parallm_gloo``) as it arrives; a full slot
+becomes one ``update_weights`` call per engine (each engine's calls on its own thread, in order; for gloo with the
+slot's broadcast to the engine's group posted beside it), and the sender fills the other slot meanwhile. Before a
+slot is filled again every engine has loaded it. Around the stream: ``verify`` (the engines check names, shapes
+and dtype against their models, before anything changes), ``start_weight_update``, and after it
+``finish_weight_update`` and a prefix-cache reset (cached prompt prefixes hold keys and values of the old
+weights).
+
+Failures. Anything raised before the stream (an engine that cannot be reached, a model that does not match)
+raises on every rank and changes no engine. An engine that fails during the push (killed, its update raising, no
+answer within the connection's timeout) is marked as needing a restart and dropped; the others receive every
+tensor and finish; then every rank raises :class:`~parallm.integrations.vllm.client.EngineFailed` naming it.
+The next push goes to the healthy engines only. A failure of the trainer itself during the stream (a rank's copy,
+the sender) ends the stream on every rank with that error; the engines are then finished with what they received
+(a mix of old and new weights until the next push).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ...checkpoint.cast import WIRE_DTYPES
+from ...checkpoint.export import DEFAULT_BUCKET_BYTES, _parse_bucket, export_metadata, open_stream
+from ...parallel.errors import gather_objects, raise_failures, status_of
+from ...parallel.state import as_chunks, dims_of
+from .client import Connection, EngineFailed, wait_all
+
+__all__ = ["push_remote"]
+
+ALIGN = 64          # every tensor starts at a multiple of this many bytes of its slot
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class _Fanout:
+    """The sender's side of one push: two slots, filled in turn, each sent to every live engine as one update."""
+
+    def __init__(self, conn: Connection, engines: list[int], slot_bytes: int, gloo: bool):
+        self.conn, self.live, self.gloo = conn, list(engines), gloo
+        self.slot_bytes = slot_bytes
+        if gloo:
+            self.buffers = [torch.empty(slot_bytes, dtype=torch.uint8) for _ in range(2)]
+        else:
+            self.buffers = [conn.shm[k * slot_bytes:(k + 1) * slot_bytes] for k in range(2)]
+        self.slot, self.offset, self.entries = 0, 0, []
+        self.pending = [None, None]         # per slot: ({engine: future}, {engine: gloo work})
+        self.sent = {i: 0 for i in engines}
+        self.updates = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.entries and self.offset + nbytes > self.slot_bytes:
+            self.flush()
+        out = self.buffers[self.slot][self.offset:self.offset + nbytes]
+        out.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        self.entries.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), self.offset))
+        self.offset = _align(self.offset + nbytes)
+
+    def flush(self) -> None:
+        """Send the current slot to every live engine; go on in the other slot once the engines have it."""
+        if not self.entries:
+            return
+        names, dtypes, shapes, offsets = (list(x) for x in zip(*self.entries))
+        nbytes = max(o + torch.empty((), dtype=getattr(torch, d)).element_size() * _numel(s)
+                     for o, d, s in zip(offsets, dtypes, shapes))
+        info = {"names": names, "dtypes": dtypes, "shapes": shapes, "offsets": offsets, "nbytes": nbytes}
+        if not self.gloo:
+            info["slot"] = self.slot
+        futures, works = {}, {}
+        for i in self.live:
+            futures[i] = self.conn.pools[i].submit(self.conn.handles[i].update, info)
+            if self.gloo:
+                works[i] = self.conn.groups[i].broadcast(self.buffers[self.slot][:nbytes], 0)
+            self.sent[i] += nbytes
+        self.pending[self.slot] = (futures, works)
+        self.updates += 1
+        self.slot, self.offset, self.entries = 1 - self.slot, 0, []
+        self.wait(self.slot)
+
+    def wait(self, slot: int) -> None:
+        """Every engine has loaded ``slot`` (or is marked failed and dropped)."""
+        if self.pending[slot] is None:
+            return
+        futures, works = self.pending[slot]
+        self.pending[slot] = None
+        failed = wait_all(futures, self.conn.timeout + 30, what="update_weights", names=self.conn.engines)
+        for i, work in works.items():
+            if i in failed:
+                continue                    # its group is given up; the work ends with the group's timeout
+            try:
+                work.wait()
+            except Exception as e:  # noqa: BLE001 - that engine's group failed
+                failed[i] = f"update_weights: the gloo broadcast failed ({type(e).__name__}: {e})"
+        for i, why in failed.items():
+            self.conn.fail(i, why)
+            if i in self.live:
+                self.live.remove(i)
+
+    def close(self) -> None:
+        self.flush()
+        self.wait(0)
+        self.wait(1)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _before(conn: Connection, meta, wire: torch.dtype, slot_bytes: int) -> list[int]:
+    """The sender's checks and ``start_weight_update`` on every healthy engine; the engines that started."""
+    if conn.handles is None:
+        raise ValueError("push_weights: this rank is not the connection's sender")
+    if not conn.healthy():
+        raise EngineFailed(f"push_weights: every engine needs a restart: {conn.needs_restart}")
+    if conn.backend == "parallm_shm":
+        conn.open_shm(slot_bytes)
+    elif not conn.groups:
+        conn.open_gloo()
+    verify = {"names": [m.name for m in meta], "shapes": [list(m.shape) for m in meta],
+              "dtype": str(wire).removeprefix("torch.")}
+    unreachable = {}
+    for i, why in conn.on_all(lambda h: h.init({"verify": verify}), what="verify").items():
+        if "cannot be reached" in why or "did not answer" in why:
+            unreachable[i] = why
+        else:
+            raise ValueError(f"push_weights: {conn.handles[i].name}: {why}")
+    for i, why in unreachable.items():
+        conn.fail(i, why)
+    for i, why in conn.on_all(lambda h: h.start(), what="start_weight_update").items():
+        conn.fail(i, why)
+    return conn.healthy()
+
+
+def _after(conn: Connection, engines: list[int]) -> None:
+    live = [i for i in engines if i not in conn.failed]
+    for i, why in conn.on_all(lambda h: h.finish(), live, what="finish_weight_update").items():
+        conn.fail(i, why)
+    conn.on_all(lambda h: h.reset_prefix_cache(), [i for i in live if i not in conn.failed],
+                what="reset_prefix_cache")     # best effort: an engine without prefix caching refuses
+
+
+def push_remote(chunks, conn: Connection, *, dtype: torch.dtype | None = None, bucket_bytes=None) -> dict:
+    """See :func:`~parallm.integrations.vllm.push_weights` (its second form) and the module docstring."""
+    t0 = time.perf_counter()
+    chunks = as_chunks(chunks)
+    layout = dims_of(chunks)
+    me, sender = layout.rank, conn.sender
+    if dtype is not None and dtype not in WIRE_DTYPES:
+        raise ValueError(f"push_weights: dtype must be None or one of {[str(d) for d in WIRE_DTYPES]}, got {dtype}")
+    wire = dtype or chunks[0].config.params_dtype
+    bucket = _parse_bucket(bucket_bytes or DEFAULT_BUCKET_BYTES)
+    meta = export_metadata(chunks, dtype=wire)
+    largest = max(_numel(m.shape) * m.dtype.itemsize for m in meta)
+    slot_bytes = _align(max(bucket, largest))
+    error, engines = None, []
+    if me == sender:
+        try:
+            engines = _before(conn, meta, wire, slot_bytes)
+        except Exception as e:  # noqa: BLE001 - raised on every rank
+            error = e
+    statuses = gather_objects(status_of(error), what="push_weights", error=error)
+    if any(s is not None for s in statuses):
+        _raise(error, statuses, sender)
+    stream, state = open_stream(chunks, dtype=wire, bucket_bytes=bucket, dst_ranks=[sender], copy=False,
+                                what="push_weights")
+    nbytes = tensors = 0
+    fanout = None
+    if me == sender:
+        fanout = _Fanout(conn, engines, slot_bytes, conn.backend == "parallm_gloo")
+        try:
+            for name, tensor in stream:
+                fanout.add(name, tensor)
+                nbytes += tensor.numel() * tensor.element_size()
+                tensors += 1
+            fanout.close()
+        except Exception as e:  # noqa: BLE001 - ends the stream on every rank, or is agreed on below
+            error = e
+            if not state.exchanged:
+                try:
+                    stream.throw(e)
+                except BaseException:  # noqa: BLE001 - the stream re-raises what it was told
+                    pass
+            try:
+                fanout.close()
+            except Exception:  # noqa: BLE001 - the first error is the one reported
+                pass
+        _after(conn, engines)
+        if error is None and conn.failed and any(i in conn.failed for i in engines):
+            error = EngineFailed("push_weights: engine(s) failed during the push and need a restart (vLLM "
+                                 "takes no update after a failed one); the other engines received every tensor: "
+                                 + "; ".join(f"{conn.handles[i].name}: {conn.failed[i]}" for i in engines
+                                             if i in conn.failed))
+        if state.exchanged and error is not None:
+            raise error
+    else:
+        try:
+            for _ in stream:
+                pass
+        except Exception as e:  # noqa: BLE001 - the sender's failure (or another rank's), told by the stream
+            if state.exchanged:
+                raise
+            error = e
+    seconds = time.perf_counter() - t0
+    summary = None
+    if me == sender and error is None:
+        summary = {"bytes": nbytes, "tensors": tensors, "updates": fanout.updates, "engines": {
+            conn.handles[i].name: {"bytes": fanout.sent[i]} for i in engines}}
+    gathered = gather_objects((status_of(error), seconds, summary), what="push_weights", error=error)
+    statuses = [g[0] for g in gathered]
+    if any(s is not None for s in statuses):
+        _raise(error, statuses, sender)
+    seconds = max(g[1] for g in gathered)
+    out = dict(gathered[sender][2])
+    out.update(seconds=seconds, gbps=out["bytes"] / seconds / 1e9 if seconds else 0.0, buckets=state.buckets)
+    for stats in out["engines"].values():
+        stats.update(seconds=seconds, gbps=stats["bytes"] / seconds / 1e9 if seconds else 0.0)
+    return out
+
+
+def _raise(error, statuses, sender: int) -> None:
+    """The same error on every rank: this rank's own, else the first failure's (an engine's failure on the
+    sender stays an :class:`EngineFailed` everywhere)."""
+    if error is not None:
+        raise error
+    status = statuses[sender]
+    if status is not None and status[0] == EngineFailed.__name__:
+        raise EngineFailed(f"push_weights failed on rank {sender}: {status[1]}")
+    raise_failures(statuses, what="push_weights")
+

@@ -1,0 +1,103 @@
+"""Helpers of the vLLM tests that drive engines in other processes (tests/test_vllm_remote*.py): tiny checkpoints
+with a tokenizer (a ``vllm serve`` server needs one to return log-probs over HTTP), sampling through the server's
+completions route and through a ``vllm.LLM``, and the comparison with parallm's ``forward(output="logprobs")``."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+
+import torch
+
+import helpers
+
+# every vLLM server of a test: one OpenMP thread per worker, no core binding (2 cores shared by every process)
+SERVER_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def write_tokenizer(path: str, vocab: int) -> None:
+    """A word-level tokenizer ``t<id>`` -> id over the whole vocabulary (vLLM's server detokenizes outputs)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0"}, f)
+
+
+def checkpoint(path: str, family: str, seed: int, *, moe: bool = False, **overrides) -> str:
+    """A tiny seeded checkpoint (head_dim 32: the smallest vLLM's CPU attention takes) with a tokenizer."""
+    cfg = helpers.tiny_config(family, head_dim=32, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                              **overrides)
+    model = helpers.make_hf_model(cfg, seed=seed)
+    if moe:
+        helpers.hub_state_dict(model, path)
+    else:
+        helpers.save_checkpoint(model, path)
+    write_tokenizer(path, cfg.vocab_size)
+    return path
+
+
+def prompts(vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 9, 3, 12)]
+
+
+def sample_http(url: str, model: str, batch, seed: int, *, max_tokens: int = 8):
+    """The server's samples of each prompt (token ids) and its log-prob of each sampled token."""
+    out = []
+    for k, p in enumerate(batch):
+        body = {"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed + k,
+                "logprobs": 0, "ignore_eos": True, "return_tokens_as_token_ids": True}
+        req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as res:
+            lp = json.loads(res.read())["choices"][0]["logprobs"]
+        out.append(([int(t.split(":")[1]) for t in lp["tokens"]], list(lp["token_logprobs"])))
+    return out
+
+
+def sample_llm(llm, batch, seed: int, *, max_tokens: int = 8):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, logprobs=0, seed=seed, ignore_eos=True)
+    res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids),
+             [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]) for o in res]
+
+
+def max_diff(chunks, batch, samples) -> float:
+    """max |engine's log-prob - parallm's forward(output="logprobs")| over every sampled token (collective)."""
+    import parallm
+    rows = [p + toks for p, (toks, _) in zip(batch, samples)]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, r in enumerate(rows):
+        ids[b, :len(r)] = torch.tensor(r)
+        mask[b, :len(r)] = 1
+    with torch.no_grad():
+        lp = parallm.forward(chunks, ids, mask, output="logprobs")
+    worst = 0.0
+    for b, (p, (toks, lps)) in enumerate(zip(batch, samples)):
+        mine = lp[b, len(p) - 1:len(p) - 1 + len(toks)]       # position t scores token t + 1
+        worst = max(worst, (mine - torch.tensor(lps)).abs().max().item())
+    return worst
+
+
+def train(chunks, opt, vocab: int, steps: int, seed: int) -> None:
+    """``steps`` AdamW steps of next-token loss on a random batch (the same on every rank)."""
+    import parallm
+    g = torch.Generator().manual_seed(seed)
+
+    def loss_fn(logits, ids, mask):
+        lp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        return -lp.mean()
+
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (4, 12), generator=g)
+        parallm.forward_backward(chunks, ids, torch.ones_like(ids), loss_fn=loss_fn, num_microbatches=2)
+        parallm.finalize_grads(chunks)
+        opt.step()
+        opt.zero_grad()
