@@ -9,10 +9,12 @@ import torch
 
 from .families import load_config, spec_from_config
 from .model.decoder import RECOMPUTE, DecoderChunk, build_chunks
+from .model.kernels import agree_on_kernels
 from .model.logprobs import TokenStats, check_output
 from .model.spec import TASKS
 from .parallel.comm import gather_last_dim
 from .parallel.errors import agree, exchange_rows, run_local
+from .model.moe import AuxScales
 from .model.params import attach_main_grad_hooks
 from .parallel.pipeline import broadcast_from_last_stage, run_pipeline
 from .parallel.state import as_chunks, current_dims, dims_of, kv_replica_group, require_initialized
@@ -87,6 +89,7 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
         logger.info("build_model: %s %s, %s, attention %s%s", spec.architecture, task, chunks[0].dims.describe(),
                     chunks[0].attn_impl, f" (context parallel: {chunks[0].cp_attn})" if chunks[0].cp_attn else "")
     kv_replica_group(spec.num_kv_heads)
+    agree_on_kernels(chunks)        # kernel choices differing across ranks: an error on every rank
     attach_main_grad_hooks(chunks)
     for chunk in chunks:
         chunk.hf_config = getattr(config, "_raw", config)
@@ -186,17 +189,36 @@ def _check_batch(chunks, input_ids, attention_mask, position_ids):
     if position_ids.shape != input_ids.shape:
         raise ValueError(f"position_ids {tuple(position_ids.shape)} does not match input_ids "
                          f"{tuple(input_ids.shape)}")
-    window = chunks[0].spec.sliding_window
-    longest = int(attention_mask.sum(-1).max()) if attention_mask.numel() else 0
-    if window is not None and longest > window:
-        raise ValueError(f"a sequence of {longest} tokens is longer than the model's sliding_window={window}: "
-                         "parallm runs full causal attention, which equals sliding-window attention only up to "
-                         "the window")
+    _check_window_rows(chunks[0], attention_mask)
     vocab = chunks[0].spec.vocab_size
     low, high = (int(input_ids.min()), int(input_ids.max())) if input_ids.numel() else (0, 0)
     if low < 0 or high >= vocab:
         raise ValueError(f"input_ids must lie in [0, {vocab}); got values in [{low}, {high}]")
     return input_ids.long(), attention_mask, position_ids
+
+
+def _check_window_rows(chunk: DecoderChunk, attention_mask: torch.Tensor) -> None:
+    """Sliding windows count keys by index in the padded row (transformers' masks); the packed and
+    context-parallel layouts count them among a row's real tokens. The two agree when each row's real tokens are
+    contiguous (left / right padding), or when a row spans no more than the window: any other row is refused
+    there, naming it (the padded layout takes it)."""
+    window = chunk.spec.sliding_window
+    if window is None or not (chunk.packed or chunk.dims.cp > 1) or not attention_mask.numel():
+        return
+    mask = attention_mask.bool()
+    s = mask.shape[1]
+    idx = torch.arange(s, device=mask.device)
+    first = torch.where(mask, idx, s).min(-1).values
+    last = torch.where(mask, idx, -1).max(-1).values
+    span = (last - first + 1).clamp(min=0)
+    bad = ((span > mask.sum(-1)) & (span > window)).nonzero().squeeze(-1).tolist()
+    if bad:
+        row = bad[0]
+        raise ValueError(f"row {row} of the batch has padding between its real tokens ({int(mask[row].sum())} "
+                         f"real tokens spread over {int(span[row])} positions) and the model has a sliding window "
+                         f"of {window}: the packed and context-parallel layouts count the window over real "
+                         "tokens, transformers over positions in the row; pass rows padded only at their ends, or "
+                         "use the padded layout (packed=False, cp=1)")
 
 
 def gather_output(chunk: DecoderChunk, out, temperature: float = 1.0, request=None):
@@ -368,19 +390,21 @@ def _same_microbatches(num_microbatches: int, layout, what: str = "forward_backw
     return num_microbatches
 
 
-def _load_balancing_total(chunks, values, layout, device) -> torch.Tensor:
-    """Sum of every MoE layer's load-balancing loss over this replica's microbatches, the same on every rank of
-    the replica: summed over the pipeline stages (each holds its layers' values) and, under sequence
-    parallelism, over TP (each rank holds its tokens' share)."""
-    total = torch.stack(values).sum().float().reshape(()) if values else torch.zeros((), device=device)
-    total = total.to(device)
+def _load_balancing_per_microbatch(chunks, values, layout, device, num_microbatches: int) -> torch.Tensor:
+    """``[num_microbatches]`` fp64: each microbatch's sum over every MoE layer of its load-balancing loss, the same
+    on every rank of the replica: summed over the pipeline stages (each holds its layers' values) and, under
+    sequence / context parallelism, over TP / CP (each rank holds its tokens' share). ``values``: the chunks'
+    ``(microbatch, value)`` records."""
+    per = torch.zeros(num_microbatches, dtype=torch.float32, device=device)
+    for m, v in values:
+        per[m] += v.float().to(device)
     if chunks[0].sequence_parallel:
-        torch.distributed.all_reduce(total, group=layout.tp_group)
-    if layout.cp > 1:     # each context-parallel rank holds its tokens' share
-        torch.distributed.all_reduce(total, group=layout.cp_group)
+        torch.distributed.all_reduce(per, group=layout.tp_group)
+    if layout.cp > 1:
+        torch.distributed.all_reduce(per, group=layout.cp_group)
     if layout.pp > 1:
-        torch.distributed.all_reduce(total, group=layout.pp_group)
-    return total
+        torch.distributed.all_reduce(per, group=layout.pp_group)
+    return per.double().cpu()
 
 
 def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_microbatches: int = 1,
@@ -395,10 +419,11 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     virtual stages) at ``pp > 1`` (docs/pipeline.md). Each data-parallel replica passes its own batch. Returns
     that mean, averaged over data-parallel replicas (the global loss), on every rank.
 
-    Mixture-of-experts models whose config sets ``output_router_logits=True``: the objective is
-    ``mean_m [loss_fn(mb_m) + router_aux_loss_coef * sum over MoE layers of the layer's load-balancing loss on
-    mb_m]`` (each layer's loss as transformers' ``load_balancing_loss_func`` computes it for that layer alone,
-    over real tokens; layers summed as Megatron does, see docs/moe.md), and the returned loss includes it.
+    Mixture-of-experts models whose config sets ``output_router_logits=True``: write ``aux_m`` for microbatch
+    m's load-balancing loss, the sum over MoE layers of the layer's loss on m's real tokens (each as
+    transformers' ``load_balancing_loss_func`` computes it for that layer alone; layers summed as Megatron does,
+    docs/moe.md). With a scalar ``loss_fn`` the objective is ``mean_m [loss_fn(mb_m) + router_aux_loss_coef *
+    aux_m]``, averaged over replicas; the returned loss includes it.
 
     Token-mean losses: ``loss_fn`` may return ``(loss_sum, num_tokens)`` (a scalar tensor and a count: a number or
     a tensor) for every microbatch instead. The objective is then ``sum(loss_sum) / sum(num_tokens)`` over all
@@ -406,9 +431,14 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     per-microbatch means, and that is what is returned. Each ``loss_sum`` is back-propagated unscaled and
     :func:`parallm.finalize_grads` divides the gradients by the global token count (summed over every such call
     since the last finalize, so gradient accumulation over several calls is token-mean over all of them; a count
-    of 0 divides by 1). With a load-balancing loss the objective is ``(sum(loss_sum) + coef * mean_m aux_m
-    summed over replicas) / sum(num_tokens)``. Mixing the two kinds within a call, or within one step before
-    ``finalize_grads``, is a ValueError.
+    of 0 divides by 1). With a load-balancing loss the objective is
+    ``sum(loss_sum) / N + coef * sum(num_tokens_m * aux_m) / N`` over all microbatches m of all replicas,
+    ``N = sum(num_tokens)``: the token-mean loss plus ``coef`` times the token-weighted mean of the microbatches'
+    load-balancing losses. For one microbatch on one replica that is exactly transformers' ``loss +
+    router_aux_loss_coef * aux_loss`` with a token-mean ``loss``; a microbatch with no tokens adds nothing. (The
+    backward weights ``aux_m`` by ``coef * num_tokens_m``, known once ``loss_fn`` has run on the last stage and
+    sent to the others with m's gradient, and ``finalize_grads`` divides by ``N`` as it does the rest.) Mixing
+    the two kinds within a call, or within one step before ``finalize_grads``, is a ValueError.
 
     A ``loss_fn`` that raises on some ranks: those ranks finish the schedule back-propagating zero for that
     microbatch and the later ones (their peers get every message and collective they wait for), then every rank
@@ -454,33 +484,46 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
         if failure:     # this rank keeps its place in the schedule: the same messages, zero gradients
             value, tokens = _zero_loss(result), None
         records[m] = (value.detach().float(), tokens)
+        if scales is not None:      # the weight of m's load-balancing loss in the backward (AuxScales)
+            scales.tokens[m] = -1.0 if tokens is None else tokens
         return value / num_microbatches if tokens is None else value    # what is back-propagated
 
     moe = chunks[0].spec.moe
     coef = moe.aux_loss_coef if moe is not None else 0.0
-    if coef:
+    scales = AuxScales(coef, num_microbatches) if coef else None
+    on_step = None
+    if scales is not None:
         for chunk in chunks:
-            chunk.moe_aux.start(coef / num_microbatches)
+            chunk.moe_aux.start(scales)
+
+        def on_step(kind, m, v):
+            chunks[v].moe_aux.microbatch = m
     try:
         run_pipeline(chunks, mbs, last_stage_fn=last_stage, backward=True, compute_kwargs={
-            "stats": request, "rope_length": chunks[0].rope_length(position_ids, attention_mask)})
+            "stats": request, "rope_length": chunks[0].rope_length(position_ids, attention_mask)},
+            on_step=on_step, side=scales.tokens if scales is not None and layout.pp > 1 else None)
     finally:
         aux_values = [v for chunk in chunks for v in chunk.moe_aux.stop()]
     agree(failure[0] if failure else None, what="forward_backward")
     device = input_ids.device
-    # [microbatches returning a pair, sum of the values, sum of the token counts], from the last stage
+    # [microbatches returning a pair, sum of the values, sum of the token counts, each microbatch's count (-1:
+    # a scalar loss)], from the last stage
     mine = None
     if records:
         values = [v for v, _ in records.values()]
         tokens = [float(t) for _, t in records.values() if t is not None]
-        mine = torch.tensor([len(tokens), torch.stack(values).sum().item(), sum(tokens)], dtype=torch.float64)
-    stats = broadcast_from_last_stage(layout, mine, (3,), torch.float64, device).cpu()
+        counts = [-1.0 if records[m][1] is None else float(records[m][1]) for m in range(num_microbatches)]
+        mine = torch.tensor([len(tokens), torch.stack(values).sum().item(), sum(tokens)] + counts,
+                            dtype=torch.float64)
+    stats = broadcast_from_last_stage(layout, mine, (3 + num_microbatches,), torch.float64, device).cpu()
     pairs = int(stats[0])
     if 0 < pairs < num_microbatches:
         raise ValueError(f"forward_backward: loss_fn returned (loss_sum, num_tokens) for {pairs} of "
                          f"{num_microbatches} microbatches and a scalar for the others; return one kind")
-    aux = coef * _load_balancing_total(chunks, aux_values, layout, device).double().cpu() / num_microbatches \
-        if coef else torch.zeros((), dtype=torch.float64)
+    aux = torch.zeros((), dtype=torch.float64)
+    if coef:    # what the backward weighted each microbatch's load-balancing loss with (AuxScales)
+        per = _load_balancing_per_microbatch(chunks, aux_values, layout, device, num_microbatches)
+        aux = coef * (per.sum() / num_microbatches if pairs == 0 else (per * stats[3:]).sum())
     if pairs == 0:        # the mean over microbatches (and over data-parallel replicas)
         if _pending_tokens(chunks) is not None:
             raise ValueError("forward_backward: a scalar loss_fn after a (loss_sum, num_tokens) one before "

@@ -63,6 +63,7 @@ from torch import nn
 from ..parallel.experts import (combine, dispatch, expert_counts, gather_shares, share_of, share_sizes, slots_of,
                                 sort_slots, weighted_sum)
 from ..parallel.megatron_import import import_megatron
+from ..parallel.state import as_device
 from .mlp import MLP
 from .routing import GroupLimitedRouter
 from .spec import DecoderSpec
@@ -89,17 +90,17 @@ def grouped_mm_support(device, dtype: torch.dtype, sizes) -> str | None:
     odd = [n for n in sizes if (n * itemsize) % 16]
     if odd:
         return f"sizes {odd} x {itemsize} B are not multiples of 16 bytes (torch._grouped_mm's row alignment)"
-    kind = torch.device(device).type if device is not None else "cpu"
-    if kind == "cpu":
+    device = as_device(device)
+    if device.type == "cpu":
         return None
-    if kind == "cuda":
+    if device.type == "cuda":
         if dtype != torch.bfloat16:
             return f"on CUDA torch._grouped_mm has a grouped kernel for bfloat16 only, not {dtype}"
-        index = torch.device(device).index
-        if torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device())[0] < 9:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if torch.cuda.get_device_capability(index)[0] < 9:
             return "torch._grouped_mm has no grouped kernel below compute capability 9.0"
         return None
-    return f"torch._grouped_mm is not used on {kind} devices"
+    return f"torch._grouped_mm is not used on {device.type} devices"
 
 
 def expert_kernel(device_type: str, dtype: torch.dtype, sizes: tuple[int, ...]) -> str:
@@ -117,11 +118,56 @@ def _choose_kernel(device_type: str, dtype: torch.dtype, sizes: tuple[int, ...],
     problem = grouped_mm_support(device_type, dtype, sizes)
     if wanted == "grouped_mm" and problem:
         raise ValueError(f"{KERNEL_ENV}=grouped_mm, but {problem}")
+    if problem is None and wanted != "loop" and device_type in PROBED_DEVICE_TYPES:
+        problem = empty_group_problem(device_type, dtype)
+        if problem is not None:
+            if wanted == "grouped_mm":
+                raise ValueError(f"{KERNEL_ENV}=grouped_mm, but {problem}")
+            logger.warning("parallm: torch._grouped_mm fails its check on this %s device (%s); the MoE experts "
+                           "compute with a loop over the experts instead", device_type, problem)
     kernel = "loop" if wanted == "loop" or problem else "grouped_mm"
     why = f"{KERNEL_ENV}={wanted}" if wanted != "auto" else (problem or "supported here")
     logger.info("parallm: MoE experts (%s on %s) compute with %s (%s)", str(dtype).replace("torch.", ""),
                 device_type, "torch._grouped_mm" if kernel == "grouped_mm" else "a loop over the experts", why)
     return kernel
+
+
+# Device types on which the grouped kernel is checked once before it is used (:func:`empty_group_problem`): a
+# PyTorch issue reports non-zero gradients for empty groups from torch._grouped_mm on SM100 GPUs. The CPU's
+# grouped_mm is a loop of mm per group (an empty group computes nothing), so it is not checked.
+PROBED_DEVICE_TYPES = ("cuda",)
+
+
+def empty_group_problem(device, dtype: torch.dtype) -> str | None:
+    """Run the experts' two grouped GEMMs as :class:`Experts` does, forward and backward, on a few rows split
+    over three local experts of which the middle one gets none, on ``device`` in ``dtype``; return what is wrong
+    (None: nothing): the empty expert's weight gradients must be exactly zero, and the outputs and gradients
+    must equal a loop of ``F.linear`` over the experts (to the dtype's rounding: the kernels may accumulate in
+    another order). A few small kernels, once per process and kernel choice (:func:`expert_kernel` caches)."""
+    device = as_device(device)
+    g = torch.Generator().manual_seed(0)
+    hidden, width, counts = 16, 16, [5, 0, 3]
+    rows = torch.randn(sum(counts), hidden, generator=g).to(device=device, dtype=dtype)
+    w1 = torch.randn(3, 2 * width, hidden, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    w2 = torch.randn(3, hidden, width, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    grad = torch.randn(sum(counts), hidden, generator=g).to(device=device, dtype=dtype)
+    offsets = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+    with torch.enable_grad():       # build_model may run under no_grad
+        out = torch._grouped_mm(swiglu(torch._grouped_mm(rows, w1.transpose(-2, -1), offs=offsets)),
+                                w2.transpose(-2, -1), offs=offsets)
+        d1, d2 = torch.autograd.grad(out, (w1, w2), grad)
+        ref = torch.cat([F.linear(swiglu(F.linear(part, a)), b)
+                         for part, a, b in zip(rows.split(counts), w1.unbind(0), w2.unbind(0))])
+        r1, r2 = torch.autograd.grad(ref, (w1, w2), grad)
+    if d1[1].count_nonzero() or d2[1].count_nonzero():
+        return (f"an expert that no token chose got a non-zero weight gradient from torch._grouped_mm "
+                f"(max {max(d1[1].abs().max().item(), d2[1].abs().max().item()):.3g})")
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for name, got, want in (("output", out, ref), ("fc1 gradient", d1, r1), ("fc2 gradient", d2, r2)):
+        if not torch.allclose(got.float(), want.float(), **tol):
+            return (f"torch._grouped_mm's {name} differs from a loop over the experts by "
+                    f"{(got.float() - want.float()).abs().max().item():.3g}")
+    return None
 
 
 def expert_kernel_of(chunks) -> str | None:
@@ -184,7 +230,7 @@ class Experts(nn.Module):
         super().__init__()
         self.linear_fc1 = _Weight((n_local, 2 * width_local, hidden), dtype, device)
         self.linear_fc2 = _Weight((n_local, hidden, width_local), dtype, device)
-        device_type = torch.device(device).type if device is not None else "cpu"
+        device_type = as_device(device).type
         self.kernel = expert_kernel(device_type, dtype, (hidden, 2 * width_local, width_local))
 
     def forward(self, rows: torch.Tensor, counts: list[int], counts_device: torch.Tensor) -> torch.Tensor:
@@ -218,15 +264,54 @@ class SharedExpert(MLP):
         return out
 
 
+class AuxScales:
+    """The weight each microbatch's load-balancing loss enters the backward with, in one ``forward_backward``
+    call: ``coef / num_microbatches`` when that microbatch's ``loss_fn`` returned a scalar (the objective is a
+    mean over microbatches), ``coef * num_tokens`` when it returned ``(loss_sum, num_tokens)`` (every gradient
+    is divided by the global token count in ``finalize_grads``, so the term becomes ``coef * num_tokens / N``:
+    a token-weighted mean of the microbatches' losses, docs/moe.md). ``tokens[m]`` is set on the last pipeline
+    stage when ``loss_fn`` has run (-1 for a scalar loss) and reaches the other stages with the gradient of
+    microbatch ``m`` (:func:`parallm.parallel.pipeline.run_pipeline`'s ``side``), before their backward of it."""
+
+    def __init__(self, coef: float, num_microbatches: int):
+        self.coef, self.num_microbatches = float(coef), num_microbatches
+        self.tokens: dict[int, float] = {}
+
+    def of(self, m: int) -> float:
+        n = self.tokens.get(m)
+        if n is None:
+            raise RuntimeError(f"load-balancing loss: microbatch {m}'s backward ran before its loss kind and token "
+                               "count reached this rank")
+        return self.coef / self.num_microbatches if n < 0 else self.coef * n
+
+
+class _ScaleOf:
+    """A microbatch's :class:`AuxScales` entry, read when its backward runs (``float()``)."""
+
+    def __init__(self, scales: AuxScales, m: int):
+        self.scales, self.m = scales, m
+
+    def __float__(self) -> float:
+        return self.scales.of(self.m)
+
+
 class MoEAux:
-    """Load-balancing loss bookkeeping of one chunk: active (``scale`` set) only inside
-    :func:`parallm.forward_backward` when the model's ``aux_loss_coef`` > 0. Each MoE layer adds its loss to the
-    objective with weight ``scale`` (= coefficient / number of microbatches) and records its detached value."""
+    """Load-balancing loss bookkeeping of one chunk: active only inside :func:`parallm.forward_backward` when
+    the model's ``aux_loss_coef`` > 0 (then ``scale`` is not None). ``microbatch`` is the microbatch whose step
+    runs (set by the pipeline engine before each forward and backward step); each MoE layer adds its loss to the
+    objective with that microbatch's weight (:class:`AuxScales`, read at backward time) and records its
+    detached value as ``(microbatch, value)``."""
 
     def __init__(self):
-        self.scale: float | None = None
-        self.values: list[torch.Tensor] = []
+        self.scales: AuxScales | None = None
+        self.microbatch = 0
+        self.values: list[tuple[int, torch.Tensor]] = []
         self.recording = True    # False while activation recompute replays a layer's forward in the backward
+
+    @property
+    def scale(self) -> _ScaleOf | None:
+        """The running microbatch's weight (a handle read at backward time), None when inactive."""
+        return None if self.scales is None else _ScaleOf(self.scales, self.microbatch)
 
     @contextlib.contextmanager
     def replaying(self):
@@ -238,17 +323,21 @@ class MoEAux:
         finally:
             self.recording = before
 
-    def start(self, scale: float) -> None:
-        self.scale, self.values = scale, []
+    def start(self, scales: AuxScales) -> None:
+        self.scales, self.values, self.microbatch = scales, [], 0
 
-    def stop(self) -> list[torch.Tensor]:
-        values, self.scale, self.values = self.values, None, []
+    def record(self, value: torch.Tensor) -> None:
+        self.values.append((self.microbatch, value))
+
+    def stop(self) -> list[tuple[int, torch.Tensor]]:
+        values, self.scales, self.values = self.values, None, []
         return values
 
 
 class _AttachAux(torch.autograd.Function):
-    """Forward: ``out`` unchanged. Backward: also sends gradient ``scale`` into ``aux`` (megatron-core's
-    MoEAuxLossAutoScaler): the layer's loss joins the objective without travelling through the pipeline."""
+    """Forward: ``out`` unchanged. Backward: also sends gradient ``float(scale)`` into ``aux`` (megatron-core's
+    MoEAuxLossAutoScaler; ``scale`` is read only now, see :class:`AuxScales`): the layer's loss joins the
+    objective without travelling through the pipeline."""
 
     @staticmethod
     def forward(ctx, out, aux, scale):
@@ -259,7 +348,7 @@ class _AttachAux(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (aux,) = ctx.saved_tensors
-        return grad, torch.full_like(aux, ctx.scale), None
+        return grad, torch.full_like(aux, float(ctx.scale)), None
 
 
 def load_balancing_loss(probs, choices, tokens, *, num_experts: int, tp_group=None):
@@ -390,6 +479,6 @@ class MoEBlock(nn.Module):
             out = out + self.shared_experts(x)
         if aux is not None:
             if self.aux.recording:
-                self.aux.values.append(aux.detach())
+                self.aux.record(aux.detach())
             out = _AttachAux.apply(out, aux, self.aux.scale)
         return out

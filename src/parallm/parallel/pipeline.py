@@ -206,7 +206,8 @@ def _first_use(group) -> None:
         _WARMED[key] = True
 
 
-def run_pipeline(chunks, microbatches, *, last_stage_fn, backward: bool, compute_kwargs=None, transport=None):
+def run_pipeline(chunks, microbatches, *, last_stage_fn, backward: bool, compute_kwargs=None, transport=None,
+                 on_step=None, side: dict | None = None):
     """Run every microbatch through this rank's chunks in the order of :func:`schedule`, exchanging activations
     and gradients as :func:`exchange_plan` says.
 
@@ -219,6 +220,11 @@ def run_pipeline(chunks, microbatches, *, last_stage_fn, backward: bool, compute
     :class:`DistTransport` over the pipeline group; tests pass a stand-in). Returns the kept values in
     microbatch order on last-stage ranks, [] elsewhere. With ``backward``, what ``last_stage_fn`` returns is
     back-propagated as it is (the caller scales it), and only detached copies are returned.
+    ``on_step(kind, m, v)``: called before each step runs (``"F"`` / ``"B"``, microbatch, virtual chunk).
+    ``side``: a dict ``{microbatch: float}`` that travels backwards with the gradients: ``last_stage_fn`` fills
+    ``side[m]`` on the last stage, every gradient message of microbatch ``m`` carries it (one fp64 element
+    beside the gradient, in the same batch of operations) and the receiver stores it in its own ``side`` before
+    its backward of ``m`` (the load-balancing loss's per-microbatch weight: :class:`parallm.model.moe.AuxScales`).
     """
     layout = dims_of(chunks)
     pp, vpp = layout.pp, len(chunks)
@@ -237,12 +243,14 @@ def run_pipeline(chunks, microbatches, *, last_stage_fn, backward: bool, compute
     try:
         for ops, step in rounds:
             if ops:
-                _exchange(transport, ops, inbox, outbox, shapes, dtype, device)
+                _exchange(transport, ops, inbox, outbox, shapes, dtype, device, side)
             if step is None:
                 continue
             kind, m, v = step
             chunk = chunks[v]
             stage = v * pp + layout.pp_rank
+            if on_step is not None:
+                on_step(kind, m, v)
             if kind == "F":
                 ids, pos, mask, *split = microbatches[m]
                 inp = None
@@ -285,9 +293,10 @@ def run_pipeline(chunks, microbatches, *, last_stage_fn, backward: bool, compute
     return [kept[m] for m in sorted(kept)]
 
 
-def _exchange(transport, ops, inbox, outbox, shapes, dtype, device) -> None:
-    """One round's sends and receives, posted together and waited for."""
-    posted = []
+def _exchange(transport, ops, inbox, outbox, shapes, dtype, device, side=None) -> None:
+    """One round's sends and receives, posted together and waited for (with ``side``, each gradient message
+    followed by its microbatch's side value: see :func:`run_pipeline`)."""
+    posted, extra = [], []
     for op, peer, name in ops:
         shape = shapes[name[1]]
         if op == "send":
@@ -298,12 +307,20 @@ def _exchange(transport, ops, inbox, outbox, shapes, dtype, device) -> None:
         else:
             tensor = inbox[name] = torch.empty(shape, dtype=dtype, device=device)
         posted.append((op == "send", tensor, transport.ranks[peer]))
+        if side is not None and name[0] == _GRAD:
+            value = torch.tensor([side[name[1]] if op == "send" else 0.0], dtype=torch.float64, device=device)
+            posted.append((op == "send", value, transport.ranks[peer]))
+            if op != "send":
+                extra.append((name[1], value))
     try:
         for work in transport.post(posted):
             work.wait()
     except Exception as comm_error:  # noqa: BLE001 - a peer failed or died mid-pipeline
         from .errors import lost_peer_error
         raise lost_peer_error(comm_error, "pipeline exchange") from comm_error
+    for m, value in extra:
+        side[m] = float(value.item())
+
 
 def broadcast_from_last_stage(layout: ParallelDims, tensor: torch.Tensor | None, shape, dtype,
                               device) -> torch.Tensor:
