@@ -2,7 +2,7 @@
 
 Public API (a contract, see docs/api.md)::
 
-    parallm.init_parallel(tp=1, pp=1, vpp=None, *, cp=1, ep=1, backend=None, seed=0, timeout_s=None)
+    parallm.init_parallel(tp=1, pp=1, vpp=None, *, cp=1, ep=1, backend=None, seed=None, timeout_s=None)
     #   cp: context parallelism; every rank of a CP group passes the same batch, outputs as at cp = 1
     parallm.destroy_parallel()                       # waits for pending asynchronous checkpoint saves first
     chunks = parallm.build_model(hf_config, *, task="causal_lm", packed=False, sequence_parallel=False,

@@ -23,6 +23,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..parallel.state import as_device
+
 try:  # optional CUDA kernel
     from flash_attn import flash_attn_varlen_func as _flash_varlen
 except Exception:  # noqa: BLE001 - not installed / no CUDA
@@ -184,7 +186,7 @@ def block_kernel(backend: "AttnBackend | None", device) -> BlockKernel:
     it has one, else the CPU's fused kernel on CPU and the explicit fp32 one elsewhere."""
     if backend is not None and backend.block is not None:
         return backend.block
-    return CPU_FLASH_BLOCK if torch.device(device).type == "cpu" else MATH_BLOCK
+    return CPU_FLASH_BLOCK if as_device(device).type == "cpu" else MATH_BLOCK
 
 
 @dataclass(frozen=True)
@@ -203,7 +205,7 @@ class AttnBackend:
 def _flash_unavailable(device, dtype):
     if _flash_varlen is None:
         return "the flash-attn package is not installed"
-    if torch.device(device).type != "cuda":
+    if as_device(device).type != "cuda":
         return f"it needs CUDA tensors (the model is on {device})"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"it needs float16 / bfloat16 (the model is {dtype})"

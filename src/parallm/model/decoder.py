@@ -30,6 +30,7 @@ from .moe import MoEAux, MoEBlock
 from .placement import attach_placements
 from .rope import rope_cos_sin
 from ..parallel.stages import layer_numbers
+from ..parallel.state import as_device
 from .spec import TASKS, DecoderSpec, check_ep, check_tp, padded_vocab_size
 from .table import chunk_entries
 from .yarn import apply_partial_rope, yarn_cos_sin
@@ -66,7 +67,7 @@ class Attention(nn.Module):
         self.backend = backend
         self.cp_group = cp_group          # context parallelism: keys and values gathered over it
         self.cp_fn = CP_KERNELS[cp_attn]
-        self.cp_block = block_kernel(backend, device or "cpu")     # the ring's block kernel
+        self.cp_block = block_kernel(backend, as_device(device))     # the ring's block kernel
         if spec.qk_norm:
             # One weight over head_dim shared by all heads; each TP rank sees only its heads, so its gradient is
             # a partial sum over TP (the table row says tp_sum="always").
@@ -231,7 +232,7 @@ class DecoderChunk(nn.Module):
             self.embedding = mtp.VocabParallelEmbedding(
                 self.padded_vocab_size, spec.hidden_size, init_method=no_init, config=config,
                 reduce_scatter_embeddings=self.sequence_parallel)
-        backend = resolve_attn_impl(attn_impl, packed=packed, device=device or "cpu", dtype=config.params_dtype)
+        backend = resolve_attn_impl(attn_impl, packed=packed, device=as_device(device), dtype=config.params_dtype)
         self.attn_impl = backend.name
         cp_kernel = resolve_cp_attn(cp_attn)
         self.cp_attn = cp_kernel if dims.cp > 1 else None

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.megatron_import import import_megatron
+from ..parallel.state import as_device
 from .attention import AttnBackend, Packing, block_kernel
 from .context_parallel import CP_KERNELS, ContextSplit
 from .mlp import no_init
@@ -180,7 +181,7 @@ class MLAttention(nn.Module):
         super().__init__()
         self.cp_group = cp_group            # context parallelism: keys and values reach the other ranks' tokens
         self.cp_fn = CP_KERNELS[cp_attn]
-        self.cp_block = block_kernel(backend, device or "cpu")
+        self.cp_block = block_kernel(backend, as_device(device))
         if spec.mla is None:
             raise ValueError(f"{spec.architecture} has no multi-head latent attention (spec.mla is None)")
         check_mla_tp(spec, tp)

@@ -29,7 +29,7 @@ def _import_parallel_state():
 
 
 def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, cp: int = 1, ep: int = 1,
-                  backend: str | None = None, seed: int = 0, timeout_s: float | None = None) -> None:
+                  backend: str | None = None, seed: int | None = None, timeout_s: float | None = None) -> None:
     """Initialise torch.distributed (if needed) and Megatron-core's model-parallel groups.
 
     torch.distributed is started from the environment (``env://``, as torchrun sets RANK / WORLD_SIZE /
@@ -54,10 +54,18 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, cp: int =
     MoE layer are split over the ``ep`` ranks of an expert-parallel group (ranks with the same tp and pp rank),
     and ranks holding the same experts form the expert-data-parallel group (size ``dp * cp / ep``). Within an
     expert the FFN is split over the tp ranks like a dense MLP (expert-TP = tp).
+
+    ``seed``: None (default) leaves every random number generator as the caller set it. An int seeds as
+    Megatron does (:func:`seed_parallel`): torch's global generators (CPU and CUDA) with ``seed`` on every rank,
+    so what is replicated across tensor-parallel ranks draws the same numbers, and on CUDA megatron-core's
+    model-parallel generator (its ``get_cuda_rng_tracker``) with ``seed + 2718 + tp_rank``, different on every
+    TP rank, for what is sharded (dropout inside the TP region). parallm's own layers draw no random numbers.
     """
     for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"seed must be None or a non-negative integer, got {seed!r}")
     if vpp is not None:
         if not isinstance(vpp, int) or vpp < 1:
             raise ValueError(f"vpp must be a positive integer or None, got {vpp!r}")
@@ -103,13 +111,23 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, cp: int =
         distributed_timeout_minutes=timeout.total_seconds() / 60,   # megatron-core builds a timedelta of it
         create_gloo_process_groups=False,
     )
+    if seed is not None:
+        seed_parallel(seed)
+    _GROUP_CACHE.clear()
+    _STATE["generation"] += 1
+    _make_control_group(timeout)
+
+
+def seed_parallel(seed: int) -> None:
+    """Megatron's model-parallel seeding (after the groups exist): torch's global generators get ``seed`` on every
+    rank (``torch.manual_seed`` seeds the CPU and every CUDA device), and on CUDA megatron-core's
+    model-parallel generator ``seed + 2718 + tp_rank`` (``model_parallel_cuda_manual_seed``, which also gives
+    the expert-parallel generator its own seed). The CPU has no such tracker in megatron-core; parallm's layers
+    draw no random numbers."""
     torch.manual_seed(seed)
     if group_device().type == "cuda":
         from megatron.core import tensor_parallel
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    _GROUP_CACHE.clear()
-    _STATE["generation"] += 1
-    _make_control_group(timeout)
 
 
 def _rendezvous_store(timeout: timedelta):
@@ -157,6 +175,20 @@ def group_device(group=None) -> torch.device:
     if cuda is not None and cuda != "gloo" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def as_device(device) -> torch.device:
+    """``device`` as a :class:`torch.device`: None -> the CPU (a model built with megatron-core's CPU
+    initialisation), an int -> that CUDA device (what ``torch.cuda.current_device()`` returns), a string or a
+    device as it is. Never ``device or "cpu"``: CUDA device 0 is the int 0, which is falsy, and would become the
+    CPU on every node's local rank 0."""
+    if device is None:
+        return torch.device("cpu")
+    if isinstance(device, bool):
+        raise TypeError(f"device must be None, an int, a string or a torch.device, got {device!r}")
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    return device if isinstance(device, torch.device) else torch.device(device)
 
 
 def _make_control_group(timeout: timedelta) -> None:
