@@ -23,6 +23,7 @@ from ..parallel.megatron_import import import_megatron
 from .attention import (AttnBackend, Packing, block_kernel, make_packing, pack_tokens, resolve_attn_impl,
                         unpack_tokens)
 from .context_parallel import CP_KERNELS, ContextSplit, resolve_cp_attn, split_batch
+from .gated_deltanet import GatedDeltaNet, HybridContext, resolve_kernel as resolve_gdn_kernel
 from .logprobs import token_stats_head
 from .mla import MLAttention
 from .mlp import MLP, no_init
@@ -60,23 +61,41 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+class ZeroCenteredRMSNorm(RMSNorm):
+    """Qwen3-Next / Qwen3.5's RMSNorm: ``x_normed * (1 + w)`` in fp32, then cast (the weight is stored
+    zero-centred, as in the checkpoint)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+def norm_class(spec: DecoderSpec) -> type[RMSNorm]:
+    """The RMSNorm every norm of ``spec``'s decoder uses (the Gated DeltaNet's gated norm aside)."""
+    return ZeroCenteredRMSNorm if spec.zero_centered_norm else RMSNorm
+
+
 class Attention(nn.Module):
     def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int, device=None, *,
-                 backend: AttnBackend, cp_group=None, cp_attn: str = "allgather"):
+                 backend: AttnBackend, cp_group=None, cp_attn: str = "allgather", window: int | None = None):
         super().__init__()
         self.backend = backend
+        self.window = window              # sliding window (spec.window(layer)); None: full causal attention
         self.cp_group = cp_group          # context parallelism: keys and values gathered over it
         self.cp_fn = CP_KERNELS[cp_attn]
         self.cp_block = block_kernel(backend, as_device(device))     # the ring's block kernel
         if spec.qk_norm:
             # One weight over head_dim shared by all heads; each TP rank sees only its heads, so its gradient is
             # a partial sum over TP (the table row says tp_sum="always").
-            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, config.params_dtype, device)
-            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, config.params_dtype, device)
+            self.q_norm = norm_class(spec)(spec.head_dim, spec.rms_norm_eps, config.params_dtype, device)
+            self.k_norm = norm_class(spec)(spec.head_dim, spec.rms_norm_eps, config.params_dtype, device)
         self.head_dim = spec.head_dim
         self.num_heads_local = spec.num_heads // tp
         self.num_kv_local = max(1, spec.num_kv_heads // tp)
-        local_out = (self.num_heads_local + 2 * self.num_kv_local) * spec.head_dim
+        # the output gate (Qwen3-Next, Qwen3.5): each query head's rows are [q_h; gate_h] (2 heads' worth)
+        self.gated = spec.attn_output_gate
+        local_out = ((2 if self.gated else 1) * self.num_heads_local + 2 * self.num_kv_local) * spec.head_dim
         self.linear_qkv = mtp.ColumnParallelLinear(
             spec.hidden_size, local_out * tp, config=config, init_method=no_init, bias=spec.qkv_bias,
             gather_output=False)
@@ -91,45 +110,54 @@ class Attention(nn.Module):
         qkv, _ = self.linear_qkv(x)  # sequence parallel: all-gathered to [T, 1, ...] here
         s, b, _ = qkv.shape
         hq, hkv, d = self.num_heads_local, self.num_kv_local, self.head_dim
-        heads = qkv.view(s, b, hq + 2 * hkv, d)            # [q_r; k_r; v_r] as heads: views, no copies
-        q, k = heads[:, :, :hq], heads[:, :, hq:hq + hkv]
+        nq = 2 * hq if self.gated else hq                   # gated: query heads interleaved with their gates
+        heads = qkv.view(s, b, nq + 2 * hkv, d)            # [q_r; k_r; v_r] as heads: views, no copies
+        q, k = heads[:, :, :nq:nq // hq], heads[:, :, nq:nq + hkv]
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_partial_rope(q, cos, sin)     # the first rotary_dim channels (GLM-4.5); all of them otherwise
         k = apply_partial_rope(k, cos, sin)
-        v = heads[:, :, hq + hkv:]
+        v = heads[:, :, nq + hkv:]
         if isinstance(ctx, ContextSplit):
-            out = self.cp_fn(q, k, v, ctx, self.cp_group, self.cp_block)      # [rows, width, hq, d]
+            out = self.cp_fn(q, k, v, ctx, self.cp_group, self.cp_block, window=self.window)  # [rows, width, hq, d]
         elif isinstance(ctx, Packing):
-            out = self.backend.fn(q[:, 0], k[:, 0], v[:, 0], ctx).unsqueeze(1)  # [T, 1, hq, d]
+            out = self.backend.fn(q[:, 0], k[:, 0], v[:, 0], ctx, window=self.window).unsqueeze(1)  # [T, 1, hq, d]
         else:
             # [S, B, h, d] -> [B, h, S, d]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-            out = self.backend.fn(q, k, v, ctx).permute(2, 0, 1, 3)
+            out = self.backend.fn(q, k, v, ctx, window=self.window).permute(2, 0, 1, 3)
+        if self.gated:
+            out = out * torch.sigmoid(heads[:, :, 1:nq:2])
         out, _ = self.linear_proj(out.reshape(s, b, hq * d))
         return out
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int, layer_number: int, device, *,
-                 backend: AttnBackend, dims=None, cp_attn: str = "allgather"):
+                 backend: AttnBackend, dims=None, cp_attn: str = "allgather", gdn_kernel=None):
         super().__init__()
         self.layer_number = layer_number  # global index in the full model
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
+        self.input_layernorm = norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
         cp_group = dims.cp_group if dims is not None and dims.cp > 1 else None
-        if spec.mla is not None:     # multi-head latent attention (DeepSeek-V3): model/mla.py
+        self.linear = spec.is_linear_layer(layer_number)
+        if self.linear:              # Gated DeltaNet (Qwen3-Next, Qwen3.5): model/gated_deltanet.py
+            self.self_attention = GatedDeltaNet(spec, config, tp, device, kernel=gdn_kernel, cp_group=cp_group)
+        elif spec.mla is not None:     # multi-head latent attention (DeepSeek-V3): model/mla.py
             self.self_attention = MLAttention(spec, config, tp, device, backend=backend, norm=RMSNorm,
                                               cp_group=cp_group, cp_attn=cp_attn)
         else:
             self.self_attention = Attention(spec, config, tp, device, backend=backend, cp_group=cp_group,
-                                            cp_attn=cp_attn)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
+                                            cp_attn=cp_attn, window=spec.window(layer_number))
+        self.post_attention_layernorm = norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype,
+                                                         device)
         # The spec says which layers route over experts (model/moe.py); the others keep the dense MLP.
         self.mlp = MoEBlock(spec, config, dims, device) if spec.is_moe_layer(layer_number) else MLP(spec, config)
 
     def forward(self, x, cos, sin, ctx, tokens=None):
         """``tokens``: real-row mask of ``x`` for a MoE layer's load-balancing loss (None: not computed / all
         real)."""
+        if isinstance(ctx, HybridContext):      # a padded hybrid model: each layer kind takes its own mask
+            ctx = ctx.for_layer(self.linear)
         x = x + self.self_attention(self.input_layernorm(x), cos, sin, ctx)
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, tokens) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
@@ -138,7 +166,7 @@ class DecoderLayer(nn.Module):
 class _SharedHead(nn.Module):
     def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, padded_vocab: int, device):
         super().__init__()
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
+        self.norm = norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
         self.head = mtp.ColumnParallelLinear(spec.hidden_size, padded_vocab, config=config, init_method=no_init,
                                              bias=False, gather_output=False)
 
@@ -157,8 +185,8 @@ class MTPLayer(nn.Module):
         self.layer_number = layer_number
         self.embed_tokens = mtp.VocabParallelEmbedding(padded_vocab, spec.hidden_size, init_method=no_init,
                                                        config=config)
-        self.enorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
-        self.hnorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
+        self.enorm = norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
+        self.hnorm = norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
         self.eh_proj = mtp.ColumnParallelLinear(2 * spec.hidden_size, spec.hidden_size, config=config,
                                                 init_method=no_init, bias=False, gather_output=False)
         self.layer = DecoderLayer(spec, config, tp, layer_number, device, backend=backend, dims=dims)
@@ -236,14 +264,17 @@ class DecoderChunk(nn.Module):
         self.attn_impl = backend.name
         cp_kernel = resolve_cp_attn(cp_attn)
         self.cp_attn = cp_kernel if dims.cp > 1 else None
+        # Gated DeltaNet layers' kernel (model/gated_deltanet.py; None without them), kept as chunk.gdn_kernel
+        gdn = resolve_gdn_kernel(device=as_device(device), dtype=config.params_dtype) if spec.linear_attn else None
+        self.gdn_kernel = gdn.name if gdn is not None else None
         self.layers = nn.ModuleList(DecoderLayer(spec, config, tp, i, device, backend=backend, dims=dims,
-                                                 cp_attn=cp_kernel) for i in layers)
+                                                 cp_attn=cp_kernel, gdn_kernel=gdn) for i in layers)
         self.moe_aux = MoEAux()  # load-balancing loss of this chunk's MoE layers (forward_backward turns it on)
         for layer in self.layers:
             if isinstance(layer.mlp, MoEBlock):
                 layer.mlp.aux = self.moe_aux
         if post_process:
-            self.final_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
+            self.final_norm = norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
             if task == "hidden":
                 pass  # a headless model (verl's ParallelLlamaModel): final-normed hidden states
             elif task == "causal_lm":
@@ -337,6 +368,8 @@ class DecoderChunk(nn.Module):
         else:
             # no padding: causal attention without a [B, 1, S, S] mask (None)
             ctx = None if bool(attention_mask.all()) else padded_attention_mask(attention_mask)
+            if ctx is not None and self.spec.linear_attn is not None:    # Gated DeltaNet layers: [B, S] mask
+                ctx = HybridContext(attention=ctx, keep=attention_mask.bool())
             positions = position_ids.transpose(0, 1)                     # [S, B]
         if self.pre_process:
             if split is not None:

@@ -130,21 +130,25 @@ def kv_heads_of_rank(rank: int, tp: int, num_kv_heads: int) -> range:
     return range(head, head + 1)
 
 
-def shard_qkv(q, k, v, rank: int, tp: int, *, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """``[q_r; k_r; v_r]`` along dim 0 (weights ``[out, in]`` and biases ``[out]`` alike)."""
+def shard_qkv(q, k, v, rank: int, tp: int, *, num_heads: int, num_kv_heads: int, head_dim: int,
+              q_head_dim: int | None = None) -> torch.Tensor:
+    """``[q_r; k_r; v_r]`` along dim 0 (weights ``[out, in]`` and biases ``[out]`` alike). ``q_head_dim``: q's
+    rows per head when not ``head_dim`` (an output-gated q_proj's ``[q_h; gate_h]``: 2 head_dim)."""
     q, k, v = _as_source(q), _as_source(k), _as_source(v)
     qa, qb = _split_range(num_heads, rank, tp, "query heads")
     kv = kv_heads_of_rank(rank, tp, num_kv_heads)
-    parts = [q.read(0, qa * head_dim, qb * head_dim),
+    qd = q_head_dim or head_dim
+    parts = [q.read(0, qa * qd, qb * qd),
              k.read(0, kv.start * head_dim, kv.stop * head_dim),
              v.read(0, kv.start * head_dim, kv.stop * head_dim)]
     return torch.cat(parts, dim=0)
 
 
-def merge_qkv(shards: list[torch.Tensor], *, num_heads: int, num_kv_heads: int, head_dim: int):
+def merge_qkv(shards: list[torch.Tensor], *, num_heads: int, num_kv_heads: int, head_dim: int,
+              q_head_dim: int | None = None):
     """Inverse of :func:`shard_qkv`: (q, k, v). Replicated KV heads are taken from the first rank holding them."""
     tp = len(shards)
-    hq = num_heads // tp * head_dim
+    hq = num_heads // tp * (q_head_dim or head_dim)
     hkv = len(kv_heads_of_rank(0, tp, num_kv_heads)) * head_dim
     qs, ks, vs, seen = [], [], [], set()
     for rank, s in enumerate(shards):
@@ -313,11 +317,13 @@ class QKVSplit(TPLayout):
     sources = 3
     tp_dim = 0
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, q_head_dim: int | None = None):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_head_dim = q_head_dim or head_dim     # q's rows per head (2 head_dim with an output gate)
 
     def _kw(self):
-        return dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+        return dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                    q_head_dim=self.q_head_dim)
 
     def shard(self, sources, rank, tp):
         return shard_qkv(*sources, rank, tp, **self._kw())
@@ -332,25 +338,26 @@ class QKVSplit(TPLayout):
         return qa, qb, kv, first_holder
 
     def blocks(self, rank, tp, hf_shapes):
-        d = self.head_dim
+        d, qd = self.head_dim, self.q_head_dim
         qa, qb, kv, first = self._rows(rank, tp)
-        nq, nkv = (qb - qa) * d, len(kv) * d
-        return [Block(0, 0, qa * d, qb * d, 0, nq),
+        nq, nkv = (qb - qa) * qd, len(kv) * d
+        return [Block(0, 0, qa * qd, qb * qd, 0, nq),
                 Block(1, 0, kv.start * d, kv.stop * d, nq, nq + nkv, primary=first),
                 Block(2, 0, kv.start * d, kv.stop * d, nq + nkv, nq + 2 * nkv, primary=first)]
 
     def primary_slices(self, rank, tp, local_shape):
         qa, qb, _, first = self._rows(rank, tp)
-        return [(0, 0, local_shape[0] if first else (qb - qa) * self.head_dim)]
+        return [(0, 0, local_shape[0] if first else (qb - qa) * self.q_head_dim)]
 
     def replica_rows(self, rank, tp):
         if self.num_kv_heads >= tp:
             return None
-        nq = self.num_heads // tp * self.head_dim
+        nq = self.num_heads // tp * self.q_head_dim
         return nq, nq + 2 * self.head_dim
 
     def __repr__(self):
-        return f"QKVSplit(heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim})"
+        gate = f", q_head_dim={self.q_head_dim}" if self.q_head_dim != self.head_dim else ""
+        return f"QKVSplit(heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}{gate})"
 
 
 class GateUpSplit(TPLayout):
@@ -369,6 +376,86 @@ class GateUpSplit(TPLayout):
     def blocks(self, rank, tp, hf_shapes):
         a, b = _split_range(hf_shapes[0][0], rank, tp, "gate/up")
         return [Block(0, 0, a, b, 0, b - a), Block(1, 0, a, b, b - a, 2 * (b - a))]
+
+
+class PartsSplit(TPLayout):
+    """One HF tensor whose dim 0 is consecutive parts (``sizes``), each split evenly over TP, fused per rank as
+    ``[part0_r; part1_r; ...]``: a Gated DeltaNet's ``[q; k; v]`` (``in_proj_qkv``, the conv's channels) split by
+    heads. The caller makes each part a whole number of heads per rank (``check_tp``)."""
+    name = "parts"
+    tp_dim = 0
+
+    def __init__(self, sizes: tuple[int, ...]):
+        self.sizes = tuple(sizes)
+
+    def _ranges(self, rank, tp):
+        out, at = [], 0
+        for size in self.sizes:
+            a, b = _split_range(size, rank, tp, f"part of {size} rows")
+            out.append((at + a, at + b))
+            at += size
+        return out
+
+    def shard(self, sources, rank, tp):
+        src = _as_source(sources[0])
+        return torch.cat([src.read(0, a, b) for a, b in self._ranges(rank, tp)], dim=0)
+
+    def merge(self, shards):
+        tp = len(shards)
+        pieces = [s.split([size // tp for size in self.sizes], dim=0) for s in shards]
+        return [torch.cat([p[j] for j in range(len(self.sizes)) for p in pieces], dim=0)]
+
+    def blocks(self, rank, tp, hf_shapes):
+        out, local = [], 0
+        for a, b in self._ranges(rank, tp):
+            out.append(Block(0, 0, a, b, local, local + b - a))
+            local += b - a
+        return out
+
+    def __repr__(self):
+        return f"PartsSplit(sizes={self.sizes})"
+
+
+class FusedSplit(TPLayout):
+    """Several HF tensors, each split along dim 0 by its own layout (``parts``: ``(layout, hf_rows)`` per source,
+    layouts without replicas), fused per rank as ``[s0_r; s1_r; ...]``: a Gated DeltaNet's one column-parallel
+    input projection (Qwen3.5: ``in_proj_qkv`` by heads, ``in_proj_z`` / ``_b`` / ``_a``; Qwen3-Next:
+    ``in_proj_qkvz`` / ``in_proj_ba``, plain splits of rows grouped by key head)."""
+    name = "fused"
+    tp_dim = 0
+
+    def __init__(self, parts):
+        self.parts = tuple(parts)
+        self.sources = len(self.parts)
+
+    def shard(self, sources, rank, tp):
+        return torch.cat([layout.shard([src], rank, tp) for (layout, _), src in zip(self.parts, sources)], dim=0)
+
+    def merge(self, shards):
+        tp = len(shards)
+        pieces = [s.split([rows // tp for _, rows in self.parts], dim=0) for s in shards]
+        return [layout.merge([p[j] for p in pieces])[0] for j, (layout, _) in enumerate(self.parts)]
+
+    def blocks(self, rank, tp, hf_shapes):
+        out, local = [], 0
+        for j, ((layout, rows), shape) in enumerate(zip(self.parts, hf_shapes)):
+            for blk in layout.blocks(rank, tp, [shape]):
+                out.append(blk._replace(source=j, local_start=local + blk.local_start,
+                                        local_stop=local + blk.local_stop))
+            local += rows // tp
+        return out
+
+    def __repr__(self):
+        return f"FusedSplit({[layout for layout, _ in self.parts]!r})"
+
+
+def _gdn_in(spec):
+    """A Gated DeltaNet's fused input projection: Qwen3.5's four tensors or Qwen3-Next's two."""
+    h = spec.gdn_value_heads
+    if spec.linear_attn is not None and spec.linear_attn.interleaved:
+        return FusedSplit([(Split(0), spec.gdn_qkvz_size), (Split(0), spec.gdn_ba_size)])
+    qkv = PartsSplit((spec.gdn_key_dim, spec.gdn_key_dim, spec.gdn_value_dim))
+    return FusedSplit([(qkv, spec.gdn_conv_dim), (Split(0), spec.gdn_value_dim), (Split(0), h), (Split(0), h)])
 
 
 class ExpertStack(TPLayout):
@@ -420,8 +507,12 @@ KINDS = {
     "column": lambda spec, padded_vocab: Split(0),
     "row": lambda spec, padded_vocab: Split(1),
     "vocab": lambda spec, padded_vocab: VocabSplit(spec.vocab_size, padded_vocab),
-    "qkv": lambda spec, padded_vocab: QKVSplit(spec.num_heads, spec.num_kv_heads, spec.head_dim),
+    "qkv": lambda spec, padded_vocab: QKVSplit(spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                                               spec.q_proj_size // spec.num_heads),
     "gate_up": lambda spec, padded_vocab: GateUpSplit(),
+    # Gated DeltaNet: the conv's [q; k; v] channels split by heads, the fused input projection
+    "gdn_conv": lambda spec, padded_vocab: PartsSplit((spec.gdn_key_dim, spec.gdn_key_dim, spec.gdn_value_dim)),
+    "gdn_in": lambda spec, padded_vocab: _gdn_in(spec),
 }
 
 

@@ -111,6 +111,42 @@ class MLASpec:
 
 
 @dataclass(frozen=True)
+class GatedDeltaNetSpec:
+    """The Gated DeltaNet (linear attention) layers of a hybrid model (Qwen3-Next, Qwen3.5:
+    :mod:`parallm.model.gated_deltanet`). ``layers``: the global indices of the layers that run it (the others run
+    full attention); ``num_key_heads`` / ``num_value_heads`` of widths ``key_head_dim`` / ``value_head_dim``
+    (value heads a multiple of key heads); ``conv_kernel``: the depthwise conv's window. ``interleaved``: the
+    checkpoint's input projections are Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` (rows grouped by key
+    head) rather than Qwen3.5's ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``."""
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    layers: tuple[int, ...]
+    interleaved: bool = False
+
+    def __post_init__(self):
+        sizes = {"linear_num_key_heads": self.num_key_heads, "linear_num_value_heads": self.num_value_heads,
+                 "linear_key_head_dim": self.key_head_dim, "linear_value_head_dim": self.value_head_dim,
+                 "linear_conv_kernel_dim": self.conv_kernel}
+        bad = [f"{k}={v!r}" for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v <= 0]
+        if bad:
+            raise ValueError(f"invalid Gated DeltaNet sizes: {', '.join(bad)} (positive integers)")
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(f"linear_num_value_heads={self.num_value_heads} is not a multiple of "
+                             f"linear_num_key_heads={self.num_key_heads}")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+
+@dataclass(frozen=True)
 class DecoderSpec:
     family: str                 # registry key, e.g. "llama", "qwen2"
     architecture: str           # HF architecture of the checkpoint, e.g. "LlamaForCausalLM"
@@ -131,7 +167,11 @@ class DecoderSpec:
     pad_token_id: int | None = None   # transformers' nn.Embedding(padding_idx=...): lookups of it get no gradient
     hidden_act: str = "silu"
     qk_norm: bool = False       # Qwen3: RMSNorm over head_dim on every query / key head, before RoPE
-    sliding_window: int | None = None   # Mistral: sequences longer than this are refused (full attention below)
+    # Sliding-window attention per layer: layer i's queries see the layer_windows[i] keys up to their own
+    # (transformers' sliding_window: i - w < j <= i), None: full causal attention; () (or a layer past the end):
+    # no window anywhere. Families build it from the config (Mistral: every layer; Qwen2 / Qwen3:
+    # use_sliding_window + max_window_layers or layer_types), so the decoder reads only this tuple.
+    layer_windows: tuple[int | None, ...] = ()
     moe: MoESpec | None = None  # mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral); None: every MLP dense
     # Multi-head latent attention instead of GQA (DeepSeek-V3 family); head_dim is then its q_head_dim and
     # num_kv_heads == num_heads (MLA expands keys and values to every head).
@@ -145,11 +185,26 @@ class DecoderSpec:
     # how many of them this model carries (build_model(mtp=...)): held on the last pipeline stage, sharded like a
     # decoder layer, loaded, saved and exported, never run nor trained (requires_grad=False); 0: none
     carried_mtp_layers: int = 0
+    # Hybrid models (Qwen3-Next, Qwen3.5): the Gated DeltaNet layers; None: every layer runs attention
+    linear_attn: GatedDeltaNetSpec | None = None
+    # the attention layers' sigmoid output gate (Qwen3-Next, Qwen3.5): q_proj's rows are per head [q_h; gate_h]
+    # and the attention output is multiplied by sigmoid(gate) before o_proj
+    attn_output_gate: bool = False
+    # zero-centred RMSNorm, ``x_normed * (1 + w)`` computed in fp32 (Qwen3-Next, Qwen3.5: every RMSNorm but the
+    # Gated DeltaNet's gated one)
+    zero_centered_norm: bool = False
 
     def __post_init__(self):
         # only the fields that existing families never set are checked here (tests replace() sizes freely)
         if self.yarn is not None and (self.rope.kind != "default" or self.rope.dim != self.yarn.dim):
             raise ValueError(f"with yarn RoPE, rope must be the default kind of the same dim (got {self.rope})")
+        bad = [w for w in self.layer_windows if w is not None and (isinstance(w, bool) or not isinstance(w, int)
+                                                                  or w < 1)]
+        if bad:
+            raise ValueError(f"layer_windows holds a window (a positive integer) or None per layer; got "
+                             f"{self.layer_windows}")
+        if self.mla is not None and self.sliding_window is not None:
+            raise ValueError("sliding-window attention with multi-head latent attention is not supported")
         if not 0 <= self.carried_mtp_layers <= self.mtp_layers:
             raise ValueError(f"carried_mtp_layers={self.carried_mtp_layers} must lie in [0, mtp_layers="
                              f"{self.mtp_layers}]")
@@ -159,6 +214,58 @@ class DecoderSpec:
             if self.num_kv_heads != self.num_heads or self.head_dim != self.mla.q_head_dim:
                 raise ValueError("a multi-head latent attention spec has num_kv_heads == num_heads and head_dim == "
                                  f"q_head_dim (got {self.num_kv_heads}, {self.head_dim})")
+
+    def is_linear_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` is a Gated DeltaNet layer (else attention; MTP layers are attention)."""
+        return self.linear_attn is not None and layer in self.linear_attn.layers
+
+    @property
+    def q_proj_size(self) -> int:
+        """q_proj's rows: ``q_size``, doubled by the output gate's per-head ``[q_h; gate_h]``."""
+        return self.q_size * (2 if self.attn_output_gate else 1)
+
+    # shapes the Gated DeltaNet rows name (0 without linear layers)
+    @property
+    def gdn_key_dim(self) -> int:
+        return self.linear_attn.key_dim if self.linear_attn else 0
+
+    @property
+    def gdn_value_dim(self) -> int:
+        return self.linear_attn.value_dim if self.linear_attn else 0
+
+    @property
+    def gdn_conv_dim(self) -> int:
+        """The conv's channels, ``in_proj_qkv``'s rows: ``[q; k; v]``."""
+        return 2 * self.gdn_key_dim + self.gdn_value_dim
+
+    @property
+    def gdn_qkvz_size(self) -> int:
+        return self.gdn_conv_dim + self.gdn_value_dim
+
+    @property
+    def gdn_value_heads(self) -> int:
+        return self.linear_attn.num_value_heads if self.linear_attn else 0
+
+    @property
+    def gdn_ba_size(self) -> int:
+        return 2 * self.gdn_value_heads
+
+    @property
+    def gdn_value_head_dim(self) -> int:
+        return self.linear_attn.value_head_dim if self.linear_attn else 0
+
+    @property
+    def gdn_conv_kernel(self) -> int:
+        return self.linear_attn.conv_kernel if self.linear_attn else 0
+
+    def window(self, layer: int) -> int | None:
+        """Global layer ``layer``'s sliding window (None: full causal attention)."""
+        return self.layer_windows[layer] if layer < len(self.layer_windows) else None
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The smallest window of any layer (None: no layer has one)."""
+        return min((w for w in self.layer_windows if w is not None), default=None)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer ``layer`` runs the routed-experts block instead of the dense MLP. A
@@ -237,6 +344,11 @@ def check_tp(spec: DecoderSpec, tp: int) -> None:
                         "(KV heads can only be replicated in equal blocks)")
     if spec.num_heads % nkv:
         problems.append(f"num_attention_heads={spec.num_heads} is not a multiple of num_key_value_heads={nkv}")
+    la = spec.linear_attn
+    if la is not None:
+        for name, n in (("linear_num_key_heads", la.num_key_heads), ("linear_num_value_heads", la.num_value_heads)):
+            if n % tp:
+                problems.append(f"{name}={n} is not divisible by tp={tp} (Gated DeltaNet layers split by heads)")
     dense = any(not spec.is_moe_layer(i) for i in range(spec.num_layers))
     if dense and spec.intermediate_size % tp:
         problems.append(f"intermediate_size={spec.intermediate_size} is not divisible by tp={tp}")

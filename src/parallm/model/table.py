@@ -13,6 +13,9 @@ see :mod:`parallm.model.placement`):
     row      split along dim 1 (row-parallel input)
     qkv      three HF tensors (q, k, v) fused per rank as [q_r; k_r; v_r] (KV heads replicated when nkv < tp)
     gate_up  two HF tensors (gate, up) fused per rank as [gate_r; up_r]
+    gdn_conv a Gated DeltaNet's [q; k; v] channels (in one HF tensor) split by heads, per rank [q_r; k_r; v_r]
+    gdn_in   a Gated DeltaNet's input projections fused per rank (Qwen3.5 [q_r; k_r; v_r; z_r; b_r; a_r],
+             Qwen3-Next [qkvz_r; ba_r])
 
 Mixture of experts: a row with ``per_expert=True`` is a template for every expert of a layer (``{e}`` in its HF
 names = global expert index). Its local name is one parameter that stacks the experts a rank holds along dim 0
@@ -31,7 +34,7 @@ from dataclasses import dataclass, replace
 from .placement import placement_of
 from .spec import DecoderSpec
 
-KINDS = ("copy", "vocab", "column", "row", "qkv", "gate_up")
+KINDS = ("copy", "vocab", "column", "row", "qkv", "gate_up", "gdn_conv", "gdn_in")
 # "mtp": a multi-token-prediction layer's own tensors ({l}: its index j among them, {i}: its HF layer index
 # num_layers + j), held by the chunk with post_process; the decoder layer inside it takes the "layer" rows
 STAGES = ("first", "layer", "last", "mtp")
@@ -65,6 +68,9 @@ CONDITIONS = {
 LAYER_CONDITIONS = {
     "moe_layer": lambda spec, layer: spec.is_moe_layer(layer),
     "dense_layer": lambda spec, layer: not spec.is_moe_layer(layer),
+    # hybrid models (Qwen3-Next, Qwen3.5): Gated DeltaNet layers and the attention layers between them
+    "linear_layer": lambda spec, layer: spec.is_linear_layer(layer),
+    "attention_layer": lambda spec, layer: not spec.is_linear_layer(layer),
 }
 
 
