@@ -15,6 +15,8 @@ Checks, each one line (PASS / FAIL, the measured value, the limit):
   6. a mixture-of-experts model (Qwen3-MoE, 8 experts, top 2) at ep = world (all-to-all dispatch): fp32 logits
   7. that model: one AdamW step with ZeRO at ep = world, a training checkpoint, loaded at ep = 1: weights bit-exact
   8. determinism: two identical MoE forward + backward passes give bit-identical outputs and gradients
+  8a. kernel choices: no CPU kernel on a CUDA device (device 0 included); torch._grouped_mm's empty-group check
+      (an expert no token chose gets exactly zero gradient; outputs and gradients equal to the loop), bf16, fp32
   8b. YaRN RoPE (a Qwen2 long-context config, factor 4): fp32 logits against transformers
   9. pp = 2 (2 or more GPUs): a training step whose stage-boundary messages are 64 MiB each (hidden 4096 x 4096
      tokens fp32, far above NCCL's point-to-point buffers: an exchange that needs buffering deadlocks here),
@@ -237,6 +239,20 @@ def main() -> int:
     first, second = moe_pass(), moe_pass()
     differ = sum(not torch.equal(a, b) for a, b in zip(first, second)) + abs(len(first) - len(second))
     report("MoE: gradients of two identical passes not bit-identical (tensors)", float(differ), 0)
+
+    # 8a. kernel choices on the device (every rank agreed at build): CUDA device 0 is CUDA, not the CPU's kernels;
+    # torch._grouped_mm gives an expert that no token chose exactly zero gradient (PyTorch reports non-zero ones
+    # on SM100), else parallm uses the loop
+    from parallm.model.kernels import kernel_choices
+    from parallm.model.moe import empty_group_problem
+    choices = kernel_choices(chunks)
+    info(f"kernels chosen on {device}: {choices}")
+    cpu_kernels = [k for k, v in choices.items() if "cpu" in v] if device.type == "cuda" else []
+    report(f"CPU kernels chosen on a CUDA device ({cpu_kernels or 'none'})", float(len(cpu_kernels)), 0)
+    for dtype in (torch.bfloat16, torch.float32):
+        problem = empty_group_problem(device, dtype)
+        info(f"torch._grouped_mm {dtype}: {problem or 'empty groups get zero gradient, equal to the loop'}")
+        report(f"torch._grouped_mm {dtype} check (1 = failed; parallm then uses the loop)", float(bool(problem)), 0)
     del chunks, opt, first, second
     parallm.destroy_parallel()
 
