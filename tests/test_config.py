@@ -140,13 +140,11 @@ def test_model_type_without_architectures():
     assert spec_from_config(raw)[1].name == "qwen2"
 
 
-def test_qwen2_sliding_window_rejected():
-    config = tiny_config("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
-    with pytest.raises(ValueError, match="use_sliding_window"):
-        spec_from_config(config)
-    raw = config.to_dict()
-    with pytest.raises(ValueError, match="use_sliding_window"):
-        spec_from_config(raw)
+def test_qwen2_sliding_window_layers():
+    """Layers from max_window_layers on slide (the refusal is gone: tests/test_sliding_window.py runs them)."""
+    config = tiny_config("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    assert spec_from_config(config)[0].layer_windows == (None, 8)
+    assert spec_from_config(config.to_dict())[0].layer_windows == (None, 8)
 
 
 def test_unsupported_rope_kind_rejected():

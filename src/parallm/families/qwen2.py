@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from ..model.spec import DecoderSpec
 from .llama import DECODER_TABLE
-from .registry import Family, base_spec_kwargs, refuse_sliding_layers, register
+from .registry import Family, base_spec_kwargs, layer_windows, qwen_window_types, register
 
 
 def qwen2_spec(config) -> DecoderSpec:
-    refuse_sliding_layers(config, "Qwen2")
-    return DecoderSpec(**base_spec_kwargs(config, "qwen2"), qkv_bias=True, o_bias=False, mlp_bias=False)
+    windows = layer_windows(config, "Qwen2", default_types=qwen_window_types)
+    return DecoderSpec(**base_spec_kwargs(config, "qwen2"), layer_windows=windows, qkv_bias=True, o_bias=False,
+                       mlp_bias=False)
 
 
 QWEN2 = register(Family(

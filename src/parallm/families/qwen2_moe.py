@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from ..model.spec import DecoderSpec
 from .moe_common import QWEN_MOE_TABLE, moe_layers, moe_spec, num_experts_of
-from .registry import Family, base_spec_kwargs, refuse_sliding_layers, register
+from .registry import Family, base_spec_kwargs, layer_windows, qwen2_moe_window_types, register
 
 
 def qwen2_moe_spec(config) -> DecoderSpec:
-    refuse_sliding_layers(config, "Qwen2-MoE")
+    windows = layer_windows(config, "Qwen2-MoE", default_types=qwen2_moe_window_types)
     experts = num_experts_of(config)
     shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
     moe = moe_spec(config, num_experts=experts, expert_intermediate_size=getattr(config, "moe_intermediate_size", None),
@@ -20,8 +20,8 @@ def qwen2_moe_spec(config) -> DecoderSpec:
                    shared_expert_intermediate_size=shared, shared_expert_gate=shared > 0)
     # transformers 4.x configs have no qkv_bias field: the bias was always there
     qkv_bias = getattr(config, "qkv_bias", None)
-    return DecoderSpec(**base_spec_kwargs(config, "qwen2_moe"), qkv_bias=True if qkv_bias is None else bool(qkv_bias),
-                       moe=moe)
+    return DecoderSpec(**base_spec_kwargs(config, "qwen2_moe"), layer_windows=windows,
+                       qkv_bias=True if qkv_bias is None else bool(qkv_bias), moe=moe)
 
 
 QWEN2_MOE = register(Family(

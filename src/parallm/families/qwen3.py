@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from ..model.spec import DecoderSpec
 from .llama import DECODER_TABLE
-from .registry import Family, base_spec_kwargs, refuse_sliding_layers, register
+from .registry import Family, base_spec_kwargs, layer_windows, qwen_window_types, register
 
 
 def qwen3_spec(config) -> DecoderSpec:
-    refuse_sliding_layers(config, "Qwen3")
+    windows = layer_windows(config, "Qwen3", default_types=qwen_window_types)
     bias = bool(getattr(config, "attention_bias", False))
-    return DecoderSpec(**base_spec_kwargs(config, "qwen3"), qkv_bias=bias, o_bias=bias, qk_norm=True)
+    return DecoderSpec(**base_spec_kwargs(config, "qwen3"), layer_windows=windows, qkv_bias=bias, o_bias=bias,
+                       qk_norm=True)
 
 
 QWEN3 = register(Family(

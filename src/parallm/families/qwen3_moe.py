@@ -8,16 +8,17 @@ from __future__ import annotations
 
 from ..model.spec import DecoderSpec
 from .moe_common import QWEN_MOE_TABLE, moe_layers, moe_spec, num_experts_of
-from .registry import Family, base_spec_kwargs, refuse_sliding_layers, register
+from .registry import Family, base_spec_kwargs, layer_windows, register
 
 
 def qwen3_moe_spec(config) -> DecoderSpec:
-    refuse_sliding_layers(config, "Qwen3-MoE")
+    windows = layer_windows(config, "Qwen3-MoE", every_layer=True)
     experts = num_experts_of(config)
     bias = bool(getattr(config, "attention_bias", False))
     moe = moe_spec(config, num_experts=experts, expert_intermediate_size=getattr(config, "moe_intermediate_size", None),
                    norm_topk_prob=getattr(config, "norm_topk_prob", False), layers=moe_layers(config, experts))
-    return DecoderSpec(**base_spec_kwargs(config, "qwen3_moe"), qkv_bias=bias, o_bias=bias, qk_norm=True, moe=moe)
+    return DecoderSpec(**base_spec_kwargs(config, "qwen3_moe"), layer_windows=windows, qkv_bias=bias, o_bias=bias,
+                       qk_norm=True, moe=moe)
 
 
 QWEN3_MOE = register(Family(

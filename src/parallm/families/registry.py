@@ -156,19 +156,63 @@ def _pad_token_id(config) -> int | None:
     return pad
 
 
-def refuse_sliding_layers(config, name: str) -> None:
-    """Qwen2 / Qwen3 style: layers transformers would run with sliding-window attention are not supported."""
-    types = getattr(config, "layer_types", None)
-    if types:
-        sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
-    elif getattr(config, "use_sliding_window", False):
-        sliding = list(range(getattr(config, "max_window_layers", 0) or 0, int(config.num_hidden_layers)))
-    else:
-        sliding = []
-    if sliding:
-        raise ValueError(f"{name} with sliding-window attention on layers {sliding[:8]} is not supported "
-                         "(use_sliding_window=True with max_window_layers < num_hidden_layers); parallm runs full "
-                         "causal attention")
+def _effective_window(config) -> int | None:
+    """The config's ``sliding_window`` where transformers uses it: set (not None, not 0) and, for the families
+    with the switch, ``use_sliding_window`` true (transformers 5 clears ``sliding_window`` otherwise; 4.x
+    configs may still carry it)."""
+    window = _get(config, "sliding_window")
+    if _get(config, "use_sliding_window", True) is False or not window:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window={window!r} is not a positive integer")
+    return window
+
+
+def layer_windows(config, name: str, *, every_layer: bool = False, default_types=None) -> tuple:
+    """Each layer's sliding window (None: full causal attention) as transformers builds the model's masks, for
+    :attr:`parallm.model.spec.DecoderSpec.layer_windows`; ``()`` when no layer has one.
+
+    ``every_layer`` (Mistral, Mixtral, Qwen3-MoE): the window on every layer (their models read
+    ``sliding_window`` alone; Mistral ignores ``layer_types``). Otherwise ``layer_types`` (``"sliding_attention"``:
+    the window, any other kind: none), or when the config has none ``default_types(config, num_layers)`` (the
+    family's rule, e.g. Qwen2: ``"sliding_attention"`` from ``max_window_layers`` on). A layer typed
+    ``"sliding_attention"`` without a window is a ValueError (transformers fails on it too)."""
+    n = int(config.num_hidden_layers)
+    window = _effective_window(config)
+    if every_layer:
+        return (window,) * n if window is not None else ()
+    types = _get(config, "layer_types")
+    if types is None:
+        types = default_types(config, n) if default_types is not None else []
+    types = list(types)
+    if types and len(types) != n:
+        raise ValueError(f"the {name} config has {len(types)} layer_types for num_hidden_layers={n}")
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if not sliding:
+        return ()
+    if window is None:
+        raise ValueError(f"the {name} config types layers {sliding[:8]} as sliding_attention but sets no "
+                         f"sliding_window (use_sliding_window={_get(config, 'use_sliding_window')!r}, "
+                         f"sliding_window={_get(config, 'sliding_window')!r})")
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def qwen_window_types(config, n: int) -> list[str]:
+    """Qwen2 / Qwen3 (transformers' Qwen2Config): layers from ``max_window_layers`` on slide when
+    ``use_sliding_window``."""
+    start = _get(config, "max_window_layers", n)
+    start = n if start is None else int(start)
+    on = _effective_window(config) is not None
+    return ["sliding_attention" if on and i >= start else "full_attention" for i in range(n)]
+
+
+def qwen2_moe_window_types(config, n: int) -> list[str]:
+    """Qwen2-MoE (transformers' Qwen2MoeConfig): every other layer, from the first, below ``max_window_layers``
+    when ``use_sliding_window``."""
+    limit = _get(config, "max_window_layers", n)
+    limit = n if limit is None else int(limit)
+    on = _effective_window(config) is not None
+    return ["sliding_attention" if on and (i + 1) % 2 and i < limit else "full_attention" for i in range(n)]
 
 
 def spec_from_config(hf_config) -> tuple[DecoderSpec, Family]:

@@ -42,25 +42,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..parallel.comm import gather_rows_keep_own, gather_rows_sum_back
-from .attention import BlockKernel, block_kernel
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Local query rows ``[q0, q1)`` attend to key rows ``[k0, k1)``: all of them, or (``causal``) the square
-    causal diagonal, query ``i`` seeing keys up to ``i``."""
-    q0: int
-    q1: int
-    k0: int
-    k1: int
-    causal: bool
+from .attention import BlockKernel, Piece, PiecePlan, attend_plan, block_kernel, merge_rows
 
 
 def _chunk_pieces(q0: int, k0: int, c: int, j: int) -> list[Piece]:
     """Chunk ``j`` (``c`` queries from local row ``q0``) against its row's keys (global rows from ``k0``): the
     ``j c`` keys of the chunks before it, entirely, and its own chunk's, causally."""
-    full = [Piece(q0, q0 + c, k0, k0 + j * c, False)] if j else []
-    return full + [Piece(q0, q0 + c, k0 + j * c, k0 + (j + 1) * c, True)]
+    full = [Piece(q0, q0 + c, k0, k0 + j * c, j * c)] if j else []
+    return full + [Piece(q0, q0 + c, k0 + j * c, k0 + (j + 1) * c, 0)]
 
 
 @dataclass
@@ -90,6 +79,14 @@ class ContextSplit:
     segments: tuple[tuple[int, int], ...] = ()   # (first local row, chunk size c) of each row / document
     _place: tuple | None = field(default=None, repr=False)
     _ring: dict = field(default_factory=dict, repr=False)
+    _plans: dict = field(default_factory=dict, repr=False)
+
+    def plan(self, window: int | None = None) -> PiecePlan:
+        """:attr:`pieces` as one :class:`PiecePlan` (over the flat ``[rows * width]`` slots and the gathered keys
+        in global order), clipped to ``window``: pieces wholly outside it dropped. Kept for the other layers."""
+        if window not in self._plans:
+            self._plans[window] = PiecePlan(self.pieces, width=self.width, window=window)
+        return self._plans[window]
 
     @property
     def slots(self) -> int:
@@ -232,91 +229,36 @@ def _finish(input_ids, position_ids, src, *, cp, rank, packed, rows, width, orig
                         segments=segments)
 
 
-def _attend(qf, kf, vf, pieces, kernel: BlockKernel, acc, lse, scale) -> None:
-    """Every piece's block attention (fp32 ``qf [W, hq, rows, d]``, ``kf`` / ``vf [W, hkv, keys, d]``) merged into
-    the accumulators ``acc`` / ``lse`` in place."""
-    for p in pieces:
-        o, s = kernel.forward(qf[:, :, p.q0:p.q1], kf[:, :, p.k0:p.k1], vf[:, :, p.k0:p.k1], p.causal, scale)
-        _merge(acc, lse, o, s, p.q0, p.q1)
-
-
-def _attend_backward(qf, kf, vf, out, lse, g, pieces, kernel: BlockKernel, dq, dk, dv, scale) -> None:
-    """The gradients of :func:`_attend`'s pieces from the final ``out`` / ``lse``, added into ``dq`` and the fp32
-    ``dk`` / ``dv`` (shaped like ``kf`` / ``vf``) in place."""
-    for p in pieces:
-        rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
-        dqp, dkp, dvp = kernel.backward(qf[:, :, rows], kf[:, :, keys], vf[:, :, keys], out[:, :, rows],
-                                        lse[:, :, rows], g[:, :, rows], p.causal, scale)
-        dq[:, :, rows] += dqp
-        dk[:, :, keys] += dkp
-        dv[:, :, keys] += dvp
-
-
-def _merge(acc_out, acc_lse, out, lse, q0, q1):
-    """Fold one block's ``(out, lse)`` for query rows ``[q0, q1)`` into the fp32 accumulators (in place)."""
-    old_o, old_l = acc_out[:, :, q0:q1], acc_lse[:, :, q0:q1]
-    new_l = torch.logaddexp(old_l, lse)
-    old_o.mul_(torch.exp(old_l - new_l).unsqueeze(-1)).add_(out * torch.exp(lse - new_l).unsqueeze(-1))
-    old_l.copy_(new_l)
-
-
-def _accumulators(qf):
-    return torch.zeros_like(qf), torch.full(qf.shape[:3], float("-inf"), dtype=torch.float32, device=qf.device)
-
-
-class _PieceAttention(torch.autograd.Function):
-    """q ``[rows, width, hq, d]`` against the whole sequence's keys and values in global order ``kv [G, width,
-    2 hkv, d]`` -> ``[rows, width, hq, d]``: each :class:`Piece` a block of the kernel, merged by log-sum-exp in
-    fp32; the backward from the saved output and log-sum-exp. Saves q, kv, the fp32 output and lse: no
-    ``[queries, keys]`` tensor, no mask."""
-
-    @staticmethod
-    def forward(ctx, q, kv, split, kernel):
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        hkv = kv.shape[2] // 2
-        qf = q.permute(1, 2, 0, 3).float()                                       # [W, hq, rows, d]
-        kvf = kv.permute(1, 2, 0, 3).float()                                     # [W, 2 hkv, G, d]
-        acc, lse = _accumulators(qf)
-        _attend(qf, kvf[:, :hkv], kvf[:, hkv:], split.pieces, kernel, acc, lse, scale)
-        ctx.split, ctx.kernel, ctx.scale = split, kernel, scale
-        ctx.save_for_backward(q, kv, acc, lse)
-        return acc.to(q.dtype).permute(2, 0, 1, 3)
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, kv, out, lse = ctx.saved_tensors
-        hkv = kv.shape[2] // 2
-        qf = q.permute(1, 2, 0, 3).float()
-        kvf = kv.permute(1, 2, 0, 3).float()
-        g = grad.permute(1, 2, 0, 3).float()
-        dq = torch.zeros_like(qf)
-        dkv = torch.zeros(kvf.shape, dtype=torch.float32, device=kv.device)
-        _attend_backward(qf, kvf[:, :hkv], kvf[:, hkv:], out, lse, g, ctx.split.pieces, ctx.kernel, dq,
-                         dkv[:, :hkv], dkv[:, hkv:], ctx.scale)
-        return dq.to(q.dtype).permute(2, 0, 1, 3), dkv.to(kv.dtype).permute(2, 0, 1, 3), None, None
-
-
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: ContextSplit, group,
-                 kernel: BlockKernel | None = None) -> torch.Tensor:
+                 kernel: BlockKernel | None = None, *, window: int | None = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence's keys: q ``[rows, width, hq, d]``, k / v
     ``[rows, width, hkv, d]`` (this rank's tokens, RoPE applied) -> ``[rows, width, hq, d]``.
 
     Keys and values are all-gathered over the CP group in one collective (backward: their gradients
     reduce-scattered onto the owners), then :func:`attend_pieces`. Memory kept for the backward: the whole
     sequence's K and V per layer, ``2 * hkv * d`` values per token. ``kernel``: the block kernel
-    (:func:`parallm.model.attention.block_kernel`; default: the one for this device)."""
+    (:func:`parallm.model.attention.block_kernel`; default: the one for this device); ``window``: the layer's
+    sliding window (None: full causal attention)."""
     kv = gather_rows_sum_back(torch.cat([k, v], dim=2), group)                 # [cp * rows, width, 2 hkv, d]
-    return attend_pieces(q, kv, split, kernel)
+    return attend_pieces(q, kv, split, kernel, window=window)
 
 
-def attend_pieces(q: torch.Tensor, kv: torch.Tensor, split: ContextSplit, kernel: BlockKernel | None = None
-                  ) -> torch.Tensor:
+def attend_pieces(q: torch.Tensor, kv: torch.Tensor, split: ContextSplit, kernel: BlockKernel | None = None, *,
+                  window: int | None = None) -> torch.Tensor:
     """q ``[rows, width, hq, d]``; kv: every rank's keys and values, rank-major, ``[cp * rows, width, 2 hkv,
     d]`` (keys first along dim 2). The keys are put in global order (:attr:`ContextSplit.order`) and each chunk
     of this rank attends to the keys of its row / document before it (entirely) and to its own chunk's
-    (causally), merged by log-sum-exp (:class:`_PieceAttention`); the packed stream's tail rows get zeros."""
+    (causally), within ``window`` when given: :meth:`ContextSplit.plan`'s pieces in one kernel call
+    (:func:`parallm.model.attention.attend_plan`), merged by log-sum-exp; the packed stream's tail rows get
+    zeros."""
+    rows, width, hq, d = q.shape
+    hkv = kv.shape[2] // 2
     kv = kv.index_select(0, split.order)                                      # [G, width, 2 hkv, d]
-    return _PieceAttention.apply(q, kv, split, kernel or block_kernel(None, q.device))
+    k = kv[:, :, :hkv].reshape(-1, hkv, d)
+    v = kv[:, :, hkv:].reshape(-1, hkv, d)
+    out = attend_plan(q.reshape(rows * width, hq, d), k, v, split.plan(window),
+                      kernel or block_kernel(None, q.device))
+    return out.view(rows, width, hq, d)
 
 
 # -- the ring ---------------------------------------------------------------------------------------------------
@@ -342,9 +284,18 @@ def ring_pieces(split: ContextSplit, source: int) -> tuple[Piece, ...]:
             for h2, j in enumerate((source, 2 * cp - 1 - source)):
                 if j <= i:
                     out.append(Piece(start + h * c, start + (h + 1) * c, start + h2 * c, start + (h2 + 1) * c,
-                                     j == i))
+                                     (i - j) * c))
     split._ring[source] = out = tuple(out)
     return out
+
+
+def ring_plan(split: ContextSplit, source: int, window: int | None = None) -> PiecePlan:
+    """:func:`ring_pieces` against ``source``'s block as one :class:`PiecePlan` (flat ``[rows * width]`` rows of
+    the queries and of the block), clipped to ``window``: a chunk wholly outside it is not computed."""
+    key = (source, window)
+    if key not in split._plans:
+        split._plans[key] = PiecePlan(ring_pieces(split, source), width=split.width, window=window)
+    return split._plans[key]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -352,26 +303,29 @@ class _RingAttention(torch.autograd.Function):
     above :func:`ring_pieces`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, split, group, kernel):
+    def forward(ctx, q, k, v, split, group, kernel, window):
         from ..parallel.comm import RingExchange
         cp, r = split.cp, split.rank
-        scale = 1.0 / math.sqrt(q.shape[-1])
+        rows, width, hq, d = q.shape
         hkv = k.shape[2]
-        qf = q.permute(1, 2, 0, 3).float()                                       # [W, hq, rows, d]
-        acc, lse = _accumulators(qf)
+        scale = 1.0 / math.sqrt(d)
+        qf = q.reshape(rows * width, hq, d)
+        acc = torch.zeros(qf.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(qf.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.cat([k, v], dim=2)
         ring = RingExchange(group)
         for step in range(cp):
             if step < cp - 1:
                 ring.start(kv)
-            block = kv.permute(1, 2, 0, 3).float()                                # [W, 2 hkv, rows, d]
-            _attend(qf, block[:, :hkv], block[:, hkv:], ring_pieces(split, (r - step) % cp), kernel, acc, lse,
-                    scale)
+            plan = ring_plan(split, (r - step) % cp, window)
+            if plan.pieces:
+                merge_rows(acc, lse, *kernel.attend(qf, kv[:, :, :hkv].reshape(-1, hkv, d),
+                                                    kv[:, :, hkv:].reshape(-1, hkv, d), plan, scale))
             if step < cp - 1:
                 kv = ring.wait()
-        ctx.split, ctx.group, ctx.scale, ctx.kernel = split, group, scale, kernel
+        ctx.split, ctx.group, ctx.scale, ctx.kernel, ctx.window = split, group, scale, kernel, window
         ctx.save_for_backward(q, k, v, acc, lse)
-        return acc.to(q.dtype).permute(2, 0, 1, 3)
+        return acc.to(q.dtype).view(rows, width, hq, d)
 
     @staticmethod
     def backward(ctx, grad):
@@ -379,37 +333,41 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         split, scale = ctx.split, ctx.scale
         cp, r = split.cp, split.rank
+        rows, width, hq, d = q.shape
         hkv = k.shape[2]
-        qf = q.permute(1, 2, 0, 3).float()
-        g = grad.permute(1, 2, 0, 3).float()
-        dq = torch.zeros_like(qf)
+        qf = q.reshape(rows * width, hq, d)
+        g = grad.reshape(rows * width, hq, d)
+        dq = torch.zeros(qf.shape, dtype=torch.float32, device=q.device)
         kv = torch.cat([k, v], dim=2)
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)     # travels with its block
+        # dK and dV of the block in hand, [2, rows * width, hkv, d] fp32: travels with its block
+        dkv = torch.zeros((2, rows * width, hkv, d), dtype=torch.float32, device=kv.device)
         ring, back = RingExchange(ctx.group), RingExchange(ctx.group)
         for step in range(cp):
             if step < cp - 1:
                 ring.start(kv)
-            block = kv.permute(1, 2, 0, 3).float()
-            dblock = dkv.permute(1, 2, 0, 3)                                      # a view: adds land in dkv
-            _attend_backward(qf, block[:, :hkv], block[:, hkv:], out, lse, g, ring_pieces(split, (r - step) % cp),
-                             ctx.kernel, dq, dblock[:, :hkv], dblock[:, hkv:], scale)
+            plan = ring_plan(split, (r - step) % cp, ctx.window)
+            if plan.pieces:
+                ctx.kernel.attend_backward(qf, kv[:, :, :hkv].reshape(-1, hkv, d),
+                                           kv[:, :, hkv:].reshape(-1, hkv, d), out, lse, g, plan, scale, dq,
+                                           dkv[0], dkv[1])
             back.start(dkv)          # to the next rank; after the last step it reaches the block's owner
             if step < cp - 1:
                 kv = ring.wait()
             dkv = back.wait()
-        dq = dq.to(q.dtype).permute(2, 0, 1, 3)
-        dk, dv = dkv.to(k.dtype).split(hkv, dim=2)
-        return dq, dk, dv, None, None, None
+        dq = dq.to(q.dtype).view(rows, width, hq, d)
+        dk, dv = (t.to(k.dtype).view(rows, width, hkv, d) for t in dkv)
+        return dq, dk, dv, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: ContextSplit, group,
-                   kernel: BlockKernel | None = None) -> torch.Tensor:
+                   kernel: BlockKernel | None = None, *, window: int | None = None) -> torch.Tensor:
     """:func:`cp_attention`'s result by a ring of point-to-point transfers instead of an all-gather: no rank holds
     more than two blocks of keys and values (``2 / cp`` of the sequence's) at a time, and nothing of them is kept
     for the backward; the price is ``cp`` steps (recomputed in the backward) whose transfers overlap the compute.
     ``kernel``: the block kernel (the model's attention backend's, :func:`parallm.model.attention.block_kernel`;
-    default: the one for this device)."""
-    return _RingAttention.apply(q, k, v, split, group, kernel or block_kernel(None, q.device))
+    default: the one for this device); ``window``: the layer's sliding window (a step whose block lies wholly
+    outside it for every chunk computes nothing, its transfer still made: every rank takes the same steps)."""
+    return _RingAttention.apply(q, k, v, split, group, kernel or block_kernel(None, q.device), window)
 
 
 CP_KERNELS = {"allgather": cp_attention, "ring": ring_attention}
