@@ -165,8 +165,10 @@ CASES = [
      dict(tp=2, pp=1, ep=1, nmb=2), {"packed": True, "sequence_parallel": True}, dict(seq=80, logprobs=True)),
     ("qwen3.5 value tp2 dp2 packed", "qwen3_5_text", {}, dict(tp=2, pp=1, ep=1, nmb=1),
      {"task": "value", "packed": True}, {}),
-    ("qwen3-next pp2 uneven [0] [1 2 3] mb2", "qwen3_next", {}, dict(tp=1, pp=2, ep=1, nmb=2),
+    ("qwen3-next tp2 pp2 uneven [0] [1 2 3] mb2", "qwen3_next", {}, dict(tp=2, pp=2, ep=1, nmb=2),
      {"num_layers_in_first_pipeline_stage": 1}, dict(split=[[0], [1, 2, 3]])),
+    ("qwen3.5 pp2 vpp2 dp2 tied mb2", "qwen3_5_text", dict(tie_word_embeddings=True),
+     dict(tp=1, pp=2, vpp=2, ep=1, nmb=2), {}, {}),
     ("qwen3.5-moe tp2 ep2", "qwen3_5_moe_text", {}, dict(tp=2, pp=1, ep=2, nmb=1), {}, {}),
 ]
 
@@ -224,10 +226,11 @@ def rank_cases(rank, world, cases):
     from parallm.parallel.state import current_dims
     out = []
     for case in cases:
-        parallm.init_parallel(tp=case["tp"], pp=case["pp"], ep=case["ep"])
+        parallm.init_parallel(tp=case["tp"], pp=case["pp"], vpp=case.get("vpp"), ep=case["ep"])
         lay = current_dims()
         opts, ids, mask = case["opts"], case["ids"], case["mask"]
         chunks = parallm.build_model(case["ckpt"], **case["build"])
+        assert len(chunks) == (case.get("vpp") or 1)
         if "split" in opts:
             assert [list(c.layer_range) for c in chunks] == [opts["split"][lay.pp_rank]], case["name"]
         assert all(c.gdn_kernel == "torch" for c in chunks)
