@@ -160,6 +160,81 @@ def test_zigzag_balances_causal_work():
         assert len(set(work)) == 1, work
 
 
+def _window_causal_reference(q, k, v, mask, window):
+    """Causal attention over each row's real tokens, within ``window`` keys (None: all): q, k, v [B, S, h, d]."""
+    out = torch.zeros_like(q)
+    for b in range(q.shape[0]):
+        idx = mask[b].nonzero().squeeze(-1)
+        if len(idx):
+            i = torch.arange(len(idx))
+            band = (i[:, None] >= i[None]) & (i[:, None] - i[None] < (window or len(idx) + 1))
+            o = torch.nn.functional.scaled_dot_product_attention(
+                *(t[b, idx].transpose(0, 1)[None] for t in (q, k, v)), attn_mask=band, enable_gqa=True)
+            out[b, idx] = o[0].transpose(0, 1)
+    return out
+
+
+def _kernels_in_cp_rank(rank, world, data):
+    import parallm
+    from parallm.model import attention
+    from parallm.model.context_parallel import CP_KERNELS, split_batch
+    from parallm.parallel.state import current_dims
+    from test_sliding_window import _emulated_flash
+    parallm.init_parallel(cp=world)
+    group = current_dims().cp_group
+    # the CUDA kernel's plumbing, with aten's flash op emulated in fp32 on CPU
+    attention.flash_forward, attention.flash_backward = _emulated_flash()
+    attention.cuda_flash_usable = lambda q: True
+    kernels = {"math": attention.MATH_BLOCK, "cpu-flash": attention.CPU_FLASH_BLOCK,
+               "cuda-emulated": attention.CUDA_BLOCK}
+    ids, pos, mask, q, k, v, go = data
+    out = {}
+    for packed in (False, True):
+        sp = split_batch(ids, pos, mask, cp=world, rank=rank, packed=packed)
+        for name, kernel in kernels.items():
+            for cp_attn in ("allgather", "ring"):
+                for window in (None, 3):
+                    ql, kl, vl = (_local(t, sp).clone().requires_grad_() for t in (q, k, v))
+                    o = CP_KERNELS[cp_attn](ql, kl, vl, sp, group, kernel, window=window)
+                    (o * _local(go, sp)).sum().backward()
+                    mine = sp.origin[rank * sp.slots:(rank + 1) * sp.slots]
+                    out[(packed, name, cp_attn, window)] = (mine, o.detach(), ql.grad, kl.grad, vl.grad)
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_block_kernels_inside_the_cp_autograd():
+    """Each block kernel (the explicit fp32 one, today's GPU fallback; the CPU's fused one; the CUDA kernel with
+    flash emulated) inside the all-gather and the ring autograd at cp2 and cp4, padded and packed, with and
+    without a window: outputs and the gradients of q, k, v (the backward from a log-sum-exp merged over several
+    blocks) equal to plain causal attention's over the whole rows."""
+    ids, pos, mask = _batch()
+    b, s = ids.shape
+    hq, hkv, d = 4, 2, 8
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(b, s, h, d, generator=g) for h in (hq, hkv, hkv))
+    go = torch.randn(b, s, hq, d, generator=g) * mask[..., None, None]
+    refs = {}
+    for window in (None, 3):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = _window_causal_reference(*leaves, mask.bool(), window)
+        (ref * go).sum().backward()
+        refs[window] = [ref.detach().reshape(b * s, hq, d)] + [t.grad.reshape(b * s, -1, d) for t in leaves]
+    problems = []
+    for world in (2, 4):
+        results = helpers.run_ranks(_kernels_in_cp_rank, world, (ids, pos, mask, q, k, v, go), timeout=200)
+        for key in results[0]:
+            worst = 0.0
+            for res in results:
+                mine, *got = res[key]
+                real = mine >= 0
+                for x, want in zip(got, refs[key[3]]):
+                    worst = max(worst, (x.reshape(-1, *want.shape[1:])[real] - want[mine[real]]).abs().max().item())
+            if not worst < 1e-5:
+                problems.append(f"cp{world} packed={key[0]} {key[1]} {key[2]} window={key[3]}: {worst:.2e}")
+    assert not problems, "\n".join(problems)
+
+
 # -- against transformers -------------------------------------------------------------------------------------
 
 def _lp_reference(logits, ids):
@@ -410,12 +485,17 @@ def test_recompute_is_bit_exact_under_cp(vs_cp1):
 
 
 def test_bf16_main_grad_under_cp(vs_cp1):
-    """bf16 parameters at cp2 (with recompute) accumulate fp32 main_grad and give dp4's bf16 loss and norm up to
-    bf16 rounding of the activations (both ~1e-3 relative from the fp32 values)."""
+    """bf16 parameters at cp2 (with recompute) accumulate fp32 main_grad, and their error from the fp32 step is
+    of the size of cp = 1's bf16 error on the same batch and objective (dp4 in bf16): the loss's and the gradient
+    norm's within 4x of it (with a floor of 2^-13 relative, 1/32 of bf16's epsilon, should cp1's error be tiny
+    by cancellation). Measured: loss 2.0e-4 / 1.2e-4, norm 4.0e-4 / 8.3e-4 relative (cp2 / cp1)."""
     a, b, f = vs_cp1["cp2.dp2.bf16"], vs_cp1["dp4.bf16"], vs_cp1["dp4"]
     assert a["grads_fp32"] and b["grads_fp32"]
-    assert abs(a["loss"] - f["loss"]) / f["loss"] < 1e-2 and abs(a["norm"] - f["norm"]) / f["norm"] < 3e-2
-    assert abs(a["loss"] - b["loss"]) / b["loss"] < 1e-2 and abs(a["norm"] - b["norm"]) / b["norm"] < 3e-2
+    for key in ("loss", "norm"):
+        err_cp2 = abs(a[key] - f[key]) / abs(f[key])
+        err_cp1 = abs(b[key] - f[key]) / abs(f[key])
+        print(f"bf16 {key}: cp2 {err_cp2:.2e}, cp1 {err_cp1:.2e} relative to fp32")
+        assert err_cp2 <= 4 * max(err_cp1, 2.0 ** -13), (key, err_cp2, err_cp1)
 
 
 def test_moe_load_balancing_loss_counted_once(vs_cp1):
