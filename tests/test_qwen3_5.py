@@ -151,6 +151,31 @@ def test_spec_and_table_cover_the_checkpoint(model_type, tmp_path):
         spec_from_config(hybrid_config(model_type, layer_types=["sliding_attention", "full_attention"] * 2))
 
 
+def test_inspect_shows_the_hybrid_layers_and_refuses_tp_by_heads(tmp_path, capsys):
+    import json
+
+    from parallm.cli import main
+    ckpt = str(tmp_path / "next")
+    make_model(hybrid_config("qwen3_next"), seed=1).save_pretrained(ckpt)
+
+    def run(*args):
+        try:
+            code = main(["inspect", ckpt, *args])
+        except SystemExit as e:
+            code = e.code
+        out = capsys.readouterr()
+        return code, out.out + out.err
+
+    code, text = run("--tp", "2", "--pp", "2", "--layers-per-stage", "balanced")
+    assert code == 0, text
+    assert "hybrid        Gated DeltaNet layers [0, 2] (2 key heads x 8, 4 value heads x 8, conv 4)" in text
+    assert "ok: every tensor the model needs is present" in text
+    code, text = run("--json")
+    assert code == 0 and json.loads(text)["valid_tp"] == [1, 2] and json.loads(text)["config"]["linear_layers"] == [0, 2]
+    code, text = run("--tp", "4")
+    assert code != 0 and "linear_num_key_heads=2 is not divisible by tp=4" in text
+
+
 # -- distributed: parity, round trip, one step -----------------------------------------------------------------
 
 def long_batch(vocab: int, *, batch: int, seq: int, seed: int):

@@ -214,7 +214,8 @@ def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, ep=Non
                     tied=spec.tie_word_embeddings, qkv_bias=spec.qkv_bias, o_bias=spec.o_bias, mlp_bias=spec.mlp_bias,
                     rope="yarn" if spec.yarn is not None else spec.rope.kind, rope_theta=spec.rope.theta,
                     rms_norm_eps=spec.rms_norm_eps, latent_attention=spec.mla is not None,
-                    mtp_layers=spec.carried_mtp_layers),
+                    mtp_layers=spec.carried_mtp_layers, linear_layers=list(_linear_layers(spec)),
+                    linear_heads=_linear_heads(spec)),
         parameters=sum(dtypes.values()), tensors=len(tensors), dtypes=dtypes, dtype=main,
         dtype_bytes=itemsize.get(main, 4), files=files, problem=ck["problem"], notes=ck["notes"],
         valid_tp=[tp for tp in range(1, spec.num_heads + 1) if _splits(check_tp, spec, tp)],
@@ -239,6 +240,19 @@ def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, ep=Non
                                 stages=rank_params(spec, ck["task"], tp=tp, pp=pp, vpp=vpp, ep=ep, split=split),
                                 split=(list(stage_sizes(L, pp, vpp or 1, **split)) if split else None))
     return report
+
+
+def _linear_layers(spec) -> tuple[int, ...]:
+    """The Gated DeltaNet layers of a hybrid model (Qwen3-Next, Qwen3.5); () otherwise."""
+    return spec.linear_attn.layers if spec.linear_attn is not None else ()
+
+
+def _linear_heads(spec) -> str | None:
+    la = spec.linear_attn
+    if la is None:
+        return None
+    return (f"{la.num_key_heads} key heads x {la.key_head_dim}, {la.num_value_heads} value heads x "
+            f"{la.value_head_dim}, conv {la.conv_kernel}")
 
 
 def _count(n: int) -> str:
@@ -268,6 +282,8 @@ def render(report: dict) -> str:
         f"({c['kv_heads']} kv heads), intermediate {c['intermediate']}, vocab {c['vocab']}",
         f"details       tied embeddings {yes[c['tied']]}; bias qkv {yes[c['qkv_bias']]} / o {yes[c['o_bias']]} / "
         f"mlp {yes[c['mlp_bias']]}; rope {c['rope']} (theta {c['rope_theta']:g}); rms eps {c['rms_norm_eps']:g}",
+        *([f"hybrid        Gated DeltaNet layers {c['linear_layers']} ({c['linear_heads']}); full attention "
+           f"(output-gated) on the other {c['layers'] - len(c['linear_layers'])}"] if c.get("linear_layers") else []),
         f"parameters    {_count(report['parameters'])} ({report['parameters']:,}) in {report['tensors']} tensors",
         "dtype         " + ", ".join(f"{k} ({_count(v)} params)" for k, v in report["dtypes"].items()),
         f"files         {len(report['files'])} safetensors file(s), {_bytes(sum(report['files'].values()))}:",
