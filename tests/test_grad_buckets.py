@@ -1,13 +1,16 @@
 """Gradient buckets (``build_optimizer(overlap_grad_reduce=True)``): the data-parallel reduction bucket by bucket,
-started during the backward once ``expect_microbatches`` announced the step, reduce-scattered under ZeRO, with
+started during the backward (``forward_backward`` announces its microbatches itself), reduce-scattered under ZeRO, with
 the bits of the unbucketed ``finalize_grads`` / ``clip_grad_norm_`` / optimizer step.
 
 Pure tests check the plan (every parameter once, deferred ones last, slices per owner, padding bound, balance).
 One 4-rank spawn then trains the same weights three ways per layout: ``ref`` (no buckets: today's
-``finalize_grads``, an unsharded optimizer), ``overlap`` (buckets, announced) and, for dp > 2, ``late`` (the same
-buckets, not announced: all reduced in ``finalize_grads``); two steps each, pipelines with 4 microbatches, and
-compares gradients after ``finalize_grads``, the clipped norm, the clipped gradients and the weights after each
-step with ``torch.equal``. Every layout also checks that buckets were reduced before ``finalize_grads``.
+``finalize_grads``, an unsharded optimizer), ``overlap`` (buckets; each ``forward_backward`` announces its own
+microbatches, a step of two calls is announced by hand with ``expect_microbatches``) and, for dp > 2, ``late``
+(the same buckets, nothing announced: all reduced in ``finalize_grads``); two steps each, pipelines with 4
+microbatches, and compares gradients after ``finalize_grads``, the clipped norm, the clipped gradients and the
+weights after each step with ``torch.equal``. Every layout also checks that bucket reductions were launched from
+inside the backward (a gradient hook, counted by wrapping each bucket's launch). Errors: too few passes
+announced, and a second call in a step that the first announced alone, refused before they run.
 """
 
 from __future__ import annotations
@@ -106,11 +109,19 @@ def _weights(chunks):
     return {f"{c.vpp_rank}.{n}": p.detach().clone() for c in chunks for n, p in c.named_parameters()}
 
 
+def _counting(launch, counter):
+    def wrapped():
+        if torch._C._current_graph_task_id() >= 0:     # inside a backward pass (a gradient hook launched it)
+            counter[0] += 1
+        return launch()
+    return wrapped
+
+
 def _train(case, kind, dims):
     """Two steps of forward_backward + finalize_grads + clip + AdamW; what each produced, per step."""
     import parallm
     from parallm.train.buckets import grad_buffers_of
-    from parallm.train.grads import announce_step, expect_microbatches
+    from parallm.train.grads import expect_microbatches
     chunks = parallm.build_model(case["ckpt"], dtype=case.get("dtype", torch.float32),
                                  sequence_parallel=case.get("sp", False), packed=case.get("sp", False),
                                  recompute=case.get("recompute"))
@@ -120,22 +131,31 @@ def _train(case, kind, dims):
                                   overlap_grad_reduce=buckets, bucket_bytes=case["bucket_bytes"])
     buffers = grad_buffers_of(chunks)
     m = case["microbatches"]
+    launched_in_backward = [0]
+    if buffers is not None:     # count the bucket reductions started from inside autograd's backward
+        for bs in buffers.buckets:
+            for b in bs:
+                b.launch = _counting(b.launch, launched_in_backward)
     steps = []
     for step in range(2):
         ids, mask = _batch(chunks[0].spec.vocab_size, step)
         per = ids.shape[0] // dims.dp
         mine = slice(dims.dp_rank * per, (dims.dp_rank + 1) * per)
         calls = case.get("calls", 1)     # gradient accumulation over several forward_backward calls
-        if kind == "overlap":
-            expect_microbatches(chunks, case.get("announce", m * calls))
+        # one call announces its own microbatches (forward_backward); several calls of one step announce their
+        # total by hand first; "late" runs the same buckets with nothing reduced before finalize_grads
+        total = case.get("announce", m * calls)
+        if kind == "overlap" and total is not None and (calls > 1 or "announce" in case):
+            expect_microbatches(chunks, total)
+        if kind == "late":
+            buffers.accumulated = True     # as after an unannounced backward: forward_backward announces nothing
         rows = per // calls
         for c in range(calls):
             part = slice(mine.start + c * rows, mine.start + (c + 1) * rows)
-            if kind == "overlap":
-                announce_step(chunks, m)       # what forward_backward would call: leaves the announcement alone
             parallm.forward_backward(chunks, ids[part], mask[part], num_microbatches=m, output=case.get("output"),
                                      loss_fn=nll_sum if case.get("output") else ce_loss)
-        early = 0 if buffers is None else sum(b.work is not None for bs in buffers.buckets for b in bs)  # launched
+        early = launched_in_backward[0]
+        launched_in_backward[0] = 0
         parallm.finalize_grads(chunks)
         grads = _grads(chunks)
         held = {f"{c.vpp_rank}.{n}": buffers is None or buffers.holds(p) for c in chunks
@@ -162,8 +182,8 @@ def _rank(rank, world, cases):
         for kind in case["kinds"]:
             try:
                 runs[kind] = _train(case, kind, dims)
-            except RuntimeError as e:
-                runs[kind] = str(e)
+            except (RuntimeError, ValueError) as e:
+                runs[kind] = f"{type(e).__name__}: {e}"
         out.append(dict(name=case["name"], dp=dims.dp, runs=runs))
         parallm.destroy_parallel()
     return out
@@ -202,6 +222,10 @@ def test_bucketed_overlapped_reduction_has_the_bits_of_finalize_grads(tmp_path):
         # one microbatch too few announced: an error on every rank, not a gradient reduced too early
         dict(name="announced too few", ckpt=ckpts["llama"], microbatches=2, announce=1, shard=False,
              bucket_bytes=small, kinds=("overlap",)),
+        # two calls in one step, the first announcing only itself (forward_backward's own announcement): the
+        # second is refused with the way to announce the total
+        dict(name="two calls, one announced", ckpt=ckpts["llama"], microbatches=1, announce=None, calls=2,
+             shard=False, bucket_bytes=small, kinds=("overlap",)),
     ]
     res = helpers.run_ranks(_rank, 4, cases)
     for rank, per_rank in enumerate(res):
@@ -209,6 +233,10 @@ def test_bucketed_overlapped_reduction_has_the_bits_of_finalize_grads(tmp_path):
             runs = r["runs"]
             if case["name"] == "announced too few":
                 assert isinstance(runs["overlap"], str) and "more backward passes" in runs["overlap"], runs
+                assert runs["overlap"].startswith("ValueError"), runs     # refused before the backward ran
+                continue
+            if case["name"] == "two calls, one announced":
+                assert isinstance(runs["overlap"], str) and "expect_microbatches(chunks, total)" in runs["overlap"]
                 continue
             ref, new = runs["ref"], runs["overlap"]
             assert not isinstance(new, str), new

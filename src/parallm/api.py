@@ -18,6 +18,7 @@ from .model.moe import AuxScales
 from .model.params import attach_main_grad_hooks
 from .parallel.pipeline import broadcast_from_last_stage, run_pipeline
 from .parallel.state import as_chunks, current_dims, dims_of, kv_replica_group, require_initialized
+from .train.grads import announce_step
 
 
 logger = logging.getLogger("parallm")
@@ -289,7 +290,7 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output
         b = batch[0].shape[0]
         m = num_microbatches if num_microbatches is not None else default_forward_microbatches(
             b, layout.pp, batch[0].numel(), batch[0].device)
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1 or m > max(b, 1):
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1 or (b and m > b):
             raise ValueError(f"num_microbatches={num_microbatches!r} must be a whole number from 1 to the batch "
                              f"size {b}")
         return batch, request, m, _cp_fingerprint(layout, batch, m, request)
@@ -317,12 +318,11 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output
 
 def _microbatches(chunks, input_ids, position_ids, attention_mask, m: int) -> list[tuple]:
     """The batch as ``m`` microbatches along dim 0 (sizes differing by at most one, the larger first; equal when
-    ``m`` divides the batch): ``(input_ids, position_ids, attention_mask)``, with this rank's context-parallel
+    ``m`` divides the batch; an empty batch gives ``m`` empty ones, so that every data-parallel replica runs the
+    same schedule): ``(input_ids, position_ids, attention_mask)``, with this rank's context-parallel
     split of each as a fourth element under context parallelism (computed once per microbatch here; it travels
     through the pipeline with its microbatch)."""
-    b = input_ids.shape[0]
-    mbs = list(zip(*(t.tensor_split(m) for t in (input_ids, position_ids, attention_mask)))) if b else \
-        [(input_ids, position_ids, attention_mask)]
+    mbs = list(zip(*(t.tensor_split(m) for t in (input_ids, position_ids, attention_mask))))
     if chunks[0].dims.cp > 1:
         mbs = [mb + (chunks[0].context_split(*mb),) for mb in mbs]
     return mbs
@@ -419,6 +419,17 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     virtual stages) at ``pp > 1`` (docs/pipeline.md). Each data-parallel replica passes its own batch. Returns
     that mean, averaged over data-parallel replicas (the global loss), on every rank.
 
+    An empty local batch (0 rows; ``num_microbatches`` then need not divide anything) runs ``num_microbatches``
+    empty microbatches, the schedule of its peers (the same messages, all-to-alls and gradient-bucket
+    collectives): ``loss_fn`` is not called on them and they back-propagate zero. With a token-mean ``loss_fn``
+    they add nothing (the step equals the one without that replica's data); with a scalar one, whose mean an
+    empty microbatch does not have, any empty microbatch is a ValueError on every rank after the backward.
+
+    With gradient buckets (``build_optimizer(overlap_grad_reduce=True)``) the call announces its microbatches
+    (:func:`parallm.train.grads.announce_step`), so each bucket's reduction starts during the backward once its
+    last gradient is in; to accumulate one step over several calls, announce their total first with
+    :func:`parallm.train.grads.expect_microbatches`.
+
     Mixture-of-experts models whose config sets ``output_router_logits=True``: write ``aux_m`` for microbatch
     m's load-balancing loss, the sum over MoE layers of the layer's loss on m's real tokens (each as
     transformers' ``load_balancing_loss_func`` computes it for that layer alone; layers summed as Megatron does,
@@ -470,23 +481,25 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     if layout.ep > 1 and chunks[0].spec.moe is not None:
         _same_microbatches(num_microbatches, layout)
     mbs = _microbatches(chunks, input_ids, position_ids, attention_mask, num_microbatches)
-    records = {}    # microbatch -> (loss or loss_sum, num_tokens or None), on last-stage ranks
+    records = {}    # microbatch -> (loss or loss_sum, kind: "pair" | "scalar" | "empty", num_tokens), last stage
     failure = []    # loss_fn's first exception on this rank: raised on every rank once the schedule is over
 
     def last_stage(chunk, out, m):
         ids, mask = mbs[m][0], mbs[m][2]
         result = gather_output(chunk, out, temperature, request)
-        if not failure:
+        kind, tokens = "empty", 0.0
+        if not failure and ids.shape[0]:
             try:
                 value, tokens = _loss_parts(loss_fn(result, ids, mask))
+                kind = "scalar" if tokens is None else "pair"
             except Exception as e:  # noqa: BLE001 - agreed on by every rank after the schedule
                 failure.append(e)
-        if failure:     # this rank keeps its place in the schedule: the same messages, zero gradients
-            value, tokens = _zero_loss(result), None
-        records[m] = (value.detach().float(), tokens)
+        if failure or kind == "empty":   # the same messages and collectives as the peers, zero gradients
+            value, kind, tokens = _zero_loss(result), "empty" if not failure else "scalar", 0.0
+        records[m] = (value.detach().float(), kind, tokens or 0.0)
         if scales is not None:      # the weight of m's load-balancing loss in the backward (AuxScales)
-            scales.tokens[m] = -1.0 if tokens is None else tokens
-        return value / num_microbatches if tokens is None else value    # what is back-propagated
+            scales.tokens[m] = -1.0 if kind == "scalar" else tokens
+        return value / num_microbatches if kind == "scalar" else value    # what is back-propagated
 
     moe = chunks[0].spec.moe
     coef = moe.aux_loss_coef if moe is not None else 0.0
@@ -498,6 +511,7 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
 
         def on_step(kind, m, v):
             chunks[v].moe_aux.microbatch = m
+    announce_step(chunks, len(mbs))
     try:
         run_pipeline(chunks, mbs, last_stage_fn=last_stage, backward=True, compute_kwargs={
             "stats": request, "rope_length": chunks[0].rope_length(position_ids, attention_mask)},
@@ -506,42 +520,43 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
         aux_values = [v for chunk in chunks for v in chunk.moe_aux.stop()]
     agree(failure[0] if failure else None, what="forward_backward")
     device = input_ids.device
-    # [microbatches returning a pair, sum of the values, sum of the token counts, each microbatch's count (-1:
-    # a scalar loss)], from the last stage
+    # from the last stage: [microbatches returning a pair, returning a scalar, empty, sum of the values, sum of
+    # the token counts, each microbatch's count (-1: a scalar loss)]
     mine = None
     if records:
-        values = [v for v, _ in records.values()]
-        tokens = [float(t) for _, t in records.values() if t is not None]
-        counts = [-1.0 if records[m][1] is None else float(records[m][1]) for m in range(num_microbatches)]
-        mine = torch.tensor([len(tokens), torch.stack(values).sum().item(), sum(tokens)] + counts,
-                            dtype=torch.float64)
-    stats = broadcast_from_last_stage(layout, mine, (3 + num_microbatches,), torch.float64, device).cpu()
-    pairs = int(stats[0])
-    if 0 < pairs < num_microbatches:
-        raise ValueError(f"forward_backward: loss_fn returned (loss_sum, num_tokens) for {pairs} of "
-                         f"{num_microbatches} microbatches and a scalar for the others; return one kind")
-    aux = torch.zeros((), dtype=torch.float64)
+        kinds = [records[m][1] for m in range(num_microbatches)]
+        counts = [-1.0 if records[m][1] == "scalar" else records[m][2] for m in range(num_microbatches)]
+        mine = torch.tensor([kinds.count("pair"), kinds.count("scalar"), kinds.count("empty"),
+                             torch.stack([v for v, _, _ in records.values()]).sum().item(),
+                             sum(max(c, 0.0) for c in counts)] + counts, dtype=torch.float64)
+    stats = broadcast_from_last_stage(layout, mine, (5 + num_microbatches,), torch.float64, device).cpu()
     if coef:    # what the backward weighted each microbatch's load-balancing loss with (AuxScales)
         per = _load_balancing_per_microbatch(chunks, aux_values, layout, device, num_microbatches)
-        aux = coef * (per.sum() / num_microbatches if pairs == 0 else (per * stats[3:]).sum())
-    if pairs == 0:        # the mean over microbatches (and over data-parallel replicas)
-        if _pending_tokens(chunks) is not None:
-            raise ValueError("forward_backward: a scalar loss_fn after a (loss_sum, num_tokens) one before "
-                             "finalize_grads; the gradients of one step come from one kind")
-        mean = stats[1] / num_microbatches + aux
-        if layout.dp > 1:
-            mean = mean.to(device)
-            torch.distributed.all_reduce(mean, group=layout.dp_group)
-            mean = mean.cpu() / layout.dp
-        return mean.float().to(device)
-    # token-mean: sum(loss_sum) / sum(num_tokens) over microbatches and data-parallel replicas
-    total = torch.stack([stats[1] + aux, stats[2]])
-    if layout.dp > 1:
+        stats[3] += coef * (per.sum() if stats[1] else (per * stats[5:].clamp(min=0.0)).sum())
+    total = stats[:5]
+    if layout.dp > 1:      # one all-reduce: the kinds' counts, the values and the tokens of every replica
         total = total.to(device)
         torch.distributed.all_reduce(total, group=layout.dp_group)
         total = total.cpu()
-    _add_pending_tokens(chunks, float(total[1]))
-    return (total[0] / max(float(total[1]), 1.0)).float().to(device)
+    pairs, scalars, empty = (int(x) for x in total[:3])
+    # the same numbers on every rank from here: the errors below are raised everywhere
+    if pairs and scalars:
+        raise ValueError(f"forward_backward: loss_fn returned (loss_sum, num_tokens) for {pairs} and a scalar for "
+                         f"{scalars} of the {pairs + scalars + empty} microbatches (all data-parallel replicas); "
+                         "return one kind")
+    if scalars and empty:
+        raise ValueError(f"forward_backward: {empty} of the {layout.dp} x {num_microbatches} microbatches "
+                         "(data-parallel replicas x microbatches) hold no rows, and loss_fn returns a scalar, a "
+                         "mean per microbatch, which an empty one does not have; return (loss_sum, num_tokens) "
+                         "(a token mean, to which empty microbatches add nothing)")
+    if not pairs:        # the mean over microbatches (and over data-parallel replicas)
+        if _pending_tokens(chunks) is not None:
+            raise ValueError("forward_backward: a scalar loss_fn after a (loss_sum, num_tokens) one before "
+                             "finalize_grads; the gradients of one step come from one kind")
+        return (total[3] / (num_microbatches * layout.dp)).float().to(device)
+    # token-mean: sum(loss_sum) / sum(num_tokens) over microbatches and data-parallel replicas
+    _add_pending_tokens(chunks, float(total[4]))
+    return (total[3] / max(float(total[4]), 1.0)).float().to(device)
 
 
 def _zero_loss(result) -> torch.Tensor:

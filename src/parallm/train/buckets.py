@@ -288,6 +288,7 @@ class GradBuffers:
         self.where: dict[int, tuple[_Bucket, int]] = {}
         self.handles = []
         self.expected: int | None = None
+        self.claimed = 0            # backward passes forward_backward calls have run (or are running) this step
         self.accumulated = False
         previous = getattr(chunks[0], "_parallm_grad_buffers", None)
         if previous is not None:
@@ -381,6 +382,7 @@ class GradBuffers:
                 b.reset()
         self.next = [0] * len(self.domains)
         self.expected = None
+        self.claimed = 0
         self.accumulated = False
 
     def manages(self, p) -> bool:

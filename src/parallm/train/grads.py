@@ -143,13 +143,28 @@ def expect_microbatches(chunks, num_microbatches: int) -> None:
 
 
 def announce_step(chunks, num_microbatches: int) -> None:
-    """What ``forward_backward`` should call before its pipeline runs (one line there): announce its
-    ``num_microbatches`` backward passes (:func:`expect_microbatches`) unless this step was announced already
-    (a user accumulating over several calls announces their total first) or has accumulated gradients without
-    an announcement (nothing then starts before ``finalize_grads``). Does nothing without gradient buckets."""
+    """What ``forward_backward`` calls before its pipeline runs: a call of ``num_microbatches`` backward passes.
+    Announces them (:func:`expect_microbatches`) when the step has no announcement yet, so each bucket's
+    reduction starts during this call's backward; leaves a user's announcement (the total of several calls) in
+    place; after gradients accumulated without an announcement (nothing then starts before ``finalize_grads``)
+    it does nothing. A call whose passes would exceed the announced count is a ValueError before it runs (the
+    same on every rank: every rank ran the same calls), not a gradient accumulated into a bucket already being
+    reduced. Does nothing without gradient buckets."""
     buffers = grad_buffers_of(as_chunks(chunks))
-    if buffers is not None and buffers.expected is None and not buffers.accumulated:
+    if buffers is None:
+        return
+    if buffers.expected is None:
+        if buffers.accumulated:
+            return
         buffers.expect(num_microbatches)
+    if buffers.claimed + num_microbatches > buffers.expected:
+        raise ValueError(
+            f"forward_backward: {num_microbatches} more backward passes than the step's announced "
+            f"{buffers.expected} allow ({buffers.claimed} already run): with gradient buckets "
+            "(overlap_grad_reduce=True) each call's buckets are reduced during its backward; to accumulate one "
+            "step over several calls, call parallm.train.grads.expect_microbatches(chunks, total) before the "
+            "first, else call finalize_grads (or zero_grad) between steps")
+    buffers.claimed += num_microbatches
 
 
 # -- gradient clipping ----------------------------------------------------------------------------------------
