@@ -24,7 +24,13 @@ One GRPO step:
 4. ``--updates`` PPO-clip updates over minibatches of the rollouts: ``forward_backward(output="logprobs+entropy")``
    with a token-mean loss (``loss_fn`` returns ``(loss_sum, num_tokens)``: the sum over the answer tokens of the
    batch over their number), ``finalize_grads``, ``clip_grad_norm_``, parallm's AdamW;
-5. ``push_weights`` into the engine.
+5. ``push_weights`` into the engine(s).
+
+``--engines serve`` (with vLLM): instead of one engine in rank 0's process, rank 0 starts two ``vllm serve``
+engines in processes of their own, one with 2 tensor-parallel workers and one with 1 (``pv.serve``), splits
+every step's rollouts between them (data-parallel rollout replicas), and pushes into both at once through vLLM's
+weight-transfer API and parallm's ``--backend`` (``pv.connect`` + ``pv.push_weights``); the servers are stopped
+at the end.
 
 Logged per step (a progress bar on rank 0; one JSON line per step with ``--jsonl``): mean reward, entropy (of the
 policy on its rollouts), clip fraction (answer tokens where the clipped term was the one taken, in the updates
@@ -65,6 +71,12 @@ def parse(argv=None):
     ap.add_argument("--entropy-coef", type=float, default=0.0)
     ap.add_argument("--rollout", choices=["auto", "vllm", "transformers"], default="auto",
                     help="auto: vLLM when it is installed, else transformers")
+    ap.add_argument("--engines", choices=["inprocess", "serve"], default="inprocess",
+                    help="vLLM rollouts: inprocess (one engine in rank 0's process, pushes in-process) or serve "
+                         "(two `vllm serve` engines in processes of their own, TP 2 and TP 1, the rollouts split "
+                         "between them, pushes through vLLM's weight-transfer API)")
+    ap.add_argument("--backend", choices=["parallm_shm", "parallm_gloo"], default="parallm_shm",
+                    help="with --engines serve: parallm's weight-transfer backend")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None, help="where the initial checkpoint goes (default: a temporary dir)")
     ap.add_argument("--jsonl", default=None, help="write one JSON line per step to this file (rank 0)")
@@ -96,6 +108,16 @@ def reward(prompts: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
 
 
 # -- the model --------------------------------------------------------------------------------------------------
+
+def write_tokenizer(path: str) -> None:
+    """A word-level tokenizer ``t<id>`` -> id: a ``vllm serve`` server detokenizes what it returns."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0"}, f)
+
 
 def make_checkpoint(path: str, digits: int, seed: int) -> None:
     import transformers
@@ -178,6 +200,61 @@ class VLLMRollout:
 
     def push(self, chunks) -> dict:
         return self.pv.push_weights(chunks, self.llm, rank=0)
+
+
+class ServeRollout:
+    """Two ``vllm serve`` engines in processes of their own (TP 2 and TP 1, started by rank 0), each sampling
+    half of the rollouts over HTTP; pushes through vLLM's weight-transfer API (``connect`` + ``push_weights``)."""
+    name = "vllm-serve"
+
+    def __init__(self, ckpt: str, max_len: int, seed: int, backend: str = "parallm_shm"):
+        import concurrent.futures
+
+        from parallm.integrations import vllm as pv
+        self.pv, self.ckpt, self.servers = pv, ckpt, []
+        self.pool = concurrent.futures.ThreadPoolExecutor(16)
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
+               "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
+
+        def start():
+            write_tokenizer(ckpt)
+            for tp in (2, 1):
+                self.servers.append(pv.serve(ckpt, tensor_parallel_size=tp, max_model_len=max_len,
+                                             kv_cache_memory_bytes=64 << 20, env=env, timeout=600))
+            return [s.url for s in self.servers]
+        try:
+            self.urls = on_rank0(start)
+            self.conn = pv.connect(self.urls, backend=backend)
+        except BaseException:
+            self.close()
+            raise
+
+    def _one(self, url, prompt, n, temperature, seed):
+        import urllib.request
+        body = {"model": self.ckpt, "prompt": prompt, "max_tokens": n, "temperature": temperature, "seed": seed,
+                "logprobs": 0, "ignore_eos": True, "return_tokens_as_token_ids": True}
+        req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as res:
+            lp = json.loads(res.read())["choices"][0]["logprobs"]
+        return [int(t.split(":")[1]) for t in lp["tokens"]], lp["token_logprobs"]
+
+    def sample(self, prompts, *, n: int, temperature: float, seed: int):
+        """Rank 0: row i to engine i % 2, one request per row (its own seed), all at once."""
+        futures = [self.pool.submit(self._one, self.urls[i % len(self.urls)], p.tolist(), n, temperature,
+                                    seed * 65537 + i) for i, p in enumerate(prompts)]
+        rows = [f.result() for f in futures]
+        return torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
+
+    def push(self, chunks) -> dict:
+        return self.pv.push_weights(chunks, self.conn)
+
+    def close(self) -> None:
+        if getattr(self, "conn", None) is not None:
+            self.conn.close()
+        for s in self.servers:
+            s.stop()
+        self.pool.shutdown(wait=False)
 
 
 class TransformersRollout:
@@ -268,7 +345,6 @@ def pick_rollout(choice: str):
 
 def main(args) -> list[dict]:
     import parallm
-    from tqdm.auto import tqdm
     t_start = time.perf_counter()
     parallm.init_parallel(tp=int(os.environ.get("WORLD_SIZE", "1")))
     rank = dist.get_rank()
@@ -287,7 +363,22 @@ def main(args) -> list[dict]:
     warm_loss = warmup(chunks, parallm.build_optimizer(chunks, lr=args.warmup_lr), args, g)
     opt = parallm.build_optimizer(chunks, lr=args.lr)
 
-    rollout = pick_rollout(args.rollout)(ckpt, start + n, args.seed)
+    cls = pick_rollout(args.rollout)
+    if cls is VLLMRollout and args.engines == "serve":
+        rollout = ServeRollout(ckpt, start + n, args.seed, backend=args.backend)
+    else:
+        rollout = cls(ckpt, start + n, args.seed)
+    try:
+        return run(chunks, opt, rollout, args, g, warm_loss, t_start, made, rank)
+    finally:
+        if hasattr(rollout, "close"):
+            rollout.close()
+
+
+def run(chunks, opt, rollout, args, g, warm_loss, t_start, made, rank) -> list[dict]:
+    import parallm
+    from tqdm.auto import tqdm
+    n, start = args.digits, args.digits + 2
     rollout.push(chunks)                             # the engine started from the initial checkpoint
     eval_prompts = make_prompts(256, args.task, n, torch.Generator().manual_seed(10 ** 6 + args.seed))
     acc_before = greedy_accuracy(rollout, eval_prompts, n)

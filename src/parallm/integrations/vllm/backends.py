@@ -27,7 +27,10 @@ repack after the reload, and a tied model's ``lm_head.weight`` loaded from the e
 
 Besides the transport, ``init_weight_transfer_engine({"verify": {...}})`` checks what a push will bring (names,
 shapes, dtype) against the worker's model, read through parallm's table, and raises naming every difference:
-the trainer calls it before ``start_weight_update``, so a mismatch leaves the engine untouched.
+the trainer calls it before ``start_weight_update``, so a mismatch leaves the engine untouched (raised by the
+engine's last worker only, see ``_verify``). Any other failure inside a worker (a transport that cannot be
+opened, an update that fails) leaves an engine with more than one worker unusable in vLLM 0.32 (stale replies of
+the other workers): the trainer reports such an engine as needing a restart.
 
 The wire (JSON over vLLM's HTTP routes or ``collective_rpc``):
 
@@ -193,7 +196,12 @@ class _EngineMethods:
         self.transport = init_info.transport
 
     def _verify(self, verify: dict) -> None:
-        """What the push brings against this worker's model: names, shapes, dtype (the engine's)."""
+        """What the push brings against this worker's model: names, shapes, dtype (the engine's). Every worker
+        finds the same differences; only the engine's last worker raises them. vLLM 0.32's multiprocessing
+        executor reads its workers' replies in rank order and raises at the first failure, leaving the later
+        workers' replies queued, where the engine's next call reads them (a stale reply: the engine is then
+        unusable); a failure of the last worker alone leaves nothing behind, so a mismatch changes nothing in
+        the engine."""
         engine, tied = engine_tensors(self.model_config.hf_config, what=self.name)
         pushed = dict(zip(verify["names"], (tuple(s) for s in verify["shapes"])))
         if tied:
@@ -205,7 +213,7 @@ class _EngineMethods:
         problem = mismatch(pushed, engine)
         if problem:
             problems.append(problem)
-        if problems:
+        if problems and self.parallel_config.rank == self.parallel_config.world_size - 1:
             raise ValueError(f"{self.name}: the engine's model does not match the trainer's: {'; '.join(problems)}")
 
     # -- one update ------------------------------------------------------------------------------------------

@@ -49,8 +49,9 @@ class _Fanout:
         self.slot_bytes = slot_bytes
         if gloo:
             self.buffers = [torch.empty(slot_bytes, dtype=torch.uint8) for _ in range(2)]
-        else:
-            self.buffers = [conn.shm[k * slot_bytes:(k + 1) * slot_bytes] for k in range(2)]
+        else:           # the file's slots may be larger than this push's (an earlier push's): the engines'
+            stride = conn.slot_bytes        # slot k starts at k x the announced slot size
+            self.buffers = [conn.shm[k * stride:k * stride + slot_bytes] for k in range(2)]
         self.slot, self.offset, self.entries = 0, 0, []
         self.pending = [None, None]         # per slot: ({engine: future}, {engine: gloo work})
         self.sent = {i: 0 for i in engines}
