@@ -39,7 +39,15 @@ build, kept as ``layer.kernel``):
     fla     flash-linear-attention's ``chunk_gated_delta_rule`` and ``causal_conv1d`` with ``cu_seqlens`` (packed
             streams; padded batches by the torch kernel); needs the ``fla`` package and CUDA.
 
-Context parallelism is not supported for these layers yet (a clear error at build).
+Context parallelism (cp > 1, :mod:`parallm.model.context_parallel`): a rank holds two zigzag chunks of every
+sequence, and the recurrence needs each sequence whole and in order. The layer therefore goes head-parallel over
+the CP group, as Megatron does for this layer: after ``in_proj`` one all-to-all sends each CP rank every rank's
+tokens for its ``1 / cp`` share of this TP rank's key and value heads (q, k, v, b, a); the rank puts them in
+sequence order (the split's ``order``), runs the conv and the recurrence on whole sequences (padded rows:
+compacted, real tokens first; packed: every document from a zero state), and a second all-to-all brings each
+token's outputs of every head back to the rank that holds it (gated norm and ``out_proj`` stay local). The
+backward of each all-to-all is the reverse one. Needs the key and value heads per TP rank divisible by cp (a
+clear error with the numbers).
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ from torch import nn
 from ..parallel.megatron_import import import_megatron
 from ..parallel.state import as_device
 from .attention import Packing
+from .context_parallel import ContextSplit
 from .mlp import no_init
 
 mtp = import_megatron().tensor_parallel
@@ -284,16 +293,50 @@ class HybridContext:
         return self.keep if linear else self.attention
 
 
+class _AllToAll(torch.autograd.Function):
+    """``[n, ...]`` blocks: block j goes to rank j of ``group`` and block j received comes from rank j (``n`` the
+    group's size); the backward is the same exchange of the gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)     # contiguous (empty_like keeps strides)
+        torch.distributed.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+        torch.distributed.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+def check_cp_heads(spec, tp: int, cp: int) -> None:
+    """Raise ValueError when a TP rank's Gated DeltaNet heads do not split over ``cp`` ranks."""
+    la = spec.linear_attn
+    bad = [f"{name}={n} / tp={tp} = {n // tp}" for name, n in (("linear_num_key_heads", la.num_key_heads),
+                                                                ("linear_num_value_heads", la.num_value_heads))
+           if (n // tp) % cp]
+    if bad:
+        raise ValueError(f"{spec.architecture} cannot run its Gated DeltaNet layers with tp={tp} x cp={cp}: they "
+                         f"split each TP rank's heads over the CP ranks, and {'; '.join(bad)} is not divisible "
+                         f"by cp={cp} (key and value heads must be multiples of tp x cp)")
+
+
 class GatedDeltaNet(nn.Module):
     """One Gated DeltaNet layer on this TP rank (module doc). ``forward(x, cos, sin, ctx)`` as attention's (RoPE
-    unused): ``ctx`` a :class:`Packing` (packed), a bool ``[B, S]`` real-token mask or None (padded)."""
+    unused): ``ctx`` a :class:`Packing` (packed), a bool ``[B, S]`` real-token mask or None (padded), or a
+    :class:`ContextSplit` (context parallelism, either layout; ``cp_group`` given)."""
 
     def __init__(self, spec, config, tp: int, device=None, *, kernel: GDNKernel, cp_group=None):
         super().__init__()
         la = spec.linear_attn
-        if cp_group is not None:
-            raise ValueError(f"{spec.architecture}: context parallelism is not supported for Gated DeltaNet "
-                             f"(linear attention) layers yet (layers {list(la.layers)[:8]}); run with cp=1")
+        self.cp_group = cp_group
+        self.cp = torch.distributed.get_world_size(cp_group) if cp_group is not None else 1
+        if self.cp > 1:
+            check_cp_heads(spec, tp, self.cp)
         self.kernel = kernel
         self.interleaved = la.interleaved
         self.nk, self.nv = la.num_key_heads // tp, la.num_value_heads // tp
@@ -324,8 +367,55 @@ class GatedDeltaNet(nn.Module):
         b, a = ba.reshape(lead + (self.nk, 2 * per)).split([per, per], dim=-1)
         return tuple(t.reshape(lead + (-1,)) for t in (q, k, v, z, b, a))
 
+    def _context_parallel(self, q, k, v, b, a, split: ContextSplit):
+        """The conv and the recurrence under context parallelism (module doc): this rank's slots ``[rows, width,
+        ...]`` of every local head in (``b`` / ``a`` as projected), ``[rows, width, nv, dv]`` (fp32) out."""
+        cp, rows, width = self.cp, split.rows, split.width
+        nkc, nvc, dk, dv = self.nk // cp, self.nv // cp, self.dk, self.dv
+        parts = (q.reshape(rows, width, cp, nkc * dk), k.reshape(rows, width, cp, nkc * dk),
+                 v.reshape(rows, width, cp, nvc * dv), b.reshape(rows, width, cp, nvc), a.reshape(rows, width, cp, nvc))
+        sizes = [t.shape[-1] for t in parts]
+        send = torch.cat(parts, dim=-1).permute(2, 0, 1, 3)                  # [cp (head group), rows, width, F]
+        got = _AllToAll.apply(send, self.cp_group)                            # [cp (source rank), rows, width, F]
+        seq = got.reshape(cp * rows, width, -1).index_select(0, split.order)  # [G, width, F] in sequence order
+        q, k, v, b, a = seq.split(sizes, dim=-1)
+        g = torch.distributed.get_rank(self.cp_group)
+        heads = slice(g * nvc, (g + 1) * nvc)                                 # this rank's value heads
+        beta = b.sigmoid()
+        decay = -self.A_log[heads].float().exp() * F.softplus(a.float() + self.dt_bias[heads])
+        key, w = self.nk * dk, self.conv1d.weight
+        weight = torch.cat([w[g * nkc * dk:(g + 1) * nkc * dk], w[key + g * nkc * dk:key + (g + 1) * nkc * dk],
+                            w[2 * key + g * nvc * dv:2 * key + (g + 1) * nvc * dv]], dim=0)
+        qkv = torch.cat([q, k, v], dim=-1)
+        n = seq.shape[0]
+        if split.packed:     # the documents in turn, each 2 cp c_d rows (real tokens first)
+            lengths = torch.tensor([2 * cp * c for _, c in split.segments], dtype=torch.long, device=seq.device)
+            cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+            qkv = self.kernel.conv(qkv[:, 0], weight, cu)
+            q, k, v = qkv.split([nkc * dk, nkc * dk, nvc * dv], dim=-1)
+            out = self.kernel.rule(q.reshape(n, nkc, dk), k.reshape(n, nkc, dk), v.reshape(n, nvc, dv),
+                                   decay[:, 0].float(), beta[:, 0], cu)[:, None]
+        else:                # [P, B]: every row compacted, real tokens first
+            qkv = causal_conv_padded(qkv.permute(1, 2, 0), weight).permute(2, 0, 1)
+            q, k, v = qkv.split([nkc * dk, nkc * dk, nvc * dv], dim=-1)
+            rows4 = (t.reshape(n, width, h, d).transpose(0, 1) for t, h, d in ((q, nkc, dk), (k, nkc, dk),
+                                                                               (v, nvc, dv)))
+            out = chunk_gated_delta_rule(*rows4, decay.float().transpose(0, 1), beta.transpose(0, 1)).transpose(0, 1)
+        back = out.new_zeros((cp * rows, width) + tuple(out.shape[2:]))
+        back = back.index_copy(0, split.order, out)                           # rank-major slots
+        back = _AllToAll.apply(back.reshape(cp, rows, width, nvc * dv), self.cp_group)   # [cp (head group), ...]
+        return back.permute(1, 2, 0, 3).reshape(rows, width, self.nv, dv)
+
     def forward(self, x, cos=None, sin=None, ctx=None):
         packed = isinstance(ctx, Packing)
+        if isinstance(ctx, ContextSplit):
+            proj, _ = self.in_proj(x)
+            s, b = proj.shape[:2]
+            q, k, v, z, beta, a = self._split(proj)
+            out = self._context_parallel(q, k, v, beta, a, ctx)
+            out = self.norm(out.to(v.dtype), z.reshape(s, b, self.nv, self.dv))
+            out, _ = self.out_proj(out.reshape(s, b, self.nv * self.dv))
+            return out
         if ctx is not None and not packed:           # padded: zero the padding (transformers does the same)
             x = x * ctx.transpose(0, 1).unsqueeze(-1).to(x.dtype)
         proj, _ = self.in_proj(x)                    # [S, B, in_local] ([T, 1, ...] under sequence parallelism)
