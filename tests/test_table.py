@@ -139,6 +139,8 @@ def test_family_tables_are_well_formed():
                 assert len(row.hf) == 3
             elif row.kind == "gate_up":
                 assert len(row.hf) == 2
+            elif row.kind == "gdn_in":     # Qwen3.5's in_proj_qkv / _z / _b / _a, Qwen3-Next's _qkvz / _ba
+                assert len(row.hf) in (4, 2)
             else:
                 assert len(row.hf) == 1
     assert {"llama", "qwen2"} <= set(FAMILIES)

@@ -508,7 +508,8 @@ KINDS = {
     "row": lambda spec, padded_vocab: Split(1),
     "vocab": lambda spec, padded_vocab: VocabSplit(spec.vocab_size, padded_vocab),
     "qkv": lambda spec, padded_vocab: QKVSplit(spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                                               spec.q_proj_size // spec.num_heads),
+                                               spec.head_dim * (2 if getattr(spec, "attn_output_gate", False)
+                                                                else 1)),
     "gate_up": lambda spec, padded_vocab: GateUpSplit(),
     # Gated DeltaNet: the conv's [q; k; v] channels split by heads, the fused input projection
     "gdn_conv": lambda spec, padded_vocab: PartsSplit((spec.gdn_key_dim, spec.gdn_key_dim, spec.gdn_value_dim)),
