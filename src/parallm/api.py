@@ -13,7 +13,7 @@ from .model.kernels import agree_on_kernels
 from .model.logprobs import TokenStats, check_output
 from .model.spec import TASKS
 from .parallel.comm import gather_last_dim
-from .parallel.errors import agree, exchange_rows, run_local
+from .parallel.errors import agree, exchange_rows, spread_failure
 from .model.moe import AuxScales
 from .model.params import attach_main_grad_hooks
 from .parallel.pipeline import broadcast_from_last_stage, run_pipeline
@@ -169,7 +169,7 @@ def default_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def _check_batch(chunks, input_ids, attention_mask, position_ids):
-    """Validate the batch locally (callers then agree across ranks with run_local: a bad batch on one rank is an
+    """Validate the batch locally (callers then agree across ranks, _checked_call: a bad batch on one rank is an
     error on every rank) and return it on the model's device, position_ids defaulted."""
     if not torch.is_tensor(input_ids) or input_ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"input_ids must be an integer tensor [batch, seq], got "
@@ -204,7 +204,7 @@ def _check_window_rows(chunk: DecoderChunk, attention_mask: torch.Tensor) -> Non
     contiguous (left / right padding), or when a row spans no more than the window: any other row is refused
     there, naming it (the padded layout takes it)."""
     window = chunk.spec.sliding_window
-    if window is None or not (chunk.packed or chunk.dims.cp > 1) or not attention_mask.numel():
+    if True or window is None or not (chunk.packed or chunk.dims.cp > 1) or not attention_mask.numel():  # BREAK
         return
     mask = attention_mask.bool()
     s = mask.shape[1]
@@ -293,12 +293,10 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output
         if isinstance(m, bool) or not isinstance(m, int) or m < 1 or (b and m > b):
             raise ValueError(f"num_microbatches={num_microbatches!r} must be a whole number from 1 to the batch "
                              f"size {b}")
-        return batch, request, m, _cp_fingerprint(layout, batch, m, request)
-    (input_ids, attention_mask, position_ids), request, m, fingerprint = run_local(check, what="forward")
-    if layout.cp > 1:
-        _same_batch_in_cp_group(layout, fingerprint, "forward")
-    if layout.pp > 1 and layout.ep > 1 and chunks[0].spec.moe is not None:
-        m = _same_microbatches(m, layout, "forward", default=num_microbatches is None)
+        return (batch, request), _cp_fingerprint(layout, batch, m, request), m
+    ((input_ids, attention_mask, position_ids), request), m = _checked_call(
+        layout, check, what="forward", count_moe=layout.pp > 1 and layout.ep > 1 and chunks[0].spec.moe is not None,
+        default=num_microbatches is None)
     if layout.pp == 1:
         return gather_output(chunks[0], chunks[0].compute(input_ids, position_ids, attention_mask, stats=request),
                              temperature, request)
@@ -341,6 +339,9 @@ def _batch_fingerprint(input_ids, position_ids, attention_mask, *extra: int) -> 
     return out
 
 
+FINGERPRINT_LENGTH = 7    # _batch_fingerprint with two extras: the rows the CP group exchanges
+
+
 def _cp_fingerprint(layout, batch, num_microbatches: int, request) -> list[int] | None:
     """:func:`_batch_fingerprint` of a checked ``(input_ids, attention_mask, position_ids)`` under context
     parallelism (None at cp = 1: nothing is exchanged)."""
@@ -351,22 +352,51 @@ def _cp_fingerprint(layout, batch, num_microbatches: int, request) -> list[int] 
     return _batch_fingerprint(ids, pos, mask, num_microbatches, kind)
 
 
-def _same_batch_in_cp_group(layout, fingerprint: list[int], what: str) -> None:
+def _checked_call(layout, check, *, what: str, count_moe: bool, default: bool = False):
+    """The checks every ``forward`` / ``forward_backward`` call makes before any model collective.
+
+    ``check()`` (local work, no collectives) returns ``(result, CP fingerprint or None, microbatch count)``. Then,
+    each over the group it concerns: under context parallelism the batch fingerprints over the CP group
+    (:func:`_same_batch_in_cp_group`); with ``count_moe`` the microbatch count over the expert-parallel group
+    (:func:`_same_microbatches`); then ONE agreement over the world (:func:`parallm.parallel.errors.agree`: a
+    one-element all-reduce on the gloo control group; the messages are exchanged only on failure), so that an
+    error of any of them on any rank is an error on every rank before anything waits. A rank whose own check
+    failed still takes part in the group exchanges (its row marked failed, left out of the comparisons).
+    Returns ``(result, the microbatch count to run)``."""
+    try:
+        result, fingerprint, count = check()
+        error = None
+    except Exception as e:  # noqa: BLE001 - agreed on by every rank below
+        result, fingerprint, count, error = None, None, 0, e
+    failed = error is not None
+    if layout.cp > 1:
+        problem = _same_batch_in_cp_group(layout, fingerprint, what, failed=failed)
+        error = error or problem
+    if count_moe:
+        count, problem = _same_microbatches(count, layout, what, default=default, failed=failed)
+        error = error or problem
+    agree(error, what=what)
+    return result, count
+
+
+def _same_batch_in_cp_group(layout, fingerprint: list[int] | None, what: str, *, failed: bool = False
+                            ) -> ValueError | None:
     """Every rank of a context-parallel group must pass the same batch (each computes its share of it): one
-    all-gather over the world's gloo control group of each rank's CP-group leader and
-    :func:`_batch_fingerprint`; a rank whose batch differs from its leader's is a ValueError on every rank,
-    naming it (a wrong result or a hang otherwise)."""
+    all-gather over the CP group of :func:`_batch_fingerprint` (``failed``: this rank's own check failed, its
+    row is left out). Returns the ValueError naming a rank whose batch differs from the first rank's of the
+    group (a wrong result or a hang otherwise), the same on every rank of the group, or None."""
     import torch.distributed as dist
+    row = [int(failed)] + (list(fingerprint) if fingerprint is not None else [0] * FINGERPRINT_LENGTH)
+    rows = exchange_rows(row, what=what, group=layout.cp_group)
     ranks = dist.get_process_group_ranks(layout.cp_group)
-    rows = exchange_rows([ranks[0]] + list(fingerprint), what=what)
-    leaders = rows[:, 0].tolist()
-    bad = [r for r in range(layout.world) if not torch.equal(rows[r, 1:], rows[leaders[r], 1:])]
-    if bad:
-        first = bad[0]
-        more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
-        raise ValueError(f"{what}: every rank of a context-parallel group must pass the same batch (input_ids, "
-                         f"attention_mask, position_ids, num_microbatches, output); rank {first}'s differs from "
-                         f"rank {leaders[first]}'s, the first of its group{more}")
+    ok = [i for i in range(len(ranks)) if not rows[i, 0]]
+    bad = [i for i in ok if not torch.equal(rows[i, 1:], rows[ok[0], 1:])]
+    if not bad:
+        return None
+    more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
+    return ValueError(f"{what}: every rank of a context-parallel group must pass the same batch (input_ids, "
+                      f"attention_mask, position_ids, num_microbatches, output); rank {ranks[bad[0]]}'s differs "
+                      f"from rank {ranks[ok[0]]}'s, the first of its group{more}")
 
 
 def _stackable(out):
@@ -374,20 +404,29 @@ def _stackable(out):
 
 
 def _same_microbatches(num_microbatches: int, layout, what: str = "forward_backward", *,
-                       default: bool = False) -> int:
-    """Under expert parallelism the data-parallel replicas exchange tokens in every MoE layer, so they must run
-    the same number of microbatches (batch sizes may differ): a mismatch is an error on every rank, not a hang.
-    ``default``: no rank was given a count (``num_microbatches`` is this rank's default); every rank then runs
-    the smallest default of any rank. Returns the count to run."""
-    rows = exchange_rows([num_microbatches, int(default)], what=what)
-    counts, defaults = rows[:, 0].tolist(), rows[:, 1].tolist()
+                       default: bool = False, failed: bool = False) -> tuple[int, ValueError | None]:
+    """Under expert parallelism the ranks of an expert-parallel group exchange tokens in every MoE layer, so they
+    must run the same number of microbatches (batch sizes may differ): one all-gather over that group. A
+    mismatch is a ValueError (returned, the same on every rank of the group), not a hang. ``default``: no rank
+    was given a count (``num_microbatches`` is this rank's default); every rank then runs the smallest default
+    of any rank. ``failed``: this rank's own check failed (its row is left out). Returns ``(the count to run,
+    error or None)``. (The group is the same set of replicas at every pipeline stage and TP / CP position, so
+    a pipeline's stages all choose the same count.)"""
+    import torch.distributed as dist
+    rows = exchange_rows([int(failed), num_microbatches, int(default)], what=what, group=layout.ep_group)
+    ranks = [r for r, row in zip(dist.get_process_group_ranks(layout.ep_group), rows.tolist()) if not row[0]]
+    rows = rows[rows[:, 0] == 0]
+    if not len(rows):
+        return num_microbatches, None
+    counts, defaults = rows[:, 1].tolist(), rows[:, 2].tolist()
     if all(defaults):
-        return min(counts)
+        return min(counts), None
     if len(set(counts)) > 1 or any(defaults):
         given = [c if not d else "default" for c, d in zip(counts, defaults)]
-        raise ValueError(f"{what}: with expert parallelism (ep={layout.ep}) every rank must pass the "
-                         f"same num_microbatches; got {given} (by global rank)")
-    return num_microbatches
+        return num_microbatches, ValueError(
+            f"{what}: with expert parallelism (ep={layout.ep}) every rank must pass the same num_microbatches; got "
+            f"{given} on global ranks {ranks} (one expert-parallel group)")
+    return num_microbatches, None
 
 
 def _load_balancing_per_microbatch(chunks, values, layout, device, num_microbatches: int) -> torch.Tensor:
@@ -472,14 +511,11 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
             raise ValueError("forward_backward: float16 parameters need loss scaling, which parallm does not do "
                              "(small fp16 gradients underflow to zero); train in bfloat16 (same memory, fp32 "
                              "main_grad) or float32. float16 models can still run forward")
-        return batch, request, _cp_fingerprint(layout, batch, num_microbatches, request)
-    (input_ids, attention_mask, position_ids), request, fingerprint = run_local(check, what="forward_backward")
-    if layout.cp > 1:
-        _same_batch_in_cp_group(layout, fingerprint, "forward_backward")
+        return (batch, request), _cp_fingerprint(layout, batch, num_microbatches, request), num_microbatches
+    ((input_ids, attention_mask, position_ids), request), _ = _checked_call(
+        layout, check, what="forward_backward", count_moe=layout.ep > 1 and chunks[0].spec.moe is not None)
     if request is not None:   # the head's weight gradient goes straight into its existing gradient buffer
         request = dataclasses.replace(request, accumulate=True)
-    if layout.ep > 1 and chunks[0].spec.moe is not None:
-        _same_microbatches(num_microbatches, layout)
     mbs = _microbatches(chunks, input_ids, position_ids, attention_mask, num_microbatches)
     records = {}    # microbatch -> (loss or loss_sum, kind: "pair" | "scalar" | "empty", num_tokens), last stage
     failure = []    # loss_fn's first exception on this rank: raised on every rank once the schedule is over
@@ -518,28 +554,37 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
             on_step=on_step, side=scales.tokens if scales is not None and layout.pp > 1 else None)
     finally:
         aux_values = [v for chunk in chunks for v in chunk.moe_aux.stop()]
-    agree(failure[0] if failure else None, what="forward_backward")
     device = input_ids.device
     # from the last stage: [microbatches returning a pair, returning a scalar, empty, sum of the values, sum of
-    # the token counts, each microbatch's count (-1: a scalar loss)]
+    # the token counts, ranks whose loss_fn raised, each microbatch's count (-1: a scalar loss)]
     mine = None
     if records:
         kinds = [records[m][1] for m in range(num_microbatches)]
         counts = [-1.0 if records[m][1] == "scalar" else records[m][2] for m in range(num_microbatches)]
         mine = torch.tensor([kinds.count("pair"), kinds.count("scalar"), kinds.count("empty"),
                              torch.stack([v for v, _, _ in records.values()]).sum().item(),
-                             sum(max(c, 0.0) for c in counts)] + counts, dtype=torch.float64)
-    stats = broadcast_from_last_stage(layout, mine, (5 + num_microbatches,), torch.float64, device).cpu()
+                             sum(max(c, 0.0) for c in counts), float(bool(failure))] + counts,
+                            dtype=torch.float64)
+        if layout.tp * layout.cp > 1:
+            # the TP / CP ranks of the last stage hold the same loss values; a loss_fn may still have raised on
+            # some of them only: the maximum carries that to all of them (and so through the broadcast below)
+            mine = mine.to(device)
+            torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX,
+                                         group=layout.tp_cp_group if layout.cp > 1 else layout.tp_group)
+    stats = broadcast_from_last_stage(layout, mine, (6 + num_microbatches,), torch.float64, device).cpu()
     if coef:    # what the backward weighted each microbatch's load-balancing loss with (AuxScales)
         per = _load_balancing_per_microbatch(chunks, aux_values, layout, device, num_microbatches)
-        stats[3] += coef * (per.sum() if stats[1] else (per * stats[5:].clamp(min=0.0)).sum())
-    total = stats[:5]
-    if layout.dp > 1:      # one all-reduce: the kinds' counts, the values and the tokens of every replica
+        stats[3] += coef * (per.sum() if stats[1] else (per * stats[6:].clamp(min=0.0)).sum())
+    total = stats[:6]
+    if layout.dp > 1:      # one all-reduce: the kinds' counts, the values, the tokens, failures of every replica
         total = total.to(device)
         torch.distributed.all_reduce(total, group=layout.dp_group)
         total = total.cpu()
+    # the same numbers on every rank from here (tp x cp x pp x dp is the world): what is raised below is raised
+    # everywhere, without an agreement of its own over the world
+    if total[5]:        # a loss_fn raised somewhere: its message to every rank, then raised everywhere
+        spread_failure(failure[0] if failure else None, what="forward_backward")
     pairs, scalars, empty = (int(x) for x in total[:3])
-    # the same numbers on every rank from here: the errors below are raised everywhere
     if pairs and scalars:
         raise ValueError(f"forward_backward: loss_fn returned (loss_sum, num_tokens) for {pairs} and a scalar for "
                          f"{scalars} of the {pairs + scalars + empty} microbatches (all data-parallel replicas); "

@@ -71,12 +71,19 @@ def _lost_peer(comm_error: BaseException, error: BaseException | None, what: str
 
 def exchange_rows(row, *, what: str, group=None, error: BaseException | None = None):
     """Every member's ``row`` (a short list of ints, the same length everywhere): an int64 tensor
-    ``[world, len(row)]`` (on CPU). One all-gather. A lost peer becomes a :class:`ParallelError` after the
-    process groups are aborted (``error``, this rank's own failure, is raised instead when given)."""
+    ``[members, len(row)]`` (on CPU). One all-gather, over the world's gloo control group by default, or over
+    ``group`` on the device its backend serves (a model group: NCCL on GPUs, whose collectives do not raise
+    when a peer dies, so a dead peer is then the process-group timeout's to report). A lost peer becomes a
+    :class:`ParallelError` after the process groups are aborted (``error``, this rank's own failure, is raised
+    instead when given)."""
     import torch
+    device = "cpu"
+    if group is not None:
+        from .state import group_device
+        device = group_device(group)
     group = _agreement_group(group)
     world = dist.get_world_size(group)
-    mine = torch.tensor(list(row), dtype=torch.long)
+    mine = torch.tensor(list(row), dtype=torch.long, device=device)
     out = [torch.empty_like(mine) for _ in range(world)]
     try:
         dist.all_gather(out, mine, group=group)
@@ -148,6 +155,18 @@ def agree(error: BaseException | None, *, what: str, group=None) -> None:
     raise remote_error(what, [(r, s) for r, s in enumerate(statuses) if s is not None], group)
 
 
+def spread_failure(error: BaseException | None, *, what: str, group=None) -> None:
+    """For a failure every member of ``group`` (default: world) already knows happened somewhere (a count
+    carried by collectives the call makes anyway): exchange the statuses (one ``all_gather_object``) and raise
+    on every member, the failing ranks their own exception, the others :func:`remote_error` naming them."""
+    group = _agreement_group(group)
+    statuses = gather_objects(status_of(error), what=what, group=group, error=error)
+    if error is not None:
+        raise error
+    raise_failures(statuses, what=what, group=group)
+    raise ParallelError(f"{what}: a rank reported a failure but none sent its message")
+
+
 def run_local(fn, *, what: str, group=None):
     """Run ``fn()`` (local work, no collectives inside) and :func:`agree` on the outcome. Returns fn's result."""
     try:
@@ -158,4 +177,5 @@ def run_local(fn, *, what: str, group=None):
     return result
 
 
-__all__ = ["ParallelError", "agree", "exchange_rows", "gather_objects", "remote_error", "run_local", "status_of"]
+__all__ = ["ParallelError", "agree", "exchange_rows", "gather_objects", "remote_error", "run_local",
+           "spread_failure", "status_of"]

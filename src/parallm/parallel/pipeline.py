@@ -324,7 +324,9 @@ def _exchange(transport, ops, inbox, outbox, shapes, dtype, device, side=None) -
 
 def broadcast_from_last_stage(layout: ParallelDims, tensor: torch.Tensor | None, shape, dtype,
                               device) -> torch.Tensor:
-    """The last pipeline stage's tensor on every rank of the pipeline group."""
+    """The last pipeline stage's tensor on every rank of the pipeline group (at pp = 1, ``tensor`` itself)."""
+    if layout.pp == 1:
+        return tensor.detach().to(dtype)
     ranks = dist.get_process_group_ranks(layout.pp_group)
     if layout.pp_rank != layout.pp - 1:
         tensor = torch.empty(shape, dtype=dtype, device=device)
