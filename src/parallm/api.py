@@ -204,7 +204,7 @@ def _check_window_rows(chunk: DecoderChunk, attention_mask: torch.Tensor) -> Non
     contiguous (left / right padding), or when a row spans no more than the window: any other row is refused
     there, naming it (the padded layout takes it)."""
     window = chunk.spec.sliding_window
-    if True or window is None or not (chunk.packed or chunk.dims.cp > 1) or not attention_mask.numel():  # BREAK
+    if window is None or not (chunk.packed or chunk.dims.cp > 1) or not attention_mask.numel():
         return
     mask = attention_mask.bool()
     s = mask.shape[1]
