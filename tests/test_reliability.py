@@ -109,6 +109,8 @@ CATALOG = {
     "cp-batch-differs/forward": ("ValueError", ["forward", "context-parallel", "rank 1's differs from rank 0's"]),
     "cp-batch-differs/forward_backward": ("ValueError", ["forward_backward", "context-parallel",
                                                          "rank 3's differs from rank 2's"]),
+    # a sliding window counted over real tokens (packed / cp) where transformers counts positions: refused
+    "window-hole/forward": ("ValueError", ["row 0", "padding between its real tokens", "sliding window of 4"]),
     # saving into a non-empty directory without overwrite=True
     "save-nonempty": ("FileExistsError", ["atomic", "target", "overwrite=True"]),
 }
@@ -163,6 +165,8 @@ def ckpts(tmp_path_factory):
                                                    model_type="gemma"))
     layers3 = write_config(root / "layers3", dict(config, num_hidden_layers=3))
     split = write_config(root / "split-intermediate", dict(config, intermediate_size=90))
+    window = write_ckpt(root / "window", sd, dict(config, architectures=["MistralForCausalLM"], model_type="mistral",
+                                                  sliding_window=4))
     # the atomic-save target holds an older, valid checkpoint
     target = save_checkpoint(make_hf_model(tiny_config("llama"), seed=5), str(root / "atomic" / "target"))
     missing_sd = dict(sd)
@@ -170,7 +174,7 @@ def ckpts(tmp_path_factory):
     ids, mask = padded_batch(config["vocab_size"])
     return dict(root=str(root), good=good, good_file=good_file, good_bytes=good_bytes, config=config, sd=sd,
                 dirs=dirs, unsupported=unsupported, layers3=layers3, split=split, target=target, missing_sd=missing_sd,
-                ids=ids, mask=mask)
+                ids=ids, mask=mask, window=window)
 
 
 # -- the catalog: one 4-rank spawn ---------------------------------------------------------------------------
@@ -219,6 +223,12 @@ def _catalog_rank(rank, world, s):
     with torch.no_grad():     # and the ranks are in step afterwards
         out["cp-after-error"] = parallm.forward(cp_chunks, ids, mask)
     cp_chunks = None      # freed
+    win_chunks = parallm.build_model(s["window"], packed=True)     # cp2, a sliding window of 4
+    parallm.load_hf_weights(win_chunks, s["window"])
+    holed = mask.clone()
+    holed[0, 4] = 0            # row 0: 9 real tokens over 10 positions, on the second CP group only
+    attempt("window-hole/forward", lambda: parallm.forward(win_chunks, ids, holed if rank >= 2 else mask))
+    win_chunks = None
 
     parallm.init_parallel(tp=2)  # dp=2: broadcast reaches replicas too
     chunks = parallm.build_model(s["good"])
