@@ -2,13 +2,14 @@
 # Set up both venvs (idempotent) and run the tests (docs/testing.md):
 #   1. the main suite in .venv, without the vLLM tests; extra arguments go to this pytest (with a path among
 #      them, only what they name runs);
-#   2. the vLLM tests (tests/test_vllm.py) in .venv-vllm, made by scripts/setup_vllm.sh, with
+#   2. the vLLM tests (tests/test_vllm.py, tests/test_vllm_*.py) in .venv-vllm, made by scripts/setup_vllm.sh, with
 #      PARALLM_REQUIRE_VLLM=1: a missing or broken vLLM fails them instead of skipping them.
 # PARALLM_TEST_VLLM=0 leaves step 2 and its setup out (for quick local runs; CI runs both).
 # Both steps run; the exit status is non-zero when either failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VLLM_TESTS=tests/test_vllm.py
+VLLM_TESTS=(tests/test_vllm.py tests/test_vllm_device.py tests/test_vllm_source.py tests/test_vllm_remote.py
+            tests/test_vllm_remote_moe.py)
 VLLM_VENV=${PARALLM_VLLM_VENV:-.venv-vllm}      # where scripts/setup_vllm.sh puts it
 with_vllm=${PARALLM_TEST_VLLM:-1}
 bash scripts/setup.sh
@@ -23,10 +24,12 @@ for arg in "$@"; do
 done
 status=0
 echo "== main suite (.venv)"
-.venv/bin/python -m pytest "${paths[@]}" --ignore="$VLLM_TESTS" -q --durations=15 "$@" || status=$?
+ignore=()
+for t in "${VLLM_TESTS[@]}"; do ignore+=("--ignore=$t"); done
+.venv/bin/python -m pytest "${paths[@]}" "${ignore[@]}" -q --durations=15 "$@" || status=$?
 if [ "$with_vllm" != 0 ]; then
   echo "== vLLM tests ($VLLM_VENV)"
-  PARALLM_REQUIRE_VLLM=1 VLLM_LOGGING_LEVEL=WARNING "$VLLM_VENV/bin/python" -m pytest "$VLLM_TESTS" -q \
+  PARALLM_REQUIRE_VLLM=1 VLLM_LOGGING_LEVEL=WARNING "$VLLM_VENV/bin/python" -m pytest "${VLLM_TESTS[@]}" -q \
     --durations=15 || status=$?
 else
   echo "== vLLM tests left out (PARALLM_TEST_VLLM=0)"
