@@ -198,13 +198,41 @@ TILE_BUDGET = 1 << 25          # score elements (tiles x heads x tile^2) one cal
 
 @dataclass
 class _Tiles:
+    """A plan cut into square tiles of ``size`` rows: one row of ``specs`` per tile, ``[N, 6]`` long (first query
+    row, first key row, query rows, key rows, the first query's position after the first key's, sequence index
+    under ``width``); the first ``full`` tiles see every pair (no mask), the others a band. Indices and masks are
+    made per call from these rows, so a long plan costs ``6 N`` integers, not ``N`` masks."""
     size: int
-    q_index: torch.Tensor      # [N, T] query row of each tile row, -1: none
-    k_index: torch.Tensor      # [N, T]
-    visible: torch.Tensor      # [N, T, T] bool
-    any_key: torch.Tensor      # [N, T] bool: the tile row sees at least one key
-    rows: torch.Tensor         # query rows of the flattened [N * T] tile rows that exist
-    keep: torch.Tensor         # their positions in the flattened tile rows
+    specs: torch.Tensor
+    full: int
+    width: int
+    window: int | None
+
+    def groups(self, heads: int):
+        """``(tiles, masked)`` slices of at most :data:`TILE_BUDGET` scores, full and banded tiles apart."""
+        per = max(1, TILE_BUDGET // (self.size * self.size * heads))
+        n = self.specs.shape[0]
+        for lo, hi, masked in ((0, self.full, False), (self.full, n, True)):
+            for a in range(lo, hi, per):
+                yield slice(a, min(hi, a + per)), masked
+
+    def build(self, g: slice, masked: bool):
+        """Tiles ``g``: ``(q_index [m, T], k_index [m, T], mask, any_key [m, T])``: flat query / key rows (-1: none),
+        the additive fp32 band ``[m, 1, T, T]`` (None for full tiles), whether each tile row sees a key."""
+        qa, ka, tq, tk, d, w = self.specs[g].unbind(1)
+        i = torch.arange(self.size, device=self.specs.device)
+        q_in, k_in = i < tq[:, None], i < tk[:, None]
+        q_index = torch.where(q_in, (qa[:, None] + i) * self.width + w[:, None], -1)
+        k_index = torch.where(k_in, (ka[:, None] + i) * self.width + w[:, None], -1)
+        if not masked:
+            return q_index, k_index, None, q_in
+        rel = d[:, None, None] + i[None, :, None] - i[None, None, :]
+        visible = (rel >= 0) & q_in[:, :, None] & k_in[:, None, :]
+        if self.window is not None:
+            visible &= rel < self.window
+        mask = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill_(
+            ~visible, float("-inf")).unsqueeze(1)
+        return q_index, k_index, mask, visible.any(-1)
 
 
 class PiecePlan:
@@ -227,8 +255,8 @@ class PiecePlan:
     def tiles(self, device) -> _Tiles:
         """Every piece cut into square tiles of at most :data:`MAX_TILE` rows (and no longer than the window,
         rounded up to a power of two), the tiles that see nothing left out (outside the window or after the
-        queries), with each tile's visible pairs: ``[N, T, T]`` booleans, a small multiple of the pairs the pieces
-        see (never the square of a sequence longer than the window)."""
+        queries): their area a small multiple of the pairs the pieces see (never the square of a sequence longer
+        than the window). Tiles that see every pair run without a mask."""
         return self.cached(("tiles", str(device)), lambda: self._make_tiles(device))
 
     def _make_tiles(self, device) -> _Tiles:
@@ -236,7 +264,7 @@ class PiecePlan:
         longest = max((max(p.q1 - p.q0, p.k1 - p.k0) for p in self.pieces), default=1)
         # tiles no longer than the longest piece, nor than the window (a band of w keys then spans two tiles)
         t = min(MAX_TILE, 1 << (longest - 1).bit_length(), 1 << ((w or MAX_TILE) - 1).bit_length())
-        specs = []
+        full, banded = [], []
         for p in self.pieces:
             lq, lk = p.q1 - p.q0, p.k1 - p.k0
             for qa in range(0, lq, t):
@@ -248,26 +276,16 @@ class PiecePlan:
                         break
                     if w is not None and d - (tk - 1) >= w:     # every key before the window
                         continue
-                    specs.append((p.q0 + qa, p.k0 + ka, tq, tk, d))
-        spec = torch.tensor(specs, dtype=torch.long).view(-1, 5)
-        qa, ka, tq, tk, d = spec.unbind(1)
-        i = torch.arange(t)
-        q_in, k_in = i[None] < tq[:, None], i[None] < tk[:, None]                  # [N, T]
-        rel = d[:, None, None] + i[None, :, None] - i[None, None, :]
-        visible = (rel >= 0) & q_in[:, :, None] & k_in[:, None, :]
-        if w is not None:
-            visible &= rel < w
-        q_index = torch.where(q_in, qa[:, None] + i, -1)
-        k_index = torch.where(k_in, ka[:, None] + i, -1)
-        if self.width > 1:
-            ws = torch.arange(self.width)[:, None, None]
-            q_index = torch.where(q_index >= 0, q_index * self.width + ws, -1).reshape(-1, t)
-            k_index = torch.where(k_index >= 0, k_index * self.width + ws, -1).reshape(-1, t)
-            visible = visible.repeat(self.width, 1, 1)
-        flat = q_index.reshape(-1)
-        keep = (flat >= 0).nonzero().squeeze(-1)
-        return _Tiles(t, q_index.to(device), k_index.to(device), visible.to(device), visible.any(-1).to(device),
-                      flat[keep].to(device), keep.to(device))
+                    every = tk == t and d - (tk - 1) >= 0 and (w is None or d + tq - 1 < w)
+                    (full if every else banded).append((p.q0 + qa, p.k0 + ka, tq, tk, d))
+
+        def per_sequence(rows):      # the tiles of each of the width sequences, the sequence as a sixth column
+            x = torch.tensor(rows, dtype=torch.long).view(-1, 5)
+            seq = torch.arange(self.width).repeat_interleave(x.shape[0])[:, None]
+            return torch.cat([x.repeat(self.width, 1), seq], dim=1)
+
+        specs = torch.cat([per_sequence(full), per_sequence(banded)])      # full tiles first
+        return _Tiles(t, specs.to(device), len(full) * self.width, self.width, w)
 
 
 def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
@@ -275,39 +293,32 @@ def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x.float(), x.new_zeros((1,) + tuple(x.shape[1:]), dtype=torch.float32)])
 
 
-def _tile_groups(tiles: _Tiles, heads: int):
-    n = tiles.q_index.shape[0]
-    per = max(1, TILE_BUDGET // (tiles.size * tiles.size * heads))
-    return [slice(a, min(n, a + per)) for a in range(0, n, per)]
-
-
 def _gather_tiles(x, index):
     """``x [n + 1, h, d]`` rows at ``index [m, T]`` (-1: the zero row) -> ``[m, h, T, d]``."""
     return x[index % x.shape[0]].permute(0, 2, 1, 3)
 
 
-def _additive(visible):
-    return torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill_(
-        ~visible, float("-inf")).unsqueeze(1)
-
-
 def tiles_forward(block_fwd, q, k, v, plan: PiecePlan, scale):
-    """A plan's pieces by a block kernel over tiles, in fp32 (one ``block_fwd`` call per
-    :data:`TILE_BUDGET` of scores): ``(rows [E], out [E, hq, d], lse [E, hq])``, a query row's partial results
-    once per tile it is in (merge them with :func:`merge_rows`). q ``[R, hq, d]``, k / v ``[K, hkv, d]``."""
+    """A plan's pieces by a block kernel over tiles, in fp32 (one ``block_fwd`` call per :data:`TILE_BUDGET` of
+    scores, full and banded tiles apart): ``(rows [E], out [E, hq, d], lse [E, hq])``, a query row's partial
+    results once per tile it is in (merge them with :func:`merge_rows`). q ``[R, hq, d]``, k / v ``[K, hkv, d]``."""
     tiles = plan.tiles(q.device)
     hq, d = q.shape[1], q.shape[2]
     qz, kz, vz = _with_zero_row(q), _with_zero_row(k), _with_zero_row(v)
-    outs, lses = [], []
-    for g in _tile_groups(tiles, hq):
-        o, lse = block_fwd(_gather_tiles(qz, tiles.q_index[g]), _gather_tiles(kz, tiles.k_index[g]),
-                           _gather_tiles(vz, tiles.k_index[g]), False, scale, mask=_additive(tiles.visible[g]))
-        lse = lse.masked_fill(~tiles.any_key[g][:, None, :], float("-inf"))       # a row that saw nothing here
-        outs.append(o.permute(0, 2, 1, 3).reshape(-1, hq, d))
-        lses.append(lse.permute(0, 2, 1).reshape(-1, hq))
+    rows, outs, lses = [], [], []
+    for g, masked in tiles.groups(hq):
+        qi, ki, mask, any_key = tiles.build(g, masked)
+        o, lse = block_fwd(_gather_tiles(qz, qi), _gather_tiles(kz, ki), _gather_tiles(vz, ki), False, scale,
+                           mask=mask)
+        lse = lse.masked_fill(~any_key[:, None, :], float("-inf"))       # a row that saw nothing here
+        keep = (qi.reshape(-1) >= 0).nonzero().squeeze(-1)
+        rows.append(qi.reshape(-1).index_select(0, keep))
+        outs.append(o.permute(0, 2, 1, 3).reshape(-1, hq, d).index_select(0, keep))
+        lses.append(lse.permute(0, 2, 1).reshape(-1, hq).index_select(0, keep))
     if not outs:
-        return tiles.rows, q.new_zeros((0, hq, d), dtype=torch.float32), q.new_zeros((0, hq), dtype=torch.float32)
-    return (tiles.rows, torch.cat(outs).index_select(0, tiles.keep), torch.cat(lses).index_select(0, tiles.keep))
+        return (torch.zeros(0, dtype=torch.long, device=q.device), q.new_zeros((0, hq, d), dtype=torch.float32),
+                q.new_zeros((0, hq), dtype=torch.float32))
+    return torch.cat(rows), torch.cat(outs), torch.cat(lses)
 
 
 def tiles_backward(block_bwd, q, k, v, out, lse, grad, plan: PiecePlan, scale, dq, dk, dv) -> None:
@@ -318,11 +329,11 @@ def tiles_backward(block_bwd, q, k, v, out, lse, grad, plan: PiecePlan, scale, d
     qz, kz, vz, oz, gz = (_with_zero_row(x) for x in (q, k, v, out, grad))
     lz = _with_zero_row(lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
     dqz, dkz, dvz = (x.new_zeros((x.shape[0] + 1,) + tuple(x.shape[1:]), dtype=torch.float32) for x in (q, k, v))
-    for g in _tile_groups(tiles, hq):
-        qi, ki = tiles.q_index[g], tiles.k_index[g]
+    for g, masked in tiles.groups(hq):
+        qi, ki, mask, _ = tiles.build(g, masked)
         gdq, gdk, gdv = block_bwd(_gather_tiles(qz, qi), _gather_tiles(kz, ki), _gather_tiles(vz, ki),
                                   _gather_tiles(oz, qi), _gather_tiles(lz, qi)[..., 0], _gather_tiles(gz, qi), False,
-                                  scale, mask=_additive(tiles.visible[g]))
+                                  scale, mask=mask)
         dqz.index_add_(0, qi.reshape(-1) % dqz.shape[0], gdq.permute(0, 2, 1, 3).reshape(-1, hq, d))
         dkz.index_add_(0, ki.reshape(-1) % dkz.shape[0], gdk.permute(0, 2, 1, 3).reshape(-1, hkv, d))
         dvz.index_add_(0, ki.reshape(-1) % dvz.shape[0], gdv.permute(0, 2, 1, 3).reshape(-1, hkv, d))
