@@ -192,7 +192,7 @@ def _every_pair_visible(p: Piece, window: int | None) -> bool:
     return p.diag >= p.k1 - p.k0 - 1 and (window is None or p.q1 - p.q0 - 1 + p.diag < window)
 
 
-MAX_TILE = 128                 # rows of a tile of the tile kernels (queries and keys)
+MAX_TILE = 256                 # rows of a tile of the tile kernels (queries and keys)
 TILE_BUDGET = 1 << 25          # score elements (tiles x heads x tile^2) one call of a tile kernel computes at most
 
 
