@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+from collections.abc import Mapping
 
 import torch
 
@@ -19,6 +21,7 @@ from .model.params import attach_main_grad_hooks
 from .parallel.pipeline import broadcast_from_last_stage, run_pipeline
 from .parallel.state import as_chunks, current_dims, dims_of, kv_replica_group, require_initialized
 from .train.grads import announce_step
+from .train.metrics import MetricAccumulator, check_reductions, finish, local_vector, spec_hash
 
 
 logger = logging.getLogger("parallm")
@@ -168,6 +171,63 @@ def default_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
 
 
+BATCH_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def _is_batch_mapping(x) -> bool:
+    """A dict of tensors, or a mapping-like batch (``tensordict.TensorDict``: ``keys()`` and ``[key]``)."""
+    return isinstance(x, Mapping) or (not torch.is_tensor(x) and hasattr(x, "keys") and hasattr(x, "__getitem__")
+                                      and hasattr(x, "batch_size"))
+
+
+def _unpack_batch(input_ids, attention_mask, position_ids):
+    """The positional form ``(input_ids, attention_mask, position_ids)`` or a batch mapping in ``input_ids``'s
+    place -> ``(input_ids, attention_mask, position_ids, extras)``: ``extras`` None for the positional form,
+    else a dict of the mapping's other entries (checked by :func:`_check_extras`)."""
+    if not _is_batch_mapping(input_ids):
+        return input_ids, attention_mask, position_ids, None
+    batch = input_ids
+    if attention_mask is not None or position_ids is not None:
+        raise ValueError("a batch mapping carries attention_mask and position_ids itself; do not pass them beside "
+                         "it")
+    keys = [str(k) for k in batch.keys()]
+    if "input_ids" not in keys:
+        raise ValueError(f"the batch mapping has no 'input_ids' (keys: {keys})")
+    if any(k in keys for k in ("cu_seqlens", "cu_seqlens_q")):
+        raise ValueError("packed cu_seqlens-style batches are not supported: pass padded [B, S] input_ids with an "
+                         "attention_mask (build_model(packed=True) removes the padding inside the model)")
+    get = (lambda k: batch[k] if k in keys else None)
+    return get("input_ids"), get("attention_mask"), get("position_ids"), \
+        {k: batch[k] for k in keys if k not in BATCH_KEYS}
+
+
+def _check_extras(extras, input_ids):
+    """The batch mapping's other entries on the model's device: each a tensor whose first dimension is the
+    batch (per sample ``[B, ...]`` or per token ``[B, S, ...]``), else a ValueError naming it. None stays None
+    (the positional form)."""
+    if extras is None:
+        return None
+    b = input_ids.shape[0]
+    out = {}
+    for k, v in extras.items():
+        if not torch.is_tensor(v) or v.dim() == 0 or v.shape[0] != b:
+            shape = tuple(v.shape) if torch.is_tensor(v) else type(v).__name__
+            raise ValueError(f"batch[{k!r}] must be a tensor whose first dimension is the batch ({b}), got {shape}")
+        out[k] = v.to(input_ids.device)
+    return out
+
+
+def _split_extras(extras, m: int):
+    """``extras`` split along dim 0 as the microbatches are (:func:`_microbatches`): a list of ``m`` dicts, or
+    None for the positional form."""
+    if extras is None:
+        return None
+    if not extras:
+        return [{} for _ in range(m)]
+    parts = [t.tensor_split(m) for t in extras.values()]
+    return [dict(zip(extras, piece)) for piece in zip(*parts)]
+
+
 def _check_batch(chunks, input_ids, attention_mask, position_ids):
     """Validate the batch locally (callers then agree across ranks, _checked_call: a bad batch on one rank is an
     error on every rank) and return it on the model's device, position_ids defaulted."""
@@ -286,7 +346,7 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output
 
     def check():
         request = check_output(output, temperature, task=chunks[0].task, token_chunk=token_chunk)
-        batch = _check_batch(chunks, input_ids, attention_mask, position_ids)
+        batch = _check_batch(chunks, *_unpack_batch(input_ids, attention_mask, position_ids)[:3])
         b = batch[0].shape[0]
         m = num_microbatches if num_microbatches is not None else default_forward_microbatches(
             b, layout.pp, batch[0].numel(), batch[0].device)
@@ -447,11 +507,20 @@ def _load_balancing_per_microbatch(chunks, values, layout, device, num_microbatc
 
 
 def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_microbatches: int = 1,
-                     position_ids=None, output=None, temperature=1.0, token_chunk=None) -> torch.Tensor:
+                     position_ids=None, output=None, temperature=1.0, token_chunk=None, metric_reduce=None):
     """Forward and backward of ``loss_fn`` over ``num_microbatches`` microbatches (split along dim 0).
 
-    ``loss_fn(out, input_ids_mb, attention_mask_mb)`` receives what :func:`forward` returns for that
-    microbatch with the same ``output`` / ``temperature`` (differentiable). Gradients accumulate as the gradient
+    Two forms. Positional: ``forward_backward(chunks, input_ids, attention_mask, ...)`` calls
+    ``loss_fn(out, input_ids_mb, attention_mask_mb)``. Batch: ``forward_backward(chunks, batch, ...)`` with a
+    mapping (a dict of tensors, or a ``tensordict.TensorDict``) holding ``input_ids``, optional
+    ``attention_mask`` and ``position_ids``, and any other tensors whose first dimension is the batch (per
+    sample ``[B, ...]`` or per token ``[B, S, ...]``: advantages, old / reference log-probs, loss masks); every
+    entry is split with the microbatches and ``loss_fn(out, mb)`` gets the microbatch's dict (``position_ids``
+    defaulted). Under context parallelism ``out`` is the whole microbatch's output on every rank of the CP group,
+    so per-token entries are not split over CP. Packed ``cu_seqlens``-style batches are refused (pass padded
+    ``[B, S]`` tensors; ``build_model(packed=True)`` removes the padding inside).
+    ``out`` is what :func:`forward` returns for that microbatch with the same ``output`` / ``temperature``
+    (differentiable). Gradients accumulate as the gradient
     of ``mean_m loss_fn(mb_m)``: in ``param.grad`` for fp32 parameters, in fp32 ``param.main_grad`` for
     bf16 / fp16 ones (:func:`parallm.model.params.grad_of`); call :func:`parallm.finalize_grads` before
     stepping. Schedules: one microbatch's forward then its backward at ``pp == 1``; 1F1B (interleaved with
@@ -490,6 +559,15 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     sent to the others with m's gradient, and ``finalize_grads`` divides by ``N`` as it does the rest.) Mixing
     the two kinds within a call, or within one step before ``finalize_grads``, is a ValueError.
 
+    Metrics: ``loss_fn`` may return ``(loss, metrics)`` or ``((loss_sum, num_tokens), metrics)``, ``metrics`` a
+    dict of scalar tensors (or numbers) with the same names for every microbatch; ``forward_backward`` then
+    returns ``(objective, metrics)``, the metrics reduced over the microbatches and data-parallel replicas as
+    ``metric_reduce`` (``{name: "mean" | "sum" | "max" | "min"}``) says, fp32 scalars, the same on every rank
+    at every pipeline stage. ``"mean"`` (the default) weights each microbatch by its ``num_tokens`` for a
+    token-mean loss (a per-microbatch token mean becomes the global token mean), by 1 for a scalar loss
+    (:mod:`parallm.train.metrics`). Every replica with data must return the same names (else ValueError
+    everywhere).
+
     A ``loss_fn`` that raises on some ranks: those ranks finish the schedule back-propagating zero for that
     microbatch and the later ones (their peers get every message and collective they wait for), then every rank
     raises at the end of the call (the raising rank its own exception, the others the same type naming it). The
@@ -501,33 +579,46 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
 
     def check():
         request = check_output(output, temperature, task=chunks[0].task, token_chunk=token_chunk)
-        batch = _check_batch(chunks, input_ids, attention_mask, position_ids)
+        ids, mask, pos, extras = _unpack_batch(input_ids, attention_mask, position_ids)
+        batch = _check_batch(chunks, ids, mask, pos)
         b = batch[0].shape[0]
         if not isinstance(num_microbatches, int) or num_microbatches < 1 or b % num_microbatches:
             raise ValueError(f"batch size {b} does not split into num_microbatches={num_microbatches}")
         if not callable(loss_fn):
-            raise TypeError("loss_fn must be callable: loss_fn(output, input_ids, attention_mask) -> scalar")
+            raise TypeError("loss_fn must be callable: loss_fn(output, batch) -> loss (or loss_fn(output, "
+                            "input_ids, attention_mask) with the positional form)")
         if chunks[0].config.params_dtype == torch.float16:
             raise ValueError("forward_backward: float16 parameters need loss scaling, which parallm does not do "
                              "(small fp16 gradients underflow to zero); train in bfloat16 (same memory, fp32 "
                              "main_grad) or float32. float16 models can still run forward")
-        return (batch, request), _cp_fingerprint(layout, batch, num_microbatches, request), num_microbatches
-    ((input_ids, attention_mask, position_ids), request), _ = _checked_call(
+        reductions = check_reductions(metric_reduce)
+        extras = _check_extras(extras, batch[0])
+        return (batch, request, extras, reductions), _cp_fingerprint(layout, batch, num_microbatches, request), \
+            num_microbatches
+    ((ids_all, mask_all, pos_all), request, extras, reductions), _ = _checked_call(
         layout, check, what="forward_backward", count_moe=layout.ep > 1 and chunks[0].spec.moe is not None)
     if request is not None:   # the head's weight gradient goes straight into its existing gradient buffer
         request = dataclasses.replace(request, accumulate=True)
-    mbs = _microbatches(chunks, input_ids, position_ids, attention_mask, num_microbatches)
+    mbs = _microbatches(chunks, ids_all, pos_all, mask_all, num_microbatches)
+    extra_mbs = _split_extras(extras, num_microbatches)
     records = {}    # microbatch -> (loss or loss_sum, kind: "pair" | "scalar" | "empty", num_tokens), last stage
     failure = []    # loss_fn's first exception on this rank: raised on every rank once the schedule is over
+    metrics = MetricAccumulator(reductions)
 
     def last_stage(chunk, out, m):
-        ids, mask = mbs[m][0], mbs[m][2]
+        ids, pos, mask = mbs[m][:3]
         result = gather_output(chunk, out, temperature, request)
         kind, tokens = "empty", 0.0
         if not failure and ids.shape[0]:
             try:
-                value, tokens = _loss_parts(loss_fn(result, ids, mask))
+                if extra_mbs is None:
+                    returned = loss_fn(result, ids, mask)
+                else:
+                    returned = loss_fn(result, {"input_ids": ids, "attention_mask": mask, "position_ids": pos,
+                                                **extra_mbs[m]})
+                value, tokens, values = _loss_parts(returned)
                 kind = "scalar" if tokens is None else "pair"
+                metrics.add(values, 1.0 if tokens is None else tokens)
             except Exception as e:  # noqa: BLE001 - agreed on by every rank after the schedule
                 failure.append(e)
         if failure or kind == "empty":   # the same messages and collectives as the peers, zero gradients
@@ -550,32 +641,45 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     announce_step(chunks, len(mbs))
     try:
         run_pipeline(chunks, mbs, last_stage_fn=last_stage, backward=True, compute_kwargs={
-            "stats": request, "rope_length": chunks[0].rope_length(position_ids, attention_mask)},
+            "stats": request, "rope_length": chunks[0].rope_length(pos_all, mask_all)},
             on_step=on_step, side=scales.tokens if scales is not None and layout.pp > 1 else None)
     finally:
         aux_values = [v for chunk in chunks for v in chunk.moe_aux.stop()]
-    device = input_ids.device
+    device = ids_all.device
     # from the last stage: [microbatches returning a pair, returning a scalar, empty, sum of the values, sum of
-    # the token counts, ranks whose loss_fn raised, each microbatch's count (-1: a scalar loss)]
-    mine = None
+    # the token counts, ranks whose loss_fn raised, replicas with data, with metrics, the metric spec's hash and
+    # its square, the lengths of the metric sums / maxima / spec; each microbatch's count (-1: a scalar loss)]
+    mine, metric_sums, metric_max = None, [], []
     if records:
         kinds = [records[m][1] for m in range(num_microbatches)]
         counts = [-1.0 if records[m][1] == "scalar" else records[m][2] for m in range(num_microbatches)]
+        metric_sums, metric_max = local_vector(metrics) if not failure else ([], [])
+        h = spec_hash(metrics.spec()) if not failure else 0
         mine = torch.tensor([kinds.count("pair"), kinds.count("scalar"), kinds.count("empty"),
                              torch.stack([v for v, _, _ in records.values()]).sum().item(),
-                             sum(max(c, 0.0) for c in counts), float(bool(failure))] + counts,
-                            dtype=torch.float64)
+                             sum(max(c, 0.0) for c in counts), float(bool(failure)),
+                             float(kinds.count("empty") < num_microbatches), float(h > 0), h, h * h,
+                             len(metric_sums) - len(metrics.spec()), len(metric_max), len(metrics.spec())]
+                            + counts, dtype=torch.float64)
         if layout.tp * layout.cp > 1:
             # the TP / CP ranks of the last stage hold the same loss values; a loss_fn may still have raised on
             # some of them only: the maximum carries that to all of them (and so through the broadcast below)
             mine = mine.to(device)
             torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX,
                                          group=layout.tp_cp_group if layout.cp > 1 else layout.tp_group)
-    stats = broadcast_from_last_stage(layout, mine, (6 + num_microbatches,), torch.float64, device).cpu()
+    stats = broadcast_from_last_stage(layout, mine, (_FIXED + num_microbatches,), torch.float64, device).cpu()
+    n_sums, n_max, n_spec = (int(x) for x in stats[10:13])
+    if n_sums + n_max + n_spec:    # the metrics' sums, maxima and spec bytes, to every stage (zeros on failure)
+        width = n_sums + n_spec + n_max
+        flat = metric_sums + metric_max
+        local = torch.tensor(flat if len(flat) == width else [0.0] * width, dtype=torch.float64) \
+            if records else None
+        flat = broadcast_from_last_stage(layout, local, (width,), torch.float64, device).cpu()
+        metric_sums, metric_max = flat[:n_sums + n_spec].tolist(), flat[n_sums + n_spec:].tolist()
     if coef:    # what the backward weighted each microbatch's load-balancing loss with (AuxScales)
         per = _load_balancing_per_microbatch(chunks, aux_values, layout, device, num_microbatches)
-        stats[3] += coef * (per.sum() if stats[1] else (per * stats[6:].clamp(min=0.0)).sum())
-    total = stats[:6]
+        stats[3] += coef * (per.sum() if stats[1] else (per * stats[_FIXED:].clamp(min=0.0)).sum())
+    total = stats[:_FIXED]
     if layout.dp > 1:      # one all-reduce: the kinds' counts, the values, the tokens, failures of every replica
         total = total.to(device)
         torch.distributed.all_reduce(total, group=layout.dp_group)
@@ -585,6 +689,7 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     if total[5]:        # a loss_fn raised somewhere: its message to every rank, then raised everywhere
         spread_failure(failure[0] if failure else None, what="forward_backward")
     pairs, scalars, empty = (int(x) for x in total[:3])
+    reported = _reduce_metrics(layout, total, metric_sums, metric_max, device)
     if pairs and scalars:
         raise ValueError(f"forward_backward: loss_fn returned (loss_sum, num_tokens) for {pairs} and a scalar for "
                          f"{scalars} of the {pairs + scalars + empty} microbatches (all data-parallel replicas); "
@@ -598,10 +703,37 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
         if _pending_tokens(chunks) is not None:
             raise ValueError("forward_backward: a scalar loss_fn after a (loss_sum, num_tokens) one before "
                              "finalize_grads; the gradients of one step come from one kind")
-        return (total[3] / (num_microbatches * layout.dp)).float().to(device)
-    # token-mean: sum(loss_sum) / sum(num_tokens) over microbatches and data-parallel replicas
-    _add_pending_tokens(chunks, float(total[4]))
-    return (total[3] / max(float(total[4]), 1.0)).float().to(device)
+        objective = (total[3] / (num_microbatches * layout.dp)).float().to(device)
+    else:     # token-mean: sum(loss_sum) / sum(num_tokens) over microbatches and data-parallel replicas
+        _add_pending_tokens(chunks, float(total[4]))
+        objective = (total[3] / max(float(total[4]), 1.0)).float().to(device)
+    return objective if reported is None else (objective, reported)
+
+
+_FIXED = 13    # forward_backward's fixed statistics (see its comment), before the per-microbatch counts
+
+
+def _reduce_metrics(layout, total, sums: list[float], maxima: list[float], device):
+    """The metrics over every replica (:mod:`parallm.train.metrics`), or None when no loss_fn returned any.
+    ``total``: forward_backward's statistics summed over the replicas; ``sums`` / ``maxima``: this replica's.
+    Every replica with data must return metrics of the same names and reductions (checked exactly from the
+    spec hashes' sum and sum of squares), else a ValueError on every rank."""
+    with_data, with_metrics, h, h2 = (float(x) for x in total[6:10])
+    if not with_metrics:
+        return None
+    if with_metrics != with_data or h * h != with_metrics * h2:
+        raise ValueError("forward_backward: loss_fn returned metrics on some data-parallel replicas and not on "
+                         "others, or metrics of other names or reductions; return the same metrics everywhere")
+    n_sums, n_max, n_spec = (int(round(float(x) / with_metrics)) for x in total[10:13])
+    if not sums:           # a replica with no data (empty microbatches): zeros, which add nothing
+        sums, maxima = [0.0] * (n_sums + n_spec), [-math.inf] * n_max
+    sums_t = torch.tensor(sums, dtype=torch.float64, device=device)
+    max_t = torch.tensor(maxima, dtype=torch.float64, device=device)
+    if layout.dp > 1:
+        torch.distributed.all_reduce(sums_t, group=layout.dp_group)
+        if n_max:
+            torch.distributed.all_reduce(max_t, op=torch.distributed.ReduceOp.MAX, group=layout.dp_group)
+    return finish(sums_t.cpu(), max_t.cpu(), int(with_metrics), n_spec, device)
 
 
 def _zero_loss(result) -> torch.Tensor:
@@ -613,8 +745,12 @@ def _zero_loss(result) -> torch.Tensor:
 
 
 def _loss_parts(result):
-    """``loss_fn``'s return -> ``(value, num_tokens or None)``: a scalar tensor, or a pair ``(loss_sum,
-    num_tokens)`` whose count is a number or a one-element tensor."""
+    """``loss_fn``'s return -> ``(value, num_tokens or None, metrics or None)``: a scalar tensor, or a pair
+    ``(loss_sum, num_tokens)`` whose count is a number or a one-element tensor; either of them may come as
+    ``(it, metrics)``, ``metrics`` a dict of scalars."""
+    metrics = None
+    if isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[1], Mapping):
+        result, metrics = result
     if isinstance(result, (tuple, list)):
         if len(result) != 2:
             raise ValueError(f"loss_fn must return a scalar tensor or (loss_sum, num_tokens); got a sequence of "
@@ -627,7 +763,7 @@ def _loss_parts(result):
         value, tokens = result, None
     if not (torch.is_tensor(value) and value.dim() == 0):
         raise ValueError("loss_fn must return a scalar tensor (or (loss_sum, num_tokens) with a scalar loss_sum)")
-    return value, tokens
+    return value, tokens, metrics
 
 
 def _pending_tokens(chunks):
