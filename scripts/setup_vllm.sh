@@ -21,3 +21,10 @@ fi
 # parallm itself, keeping the transformers vLLM chose (its pin is < 5.20; parallm needs >= 4.45)
 TF=$("$VENV/bin/python" -c "import transformers; print(transformers.__version__)")
 "$VENV/bin/pip" install -q -e ".[test]" "transformers==$TF"
+# parallm's weight-transfer backends reach vLLM's workers through the vllm.general_plugins entry point of the
+# editable install (pyproject.toml); an install made before the entry point existed lacks it until reinstalled
+"$VENV/bin/python" - <<'PY'
+from importlib.metadata import entry_points
+names = [e.value for e in entry_points(group="vllm.general_plugins")]
+assert "parallm.integrations.vllm.backends:register" in names, f"parallm's vLLM plugin is not installed: {names}"
+PY

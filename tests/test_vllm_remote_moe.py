@@ -80,10 +80,15 @@ def moe(tmp_path_factory):
     import sys
     root = tmp_path_factory.mktemp("vllm_remote_moe")
     ckpt = ve.checkpoint(str(root / "ckpt"), "qwen3_moe", 12, moe=True, num_hidden_layers=2)
+    from parallm.integrations.vllm.serve import remove_shm_files, shm_files
     env = dict(os.environ, **ve.SERVER_ENV, PARALLM_PROGRESS="0")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            os.path.abspath(__file__), ckpt, str(root)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
+    before = shm_files()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
+    finally:
+        remove_shm_files(before)        # the engine's vllm_dist_* files (TP 2), a failed run's shared memory
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [json.load(open(root / f"rank{r}.json")) for r in range(4)]
 

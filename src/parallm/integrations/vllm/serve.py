@@ -20,7 +20,7 @@ import sys
 import time
 import urllib.request
 
-__all__ = ["Server", "serve"]
+__all__ = ["Server", "remove_shm_files", "serve", "shm_files"]
 
 _SHM = "/dev/shm"
 
@@ -68,12 +68,7 @@ class Server:
             self.process.wait(10)
         except subprocess.TimeoutExpired:
             pass
-        for name in _shm_names() - self._shm_before:
-            if name.startswith(("vllm", "psm_", "sem.mp-", "parallm_wt_")) and not _in_use(os.path.join(_SHM, name)):
-                try:
-                    os.unlink(os.path.join(_SHM, name))
-                except OSError:
-                    pass
+        remove_shm_files(self._shm_before)
 
     def tail(self, n: int = 40) -> str:
         try:
@@ -88,6 +83,26 @@ class Server:
     def __exit__(self, *exc):
         self.stop()
         return False
+
+
+def shm_files() -> set[str]:
+    """The names in /dev/shm now (for :func:`remove_shm_files` afterwards)."""
+    return _shm_names()
+
+
+def remove_shm_files(before: set[str]) -> list[str]:
+    """Remove the files vLLM and parallm leave in /dev/shm (``vllm*``, ``psm_*``, ``sem.mp-*``, ``parallm_wt_*``)
+    that appeared since ``before`` (:func:`shm_files`) and that no running process has open or mapped; the
+    names removed."""
+    removed = []
+    for name in sorted(_shm_names() - before):
+        if name.startswith(("vllm", "psm_", "sem.mp-", "parallm_wt_")) and not _in_use(os.path.join(_SHM, name)):
+            try:
+                os.unlink(os.path.join(_SHM, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
 
 
 def _in_use(path: str) -> bool:
