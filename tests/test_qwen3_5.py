@@ -32,7 +32,17 @@ HYBRID = dict(num_hidden_layers=4, full_attention_interval=2, head_dim=16, linea
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 
 
+VISION = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=4,
+              num_position_embeddings=16)
+
+
 def hybrid_config(model_type: str, **overrides):
+    """A tiny config of ``model_type``; ``qwen3_5`` / ``qwen3_5_moe``: the vision-language config (its
+    ``text_config`` the tiny text model, a 2-block vision tower)."""
+    if model_type in ("qwen3_5", "qwen3_5_moe"):
+        import transformers
+        text = hybrid_config(model_type + "_text", **overrides).to_dict()
+        return transformers.AutoConfig.for_model(model_type, text_config=text, vision_config=dict(VISION))
     extra = MOE if model_type in ("qwen3_5_moe_text", "qwen3_next") else {}
     return helpers.tiny_config(model_type, **dict(HYBRID, **extra, **overrides))
 
@@ -40,7 +50,13 @@ def hybrid_config(model_type: str, **overrides):
 def make_model(cfg, *, seed: int, task: str = "causal_lm"):
     """:func:`helpers.make_hf_model`, its zero-centred norms (``x * (1 + w)``) re-centred to ``w ~ 0.2 N(0, 1)``
     (the shared randomiser's ``1 + 0.2 N`` would double every norm's scale); the gated norm keeps ``1 + 0.2 N``."""
-    model = helpers.make_hf_model(cfg, seed=seed, task=task)
+    if getattr(cfg, "vision_config", None) is not None:       # *ForConditionalGeneration
+        import transformers
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForImageTextToText.from_config(cfg).float().eval()
+        helpers.randomize_(model, seed)
+    else:
+        model = helpers.make_hf_model(cfg, seed=seed, task=task)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") and ".linear_attn." not in name:
@@ -128,17 +144,18 @@ def test_layouts_round_trip_and_blocks():
     assert parts.tolist() == (list(range(8, 16)) + list(range(24, 32)) + list(range(48, 64)))
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen3_5", "qwen3_5_moe"])
 def test_spec_and_table_cover_the_checkpoint(model_type, tmp_path):
     from parallm.families import spec_from_config
     from parallm.model.table import expected_hf_shapes
     cfg = hybrid_config(model_type, num_hidden_layers=5, layer_types=["linear_attention", "full_attention",
                                                                       "linear_attention", "linear_attention",
                                                                       "full_attention"])
-    model = helpers.make_hf_model(cfg)
+    model = make_model(cfg, seed=0)
     spec, family = spec_from_config(cfg)
     assert spec.linear_attn.layers == (0, 2, 3) and spec.attn_output_gate and spec.zero_centered_norm
     assert spec.rotary_dim == 4 and spec.qk_norm
+    assert bool(spec.carried) == (model_type in ("qwen3_5", "qwen3_5_moe"))     # the vision tower
     hub = helpers.hub_state_dict(model, str(tmp_path / "m"))
     shapes = expected_hf_shapes(family.table, spec, task="causal_lm", pp=1)
     assert set(shapes) == set(hub), sorted(set(shapes) ^ set(hub))[:6]
@@ -213,6 +230,10 @@ CASES = [
     ("qwen3.5 tp2 cp2 packed+SP ring, 4 / 8 linear heads", "qwen3_5_text",
      dict(linear_num_key_heads=4, linear_num_value_heads=8), dict(tp=2, pp=1, cp=2, ep=1, nmb=1),
      {"packed": True, "sequence_parallel": True, "cp_attn": "ring"}, {}),
+    # the published vision-language checkpoints: language model under model.language_model.*, vision carried
+    ("qwen3.5 VL checkpoint tp2 pp2 packed", "qwen3_5", {}, dict(tp=2, pp=2, ep=1, nmb=2), {"packed": True},
+     dict(vision=True)),
+    ("qwen3.5-moe VL checkpoint tp2 ep2", "qwen3_5_moe", {}, dict(tp=2, pp=1, ep=2, nmb=1), {}, dict(vision=True)),
 ]
 
 
@@ -243,7 +264,8 @@ def make_cases(tmp_path, specs=CASES):
         model = make_model(cfg, seed=60 + i, task=task)
         ckpt = str(tmp_path / f"m{i}")
         ckpt_sd = helpers.hub_state_dict(model, ckpt)
-        ids, mask = long_batch(cfg.vocab_size, batch=8, seq=opts.get("seq", 9), seed=i)
+        vocab = cfg.get_text_config().vocab_size
+        ids, mask = long_batch(vocab, batch=8, seq=opts.get("seq", 9), seed=i)
         dp = WORLD // (layout["tp"] * layout["pp"] * layout.get("cp", 1))
         loss, new_sd, after = reference_step(model, ids, mask, dp * layout["nmb"], task, str(tmp_path / f"s{i}"))
         with torch.no_grad():
@@ -310,7 +332,10 @@ def rank_cases(rank, world, cases):
         with torch.no_grad():
             for c in chunks:
                 for p in c.parameters():
-                    p -= LR * p.grad
+                    if p.requires_grad:
+                        p -= LR * p.grad
+                    else:       # the carried vision tower: no gradient, nothing to step
+                        assert opts.get("vision") and p.grad is None, case["name"]
         after = parallm.forward(chunks, ids, mask)
         new_sd = parallm.save_hf_weights(chunks)
         if rank == 0:
@@ -318,6 +343,10 @@ def rank_cases(rank, world, cases):
             assert new_sd.keys() == ref_new.keys(), sorted(set(new_sd) ^ set(ref_new))
             res["weights"] = max((new_sd[k] - ref_new[k]).abs().max().item() for k in ref_new)
             res["worst"] = max(ref_new, key=lambda k: (new_sd[k] - ref_new[k]).abs().max().item())
+            vision = [k for k in new_sd if k.startswith("model.visual.")]
+            assert bool(vision) == bool(opts.get("vision")), case["name"]
+            # carried bit for bit through load, training and save
+            assert all(torch.equal(new_sd[k], case["ref_sd"][k]) for k in vision), case["name"]
         res.update(loss=abs(loss.item() - case["ref_loss"]),
                    after=helpers.max_diff_real(after, case["ref_after"], mask))
         out.append(res)

@@ -9,6 +9,7 @@ loader uses, run on meta tensors (nothing is allocated).
 
 from __future__ import annotations
 
+import math
 import os
 
 from .errors import EXIT_FAIL, EXIT_OK, CLIError, UsageError
@@ -215,7 +216,8 @@ def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, ep=Non
                     rope="yarn" if spec.yarn is not None else spec.rope.kind, rope_theta=spec.rope.theta,
                     rms_norm_eps=spec.rms_norm_eps, latent_attention=spec.mla is not None,
                     mtp_layers=spec.carried_mtp_layers, linear_layers=list(_linear_layers(spec)),
-                    linear_heads=_linear_heads(spec)),
+                    linear_heads=_linear_heads(spec), carried=len(spec.carried),
+                    carried_parameters=sum(math.prod(shape) for _, shape in spec.carried)),
         parameters=sum(dtypes.values()), tensors=len(tensors), dtypes=dtypes, dtype=main,
         dtype_bytes=itemsize.get(main, 4), files=files, problem=ck["problem"], notes=ck["notes"],
         valid_tp=[tp for tp in range(1, spec.num_heads + 1) if _splits(check_tp, spec, tp)],
@@ -284,6 +286,9 @@ def render(report: dict) -> str:
         f"mlp {yes[c['mlp_bias']]}; rope {c['rope']} (theta {c['rope_theta']:g}); rms eps {c['rms_norm_eps']:g}",
         *([f"hybrid        Gated DeltaNet layers {c['linear_layers']} ({c['linear_heads']}); full attention "
            f"(output-gated) on the other {c['layers'] - len(c['linear_layers'])}"] if c.get("linear_layers") else []),
+        *([f"carried       {c['carried']} tensors ({_count(c['carried_parameters'])} params: the vision tower) held "
+           "on the first stage, loaded, saved and exported unchanged, never run nor trained"]
+          if c.get("carried") else []),
         f"parameters    {_count(report['parameters'])} ({report['parameters']:,}) in {report['tensors']} tensors",
         "dtype         " + ", ".join(f"{k} ({_count(v)} params)" for k, v in report["dtypes"].items()),
         f"files         {len(report['files'])} safetensors file(s), {_bytes(sum(report['files'].values()))}:",

@@ -179,3 +179,86 @@ QWEN3_5_MOE = register(Family(
     # name (parallm loads it back; transformers cannot)
     value_architecture="Qwen3_5MoeForSequenceClassification",
 ))
+
+
+# -- the published vision-language checkpoints: the language model trained, the vision tower carried -----------
+
+LANGUAGE_MODEL = "model.language_model."
+CARRIED_ROW = Row("carried.{c}", ("{carried}",), "copy", "first", ((0,),), when=("carried",), trained=False)
+
+
+def _language_model_names(row: Row) -> Row:
+    """``row`` with its HF names (and fused names) under ``model.language_model.`` (``lm_head`` / ``score`` stay)."""
+    def move(name: str) -> str:
+        return LANGUAGE_MODEL + name[len("model."):] if name.startswith("model.") else name
+    return replace(row, hf=tuple(move(h) for h in row.hf), fused=tuple(move(f) for f in row.fused))
+
+
+def vl_table(text_table: tuple[Row, ...]) -> tuple[Row, ...]:
+    """A text family's table for ``*ForConditionalGeneration`` checkpoints: the language model's tensors under
+    ``model.language_model.``, every vision tensor carried (:data:`CARRIED_ROW`, one row per ``spec.carried``)."""
+    return tuple(_language_model_names(r) for r in text_table) + (CARRIED_ROW,)
+
+
+def _sub_config(config, key: str):
+    from .registry import load_config
+    sub = getattr(config, key, None)
+    if sub is None:
+        raise ValueError(f"a vision-language config needs {key} (got none)")
+    return load_config(sub) if isinstance(sub, dict) else sub
+
+
+_VISION_CACHE: dict[str, tuple] = {}
+
+
+def vision_tensors(config) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Every tensor of the vision tower (``model.visual.*``, names and shapes) as transformers builds it from
+    ``config.vision_config`` (on the meta device: no memory, no weights)."""
+    import json
+
+    import torch
+    import transformers
+    vision = getattr(config, "vision_config", None)
+    raw = vision if isinstance(vision, dict) else (vision.to_dict() if vision is not None else None)
+    if raw is None or "model_type" not in raw:
+        raise ValueError("a vision-language config needs a vision_config with its model_type")
+    key = json.dumps(raw, sort_keys=True, default=str)
+    if key not in _VISION_CACHE:
+        cfg = vision if not isinstance(vision, dict) else transformers.AutoConfig.for_model(
+            raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
+        with torch.device("meta"):
+            tower = transformers.AutoModel.from_config(cfg)
+        _VISION_CACHE[key] = tuple(("model.visual." + k, tuple(t.shape)) for k, t in tower.state_dict().items())
+    return _VISION_CACHE[key]
+
+
+def vl_spec(config, text_spec_fn, family: str) -> DecoderSpec:
+    """The language model's spec from ``text_config``, named as the checkpoint, with the vision tower carried."""
+    text = _sub_config(config, "text_config")
+    spec = text_spec_fn(text)
+    archs = getattr(config, "architectures", None) or []
+    tied = getattr(config, "tie_word_embeddings", None)
+    return replace(spec, family=family, architecture=archs[0] if archs else family,
+                   model_type=getattr(config, "model_type", family), carried=vision_tensors(config),
+                   tie_word_embeddings=spec.tie_word_embeddings if tied is None else bool(tied))
+
+
+QWEN3_5_VL = register(Family(
+    name="qwen3_5_vl",
+    model_types=("qwen3_5",),
+    architectures=("Qwen3_5ForConditionalGeneration", "Qwen3_5ForSequenceClassification", "Qwen3_5Model"),
+    spec=lambda config: vl_spec(config, qwen3_5_spec, "qwen3_5_vl"),
+    table=vl_table(QWEN3_5.table),
+    causal_architecture="Qwen3_5ForConditionalGeneration",
+    value_architecture="Qwen3_5ForSequenceClassification",
+))
+
+QWEN3_5_MOE_VL = register(Family(
+    name="qwen3_5_moe_vl",
+    model_types=("qwen3_5_moe",),
+    architectures=("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeModel"),
+    spec=lambda config: vl_spec(config, qwen3_5_moe_spec, "qwen3_5_moe_vl"),
+    table=vl_table(QWEN3_5_MOE.table),
+    causal_architecture="Qwen3_5MoeForConditionalGeneration",
+    value_architecture="Qwen3_5MoeForSequenceClassification",
+))

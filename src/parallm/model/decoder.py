@@ -163,6 +163,15 @@ class DecoderLayer(nn.Module):
         return x + (self.mlp(h, tokens) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
 
 
+class CarriedTensors(nn.ParameterList):
+    """``spec.carried``'s tensors, one parameter each (``carried.{j}``), replicated on every TP rank of the first
+    pipeline stage, without gradient: loaded, saved, exported and checkpointed bit for bit, never run."""
+
+    def __init__(self, carried, dtype, device=None):
+        super().__init__(nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+                         for _, shape in carried)
+
+
 class _SharedHead(nn.Module):
     def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, padded_vocab: int, device):
         super().__init__()
@@ -256,6 +265,8 @@ class DecoderChunk(nn.Module):
         # prepare_config adds).
         from megatron.core.enums import ModelType
         self.model_type = ModelType.encoder_or_decoder
+        if pre_process and spec.carried:     # tensors held and written back, never run (a vision tower)
+            self.carried = CarriedTensors(spec.carried, config.params_dtype, device)
         if pre_process:
             self.embedding = mtp.VocabParallelEmbedding(
                 self.padded_vocab_size, spec.hidden_size, init_method=no_init, config=config,

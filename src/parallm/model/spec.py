@@ -193,6 +193,9 @@ class DecoderSpec:
     # zero-centred RMSNorm, ``x_normed * (1 + w)`` computed in fp32 (Qwen3-Next, Qwen3.5: every RMSNorm but the
     # Gated DeltaNet's gated one)
     zero_centered_norm: bool = False
+    # HF tensors the model holds on its first pipeline stage, loads, saves and exports unchanged but never runs
+    # nor trains (a vision-language checkpoint's vision tower): (HF name, shape) pairs
+    carried: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def __post_init__(self):
         # only the fields that existing families never set are checked here (tests replace() sizes freely)

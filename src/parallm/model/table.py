@@ -60,6 +60,8 @@ CONDITIONS = {
     "q_lora": lambda spec, task, pp: spec.mla is not None and spec.mla.q_lora_rank is not None,
     "no_q_lora": lambda spec, task, pp: spec.mla is not None and spec.mla.q_lora_rank is None,
     "down_bias": lambda spec, task, pp: spec.mla is not None and spec.mla.down_proj_bias,
+    # the model carries tensors it never runs (spec.carried: a vision tower)
+    "carried": lambda spec, task, pp: bool(spec.carried),
     # the model carries multi-token-prediction layers (build_model(mtp=...))
     "mtp": lambda spec, task, pp: spec.carried_mtp_layers > 0,
 }
@@ -158,7 +160,10 @@ def select_rows(table, spec: DecoderSpec, task: str, pp: int) -> list[Row]:
     for r in table:
         if not r.applies(spec, task, pp):
             continue
-        if r.per_expert:
+        if "{c}" in r.local:        # a template for every carried tensor (spec.carried), in order
+            out.extend(replace(r, local=r.local.replace("{c}", str(j)), hf=(name,), shapes=(tuple(shape),))
+                       for j, (name, shape) in enumerate(spec.carried))
+        elif r.per_expert:
             if spec.moe is not None:
                 out.extend(_expand_experts(r, spec.moe.num_experts))
         else:
