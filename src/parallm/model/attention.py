@@ -12,6 +12,11 @@ Backends (``build_model(..., attn_impl=...)``):
 (package importable, CUDA, half precision) and ``sdpa-loop`` otherwise. The choice is made once, at build,
 kept as ``chunk.attn_impl``, logged, and shown by ``parallm inspect``. A new kernel is one :class:`AttnBackend`
 entry in :data:`BACKENDS`.
+
+Every backend takes the layer's sliding window (``window=``: query ``i`` sees keys ``i - window < j <= i``, as
+transformers' masks). Attention that is not one causal run per sequence (context parallelism; a packed stream
+under a window) goes through :class:`PiecePlan` and a :class:`BlockKernel` (:func:`block_kernel`: the CPU's fused
+flash kernel over tiles, an explicit fp32 one, aten's varlen flash attention on CUDA), one call per plan.
 """
 
 from __future__ import annotations
