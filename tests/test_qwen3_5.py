@@ -211,7 +211,8 @@ def long_batch(vocab: int, *, batch: int, seq: int, seed: int):
 
 # name, model_type, config overrides, layout (tp, pp, ep, nmb), build kwargs, options
 CASES = [
-    ("qwen3.5 dense tp2 dp2 padded", "qwen3_5_text", {}, dict(tp=2, pp=1, ep=1, nmb=1), {}, dict(logprobs=True)),
+    ("qwen3.5 dense tp2 dp2 padded, recompute", "qwen3_5_text", {}, dict(tp=2, pp=1, ep=1, nmb=1),
+     {"recompute": "full"}, dict(logprobs=True)),
     ("qwen3.5 dense packed+SP tp2 dp2, 8 docs of up to 80 tokens", "qwen3_5_text", {},
      dict(tp=2, pp=1, ep=1, nmb=2), {"packed": True, "sequence_parallel": True}, dict(seq=80, logprobs=True)),
     ("qwen3.5 value tp2 dp2 packed", "qwen3_5_text", {}, dict(tp=2, pp=1, ep=1, nmb=1),
