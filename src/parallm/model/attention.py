@@ -486,8 +486,11 @@ def cuda_flash_usable(q: torch.Tensor) -> bool:
 
 
 def _flash_window(group: _FlashGroup, window):
-    left = window - 1 if window is not None else None
-    return dict(window_size_left=left, window_size_right=0 if group.causal else None)
+    """flash's window for a group: causal ones ``(window - 1, 0)`` (keys ``i - window < j <= i`` at the bottom
+    right); the group of pieces that see every key none."""
+    if not group.causal:
+        return dict(window_size_left=None, window_size_right=None)
+    return dict(window_size_left=window - 1 if window is not None else None, window_size_right=0)
 
 
 def flash_forward(q, k, v, g: _FlashGroup, scale, window):
