@@ -24,9 +24,12 @@ out this rank's tokens, the same way on every rank (a pure function of the batch
 * **pieces**: the attention work of this rank: each of its chunks ``j`` (contiguous local rows) attends to the
   ``j c`` keys of its row / document before it, entirely, and to its own chunk's, causally (query ``i`` sees keys
   up to ``i``); no other mask is needed: padding sits after every real token of its row, so a real query never
-  sees it (a padding query sees real keys and padding, which is harmless: its output is never used). Every
-  piece is a block of the model's block kernel (:func:`parallm.model.attention.block_kernel`), and the blocks
-  of a chunk are merged by log-sum-exp in fp32: no ``[queries, keys]`` mask or score tensor is kept.
+  sees it (a padding query sees real keys and padding, which is harmless: its output is never used). With a
+  sliding window each piece is cut to the keys the window reaches, and pieces wholly outside it are dropped
+  (:meth:`ContextSplit.plan`, :func:`ring_plan`). All pieces of a rank (or of a ring step) run in one call of
+  the model's block kernel (:func:`parallm.model.attention.block_kernel`, a
+  :class:`parallm.model.attention.PiecePlan`), whatever the number of documents, and the parts of a query are
+  merged by log-sum-exp in fp32: no ``[queries, keys]`` mask or score tensor of a sequence is built.
 
 Activations keep the layouts of cp = 1: padded ``[rows, B, H]`` with ``rows = P / cp``; packed ``[rows, 1, H]``
 (``[rows / tp, 1, H]`` between the linears under sequence parallelism). Attention reaches the other ranks' keys
