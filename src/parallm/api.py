@@ -21,6 +21,7 @@ from .model.params import attach_main_grad_hooks
 from .parallel.pipeline import broadcast_from_last_stage, run_pipeline
 from .parallel.state import as_chunks, current_dims, dims_of, kv_replica_group, require_initialized
 from .train.grads import announce_step
+from .train.batching import bin_order, fewest_bins, inverse, token_bins
 from .train.metrics import MetricAccumulator, check_reductions, finish, local_vector, spec_hash
 
 
@@ -217,14 +218,14 @@ def _check_extras(extras, input_ids):
     return out
 
 
-def _split_extras(extras, m: int):
+def _split_extras(extras, m: int, sizes=None):
     """``extras`` split along dim 0 as the microbatches are (:func:`_microbatches`): a list of ``m`` dicts, or
     None for the positional form."""
     if extras is None:
         return None
     if not extras:
         return [{} for _ in range(m)]
-    parts = [t.tensor_split(m) for t in extras.values()]
+    parts = [t.split(sizes) if sizes is not None else t.tensor_split(m) for t in extras.values()]
     return [dict(zip(extras, piece)) for piece in zip(*parts)]
 
 
@@ -326,7 +327,7 @@ def default_forward_microbatches(batch: int, pp: int, tokens: int | None = None,
 
 
 def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output=None, temperature=1.0,
-            token_chunk=None, num_microbatches=None):
+            token_chunk=None, num_microbatches=None, max_tokens_per_microbatch=None):
     """Whole-batch output on every rank.
 
     ``output=None``: fp32 logits ``[B, S, V]`` (causal_lm; divided by ``temperature``) or values ``[B, S]``
@@ -336,6 +337,9 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output
     along dim 0, their sizes differing by at most one (default :func:`default_forward_microbatches`: ``pp``, up
     to ``4 pp`` for batches with enough tokens, at most one per sequence), so the stages overlap instead of
     waiting for each other; results are the same for any count (at ``pp == 1`` it is ignored).
+    ``max_tokens_per_microbatch``: microbatches by a token budget instead, at any pp (as in
+    :func:`forward_backward`); outputs come back in the caller's order. ``input_ids`` may be a batch mapping
+    (:func:`forward_backward`; its other entries are ignored).
     Log-probs are computed vocab-parallel in chunks of ``token_chunk`` tokens (default: about
     32 MiB of fp32 logits per chunk on CPU, 2 GiB on GPU: ``model.logprobs.DEFAULT_CHUNK_BYTES``), never
     gathering ``[..., V]``.
@@ -348,20 +352,39 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output
         request = check_output(output, temperature, task=chunks[0].task, token_chunk=token_chunk)
         batch = _check_batch(chunks, *_unpack_batch(input_ids, attention_mask, position_ids)[:3])
         b = batch[0].shape[0]
+        if max_tokens_per_microbatch is not None:
+            bins = fewest_bins(_real_lengths(batch[1]), max_tokens_per_microbatch)
+            m = num_microbatches or 1
+            if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+                raise ValueError(f"num_microbatches={num_microbatches!r} must be a whole number >= 1")
+            return (batch, request, bins), _cp_fingerprint(layout, batch, m, request), m
         m = num_microbatches if num_microbatches is not None else default_forward_microbatches(
             b, layout.pp, batch[0].numel(), batch[0].device)
         if isinstance(m, bool) or not isinstance(m, int) or m < 1 or (b and m > b):
             raise ValueError(f"num_microbatches={num_microbatches!r} must be a whole number from 1 to the batch "
                              f"size {b}")
-        return (batch, request), _cp_fingerprint(layout, batch, m, request), m
-    ((input_ids, attention_mask, position_ids), request), m = _checked_call(
-        layout, check, what="forward", count_moe=layout.pp > 1 and layout.ep > 1 and chunks[0].spec.moe is not None,
+        return (batch, request, None), _cp_fingerprint(layout, batch, m, request), m
+    budget = max_tokens_per_microbatch
+    ((input_ids, attention_mask, position_ids), request, bins), m = _checked_call(
+        layout, check, what="forward",
+        count_moe=budget is None and layout.pp > 1 and layout.ep > 1 and chunks[0].spec.moe is not None,
         default=num_microbatches is None)
-    if layout.pp == 1:
+    order = sizes = None
+    if budget is not None:     # bins of at most `budget` real tokens, as many on every replica
+        order, sizes = _token_budget_bins(layout, attention_mask, max(bins, m))
+        input_ids, attention_mask, position_ids = (t[order] for t in (input_ids, attention_mask, position_ids))
+        m = len(sizes)
+    if layout.pp == 1 and order is None:
         return gather_output(chunks[0], chunks[0].compute(input_ids, position_ids, attention_mask, stats=request),
                              temperature, request)
     b, s = input_ids.shape
-    mbs = _microbatches(chunks, input_ids, position_ids, attention_mask, m)
+    mbs = _microbatches(chunks, input_ids, position_ids, attention_mask, m, sizes=sizes)
+    if layout.pp == 1:      # a token budget at pp = 1: the microbatches one after another
+        length = chunks[0].rope_length(position_ids, attention_mask)
+        outs = [_stackable(gather_output(chunks[0], chunks[0].compute(*mb[:3], stats=request, rope_length=length,
+                                                                      **({"cp": mb[3]} if len(mb) > 3 else {})),
+                                         temperature, request)) for mb in mbs]
+        return _caller_order(outs, order, request)
     with torch.no_grad():
         outs = run_pipeline(chunks, mbs, last_stage_fn=lambda chunk, out, i: _stackable(
                                 gather_output(chunk, out, temperature, request)),
@@ -371,16 +394,45 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output
     joined = torch.cat(outs, dim=1 if request is not None and request.entropy else 0) if outs else None
     out = broadcast_from_last_stage(layout, joined, _output_shape(chunks[0], b, s, request), torch.float32,
                                     input_ids.device)
+    if order is not None:
+        return _caller_order([out], order, request)
     return TokenStats(out[0], out[1]) if request is not None and request.entropy else out
 
 
-def _microbatches(chunks, input_ids, position_ids, attention_mask, m: int) -> list[tuple]:
+def _real_lengths(attention_mask) -> list[int]:
+    return attention_mask.sum(-1).tolist() if attention_mask.numel() else [0] * attention_mask.shape[0]
+
+
+def _token_budget_bins(layout, attention_mask, fewest: int) -> tuple[list[int], list[int]]:
+    """``max_tokens_per_microbatch``'s microbatches: the bin count agreed over the data-parallel replicas (the
+    largest ``fewest``: one MAX all-reduce over the data-parallel group), then :func:`token_bins` of this
+    replica's real lengths. Returns ``(order, sizes)`` (:func:`parallm.train.batching.bin_order`)."""
+    k = fewest
+    if layout.dp > 1:
+        t = torch.tensor([k], dtype=torch.long, device=attention_mask.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=layout.dp_group)
+        k = int(t.item())
+    return bin_order(token_bins(_real_lengths(attention_mask), k))
+
+
+def _caller_order(outs, order, request):
+    """Outputs of the token-budget microbatches (in bin order, TokenStats stacked) -> the caller's order."""
+    entropy = request is not None and request.entropy
+    joined = torch.cat(outs, dim=1 if entropy else 0)
+    back = torch.tensor(inverse(order), dtype=torch.long, device=joined.device)
+    joined = joined.index_select(1 if entropy else 0, back)
+    return TokenStats(joined[0], joined[1]) if entropy else joined
+
+
+def _microbatches(chunks, input_ids, position_ids, attention_mask, m: int, sizes=None) -> list[tuple]:
     """The batch as ``m`` microbatches along dim 0 (sizes differing by at most one, the larger first; equal when
     ``m`` divides the batch; an empty batch gives ``m`` empty ones, so that every data-parallel replica runs the
     same schedule): ``(input_ids, position_ids, attention_mask)``, with this rank's context-parallel
     split of each as a fourth element under context parallelism (computed once per microbatch here; it travels
-    through the pipeline with its microbatch)."""
-    mbs = list(zip(*(t.tensor_split(m) for t in (input_ids, position_ids, attention_mask))))
+    through the pipeline with its microbatch). ``sizes``: the microbatches' sizes instead (a token budget's bins,
+    the batch already in bin order)."""
+    split = (lambda t: t.split(sizes)) if sizes is not None else (lambda t: t.tensor_split(m))
+    mbs = list(zip(*(split(t) for t in (input_ids, position_ids, attention_mask))))
     if chunks[0].dims.cp > 1:
         mbs = [mb + (chunks[0].context_split(*mb),) for mb in mbs]
     return mbs
@@ -507,7 +559,8 @@ def _load_balancing_per_microbatch(chunks, values, layout, device, num_microbatc
 
 
 def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_microbatches: int = 1,
-                     position_ids=None, output=None, temperature=1.0, token_chunk=None, metric_reduce=None):
+                     position_ids=None, output=None, temperature=1.0, token_chunk=None, metric_reduce=None,
+                     max_tokens_per_microbatch=None):
     """Forward and backward of ``loss_fn`` over ``num_microbatches`` microbatches (split along dim 0).
 
     Two forms. Positional: ``forward_backward(chunks, input_ids, attention_mask, ...)`` calls
@@ -559,6 +612,15 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     sent to the others with m's gradient, and ``finalize_grads`` divides by ``N`` as it does the rest.) Mixing
     the two kinds within a call, or within one step before ``finalize_grads``, is a ValueError.
 
+    Token budget: ``max_tokens_per_microbatch=n`` forms the microbatches from the real tokens
+    (``attention_mask``) instead of equal row counts: the sequences are spread, longest first onto the least
+    loaded, over the fewest bins of at most ``n`` tokens (:mod:`parallm.train.batching`; verl's dynamic batch
+    size), the count agreed over the data-parallel replicas (the largest; at least ``num_microbatches``), so
+    every replica runs the same schedule (a replica with fewer sequences than bins runs empty microbatches).
+    Batch entries travel with their rows. A sequence longer than ``n`` is a ValueError. Use a token-mean
+    ``loss_fn``: the objective is then the same whatever the bins (a scalar loss's mean over microbatches
+    depends on them). Every rank passes the same ``n``.
+
     Metrics: ``loss_fn`` may return ``(loss, metrics)`` or ``((loss_sum, num_tokens), metrics)``, ``metrics`` a
     dict of scalar tensors (or numbers) with the same names for every microbatch; ``forward_backward`` then
     returns ``(objective, metrics)``, the metrics reduced over the microbatches and data-parallel replicas as
@@ -582,7 +644,12 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
         ids, mask, pos, extras = _unpack_batch(input_ids, attention_mask, position_ids)
         batch = _check_batch(chunks, ids, mask, pos)
         b = batch[0].shape[0]
-        if not isinstance(num_microbatches, int) or num_microbatches < 1 or b % num_microbatches:
+        bins = None
+        if max_tokens_per_microbatch is not None:
+            bins = fewest_bins(_real_lengths(batch[1]), max_tokens_per_microbatch)
+            if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+                raise ValueError(f"num_microbatches={num_microbatches!r} must be a whole number >= 1")
+        elif not isinstance(num_microbatches, int) or num_microbatches < 1 or b % num_microbatches:
             raise ValueError(f"batch size {b} does not split into num_microbatches={num_microbatches}")
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable: loss_fn(output, batch) -> loss (or loss_fn(output, "
@@ -593,14 +660,22 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
                              "main_grad) or float32. float16 models can still run forward")
         reductions = check_reductions(metric_reduce)
         extras = _check_extras(extras, batch[0])
-        return (batch, request, extras, reductions), _cp_fingerprint(layout, batch, num_microbatches, request), \
-            num_microbatches
-    ((ids_all, mask_all, pos_all), request, extras, reductions), _ = _checked_call(
+        return (batch, request, extras, reductions, bins), \
+            _cp_fingerprint(layout, batch, num_microbatches, request), num_microbatches
+    ((ids_all, mask_all, pos_all), request, extras, reductions, bins), _ = _checked_call(
         layout, check, what="forward_backward", count_moe=layout.ep > 1 and chunks[0].spec.moe is not None)
     if request is not None:   # the head's weight gradient goes straight into its existing gradient buffer
         request = dataclasses.replace(request, accumulate=True)
-    mbs = _microbatches(chunks, ids_all, pos_all, mask_all, num_microbatches)
-    extra_mbs = _split_extras(extras, num_microbatches)
+    sizes = None
+    if max_tokens_per_microbatch is not None:    # bins of at most the budget's real tokens, as many per replica
+        order, sizes = _token_budget_bins(layout, mask_all, max(bins, num_microbatches))
+        ids_all, mask_all, pos_all = (t[order] for t in (ids_all, mask_all, pos_all))
+        if extras:
+            index = torch.tensor(order, dtype=torch.long, device=ids_all.device)
+            extras = {k: v.index_select(0, index) for k, v in extras.items()}
+        num_microbatches = len(sizes)
+    mbs = _microbatches(chunks, ids_all, pos_all, mask_all, num_microbatches, sizes=sizes)
+    extra_mbs = _split_extras(extras, num_microbatches, sizes)
     records = {}    # microbatch -> (loss or loss_sum, kind: "pair" | "scalar" | "empty", num_tokens), last stage
     failure = []    # loss_fn's first exception on this rank: raised on every rank once the schedule is over
     metrics = MetricAccumulator(reductions)
