@@ -53,7 +53,11 @@ def make_model(cfg, *, seed: int, task: str = "causal_lm"):
     if getattr(cfg, "vision_config", None) is not None:       # *ForConditionalGeneration
         import transformers
         torch.manual_seed(seed)
-        model = transformers.AutoModelForImageTextToText.from_config(cfg).float().eval()
+        if task == "value":
+            cfg.num_labels = 1
+            model = transformers.AutoModelForSequenceClassification.from_config(cfg).float().eval()
+        else:
+            model = transformers.AutoModelForImageTextToText.from_config(cfg).float().eval()
         helpers.randomize_(model, seed)
     else:
         model = helpers.make_hf_model(cfg, seed=seed, task=task)
@@ -235,6 +239,8 @@ CASES = [
     ("qwen3.5 VL checkpoint tp2 pp2 packed", "qwen3_5", {}, dict(tp=2, pp=2, ep=1, nmb=2), {"packed": True},
      dict(vision=True)),
     ("qwen3.5-moe VL checkpoint tp2 ep2", "qwen3_5_moe", {}, dict(tp=2, pp=1, ep=2, nmb=1), {}, dict(vision=True)),
+    ("qwen3.5 VL value (Qwen3_5ForSequenceClassification) tp2 dp2", "qwen3_5", {}, dict(tp=2, pp=1, ep=1, nmb=1),
+     {"task": "value"}, dict(vision=True)),
 ]
 
 

@@ -303,7 +303,8 @@ def render(report: dict) -> str:
     tps = report["valid_tp"]
     lines.append(f"valid tp      {', '.join(map(str, tps))}  (tp must divide the {c['heads']} query heads, the "
                  f"{c['kv_heads']} kv heads (or be a multiple of them: replicated) and intermediate "
-                 f"{c['intermediate']})")
+                 f"{c['intermediate']}" + (", and the Gated DeltaNet key and value heads" if c.get("linear_layers")
+                                           else "") + ")")
     pads = [f"tp {t}: {padded_vocab_size(c['vocab'], t)}" for t in tps
             if padded_vocab_size(c["vocab"], t) != c["vocab"]]
     if pads:
