@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
-# GPU smoke (scripts/gpu_smoke.py): logits, log-probs, export, an AdamW step, a training checkpoint and MoE
-# (logits, then ZeRO and a training checkpoint at ep = world) against transformers on CUDA + NCCL. Uses every
-# visible GPU (1, 2 or 4). Extra arguments go to the script.
-set -euo pipefail
+# GPU smoke: scripts/gpu_smoke.py (logits, log-probs, export, an AdamW step, a training checkpoint, MoE, kernel
+# choices, YaRN, big pipeline messages, throughput against transformers on CUDA + NCCL, every visible GPU: 1, 2
+# or 4), then the one-process checks in scripts/gpu_checks/ (attention.py: the context-parallel CUDA block kernel
+# and sliding windows). Every part runs even when an earlier one fails; the exit status is non-zero when any
+# failed. Extra arguments go to every script (--cpu: a dry run on gloo / CPU). Never run on a GPU yet.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 N=$("$PY" -c "import torch; n=torch.cuda.device_count(); print(4 if n>=4 else (2 if n>=2 else 1))")
-exec "$PY" -m torch.distributed.run --standalone --nproc-per-node "$N" scripts/gpu_smoke.py "$@"
+status=0
+echo "== scripts/gpu_smoke.py on $N process(es)"
+"$PY" -m torch.distributed.run --standalone --nproc-per-node "$N" scripts/gpu_smoke.py "$@" || status=1
+for check in scripts/gpu_checks/attention.py; do
+  echo "== $check"
+  "$PY" "$check" "$@" || status=1
+done
+exit "$status"
