@@ -44,7 +44,10 @@ def hybrid_config(model_type: str, **overrides):
         text = hybrid_config(model_type + "_text", **overrides).to_dict()
         return transformers.AutoConfig.for_model(model_type, text_config=text, vision_config=dict(VISION))
     extra = MOE if model_type in ("qwen3_5_moe_text", "qwen3_next") else {}
-    return helpers.tiny_config(model_type, **dict(HYBRID, **extra, **overrides))
+    cfg = helpers.tiny_config(model_type, **dict(HYBRID, **extra, **overrides))
+    if model_type == "qwen3_5_moe_text":      # as transformers' config has it: no dense MLP width at all
+        del cfg.intermediate_size
+    return cfg
 
 
 def make_model(cfg, *, seed: int, task: str = "causal_lm"):

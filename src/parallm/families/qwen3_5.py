@@ -24,10 +24,10 @@ from ..model.rope import rope_spec_from_hf_config
 from ..model.spec import DecoderSpec, GatedDeltaNetSpec
 from ..model.table import Row
 from ..model.yarn import rope_parameters, rotary_dim
-from .deepseek_v3 import base_kwargs_without_rope
+from .deepseek_v3 import _config_dict, base_kwargs_without_rope
 from .llama import DECODER_TABLE
 from .moe_common import moe_rows, moe_spec, moe_table, num_experts_of
-from .registry import Family, register
+from .registry import Family, load_config, register
 
 H = "hidden_size"
 LINEAR = "model.layers.{i}.linear_attn."
@@ -113,7 +113,11 @@ def _int(config, key: str, default=None):
 
 def hybrid_spec(config, family: str, *, interleaved: bool, moe=None) -> DecoderSpec:
     """The :class:`DecoderSpec` of a Qwen3-Next / Qwen3.5 text config (``interleaved``: Qwen3-Next's grouped input
-    projections; ``moe``: the :class:`~parallm.model.spec.MoESpec`, None for dense)."""
+    projections; ``moe``: the :class:`~parallm.model.spec.MoESpec`, None for dense). A config without
+    ``intermediate_size`` (Qwen3.5-MoE's: every layer routes) gets the experts' width there, never used."""
+    if getattr(config, "intermediate_size", None) is None and moe is not None \
+            and len(moe.layers) == int(config.num_hidden_layers):
+        config = load_config(dict(_config_dict(config), intermediate_size=moe.expert_intermediate_size))
     kwargs = base_kwargs_without_rope(config, family)
     head_dim = kwargs["head_dim"]
     params = rope_parameters(config)
@@ -201,7 +205,6 @@ def vl_table(text_table: tuple[Row, ...]) -> tuple[Row, ...]:
 
 
 def _sub_config(config, key: str):
-    from .registry import load_config
     sub = getattr(config, key, None)
     if sub is None:
         raise ValueError(f"a vision-language config needs {key} (got none)")
