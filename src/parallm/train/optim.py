@@ -36,6 +36,7 @@ of the parameters it owns only (what its step reads).
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 
@@ -151,12 +152,17 @@ def _copy_hyperparameters(source: list[dict], target: list[dict]) -> None:
                 group[k] = tuple(saved[k]) if k == "betas" else saved[k]
 
 
-class ParallelAdamW:
-    """What :func:`build_optimizer` returns: AdamW over this rank's parameters (see the module docstring).
+class ParallelAdamW(torch.optim.Optimizer):
+    """What :func:`build_optimizer` returns: AdamW over this rank's parameters (see the module docstring), a
+    ``torch.optim.Optimizer``: torch's learning-rate schedulers (``torch.optim.lr_scheduler``) and step hooks
+    work on it.
 
-    ``param_groups``: ``[decay, no_decay]``, torch-style dicts (``"params"``, ``"lr"``, ``"betas"``, ``"eps"``,
-    ``"weight_decay"``, ``"name"``) over every trainable parameter; change ``"lr"`` (or call :meth:`set_lr`)
-    between steps: each step copies them into the local optimizers.
+    ``param_groups``: ``[decay, no_decay]``, torch's dicts (``"params"``, ``"lr"``, ``"betas"``, ``"eps"``,
+    ``"weight_decay"``, plus ``"name"``) over every trainable parameter; change ``"lr"`` (a scheduler does, or
+    :meth:`set_lr`) between steps: each step copies the hyperparameters into the local optimizers that hold
+    the state (under ZeRO, only this rank's partition). ``state``: parameter -> its state (master copy,
+    moments, step) for the parameters whose state lives on this rank. :meth:`state_dict` /
+    :meth:`load_state_dict` resume at the same layout (training checkpoints change layouts).
     """
 
     def __init__(self, chunks, *, lr, betas, eps, weight_decay, shard_over_dp, no_decay,
@@ -186,9 +192,13 @@ class ParallelAdamW:
             return decay, skip
         decay, skip = run_local(split, what="build_optimizer")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        self._groups = [dict(defaults, params=decay, name="decay"),
-                        dict(defaults, params=skip, weight_decay=0.0, name="no_decay")]
+        super().__init__([dict(params=decay, name="decay"), dict(params=skip, weight_decay=0.0, name="no_decay")],
+                         defaults)
         self._parts: list[tuple[MasterAdamW, ParamBuckets | None]] = []
+        self._build_parts(decay, skip, defaults, bucket_bytes)
+        self.state = collections.defaultdict(dict, {p: st for p, st in self.owned()})
+
+    def _build_parts(self, decay, skip, defaults, bucket_bytes) -> None:
         if not (self.shard_over_dp or self.overlap_grad_reduce):
             self._add_part(decay + skip, None, defaults)
             return
@@ -212,36 +222,38 @@ class ParallelAdamW:
         buckets its domain syncs after each step."""
         keep = set(map(id, params))
         groups = [{"params": [p for p in g["params"] if id(p) in keep], "weight_decay": g["weight_decay"],
-                   "name": g["name"]} for g in self._groups]
+                   "name": g["name"]} for g in self.param_groups]
         self._parts.append((MasterAdamW(groups, **defaults), buckets))
 
     @property
     def _locals(self) -> list[MasterAdamW]:
         return [local for local, _ in self._parts]
 
-    # -- torch.optim-like surface ----------------------------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict]:
-        return self._groups
-
+    # -- torch.optim.Optimizer's surface -----------------------------------------------------------------
     def set_lr(self, lr: float) -> None:
         for group in self.param_groups:
             group["lr"] = lr
 
-    def step(self) -> None:
+    @torch.no_grad()
+    def step(self, closure=None):
         """One AdamW step of every parameter with a gradient (``grad_of``). Call after
         ``parallm.finalize_grads``. With ``shard_over_dp`` it is collective over the data-parallel group: each
         rank steps the parameters it owns, then one all-gather (or broadcast) per bucket brings every replica's
         parameters to the owners' new values."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         dims_of(self.chunks)
         for local, buckets in self._parts:
             if buckets is not None:
                 buckets.rebind()
-            _copy_hyperparameters(self._groups, local.param_groups)
+            _copy_hyperparameters(self.param_groups, local.param_groups)
             local.step()
         for _, buckets in self._parts:
             if buckets is not None:
                 buckets.sync()
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``param.grad`` (None, or zeros with ``set_to_none=False``) and zero ``param.main_grad`` in place
@@ -326,11 +338,12 @@ def build_optimizer(chunks, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
                     bucket_bytes: int | None = None) -> ParallelAdamW:
     """AdamW over ``chunks`` (this rank's model): ``torch.optim.AdamW`` semantics, fp32 master weights and
     moments for bf16 / fp16 parameters, weight decay skipping biases and norm weights unless ``no_decay``
-    (``(hf_name, param) -> bool``) says otherwise, and with ``shard_over_dp=True`` the state sharded over the
+    (``(hf_name, param) -> bool``) says otherwise (the DeepSeek-V3 selection bias and MTP layers are not
+    trained: in no group), a ``torch.optim.Optimizer`` (torch's LR schedulers work on it), and with ``shard_over_dp=True`` the state sharded over the
     data-parallel group (ZeRO-1). ``overlap_grad_reduce=True``: gradients live in buckets of about
     ``bucket_bytes`` (default: megatron-core's 40M fp32 elements) that ``finalize_grads`` reduces bucket by
-    bucket, starting during the backward once :func:`parallm.train.grads.expect_microbatches` announced the
-    step; with ``shard_over_dp`` too, reduce-scattered, so after ``finalize_grads`` only the parameters this rank
+    bucket, starting during the backward (``forward_backward`` announces its microbatches;
+    :func:`parallm.train.grads.expect_microbatches` a step of several calls); with ``shard_over_dp`` too, reduce-scattered, so after ``finalize_grads`` only the parameters this rank
     owns hold the global gradient (:mod:`parallm.train.buckets`). Collective (every rank calls it). See
     :mod:`parallm.train.optim`."""
     require_initialized("build_optimizer")
