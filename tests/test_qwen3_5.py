@@ -175,6 +175,17 @@ def test_spec_and_table_cover_the_checkpoint(model_type, tmp_path):
         spec_from_config(hybrid_config(model_type, layer_types=["sliding_attention", "full_attention"] * 2))
 
 
+def test_vision_config_named_after_the_vl_model_still_lists_the_tower():
+    """Early Qwen3.5 checkpoints say ``vision_config.model_type: qwen3_5`` (transformers corrects it to
+    ``qwen3_5_vision`` on load): the carried tensors are the same."""
+    from parallm.families import spec_from_config
+    raw = hybrid_config("qwen3_5").to_dict()
+    want, _ = spec_from_config(raw)
+    raw["vision_config"] = dict(raw["vision_config"], model_type="qwen3_5")
+    got, family = spec_from_config(raw)
+    assert family.name == "qwen3_5_vl" and got.carried == want.carried and len(got.carried) == 2 * 12 + 9
+
+
 def test_context_parallel_needs_heads_divisible_by_tp_times_cp():
     from parallm.families import spec_from_config
     from parallm.model.gated_deltanet import check_cp_heads

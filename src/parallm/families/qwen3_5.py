@@ -225,6 +225,9 @@ def vision_tensors(config) -> tuple[tuple[str, tuple[int, ...]], ...]:
     raw = vision if isinstance(vision, dict) else (vision.to_dict() if vision is not None else None)
     if raw is None or "model_type" not in raw:
         raise ValueError("a vision-language config needs a vision_config with its model_type")
+    if raw["model_type"] in ("qwen3_5", "qwen3_5_moe"):     # early checkpoints name the VL model there
+        raw = dict(raw, model_type=raw["model_type"] + "_vision")       # (transformers corrects it the same way)
+        vision = raw
     key = json.dumps(raw, sort_keys=True, default=str)
     if key not in _VISION_CACHE:
         cfg = vision if not isinstance(vision, dict) else transformers.AutoConfig.for_model(
