@@ -270,11 +270,12 @@ def reference_step(model, ids, mask, pieces, task, tmp):
                                 mask[i:i + size]) for i in range(0, ids.shape[0], size)]).mean()
     loss.backward()
     with torch.no_grad():
+        norm = torch.stack([p.grad.pow(2).sum() for p in model.parameters() if p.grad is not None]).sum().sqrt()
         for p in model.parameters():
             if p.grad is not None:
                 p -= LR * p.grad
         after = hf_output(model, ids, mask, task=task)
-    return loss.item(), helpers.hub_state_dict(model, tmp), after
+    return loss.item(), helpers.hub_state_dict(model, tmp), after, norm.item()
 
 
 def make_cases(tmp_path, specs=CASES):
@@ -288,12 +289,12 @@ def make_cases(tmp_path, specs=CASES):
         vocab = cfg.get_text_config().vocab_size
         ids, mask = long_batch(vocab, batch=8, seq=opts.get("seq", 9), seed=i)
         dp = WORLD // (layout["tp"] * layout["pp"] * layout.get("cp", 1))
-        loss, new_sd, after = reference_step(model, ids, mask, dp * layout["nmb"], task, str(tmp_path / f"s{i}"))
+        loss, new_sd, after, norm = reference_step(model, ids, mask, dp * layout["nmb"], task, str(tmp_path / f"s{i}"))
         with torch.no_grad():
             ref = hf_output(model, ids, mask, task=task)
         case = dict(name=name, ckpt=ckpt, ids=ids, mask=mask, build=build, task=task, ref=ref, ref_sd=ckpt_sd,
                     spread=recurrent_spread(model, ids, mask, task),
-                    ref_loss=loss, ref_new_sd=new_sd, ref_after=after, opts=opts, **layout)
+                    ref_loss=loss, ref_new_sd=new_sd, ref_after=after, ref_norm=norm, opts=opts, **layout)
         if opts.get("logprobs"):
             lp = ref[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
             case["ref_logprobs"] = torch.cat([lp, torch.zeros(ids.shape[0], 1)], dim=1)
@@ -350,6 +351,8 @@ def rank_cases(rank, world, cases):
         loss_fn = value_loss if case["task"] == "value" else causal_lm_loss
         loss = parallm.forward_backward(chunks, ids[sl], mask[sl], loss_fn=loss_fn, num_microbatches=case["nmb"])
         parallm.finalize_grads(chunks)
+        norm = parallm.clip_grad_norm_(chunks, float("inf"))      # the unsharded model's gradient norm
+        res["norm"] = abs(norm.item() - case["ref_norm"]) / case["ref_norm"]
         with torch.no_grad():
             for c in chunks:
                 for p in c.parameters():
@@ -414,6 +417,7 @@ def check(cases, results):
         assert loss < TOL, case["name"]
         assert wdiff < TOL, case["name"]
         assert after < 1e-4, case["name"]
+        assert max(r["norm"] for r in per_rank) < 1e-5, (case["name"], [r["norm"] for r in per_rank])
         assert lp < max(TOL, 2 * case["spread"]), case["name"]
 
 
