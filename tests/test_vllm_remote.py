@@ -184,6 +184,7 @@ def test_push_into_two_servers_both_backends(run):
         assert all(r[key]["bytes"] == stats["bytes"] for r in out)
         assert len(stats["engines"]) == 2 and stats["updates"] > 3, stats
         assert all(e["bytes"] == stats["bytes"] > 0 for e in stats["engines"].values()), stats
+        assert all(0 < e["seconds"] <= stats["seconds"] and e["gbps"] > 0 for e in stats["engines"].values()), stats
 
 
 @pytest.mark.timeout(900)

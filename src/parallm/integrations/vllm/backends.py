@@ -38,8 +38,12 @@ The wire (JSON over vLLM's HTTP routes or ``collective_rpc``):
            {"transport": "gloo", "master_address": str, "master_port": int, "rank_offset": int,
             "world_size": int, "group": str, "timeout_s": float}
            {"verify": {"names": [...], "shapes": [[...], ...], "dtype": "float32"}}
-    update {"names": [...], "dtypes": [...], "shapes": [[...], ...], "offsets": [bytes, ...], "nbytes": int,
-            "slot": int (shm only)}
+    update {"transport": "shm" | "gloo", "names": [...], "dtypes": [...], "shapes": [[...], ...],
+            "offsets": [bytes, ...], "nbytes": int, "slot": int, "path": str (shm only)}
+
+A worker keeps one transport of each kind (the last init of that kind): a shared-memory connection and a gloo
+connection to the same engine (two trainers' connections, or a benchmark's) both work, each update naming its
+own.
 """
 
 from __future__ import annotations
@@ -109,6 +113,8 @@ class ParallmUpdateInfo:
     offsets: list = field(default_factory=list)
     nbytes: int = 0
     slot: int | None = None
+    transport: str | None = None
+    path: str | None = None
 
 
 def _worker_rank(parallel_config) -> int:
@@ -148,9 +154,8 @@ class _EngineMethods:
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)  # vLLM's WeightTransferEngine
         self.name = config.backend
-        self.transport = None
         self.shm = None                 # the mapped file (uint8), slots back to back
-        self.slot_bytes = 0
+        self.slot_bytes, self.shm_path = 0, None
         self.group = None               # gloo
         self.store = None
         self.repack = None
@@ -173,8 +178,8 @@ class _EngineMethods:
             raise ValueError(f"{self.name}: this engine was started with weight-transfer backend {self.name!r}, "
                              f"which takes {' or '.join(allowed)}; the trainer asked for {init_info.transport!r} "
                              "(start the engine with backend 'parallm' to take both)")
-        self.shutdown()
         if init_info.transport == "shm":
+            self.shm = None
             size = init_info.slot_bytes * init_info.slots
             if not (init_info.path and os.path.exists(init_info.path)):
                 raise ValueError(f"{self.name}: the shared-memory file {init_info.path!r} does not exist on this "
@@ -184,16 +189,16 @@ class _EngineMethods:
                 raise ValueError(f"{self.name}: {init_info.path} holds {os.path.getsize(init_info.path)} bytes, "
                                  f"the trainer announced {size}")
             self.shm = torch.from_file(init_info.path, shared=True, size=size, dtype=torch.uint8)
-            self.slot_bytes = init_info.slot_bytes
+            self.slot_bytes, self.shm_path = init_info.slot_bytes, init_info.path
         else:
             import torch.distributed as dist
+            self.group = self.store = None
             timeout = datetime.timedelta(seconds=init_info.timeout_s)
             rank = init_info.rank_offset + _worker_rank(self.parallel_config)
             self.store = dist.TCPStore(init_info.master_address, init_info.master_port, init_info.world_size,
                                        is_master=False, timeout=timeout)
             self.group = dist.ProcessGroupGloo(dist.PrefixStore(init_info.group, self.store), rank,
                                                init_info.world_size, timeout)
-        self.transport = init_info.transport
 
     def _verify(self, verify: dict) -> None:
         """What the push brings against this worker's model: names, shapes, dtype (the engine's). Every worker
@@ -219,7 +224,7 @@ class _EngineMethods:
     # -- one update ------------------------------------------------------------------------------------------
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-        if self.transport is None:
+        if self.shm is None and self.group is None:
             raise RuntimeError(f"{self.name}: start_weight_update before init_weight_transfer_engine")
         self.repack = cpu_experts_repacked(self.model)
         self.repack.start()
@@ -238,17 +243,23 @@ class _EngineMethods:
             torch.cuda.synchronize(self.device)
 
     def receive_weights(self, info: ParallmUpdateInfo) -> None:
-        if self.transport == "shm":
+        transport = info.transport or ("gloo" if info.slot is None else "shm")
+        if transport == "shm" and self.shm is not None:
+            if info.path is not None and info.path != self.shm_path:
+                raise ValueError(f"{self.name}: the update is in {info.path}, but this engine reads "
+                                 f"{self.shm_path}: another connection initialised it since (one shared-memory "
+                                 "connection per engine; connect again)")
             if info.slot is None or not 0 <= info.slot * self.slot_bytes + info.nbytes <= self.shm.numel():
                 raise ValueError(f"{self.name}: update names slot {info.slot} with {info.nbytes} bytes, outside "
                                  f"the {self.shm.numel()}-byte region")
             start = info.slot * self.slot_bytes
             buffer = self.shm[start:start + info.nbytes].clone()      # vLLM may keep the tensors: its own copy
-        elif self.transport == "gloo":
+        elif transport == "gloo" and self.group is not None:
             buffer = torch.empty(info.nbytes, dtype=torch.uint8)
             self.group.broadcast(buffer, 0).wait()
         else:
-            raise RuntimeError(f"{self.name}: update_weights before init_weight_transfer_engine")
+            raise RuntimeError(f"{self.name}: a {transport} update before a {transport} "
+                               "init_weight_transfer_engine")
         buffer = buffer.to(self.device) if getattr(self.device, "type", "cpu") != "cpu" else buffer
         weights = unpack(buffer, vars(info))
         tied = getattr(self.model_config.hf_config, "tie_word_embeddings", False)
@@ -275,4 +286,3 @@ class _EngineMethods:
     def shutdown(self) -> None:
         self.shm = None
         self.group = self.store = None
-        self.transport = None

@@ -182,8 +182,9 @@ def push_weights(chunks, llm, *, rank: int = 0, dtype: torch.dtype | None = None
     :func:`~parallm.integrations.vllm.connect` returned, on every rank): one export stream to the connection's
     sending rank, fanned out to every healthy engine of the connection (see :mod:`.remote`; ``rank`` is not
     used). Returns, on every rank: ``{"bytes", "tensors", "updates", "seconds", "gbps", "buckets", "engines":
-    {engine name: {"bytes", "seconds", "gbps"}}}``; an engine that failed raises
-    :class:`~parallm.integrations.vllm.client.EngineFailed` on every rank after the others have finished.
+    {engine name: {"bytes", "seconds" (until its finish_weight_update returned), "gbps"}}}``; an engine that
+    failed raises :class:`~parallm.integrations.vllm.client.EngineFailed` on every rank after the others have
+    finished.
 
     ``push_weights(chunks, llm, rank=r)``: into the in-process vLLM engine on global rank ``rank`` (what
     :func:`launch` returned there; None elsewhere). Collective over every rank, at any tp / pp / vpp / ep layout:

@@ -73,9 +73,10 @@ class _Fanout:
         names, dtypes, shapes, offsets = (list(x) for x in zip(*self.entries))
         nbytes = max(o + torch.empty((), dtype=getattr(torch, d)).element_size() * _numel(s)
                      for o, d, s in zip(offsets, dtypes, shapes))
-        info = {"names": names, "dtypes": dtypes, "shapes": shapes, "offsets": offsets, "nbytes": nbytes}
+        info = {"transport": "gloo" if self.gloo else "shm", "names": names, "dtypes": dtypes, "shapes": shapes,
+                "offsets": offsets, "nbytes": nbytes}
         if not self.gloo:
-            info["slot"] = self.slot
+            info.update(slot=self.slot, path=self.conn.path)
         futures, works = {}, {}
         for i in self.live:
             futures[i] = self.conn.pools[i].submit(self.conn.handles[i].update, info)
@@ -144,12 +145,20 @@ def _before(conn: Connection, meta, wire: torch.dtype, slot_bytes: int) -> list[
     return conn.healthy()
 
 
-def _after(conn: Connection, engines: list[int]) -> None:
+def _after(conn: Connection, engines: list[int]) -> dict[int, float]:
+    """``finish_weight_update`` and a prefix-cache reset on every engine still live; when each one finished
+    (``time.perf_counter()``)."""
     live = [i for i in engines if i not in conn.failed]
-    for i, why in conn.on_all(lambda h: h.finish(), live, what="finish_weight_update").items():
+    done = {}
+
+    def finish(h):
+        h.finish()
+        done[conn.handles.index(h)] = time.perf_counter()
+    for i, why in conn.on_all(finish, live, what="finish_weight_update").items():
         conn.fail(i, why)
     conn.on_all(lambda h: h.reset_prefix_cache(), [i for i in live if i not in conn.failed],
                 what="reset_prefix_cache")     # best effort: an engine without prefix caching refuses
+    return done
 
 
 def push_remote(chunks, conn: Connection, *, dtype: torch.dtype | None = None, bucket_bytes=None) -> dict:
@@ -177,7 +186,7 @@ def push_remote(chunks, conn: Connection, *, dtype: torch.dtype | None = None, b
     stream, state = open_stream(chunks, dtype=wire, bucket_bytes=bucket, dst_ranks=[sender], copy=False,
                                 what="push_weights")
     nbytes = tensors = 0
-    fanout = None
+    fanout, finished = None, {}
     if me == sender:
         fanout = _Fanout(conn, engines, slot_bytes, conn.backend == "parallm_gloo")
         try:
@@ -197,7 +206,7 @@ def push_remote(chunks, conn: Connection, *, dtype: torch.dtype | None = None, b
                 fanout.close()
             except Exception:  # noqa: BLE001 - the first error is the one reported
                 pass
-        _after(conn, engines)
+        finished = _after(conn, engines)
         if error is None and conn.failed and any(i in conn.failed for i in engines):
             error = EngineFailed("push_weights: engine(s) failed during the push and need a restart (vLLM "
                                  "takes no update after a failed one); the other engines received every tensor: "
@@ -217,7 +226,7 @@ def push_remote(chunks, conn: Connection, *, dtype: torch.dtype | None = None, b
     summary = None
     if me == sender and error is None:
         summary = {"bytes": nbytes, "tensors": tensors, "updates": fanout.updates, "engines": {
-            conn.handles[i].name: {"bytes": fanout.sent[i]} for i in engines}}
+            conn.handles[i].name: {"bytes": fanout.sent[i], "seconds": finished[i] - t0} for i in engines}}
     gathered = gather_objects((status_of(error), seconds, summary), what="push_weights", error=error)
     statuses = [g[0] for g in gathered]
     if any(s is not None for s in statuses):
@@ -225,8 +234,8 @@ def push_remote(chunks, conn: Connection, *, dtype: torch.dtype | None = None, b
     seconds = max(g[1] for g in gathered)
     out = dict(gathered[sender][2])
     out.update(seconds=seconds, gbps=out["bytes"] / seconds / 1e9 if seconds else 0.0, buckets=state.buckets)
-    for stats in out["engines"].values():
-        stats.update(seconds=seconds, gbps=stats["bytes"] / seconds / 1e9 if seconds else 0.0)
+    for stats in out["engines"].values():   # seconds: from the call to the engine's finish_weight_update
+        stats["gbps"] = stats["bytes"] / stats["seconds"] / 1e9 if stats["seconds"] else 0.0
     return out
 
 

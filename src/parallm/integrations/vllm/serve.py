@@ -90,19 +90,29 @@ def shm_files() -> set[str]:
     return _shm_names()
 
 
-def remove_shm_files(before: set[str]) -> list[str]:
+def remove_shm_files(before: set[str], *, wait: float = 10.0) -> list[str]:
     """Remove the files vLLM and parallm leave in /dev/shm (``vllm*``, ``psm_*``, ``sem.mp-*``, ``parallm_wt_*``)
-    that appeared since ``before`` (:func:`shm_files`) and that no running process has open or mapped; the
-    names removed."""
+    that appeared since ``before`` (:func:`shm_files`) and that no running process has open or mapped, waiting up
+    to ``wait`` seconds for the processes still mapping them to end (an engine's workers outlive their parent by
+    a moment); the names removed."""
     removed = []
-    for name in sorted(_shm_names() - before):
-        if name.startswith(("vllm", "psm_", "sem.mp-", "parallm_wt_")) and not _in_use(os.path.join(_SHM, name)):
+    deadline = time.monotonic() + wait
+    while True:
+        left = []
+        for name in sorted(_shm_names() - before - set(removed)):
+            if not name.startswith(("vllm", "psm_", "sem.mp-", "parallm_wt_")):
+                continue
+            if _in_use(os.path.join(_SHM, name)):
+                left.append(name)
+                continue
             try:
                 os.unlink(os.path.join(_SHM, name))
                 removed.append(name)
             except OSError:
                 pass
-    return removed
+        if not left or time.monotonic() > deadline:
+            return removed
+        time.sleep(0.5)
 
 
 def _in_use(path: str) -> bool:
