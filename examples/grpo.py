@@ -21,9 +21,12 @@ One GRPO step:
 3. the trainer's log-probs of the same tokens (``forward(output="logprobs")``): the old policy of the PPO ratio,
    and the rollout / trainer mismatch (the engine's log-probs against them: when the two differ the "on-policy"
    update is not, a known RL pitfall);
-4. ``--updates`` PPO-clip updates over minibatches of the rollouts: ``forward_backward(output="logprobs+entropy")``
-   with a token-mean loss (``loss_fn`` returns ``(loss_sum, num_tokens)``: the sum over the answer tokens of the
-   batch over their number), ``finalize_grads``, ``clip_grad_norm_``, parallm's AdamW;
+4. ``--updates`` PPO-clip updates over minibatches of the rollouts: ``forward_backward(batch,
+   output="logprobs+entropy", num_microbatches=--microbatches)`` with the batch form (the old log-probs and the
+   advantages are entries of the batch, split with its rows into each microbatch's ``loss_fn(out, mb)``) and a
+   token-mean loss returning metrics (``((loss_sum, num_tokens), {"entropy", "clipped"})``: the sum over the
+   answer tokens of the batch over their number; the metrics come back reduced over the microbatches and
+   replicas), ``finalize_grads``, ``clip_grad_norm_``, parallm's AdamW;
 5. ``push_weights`` into the engine(s).
 
 ``--engines serve`` (with vLLM): instead of one engine in rank 0's process, rank 0 starts two ``vllm serve``
@@ -65,6 +68,7 @@ def parse(argv=None):
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step")
     ap.add_argument("--group", type=int, default=8, help="samples per prompt")
     ap.add_argument("--updates", type=int, default=2, help="PPO minibatch updates per step")
+    ap.add_argument("--microbatches", type=int, default=4, help="microbatches per PPO update (forward_backward)")
     ap.add_argument("--lr", type=float, default=1e-3, help="GRPO learning rate")
     ap.add_argument("--warmup-lr", type=float, default=3e-3)
     ap.add_argument("--clip", type=float, default=0.2, help="PPO clip epsilon")
@@ -306,18 +310,21 @@ def ppo_update(chunks, opt, ids, start, n, old, adv, args):
     entropy, clipped = None, []
     for u in range(args.updates):
         sel = order[u * b // args.updates:(u + 1) * b // args.updates]
-        mb_old, mb_adv = old[sel], adv[sel][:, None]
-        stats = {}
+        # the batch form: the rollouts' old log-probs and advantages travel with their rows into each microbatch
+        batch = {"input_ids": ids[sel], "old_logprobs": old[sel], "advantages": adv[sel]}
 
-        def loss_fn(out, mb_ids, mask):
+        def loss_fn(out, mb):
             lp, ent = answer_slice(out.logprobs, start, n), answer_slice(out.entropy, start, n)
-            ratio = torch.exp(lp - mb_old)
-            unclipped, clipped_ = ratio * mb_adv, ratio.clamp(1 - args.clip, 1 + args.clip) * mb_adv
-            stats["entropy"] = ent.detach().mean().item()
-            stats["clipped"] = (clipped_ < unclipped).float().mean().item()     # min() took the clipped term
+            ratio = torch.exp(lp - mb["old_logprobs"])
+            a = mb["advantages"][:, None]
+            unclipped, clipped_ = ratio * a, ratio.clamp(1 - args.clip, 1 + args.clip) * a
             loss = -torch.minimum(unclipped, clipped_) - args.entropy_coef * ent
-            return loss.sum(), loss.numel()                                    # token-mean over the batch
-        parallm.forward_backward(chunks, ids[sel], loss_fn=loss_fn, output="logprobs+entropy")
+            metrics = {"entropy": ent.detach().mean(),                          # token means (weighted by n)
+                       "clipped": (clipped_ < unclipped).float().mean()}      # min() took the clipped term
+            return (loss.sum(), loss.numel()), metrics                          # token-mean over the batch
+        _, stats = parallm.forward_backward(chunks, batch, loss_fn=loss_fn, output="logprobs+entropy",
+                                            num_microbatches=args.microbatches)
+        stats = {k: v.item() for k, v in stats.items()}
         parallm.finalize_grads(chunks)
         parallm.clip_grad_norm_(chunks, 1.0)
         opt.step()

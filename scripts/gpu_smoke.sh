@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU smoke: scripts/gpu_smoke.py (logits, log-probs, export, an AdamW step, a training checkpoint, MoE, kernel
 # choices, YaRN, big pipeline messages, throughput against transformers on CUDA + NCCL, every visible GPU: 1, 2
-# or 4), then the one-process checks in scripts/gpu_checks/ (attention.py: the context-parallel CUDA block kernel
-# and sliding windows). Every part runs even when an earlier one fails; the exit status is non-zero when any
+# or 4), then scripts/gpu_checks/: attention.py (one process: the context-parallel CUDA block kernel and sliding
+# windows) and gated_deltanet.py (1-2 processes: the fla kernels against the torch recurrence, Qwen3.5 logits;
+# pip install -e ".[gpu]" first). Every part runs even when an earlier one fails; the exit status is non-zero when any
 # failed. Extra arguments go to every script (--cpu: a dry run on gloo / CPU). Never run on a GPU yet.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,8 +12,9 @@ N=$("$PY" -c "import torch; n=torch.cuda.device_count(); print(4 if n>=4 else (2
 status=0
 echo "== scripts/gpu_smoke.py on $N process(es)"
 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$N" scripts/gpu_smoke.py "$@" || status=1
-for check in scripts/gpu_checks/attention.py; do
-  echo "== $check"
-  "$PY" "$check" "$@" || status=1
-done
+echo "== scripts/gpu_checks/attention.py"
+"$PY" scripts/gpu_checks/attention.py "$@" || status=1
+N2=$(( N >= 2 ? 2 : 1 ))
+echo "== scripts/gpu_checks/gated_deltanet.py on $N2 process(es)"
+"$PY" -m torch.distributed.run --standalone --nproc-per-node "$N2" scripts/gpu_checks/gated_deltanet.py "$@" || status=1
 exit "$status"

@@ -1,0 +1,141 @@
+"""GPU checks of the Gated DeltaNet layers (Qwen3.5 / Qwen3-Next); run by scripts/gpu_smoke.sh. Never run on a
+GPU yet.
+
+    pip install -e ".[gpu]"       (fla-core, einops: the flash-linear-attention kernels)
+    torchrun --nproc-per-node 2 scripts/gpu_checks/gated_deltanet.py          (1 or 2 GPUs)
+    torchrun --nproc-per-node 2 scripts/gpu_checks/gated_deltanet.py --cpu    (dry run on gloo: the fla check
+                                                                               is skipped)
+
+Checks, one line each (PASS / FAIL, value, limit):
+  q1. the fla kernels (chunk_gated_delta_rule, causal_conv1d with cu_seqlens) against parallm's torch path on a
+      packed stream of 5 documents (lengths 1 .. 150, grouped values 2 -> 4 heads): fp32 outputs and the
+      gradients of q, k, v, g, beta, x and the conv weight; bf16 outputs, relative
+  q2. build_model picks the fla kernel under "auto" on CUDA (chunk.gdn_kernel == "fla") and the torch one when
+      PARALLM_GDN_KERNEL=torch
+  q3. a tiny Qwen3.5 (4 layers, linear / full alternating) at tp = world, packed + sequence parallel: fp32 logits
+      against transformers (run with its torch fallback), with each kernel
+Exits 0 when all pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+FAILS = []
+
+
+def report(name, value, limit):
+    ok = value <= limit
+    if not ok:
+        FAILS.append(name)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{'PASS' if ok else 'FAIL'} {name}: {value:.2e} (limit {limit:.0e})", flush=True)
+
+
+def check_kernels(device):
+    from parallm.model import gated_deltanet as gdn
+    fla = gdn.KERNELS["fla"]
+    why = fla.unavailable(device, torch.float32)
+    if why is not None:
+        print(f"SKIP q1 fla kernels: {why}")
+        return
+    torch_k = gdn.KERNELS["torch"]
+    g = torch.Generator().manual_seed(0)
+    lengths = [70, 5, 150, 1, 40]
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=device)
+    total = sum(lengths)
+    for dtype, limit in ((torch.float32, 2e-3), (torch.bfloat16, 3e-2)):
+        def data():
+            t = dict(q=torch.randn(total, 2, 32, generator=g), k=torch.randn(total, 2, 32, generator=g),
+                     v=torch.randn(total, 4, 32, generator=g), g=-torch.rand(total, 4, generator=g) * 0.3,
+                     beta=torch.rand(total, 4, generator=g), x=torch.randn(total, 64, generator=g),
+                     w=torch.randn(64, 1, 4, generator=g) * 0.3)
+            return t
+        base = data()
+        outs, grads = {}, {}
+        for kernel in (torch_k, fla):
+            t = {k: v.to(device=device, dtype=dtype if k not in ("g",) else torch.float32).requires_grad_()
+                 for k, v in base.items()}
+            o = kernel.rule(t["q"], t["k"], t["v"], t["g"], t["beta"], cu)
+            c = kernel.conv(t["x"], t["w"], cu)
+            (o.float().pow(2).sum() + c.float().pow(2).sum()).backward()
+            outs[kernel.name] = (o.float().detach(), c.float().detach())
+            grads[kernel.name] = {k: v.grad.float() for k, v in t.items()}
+        scale = max(outs["torch"][0].abs().max().item(), 1.0)
+        report(f"q1 fla rule vs torch {dtype} (relative)",
+               (outs["fla"][0] - outs["torch"][0]).abs().max().item() / scale, limit)
+        report(f"q1 fla conv vs torch {dtype}", (outs["fla"][1] - outs["torch"][1]).abs().max().item(), limit)
+        if dtype == torch.float32:
+            worst = max((grads["fla"][k] - grads["torch"][k]).abs().max().item()
+                        / max(grads["torch"][k].abs().max().item(), 1.0) for k in base)
+            report("q1 fla gradients vs torch fp32 (relative)", worst, 5e-3)
+
+
+def check_model(parallm, R, device, world, workdir, *, cpu: bool):
+    from parallm.model import gated_deltanet as gdn
+    tp = world if world in (1, 2) else 2
+    cfg = R.tiny_config("qwen3_5_text", num_hidden_layers=4, full_attention_interval=2, head_dim=16,
+                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                        linear_value_head_dim=16)
+    ckpt = os.path.join(workdir, "q35")
+    if dist.get_rank() == 0:
+        model = R.make_hf_model(cfg, seed=5)
+        model.save_pretrained(ckpt)
+    dist.barrier()
+    model = R.make_hf_model(cfg, seed=5)
+    ids, mask = R.padded_batch(cfg.vocab_size, batch=4, seq=90, seed=2)
+    with torch.no_grad():
+        ref = R.hf_output(model, ids, mask)
+    kernels = ["torch"] if cpu else ["auto", "torch"]
+    for name in kernels:
+        os.environ[gdn.KERNEL_ENV] = name
+        parallm.init_parallel(tp=tp)
+        chunks = parallm.build_model(ckpt, packed=True, sequence_parallel=tp > 1)
+        want = ("fla" if gdn.KERNELS["fla"].unavailable(device, torch.float32) is None else "torch") \
+            if name == "auto" else name
+        report(f"q2 kernel under {name} is {want} (0 = yes)", float(chunks[0].gdn_kernel != want), 0)
+        parallm.load_hf_weights(chunks, ckpt)
+        out = parallm.forward(chunks, ids.to(device), mask.to(device)).cpu()
+        report(f"q3 qwen3.5 tp{tp} packed+SP fp32 logits, kernel {chunks[0].gdn_kernel}",
+               R.max_diff_real(out, ref, mask), 1e-3 if chunks[0].gdn_kernel == "fla" else 1e-4)
+        parallm.destroy_parallel()
+    os.environ.pop(gdn.KERNEL_ENV, None)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cpu", action="store_true")
+    args = ap.parse_args()
+    import importlib
+
+    import parallm
+    R = importlib.import_module("parallm.verify.reference")
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29537")
+    world = int(os.environ["WORLD_SIZE"])
+    if args.cpu:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    else:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl")
+    if dist.get_rank() == 0:
+        check_kernels(device)
+    dist.barrier()
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = [tmp]
+        dist.broadcast_object_list(workdir, src=0)
+        check_model(parallm, R, device, world, workdir[0], cpu=args.cpu)
+    print(f"rank {dist.get_rank()}: {'all passed' if not FAILS else 'FAILED: ' + ', '.join(FAILS)}")
+    return 1 if FAILS else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
