@@ -4,8 +4,9 @@ with a chat template, GRPO prompt files in verl's parquet layout, and the rule r
 ``python -m parallm.integrations.verl.toy OUT_DIR`` writes ``OUT_DIR/model`` (``config.json``, safetensors,
 ``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``) and ``OUT_DIR/data/{train,val}.parquet``.
 The reward (:func:`compute_score`, given to verl as ``reward.custom_reward_function.path=<this file>``) is the
-share of the response's words equal to ``z``: a policy learns it by shifting probability onto one token, so the
-mean reward rises within a few dozen steps even for a random model.
+share of the response's words among the letters a-m: a random model scores about 0.4 with a spread over
+samples (so GRPO's advantages are not zero from the first step), and a policy learns it by shifting probability
+onto those tokens.
 
 Nothing here imports verl: the files are what verl reads (``RLHFDataset``'s ``prompt`` / ``data_source`` /
 ``reward_model`` columns; the reward signature of verl's ``default_compute_score``).
@@ -28,7 +29,7 @@ _TOKENS = [*SPECIAL_TOKENS, "\u010a", "\u0120", *_LETTERS, *("\u0120" + c for c 
 _VOCAB = {t: i for i, t in enumerate(_TOKENS)}
 _MERGES = [("\u0120", c) for c in _LETTERS]
 VOCAB_SIZE = len(_TOKENS)
-TARGET_WORD = "z"
+TARGET_WORDS = "abcdefghijklm"    # the reward: the share of response words among these letters
 PAD_ID, EOS_ID = 0, 1
 
 
@@ -73,7 +74,7 @@ def write_checkpoint(path: str, *, vocab: int = VOCAB_SIZE, hidden: int = 128, l
 
 
 def write_data(path: str, *, train: int = 64, val: int = 8, seed: int = 0) -> tuple[str, str]:
-    """``train.parquet`` / ``val.parquet`` of prompts of 4-8 random one-letter words (never the target)."""
+    """``train.parquet`` / ``val.parquet`` of prompts of 4-8 random one-letter words."""
     import random
 
     import pandas as pd
@@ -84,9 +85,9 @@ def write_data(path: str, *, train: int = 64, val: int = 8, seed: int = 0) -> tu
     def rows(n, split):
         out = []
         for i in range(n):
-            words = " ".join(rng.choice(_LETTERS[:-1]) for _ in range(rng.randrange(4, 9)))
+            words = " ".join(rng.choice(_LETTERS) for _ in range(rng.randrange(4, 9)))
             out.append({"data_source": "parallm_toy", "prompt": [{"role": "user", "content": words}],
-                        "ability": "toy", "reward_model": {"style": "rule", "ground_truth": TARGET_WORD},
+                        "ability": "toy", "reward_model": {"style": "rule", "ground_truth": TARGET_WORDS},
                         "extra_info": {"split": split, "index": i}})
         return pd.DataFrame(out)
 
@@ -103,9 +104,9 @@ def write_toy(out_dir: str, *, seed: int = 0) -> dict[str, str]:
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
-    """The share of the response's words equal to ``ground_truth`` (0 for an empty response)."""
+    """The share of the response's words that are one of the letters of ``ground_truth`` (0 for an empty one)."""
     words = solution_str.split()
-    return sum(w == ground_truth for w in words) / len(words) if words else 0.0
+    return sum(len(w) == 1 and w in ground_truth for w in words) / len(words) if words else 0.0
 
 
 if __name__ == "__main__":
