@@ -4,17 +4,25 @@
 #      them, only what they name runs);
 #   2. the vLLM tests (tests/test_vllm.py, tests/test_vllm_*.py) in .venv-vllm, made by scripts/setup_vllm.sh, with
 #      PARALLM_REQUIRE_VLLM=1: a missing or broken vLLM fails them instead of skipping them.
-# PARALLM_TEST_VLLM=0 leaves step 2 and its setup out (for quick local runs; CI runs both).
-# Both steps run; the exit status is non-zero when either failed.
+#   3. the verl tests (tests/test_verl.py) in .venv-verl, made by scripts/setup_verl.sh, with PARALLM_REQUIRE_VERL=1
+#      (verl's own trainer runs 2 GRPO steps with parallm's engine there).
+# PARALLM_TEST_VLLM=0 leaves step 2 and its setup out, PARALLM_TEST_VERL=0 step 3 (for quick local runs; CI runs
+# all). Every step runs; the exit status is non-zero when any failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_TESTS=(tests/test_vllm.py tests/test_vllm_device.py tests/test_vllm_source.py tests/test_vllm_remote.py
             tests/test_vllm_remote_moe.py)
 VLLM_VENV=${PARALLM_VLLM_VENV:-.venv-vllm}      # where scripts/setup_vllm.sh puts it
 with_vllm=${PARALLM_TEST_VLLM:-1}
+VERL_TESTS=(tests/test_verl.py)
+VERL_VENV=${PARALLM_VERL_VENV:-.venv-verl}      # where scripts/setup_verl.sh puts it
+with_verl=${PARALLM_TEST_VERL:-1}
 bash scripts/setup.sh
 if [ "$with_vllm" != 0 ]; then
   bash scripts/setup_vllm.sh
+fi
+if [ "$with_verl" != 0 ]; then
+  bash scripts/setup_verl.sh
 fi
 export OMP_NUM_THREADS=1
 
@@ -25,7 +33,7 @@ done
 status=0
 echo "== main suite (.venv)"
 ignore=()
-for t in "${VLLM_TESTS[@]}"; do ignore+=("--ignore=$t"); done
+for t in "${VLLM_TESTS[@]}" "${VERL_TESTS[@]}"; do ignore+=("--ignore=$t"); done
 .venv/bin/python -m pytest "${paths[@]}" "${ignore[@]}" -q --durations=15 "$@" || status=$?
 if [ "$with_vllm" != 0 ]; then
   echo "== vLLM tests ($VLLM_VENV)"
@@ -33,5 +41,12 @@ if [ "$with_vllm" != 0 ]; then
     --durations=15 || status=$?
 else
   echo "== vLLM tests left out (PARALLM_TEST_VLLM=0)"
+fi
+if [ "$with_verl" != 0 ]; then
+  echo "== verl tests ($VERL_VENV)"
+  PARALLM_REQUIRE_VERL=1 VLLM_LOGGING_LEVEL=WARNING "$VERL_VENV/bin/python" -m pytest "${VERL_TESTS[@]}" -q \
+    --durations=15 || status=$?
+else
+  echo "== verl tests left out (PARALLM_TEST_VERL=0)"
 fi
 exit "$status"
