@@ -94,8 +94,13 @@ def rank_fn(rank, world, ckpt, batches, cases):
         sched2.load_state_dict(saved[1])
         _train(parallm, chunks2, opt2, sched2, batches[2:], dims, 0)
         resumed = parallm.save_hf_weights(chunks2)
+        try:
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+            refused = False
+        except ValueError:
+            refused = True
         out[name] = dict(is_torch=isinstance(opt, torch.optim.Optimizer), groups=groups, lrs=lrs, final=final,
-                         resumed=resumed)
+                         resumed=resumed, refused=refused)
         parallm.destroy_parallel()
     return out
 
@@ -114,7 +119,7 @@ def test_lr_scheduler_on_parallm_optimizer_matches_torch_adamw(tmp_path):
     for name in cases:
         for r in res:
             got = r[name]
-            assert got["is_torch"]
+            assert got["is_torch"] and got["refused"]      # the groups are the model's: no group added later
             assert [[pytest.approx(x, rel=1e-12) for x in lr] for lr in got["lrs"]] == ref_lrs, got["lrs"]
             decay, skip = got["groups"]["decay"], got["groups"]["no_decay"]
             assert skip and decay and all(n.endswith(".bias") or "norm" in n for n in skip), skip

@@ -230,6 +230,14 @@ class ParallelAdamW(torch.optim.Optimizer):
         return [local for local, _ in self._parts]
 
     # -- torch.optim.Optimizer's surface -----------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, while the optimizer is built; afterwards a ValueError: the groups are fixed by the model
+        (decay / no_decay), and the state lives in local optimizers (ZeRO partitions) built from them."""
+        if getattr(self, "_parts", None) is not None:
+            raise ValueError("parallm's optimizer has fixed parameter groups ('decay', 'no_decay') over every "
+                             "trainable parameter of the model; build another optimizer for other parameters")
+        super().add_param_group(param_group)
+
     def set_lr(self, lr: float) -> None:
         for group in self.param_groups:
             group["lr"] = lr
