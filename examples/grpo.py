@@ -26,7 +26,8 @@ One GRPO step:
    advantages are entries of the batch, split with its rows into each microbatch's ``loss_fn(out, mb)``) and a
    token-mean loss returning metrics (``((loss_sum, num_tokens), {"entropy", "clipped"})``: the sum over the
    answer tokens of the batch over their number; the metrics come back reduced over the microbatches and
-   replicas), ``finalize_grads``, ``clip_grad_norm_``, parallm's AdamW;
+   replicas), ``finalize_grads``, ``clip_grad_norm_``, parallm's AdamW (a ``torch.optim.Optimizer``: a
+   ``LambdaLR`` warm-up + cosine schedule, :func:`lr_factor`, steps its learning rate once per GRPO step);
 5. ``push_weights`` into the engine(s).
 
 ``--engines serve`` (with vLLM): instead of one engine in rank 0's process, rank 0 starts two ``vllm serve``
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -69,7 +71,7 @@ def parse(argv=None):
     ap.add_argument("--group", type=int, default=8, help="samples per prompt")
     ap.add_argument("--updates", type=int, default=2, help="PPO minibatch updates per step")
     ap.add_argument("--microbatches", type=int, default=4, help="microbatches per PPO update (forward_backward)")
-    ap.add_argument("--lr", type=float, default=1e-3, help="GRPO learning rate")
+    ap.add_argument("--lr", type=float, default=1e-3, help="GRPO peak learning rate (warm-up, then cosine to half)")
     ap.add_argument("--warmup-lr", type=float, default=3e-3)
     ap.add_argument("--clip", type=float, default=0.2, help="PPO clip epsilon")
     ap.add_argument("--entropy-coef", type=float, default=0.0)
@@ -382,10 +384,21 @@ def main(args) -> list[dict]:
             rollout.close()
 
 
+def lr_factor(step: int, steps: int) -> float:
+    """The GRPO learning rate's schedule (a factor of ``--lr``): linear warm-up over the first 5% of the steps
+    (at least one), then cosine down to half at the last."""
+    warm = max(1, steps // 20)
+    if step < warm:
+        return (step + 1) / (warm + 1)
+    return 0.5 + 0.25 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, steps - warm))))
+
+
 def run(chunks, opt, rollout, args, g, warm_loss, t_start, made, rank) -> list[dict]:
     import parallm
     from tqdm.auto import tqdm
     n, start = args.digits, args.digits + 2
+    # parallm's optimizer is a torch.optim.Optimizer: torch's schedulers drive its learning rate
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args.steps))
     rollout.push(chunks)                             # the engine started from the initial checkpoint
     eval_prompts = make_prompts(256, args.task, n, torch.Generator().manual_seed(10 ** 6 + args.seed))
     acc_before = greedy_accuracy(rollout, eval_prompts, n)
@@ -408,9 +421,11 @@ def run(chunks, opt, rollout, args, g, warm_loss, t_start, made, rank) -> list[d
             old = answer_slice(parallm.forward(chunks, ids, output="logprobs"), start, n)
         mismatch = (rollout_lp - old).abs()
         entropy, clip_frac = ppo_update(chunks, opt, ids, start, n, old, adv, args)
+        lr = opt.param_groups[0]["lr"]
+        schedule.step()                              # once per GRPO step (its --updates optimizer steps share it)
         push = rollout.push(chunks)
         row = dict(step=step, rollout=rollout.name, reward=r.mean().item(), entropy=entropy, clip_frac=clip_frac,
-                   logprob_mismatch=mismatch.mean().item(), logprob_mismatch_max=mismatch.max().item(),
+                   logprob_mismatch=mismatch.mean().item(), logprob_mismatch_max=mismatch.max().item(), lr=lr,
                    push_s=push["seconds"], rollout_s=t_rollout, step_s=time.perf_counter() - t0)
         if args.task == "mix":
             task_of = prompts[:, 0]
