@@ -3,7 +3,8 @@
 # choices, YaRN, big pipeline messages, throughput against transformers on CUDA + NCCL, every visible GPU: 1, 2
 # or 4), then scripts/gpu_checks/: attention.py (one process: the context-parallel CUDA block kernel and sliding
 # windows) and gated_deltanet.py (1-2 processes: the fla kernels against the torch recurrence, Qwen3.5 logits;
-# pip install -e ".[gpu]" first). Every part runs even when an earlier one fails; the exit status is non-zero when any
+# pip install -e ".[gpu]" first), and with vLLM's CUDA build and 2 GPUs vllm.py (an engine beside a resident
+# trainer, pushes, vLLM's NCCL backend fed by export_source). Every part runs even when an earlier one fails; the exit status is non-zero when any
 # failed. Extra arguments go to every script (--cpu: a dry run on gloo / CPU). Never run on a GPU yet.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,4 +18,10 @@ echo "== scripts/gpu_checks/attention.py"
 N2=$(( N >= 2 ? 2 : 1 ))
 echo "== scripts/gpu_checks/gated_deltanet.py on $N2 process(es)"
 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$N2" scripts/gpu_checks/gated_deltanet.py "$@" || status=1
+if [ "$N" -ge 2 ] && "$PY" -c "import vllm" 2>/dev/null; then
+  echo "== scripts/gpu_checks/vllm.py on 2 processes"
+  "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 scripts/gpu_checks/vllm.py || status=1
+else
+  echo "== scripts/gpu_checks/vllm.py not run: needs vLLM's CUDA build (pip install vllm) and 2 GPUs"
+fi
 exit "$status"
