@@ -12,7 +12,8 @@ Runs in .venv-verl (``scripts/setup_verl.sh``; ``scripts/test.sh`` runs this fil
   and entropy (``infer_batch``), then one PPO ``train_batch`` with verl's ``ppo_loss`` (loss, grad norm, and the
   weights after the AdamW step), all in fp32, equal within fp32 tolerance.
 * ``test_grpo_smoke``: ``examples/verl/grpo_fsdp2_cpu.sh`` with ``STRATEGY=parallm STEPS=2``: verl's trainer
-  (GRPO, Ray local, vLLM-CPU rollouts, the toy Qwen2) runs 2 steps with parallm's engine.
+  (GRPO, Ray local, vLLM-CPU rollouts, the toy Qwen2) runs 2 steps with parallm's engine, and after step 1's
+  weight sync the rollout's probabilities equal the trainer's (fp32 both sides, < 1e-5).
 """
 
 from __future__ import annotations
@@ -199,3 +200,8 @@ def test_grpo_smoke(tmp_path):
     assert 2 in steps, log[-8000:]
     for key in ("actor/pg_loss", "actor/grad_norm", "timing_s/update_actor"):
         assert key in log, (key, log[-4000:])
+    # fp32 rollouts and an fp32 trainer: after step 1's update and weight sync (parallm's export -> verl's
+    # shared-memory transfer -> vLLM-CPU's reload_weights), step 2's rollout probabilities equal the trainer's
+    diffs = {int(k): float(v) for k, v in re.findall(r"step:(\d+) .*?training/rollout_probs_diff_max:([0-9.e+-]+)",
+                                                     log)}
+    assert diffs.get(2, 1.0) < 1e-5, diffs

@@ -44,8 +44,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from contextlib import nullcontext
-
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
@@ -284,13 +282,9 @@ class ParallmEngine(BaseEngine):
             return loss
 
         if forward_only:
-            ctx = torch.no_grad() if not torch.is_grad_enabled() else nullcontext()
-            with ctx:
-                out = parallm.forward(self.chunks, ids, mask, pos, output=output, temperature=temperature)
-                if self.is_mp_src_rank_with_outputs() or self.dims.pp == 1:
-                    run_loss(out)
-                else:
-                    run_loss(out)   # forward broadcasts the last stage's output to every stage
+            # parallm.forward returns the whole output on every rank (at pp > 1 broadcast from the last stage)
+            out = parallm.forward(self.chunks, ids, mask, pos, output=output, temperature=temperature)
+            run_loss(out)
             return result
         if loss_function is None:
             raise ValueError("parallm engine: forward_backward_batch(forward_only=False) needs a loss_function")
