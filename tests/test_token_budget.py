@@ -6,7 +6,8 @@ than the budget refused by name). One 4-rank spawn at pp2.dp2 then runs a batch 
 padded and packed models: ``forward_backward`` (batch form, a per-token loss mask entry that must travel with its
 rows through the reordering, token-mean loss) gives transformers' loss and weights after SGD; every microbatch
 ``loss_fn`` saw holds at most the budget; ``forward(..., output="logprobs", max_tokens_per_microbatch=...)``
-returns transformers' log-probs in the caller's order.
+returns transformers' log-probs in the caller's order. Then one replica passes a single sequence: it runs an
+empty microbatch (the agreed count is 2), and the loss is transformers' on the five sequences.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def reference(model, ids, mask, loss_mask):
         for p in model.parameters():
             p -= LR * p.grad
     return loss.item(), helpers.hf_state_dict(model), lp * mask * torch.cat(
-        [mask[:, 1:], torch.zeros(len(LENGTHS), 1, dtype=mask.dtype)], 1)
+        [mask[:, 1:], torch.zeros(ids.shape[0], 1, dtype=mask.dtype)], 1)
 
 
 def rank_fn(rank, world, ckpt, ids, mask, loss_mask):
@@ -94,6 +95,14 @@ def rank_fn(rank, world, ckpt, ids, mask, loss_mask):
         parallm.load_hf_weights(chunks, ckpt)
         mine = slice(4 * lay.dp_rank, 4 * lay.dp_rank + 4)
         lp = parallm.forward(chunks, ids[mine], mask[mine], output="logprobs", max_tokens_per_microbatch=BUDGET)
+        # replica 1 with one sequence: 2 bins agreed, so it runs an empty microbatch (packed: an empty stream)
+        few = slice(0, 4) if lay.dp_rank == 0 else slice(4, 5)
+        uneven = parallm.forward_backward(chunks, {"input_ids": ids[few], "attention_mask": mask[few],
+                                                   "loss_mask": loss_mask[few]},
+                                          loss_fn=nll_sum, max_tokens_per_microbatch=BUDGET).item()
+        parallm.finalize_grads(chunks)
+        for c in chunks:
+            c.zero_grad()
         seen = []
 
         def loss_fn(o, mb):
@@ -107,7 +116,8 @@ def rank_fn(rank, world, ckpt, ids, mask, loss_mask):
             for c in chunks:
                 for p in c.parameters():
                     p -= LR * p.grad
-        out[packed] = dict(lp=lp, loss=loss.item(), seen=seen, state=parallm.save_hf_weights(chunks),
+        state = parallm.save_hf_weights(chunks)
+        out[packed] = dict(lp=lp, loss=loss.item(), seen=seen, state=state, uneven=uneven,
                            dp_rank=lay.dp_rank, last=lay.pp_rank == 1)
         parallm.destroy_parallel()
     return out
@@ -120,12 +130,14 @@ def test_token_budget_microbatches_against_transformers(tmp_path):
     ckpt = helpers.save_checkpoint(model, str(tmp_path / "m"))
     ids, mask, loss_mask = _batch(cfg.vocab_size)
     ref_loss, ref_state, ref_lp = reference(model, ids, mask, loss_mask)
+    ref_uneven = reference(model, ids[:5], mask[:5], loss_mask[:5])[0]
     res = helpers.run_ranks(rank_fn, 4, ckpt, ids, mask, loss_mask)
     for packed in (False, True):
         for rank, r in enumerate(res):
             got = r[packed]
             mine = slice(4 * got["dp_rank"], 4 * got["dp_rank"] + 4)
             assert abs(got["loss"] - ref_loss) < TOL, (packed, rank, got["loss"], ref_loss)
+            assert abs(got["uneven"] - ref_uneven) < TOL, (packed, rank, got["uneven"], ref_uneven)
             both = ref_lp[mine] != 0       # positions whose token and next token are real
             lp_err = ((got["lp"] - ref_lp[mine]) * both).abs().max().item()
             assert lp_err < TOL, (packed, rank, lp_err)
