@@ -13,21 +13,32 @@ Public API (a contract, see docs/api.md)::
     for name, tensor in parallm.export_hf_tensors(chunks, *, dtype=None, bucket_bytes=..., dst_ranks=None,
                                                   copy=False): ...
     meta = parallm.export_metadata(chunks, *, dtype=None)   # [TensorMeta(name, dtype, shape)], the stream's order
-    out = parallm.forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output=None,
-                          temperature=1.0, token_chunk=None)   # output: None | "logprobs" | "logprobs+entropy"
-    loss = parallm.forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_microbatches=1,
-                                    position_ids=None, output=None, temperature=1.0, token_chunk=None)
-    #   loss_fn returns a scalar (mean over microbatches) or (loss_sum, num_tokens) (token-mean)
+    out = parallm.forward(chunks, batch_or_input_ids, attention_mask=None, position_ids=None, *, output=None,
+                          temperature=1.0, token_chunk=None, num_microbatches=None,
+                          max_tokens_per_microbatch=None)      # output: None | "logprobs" | "logprobs+entropy"
+    loss = parallm.forward_backward(chunks, batch_or_input_ids, attention_mask=None, *, loss_fn,
+                                    num_microbatches=1, position_ids=None, output=None, temperature=1.0,
+                                    token_chunk=None, metric_reduce=None, max_tokens_per_microbatch=None)
+    #   batch: a mapping with input_ids, attention_mask, optional position_ids and any per-sample / per-token
+    #   tensors, split with the microbatches and handed to loss_fn(out, mb); (input_ids, attention_mask) works too.
+    #   loss_fn returns a scalar (mean over microbatches), (loss_sum, num_tokens) (token-mean), or either with a
+    #   dict of scalar metrics, and forward_backward then returns (objective, metrics)
     parallm.finalize_grads(chunks)
     norm = parallm.clip_grad_norm_(chunks, max_norm, norm_type=2.0)
     opt = parallm.build_optimizer(chunks, *, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                                  shard_over_dp=False, no_decay=default_no_decay)
+                                  shard_over_dp=False, no_decay=default_no_decay, overlap_grad_reduce=False,
+                                  bucket_bytes=None)    # a torch.optim.Optimizer: torch's LR schedulers work
+    parallm.offload(chunks, optimizer=None, *, params=True, grads=True, optimizer_state=True)
+    parallm.onload(chunks, optimizer=None, ...); with parallm.offloaded(chunks, optimizer): ...
     parallm.save_checkpoint(path, chunks, optimizer=None, *, step, extra=None, overwrite=False, async_save=False)
     info = parallm.load_checkpoint(path, chunks, optimizer=None)      # {"step": ..., "extra": ...}
     parallm.checkpoint_to_hf(path, out_dir, *, dtype=None, overwrite=False)   # offline, no process group
 
     from parallm.integrations import vllm as pv      # optional; importing parallm never imports vLLM
     llm = pv.launch(model_dir, *, rank=0, **llm_kwargs); stats = pv.push_weights(chunks, llm, *, rank=0)
+    conn = pv.connect(["http://host:port", llm, ...], backend="parallm_shm" | "parallm_gloo")
+    stats = pv.push_weights(chunks, conn)          # engines in other processes, through vLLM's weight transfer
+    #   verl: VERL_USE_EXTERNAL_MODULES=parallm.integrations.verl registers parallm's engine (docs/verl.md)
 """
 
 import importlib
@@ -46,6 +57,7 @@ _LAZY = {
     "init_parallel": "parallel.state", "destroy_parallel": "parallel.state",
     "build_optimizer": "train.optim", "save_checkpoint": "checkpoint.training",
     "load_checkpoint": "checkpoint.training", "checkpoint_to_hf": "checkpoint.training",
+    "offload": "train.offload", "onload": "train.offload", "offloaded": "train.offload",
 }
 
 __all__ = ["CheckpointError", "ParallelError", *sorted(_LAZY)]
