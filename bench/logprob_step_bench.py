@@ -4,9 +4,9 @@ regression guard. Not part of the test suite.
     PYTHONPATH=src OMP_NUM_THREADS=1 python bench/logprob_step_bench.py [--ref GIT_REF] [--rounds 3] [--steps 3]
         [--hidden 896 --intermediate 4864 --layers 4 --heads 14 --batch 4 --seq 512 --microbatches 4]
 
-One step: parallm ``forward_backward(output="logprobs")`` (masked mean next-token NLL) + ``finalize_grads`` at tp 2
-on 2 local ranks, and transformers' same step in one process (logits -> log_softmax -> gather per microbatch,
-gradient accumulation), on a Qwen2-shaped model with a 151,936-token vocabulary (default: Qwen2.5-0.5B's widths,
+One step (bench/train_bench.py's workers): parallm ``forward_backward(output="logprobs")`` (masked mean next-token
+NLL) + ``finalize_grads`` at tp 2 on 2 local ranks, and transformers' same step in one process (logits ->
+log_softmax -> gather per microbatch, gradient accumulation), on a Qwen2-shaped model with a 151,936-token vocabulary (default: Qwen2.5-0.5B's widths,
 4 layers), fp32, the same weights and tokens. ``--ref``: also time the parallm of that git commit (checked out
 into a temporary worktree, run with its own ``src`` on ``PYTHONPATH``: the same script, the same workers), so a
 change that slows the step shows as ``this / ref`` > 1 in one run, whatever the machine's state. The sides
@@ -22,79 +22,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-
-
-def nll_from_logits(logits, ids, mask):
-    logp = logits.float().log_softmax(-1)
-    lp = logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
-    m = (mask[:, 1:] * mask[:, :-1]).float()
-    return -(lp * m).sum() / m.sum()
-
-
-def nll_from_logprobs(lp, ids, mask):
-    m = (mask[:, 1:] * mask[:, :-1]).float()
-    return -(lp[:, :-1] * m).sum() / m.sum()
-
-
-def _best(step, steps):
-    times, cpus, loss = [], [], None
-    for _ in range(steps):
-        t, c = time.perf_counter(), time.process_time()
-        loss = step()
-        times.append(time.perf_counter() - t)
-        cpus.append(time.process_time() - c)
-    pick = slice(1, None) if steps > 1 else slice(None)     # the first step warms up
-    return dict(time=min(times[pick]), cpu=min(cpus[pick]), loss=loss)
-
-
-def hf_worker(rank, world, ckpt, ids, mask, nmb, steps):
-    import torch
-    import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
-    model.train()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.data = p.data.clone()
-    size = ids.shape[0] // nmb
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        total = 0.0
-        for i in range(0, ids.shape[0], size):
-            sl = slice(i, i + size)
-            loss = nll_from_logits(model(input_ids=ids[sl], attention_mask=mask[sl], position_ids=pos[sl]).logits,
-                                   ids[sl], mask[sl]) / nmb
-            loss.backward()
-            total += loss.item()
-        return total
-    return _best(step, steps)
-
-
-def parallm_worker(rank, world, ckpt, ids, mask, nmb, steps):
-    import torch
-
-    import parallm
-    parallm.init_parallel(tp=2)
-    chunks = parallm.build_model(ckpt)
-    parallm.load_hf_weights(chunks, ckpt)
-
-    def step():
-        for c in chunks:
-            c.zero_grad(set_to_none=True)
-        loss = parallm.forward_backward(chunks, ids, mask, loss_fn=nll_from_logprobs, num_microbatches=nmb,
-                                        output="logprobs")
-        parallm.finalize_grads(chunks)
-        return loss.item()
-    torch.distributed.barrier()
-    out = _best(step, steps)
-    parallm.destroy_parallel()
-    return out
 
 
 def _inputs(args):
@@ -107,11 +37,12 @@ def _inputs(args):
 def _side(args, side: str) -> dict:
     """One side's round in this process's parallm (the worker mode of this script)."""
     from common import run_world
+    from train_bench import hf_worker, parallm_worker     # the same steps as train_bench's "main" part
     ids, mask = _inputs(args)
     if side == "hf":
         ranks = run_world(hf_worker, 1, args.ckpt, ids, mask, args.microbatches, args.steps)
     else:
-        ranks = run_world(parallm_worker, 2, args.ckpt, ids, mask, args.microbatches, args.steps)
+        ranks = run_world(parallm_worker, 2, args.ckpt, ids, mask, args.microbatches, args.steps, dict(tp=2), {})
     return dict(time=max(r["time"] for r in ranks), cpu=max(r["cpu"] for r in ranks), loss=ranks[0]["loss"])
 
 
