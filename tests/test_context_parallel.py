@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import helpers
+from cuda_emulation import local_slots
 from parallm import verify
 
 TOL = 1e-4
@@ -48,16 +49,6 @@ def _batch(seed=0):
     mask[5] = 0                           # an empty row
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     return ids, pos, mask
-
-
-def _local(t, split):
-    """``t`` [B, S, ...] -> this rank's slots [rows, width, ...] through the split's origin (zeros at padding)."""
-    b, s = t.shape[:2]
-    mine = split.origin[split.rank * split.slots:(split.rank + 1) * split.slots]
-    flat = t.reshape(b * s, *t.shape[2:])
-    keep = (mine >= 0).view(-1, *[1] * (t.dim() - 2))
-    return torch.where(keep, flat[mine.clamp(min=0)], torch.zeros_like(flat[:1])).view(
-        split.rows, split.width, *t.shape[2:])
 
 
 def _causal_reference(q, k, v, mask):
@@ -91,26 +82,26 @@ def test_split_keeps_every_token_once_with_its_targets_and_attention(cp, packed)
     exists = torch.zeros_like(ids)
     exists[:, :-1] = 1
     for sp in splits:
-        assert torch.equal(_local(ids, sp), sp.ids.t())
-        assert torch.equal(_local(pos, sp), sp.positions.t())
-        assert torch.equal(_local(nxt, sp), sp.targets.t())           # the true neighbour, across chunks
-        assert torch.equal(_local(exists, sp).bool() & sp.real.t(), sp.has_next.t())
-        assert torch.equal(_local(mask, sp).bool(), sp.real.t())
+        assert torch.equal(local_slots(ids, sp), sp.ids.t())
+        assert torch.equal(local_slots(pos, sp), sp.positions.t())
+        assert torch.equal(local_slots(nxt, sp), sp.targets.t())           # the true neighbour, across chunks
+        assert torch.equal(local_slots(exists, sp).bool() & sp.real.t(), sp.has_next.t())
+        assert torch.equal(local_slots(mask, sp).bool(), sp.real.t())
     h, d = 2, 8
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(b, s, h, d, generator=g) for _ in range(3))
     ref = _causal_reference(q, k, v, mask.bool())
-    kv = torch.cat([torch.cat([_local(k, sp), _local(v, sp)], dim=2) for sp in splits])
-    got = torch.cat([attend_pieces(_local(q, sp), kv, sp).reshape(-1, h, d) for sp in splits])
+    kv = torch.cat([torch.cat([local_slots(k, sp), local_slots(v, sp)], dim=2) for sp in splits])
+    got = torch.cat([attend_pieces(local_slots(q, sp), kv, sp).reshape(-1, h, d) for sp in splits])
     full = torch.zeros(b * s, h, d)
     full[kept] = got[origin >= 0]
     assert (full.view(b, s, h, d) - ref)[mask.bool()].abs().max() < 1e-6
     # the ring's pieces: block by block, merged by log-sum-exp, the same attention (both block kernels)
     for sp, kernel in zip(splits, [MATH_BLOCK, CPU_FLASH_BLOCK] * cp):
-        qf = _local(q, sp).permute(1, 2, 0, 3)
+        qf = local_slots(q, sp).permute(1, 2, 0, 3)
         outs, lses = torch.zeros_like(qf), torch.full(qf.shape[:3], float("-inf"))
         for src in range(cp):
-            block = torch.cat([_local(k, splits[src]), _local(v, splits[src])], dim=2).permute(1, 2, 0, 3)
+            block = torch.cat([local_slots(k, splits[src]), local_slots(v, splits[src])], dim=2).permute(1, 2, 0, 3)
             for p in ring_pieces(sp, src):
                 o, lse = kernel.forward(qf[:, :, p.q0:p.q1], block[:, :h, p.k0:p.k1], block[:, h:, p.k0:p.k1],
                                         p.causal, d ** -0.5)
@@ -194,9 +185,9 @@ def _kernels_in_cp_rank(rank, world, data):
         for name, kernel in kernels.items():
             for cp_attn in ("allgather", "ring"):
                 for window in (None, 3):
-                    ql, kl, vl = (_local(t, sp).clone().requires_grad_() for t in (q, k, v))
+                    ql, kl, vl = (local_slots(t, sp).clone().requires_grad_() for t in (q, k, v))
                     o = CP_KERNELS[cp_attn](ql, kl, vl, sp, group, kernel, window=window)
-                    (o * _local(go, sp)).sum().backward()
+                    (o * local_slots(go, sp)).sum().backward()
                     mine = sp.origin[rank * sp.slots:(rank + 1) * sp.slots]
                     out[(packed, name, cp_attn, window)] = (mine, o.detach(), ql.grad, kl.grad, vl.grad)
     return out

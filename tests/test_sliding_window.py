@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import helpers
+from cuda_emulation import emulated_flash, local_slots
 from parallm import verify
 
 WINDOW = 8
@@ -104,15 +105,6 @@ def _batch(seed=0, b=5, s=3 * WINDOW + 5):
     return ids, pos, mask
 
 
-def _local(t, split):
-    b, s = t.shape[:2]
-    mine = split.origin[split.rank * split.slots:(split.rank + 1) * split.slots]
-    flat = t.reshape(b * s, *t.shape[2:])
-    keep = (mine >= 0).view(-1, *[1] * (t.dim() - 2))
-    return torch.where(keep, flat[mine.clamp(min=0)], torch.zeros_like(flat[:1])).view(
-        split.rows, split.width, *t.shape[2:])
-
-
 def _window_reference(q, k, v, mask, window):
     """Sliding-window causal attention over each row's real tokens (contiguous here): q, k, v [B, S, h, d]."""
     out = torch.zeros_like(q)
@@ -128,58 +120,11 @@ def _window_reference(q, k, v, mask, window):
     return out
 
 
-def _emulated_flash():
-    """aten's varlen flash forward / backward emulated on CPU in fp32 with flash-attention's documented masks
-    (bottom-right aligned: query i of Lq sees key j of Lk iff i + Lk - Lq - left <= j <= i + Lk - Lq + right,
-    -1 / None unbounded; causal sets right = 0), the lse as [hq, total_q]: the CUDA kernel's plumbing (groups,
-    indices, windows, lse layout) checked without a GPU."""
-    from parallm.model.attention import _flash_window, block_backward, block_forward
-
-    def masks(g, window):
-        win = _flash_window(g, window)
-        left, right = win["window_size_left"], win["window_size_right"]
-        cu_q, cu_k = g.cu_q.tolist(), g.cu_k.tolist()
-        for a, b, c, e in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
-            lq, lk = b - a, e - c
-            i, j = torch.arange(lq)[:, None], torch.arange(lk)[None]
-            vis = torch.ones(lq, lk, dtype=torch.bool)
-            if right is not None:
-                vis &= j <= i + lk - lq + right
-            if left is not None:
-                vis &= j >= i + lk - lq - left
-            add = torch.zeros(lq, lk).masked_fill(~vis, float("-inf"))[None, None]
-            yield slice(a, b), slice(c, e), add
-
-    def fwd(q, k, v, g, scale, window):
-        out = torch.zeros(q.shape, dtype=torch.float32)
-        lse = torch.zeros(q.shape[1], q.shape[0])
-        for qs, ks, add in masks(g, window):
-            o, l = block_forward(*(t[s].float().transpose(0, 1)[None] for t, s in ((q, qs), (k, ks), (v, ks))),
-                                 False, scale, mask=add)
-            out[qs] = o[0].transpose(0, 1)
-            lse[:, qs] = l[0]
-        return out.to(q.dtype), lse
-
-    def bwd(grad, q, k, v, out, lse, g, scale, window):
-        dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32) for t in (q, k, v))
-        for qs, ks, add in masks(g, window):
-            a, b, c = block_backward(*(t[s].float().transpose(0, 1)[None] for t, s in ((q, qs), (k, ks), (v, ks),
-                                                                                      (out, qs))),
-                                     lse[:, qs][None], grad[qs].float().transpose(0, 1)[None], False, scale,
-                                     mask=add)
-            dq[qs] += a[0].transpose(0, 1)
-            dk[ks] += b[0].transpose(0, 1)
-            dv[ks] += c[0].transpose(0, 1)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-    return fwd, bwd
-
-
 @pytest.fixture
 def emulated_cuda(monkeypatch):
     """CUDA_BLOCK with aten's flash op emulated (``cuda_flash_usable`` forced true on CPU fp32 tensors)."""
     from parallm.model import attention
-    fwd, bwd = _emulated_flash()
+    fwd, bwd = emulated_flash()
     monkeypatch.setattr(attention, "flash_forward", fwd)
     monkeypatch.setattr(attention, "flash_backward", bwd)
     monkeypatch.setattr(attention, "cuda_flash_usable", lambda q: True)
@@ -217,8 +162,8 @@ def test_context_parallel_pieces_within_the_window(cp, packed, emulated_cuda):
         kept = origin[origin >= 0]
         for name, kernel in _kernels(emulated_cuda).items():
             qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
-            kv = torch.cat([torch.cat([_local(ks, sp), _local(vs, sp)], dim=2) for sp in splits])
-            got = torch.cat([attend_pieces(_local(qs, sp), kv, sp, kernel, window=window).reshape(-1, hq, d)
+            kv = torch.cat([torch.cat([local_slots(ks, sp), local_slots(vs, sp)], dim=2) for sp in splits])
+            got = torch.cat([attend_pieces(local_slots(qs, sp), kv, sp, kernel, window=window).reshape(-1, hq, d)
                              for sp in splits])
             full = torch.zeros(b * s, hq, d).index_put((kept,), got[origin >= 0])
             err = (full.view(b, s, hq, d) - ref)[real].abs().max().item()
@@ -232,10 +177,10 @@ def test_context_parallel_pieces_within_the_window(cp, packed, emulated_cuda):
             dks = [torch.zeros(sp.slots, hkv, d) for sp in splits]
             dvs = [torch.zeros(sp.slots, hkv, d) for sp in splits]
             for sp in splits:
-                qf = _local(q, sp).reshape(-1, hq, d)
+                qf = local_slots(q, sp).reshape(-1, hq, d)
                 acc = torch.zeros(qf.shape)
                 lse = torch.full(qf.shape[:2], float("-inf"))
-                blocks = [(_local(k, splits[src]).reshape(-1, hkv, d), _local(v, splits[src]).reshape(-1, hkv, d))
+                blocks = [(local_slots(k, splits[src]).reshape(-1, hkv, d), local_slots(v, splits[src]).reshape(-1, hkv, d))
                           for src in range(cp)]
                 for src in range(cp):
                     plan = ring_plan(sp, src, window)
@@ -245,7 +190,7 @@ def test_context_parallel_pieces_within_the_window(cp, packed, emulated_cuda):
                 ok = mine >= 0
                 err = (acc[ok] - ref.detach().reshape(b * s, hq, d)[mine[ok]]).abs().max().item()
                 assert err < 1e-5, (name, window, "ring", err)
-                gq = _local(go * real[..., None, None], sp).reshape(-1, hq, d)
+                gq = local_slots(go * real[..., None, None], sp).reshape(-1, hq, d)
                 dq = torch.zeros(qf.shape)
                 for src in range(cp):
                     plan = ring_plan(sp, src, window)

@@ -165,42 +165,11 @@ def _model_check(device, report, *, cpu: bool) -> None:
 
 
 def _emulate_flash(A) -> None:
-    """--cpu: aten's flash op replaced by an fp32 emulation with its documented masks (bottom-right aligned)."""
-    def masks(g, window):
-        win = A._flash_window(g, window)
-        left, right = win["window_size_left"], win["window_size_right"]
-        cu_q, cu_k = g.cu_q.tolist(), g.cu_k.tolist()
-        for a, b, c, e in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
-            lq, lk = b - a, e - c
-            i, j = torch.arange(lq)[:, None], torch.arange(lk)[None]
-            vis = torch.ones(lq, lk, dtype=torch.bool)
-            if right is not None:
-                vis &= j <= i + lk - lq + right
-            if left is not None:
-                vis &= j >= i + lk - lq - left
-            yield slice(a, b), slice(c, e), torch.zeros(lq, lk).masked_fill(~vis, float("-inf"))[None, None]
-
-    def fwd(q, k, v, g, scale, window):
-        out = torch.zeros(q.shape, dtype=torch.float32)
-        lse = torch.zeros(q.shape[1], q.shape[0])
-        for qs, ks, add in masks(g, window):
-            o, l = A.block_forward(*(t[s].float().transpose(0, 1)[None] for t, s in ((q, qs), (k, ks), (v, ks))),
-                                   False, scale, mask=add)
-            out[qs], lse[:, qs] = o[0].transpose(0, 1), l[0]
-        return out.to(q.dtype), lse
-
-    def bwd(grad, q, k, v, out, lse, g, scale, window):
-        dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32) for t in (q, k, v))
-        for qs, ks, add in masks(g, window):
-            a, b, c = A.block_backward(*(t[s].float().transpose(0, 1)[None] for t, s in
-                                         ((q, qs), (k, ks), (v, ks), (out, qs))), lse[:, qs][None],
-                                       grad[qs].float().transpose(0, 1)[None], False, scale, mask=add)
-            dq[qs] += a[0].transpose(0, 1)
-            dk[ks] += b[0].transpose(0, 1)
-            dv[ks] += c[0].transpose(0, 1)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-    A.flash_forward, A.flash_backward = fwd, bwd
+    """--cpu: aten's flash op replaced by the tests' fp32 emulation with its documented masks (bottom-right
+    aligned), ``cuda_flash_usable`` true for half types as on a GPU."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
+    from cuda_emulation import emulated_flash
+    A.flash_forward, A.flash_backward = emulated_flash()
     A.cuda_flash_usable = lambda q: q.dtype in (torch.float16, torch.bfloat16)
 
 
