@@ -170,11 +170,11 @@ def _kernels_in_cp_rank(rank, world, data):
     from parallm.model import attention
     from parallm.model.context_parallel import CP_KERNELS, split_batch
     from parallm.parallel.state import current_dims
-    from test_sliding_window import _emulated_flash
+    from cuda_emulation import emulated_flash
     parallm.init_parallel(cp=world)
     group = current_dims().cp_group
     # the CUDA kernel's plumbing, with aten's flash op emulated in fp32 on CPU
-    attention.flash_forward, attention.flash_backward = _emulated_flash()
+    attention.flash_forward, attention.flash_backward = emulated_flash()
     attention.cuda_flash_usable = lambda q: True
     kernels = {"math": attention.MATH_BLOCK, "cpu-flash": attention.CPU_FLASH_BLOCK,
                "cuda-emulated": attention.CUDA_BLOCK}
