@@ -85,3 +85,37 @@ def table(rows, headers):
     out = [line, "-|-".join("-" * w for w in widths)]
     out += [" | ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
     return "\n".join(out)
+
+
+def one_process_pair(hf, *, batch: int, seq: int, loss, prefix: str):
+    """The same model on both sides of a one-process training-step comparison: ``hf`` (a transformers model,
+    already built and seeded) saved to a temporary checkpoint, parallm initialised at world 1 and built from it,
+    and a seeded full-length batch. Returns ``(chunks, hf_step, pl_step, ckpt)``: each step zeroes its own
+    gradients and runs forward + ``loss(logits, ids, mask)`` + backward on the same batch."""
+    import tempfile
+
+    import torch
+
+    import parallm
+    ckpt = tempfile.mkdtemp(prefix=prefix)
+    hf.save_pretrained(ckpt)
+    parallm.init_parallel(tp=1)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, hf.config.vocab_size, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    pos = parallm.default_position_ids(mask)
+
+    def hf_step():
+        hf.zero_grad(set_to_none=True)
+        out = hf(input_ids=ids, attention_mask=mask, position_ids=pos)
+        loss(out.logits, ids, mask).backward()
+
+    chunks = parallm.build_model(ckpt)
+    parallm.load_hf_weights(chunks, ckpt)
+
+    def pl_step():
+        for c in chunks:
+            c.zero_grad(set_to_none=True)
+        parallm.forward_backward(chunks, ids, mask, loss_fn=loss)
+
+    return chunks, hf_step, pl_step, ckpt

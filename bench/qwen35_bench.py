@@ -18,10 +18,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import PeakRss, free_port, rss_anon, table  # noqa: E402
+from common import one_process_pair, PeakRss, free_port, rss_anon, table  # noqa: E402
 from compute_bench import ce_loss  # noqa: E402
 from moe_bench import interleaved  # noqa: E402
 
@@ -60,27 +59,9 @@ def main(argv=None):
         attn_implementation="sdpa")
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cfg).float()
-    ckpt = tempfile.mkdtemp(prefix="parallm-qwen35bench-")
-    hf.save_pretrained(ckpt)
-    parallm.init_parallel(tp=1)
-    g = torch.Generator().manual_seed(0)
     b, s = args.batch, args.seq
-    ids = torch.randint(0, cfg.vocab_size, (b, s), generator=g)
-    mask = torch.ones(b, s, dtype=torch.long)
-    pos = parallm.default_position_ids(mask)
-
-    def hf_step():
-        hf.zero_grad(set_to_none=True)
-        out = hf(input_ids=ids, attention_mask=mask, position_ids=pos)
-        ce_loss(out.logits, ids, mask).backward()
-
-    chunks = parallm.build_model(ckpt)
-    parallm.load_hf_weights(chunks, ckpt)
-
-    def pl_step():
-        for c in chunks:
-            c.zero_grad(set_to_none=True)
-        parallm.forward_backward(chunks, ids, mask, loss_fn=ce_loss)
+    chunks, hf_step, pl_step, _ = one_process_pair(hf, batch=b, seq=s, loss=ce_loss,
+                                                   prefix="parallm-qwen35bench-")
 
     real_rule = gdn.chunk_gated_delta_rule
 
