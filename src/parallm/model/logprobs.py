@@ -276,12 +276,7 @@ def token_stats_head(chunk, x: torch.Tensor, packing, input_ids: torch.Tensor, a
         hidden = x.reshape(s * b, x.shape[-1]).index_select(0, flat)
         hidden = mtp.copy_to_tensor_model_parallel_region(hidden, group=group)
         targets, has_next = targets.t().reshape(-1)[flat], has_next.t().reshape(-1)[flat]
-    weight = chunk.head_weight()
-    per = chunk.padded_vocab_size // chunk.dims.tp
-    real = chunk.real_vocab_columns if chunk.real_vocab_columns is not None else per
-    logprobs, entropy = vocab_parallel_stats(hidden, weight, targets, real=real,
-                                             vocab_start=chunk.dims.tp_rank * per, request=request, group=group)
-    logprobs = logprobs.masked_fill(~has_next, 0.0)
+    logprobs, entropy = _head_stats(chunk, hidden, targets, has_next, request, group)
 
     def place(values):
         out = values.new_zeros(b * s).index_put((flat,), values)
@@ -290,6 +285,16 @@ def token_stats_head(chunk, x: torch.Tensor, packing, input_ids: torch.Tensor, a
     if not request.entropy:
         return place(logprobs)
     return TokenStats(place(logprobs), place(entropy))
+
+
+def _head_stats(chunk, hidden, targets, has_next, request: StatsRequest, group):
+    """Log-probs (0 where no next token) and entropy of ``hidden`` [N, H] (this rank's real tokens) against this
+    tp rank's vocabulary columns of the head."""
+    per = chunk.padded_vocab_size // chunk.dims.tp
+    real = chunk.real_vocab_columns if chunk.real_vocab_columns is not None else per
+    logprobs, entropy = vocab_parallel_stats(hidden, chunk.head_weight(), targets, real=real,
+                                             vocab_start=chunk.dims.tp_rank * per, request=request, group=group)
+    return logprobs.masked_fill(~has_next, 0.0), entropy
 
 
 def _split_stats(chunk, x, split, request: StatsRequest, mtp):
@@ -303,12 +308,7 @@ def _split_stats(chunk, x, split, request: StatsRequest, mtp):
         hidden = mtp.copy_to_tensor_model_parallel_region(hidden, group=group)
     targets = split.slot_values(split.targets).index_select(0, flat)
     has_next = split.slot_values(split.has_next).index_select(0, flat)
-    weight = chunk.head_weight()
-    per = chunk.padded_vocab_size // chunk.dims.tp
-    real = chunk.real_vocab_columns if chunk.real_vocab_columns is not None else per
-    logprobs, entropy = vocab_parallel_stats(hidden, weight, targets, real=real,
-                                             vocab_start=chunk.dims.tp_rank * per, request=request, group=group)
-    logprobs = logprobs.masked_fill(~has_next, 0.0)
+    logprobs, entropy = _head_stats(chunk, hidden, targets, has_next, request, group)
     values = torch.stack([logprobs, entropy], dim=1) if request.entropy else logprobs[:, None]
     local = values.new_zeros((split.slots, values.shape[1])).index_put((flat,), values)
     out = split.place(local, chunk.dims.cp_group)                     # [B, S, 1 or 2]

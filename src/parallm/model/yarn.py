@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .rope import _cfg_get as _get
 from .rope import apply_rope
 
 _DEFAULT_THETA = 10000.0
@@ -65,15 +66,6 @@ class YarnSpec:
 
 
 # -- reading configs (transformers 4.x and 5.x layouts, objects and config.json dicts) ------------------------
-
-def _get(config: Any, key: str, default: Any = None) -> Any:
-    if isinstance(config, dict):
-        return config.get(key, default)
-    try:
-        return getattr(config, key, default)
-    except Exception:  # some config properties raise on access
-        return default
-
 
 def rope_parameters(config: Any) -> dict:
     """The config's RoPE dict as transformers 5's ``standardize_rope_params`` leaves it: ``rope_parameters``
