@@ -327,7 +327,8 @@ def default_forward_microbatches(batch: int, pp: int, tokens: int | None = None,
 
 
 def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output=None, temperature=1.0,
-            token_chunk=None, num_microbatches=None, max_tokens_per_microbatch=None):
+            token_chunk=None, num_microbatches=None, max_tokens_per_microbatch=None, routed_experts=None,
+            return_routed_experts=False):
     """Whole-batch output on every rank.
 
     ``output=None``: fp32 logits ``[B, S, V]`` (causal_lm; divided by ``temperature``) or values ``[B, S]``
@@ -339,10 +340,19 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output
     waiting for each other; results are the same for any count (at ``pp == 1`` it is ignored).
     ``max_tokens_per_microbatch``: microbatches by a token budget instead, at any pp (as in
     :func:`forward_backward`); outputs come back in the caller's order. ``input_ids`` may be a batch mapping
-    (:func:`forward_backward`; its other entries are ignored).
+    (:func:`forward_backward`; its other entries are ignored, except ``routed_experts``).
     Log-probs are computed vocab-parallel in chunks of ``token_chunk`` tokens (default: about
     32 MiB of fp32 logits per chunk on CPU, 2 GiB on GPU: ``model.logprobs.DEFAULT_CHUNK_BYTES``), never
     gathering ``[..., V]``.
+
+    Router replay (mixture-of-experts models, docs/moe.md): ``routed_experts`` (or a batch mapping's
+    ``"routed_experts"`` entry, not both), ``[B, S, num_moe_layers, top_k]`` integers, or ``[T, num_moe_layers,
+    top_k]`` for the batch's ``T`` real tokens in row order: every MoE layer routes each real token to those
+    experts instead of its router's top-k (MoE layers numbered in model order from 0; values at padding
+    positions are ignored), the combine weights being the router's probabilities of those experts.
+    ``return_routed_experts=True``: returns ``(output, routed)``, ``routed`` int64 ``[B, S, num_moe_layers,
+    top_k]`` the experts every MoE layer routed each token with (the replayed ones when given), -1 at padding
+    positions, the same on every rank.
     """
     require_initialized("forward")
     chunks = as_chunks(chunks)
@@ -350,22 +360,24 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output
 
     def check():
         request = check_output(output, temperature, task=chunks[0].task, token_chunk=token_chunk)
-        batch = _check_batch(chunks, *_unpack_batch(input_ids, attention_mask, position_ids)[:3])
+        ids, mask, pos, extras = _unpack_batch(input_ids, attention_mask, position_ids)
+        batch = _check_batch(chunks, ids, mask, pos)
+        given = _check_replay(chunks, routed_experts, extras, batch[1], record=return_routed_experts)
         b = batch[0].shape[0]
         if max_tokens_per_microbatch is not None:
             bins = fewest_bins(_real_lengths(batch[1]), max_tokens_per_microbatch)
             m = num_microbatches or 1
             if isinstance(m, bool) or not isinstance(m, int) or m < 1:
                 raise ValueError(f"num_microbatches={num_microbatches!r} must be a whole number >= 1")
-            return (batch, request, bins), _cp_fingerprint(layout, batch, m, request), m
+            return (batch, request, bins, given), _cp_fingerprint(layout, batch, m, request), m
         m = num_microbatches if num_microbatches is not None else default_forward_microbatches(
             b, layout.pp, batch[0].numel(), batch[0].device)
         if isinstance(m, bool) or not isinstance(m, int) or m < 1 or (b and m > b):
             raise ValueError(f"num_microbatches={num_microbatches!r} must be a whole number from 1 to the batch "
                              f"size {b}")
-        return (batch, request, None), _cp_fingerprint(layout, batch, m, request), m
+        return (batch, request, None, given), _cp_fingerprint(layout, batch, m, request), m
     budget = max_tokens_per_microbatch
-    ((input_ids, attention_mask, position_ids), request, bins), m = _checked_call(
+    ((input_ids, attention_mask, position_ids), request, bins, given), m = _checked_call(
         layout, check, what="forward",
         count_moe=budget is None and layout.pp > 1 and layout.ep > 1 and chunks[0].spec.moe is not None,
         default=num_microbatches is None)
@@ -373,7 +385,25 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output
     if budget is not None:     # bins of at most `budget` real tokens, as many on every replica
         order, sizes = _token_budget_bins(layout, attention_mask, max(bins, m))
         input_ids, attention_mask, position_ids = (t[order] for t in (input_ids, attention_mask, position_ids))
+        if given is not None:
+            given = given[order]
         m = len(sizes)
+    replaying = given is not None or return_routed_experts
+    if replaying:
+        _start_replay(chunks, given, m if layout.pp > 1 or order is not None else 1, sizes,
+                      record=return_routed_experts)
+    try:
+        out = _forward_run(chunks, layout, input_ids, position_ids, attention_mask, m, sizes, order, request,
+                           temperature)
+    finally:
+        recorded = [c.router_replay.stop() for c in chunks] if replaying else None
+    if not return_routed_experts:
+        return out
+    return out, _routed_of_call(chunks, layout, recorded, input_ids.shape, order)
+
+
+def _forward_run(chunks, layout, input_ids, position_ids, attention_mask, m, sizes, order, request, temperature):
+    """:func:`forward` once the batch is checked (and in bin order under a token budget)."""
     if layout.pp == 1 and order is None:
         return gather_output(chunks[0], chunks[0].compute(input_ids, position_ids, attention_mask, stats=request),
                              temperature, request)
@@ -381,22 +411,80 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output
     mbs = _microbatches(chunks, input_ids, position_ids, attention_mask, m, sizes=sizes)
     if layout.pp == 1:      # a token budget at pp = 1: the microbatches one after another
         length = chunks[0].rope_length(position_ids, attention_mask)
-        outs = [_stackable(gather_output(chunks[0], chunks[0].compute(*mb[:3], stats=request, rope_length=length,
-                                                                      **({"cp": mb[3]} if len(mb) > 3 else {})),
-                                         temperature, request)) for mb in mbs]
+        outs = []
+        for i, mb in enumerate(mbs):
+            chunks[0].router_replay.microbatch = i
+            outs.append(_stackable(gather_output(chunks[0], chunks[0].compute(
+                *mb[:3], stats=request, rope_length=length, **({"cp": mb[3]} if len(mb) > 3 else {})),
+                temperature, request)))
         return _caller_order(outs, order, request)
     with torch.no_grad():
         outs = run_pipeline(chunks, mbs, last_stage_fn=lambda chunk, out, i: _stackable(
                                 gather_output(chunk, out, temperature, request)),
                             backward=False, compute_kwargs={"stats": request,
                                                             "rope_length": chunks[0].rope_length(position_ids,
-                                                                                                 attention_mask)})
+                                                                                                 attention_mask)},
+                            on_step=lambda kind, i, v: setattr(chunks[v].router_replay, "microbatch", i))
     joined = torch.cat(outs, dim=1 if request is not None and request.entropy else 0) if outs else None
     out = broadcast_from_last_stage(layout, joined, _output_shape(chunks[0], b, s, request), torch.float32,
                                     input_ids.device)
     if order is not None:
         return _caller_order([out], order, request)
     return TokenStats(out[0], out[1]) if request is not None and request.entropy else out
+
+
+REPLAY_KEY = "routed_experts"    # the batch mapping's entry for router replay
+
+
+def _check_replay(chunks, routed_experts, extras, attention_mask, *, record: bool = False):
+    """Router replay's input, checked (:func:`parallm.model.routing.check_routed_experts`): the keyword or the
+    batch mapping's ``"routed_experts"`` entry (taken out of ``extras``), as ``[B, S, L, k]`` int64, or None."""
+    if not isinstance(record, bool):
+        raise ValueError(f"return_routed_experts must be True or False, got {record!r}")
+    if extras is not None and REPLAY_KEY in extras:
+        if routed_experts is not None:
+            raise ValueError("routed_experts given twice: as a keyword and in the batch mapping; pass one")
+        routed_experts = extras.pop(REPLAY_KEY)
+    moe = chunks[0].spec.moe
+    if (routed_experts is not None or record) and moe is None:
+        raise ValueError(f"{'routed_experts' if routed_experts is not None else 'return_routed_experts'}: "
+                         f"{chunks[0].spec.architecture} has no mixture-of-experts layers")
+    if routed_experts is None:
+        return None
+    from .model.routing import check_routed_experts, moe_layer_indices
+    return check_routed_experts(routed_experts, attention_mask, num_moe_layers=len(moe_layer_indices(chunks[0].spec)),
+                                top_k=moe.top_k, num_experts=moe.num_experts)
+
+
+def _start_replay(chunks, given, m: int, sizes=None, *, record: bool) -> None:
+    """Every chunk's router replay on for one call: ``given`` ``[B, S, L, k]`` (or None) split as the ``m``
+    microbatches are (:func:`_microbatches`)."""
+    parts = None
+    if given is not None:
+        parts = list(given.split(sizes)) if sizes is not None else list(given.tensor_split(m))
+    for chunk in chunks:
+        chunk.router_replay.start(parts, record=record)
+
+
+def _routed_of_call(chunks, layout, recorded, shape, order) -> torch.Tensor:
+    """``forward(return_routed_experts=True)``'s second result: the chunks' recorded microbatches joined into
+    ``[B, S, L, k]`` int64 (-1 at padding), the MoE layers of every pipeline stage (a MAX all-reduce over the
+    pipeline group: each stage fills its own layers' columns, -1 elsewhere), in the caller's order."""
+    from .model.routing import moe_layer_indices
+    spec = chunks[0].spec
+    device = next(chunks[0].parameters()).device
+    b, s = shape
+    full = torch.full((b, s, len(moe_layer_indices(spec)), spec.moe.top_k), -1, dtype=torch.long, device=device)
+    start = 0
+    for m in sorted({m for rec in recorded for m in rec}):
+        part = torch.stack([rec[m] for rec in recorded if m in rec]).amax(0)
+        full[start:start + part.shape[0]] = part
+        start += part.shape[0]
+    if layout.pp > 1:
+        torch.distributed.all_reduce(full, op=torch.distributed.ReduceOp.MAX, group=layout.pp_group)
+    if order is not None:
+        full = full.index_select(0, torch.tensor(inverse(order), dtype=torch.long, device=device))
+    return full
 
 
 def _real_lengths(attention_mask) -> list[int]:
@@ -560,7 +648,7 @@ def _load_balancing_per_microbatch(chunks, values, layout, device, num_microbatc
 
 def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_microbatches: int = 1,
                      position_ids=None, output=None, temperature=1.0, token_chunk=None, metric_reduce=None,
-                     max_tokens_per_microbatch=None):
+                     max_tokens_per_microbatch=None, routed_experts=None):
     """Forward and backward of ``loss_fn`` over ``num_microbatches`` microbatches (split along dim 0).
 
     Two forms. Positional: ``forward_backward(chunks, input_ids, attention_mask, ...)`` calls
@@ -630,6 +718,12 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     (:mod:`parallm.train.metrics`). Every replica with data must return the same names (else ValueError
     everywhere).
 
+    Router replay (mixture-of-experts models): ``routed_experts`` (or the batch mapping's ``"routed_experts"``
+    entry; either form of :func:`forward`'s) makes every MoE layer route each real token to the given experts,
+    the combine weights being the router's probabilities of those experts, so the router is trained on the
+    routing the rollout engine used (docs/moe.md). It is split with the microbatches (and the context-parallel
+    split) and is not handed to ``loss_fn``. A load-balancing loss counts the replayed experts.
+
     A ``loss_fn`` that raises on some ranks: those ranks finish the schedule back-propagating zero for that
     microbatch and the later ones (their peers get every message and collective they wait for), then every rank
     raises at the end of the call (the raising rank its own exception, the others the same type naming it). The
@@ -659,10 +753,11 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
                              "(small fp16 gradients underflow to zero); train in bfloat16 (same memory, fp32 "
                              "main_grad) or float32. float16 models can still run forward")
         reductions = check_reductions(metric_reduce)
+        given = _check_replay(chunks, routed_experts, extras, batch[1])
         extras = _check_extras(extras, batch[0])
-        return (batch, request, extras, reductions, bins), \
+        return (batch, request, extras, reductions, bins, given), \
             _cp_fingerprint(layout, batch, num_microbatches, request), num_microbatches
-    ((ids_all, mask_all, pos_all), request, extras, reductions, bins), _ = _checked_call(
+    ((ids_all, mask_all, pos_all), request, extras, reductions, bins, given), _ = _checked_call(
         layout, check, what="forward_backward", count_moe=layout.ep > 1 and chunks[0].spec.moe is not None)
     if request is not None:   # the head's weight gradient goes straight into its existing gradient buffer
         request = dataclasses.replace(request, accumulate=True)
@@ -673,6 +768,8 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
         if extras:
             index = torch.tensor(order, dtype=torch.long, device=ids_all.device)
             extras = {k: v.index_select(0, index) for k, v in extras.items()}
+        if given is not None:
+            given = given.index_select(0, torch.tensor(order, dtype=torch.long, device=given.device))
         num_microbatches = len(sizes)
     mbs = _microbatches(chunks, ids_all, pos_all, mask_all, num_microbatches, sizes=sizes)
     extra_mbs = _split_extras(extras, num_microbatches, sizes)
@@ -706,13 +803,16 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     moe = chunks[0].spec.moe
     coef = moe.aux_loss_coef if moe is not None else 0.0
     scales = AuxScales(coef, num_microbatches) if coef else None
-    on_step = None
     if scales is not None:
         for chunk in chunks:
             chunk.moe_aux.start(scales)
+    if given is not None:    # router replay: each microbatch's experts, set per step below
+        _start_replay(chunks, given, num_microbatches, sizes, record=False)
 
-        def on_step(kind, m, v):
+    def on_step(kind, m, v):
+        if scales is not None:
             chunks[v].moe_aux.microbatch = m
+        chunks[v].router_replay.microbatch = m
     announce_step(chunks, len(mbs))
     try:
         run_pipeline(chunks, mbs, last_stage_fn=last_stage, backward=True, compute_kwargs={
@@ -720,6 +820,8 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
             on_step=on_step, side=scales.tokens if scales is not None and layout.pp > 1 else None)
     finally:
         aux_values = [v for chunk in chunks for v in chunk.moe_aux.stop()]
+        for chunk in chunks:
+            chunk.router_replay.stop()
     device = ids_all.device
     # from the last stage: [microbatches returning a pair, returning a scalar, empty, sum of the values, sum of
     # the token counts, ranks whose loss_fn raised, replicas with data, with metrics, the metric spec's hash and

@@ -28,6 +28,7 @@ from .logprobs import token_stats_head
 from .mla import MLAttention
 from .mlp import MLP, no_init
 from .moe import MoEAux, MoEBlock
+from .routing import RouterReplay, moe_layer_indices, rows_of_tokens, tokens_of_rows
 from .placement import attach_placements
 from .rope import rope_cos_sin
 from ..parallel.stages import layer_numbers
@@ -153,14 +154,14 @@ class DecoderLayer(nn.Module):
         # The spec says which layers route over experts (model/moe.py); the others keep the dense MLP.
         self.mlp = MoEBlock(spec, config, dims, device) if spec.is_moe_layer(layer_number) else MLP(spec, config)
 
-    def forward(self, x, cos, sin, ctx, tokens=None):
+    def forward(self, x, cos, sin, ctx, tokens=None, routed=None):
         """``tokens``: real-row mask of ``x`` for a MoE layer's load-balancing loss (None: not computed / all
-        real)."""
+        real). ``routed``: a MoE layer's replayed experts for the rows of ``x`` (:meth:`MoEBlock.route`)."""
         if isinstance(ctx, HybridContext):      # a padded hybrid model: each layer kind takes its own mask
             ctx = ctx.for_layer(self.linear)
         x = x + self.self_attention(self.input_layernorm(x), cos, sin, ctx)
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, tokens) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
+        return x + (self.mlp(h, tokens, routed) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
 
 
 class CarriedTensors(nn.ParameterList):
@@ -281,9 +282,13 @@ class DecoderChunk(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, config, tp, i, device, backend=backend, dims=dims,
                                                  cp_attn=cp_kernel, gdn_kernel=gdn) for i in layers)
         self.moe_aux = MoEAux()  # load-balancing loss of this chunk's MoE layers (forward_backward turns it on)
+        self.router_replay = RouterReplay()   # routed_experts / return_routed_experts (forward, forward_backward)
+        moe_index = {layer: j for j, layer in enumerate(moe_layer_indices(spec))}
         for layer in self.layers:
             if isinstance(layer.mlp, MoEBlock):
                 layer.mlp.aux = self.moe_aux
+                layer.mlp.replay = self.router_replay
+                layer.mlp.moe_index = moe_index[layer.layer_number]
         if post_process:
             self.final_norm = norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
             if task == "hidden":
@@ -402,14 +407,22 @@ class DecoderChunk(nn.Module):
         cos, sin = cos.to(x.device), sin.to(x.device)
         recompute = self.recompute == "full" and torch.is_grad_enabled()
         tokens = self._real_tokens(attention_mask, ctx) if self.moe_aux.scale is not None else None
+        replay = self.router_replay
+        given = replay.current() if replay.active else None      # router replay: [B, S, moe layers, top_k]
+        given = rows_of_tokens(given, attention_mask, ctx, share=self._my_rows) if given is not None else None
         for layer in self.layers:
+            routed = (given[0][:, layer.mlp.moe_index], given[1]) \
+                if given is not None and isinstance(layer.mlp, MoEBlock) else None
             if recompute:
                 # Keep only the layer's input; its activations are recomputed in backward (RNG state restored).
                 # The recompute replays the layer: MoE load-balancing losses are then not recorded twice.
-                x = checkpoint(layer, x, cos, sin, ctx, tokens, use_reentrant=False, preserve_rng_state=True,
+                x = checkpoint(layer, x, cos, sin, ctx, tokens, routed, use_reentrant=False,
+                               preserve_rng_state=True,
                                context_fn=lambda: (contextlib.nullcontext(), self.moe_aux.replaying()))
             else:
-                x = layer(x, cos, sin, ctx, tokens)
+                x = layer(x, cos, sin, ctx, tokens, routed)
+        if replay.recording:
+            self._record_routing(attention_mask, ctx)
         if not self.post_process:
             return x
         x = self.final_norm(x)
@@ -439,6 +452,21 @@ class DecoderChunk(nn.Module):
         if self.packed:
             out = unpack_tokens(out[:, 0], ctx)                           # [S, B, ...], zeros at padding
         return out
+
+    def _record_routing(self, attention_mask, ctx) -> None:
+        """Router replay's recording: the experts this chunk's MoE layers routed the running microbatch with, as
+        ``router_replay.recorded[m]`` ``[B, S, moe layers, top_k]`` int64 (-1 at padding positions and in the
+        columns of MoE layers other chunks hold), the same on every rank of the TP / CP group (collective)."""
+        replay = self.router_replay
+        b, s = attention_mask.shape
+        out = torch.full((b, s, len(moe_layer_indices(self.spec)), self.spec.moe.top_k), -1, dtype=torch.long,
+                         device=attention_mask.device)
+        sp_group = self.dims.tp_group if self.sequence_parallel else None
+        cp_group = self.dims.cp_group if self.dims.cp > 1 else None
+        for j, rows in sorted(replay.rows.items()):
+            out[:, :, j] = tokens_of_rows(rows, attention_mask, ctx, sp_group=sp_group, cp_group=cp_group)
+        replay.rows = {}
+        replay.recorded[replay.microbatch] = out
 
     def _cp_output(self, x, split: ContextSplit):
         """Under context parallelism: this rank's logits / values / hidden states of its slots, gathered over the

@@ -65,7 +65,7 @@ from ..parallel.experts import (combine, dispatch, expert_counts, gather_shares,
 from ..parallel.megatron_import import import_megatron
 from ..parallel.state import as_device
 from .mlp import MLP
-from .routing import GroupLimitedRouter
+from .routing import GroupLimitedRouter, RouterReplay, sigmoid_weights, softmax_weights
 from .spec import DecoderSpec
 
 mtp = import_megatron().tensor_parallel
@@ -393,6 +393,8 @@ class MoEBlock(nn.Module):
         self.shares = tp > 1 and dims.ep > 1
         self.experts_held = dims.expert_range(moe.num_experts)
         self.aux: MoEAux | None = None      # the chunk's tracker, set by the chunk
+        self.replay: RouterReplay | None = None     # the chunk's router replay state, set by the chunk
+        self.moe_index = 0                  # this layer's place among the model's MoE layers (set by the chunk)
         if moe.router == "sigmoid_grouped":   # DeepSeek-V3 / GLM-4.5: fp32 weight and selection bias
             self.router = GroupLimitedRouter(moe.num_experts, spec.hidden_size, top_k=moe.top_k, n_group=moe.n_group,
                                              topk_group=moe.topk_group, norm_topk_prob=moe.norm_topk_prob,
@@ -405,18 +407,31 @@ class MoEBlock(nn.Module):
         if moe.shared_expert_intermediate_size:
             self.shared_experts = SharedExpert(spec, config, moe.shared_expert_gate, device)
 
-    def route(self, h):
+    def route(self, h, routed=None):
         """(probs [N, E] fp32, weights [N, k] fp32, choices [N, k]): the logits in the model dtype, as transformers
         computes them, then fp32 (the activations are not upcast: only the [N, E] logits are). The sigmoid
-        group-limited router (:mod:`parallm.model.routing`) gives its sigmoid scores as the probabilities."""
+        group-limited router (:mod:`parallm.model.routing`) gives its sigmoid scores as the probabilities.
+
+        ``routed``: router replay, ``(experts [N, k] int64, real [N] bool)`` in the rows of ``h``: the real rows
+        route with those experts instead of the router's top-k (padding rows keep the router's own), and the
+        weights are the router's probabilities of the experts routed with, normalised as the router normalises
+        its own (:func:`softmax_weights` / :func:`sigmoid_weights`), so the router still gets gradients."""
         if isinstance(self.router, GroupLimitedRouter):
             logits, weights, choices = self.router(h)
-            return logits.sigmoid(), weights, choices
+            scores = logits.sigmoid()
+            if routed is not None:
+                choices = torch.where(routed[1][:, None], routed[0], choices)
+                weights = sigmoid_weights(scores, choices, norm_topk_prob=self.router.norm_topk_prob,
+                                          routed_scaling_factor=self.router.routed_scaling_factor)
+            return scores, weights, choices
         logits = F.linear(h, self.router.weight).float()
         probs = torch.softmax(logits, dim=-1)
         weights, choices = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if routed is not None:
+            choices = torch.where(routed[1][:, None], routed[0], choices)
+            weights = softmax_weights(probs, choices, norm_topk_prob=self.norm_topk_prob)
         return probs, weights, choices
 
     def _into_tp_region(self, h, weights, choices):
@@ -451,12 +466,17 @@ class MoEBlock(nn.Module):
         rows = combine(self.experts(rows, plan.local_counts, plan.local_counts_device), plan)  # sorted-slot order
         return weighted_sum(rows, weights.to(rows.dtype), slots)
 
-    def forward(self, x, tokens=None):
+    def forward(self, x, tokens=None, routed=None):
         """x: ``[S, B, H]`` (or ``[T / tp, 1, H]`` under sequence parallelism). ``tokens``: 1 for the real rows
-        of ``x.reshape(-1, H)`` (the load-balancing loss counts those only); None: all rows are real."""
+        of ``x.reshape(-1, H)`` (the load-balancing loss counts those only); None: all rows are real.
+        ``routed``: router replay's ``(experts [N, k], real [N])`` for those rows (:meth:`route`); the
+        load-balancing loss then counts the experts routed with (the replayed ones) against the router's
+        probabilities, as usual."""
         shape = x.shape
         h = x.reshape(-1, self.hidden)
-        probs, weights, choices = self.route(h)
+        probs, weights, choices = self.route(h, routed)
+        if self.replay is not None and self.replay.recording:
+            self.replay.rows[self.moe_index] = choices.detach()
         aux = None
         if self.aux is not None and self.aux.scale is not None and torch.is_grad_enabled():
             real = tokens if tokens is not None else torch.ones(h.shape[0], device=h.device)

@@ -19,6 +19,11 @@ other by less than a bf16 ulp near their magnitude, so rounding it to bf16 chang
 (``tests/test_deepseek_parts.py`` builds such a case). :class:`GroupLimitedRouter` holds it as an fp32
 parameter without gradient (``requires_grad=False``), so the weight table can load, save and export it like
 any other tensor.
+
+Router replay (:class:`RouterReplay`, below): ``forward`` / ``forward_backward(routed_experts=...)`` route every
+MoE layer with experts chosen elsewhere (the rollout engine's), the combine weights still the router's
+probabilities of those experts (:func:`softmax_weights`, :func:`sigmoid_weights`), so gradients reach the router;
+``forward(return_routed_experts=True)`` records the choices made. docs/moe.md, "Router replay".
 """
 
 from __future__ import annotations
@@ -63,10 +68,30 @@ def group_limited_topk(scores: torch.Tensor, bias: torch.Tensor | None, *, top_k
     score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, per_group).reshape(-1, num_experts)
     choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
     experts = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    return sigmoid_weights(scores, experts, norm_topk_prob=norm_topk_prob,
+                           routed_scaling_factor=routed_scaling_factor), experts
+
+
+def sigmoid_weights(scores: torch.Tensor, experts: torch.Tensor, *, norm_topk_prob: bool,
+                    routed_scaling_factor: float) -> torch.Tensor:
+    """The combine weights ``[N, k]`` of ``experts`` ``[N, k]`` from the unbiased sigmoid ``scores`` ``[N, E]``:
+    the chosen scores, / (their sum + 1e-20) if ``norm_topk_prob``, * ``routed_scaling_factor``. The same for
+    the router's own choice and for replayed experts (router replay), so gradients reach the router either way."""
     weights = scores.gather(1, experts)
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling_factor, experts
+    return weights * routed_scaling_factor
+
+
+def softmax_weights(probs: torch.Tensor, experts: torch.Tensor, *, norm_topk_prob: bool) -> torch.Tensor:
+    """The combine weights ``[N, k]`` of ``experts`` ``[N, k]`` from the softmax router's fp32 ``probs``
+    ``[N, E]`` (Qwen-MoE, Mixtral): the chosen probabilities, renormalised to sum to 1 if ``norm_topk_prob``.
+    For the router's own top-k this is transformers' ``topk`` values; for replayed experts, the router's
+    probabilities of THOSE experts (router replay)."""
+    weights = probs.gather(1, experts)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights
 
 
 def sigmoid_route(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, top_k: int, n_group: int,
@@ -110,3 +135,170 @@ class GroupLimitedRouter(nn.Module):
         return sigmoid_route(h, self.weight, self.e_score_correction_bias, top_k=self.top_k, n_group=self.n_group,
                              topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
                              routed_scaling_factor=self.routed_scaling_factor)
+
+
+# -- router replay ---------------------------------------------------------------------------------------------
+
+class RouterReplay:
+    """Router replay state of one chunk for one ``forward`` / ``forward_backward`` call.
+
+    ``given``: per microbatch, the experts to route with, ``[B_mb, S, num_moe_layers, top_k]`` int64 (the MoE
+    layers numbered in model order, 0 for the first MoE layer; padding positions hold anything: their rows keep
+    the router's own choice), or None (the router's top-k). ``recording``: the MoE layers keep the choices they
+    route with (``rows``), and the chunk turns them into ``recorded[m]``, ``[B_mb, S, num_moe_layers, top_k]``
+    int64 with -1 at padding positions and in the columns of MoE layers other chunks hold. ``microbatch``: set by
+    the caller before each forward step."""
+
+    def __init__(self):
+        self.given: list[torch.Tensor] | None = None
+        self.recording = False
+        self.microbatch = 0
+        self.rows: dict[int, torch.Tensor] = {}
+        self.recorded: dict[int, torch.Tensor] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.given is not None or self.recording
+
+    def start(self, given: list[torch.Tensor] | None, *, record: bool) -> None:
+        self.given, self.recording, self.microbatch, self.rows, self.recorded = given, record, 0, {}, {}
+
+    def stop(self) -> dict[int, torch.Tensor]:
+        recorded = self.recorded
+        self.start(None, record=False)
+        return recorded
+
+    def current(self) -> torch.Tensor | None:
+        """The running microbatch's given experts ``[B_mb, S, L, k]``, or None."""
+        return None if self.given is None else self.given[self.microbatch]
+
+
+def moe_layer_indices(spec) -> list[int]:
+    """The global indices of the decoder's MoE layers in model order (position j: MoE layer j of a
+    ``routed_experts`` tensor); multi-token-prediction layers are not run and not counted."""
+    if spec.moe is None:
+        return []
+    return sorted(layer for layer in spec.moe.layers if layer < spec.num_layers)
+
+
+def _context_split_type():
+    from .context_parallel import ContextSplit
+    return ContextSplit
+
+
+def _packing_type():
+    from .attention import Packing
+    return Packing
+
+
+def rows_of_tokens(t: torch.Tensor, attention_mask: torch.Tensor, ctx, *, share=None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A per-token ``[B, S, ...]`` tensor in the order of this rank's MoE input rows (the activations
+    ``x.reshape(-1, H)`` of :class:`parallm.model.moe.MoEBlock`): ``(rows [N, ...], real [N] bool)``.
+
+    Padded layout (``ctx`` a mask or None): ``[S, B]`` s-major. Packed (``ctx`` a ``Packing``): the real tokens
+    row by row, then the stream's padding (not real). Context parallel (``ctx`` a ``ContextSplit``): this rank's
+    slots (``ctx.origin``'s share of this rank; -1 slots are padding). ``share``: under sequence parallelism the
+    function that keeps this TP rank's share of the rows (the decoder's ``_my_rows``)."""
+    b, s = attention_mask.shape
+    rest = tuple(t.shape[2:])
+    share = share or (lambda x: x)
+    if isinstance(ctx, _context_split_type()):
+        slots = ctx.slots
+        mine = ctx.origin[ctx.rank * slots:(ctx.rank + 1) * slots]
+        rows = t.reshape((b * s,) + rest).index_select(0, mine.clamp(min=0))
+        return share(rows), share(mine >= 0)
+    if isinstance(ctx, _packing_type()):
+        rows = t.reshape((b * s,) + rest).index_select(0, ctx.indices)
+        pad = ctx.total - ctx.nnz
+        real = torch.arange(ctx.total, device=t.device) < ctx.nnz
+        if pad:
+            rows = torch.cat([rows, rows.new_zeros((pad,) + rest)])
+        return share(rows), share(real)
+    return t.transpose(0, 1).reshape((s * b,) + rest), attention_mask.transpose(0, 1).reshape(-1).bool()
+
+
+def _all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    world = torch.distributed.get_world_size(group)
+    out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
+    torch.distributed.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def tokens_of_rows(rows: torch.Tensor, attention_mask: torch.Tensor, ctx, *, sp_group=None, cp_group=None
+                   ) -> torch.Tensor:
+    """:func:`rows_of_tokens` inverted for recorded choices: this rank's rows ``[N, k]`` (int64) -> the whole
+    microbatch's ``[B, S, k]``, -1 at padding positions, the same on every rank of the TP / CP group.
+    Collective: ``sp_group`` (the TP group under sequence parallelism: each rank holds a share of the rows) is
+    all-gathered first, then under context parallelism ``cp_group``."""
+    b, s = attention_mask.shape
+    k = rows.shape[-1]
+    if sp_group is not None:
+        rows = _all_gather_rows(rows, sp_group)
+    out = rows.new_full((b * s, k), -1)
+    if isinstance(ctx, _context_split_type()):
+        gathered = _all_gather_rows(rows, cp_group)
+        src, dst = ctx.placement()
+        out[dst] = gathered.index_select(0, src)
+    elif isinstance(ctx, _packing_type()):
+        out[ctx.indices] = rows[:ctx.nnz]
+    else:
+        out = rows.view(s, b, k).transpose(0, 1).reshape(b * s, k).clone()
+        out[~attention_mask.reshape(-1).bool()] = -1
+    return out.view(b, s, k)
+
+
+def check_routed_experts(routed, attention_mask: torch.Tensor, *, num_moe_layers: int, top_k: int,
+                         num_experts: int) -> torch.Tensor:
+    """Validate ``routed_experts`` against a ``[B, S]`` batch and return it as ``[B, S, L, k]`` int64 on the
+    mask's device. Accepted: ``[B, S, L, k]`` (padded, like ``input_ids``), or ``[T, L, k]`` with ``T`` the
+    batch's real tokens (``attention_mask.sum()``) in row order (a packed / remove-padding stream: row 0's real
+    tokens, then row 1's, ...), spread onto the real positions. Values at padding positions are ignored (their
+    rows keep the router's own choice); at real positions each must be an expert id in ``[0, E)``, distinct
+    within a token. A ValueError names what is wrong, with the numbers."""
+    if not torch.is_tensor(routed) or routed.dtype.is_floating_point or routed.dtype == torch.bool \
+            or routed.is_complex():
+        raise ValueError(f"routed_experts must be an integer tensor, got "
+                         f"{getattr(routed, 'dtype', type(routed).__name__)}")
+    b, s = attention_mask.shape
+    mask = attention_mask.bool()
+    real = int(mask.sum())
+    want = f"[{b}, {s}, {num_moe_layers}, {top_k}] (batch, seq, MoE layers, top_k) or [{real}, " \
+           f"{num_moe_layers}, {top_k}] (the batch's {real} real tokens in row order)"
+    shape = tuple(routed.shape)
+    routed = routed.to(attention_mask.device)
+    if routed.dim() == 3 and shape[1:] == (num_moe_layers, top_k) and shape[0] == real:
+        full = routed.new_full((b, s, num_moe_layers, top_k), 0)
+        full[mask] = routed
+        routed = full
+    elif routed.dim() != 4 or shape != (b, s, num_moe_layers, top_k):
+        detail = ""
+        if routed.dim() in (3, 4):
+            if shape[-2] != num_moe_layers:
+                detail = f": {shape[-2]} MoE layers given, the model has {num_moe_layers}"
+            elif shape[-1] != top_k:
+                detail = f": top_k {shape[-1]} given, the model routes each token to {top_k} experts"
+            elif routed.dim() == 3:
+                detail = f": {shape[0]} tokens given, the batch has {real} real tokens"
+            else:
+                detail = f": batch {tuple(shape[:2])} given, input_ids is ({b}, {s})"
+        raise ValueError(f"routed_experts has shape {list(shape)}; expected {want}{detail}")
+    routed = routed.long()
+    at_real = routed[mask]                                     # [real, L, k]
+    if at_real.numel():
+        low, high = int(at_real.min()), int(at_real.max())
+        if low < 0 or high >= num_experts:
+            bad = ((at_real < 0) | (at_real >= num_experts)).nonzero()[0].tolist()
+            pos = mask.nonzero()[bad[0]].tolist()
+            raise ValueError(f"routed_experts must hold expert ids in [0, {num_experts}) at real positions; got "
+                             f"values in [{low}, {high}] (first: {int(at_real[tuple(bad)])} at batch row "
+                             f"{pos[0]}, position {pos[1]}, MoE layer {bad[1]})")
+        ordered = at_real.sort(dim=-1).values
+        dup = (ordered[..., 1:] == ordered[..., :-1]).any(-1)          # [real, L]
+        if bool(dup.any()):
+            t, layer = dup.nonzero()[0].tolist()
+            pos = mask.nonzero()[t].tolist()
+            raise ValueError(f"routed_experts repeats an expert within a token: {at_real[t, layer].tolist()} at "
+                             f"batch row {pos[0]}, position {pos[1]}, MoE layer {layer} (top_k distinct experts "
+                             "per token)")
+    return routed
