@@ -33,10 +33,15 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
                 vocab_multiple: int = 1, attn_impl: str = "auto", recompute: str | None = None,
                 cp_attn: str = "auto", num_layers_in_first_pipeline_stage: int | None = None,
                 num_layers_in_last_pipeline_stage: int | None = None,
-                layers_per_stage=None, mtp: bool | None = None) -> list[DecoderChunk]:
+                layers_per_stage=None, mtp: bool | None = None,
+                revision: str | None = None) -> list[DecoderChunk]:
     """Build this rank's share of the model: one chunk per virtual pipeline stage (``len == vpp`` or 1).
 
-    ``hf_config``: a transformers ``PretrainedConfig``, a checkpoint directory, or a config.json path.
+    ``hf_config``: a transformers ``PretrainedConfig``, a checkpoint directory, or a config.json path, or a Hub id
+    (``Qwen/Qwen2.5-0.5B``) read from the local Hugging Face cache at ``revision`` (default ``main``), never
+    downloaded (:func:`parallm.checkpoint.hf_dir.resolve_checkpoint`: a local directory of the same spelling
+    wins; an id the cache lacks is a CheckpointError naming the cache searched). A directory (or id) becomes the
+    chunks' ``hf_source``: :func:`parallm.save_hf_weights` copies its tokenizer and generation files.
     ``task``: ``"causal_lm"`` (logits), ``"value"`` (a ``score`` head ``[1, H]`` giving values ``[B, S]``),
     ``"hidden"`` (headless: final-normed hidden states ``[B, S, H]``, what verl's ``*Model`` classes return), or
     None to follow the config (``*ForSequenceClassification`` -> value). ``packed``: remove padding and run
@@ -75,6 +80,8 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
         raise ValueError(f"dtype must be a floating-point torch.dtype (float32, bfloat16, float16), got {dtype!r}")
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    from .checkpoint.hf_dir import resolve_checkpoint
+    hf_config = resolve_checkpoint(hf_config, revision=revision)
     config = load_config(hf_config)
     spec, family = spec_from_config(config)
     task = resolve_task(config, task)
@@ -96,9 +103,20 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     kv_replica_group(spec.num_kv_heads)
     agree_on_kernels(chunks)        # kernel choices differing across ranks: an error on every rank
     attach_main_grad_hooks(chunks)
+    source = _source_dir(hf_config)
     for chunk in chunks:
         chunk.hf_config = getattr(config, "_raw", config)
+        chunk.hf_source = source
     return chunks
+
+
+def _source_dir(hf_config) -> str | None:
+    """The checkpoint directory a model was built from (a config.json path: its directory), else None."""
+    import os
+    if not isinstance(hf_config, (str, os.PathLike)):
+        return None
+    path = os.path.abspath(os.fspath(hf_config))
+    return path if os.path.isdir(path) else os.path.dirname(path)
 
 
 def balanced_layers_per_stage(spec, *, task: str, pp: int, vpp: int = 1) -> list[int] | None:

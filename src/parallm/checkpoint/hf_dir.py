@@ -1,4 +1,6 @@
-"""Reading HF checkpoint directories (single ``model.safetensors`` or sharded with an index), lazily.
+"""Reading HF checkpoint directories (single ``model.safetensors`` or sharded with an index), lazily; Hub ids
+resolved from the local Hugging Face cache (never the network); the tokenizer / generation files a saved
+directory needs to be served.
 
 Only safetensors are read by default: pickle-based ``.bin`` / ``.pt`` checkpoints can run arbitrary code.
 """
@@ -7,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 
 import torch
 from safetensors import safe_open
@@ -101,10 +105,12 @@ class HFCheckpoint:
                 raise CheckpointError(f"{index}: not a checkpoint index ({type(e).__name__}: {e})") from None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: weight_map is not a mapping")
-        base = os.path.realpath(self.path)
+        # The name, not its target, must stay in the directory: a Hugging Face cache snapshot's files are
+        # symlinks into the repository's blobs/ (realpath would put every shard "outside").
+        base = os.path.normpath(self.path)
         files: dict[str, str] = {}
         for fname in sorted({str(v) for v in weight_map.values()}):
-            full = os.path.realpath(os.path.join(self.path, fname))
+            full = os.path.normpath(os.path.join(self.path, fname))
             if os.path.dirname(full) != base:
                 files[fname] = "outside"
             elif not os.path.isfile(full):
@@ -196,3 +202,122 @@ def check_floating(names, is_floating, *, where: str) -> None:
 
 def tensor_shapes(state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in state_dict.items()}
+
+
+# -- Hub ids, from the local Hugging Face cache ----------------------------------------------------------------
+
+# A Hub model id: "name" or "org/name" (letters, digits, "-", "_", "."; no "--" or ".." as the Hub refuses them).
+_HUB_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def hf_hub_cache() -> str:
+    """The Hugging Face cache directory, read from the environment now (huggingface_hub reads it once, at its
+    import): ``HF_HUB_CACHE``, else ``HUGGINGFACE_HUB_CACHE``, else ``$HF_HOME/hub``, else
+    ``$XDG_CACHE_HOME/huggingface/hub``, else ``~/.cache/huggingface/hub``, as huggingface_hub resolves it."""
+    env = os.environ
+    cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")
+    if not cache:
+        home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"),
+                                                  "huggingface")
+        cache = os.path.join(home, "hub")
+    return os.path.abspath(os.path.expanduser(cache))
+
+
+def is_hub_id(text) -> bool:
+    """Whether ``text`` is spelled like a Hub model id (``Qwen/Qwen2.5-0.5B``, ``gpt2``)."""
+    return isinstance(text, str) and bool(_HUB_ID.match(text)) and "--" not in text and ".." not in text
+
+
+def resolve_checkpoint(path, *, revision: str | None = None):
+    """A checkpoint path or Hub id -> the local path to read.
+
+    ``path`` names an existing file or directory: returned as it is (a local directory keeps priority over a
+    Hub id of the same spelling; ``revision`` must then be None). Otherwise, if it is spelled like a Hub id
+    (``Qwen/Qwen2.5-0.5B``), the snapshot of ``revision`` (a branch, tag or commit hash; default ``main``) is
+    looked up in the local Hugging Face cache (:func:`hf_hub_cache`: ``HF_HUB_CACHE`` / ``HF_HOME``) with
+    ``huggingface_hub.snapshot_download(local_files_only=True)``, which makes no network call, and its
+    directory (``models--org--name/snapshots/<commit>``) is returned. parallm never downloads: an id the cache
+    does not hold is a :class:`CheckpointError` naming the id, the revision and the cache directory searched.
+    Anything else (a missing path not spelled like an id) is returned unchanged, for the caller's own "does not
+    exist" error. Non-strings (a config object, a state dict) pass through.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        return path
+    text = os.fspath(path)
+    if os.path.exists(text):
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} applies to Hub ids; {text} is a local "
+                             f"{'directory' if os.path.isdir(text) else 'file'}")
+        return path
+    if not is_hub_id(text):
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} applies to Hub ids; {text!r} is neither a local path nor "
+                             "spelled like one (org/name)")
+        return path
+    return hub_snapshot(text, revision=revision)
+
+
+def hub_snapshot(repo_id: str, *, revision: str | None = None) -> str:
+    """The cached snapshot directory of Hub model ``repo_id`` at ``revision`` (see :func:`resolve_checkpoint`)."""
+    cache = hf_hub_cache()
+    where = f"{repo_id!r} (revision {revision or 'main'}) is not a local path, and the Hugging Face cache {cache}"
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise CheckpointError(f"{where} cannot be searched: huggingface_hub is not installed "
+                              "(pip install huggingface_hub)") from None
+    try:
+        snapshot = snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - LocalEntryNotFoundError, an incomplete snapshot, a bad id: one message
+        folder = os.path.join(cache, "models--" + repo_id.replace("/", "--"))
+        found = "has no snapshot of it" if not os.path.isdir(folder) else \
+            f"has {folder} but no complete snapshot of that revision ({type(e).__name__}: {e})"
+        raise CheckpointError(
+            f"{where} {found}. parallm reads the cache only and never downloads: fetch it first (`hf download "
+            f"{repo_id}`{f' --revision {revision}' if revision else ''}), or point HF_HUB_CACHE / HF_HOME at the "
+            "cache holding it, or pass the checkpoint directory") from None
+    return os.fspath(snapshot)
+
+
+# -- what a saved directory needs besides the weights to be served ----------------------------------------------
+
+# The files transformers' save_pretrained writes beside the weights for the tokenizer (tokenization_utils_base:
+# tokenizer_config.json, special_tokens_map.json, added_tokens.json, tokenizer.json, chat_template.jinja and the
+# legacy chat_template.json, additional_chat_templates/; each tokenizer class's vocab_files_names: vocab.json +
+# merges.txt (GPT-2 / Qwen BPE), tokenizer.model (LLaMA / Mistral sentencepiece), vocab.txt, spiece.model,
+# sentencepiece.bpe.model, ...; Mistral's tekken.json, tiktoken vocabularies), the generation defaults
+# (generation_config.json) and a vision-language model's processors (preprocessor_config.json,
+# processor_config.json, video_preprocessor_config.json). config.json and the weights are written by the saver.
+SERVING_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt",
+    "spiece.model", "sentencepiece.bpe.model", "sentencepiece.model", "spm.model", "tekken.json",
+    "tiktoken.model", "qwen.tiktoken", "generation_config.json", "preprocessor_config.json",
+    "processor_config.json", "video_preprocessor_config.json",
+)
+SERVING_DIRS = ("additional_chat_templates",)
+# Remote-code tokenizers (Kimi-K2's tokenization_kimi.py, named by tokenizer_config.json's auto_map).
+_SERVING_PATTERN = re.compile(r"^tokenization_[A-Za-z0-9_]+\.py$")
+
+
+def serving_files(src: str) -> list[str]:
+    """The tokenizer, chat-template, generation and processor files of checkpoint directory ``src``
+    (:data:`SERVING_FILES`, :data:`SERVING_DIRS`, remote-code ``tokenization_*.py``), as relative paths, sorted."""
+    out = []
+    for name in sorted(os.listdir(src)):
+        full = os.path.join(src, name)
+        if os.path.isfile(full) and (name in SERVING_FILES or _SERVING_PATTERN.match(name)):
+            out.append(name)
+        elif os.path.isdir(full) and name in SERVING_DIRS:
+            out.extend(os.path.join(name, f) for f in sorted(os.listdir(full)) if os.path.isfile(os.path.join(full, f)))
+    return out
+
+
+def copy_serving_files(src: str, dst: str) -> list[str]:
+    """Copy :func:`serving_files` of ``src`` into ``dst`` (their contents: a cache snapshot's symlinks are
+    followed). Returns the relative paths copied."""
+    names = serving_files(src)
+    for name in names:
+        os.makedirs(os.path.dirname(os.path.join(dst, name)), exist_ok=True)
+        shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+    return names

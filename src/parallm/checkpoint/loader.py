@@ -36,7 +36,7 @@ from ..parallel.state import ParallelDims, as_chunks, dims_of, require_initializ
 from ..progress import bar
 from .cast import WIRE_DTYPES, check_cast, copy_cast_
 from .fp8 import DequantizedSource, block_size_of, fp8_plan
-from .hf_dir import HFCheckpoint, check_floating, check_keys_and_shapes, tensor_shapes
+from .hf_dir import HFCheckpoint, check_floating, check_keys_and_shapes, resolve_checkpoint, tensor_shapes
 
 logger = logging.getLogger("parallm")
 
@@ -138,14 +138,24 @@ def ignorable_names(spec, task: str) -> tuple[str, ...]:
     return IGNORED_SUFFIXES + (("lm_head.weight",) if spec.tie_word_embeddings else ())
 
 
-def _source_kind(source) -> tuple[str, str]:
-    """(kind, description) of this rank's source: kind is "dir", "missing-dir", "dict" or "none"."""
+def _source_kind(source, revision: str | None = None) -> tuple[str, str]:
+    """(kind, description) of this rank's source: kind is "dir", "missing-dir", "dict", "none" or "missing-id"
+    (a Hub id this rank's Hugging Face cache does not hold; the description is the error saying so). A Hub id
+    the cache holds is its snapshot directory (:func:`resolve_checkpoint`)."""
     if source is None:
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} applies to Hub ids; source is None")
         return "none", "None"
     if isinstance(source, (str, os.PathLike)):
+        try:
+            source = resolve_checkpoint(source, revision=revision)
+        except CheckpointError as e:
+            return "missing-id", str(e)
         path = os.path.abspath(os.fspath(source))
         return ("dir" if os.path.isdir(path) else "missing-dir"), path
     if isinstance(source, dict):
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} applies to Hub ids; source is a state dict")
         return ("dict" if source else "none"), "a state dict" if source else "an empty state dict"
     raise TypeError(f"load_hf_weights: source must be a checkpoint directory, a state dict or None, "
                     f"got {type(source).__name__}")
@@ -153,6 +163,8 @@ def _source_kind(source) -> tuple[str, str]:
 
 def _choose_mode(mode: str, kinds: list[tuple[str, str]]) -> str:
     kind0, what0 = kinds[0]
+    if kind0 == "missing-id":
+        raise CheckpointError(f"load_hf_weights: {what0} (on global rank 0)")
     if kind0 == "missing-dir":
         if os.path.isfile(what0):
             raise CheckpointError(f"load_hf_weights: {what0} is a file; pass the checkpoint directory holding it")
@@ -234,13 +246,14 @@ def _fill_all(own, get, layout: ParallelDims, progress) -> None:
         pbar.close()
 
 
-_KINDS = ("dir", "missing-dir", "dict", "none")
+_KINDS = ("dir", "missing-dir", "dict", "none", "missing-id")
 # The one exchange of a load: per rank [status, source kind, value head initialised, tp rank, request bitmap...].
 _OK, _FAILED_KIND, _FAILED_READ = 0, 1, 2
 
 
 def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
-                    progress: bool | None = None, allow_pickle: bool = False) -> LoadReport:
+                    progress: bool | None = None, allow_pickle: bool = False,
+                    revision: str | None = None) -> LoadReport:
     """Fill ``chunks`` (this rank's model) from an HF checkpoint directory or state dict. Collective.
 
     Strict by default: a tensor the model needs but the checkpoint lacks, a tensor the model does not use
@@ -252,6 +265,12 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
     (rank 0 also logs it). ``progress``: a tqdm bar on rank 0 (see :mod:`parallm.progress`). Pickle checkpoints
     (``.bin`` / ``.pt``) are refused unless ``allow_pickle=True`` (then read with
     ``torch.load(weights_only=True)``).
+
+    ``source`` may be a Hub id (``Qwen/Qwen2.5-0.5B``) instead of a directory: its snapshot at ``revision``
+    (default ``main``) is read from the local Hugging Face cache (``HF_HUB_CACHE`` / ``HF_HOME``), never
+    downloaded (:func:`parallm.checkpoint.hf_dir.resolve_checkpoint`; a local directory of the same spelling
+    wins). A directory (or id) loaded becomes the chunks' ``hf_source``, from which :func:`save_hf_weights`
+    copies the tokenizer and generation files.
 
     dtypes: each tensor is converted to its parameter's dtype inside the copy that fills it (see
     :mod:`parallm.checkpoint.cast`); a value the model dtype cannot hold (float16 overflow) is an error naming
@@ -275,7 +294,9 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
     # 1. local work: a rank that may read its own shards does so (check, then fill) before talking to anyone.
     kind, what, error, status, get, init = "none", "None", None, _OK, None, ()
     try:
-        kind, what = _source_kind(source)
+        kind, what = _source_kind(source, revision)
+        if kind == "dir":
+            source = what          # a Hub id: its snapshot directory in the cache
     except Exception as e:  # noqa: BLE001 - every rank learns of it in the exchange
         error, status = e, _FAILED_KIND
     reads = status == _OK and (layout.rank == 0 if mode == "broadcast" else kind in ("dir", "dict"))
@@ -316,6 +337,9 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
         needs = {r: (int(rows[r, 3]), [i for i in rows[r, 4:].nonzero().flatten().tolist() if i not in skip])
                  for r in range(layout.world) if not readers[r]}
         _broadcast_load(needs, mine, everything, params, get, layout, spec, padded_vocab, progress)
+    if kind == "dir":       # where save_hf_weights finds the tokenizer / generation files
+        for chunk in chunks:
+            chunk.hf_source = what
     return LoadReport(mode=mode, tensors=len(mine), seconds=time.perf_counter() - t0, initialised=tuple(init))
 
 
@@ -373,7 +397,7 @@ def _readers(mode: str, kinds: list[str]) -> list[bool]:
 
 def _mode_problem(mode: str, kinds: list[str]) -> bool:
     """Whether :func:`_choose_mode` refuses these sources (known from the kinds alone, without descriptions)."""
-    return kinds[0] in ("missing-dir", "none") or mode == "slice" and any(k != kinds[0] for k in kinds)
+    return kinds[0] in ("missing-dir", "none", "missing-id") or mode == "slice" and any(k != kinds[0] for k in kinds)
 
 
 def _settle(error, statuses, source, mode: str, readers, layout: ParallelDims) -> None:

@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,8 @@ from ..parallel.errors import run_local
 from ..parallel.state import ParallelDims, as_chunks, dims_of, require_initialized
 from ..progress import bar
 from .cast import can_overflow, check_entry_casts
-from .hf_dir import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME
+from ..errors import CheckpointError
+from .hf_dir import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME, copy_serving_files, resolve_checkpoint
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024 ** 3
 
@@ -165,7 +167,7 @@ def _collect_experts_on_rank0(local: dict[str, torch.Tensor], layout: ParallelDi
 
 
 def save_hf_weights(chunks, out_dir=None, *, dtype: torch.dtype | None = None, overwrite: bool = False,
-                    max_shard_size=DEFAULT_MAX_SHARD_SIZE, progress: bool | None = None):
+                    max_shard_size=DEFAULT_MAX_SHARD_SIZE, progress: bool | None = None, source=None):
     """Gather or write the full HF checkpoint. Collective.
 
     ``out_dir=None``: returns ``{hf_name: cpu tensor}`` on global rank 0 (tied lm_head omitted, vocab padding
@@ -178,6 +180,17 @@ def save_hf_weights(chunks, out_dir=None, *, dtype: torch.dtype | None = None, o
     The files are written into a temporary directory beside ``out_dir`` and moved into place at the end, so an
     interrupted save leaves ``out_dir`` as it was. A non-empty ``out_dir`` is refused unless
     ``overwrite=True``. Returns None.
+
+    Serving files: the directory also gets the source checkpoint's tokenizer, chat-template, generation and
+    processor files (:data:`parallm.checkpoint.hf_dir.SERVING_FILES`: tokenizer.json, tokenizer_config.json,
+    vocab / merges / sentencepiece files, generation_config.json, ...), so that an inference engine can serve
+    it as it is. ``source``: the checkpoint directory or Hub id to copy them from; None (default): the
+    model's own ``chunk.hf_source``, the directory or id ``build_model`` / ``load_hf_weights`` last read (a
+    load from a state dict leaves it as it was); False: none copied. With no source (a model built from a
+    config object and loaded from a state dict) only the weights and config.json are written: the directory
+    loads with ``from_pretrained`` but has no tokenizer; pass ``source=``. An explicit ``source`` that does
+    not exist is a CheckpointError on every rank before anything is written; a remembered one that has
+    disappeared since is a warning, and the weights are still saved.
     """
     require_initialized("save_hf_weights")
     chunks = as_chunks(chunks)
@@ -192,7 +205,7 @@ def save_hf_weights(chunks, out_dir=None, *, dtype: torch.dtype | None = None, o
         _, everything = model_entries(chunks, layout)
         return {n: state[n] for e in everything if e.row.save for n in e.hf}
     _save_dir(chunks, layout, os.path.abspath(os.fspath(out_dir)), dtype=dtype, overwrite=overwrite,
-              max_shard_size=parse_size(max_shard_size), progress=progress)
+              max_shard_size=parse_size(max_shard_size), progress=progress, source=source)
     return None
 
 
@@ -266,7 +279,8 @@ def _write_block(fd: int, start: int, hf_shape, elsize: int, block, local: torch
         _pwrite_all(fd, rows[i], start + i * row_bytes + a * elsize)
 
 
-def _save_dir(chunks, layout: ParallelDims, out_dir: str, *, dtype, overwrite: bool, max_shard_size: int, progress):
+def _save_dir(chunks, layout: ParallelDims, out_dir: str, *, dtype, overwrite: bool, max_shard_size: int, progress,
+              source=None):
     """Every data-parallel-rank-0 process writes its own shards' bytes directly into their places in the final
     safetensors files (no TP gather, no merge copies); rank 0 lays the files out first and finishes last."""
     spec, task = chunks[0].spec, chunks[0].task
@@ -282,6 +296,7 @@ def _save_dir(chunks, layout: ParallelDims, out_dir: str, *, dtype, overwrite: b
         check_target(out_dir, overwrite)
         if layout.rank != 0:
             return None
+        serving[:] = [serving_source(chunks[0], source)]
         tmp = make_tmp_beside(out_dir)
         for f in files:  # headers written, files sized: writers fill in the tensor bytes at their offsets
             with open(os.path.join(tmp, f["name"]), "wb") as fh:
@@ -289,6 +304,7 @@ def _save_dir(chunks, layout: ParallelDims, out_dir: str, *, dtype, overwrite: b
                 fh.truncate(f["size"])
         return tmp
 
+    serving = [None]            # rank 0: the directory the serving files come from
     shared = [run_local(prepare, what="save_hf_weights")]      # rank 0's temporary directory, to every rank
     dist.broadcast_object_list(shared, src=0)
     tmp = shared[0]
@@ -328,6 +344,8 @@ def _save_dir(chunks, layout: ParallelDims, out_dir: str, *, dtype, overwrite: b
                 with open(os.path.join(tmp, INDEX_NAME), "w") as fh:
                     json.dump({"metadata": {"total_size": sum(f["data_bytes"] for f in files)},
                                "weight_map": dict(sorted(weight_map.items()))}, fh, indent=2)
+            if serving[0] is not None:
+                copy_serving_files(serving[0], tmp)
             with open(os.path.join(tmp, "config.json"), "w") as fh:
                 json.dump(hf_config_dict(chunks[0], dtype), fh, indent=2, sort_keys=True, default=str)
             _move_into_place(tmp, out_dir)
@@ -337,6 +355,24 @@ def _save_dir(chunks, layout: ParallelDims, out_dir: str, *, dtype, overwrite: b
         if layout.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def serving_source(chunk, source) -> str | None:
+    """The directory :func:`save_hf_weights` copies the serving files from (see its ``source``), or None."""
+    if source is False:
+        return None
+    if source is not None:
+        path = resolve_checkpoint(source)
+        if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
+            raise CheckpointError(f"save_hf_weights: source={source!r} is not a checkpoint directory (nor a Hub id "
+                                  "in the local cache)")
+        return os.fspath(path)
+    path = getattr(chunk, "hf_source", None)
+    if path is not None and not os.path.isdir(path):
+        warnings.warn(f"save_hf_weights: the model's source checkpoint {path} no longer exists: its tokenizer and "
+                      "generation files are not copied (pass source=)", stacklevel=4)
+        return None
+    return path
 
 
 def check_target(out_dir: str, overwrite: bool, *, replacing: str = "") -> None:

@@ -3,8 +3,10 @@ directory, in this process, without starting ranks (:func:`parallm.checkpoint_to
 
 from __future__ import annotations
 
-from .errors import EXIT_OK
-from .options import Formatter, para
+import os
+
+from .errors import EXIT_OK, CLIError, UsageError
+from .options import Formatter, add_revision, para, resolve_path
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -27,6 +29,11 @@ def add_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")
     p.add_argument("--max-shard-size", help="largest safetensors file, e.g. 2GB or 500MB (default: the API's, "
                                             "5 GiB)")
+    p.add_argument("--source", metavar="DIR|ID",
+                   help="the Hugging Face checkpoint (directory, or Hub id in the local cache) the training started "
+                        "from: its tokenizer, chat-template and generation files are copied into OUT, so that an "
+                        "inference engine can serve OUT as it is (without it OUT holds the weights and config.json)")
+    add_revision(p)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.set_defaults(run=run)
 
@@ -35,8 +42,17 @@ def run(args) -> int:
     import torch
 
     from ..checkpoint.training import checkpoint_to_hf
+    from ..checkpoint.hf_dir import copy_serving_files
+    source = None
+    if args.source is not None:         # resolved before converting: a wrong source fails before any writing
+        source = resolve_path(args.source, args.revision)
+        if not os.path.isdir(source):
+            raise CLIError(f"--source {args.source}: not a checkpoint directory")
+    elif args.revision is not None:
+        raise UsageError("--revision applies to --source")
     size = {"max_shard_size": args.max_shard_size} if args.max_shard_size else {}   # else checkpoint_to_hf's default
     checkpoint_to_hf(args.checkpoint, args.out, dtype=getattr(torch, args.dtype) if args.dtype else None,
                      overwrite=args.overwrite, **size)
-    print(f"wrote {args.out}")
+    copied = copy_serving_files(source, args.out) if source is not None else []
+    print(f"wrote {args.out}" + (f" (+ {len(copied)} tokenizer / generation files from {source})" if copied else ""))
     return EXIT_OK

@@ -13,7 +13,7 @@ import math
 import os
 
 from .errors import EXIT_FAIL, EXIT_OK, CLIError, UsageError
-from .options import Formatter, para, positive
+from .options import Formatter, add_revision, para, positive, resolve_path
 
 
 def add_parser(sub) -> None:
@@ -26,7 +26,10 @@ def add_parser(sub) -> None:
         + "\n\nsupported architectures: {architectures}",
         epilog="exit codes: 0 fine; 1 the checkpoint has a problem or cannot be read, or the layout does not "
                "split; 2 bad command line.")
-    p.add_argument("checkpoint", metavar="CHECKPOINT", help="Hugging Face checkpoint directory")
+    p.add_argument("checkpoint", metavar="CHECKPOINT",
+                   help="Hugging Face checkpoint directory, or a Hub id (org/name) in the local Hugging Face cache "
+                        "(HF_HUB_CACHE / HF_HOME; never downloaded)")
+    add_revision(p)
     p.add_argument("--tp", type=positive, help="estimate memory per rank for this tensor-parallel size")
     p.add_argument("--pp", type=positive, help="... and this many pipeline stages")
     p.add_argument("--vpp", type=positive, help="... and this many virtual stages per pipeline rank")
@@ -58,7 +61,7 @@ def run(args) -> int:
     split = {k: v for k, v in (("num_layers_in_first_pipeline_stage", args.num_layers_in_first_pipeline_stage),
                                ("num_layers_in_last_pipeline_stage", args.num_layers_in_last_pipeline_stage),
                                ("layers_per_stage", args.layers_per_stage)) if v is not None}
-    report = inspect_checkpoint(args.checkpoint, tp=args.tp, pp=args.pp, vpp=args.vpp, dp=args.dp, ep=args.ep,
+    report = inspect_checkpoint(resolve_path(args.checkpoint, args.revision), tp=args.tp, pp=args.pp, vpp=args.vpp, dp=args.dp, ep=args.ep,
                                 task=None if args.task == "auto" else args.task, split=split)
     print(json.dumps(report, indent=2, default=str) if args.json else render(report))
     return EXIT_FAIL if report["problem"] else EXIT_OK

@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import textwrap
 
 from ..verify import AUTO_UPDATE, LOGITS_ATOL, WEIGHTS_ATOL
-from .errors import UsageError
+from .errors import CLIError, UsageError
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter):
@@ -25,6 +26,22 @@ class Formatter(argparse.RawDescriptionHelpFormatter):
 def para(text: str) -> str:
     """Wrap a description (RawDescriptionHelpFormatter keeps line breaks but does not wrap)."""
     return "\n\n".join(textwrap.fill(" ".join(p.split()), width=100) for p in text.split("\n\n"))
+
+
+def resolve_path(text: str, revision: str | None = None) -> str:
+    """A checkpoint directory, or a Hub id read from the local Hugging Face cache (never downloaded), as the
+    directory to read; what cannot be resolved is a CLIError naming the cache searched."""
+    from ..checkpoint.hf_dir import resolve_checkpoint
+    from ..errors import CheckpointError
+    try:
+        return os.fspath(resolve_checkpoint(text, revision=revision))
+    except (CheckpointError, ValueError) as e:
+        raise CLIError(str(e)) from None
+
+
+def add_revision(p) -> None:
+    p.add_argument("--revision", metavar="REV",
+                   help="for a Hub id: the branch, tag or commit of the cached snapshot (default: main)")
 
 
 def positive(text: str) -> int:

@@ -12,7 +12,7 @@ import os
 
 from .errors import CLIError, UsageError
 from .launch import run_job, under_torchrun
-from .options import LAUNCH_EPILOG, Formatter, check_kwargs, check_options, para, positive
+from .options import LAUNCH_EPILOG, Formatter, add_revision, check_kwargs, check_options, para, positive, resolve_path
 
 
 def add_parser(sub) -> None:
@@ -26,7 +26,10 @@ def add_parser(sub) -> None:
                          "transformers model in fp32 with its gradients and a gathered copy of the weights (about "
                          "4x the fp32 model size).") + "\n\nsupported architectures: {architectures}",
         epilog=LAUNCH_EPILOG)
-    p.add_argument("checkpoint", metavar="CHECKPOINT", help="Hugging Face checkpoint directory")
+    p.add_argument("checkpoint", metavar="CHECKPOINT",
+                   help="Hugging Face checkpoint directory, or a Hub id (org/name) in the local Hugging Face cache "
+                        "(HF_HUB_CACHE / HF_HOME; never downloaded)")
+    add_revision(p)
     p.add_argument("--tp", type=positive, default=1,
                    help="tensor-parallel ranks: each holds 1/tp of every layer's heads and MLP (default 1)")
     p.add_argument("--pp", type=positive, default=1,
@@ -72,7 +75,13 @@ def run(args) -> int:
     save_dir = os.path.abspath(args.save_dir) if args.save_dir else None
     if save_dir and os.path.isdir(save_dir) and os.listdir(save_dir):
         raise UsageError(f"--save-dir {args.save_dir} is not empty (give a new or empty directory)")
-    ckpt, task = os.path.abspath(args.checkpoint), None if args.task == "auto" else args.task
+    try:
+        ckpt = os.path.abspath(resolve_path(args.checkpoint, args.revision))
+    except CLIError:
+        if not under_torchrun() or os.environ["RANK"] == "0":
+            raise
+        ckpt = os.path.abspath(args.checkpoint)    # not cached on this node: rank 0 streams the shards
+    task = None if args.task == "auto" else args.task
     check = Check(ckpt, save_dir, tp=args.tp, pp=args.pp, vpp=vpp, dp=args.dp, ep=args.ep, mode=args.mode,
                   task=task, packed=args.packed, sequence_parallel=args.sequence_parallel,
                   microbatches=args.microbatches or (2 if args.pp > 1 else 1),
