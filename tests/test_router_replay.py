@@ -1,5 +1,5 @@
 """Router replay against transformers with the routing forced the same way, fp32, at tp2.ep2 (packed with
-sequence parallelism, and padded), pp2.ep2 and cp2.ep2 (all dp2, 4 ranks), for Qwen3-MoE (softmax router,
+sequence parallelism, and padded), pp2.ep2 (with activation recompute) and cp2.ep2 (all dp2, 4 ranks), for Qwen3-MoE (softmax router,
 norm_topk_prob, with the load-balancing loss on) and DeepSeek-V3 (sigmoid group-limited router with a selection
 bias, routed_scaling_factor, dense first layer, shared experts).
 
@@ -15,7 +15,8 @@ logits with replay; the trainer's own choices (``return_routed_experts``) agains
 round trip (replaying them gives bit-identical logits, in the padded and the per-token ``[T, L, k]`` forms);
 ``forward_backward`` with replay (batch-mapping entry, 2 microbatches per replica, token-mean loss), then
 ``finalize_grads`` and one SGD step: every weight, the router's included (which must move), equals the
-reference's; and clear errors on every rank for wrong shapes, layer counts, top_k, ids out of range and
+reference's; replay under a token budget (rows reordered into bins, results in the caller's order); and clear
+errors on every rank for wrong shapes, layer counts, top_k, ids out of range and
 repeated experts.
 """
 
@@ -165,7 +166,7 @@ MODELS = {"qwen3-moe": lambda: helpers.tiny_config("qwen3_moe", num_hidden_layer
           "deepseek-v3": lambda: deepseek_config(num_hidden_layers=4)}
 LAYOUTS = {"tp2.ep2 packed sp": dict(layout=dict(tp=2), build=dict(packed=True, sequence_parallel=True)),
            "tp2.ep2": dict(layout=dict(tp=2), build={}),
-           "pp2.ep2": dict(layout=dict(pp=2), build={}),
+           "pp2.ep2 recompute": dict(layout=dict(pp=2), build=dict(recompute="full")),
            "cp2.ep2": dict(layout=dict(cp=2), build={})}
 
 
@@ -200,6 +201,12 @@ def rank_fn(rank, world, cases, data):
             packed = parallm.forward(chunks, {"input_ids": ids[mine], "attention_mask": mask[mine],
                                               "routed_experts": own[mask[mine].bool()]})
             res["round_trip"] = torch.equal(again, plain) and torch.equal(packed, plain)
+            # a token budget reorders the rows into bins: the experts travel with their rows, and come back in
+            # the caller's order
+            budget, budget_routed = parallm.forward(chunks, ids[mine], mask[mine], routed_experts=given[mine],
+                                                    max_tokens_per_microbatch=16, return_routed_experts=True)
+            res["budget"] = (budget - logits).abs()[mask[mine].bool()].max().item()
+            res["budget_routed"] = torch.equal(budget_routed, routed)
         loss = parallm.forward_backward(chunks, {"input_ids": ids[mine], "attention_mask": mask[mine],
                                                  "routed_experts": given[mine]}, loss_fn=lambda o, mb: nll_sum(
                                                      o, mb["input_ids"], mb["attention_mask"]), num_microbatches=2)
@@ -282,6 +289,7 @@ def test_router_replay_matches_transformers(tmp_path):
             assert torch.equal(got["own"][m].sort(-1).values, ref["own"][mine][m].sort(-1).values), key
             assert (got["replayed_routed"][~m] == -1).all() and (got["own"][~m] == -1).all(), key
             assert got["round_trip"], key
+            assert got["budget"] < 1e-5 and got["budget_routed"], (key, got["budget"])
             assert abs(got["loss"] - ref["loss"]) < TOL, (key, got["loss"], ref["loss"])
         state = res[0][key]["state"]
         assert state.keys() == ref["state"].keys(), sorted(set(state) ^ set(ref["state"]))
