@@ -34,7 +34,7 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
                 cp_attn: str = "auto", num_layers_in_first_pipeline_stage: int | None = None,
                 num_layers_in_last_pipeline_stage: int | None = None,
                 layers_per_stage=None, mtp: bool | None = None,
-                revision: str | None = None) -> list[DecoderChunk]:
+                revision: str | None = None, lora=None) -> list[DecoderChunk]:
     """Build this rank's share of the model: one chunk per virtual pipeline stage (``len == vpp`` or 1).
 
     ``hf_config``: a transformers ``PretrainedConfig``, a checkpoint directory, or a config.json path, or a Hub id
@@ -73,6 +73,8 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     (a checkpoint holding them then loads only with ``strict=False``, which drops them, as transformers does).
     bf16 / fp16 parameters accumulate their gradients in fp32 ``param.main_grad`` (a post-accumulate-grad hook
     adds each fresh ``param.grad`` into it and frees it); fp32 parameters keep ``param.grad``.
+    ``lora``: a :class:`parallm.LoraConfig`: LoRA adapters beside the targeted linears, everything else frozen
+    (:func:`parallm.add_lora`, docs/lora.md).
     Collective (every rank calls it): replicated-KV groups are created here when num_key_value_heads < tp.
     """
     require_initialized("build_model")
@@ -107,6 +109,9 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     for chunk in chunks:
         chunk.hf_config = getattr(config, "_raw", config)
         chunk.hf_source = source
+    if lora is not None:        # LoRA adapters, the base frozen (docs/lora.md)
+        from .model.lora import add_lora
+        add_lora(chunks, lora)
     return chunks
 
 

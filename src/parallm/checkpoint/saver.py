@@ -167,7 +167,8 @@ def _collect_experts_on_rank0(local: dict[str, torch.Tensor], layout: ParallelDi
 
 
 def save_hf_weights(chunks, out_dir=None, *, dtype: torch.dtype | None = None, overwrite: bool = False,
-                    max_shard_size=DEFAULT_MAX_SHARD_SIZE, progress: bool | None = None, source=None):
+                    max_shard_size=DEFAULT_MAX_SHARD_SIZE, progress: bool | None = None, source=None,
+                    merged: bool = False):
     """Gather or write the full HF checkpoint. Collective.
 
     ``out_dir=None``: returns ``{hf_name: cpu tensor}`` on global rank 0 (tied lm_head omitted, vocab padding
@@ -191,7 +192,15 @@ def save_hf_weights(chunks, out_dir=None, *, dtype: torch.dtype | None = None, o
     loads with ``from_pretrained`` but has no tokenizer; pass ``source=``. An explicit ``source`` that does
     not exist is a CheckpointError on every rank before anything is written; a remembered one that has
     disappeared since is a warning, and the weights are still saved.
+
+    ``merged=True``: a model with LoRA adapters saves ``W + B A * alpha / r`` under the base's names
+    (:func:`parallm.model.lora.merged_weights`: merged in place, restored bit for bit afterwards).
     """
+    if merged:
+        from ..model.lora import merged_weights
+        with merged_weights(chunks):
+            return save_hf_weights(chunks, out_dir, dtype=dtype, overwrite=overwrite, max_shard_size=max_shard_size,
+                                   progress=progress, source=source)
     require_initialized("save_hf_weights")
     chunks = as_chunks(chunks)
     layout = dims_of(chunks)

@@ -14,7 +14,7 @@ from ..dcp_io import SliceLoadPlanner, VerifyingReader, dcp_failure
 from ..global_view import global_slices, uncovered_rows
 from .extra import decode_extra
 from .record import META_NAME, MOMENTS, check_against, check_loadable, read_record
-from .start import begin, check_optimizer, entries_by_param, model_layout, trained_names
+from .start import begin, check_lora_record, check_optimizer, entries_by_param, model_layout, trained_names
 
 
 def _load_targets(dims, optimizer, shapes, mine, masters):
@@ -76,6 +76,7 @@ def load_checkpoint(path, chunks, optimizer=None) -> dict:
     def preflight():
         check_optimizer(optimizer, chunks)
         record, metadata = read_record(path)
+        check_lora_record(record, chunks, path)
         extra_keys = check_loadable(record, metadata, path)
         has_master = check_against(record, metadata, path, saved, optimizer, trained_names(chunks, dims))
         tensors = {k: torch.empty(tuple(metadata.state_dict_metadata[k].size),

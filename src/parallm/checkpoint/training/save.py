@@ -17,7 +17,7 @@ from ..saver import _move_into_place, check_target, make_tmp_beside
 from .extra import encode_extra
 from .pending import AsyncCheckpointSave, async_group
 from .record import MOMENTS, make_record, write_record
-from .start import begin, check_optimizer, entries_by_param, model_layout
+from .start import begin, check_optimizer, entries_by_param, lora_record, model_layout
 
 
 def _save_state(dims, optimizer, shapes, mine, extra_tensors):
@@ -118,6 +118,8 @@ def save_checkpoint(path, chunks, optimizer=None, *, step: int, extra=None, over
         state, slices = run_local(lambda: _save_state(dims, optimizer, shapes, mine, extra_tensors),
                                   what="save_checkpoint")
         record = make_record(chunks, dims, optimizer, step, saved, extra_entry) if dims.rank == 0 else None
+        if record is not None and lora_record(chunks) is not None:
+            record["lora"] = lora_record(chunks)          # adapters only, and the base they sit on
         writer = FileSystemWriter(tmp, sync_files=True)
         planner = SliceSavePlanner(slices)
         if async_save:

@@ -1,0 +1,319 @@
+"""LoRA adapters in and out of the sharded model, in PEFT's format (the adapters themselves: model/lora.py).
+
+PEFT names (``PeftModel.save_pretrained`` with peft 0.21 on transformers 5): ``base_model.model.{module}.lora_A.weight``
+``[r, in]`` and ``.lora_B.weight`` ``[out, r]`` per adapted HF module; for a MoE layer's routed experts (stacked 3-D
+parameters, targeted through ``target_parameters``) ``base_model.model.model.layers.{i}.mlp.experts.lora_A.weight``
+for the outer wrapper (``down_proj``: A ``[E r, I]``, expert-major, B ``[H, r E]``, column ``k E + e`` = expert e's
+column k) and ``...experts.base_layer.lora_A.weight`` for the inner one (``gate_up_proj``, rank ``2 r``: A
+``[E 2r, H]``, B ``[2 I, 2r E]``); a layer with one of the two has only the outer names.
+
+:func:`export_adapter_tensors` (collective) yields every factor whole on every rank; :func:`save_hf_adapter` writes
+``adapter_config.json`` + ``adapter_model.safetensors``; :func:`load_hf_adapter` reads them, every rank only its
+own slices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CheckpointError
+from ..model.lora import LoraConfig, add_lora, global_entries, chunk_lora_entries, lora_config_of
+from ..model.placement import placement_of
+from ..model.sharding import Source
+from ..parallel.errors import gather_objects, run_local
+from ..parallel.state import as_chunks, dims_of, require_initialized
+from .saver import _move_into_place, check_target, make_tmp_beside
+
+PREFIX = "base_model.model."
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+
+
+# -- names ----------------------------------------------------------------------------------------------------
+
+def _peft_layout(chunk, config):
+    """The model's factors in PEFT's terms, in model order: ``[(peft_name, shape, [(ckpt_name, expert), ...],
+    which, r)]``: a dense factor is one checkpoint tensor; an expert factor stacks every expert's."""
+    spec, dims = chunk.spec, chunk.dims
+    entries = global_entries(spec, chunk.table, chunk.task, dims, config)
+    by_layer_experts: dict = {}
+    for e, s, which in entries:
+        if e.index is not None:
+            by_layer_experts.setdefault(e.layer, set()).add(s.part)
+    out, seen = [], {}
+    for e, s, which in entries:
+        if e.index is None:
+            out.append((PREFIX + e.hf[0], e.shape, [(e.hf[0], None)], which, s.r))
+            continue
+        inner = s.part == "gate_up_proj" and len(by_layer_experts[e.layer]) == 2
+        name = f"{PREFIX}{s.module}.{'base_layer.' if inner else ''}lora_{which}.weight"
+        if name not in seen:
+            seen[name] = len(out)
+            out.append((name, None, [], which, s.r))
+        slot = out[seen[name]]
+        slot[2].append((e.hf[0], e.index))
+        rows, cols = e.shape
+        n = len(slot[2])
+        out[seen[name]] = (name, (n * rows, cols) if which == "A" else (rows, n * cols), slot[2], which, s.r)
+    return out
+
+
+def peft_shapes(chunks) -> dict[str, tuple[int, ...]]:
+    """PEFT name -> full shape of every factor of ``chunks``' adapters."""
+    chunks = as_chunks(chunks)
+    return {name: tuple(shape) for name, shape, _, _, _ in _peft_layout(chunks[0], _config(chunks))}
+
+
+def _config(chunks) -> LoraConfig:
+    config = lora_config_of(chunks)
+    if config is None:
+        raise ValueError("the model has no LoRA adapters (build_model(..., lora=...) or parallm.add_lora)")
+    return config
+
+
+def _assemble(parts: list[torch.Tensor], which: str) -> torch.Tensor:
+    """Every expert's factor (in expert order) as PEFT stacks them: A rows expert-major, B columns rank-major."""
+    if which == "A":
+        return torch.cat(parts, dim=0)
+    return torch.stack(parts, dim=-1).reshape(parts[0].shape[0], -1)
+
+
+# -- out ------------------------------------------------------------------------------------------------------
+
+def _gather_factors(chunks, dtype) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> whole factor (CPU), on every rank. Each TP group all-gathers its shards (one message);
+    the ranks holding a factor first (TP rank 0 and data-parallel rank 0, of the expert-data-parallel group for
+    experts) send it to everyone (gloo)."""
+    dims = dims_of(chunks)
+    local = []
+    for entry, chunk in chunk_lora_entries(chunks):
+        param = chunk.get_parameter(entry.local)
+        layout = placement_of(param).layout
+        tensor = param.detach()
+        if entry.index is not None:
+            tensor, layout = tensor[entry.index], layout.inner
+        local.append((entry, tensor, layout))
+    mine = {}
+    flat = torch.cat([t.reshape(-1) for _, t, _ in local]) if local else None
+    if dims.tp > 1 and flat is not None:
+        every = torch.empty(dims.tp * flat.numel(), dtype=flat.dtype, device=flat.device)
+        dist.all_gather_into_tensor(every, flat, group=dims.tp_group)
+        every = every.view(dims.tp, -1)
+    for k, (entry, tensor, layout) in enumerate(local):
+        expert = entry.index is not None
+        holder = dims.tp_rank == 0 and ((dims.edp_rank == 0) if expert else (dims.dp_cp_rank == 0))
+        if not holder:
+            continue
+        if dims.tp > 1:
+            at = sum(t.numel() for _, t, _ in local[:k])
+            shards = [every[r, at:at + tensor.numel()].view(tensor.shape) for r in range(dims.tp)]
+            whole = layout.merge(shards)[0]
+        else:
+            whole = tensor
+        mine[entry.hf[0]] = whole.to(device="cpu", dtype=dtype or whole.dtype).clone()
+    out = {}
+    for part in gather_objects(mine, what="export_adapter_tensors"):
+        out.update(part)
+    return out
+
+
+def export_adapter_tensors(chunks, *, dtype: torch.dtype | None = None):
+    """Yield ``(peft_name, tensor)`` for every factor of the model's adapters, whole (CPU tensors), on every rank,
+    in model order: what ``PeftModel.save_pretrained`` writes (module docstring). Collective: every rank calls it
+    and iterates to the end. ``dtype``: the tensors' dtype (default: the parameters')."""
+    require_initialized("export_adapter_tensors")
+    chunks = as_chunks(chunks)
+    config = run_local(lambda: _config(chunks), what="export_adapter_tensors")
+    factors = _gather_factors(chunks, dtype)
+    for name, _, parts, which, _ in _peft_layout(chunks[0], config):
+        if len(parts) == 1 and parts[0][1] is None:
+            yield name, factors[parts[0][0]]
+        else:
+            yield name, _assemble([factors[n] for n, _ in parts], which)
+
+
+def peft_config_dict(chunks) -> dict:
+    """adapter_config.json of the model's adapters, as PEFT writes it for the same model (transformers 5's
+    experts targeted by ``target_parameters``, their fused gate/up by rank and alpha patterns of 2 r, 2 alpha)."""
+    chunks = as_chunks(chunks)
+    chunk, config = chunks[0], _config(chunks)
+    modules, params = set(), set()
+    for name, _, parts, _, _ in _peft_layout(chunk, config):
+        if parts[0][1] is None:
+            modules.add(name.rsplit(".", 2)[0].rsplit(".", 1)[-1])
+        else:
+            params.add(parts[0][0].split(".")[-3])        # ...experts.{e}.gate_up_proj.lora_A.weight
+    rank_pattern, alpha_pattern = dict(config.rank_pattern), dict(config.alpha_pattern)
+    if "gate_up_proj" in params:
+        rank_pattern[r".*\.gate_up_proj"] = 2 * config.r
+        alpha_pattern[r".*\.gate_up_proj"] = 2 * config.alpha
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM" if chunk.task == "causal_lm" else None,
+        "base_model_name_or_path": getattr(chunk, "hf_source", None),
+        "r": config.r, "lora_alpha": config.alpha, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": sorted(modules), "target_parameters": sorted(params) or None,
+        "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "fan_in_fan_out": False,
+        "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+        "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "lora_bias": False,
+        "parallm": {"seed": config.seed, "target_modules": config.to_dict()["target_modules"]},
+    }
+
+
+def save_hf_adapter(chunks, out_dir, *, dtype: torch.dtype | None = None, overwrite: bool = False) -> None:
+    """Write the adapters as a PEFT directory (``adapter_config.json``, ``adapter_model.safetensors``) that
+    ``PeftModel.from_pretrained(base, out_dir)`` loads. Collective; global rank 0 writes, into a temporary
+    directory moved into place at the end (a non-empty ``out_dir`` needs ``overwrite=True``)."""
+    from safetensors.torch import save_file
+    require_initialized("save_hf_adapter")
+    chunks = as_chunks(chunks)
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    dims = dims_of(chunks)
+    run_local(lambda: (_config(chunks), check_target(out_dir, overwrite) if dims.rank == 0 else None),
+              what="save_hf_adapter")
+    tensors = dict(export_adapter_tensors(chunks, dtype=dtype))
+
+    def write():
+        if dims.rank != 0:
+            return
+        tmp = make_tmp_beside(out_dir)
+        try:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, WEIGHTS_NAME),
+                      metadata={"format": "pt"})
+            with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
+                json.dump(peft_config_dict(chunks), f, indent=2)
+            _move_into_place(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    run_local(write, what="save_hf_adapter")
+
+
+# -- in -------------------------------------------------------------------------------------------------------
+
+def config_from_peft(peft: dict, chunk) -> LoraConfig:
+    """The :class:`LoraConfig` of a PEFT adapter_config.json (its ``target_parameters`` mapped back to the experts'
+    HF module names); anything parallm does not run (dropout, rsLoRA, DoRA, biases) is a CheckpointError."""
+    for key, ok in (("lora_dropout", 0.0), ("use_rslora", False), ("use_dora", False), ("bias", "none"),
+                    ("lora_bias", False), ("fan_in_fan_out", False)):
+        if peft.get(key, ok) not in (ok, None) and not (key == "lora_dropout" and peft.get(key) == 0):
+            raise CheckpointError(f"PEFT adapter with {key}={peft.get(key)!r}: parallm's LoRA runs {key}={ok!r} only")
+    if peft.get("peft_type", "LORA") != "LORA":
+        raise CheckpointError(f"not a LoRA adapter (peft_type {peft.get('peft_type')!r})")
+    targets = peft.get("target_modules") or []
+    if isinstance(targets, str):
+        raise CheckpointError("PEFT adapter with a regex target_modules: give parallm its config instead")
+    targets = list(targets)
+    params = peft.get("target_parameters") or []
+    leaves = _expert_leaves(chunk)
+    for p in params:
+        if p not in leaves:
+            raise CheckpointError(f"PEFT adapter targets parameter {p!r}, which this model's experts do not have")
+        targets += leaves[p]
+    rank_pattern = {k: v for k, v in (peft.get("rank_pattern") or {}).items() if k != r".*\.gate_up_proj"}
+    alpha_pattern = {k: v for k, v in (peft.get("alpha_pattern") or {}).items() if k != r".*\.gate_up_proj"}
+    seed = (peft.get("parallm") or {}).get("seed", 0)
+    return LoraConfig(int(peft["r"]), peft["lora_alpha"], tuple(dict.fromkeys(targets)), rank_pattern=rank_pattern,
+                      alpha_pattern=alpha_pattern, seed=seed)
+
+
+def _expert_leaves(chunk) -> dict[str, list[str]]:
+    """``{"gate_up_proj": [gate leaf, up leaf], "down_proj": [down leaf]}`` of the model's per-expert rows."""
+    out = {}
+    for row in chunk.table:
+        if row.per_expert and row.fused:
+            key = row.fused[0].rsplit(".", 1)[-1]
+            out[key] = [h.removesuffix(".weight").rsplit(".", 1)[-1] for h in row.hf]
+    return out
+
+
+class _PeftSource(Source):
+    """One checkpoint tensor's rows / columns read from a PEFT file lazily; for a routed expert (``expert``,
+    of ``count``) its factor inside the stacked PEFT tensor (A: rows ``[e r, (e + 1) r)``; B: columns
+    ``k count + e``)."""
+
+    def __init__(self, f, name: str, which: str, expert=None, count: int = 1):
+        self.slice, self.which, self.expert, self.count = f.get_slice(name), which, expert, count
+        rows, cols = self.slice.get_shape()
+        if expert is None:
+            self.shape = (rows, cols)
+        else:
+            self.shape = (rows // count, cols) if which == "A" else (rows, cols // count)
+        self.dtype = None
+
+    @property
+    def is_floating(self) -> bool:
+        return True
+
+    def read(self, dim, start, stop):
+        if self.expert is None:
+            return self.slice[start:stop] if dim == 0 else self.slice[:, start:stop]
+        e = self.expert
+        if self.which == "A":
+            r = self.shape[0]
+            return self.slice[e * r + start:e * r + stop] if dim == 0 else self.slice[e * r:(e + 1) * r, start:stop]
+        rows, r = self.shape
+        block = self.slice[start:stop] if dim == 0 else self.slice[:, :]
+        block = block.view(block.shape[0], r, self.count)[:, :, e]
+        return block if dim == 0 else block[:, start:stop]
+
+
+def load_hf_adapter(chunks, peft_dir) -> LoraConfig:
+    """Fill the adapters of ``chunks`` from a PEFT directory (``adapter_config.json`` +
+    ``adapter_model.safetensors``), each rank reading only its slices (the directory must be visible on every
+    rank). A model without adapters gets them first, as the directory's config says (:func:`add_lora`); a model
+    with adapters must have the same ones (same names and shapes, else CheckpointError naming them). Collective
+    only for agreeing on errors. Returns the adapters' config."""
+    from safetensors import safe_open
+    require_initialized("load_hf_adapter")
+    chunks = as_chunks(chunks)
+    peft_dir = os.path.abspath(os.fspath(peft_dir))
+
+    def read_config():
+        path = os.path.join(peft_dir, CONFIG_NAME)
+        if not os.path.isfile(path) or not os.path.isfile(os.path.join(peft_dir, WEIGHTS_NAME)):
+            raise CheckpointError(f"{peft_dir} is not a PEFT adapter directory ({CONFIG_NAME} and {WEIGHTS_NAME} "
+                                  "expected)")
+        with open(path) as f:
+            return config_from_peft(json.load(f), chunks[0])
+    config = run_local(read_config, what="load_hf_adapter")
+    if lora_config_of(chunks) is None:
+        run_local(lambda: add_lora(chunks, config), what="load_hf_adapter")
+    config = lora_config_of(chunks)
+    chunk0 = chunks[0]
+
+    def fill():
+        layout = _peft_layout(chunk0, config)
+        where = {}
+        for name, shape, parts, which, _ in layout:
+            for k, (ckpt, expert) in enumerate(parts):
+                where[ckpt] = (name, which, None if expert is None else k, len(parts))
+        with safe_open(os.path.join(peft_dir, WEIGHTS_NAME), framework="pt") as f:
+            present = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            expected = {name: tuple(shape) for name, shape, _, _, _ in layout}
+            missing = sorted(set(expected) - set(present))
+            unexpected = sorted(set(present) - set(expected))
+            bad = [f"{k}: file {present[k]} vs model {expected[k]}" for k in sorted(set(present) & set(expected))
+                   if present[k] != expected[k]]
+            if missing or unexpected or bad:
+                raise CheckpointError(f"{peft_dir}: adapter does not fit the model's adapters: "
+                                      + " | ".join(x for x in (
+                                          missing and "missing " + ", ".join(missing[:6]),
+                                          unexpected and "unexpected " + ", ".join(unexpected[:6]),
+                                          bad and "shapes differ: " + "; ".join(bad[:6])) if x))
+            with torch.no_grad():
+                for entry, chunk in chunk_lora_entries(chunks):
+                    param = chunk.get_parameter(entry.local)
+                    name, which, expert, count = where[entry.hf[0]]
+                    lay = placement_of(param).layout
+                    target = param.detach()
+                    if entry.index is not None:
+                        lay, target = lay.inner, target[entry.index]
+                    src = _PeftSource(f, name, which, expert, count)
+                    target.copy_(lay.shard([src], chunk.dims.tp_rank, chunk.dims.tp))
+    run_local(fill, what="load_hf_adapter")
+    return config

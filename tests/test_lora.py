@@ -1,0 +1,251 @@
+"""LoRA adapters against transformers + PEFT (peft.get_peft_model with the same config and the same A / B).
+
+The reference: a tiny seeded transformers model (every weight non-trivial) wrapped by PEFT, its A and B set from a
+seed (B non-zero: PEFT's zero B would hide any mapping of B's rows), saved with ``save_pretrained`` and read by
+``parallm.load_hf_adapter`` (each rank its slices). Then per layout: logits (adapters on, and off under
+``adapters_disabled`` against the bare transformers model), one token-mean AdamW step (the updated factors, read
+back by ``export_adapter_tensors`` in PEFT's names, against PEFT's after ``torch.optim.AdamW``), the frozen base
+bit-identical after the step, optimizer state on adapters only. One 2-rank spawn runs tp2, pp2, packed + SP (tp2)
+and cp2 on Qwen3 (tp2 also: merged export / save against PEFT's ``merge_and_unload``, ``save_hf_adapter`` loaded
+by ``PeftModel.from_pretrained``, a training checkpoint saved at tp2 and loaded at tp1 x dp2); one 4-rank spawn
+runs Qwen3-MoE at tp2 x ep2 (dp2, each replica its half of the batch) and Qwen3 at tp4 (fewer KV heads than
+ranks: k / v adapters replicated).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+import helpers
+
+peft = pytest.importorskip("peft")
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+R, ALPHA = 4, 8
+LR, EPS, WD = 1e-3, 1e-4, 0.1
+LOGIT_TOL = 2e-5
+STEP_TOL = 2e-6
+
+
+def token_nll(logits, ids, mask):
+    """(sum of next-token NLL over real positions, their count): a token-mean loss."""
+    lp = logits[:, :-1].float().log_softmax(-1)
+    m = (mask[:, 1:] * mask[:, :-1]).float()
+    nll = -lp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return (nll * m).sum(), m.sum()
+
+
+def _randomize_adapter(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+
+
+def _peft_state(model) -> dict[str, torch.Tensor]:
+    """The adapter in the names save_pretrained writes."""
+    from peft import get_peft_model_state_dict
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def _reference(family: str, tmp, *, overrides=None):
+    """(checkpoint dir, adapter dir, batch, reference dict)."""
+    import parallm
+    cfg = helpers.tiny_config(family, **(overrides or {}))
+    base = helpers.make_hf_model(cfg, seed=0)
+    ckpt = helpers.save_checkpoint(base, str(tmp / f"{family}_ckpt"))
+    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=R, lora_alpha=ALPHA,
+                                                                      target_modules=list(TARGETS),
+                                                                      lora_dropout=0.0))
+    _randomize_adapter(model, 7)
+    adapter = str(tmp / f"{family}_adapter")
+    model.save_pretrained(adapter)
+    ids, mask = helpers.padded_batch(cfg.vocab_size, batch=4, seq=12)
+    pos = parallm.default_position_ids(mask)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        base_logits = base(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        merged = {k: v.clone() for k, v in copy.deepcopy(model).merge_and_unload().state_dict().items()}
+    before = _peft_state(model)
+    params = [p for n, p in model.named_parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=WD)
+    total, count = token_nll(model(input_ids=ids, attention_mask=mask, position_ids=pos).logits, ids, mask)
+    (total / count).backward()
+    opt.step()
+    ref = dict(logits=logits, base_logits=base_logits, before=before, after=_peft_state(model),
+               merged=merged, loss=(total / count).item())
+    return ckpt, adapter, (ids, mask), ref, base
+
+
+def _check_run(rank, chunks, batch, *, dp_slice=None, extra=None):
+    """On every rank: logits with / without adapters, one step; returns what rank 0 reports."""
+    import parallm
+    from parallm.model.lora import chunk_lora_entries
+    ids, mask = batch
+    out = {}
+    with torch.no_grad():
+        out["logits"] = parallm.forward(chunks, ids, mask)
+        with parallm.adapters_disabled(chunks):
+            out["base_logits"] = parallm.forward(chunks, ids, mask)
+        out["logits_again"] = parallm.forward(chunks, ids, mask)
+    lora = {id(c.get_parameter(e.local)) for e, c in chunk_lora_entries(chunks)}
+    frozen = {f"{c.vpp_rank}.{n}": p.detach().clone() for c in chunks for n, p in c.named_parameters()
+              if id(p) not in lora}
+    out["trainable_is_lora"] = {id(p) for c in chunks for p in c.parameters() if p.requires_grad} == lora
+    opt = parallm.build_optimizer(chunks, lr=LR, eps=EPS, weight_decay=WD)
+    out["state_on_lora_only"] = all(id(p) in lora for p, _ in opt.owned()) and len(list(opt.owned())) > 0
+    b_ids, b_mask = (ids, mask) if dp_slice is None else (ids[dp_slice], mask[dp_slice])
+    out["loss"] = parallm.forward_backward(chunks, b_ids, b_mask, loss_fn=token_nll).item()
+    parallm.finalize_grads(chunks)
+    out["base_grads_none"] = all(p.grad is None and getattr(p, "main_grad", None) is None
+                                 for c in chunks for p in c.parameters() if id(p) not in lora)
+    opt.step()
+    out["base_unchanged"] = all(torch.equal(p.detach(), frozen[f"{c.vpp_rank}.{n}"])
+                                for c in chunks for n, p in c.named_parameters() if id(p) not in lora)
+    out["after"] = dict(parallm.export_adapter_tensors(chunks))
+    if extra is not None:
+        out.update(extra(chunks, opt))
+    return out if rank == 0 else None
+
+
+def _merged_state(chunks, opt, key):
+    """Checkpoint name -> optimizer state ``key`` of every factor, whole (TP shards merged) on every rank."""
+    import torch.distributed as dist
+    from parallm.model.lora import chunk_lora_entries
+    from parallm.model.placement import placement_of
+    out = {}
+    for entry, chunk in chunk_lora_entries(chunks):
+        p = chunk.get_parameter(entry.local)
+        t, lay = opt.state[p][key], placement_of(p).layout
+        if entry.index is not None:
+            t, lay = t[entry.index], lay.inner
+        dims = chunk.dims
+        shards = [torch.empty_like(t) for _ in range(dims.tp)]
+        dist.all_gather(shards, t.contiguous(), group=dims.tp_group)
+        out[entry.hf[0]] = lay.merge(shards)[0].clone()
+    return out
+
+
+def _dense_cases(rank, world, ckpt, adapter, batch, tmp):
+    import parallm
+    from parallm.model.lora import lora_config_of
+    results = {}
+    for name, kw, build in (("tp2", dict(tp=2), {}), ("pp2", dict(pp=2), {}),
+                            ("sp", dict(tp=2), dict(packed=True, sequence_parallel=True)),
+                            ("cp2", dict(cp=2), {})):
+        parallm.init_parallel(**kw)
+        chunks = parallm.build_model(ckpt, **build)
+        parallm.load_hf_weights(chunks, ckpt)
+        parallm.load_hf_adapter(chunks, adapter)
+        out = _check_run(rank, chunks, batch)
+        if name == "tp2":       # after the step: the ways out, then a training checkpoint of a second step
+            extra = {"merged": dict(parallm.export_hf_tensors(chunks, merged=True, copy=True)),
+                     "merged_saved": parallm.save_hf_weights(chunks, merged=True),
+                     "unmerged": dict(parallm.export_hf_tensors(chunks, copy=True))}
+            parallm.save_hf_adapter(chunks, os.path.join(tmp, "saved_adapter"), overwrite=True)
+            opt = parallm.build_optimizer(chunks, lr=LR, eps=EPS, weight_decay=WD)
+            opt.zero_grad()
+            for _ in range(2):
+                parallm.forward_backward(chunks, *batch, loss_fn=token_nll)
+                parallm.finalize_grads(chunks)
+                opt.step()
+                opt.zero_grad()
+            parallm.save_checkpoint(os.path.join(tmp, "lora_ckpt"), chunks, opt, step=3, overwrite=True)
+            extra["ckpt_adapter"] = dict(parallm.export_adapter_tensors(chunks))
+            extra["ckpt_moments"] = {k: _merged_state(chunks, opt, k) for k in ("exp_avg", "exp_avg_sq")}
+            if out is not None:
+                out.update(extra)
+        results[name] = out
+        parallm.destroy_parallel()
+    # tp2's training checkpoint at tp1 x dp2: adapters and their optimizer state; the base from the HF checkpoint
+    parallm.init_parallel(tp=1)
+    chunks = parallm.build_model(ckpt, lora=lora_config_of_file(adapter))
+    parallm.load_hf_weights(chunks, ckpt)
+    opt = parallm.build_optimizer(chunks, lr=LR, eps=EPS, weight_decay=WD)
+    info = parallm.load_checkpoint(os.path.join(tmp, "lora_ckpt"), chunks, opt)
+    resumed = dict(adapter=dict(parallm.export_adapter_tensors(chunks)), step=info["step"],
+                   moments={k: _merged_state(chunks, opt, k) for k in ("exp_avg", "exp_avg_sq")},
+                   config=lora_config_of(chunks).to_dict())
+    parallm.destroy_parallel()
+    results["resume"] = resumed
+    return results if rank == 0 else None
+
+
+def lora_config_of_file(adapter):
+    import json
+    from parallm.checkpoint.lora_io import CONFIG_NAME
+    from parallm.model.lora import LoraConfig
+    with open(os.path.join(adapter, CONFIG_NAME)) as f:
+        cfg = json.load(f)
+    return LoraConfig(cfg["r"], cfg["lora_alpha"], tuple(cfg["target_modules"]))
+
+
+def _assert_close_dict(got, want, tol, what):
+    assert set(got) == set(want), f"{what}: names differ: {sorted(set(got) ^ set(want))[:6]}"
+    for k in want:
+        assert got[k].shape == want[k].shape, f"{what}: {k} {tuple(got[k].shape)} vs {tuple(want[k].shape)}"
+        diff = (got[k].float() - want[k].float()).abs().max().item()
+        assert diff <= tol, f"{what}: {k} differs by {diff:.3g}"
+
+
+def _assert_case(out, ref, mask, name):
+    assert helpers.max_diff_real(out["logits"], ref["logits"], mask) < LOGIT_TOL, name
+    assert torch.equal(out["logits"], out["logits_again"]), f"{name}: adapters not restored"
+    assert helpers.max_diff_real(out["base_logits"], ref["base_logits"], mask) < LOGIT_TOL, name
+    assert helpers.max_diff_real(out["logits"], ref["base_logits"], mask) > 1e-2, f"{name}: adapters do nothing"
+    assert out["trainable_is_lora"] and out["state_on_lora_only"], name
+    assert out["base_grads_none"] and out["base_unchanged"], name
+    assert abs(out["loss"] - ref["loss"]) < 1e-5, (name, out["loss"], ref["loss"])
+    _assert_close_dict(out["after"], ref["after"], STEP_TOL, f"{name} step")
+    moved = max((ref["after"][k] - ref["before"][k]).abs().max().item() for k in ref["after"])
+    assert moved > 10 * STEP_TOL
+
+
+@pytest.mark.timeout(900)
+def test_lora_dense_layouts(tmp_path):
+    """Qwen3 at tp2, pp2, packed + SP, cp2 against PEFT; merged / adapter export, PEFT directory round trip,
+    adapters-only training checkpoint resharded tp2 -> tp1 x dp2."""
+    ckpt, adapter, batch, ref, base = _reference("qwen3", tmp_path)
+    res = helpers.run_ranks(_dense_cases, 2, ckpt, adapter, batch, str(tmp_path))[0]
+    mask = batch[1]
+    for name in ("tp2", "pp2", "sp", "cp2"):
+        _assert_case(res[name], ref, mask, name)
+    tp2 = res["tp2"]
+    # merged weights after the step: PEFT's merge of the stepped adapter on the same base
+    stepped = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=R, lora_alpha=ALPHA,
+                                                                        target_modules=list(TARGETS)))
+    peft.set_peft_model_state_dict(stepped, tp2["after"])
+    merged_ref = copy.deepcopy(stepped).merge_and_unload().state_dict()
+    merged_ref = {k: v for k, v in merged_ref.items() if k in tp2["merged"]}
+    _assert_close_dict(tp2["merged"], merged_ref, 1e-6, "merged export")
+    _assert_close_dict(tp2["merged_saved"], merged_ref, 1e-6, "merged save")
+    base_sd = base.state_dict()
+    for k, v in tp2["unmerged"].items():
+        assert torch.equal(v, base_sd[k]), f"{k}: the export after a merged one is not the base"
+    # PEFT loads what save_hf_adapter wrote, with equal logits
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "saved_adapter"))
+    ids, mask = batch
+    import parallm
+    with torch.no_grad():
+        want = stepped(input_ids=ids, attention_mask=mask, position_ids=parallm.default_position_ids(mask)).logits
+        got = loaded(input_ids=ids, attention_mask=mask, position_ids=parallm.default_position_ids(mask)).logits
+    assert torch.equal(got, want)
+    # the checkpoint holds adapters only (and their optimizer state) and resumes bit-exactly at tp1 x dp2
+    import json
+    record = json.load(open(tmp_path / "lora_ckpt" / "parallm.json"))
+    assert record["lora"]["base"] == ckpt and record["lora"]["config"]["r"] == R
+    assert all(".lora_" in n for n, _ in record["tensors"]), record["tensors"][:3]
+    resume = res["resume"]
+    assert resume["step"] == 3
+    assert set(resume["adapter"]) == set(tp2["ckpt_adapter"])
+    for k, v in tp2["ckpt_adapter"].items():
+        assert torch.equal(resume["adapter"][k], v), k
+    for key, moments in tp2["ckpt_moments"].items():
+        assert set(moments) == set(resume["moments"][key])
+        for k, v in moments.items():
+            assert torch.equal(resume["moments"][key][k], v), (key, k)
