@@ -19,6 +19,7 @@ Runs in .venv-verl (``scripts/setup_verl.sh``; ``scripts/test.sh`` runs this fil
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -83,10 +84,41 @@ def test_platform_and_fixes():
 
 # -- the engine against verl's own FSDP2 engine ---------------------------------------------------------------
 
-def _engine_rank(rank, world, path):
+B, P, R = 4, 5, 4                                   # rows per dp rank, prompt width, response width
+PROMPT_LENS, RESP_LENS = [5, 3, 4, 2], [4, 2, 3, 1]  # unequal lengths: 9, 5, 7, 3 real tokens
+STEPS = (False, True, False)                         # train_batch calls: fixed micro-batches, dynamic, fixed
+
+
+def _rows(rank):
+    """One dp rank's rows (prompts left-padded, responses right-padded) and its PPO inputs, seeded by rank."""
+    import torch
+    g = torch.Generator().manual_seed(100 + rank)
+    ids = torch.zeros(B, P + R, dtype=torch.long)
+    mask = torch.zeros(B, P + R, dtype=torch.long)
+    for i in range(B):
+        n = PROMPT_LENS[i] + RESP_LENS[i]
+        ids[i, P - PROMPT_LENS[i]:P + RESP_LENS[i]] = torch.randint(2, 60, (n,), generator=g)
+        mask[i, P - PROMPT_LENS[i]:P + RESP_LENS[i]] = 1
+    old = -2.0 + 0.1 * torch.randn(B, R, generator=torch.Generator().manual_seed(7 + rank))
+    adv = torch.randn(B, R, generator=torch.Generator().manual_seed(8 + rank))
+    return ids, mask, old, adv
+
+
+def _engine_rank(rank, world, dense, moe):
+    """Phases on 2 gloo ranks, each engine built by verl's ``EngineRegistry`` from the same verl configs and fed
+    the same verl batches (NO_PADDING, from verl's ``left_right_2_no_padding``), with verl's ``ppo_loss``:
+    A. dense Qwen2, dp2: verl's FSDP2 engine (transformers under FSDP2, fp32) and parallm's engine: infer (fixed
+       and dynamic micro-batches), then 3 ``train_batch`` steps (fixed, dynamic, fixed micro-batches) with a
+       cosine LR schedule with warm-up and weight decay; B. parallm's engine again with param / optimizer
+       offload on (a model "on an accelerator": verl's device name is made "cuda" so verl's mode switches call
+       ``to``, parallm.offload / onload then move the CPU storages), bit-equal to A; C. parallm at pp2 (dp1)
+       fed both ranks' rows (the same global mini-batch as A's dp2); D. a Qwen3-MoE, FSDP2 dp2 vs parallm
+       dp2 x ep2."""
     os.environ.update(ENV)
     import torch
+    import torch.distributed as dist
     import verl  # noqa: F401  (loads parallm.integrations.verl)
+    import verl.workers.engine.base as verl_base
     from tensordict import TensorDict
     from verl.trainer.config import CheckpointConfig
     from verl.utils import tensordict_utils as tu
@@ -96,43 +128,34 @@ def _engine_rank(rank, world, path):
     from verl.workers.utils.padding import left_right_2_no_padding
     import parallm
 
-    def engine(backend):
+    def engine(backend, path, offload=False):
         model = HFModelConfig(path=path, use_remove_padding=False, override_config={"attn_implementation": "sdpa"})
         eng = FSDPEngineConfig(strategy="fsdp2" if backend == "fsdp2" else "fsdp", model_dtype="fp32",
                                mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
                                                 "buffer_dtype": "fp32"}, use_torch_compile=False,
-                               use_dynamic_bsz=False, micro_batch_size_per_gpu=2, infer_micro_batch_size_per_gpu=2)
+                               use_dynamic_bsz=False, micro_batch_size_per_gpu=2, infer_micro_batch_size_per_gpu=2,
+                               param_offload=offload, optimizer_offload=offload)
         object.__setattr__(eng, "strategy", backend)
-        optim = FSDPOptimizerConfig(lr=1e-2, weight_decay=0.0, total_training_steps=4, clip_grad=1.0)
+        optim = FSDPOptimizerConfig(lr=1e-2, weight_decay=0.1, total_training_steps=4, clip_grad=1.0,
+                                    lr_scheduler_type="cosine", lr_warmup_steps=1, min_lr_ratio=0.1,
+                                    override_optimizer_config={"eps": 1e-6})
         e = EngineRegistry.new(model_type="language_model", backend=backend, model_config=model, engine_config=eng,
                                optimizer_config=optim, checkpoint_config=CheckpointConfig())
         e.initialize()
         return e
 
-    # one dp rank's batch: 4 rows, prompts left-padded to 5, responses right-padded to 4, unequal lengths
-    g = torch.Generator().manual_seed(100 + rank)
-    b, p, r = 4, 5, 4
-    prompt_lens, resp_lens = [5, 3, 4, 2], [4, 2, 3, 1]
-    ids = torch.zeros(b, p + r, dtype=torch.long)
-    mask = torch.zeros(b, p + r, dtype=torch.long)
-    for i in range(b):
-        ids[i, p - prompt_lens[i]:p + resp_lens[i]] = torch.randint(2, 60, (prompt_lens[i] + resp_lens[i],),
-                                                                    generator=g)
-        mask[i, p - prompt_lens[i]:p + resp_lens[i]] = 1
-    resp_mask = mask[:, p:].clone()
-    pos = (mask.cumsum(1) - 1).clamp(min=0)
-
-    def batch():
-        td = TensorDict({"input_ids": ids.clone(), "attention_mask": mask.clone(), "position_ids": pos.clone(),
-                         "prompts": ids[:, :p].clone(), "responses": ids[:, p:].clone(),
-                         "response_mask": resp_mask.clone(),
-                         "old_log_probs": -2.0 + 0.1 * torch.randn(b, r, generator=torch.Generator().manual_seed(7)),
-                         "advantages": torch.randn(b, r, generator=torch.Generator().manual_seed(8))},
+    def batch(ranks, dynamic):
+        parts = [_rows(r) for r in ranks]
+        ids, mask, old, adv = (torch.cat([p[k] for p in parts]) for k in range(4))
+        b = ids.shape[0]
+        td = TensorDict({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+                         "prompts": ids[:, :P].clone(), "responses": ids[:, P:].clone(),
+                         "response_mask": mask[:, P:].clone(), "old_log_probs": old, "advantages": adv},
                         batch_size=[b])
         td = left_right_2_no_padding(td)
-        tu.assign_non_tensor(td, temperature=1.0, calculate_entropy=True, use_dynamic_bsz=False,
-                             micro_batch_size_per_gpu=2, use_remove_padding=False, global_batch_size=b * world,
-                             use_fused_kernels=False)
+        tu.assign_non_tensor(td, temperature=1.0, calculate_entropy=True, use_dynamic_bsz=dynamic,
+                             micro_batch_size_per_gpu=2, max_token_len_per_gpu=12, use_remove_padding=False,
+                             global_batch_size=B * world, use_fused_kernels=False)
         return td
 
     actor_cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, clip_ratio=0.2,
@@ -141,51 +164,164 @@ def _engine_rank(rank, world, path):
     def loss_fn(model_output, data, dp_group=None):
         return ppo_loss(actor_cfg, model_output, data, dp_group)
 
-    results = {}
-    for backend in ("fsdp2", "parallm"):
-        e = engine(backend)
-        with e.eval_mode():
-            out = e.infer_batch(batch())
-        lp = out["model_output"]["log_probs"]
-        ent = out["model_output"]["entropy"]
-        with e.train_mode():
-            tr = e.train_batch(batch(), loss_function=loss_fn)
-        if backend == "fsdp2":
+    def storages(e):
+        """Bytes held by the parameters' and the optimizer state's storages."""
+        p = sum(q.untyped_storage().nbytes() for c in e.chunks for q in c.parameters())
+        o = sum(t.untyped_storage().nbytes() for st in e.optimizer.state.values() for t in st.values()
+                if torch.is_tensor(t))
+        return p, o
+
+    def run(e, ranks, steps=STEPS, offloaded=None):
+        res = {"lp": [], "ent": [], "lp_dyn": [], "loss": [], "norm": [], "lr": [], "pg_loss": [], "held": []}
+        for dynamic, key in ((False, "lp"), (True, "lp_dyn")):
+            with e.eval_mode():
+                out = e.infer_batch(batch(ranks, dynamic))
+            if offloaded:
+                res["held"].append(storages(e))
+            if "log_probs" in out["model_output"]:
+                res[key] = [t.clone() for t in out["model_output"]["log_probs"].unbind()]
+                if not dynamic:
+                    res["ent"] = [t.clone() for t in out["model_output"]["entropy"].unbind()]
+        for dynamic in steps:
+            with e.train_mode():
+                tr = e.train_batch(batch(ranks, dynamic), loss_function=loss_fn)
+            if offloaded:
+                res["held"].append(storages(e))
+            res["lr"].append(e.lr_scheduler_step())
+            res["loss"].append(sum(tr["loss"]))
+            res["norm"].append(tr["metrics"].get("grad_norm"))
+            pg = tr["metrics"].get("actor/pg_loss", [])      # a verl Metric: one value per micro-batch
+            res["pg_loss"].append([float(v) for v in (pg.values if hasattr(pg, "values") else pg)])
+        if offloaded:
+            e.to("cuda", model=True, optimizer=True, grad=True)
+        if backend_of(e) == "fsdp2":
             from torch.distributed.tensor import DTensor
-            sd = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-                  for k, v in e.module.state_dict().items()}
+            res["state"] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                            for k, v in e.module.state_dict().items()}
         else:
-            sd = {k: v.detach().clone() for k, v in parallm.export_hf_tensors(e.chunks)}
-        results[backend] = dict(lp=[t.clone() for t in lp.unbind()], ent=[t.clone() for t in ent.unbind()],
-                                loss=sum(tr["loss"]), grad_norm=tr["metrics"]["grad_norm"], state=sd)
-    a, c = results["fsdp2"], results["parallm"]
-    # a row's last position holds verl's log-prob of the next row's first token (a roll over the packed stream)
-    # and parallm's 0: never read (no_padding_2_padding takes positions prompt_len - 1 .. len - 2)
-    report = {"lp": max((x[:-1] - y[:-1]).abs().max().item() for x, y in zip(a["lp"], c["lp"])),
-              "lp_lens": [(x.numel(), y.numel()) for x, y in zip(a["lp"], c["lp"])],
-              "ent": max((x - y).abs().max().item() for x, y in zip(a["ent"], c["ent"])),
-              "loss": (a["loss"], c["loss"]), "grad_norm": (a["grad_norm"], c["grad_norm"]),
-              "names": sorted(set(a["state"]) ^ set(c["state"])),
-              "weights": max((a["state"][k] - c["state"][k]).abs().max().item()
-                             for k in a["state"] if k in c["state"])}
+            res["state"] = fused_experts({k: v.detach().clone() for k, v in parallm.export_hf_tensors(e.chunks)})
+        return res
+
+    def fused_experts(sd):
+        """The HF checkpoint's per-expert tensors as transformers 5 holds them in memory (what FSDP2's
+        ``state_dict`` shows): ``experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up), ``experts.down_proj``
+        ``[E, H, I]``."""
+        out, layers = {}, {}
+        for k, v in sd.items():
+            head, sep, tail = k.partition(".mlp.experts.")
+            if not sep:
+                out[k] = v
+                continue
+            e, kind = tail.split(".")[:2]
+            layers.setdefault(head, {}).setdefault(kind, {})[int(e)] = v
+        for head, kinds in layers.items():
+            n = len(kinds["gate_proj"])
+            out[f"{head}.mlp.experts.gate_up_proj"] = torch.stack(
+                [torch.cat([kinds["gate_proj"][i], kinds["up_proj"][i]]) for i in range(n)])
+            out[f"{head}.mlp.experts.down_proj"] = torch.stack([kinds["down_proj"][i] for i in range(n)])
+        return out
+
+    def backend_of(e):
+        return "parallm" if hasattr(e, "chunks") else "fsdp2"
+
+    def compare(a, c, rows=None):
+        """a: the reference (lists per row), c: parallm; rows: which of a's rows c holds (all by default)."""
+        rows = range(len(a["lp"])) if rows is None else rows
+        # a row's last position holds verl's log-prob of the next row's first token (a roll over the packed
+        # stream) and parallm's 0: never read (no_padding_2_padding takes positions prompt_len - 1 .. len - 2)
+        d = {"lp": max((a["lp"][i][:-1] - y[:-1]).abs().max().item() for i, y in zip(rows, c["lp"])),
+             "lp_dyn": max((a["lp"][i][:-1] - y[:-1]).abs().max().item() for i, y in zip(rows, c["lp_dyn"])),
+             "ent": max((a["ent"][i] - y).abs().max().item() for i, y in zip(rows, c["ent"])),
+             "lens": all(a["lp"][i].numel() == y.numel() for i, y in zip(rows, c["lp"])),
+             "names": sorted(set(a["state"]) ^ set(c["state"])),
+             "weights": max((a["state"][k] - c["state"][k]).abs().max().item() for k in a["state"]
+                            if k in c["state"]),
+             "lr": (a["lr"], c["lr"]), "loss": (a["loss"], c["loss"]), "norm": (a["norm"], c["norm"])}
+        return d
+
+    report = {}
+    ranks = [rank]
+    # A. dense, dp2
+    ref = run(engine("fsdp2", dense), ranks)
+    mine = run(engine("parallm", dense), ranks)
+    report["dense"] = compare(ref, mine)
+    report["dense_pg_loss"] = (ref["pg_loss"][0], mine["pg_loss"][0])
+    # B. offload: verl's mode switches move a model "on cuda" out and back through parallm.offload / onload
+    original = verl_base.get_device_name
+    verl_base.get_device_name = lambda: "cuda"
+    try:
+        e = engine("parallm", dense, offload=True)
+        e.device_type = "cuda"                 # as initialize leaves a CUDA model: offloaded
+        e.to("cpu", model=True, optimizer=True, grad=True)
+        start = storages(e)
+        off = run(e, ranks, offloaded=True)
+    finally:
+        verl_base.get_device_name = original
+    report["offload"] = {"start": start, "held": off["held"],
+                         "equal": all(torch.equal(x, y) for k in ("lp", "ent", "lp_dyn") for x, y in zip(off[k], mine[k]))
+                         and off["loss"] == mine["loss"] and off["norm"] == mine["norm"] and off["lr"] == mine["lr"]
+                         and all(torch.equal(off["state"][k], mine["state"][k]) for k in mine["state"])}
+    # C. pp2 (dp1): both ranks' rows on both ranks; the reference is A's FSDP2 run over dp2
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {k: ref[k] for k in ("lp", "ent", "loss")})
+    whole = {"lp": [t for g in gathered for t in g["lp"]], "ent": [t for g in gathered for t in g["ent"]],
+             "loss": [sum(g["loss"][i] for g in gathered) / world for i in range(len(STEPS))],
+             "lr": ref["lr"], "norm": ref["norm"], "state": ref["state"]}
+    parallm.destroy_parallel()
+    os.environ["PARALLM_VERL_CONFIG"] = json.dumps({"pp": 2})
+    pp = run(engine("parallm", dense), list(range(world)))
+    report["pp2"] = compare(whole, pp)
+    report["pp2_last_stage"] = pp["norm"][0] is not None
+    # D. Qwen3-MoE: FSDP2 dp2 against parallm dp2 x ep2
+    parallm.destroy_parallel()
+    os.environ["PARALLM_VERL_CONFIG"] = json.dumps({"ep": 2})
+    moe_ref = run(engine("fsdp2", moe), ranks, steps=(False, True))
+    moe_mine = run(engine("parallm", moe), ranks, steps=(False, True))
+    report["moe"] = compare(moe_ref, moe_mine)
     return report
+
+
+def _check_engine(d, *, loss_tol=1e-5, weight_tol=1e-4, name=""):
+    assert not d["names"], (name, d["names"])
+    assert d["lens"], name
+    assert d["lp"] < 1e-5 and d["lp_dyn"] < 1e-5 and d["ent"] < 1e-5, (name, d)
+    (lr_a, lr_c), (loss_a, loss_c), (norm_a, norm_c) = d["lr"], d["loss"], d["norm"]
+    assert lr_a == lr_c, (name, lr_a, lr_c)
+    assert all(abs(x - y) < loss_tol for x, y in zip(loss_a, loss_c)), (name, loss_a, loss_c)
+    assert all(abs(x - y) < 1e-4 * max(1.0, x) for x, y in zip(norm_a, norm_c)), (name, norm_a, norm_c)
+    # AdamW's step is lr * m / (sqrt(v) + eps) per element: elements with gradients near eps (1e-6 here) carry
+    # the fp32 differences of the two gradient computations into the weights at up to ~1% of lr (1e-2); seen:
+    # 3.3e-5 dense, 1.1e-5 MoE
+    assert d["weights"] < weight_tol, (name, d["weights"])
 
 
 @pytest.mark.timeout(600)
 def test_engine_matches_fsdp2(tmp_path):
+    """parallm's engine against verl's own FSDP2 engine (transformers) on the same verl batches and configs:
+    dense dp2 (fixed and dynamic micro-batches, 3 steps of a cosine schedule with warm-up and weight decay), the
+    same with verl's offload flags (bit-equal), pp2, and a Qwen3-MoE at ep2 (``_engine_rank``)."""
     from parallm.integrations.verl import toy  # noqa: F401  (needs verl: skipped above without it)
-    path = toy.write_checkpoint(str(tmp_path / "model"))
-    reports = helpers.run_ranks(_engine_rank, 2, path, timeout=540)
+    dense = toy.write_checkpoint(str(tmp_path / "dense"))
+    moe = toy.write_checkpoint(str(tmp_path / "moe"), model_type="qwen3_moe")
+    reports = helpers.run_ranks(_engine_rank, 2, dense, moe, timeout=540)
     for rank, rep in enumerate(reports):
         print(rank, rep)
-        assert not rep["names"], rep["names"]
-        assert all(x == y for x, y in rep["lp_lens"]), rep["lp_lens"]
-        assert rep["lp"] < 1e-5 and rep["ent"] < 1e-5, rep
-        assert abs(rep["loss"][0] - rep["loss"][1]) < 1e-5, rep["loss"]
-        assert abs(rep["grad_norm"][0] - rep["grad_norm"][1]) < 1e-4 * max(1.0, rep["grad_norm"][0]), rep
-        # AdamW's first step is lr * g / (|g| + eps) per element: elements with gradients near 0 carry the fp32
-        # differences of the two gradient computations into the weights at up to ~1% of lr (1e-2 here)
-        assert rep["weights"] < 2e-4, rep["weights"]
+        _check_engine(rep["dense"], name="dense")
+        lr = rep["dense"]["lr"][0]
+        # warm-up of 1 step then cosine to 0.1 x lr over 4 steps: verl's own schedule, not a constant one
+        assert lr[0] != lr[1] and len(set(lr)) == 3, lr
+        a, c = rep["dense_pg_loss"]
+        assert len(a) == len(c) == 2 and all(abs(x - y) < 1e-6 for x, y in zip(a, c)), (a, c)
+        off = rep["offload"]
+        assert off["equal"], "offloaded run differs from the resident one"
+        assert off["start"] == (0, 0) and all(h == (0, 0) for h in off["held"]), off
+        if rank == 1:      # the last pipeline stage: verl's output rank (losses and grad norm are reported there)
+            assert rep["pp2_last_stage"]
+            _check_engine(rep["pp2"], name="pp2")
+        else:
+            d = rep["pp2"]
+            assert d["lp"] < 1e-5 and d["weights"] < 1e-4 and d["lr"][0] == d["lr"][1], d
+        _check_engine(rep["moe"], name="moe")
 
 
 @pytest.mark.timeout(300)

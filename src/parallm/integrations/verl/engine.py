@@ -7,7 +7,7 @@ engine its FSDP engine config then (``FSDPActorConfig`` copies the strategy into
 from the environment variable ``PARALLM_VERL_CONFIG``, a JSON object read in every worker::
 
     PARALLM_VERL_CONFIG='{"tp": 2, "pp": 1, "vpp": null, "cp": 1, "ep": 1, "dtype": "float32",
-                          "recompute": null, "packed": false}'
+                          "recompute": null, "packed": false, "attn_impl": "auto"}'
 
 (verl's engine configs are dataclasses that refuse unknown keys, so a ``parallm`` block in the Hydra config
 cannot reach the engine without a config class of parallm's own inside verl's config tree.)
@@ -16,140 +16,188 @@ What each verl call becomes:
 
 * ``initialize``: ``parallm.init_parallel`` over verl's process group (once per process; a second engine in the
   same process, the reference policy, shares the layout), ``build_model`` + ``load_hf_weights`` from
-  ``model_config.local_path``, ``build_optimizer`` (AdamW, verl's ``lr`` / ``betas`` / ``weight_decay``) and
-  verl's own LR schedule (:class:`_Schedule`).
-* ``forward_backward_batch``: verl's global token count (``loss_mask`` summed over the data-parallel group) and
-  ``dp_size`` go into the batch as verl's FSDP engine puts them, verl's ``prepare_micro_batches`` splits it, and
-  each micro-batch (verl's nested ``[b, j]`` tensors, padded here into ``[b, S]`` + ``attention_mask``) runs
-  through ``parallm.forward_backward(..., num_microbatches=1, output="logprobs+entropy")`` whose ``loss_fn`` turns
-  parallm's ``[b, S]`` outputs back into verl's nested ``log_probs`` / ``entropy`` / ``values`` and calls verl's
-  ``loss_function(model_output=..., data=micro_batch, dp_group=...)``. verl's loss is already normalised by the
-  global token count times ``dp_size``: the gradient verl wants is the sum over micro-batches, averaged over the
-  data-parallel replicas, which is what one ``forward_backward`` call per micro-batch (gradients accumulate) and
-  ``finalize_grads`` (average over dp) give. Outputs go through verl's ``postprocess_batch_func`` (order restored
-  for dynamic batch sizes).
+  ``model_config.local_path``; unless ``forward_only``, ``build_optimizer`` (AdamW from verl's ``lr`` / ``betas``
+  / ``weight_decay`` / ``override_optimizer_config["eps"]``, every parameter decayed as verl's FSDP engine's
+  ``torch.optim.AdamW`` over ``module.parameters()`` does) and verl's own LR schedule functions
+  (``get_constant_schedule_with_warmup`` / ``get_cosine_schedule_with_warmup``, torch ``LambdaLR``\\ s) on that
+  optimizer, with the warm-up step count verl's FSDP engine computes. Then offloaded when verl's flags say so.
+* ``forward_backward_batch`` (training): verl's global token count (``loss_mask`` summed over the data-parallel
+  group) and ``dp_size`` go into the batch as verl's FSDP engine puts them; the mini-batch (verl's nested
+  ``[b, j]`` rows, padded here into ``[B, S]`` + ``attention_mask``, plus each row's index) runs through ONE
+  ``parallm.forward_backward(chunks, batch, loss_fn=..., num_microbatches=B / micro_batch_size_per_gpu)`` call
+  (verl's dynamic batch size: ``max_tokens_per_microbatch=max_token_len_per_gpu``), so at pp > 1 every
+  micro-batch shares one pipeline schedule. ``loss_fn(out, mb)`` selects the micro-batch's rows of verl's
+  TensorDict (verl's ``index_select_tensor_dict``), turns parallm's ``[b, S]`` outputs into verl's nested
+  ``log_probs`` / ``entropy`` / ``values`` and calls verl's ``loss_function(model_output=..., data=micro_batch,
+  dp_group=...)``. verl's losses are already normalised for the global mini-batch (verl's engines sum the
+  micro-batch losses and average over data-parallel replicas), so ``loss_fn`` returns ``(loss, share)`` with
+  ``share`` = the micro-batch's rows / the replica's rows: parallm's token-mean normalisation then divides by
+  ``sum(share) = dp`` and the gradient is verl's ``sum_m grad(loss_m) / dp``, whatever the micro-batches.
+  Per-micro-batch losses, metrics (verl's ``Metric`` objects, aggregated by verl) and, when verl asks, outputs
+  come back through verl's ``postprocess_batch_func`` (rows back in verl's order), on the last pipeline stage:
+  verl's output ranks (``is_mp_src_rank_with_outputs``).
+* ``forward_backward_batch(forward_only=True)``: ``parallm.forward`` (log-probs, entropy or values on every
+  rank), by verl's micro-batches (``num_microbatches`` at pp > 1; one call per micro-batch at pp = 1, where
+  ``parallm.forward`` would run the batch whole; ``max_tokens_per_microbatch`` for the dynamic batch size).
 * ``optimizer_step``: ``finalize_grads``, ``clip_grad_norm_(clip_grad)``, the step only when the norm is finite.
+* ``to`` / ``train_mode`` / ``eval_mode``: with ``param_offload`` / ``optimizer_offload`` on, a model on an
+  accelerator is moved out with ``parallm.offload`` (storages freed, host copies kept) and back with
+  ``parallm.onload``; a model living in host memory (the CPU platform) has nowhere to go and stays.
 * ``get_per_tensor_param``: ``parallm.export_hf_tensors`` (HF names, full tensors, collective: every rank iterates).
 * checkpoints: ``parallm.save_checkpoint`` / ``load_checkpoint`` (any layout) with the LR schedule's state, and
   an HF export when verl's checkpoint config asks for ``hf_model``.
-
-Waiting for issue 35 (parallm's batch / metrics / optimizer / offload API): per-sample tensors reaching
-``loss_fn`` inside one ``forward_backward`` call (so several micro-batches could share one call and the pipeline
-schedule at pp > 1), a ``torch.optim.Optimizer`` (verl's ``LambdaLR`` directly), and ``offload`` / ``onload``
-(``to("cpu")`` of a CUDA model); see docs/verl.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
-from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
+from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 
 import parallm
 
 __all__ = ["ParallmEngine", "ParallmEngineWithLMHead", "ParallmEngineWithValueHead", "register_engines",
-           "parallm_options"]
+           "parallm_options", "build_lr_scheduler"]
 
 _DEFAULTS = {"tp": 1, "pp": 1, "vpp": None, "cp": 1, "ep": 1, "dtype": "float32", "recompute": None,
              "packed": False, "attn_impl": "auto"}
+ROW_KEY = "verl_row"      # the batch entry carrying each row's index in verl's mini-batch
 
 
 def parallm_options() -> dict:
     """parallm's block for the engine: ``PARALLM_VERL_CONFIG`` (JSON) over the defaults; unknown keys refused."""
     raw = os.environ.get("PARALLM_VERL_CONFIG", "").strip()
     given = json.loads(raw) if raw else {}
+    if not isinstance(given, dict):
+        raise ValueError(f"PARALLM_VERL_CONFIG must be a JSON object, got {raw!r}")
     unknown = sorted(set(given) - set(_DEFAULTS))
     if unknown:
         raise ValueError(f"PARALLM_VERL_CONFIG: unknown key(s) {unknown}; known: {sorted(_DEFAULTS)}")
     return {**_DEFAULTS, **given}
 
 
-class _Schedule:
-    """verl's LR schedule driving parallm's optimizer. verl builds its schedules as ``torch.optim.lr_scheduler.
-    LambdaLR``, which needs a ``torch.optim.Optimizer``; parallm's ``ParallelAdamW`` is not one yet (issue 35), so
-    verl's scheduler runs on a one-parameter proxy SGD at the same base LR and each step copies its LR into
-    parallm's optimizer (``set_lr``): verl's own warm-up / cosine arithmetic, no copy of it here."""
-
-    def __init__(self, optimizer, optim_config, rank: int):
-        from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
-        self.optimizer = optimizer
-        self._proxy = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=optim_config.lr)
-        total = optim_config.total_training_steps
-        warmup = optim_config.lr_warmup_steps
-        if warmup is None or warmup <= 0:
-            warmup = int(optim_config.lr_warmup_steps_ratio * total)
-        kind = optim_config.lr_scheduler_type
-        if kind == "constant":
-            self._sched = get_constant_schedule_with_warmup(optimizer=self._proxy, num_warmup_steps=warmup)
-        elif kind == "cosine":
-            self._sched = get_cosine_schedule_with_warmup(
-                optimizer=self._proxy, num_warmup_steps=warmup, num_training_steps=total,
-                min_lr_ratio=optim_config.min_lr_ratio, num_cycles=optim_config.num_cycles,
-                zero_indexed_step=optim_config.zero_indexed_step)
-        else:
-            raise NotImplementedError(f"parallm engine: lr_scheduler_type={kind!r}; verl 0.9.1's FSDP engine "
-                                      "knows 'constant' and 'cosine', and so does this one")
-        self._sync()
-
-    def _sync(self) -> None:
-        self.optimizer.set_lr(self._proxy.param_groups[0]["lr"])
-
-    def step(self) -> None:
-        self._sched.step()
-        self._sync()
-
-    def get_last_lr(self) -> list[float]:
-        return self._sched.get_last_lr()
-
-    def state_dict(self) -> dict:
-        return self._sched.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self._sched.load_state_dict(state)
-        self._proxy.param_groups[0]["lr"] = self._sched.get_last_lr()[0]
-        self._sync()
+def _decay_everything(name: str, param) -> bool:
+    """verl's FSDP engine builds ``torch.optim.AdamW(module.parameters(), weight_decay=...)``: every parameter
+    decays (biases and norm weights too), unlike parallm's default Megatron rule."""
+    return False
 
 
-def _padded(micro_batch: TensorDict, pad_token_id: int):
-    """verl's NO_PADDING micro-batch (nested jagged ``input_ids`` / ``position_ids`` ``[b, j]``) as parallm's
-    right-padded ``[b, S]`` ``input_ids``, ``attention_mask``, ``position_ids``, and the row lengths."""
-    input_ids = micro_batch["input_ids"]
+def build_optimizer(chunks, optim_config):
+    """parallm's AdamW from verl's ``FSDPOptimizerConfig``: ``optimizer_impl="torch.optim"``,
+    ``optimizer="AdamW"`` (what verl's FSDP engine builds by default); ``override_optimizer_config`` may set
+    ``eps`` (and ``amsgrad=False`` / ``foreach`` / ``fused``, which change nothing here). Anything else is a
+    ``NotImplementedError`` naming it."""
+    impl = getattr(optim_config, "optimizer_impl", "torch.optim")
+    name = getattr(optim_config, "optimizer", "AdamW")
+    if impl != "torch.optim" or str(name).lower() != "adamw":
+        raise NotImplementedError(f"parallm engine: optimizer {impl}.{name}; parallm's optimizer is AdamW "
+                                  "(optimizer_impl='torch.optim', optimizer='AdamW')")
+    override = dict(getattr(optim_config, "override_optimizer_config", None) or {})
+    eps = float(override.pop("eps", 1e-8))
+    if override.pop("amsgrad", False):
+        raise NotImplementedError("parallm engine: AdamW(amsgrad=True) is not parallm's AdamW")
+    for harmless in ("foreach", "fused", "capturable", "differentiable", "maximize"):
+        if harmless == "maximize" and override.get(harmless):
+            raise NotImplementedError("parallm engine: AdamW(maximize=True) is not supported")
+        override.pop(harmless, None)
+    if override:
+        raise NotImplementedError(f"parallm engine: override_optimizer_config keys {sorted(override)} are not "
+                                  "supported (known: eps, amsgrad=False, foreach, fused)")
+    return parallm.build_optimizer(chunks, lr=optim_config.lr, betas=tuple(optim_config.betas), eps=eps,
+                                   weight_decay=optim_config.weight_decay, no_decay=_decay_everything)
+
+
+def warmup_steps(optim_config) -> int:
+    """verl's FSDP engine's warm-up length: ``lr_warmup_steps`` when > 0, else ``int(lr_warmup_steps_ratio *
+    total_training_steps)`` (``None`` counts as unset)."""
+    n = optim_config.lr_warmup_steps
+    if n is None or n <= 0:
+        n = int(optim_config.lr_warmup_steps_ratio * optim_config.total_training_steps)
+    return n
+
+
+def build_lr_scheduler(optimizer, optim_config):
+    """verl's LR schedule on parallm's optimizer (a ``torch.optim.Optimizer``): verl's own
+    ``get_constant_schedule_with_warmup`` / ``get_cosine_schedule_with_warmup`` (``LambdaLR``), built with the
+    arguments verl 0.9.1's FSDP engine passes them (``_build_lr_scheduler``), so the LR of every step is
+    verl's. ``lr_scheduler_type`` other than ``constant`` / ``cosine`` is a ``NotImplementedError``."""
+    from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+    kind = optim_config.lr_scheduler_type
+    warmup = warmup_steps(optim_config)
+    if kind == "constant":
+        return get_constant_schedule_with_warmup(optimizer=optimizer, num_warmup_steps=warmup)
+    if kind == "cosine":
+        return get_cosine_schedule_with_warmup(
+            optimizer=optimizer, num_warmup_steps=warmup, num_training_steps=optim_config.total_training_steps,
+            min_lr_ratio=optim_config.min_lr_ratio, num_cycles=optim_config.num_cycles,
+            zero_indexed_step=optim_config.zero_indexed_step)
+    raise NotImplementedError(f"parallm engine: lr_scheduler_type={kind!r}; verl 0.9.1's FSDP engine knows "
+                              "'constant' and 'cosine' (with warm-up), and so does this one")
+
+
+def _padded(data: TensorDict, pad_token_id: int):
+    """verl's NO_PADDING batch (nested jagged ``input_ids`` / ``position_ids`` ``[B, j]``) as parallm's
+    right-padded ``[B, S]`` ``input_ids``, ``attention_mask``, ``position_ids``, and the row lengths ``[B]``."""
+    input_ids = data["input_ids"]
     if not input_ids.is_nested:
         raise ValueError("parallm engine: verl's NO_PADDING batches (nested input_ids) only; got a dense tensor")
-    offsets = input_ids.offsets()
-    lengths = offsets.diff()
+    lengths = input_ids.offsets().diff()
     b, s = lengths.numel(), int(lengths.max().item()) if lengths.numel() else 0
     ids = torch.nested.to_padded_tensor(input_ids, padding=pad_token_id, output_size=(b, s))
-    position_ids = micro_batch["position_ids"]
+    position_ids = data["position_ids"]
     if position_ids.dim() == 3:
         raise ValueError("parallm engine: 3-D (multimodal rope) position_ids are not supported")
     pos = torch.nested.to_padded_tensor(position_ids, padding=0, output_size=(b, s))
     mask = (torch.arange(s, device=ids.device)[None, :] < lengths[:, None].to(ids.device)).long()
-    return ids, mask, pos, offsets
+    return ids, mask, pos, lengths.cpu()
 
 
-def _nested(padded: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """parallm's ``[b, S]`` output, row r's first ``len_r`` positions, as verl's nested jagged ``[b, j]``."""
-    lengths = offsets.diff().tolist()
+def _nested(padded: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """parallm's ``[b, S]`` output, row r's first ``lengths[r]`` positions, as verl's nested jagged ``[b, j]``."""
     flat = torch.cat([padded[r, :n] for r, n in enumerate(lengths)]) if lengths else padded.new_zeros(0)
-    return torch.nested.nested_tensor_from_jagged(flat, offsets.to(flat.device))
+    offsets = torch.tensor([0, *lengths], device=flat.device).cumsum(0)
+    return torch.nested.nested_tensor_from_jagged(flat, offsets)
 
 
-def _temperature(micro_batch: TensorDict) -> float:
-    t = micro_batch["temperature"] if "temperature" in micro_batch.keys() else 1.0
+def _temperature(data: TensorDict) -> float:
+    t = data["temperature"] if "temperature" in data.keys() else 1.0
     if isinstance(t, torch.Tensor):
         t = t.reshape(-1)
         if t.numel() and not torch.all(t == t[0]):
-            raise ValueError("parallm engine: per-sample temperatures differ within a micro-batch "
+            raise ValueError("parallm engine: per-sample temperatures differ within a mini-batch "
                              f"({sorted(set(t.tolist()))}); parallm's log-probs take one temperature per call")
         t = float(t[0]) if t.numel() else 1.0
     return float(t)
+
+
+def micro_batching(data: TensorDict) -> dict:
+    """verl's micro-batch settings as parallm's keyword: ``{"num_microbatches": B / micro_batch_size_per_gpu}``,
+    or, with verl's dynamic batch size, ``{"max_tokens_per_microbatch": max_token_len_per_gpu}`` (parallm's
+    token budget: the fewest bins of at most that many tokens, the count agreed over data-parallel replicas, as
+    verl's ``rearrange_micro_batches`` does; the bins differ from verl's, which changes no gradient: verl's
+    losses are sums over sequences normalised for the whole mini-batch)."""
+    if tu.get_non_tensor_data(data=data, key="force_group_size", default=1) != 1:
+        raise NotImplementedError("parallm engine: force_group_size > 1 (verl's reward-model pairs) is not "
+                                  "supported")
+    if tu.get_non_tensor_data(data=data, key="sp_size", default=1) != 1:
+        raise NotImplementedError("parallm engine: ulysses sequence parallelism; use parallm's cp instead")
+    if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+        budget = data["max_token_len_per_gpu"]
+        return {"max_tokens_per_microbatch": int(budget)}
+    b = len(data)
+    size = int(data["micro_batch_size_per_gpu"])
+    if size < 1 or b % size:
+        raise ValueError(f"parallm engine: the mini-batch of {b} rows on this data-parallel rank does not split "
+                         f"into micro-batches of micro_batch_size_per_gpu={size}")
+    return {"num_microbatches": b // size}
 
 
 class ParallmEngine(BaseEngine):
@@ -168,6 +216,7 @@ class ParallmEngine(BaseEngine):
         self.chunks = None
         self.optimizer = None
         self.lr_scheduler = None
+        self.device_type = None         # where the parameters live (set by initialize)
         self._saved: list[str] = []
         self._init_parallel()
 
@@ -216,16 +265,15 @@ class ParallmEngine(BaseEngine):
         self.chunks = parallm.build_model(path, task=self.task, dtype=dtype, packed=o["packed"],
                                           recompute=o["recompute"], attn_impl=o["attn_impl"])
         parallm.load_hf_weights(self.chunks, path, progress=False)
+        self.device_type = next(self.chunks[0].parameters()).device.type
         self.pad_token_id = getattr(self.model_config.hf_config, "pad_token_id", None) or 0
         if not self.engine_config.forward_only:
-            oc = self.optimizer_config
-            if getattr(oc, "optimizer", "adamw").lower() != "adamw":
-                raise NotImplementedError(f"parallm engine: optimizer {oc.optimizer!r}; parallm's is AdamW")
-            self.optimizer = parallm.build_optimizer(self.chunks, lr=oc.lr, betas=tuple(oc.betas),
-                                                     weight_decay=oc.weight_decay)
-            self.lr_scheduler = _Schedule(self.optimizer, oc, self.dims.rank)
+            self.optimizer = build_optimizer(self.chunks, self.optimizer_config)
+            self.lr_scheduler = build_lr_scheduler(self.optimizer, self.optimizer_config)
+        self.to("cpu", model=self.is_param_offload_enabled, optimizer=self.is_optimizer_offload_enabled,
+                grad=self.is_param_offload_enabled)
 
-    # -- modes ----------------------------------------------------------------------------------------------
+    # -- modes and offload ----------------------------------------------------------------------------------
     def train_mode(self, **kwargs):
         return _Mode(self, "train", **kwargs)
 
@@ -233,68 +281,124 @@ class ParallmEngine(BaseEngine):
         return _Mode(self, "eval", **kwargs)
 
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
+        """``"cpu"``: ``parallm.offload`` of the chosen kinds (parameters, gradients, optimizer state) of a model
+        that lives on an accelerator; the accelerator's name (verl's ``get_device_name()``): ``parallm.onload``
+        of them. A model whose home is host memory stays where it is (there is nothing to free)."""
         super().to(device=device, model=model, optimizer=optimizer, grad=grad)
-        here = {p.device.type for c in self.chunks for p in c.parameters()} if self.chunks else {"cpu"}
-        if here == {torch.device(device).type}:
+        if self.chunks is None or self.device_type == "cpu":
             return
-        raise NotImplementedError(
-            f"parallm engine: moving the model from {sorted(here)} to {device!r} needs parallm.offload / onload "
-            "(issue 35); run with param_offload=False and optimizer_offload=False until then")
+        target = torch.device(device).type
+        kinds = {"params": model, "grads": grad, "optimizer_state": optimizer and self.optimizer is not None}
+        if target == "cpu":
+            parallm.offload(self.chunks, self.optimizer, **kinds)
+        elif target == self.device_type:
+            parallm.onload(self.chunks, self.optimizer, **kinds)
+        else:
+            raise ValueError(f"parallm engine: to({device!r}); this model lives on {self.device_type}")
+
+    @contextlib.contextmanager
+    def _resident(self):
+        """Everything offloaded brought back for the block (a checkpoint, a weight export), then offloaded
+        again as it was."""
+        from parallm.train.offload import KINDS, _held
+        held = _held(self.chunks) if self.chunks is not None else {}
+        kinds = {k: bool(held.get(k)) for k in KINDS}
+        if any(kinds.values()):
+            parallm.onload(self.chunks, self.optimizer, **kinds)
+        try:
+            yield
+        finally:
+            if any(kinds.values()):
+                parallm.offload(self.chunks, self.optimizer, **kinds)
 
     # -- forward / backward ---------------------------------------------------------------------------------
-    def _model_output(self, out, offsets, calculate_entropy: bool) -> dict:
+    def _model_output(self, out, lengths: list[int], calculate_entropy: bool) -> dict:
         if self.task == "value":
-            return {"values": _nested(out, offsets)}
-        result = {"log_probs": _nested(out.logprobs, offsets)}
-        if calculate_entropy:
-            result["entropy"] = _nested(out.entropy, offsets)
-        return result
+            return {"values": _nested(out, lengths)}
+        if isinstance(out, parallm.TokenStats):
+            result = {"log_probs": _nested(out.logprobs, lengths)}
+            if calculate_entropy:
+                result["entropy"] = _nested(out.entropy, lengths)
+            return result
+        return {"log_probs": _nested(out, lengths)}
 
     def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False):
         group = self.get_data_parallel_group()
         batch_num_tokens = data["loss_mask"].sum().to(torch.float64).cpu() if "loss_mask" in data.keys() \
             else torch.zeros((), dtype=torch.float64)
-        dist.all_reduce(batch_num_tokens, op=dist.ReduceOp.SUM, group=group)
+        if self.dims.dp > 1:
+            dist.all_reduce(batch_num_tokens, op=dist.ReduceOp.SUM, group=group)
         tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())
         tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
-        micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
-        output_lst = []
-        for micro_batch in micro_batches:
-            output_lst.append(self._micro_batch(micro_batch, loss_function, forward_only))
-        return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
-
-    def _micro_batch(self, micro_batch: TensorDict, loss_function, forward_only: bool) -> dict:
-        ids, mask, pos, offsets = _padded(micro_batch, self.pad_token_id)
-        temperature = _temperature(micro_batch)
-        calculate_entropy = bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False))
-        output = None if self.task == "value" else "logprobs+entropy"
-        dp_group = self.get_data_parallel_group()
-        result = {"loss": 0.0, "metrics": {}}
-
-        def run_loss(out):
-            model_output = self._model_output(out, offsets, calculate_entropy)
-            result["model_output"] = detach_tree(model_output)
-            if loss_function is None:
-                return None
-            loss, metrics = loss_function(model_output=model_output, data=micro_batch, dp_group=dp_group)
-            result["loss"] = float(loss.detach().item())
-            result["metrics"] = metrics
-            return loss
-
+        split = micro_batching(data)
+        ids, mask, pos, lengths = _padded(data, self.pad_token_id)
+        calculate_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
+        if self.task == "value":
+            output = None
+        else:
+            output = "logprobs+entropy" if calculate_entropy else "logprobs"
+        temperature = _temperature(data)
         if forward_only:
-            # parallm.forward returns the whole output on every rank (at pp > 1 broadcast from the last stage)
-            out = parallm.forward(self.chunks, ids, mask, pos, output=output, temperature=temperature)
-            run_loss(out)
-            return result
+            output_lst, indices = self._forward_only(data, loss_function, ids, mask, pos, lengths, split, output,
+                                                     temperature, calculate_entropy)
+            return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
         if loss_function is None:
             raise ValueError("parallm engine: forward_backward_batch(forward_only=False) needs a loss_function")
+        return_model_output = bool(tu.get_non_tensor_data(data=data, key="return_model_output", default=False))
+        dp_group = group
+        rows_here = len(data)
+        captured = []      # (rows, {"loss", "metrics"[, "model_output"]}) per micro-batch, in schedule order
 
-        def loss_fn(out, _ids, _mask):
-            return run_loss(out)
+        def loss_fn(out, mb):
+            rows = mb[ROW_KEY].cpu()
+            micro = tu.index_select_tensor_dict(data, rows)
+            model_output = self._model_output(out, lengths[rows].tolist(), calculate_entropy)
+            loss, metrics = loss_function(model_output=model_output, data=micro, dp_group=dp_group)
+            entry = {"loss": float(loss.detach().item()), "metrics": metrics}
+            if return_model_output:
+                entry["model_output"] = detach_tree(model_output)
+            captured.append((rows.tolist(), entry))
+            # verl's loss is normalised for the global mini-batch; the shares add up to 1 per replica, so
+            # parallm's division by their sum over replicas is verl's average over data-parallel replicas
+            return loss, rows.numel() / rows_here
 
-        parallm.forward_backward(self.chunks, ids, mask, position_ids=pos, loss_fn=loss_fn, num_microbatches=1,
-                                 output=output, temperature=temperature)
-        return result
+        batch = {"input_ids": ids, "attention_mask": mask, "position_ids": pos,
+                 ROW_KEY: torch.arange(len(data), dtype=torch.long)}
+        parallm.forward_backward(self.chunks, batch, loss_fn=loss_fn, output=output, temperature=temperature,
+                                 **split)
+        indices = [rows for rows, _ in captured] if "max_tokens_per_microbatch" in split else None
+        return postprocess_batch_func(output_lst=[entry for _, entry in captured], indices=indices, data=data)
+
+    def _forward_only(self, data, loss_function, ids, mask, pos, lengths, split, output, temperature,
+                      calculate_entropy):
+        """Outputs of the whole mini-batch by verl's micro-batches; with a ``loss_function`` (verl's SFT
+        evaluation) its loss per micro-batch (fixed size), or over the mini-batch at once (dynamic size)."""
+        b = ids.shape[0]
+        if "num_microbatches" in split and self.dims.pp == 1:
+            m = split["num_microbatches"]
+            parts = [parallm.forward(self.chunks, i, a, p, output=output, temperature=temperature)
+                     for i, a, p in zip(ids.tensor_split(m), mask.tensor_split(m), pos.tensor_split(m))]
+            out = parallm.TokenStats(torch.cat([x.logprobs for x in parts]), torch.cat([x.entropy for x in parts])) \
+                if isinstance(parts[0], parallm.TokenStats) else torch.cat(parts)
+        else:
+            out = parallm.forward(self.chunks, ids, mask, pos, output=output, temperature=temperature, **split)
+        groups = [list(r) for r in torch.arange(b).tensor_split(split["num_microbatches"])] \
+            if "num_microbatches" in split else [list(range(b))]
+        groups = [[int(i) for i in g] for g in groups]
+        output_lst = []
+        for rows in groups:
+            index = torch.tensor(rows, dtype=torch.long)
+            piece = parallm.TokenStats(out.logprobs[index], out.entropy[index]) \
+                if isinstance(out, parallm.TokenStats) else out[index]
+            model_output = self._model_output(piece, lengths[index].tolist(), calculate_entropy)
+            entry = {"model_output": model_output, "loss": 0.0, "metrics": {}}
+            if loss_function is not None:
+                micro = tu.index_select_tensor_dict(data, index)
+                loss, metrics = loss_function(model_output=model_output, data=micro,
+                                              dp_group=self.get_data_parallel_group())
+                entry["loss"], entry["metrics"] = float(loss.detach().item()), metrics
+            output_lst.append(entry)
+        return output_lst, (groups if "max_tokens_per_microbatch" in split else None)
 
     # -- optimizer ------------------------------------------------------------------------------------------
     def optimizer_zero_grad(self):
@@ -318,19 +422,26 @@ class ParallmEngine(BaseEngine):
     # -- weights for the rollout ----------------------------------------------------------------------------
     def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
         """HF-named full tensors (``parallm.export_hf_tensors``), on every rank; collective: every rank must
-        iterate the generator to its end (verl's weight senders do)."""
+        iterate the generator to its end (verl's weight senders do). Offloaded parameters are brought back
+        first (verl's worker offloads them again after the sync, as for its FSDP engine)."""
+        if self.chunks is not None and self.device_type != "cpu":
+            parallm.onload(self.chunks, self.optimizer, params=True, grads=False, optimizer_state=False)
         return parallm.export_hf_tensors(self.chunks), None
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
+        """``<local_path>/parallm``: parallm's training checkpoint (model, optimizer, the LR schedule's state in
+        ``extra``; loads at any layout); ``<local_path>/huggingface`` too when verl's ``save_contents`` has
+        ``hf_model``. Keeps the last ``max_ckpt_to_keep`` of the directories this engine saved."""
         extra = {"lr_scheduler": self.lr_scheduler.state_dict()} if self.lr_scheduler is not None else None
         if extra is not None:
             extra = json.loads(json.dumps(extra))
-        parallm.save_checkpoint(os.path.join(local_path, "parallm"), self.chunks, self.optimizer,
-                                step=int(global_step), extra=extra, overwrite=True)
-        contents = getattr(self.checkpoint_config, "save_contents", None) or []
-        if "hf_model" in contents:
-            parallm.save_hf_weights(self.chunks, os.path.join(local_path, "huggingface"), overwrite=True)
+        with self._resident():
+            parallm.save_checkpoint(os.path.join(local_path, "parallm"), self.chunks, self.optimizer,
+                                    step=int(global_step), extra=extra, overwrite=True)
+            contents = getattr(self.checkpoint_config, "save_contents", None) or []
+            if "hf_model" in contents:
+                parallm.save_hf_weights(self.chunks, os.path.join(local_path, "huggingface"), overwrite=True)
         self._saved.append(local_path)
         if max_ckpt_to_keep and len(self._saved) > max_ckpt_to_keep and self.dims.rank == 0:
             for old in self._saved[:-max_ckpt_to_keep]:
@@ -339,7 +450,8 @@ class ParallmEngine(BaseEngine):
         dist.barrier()
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
-        info = parallm.load_checkpoint(os.path.join(local_path, "parallm"), self.chunks, self.optimizer)
+        with self._resident():
+            info = parallm.load_checkpoint(os.path.join(local_path, "parallm"), self.chunks, self.optimizer)
         extra = info.get("extra") or {}
         if self.lr_scheduler is not None and "lr_scheduler" in extra:
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
