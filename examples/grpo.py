@@ -1,6 +1,6 @@
 """GRPO on a verifiable toy task, end to end: parallm trains at tp=2 on 2 local ranks, vLLM samples on rank 0.
 
-    python examples/grpo.py [--task reverse] [--steps 100] [--warmup-steps 30] [--jsonl steps.jsonl]
+    python examples/grpo.py [--task reverse] [--model moe] [--steps 100] [--warmup-steps 30] [--jsonl steps.jsonl]
 
 It starts itself under ``torch.distributed.run`` with 2 local ranks (gloo on CPU); ``torchrun --nproc-per-node 2
 examples/grpo.py`` works too (the model runs at tp = the number of ranks). vLLM comes from ``bash
@@ -11,7 +11,8 @@ The task (``--task``): a prompt is ``<task> d1 .. dN <sep>`` (N = ``--digits``, 
 digits repeated, reversed or sorted; ``mix`` draws the task per prompt. The reward is the fraction of the N answer
 positions that hold the right digit. The model: a Qwen2-shaped decoder (hidden 128, 2 layers, 4 query heads of 32
 over 2 KV heads, tied embeddings; vLLM's CPU attention needs head_dim >= 32) built from a config, then warmed up
-with a few supervised steps on the task so that it starts above chance and well below perfect.
+with a few supervised steps on the task so that it starts above chance and well below perfect. ``--model moe``: a
+Qwen3-MoE of the same shape whose MLPs are 8 routed experts of width 64, top-2, trained with router replay (below).
 
 One GRPO step:
 
@@ -20,7 +21,8 @@ One GRPO step:
 2. rewards, and group-relative advantages (the reward minus its group's mean, over the group's std);
 3. the trainer's log-probs of the same tokens (``forward(output="logprobs")``): the old policy of the PPO ratio,
    and the rollout / trainer mismatch (the engine's log-probs against them: when the two differ the "on-policy"
-   update is not, a known RL pitfall);
+   update is not, a known RL pitfall); with ``--model moe`` this forward also returns the experts every MoE layer
+   routed each token to (``return_routed_experts=True``);
 4. ``--updates`` PPO-clip updates over minibatches of the rollouts: ``forward_backward(batch,
    output="logprobs+entropy", num_microbatches=--microbatches)`` with the batch form (the old log-probs and the
    advantages are entries of the batch, split with its rows into each microbatch's ``loss_fn(out, mb)``) and a
@@ -28,6 +30,12 @@ One GRPO step:
    answer tokens of the batch over their number; the metrics come back reduced over the microbatches and
    replicas), ``finalize_grads``, ``clip_grad_norm_``, parallm's AdamW (a ``torch.optim.Optimizer``: a
    ``LambdaLR`` warm-up + cosine schedule, :func:`lr_factor`, steps its learning rate once per GRPO step);
+   ``--model moe``: router replay, the experts of step 3 as the batch's ``routed_experts`` entry, so every update
+   routes each token as the old policy did (the ratio compares the same experts; the router's probabilities of
+   them still give the weights, so the router trains). The experts the rollout engine itself chose would be the
+   thing to replay, but vLLM's CPU build cannot return them (its routed-experts capture needs Triton) and
+   transformers' ``generate`` does not; the old policy's forward on the trainer is the closest stand-in, and
+   ``routing_drift`` (logged) measures how far the updates moved the routing of those tokens;
 5. ``push_weights`` into the engine(s).
 
 ``--engines serve`` (with vLLM): instead of one engine in rank 0's process, rank 0 starts two ``vllm serve``
@@ -38,7 +46,9 @@ at the end.
 
 Logged per step (a progress bar on rank 0; one JSON line per step with ``--jsonl``): mean reward, entropy (of the
 policy on its rollouts), clip fraction (answer tokens where the clipped term was the one taken, in the updates
-after the first), the mismatch (mean and max of |engine - trainer| over the sampled tokens), push seconds. At the
+after the first), the mismatch (mean and max of |engine - trainer| over the sampled tokens), push seconds; with
+``--model moe`` ``routing_drift``, the share of (answer token, MoE layer) pairs whose experts after the step's
+updates differ from the replayed ones. At the
 end: the mean reward of the first and last 10 % of the steps, and the greedy accuracy on 256 held-out prompts
 before and after GRPO. docs/rl.md has the figures of a full run.
 """
@@ -64,6 +74,9 @@ TASKS = {"repeat": 11, "reverse": 12, "sort": 13}
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", choices=[*TASKS, "mix"], default="repeat")
+    ap.add_argument("--model", choices=["dense", "moe"], default="dense",
+                    help="dense: a Qwen2-shaped decoder; moe: a Qwen3-MoE (8 experts, top-2) trained with router "
+                         "replay")
     ap.add_argument("--digits", type=int, default=4, help="digits per prompt (N)")
     ap.add_argument("--steps", type=int, default=100, help="GRPO steps")
     ap.add_argument("--warmup-steps", type=int, default=8, help="supervised steps before GRPO")
@@ -125,14 +138,18 @@ def write_tokenizer(path: str) -> None:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0"}, f)
 
 
-def make_checkpoint(path: str, digits: int, seed: int) -> None:
+def make_checkpoint(path: str, digits: int, seed: int, model: str = "dense") -> None:
     import transformers
-    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                   tie_word_embeddings=True, max_position_embeddings=4 * digits + 8,
-                                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+                  max_position_embeddings=4 * digits + 8, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
-    transformers.Qwen2ForCausalLM(cfg).save_pretrained(path)
+    if model == "moe":
+        cfg = transformers.Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                          norm_topk_prob=True)
+        transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(path)
+    else:
+        transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common)).save_pretrained(path)
 
 
 def answer_slice(out: torch.Tensor, start: int, n: int) -> torch.Tensor:
@@ -294,17 +311,38 @@ class TransformersRollout:
         t = time.perf_counter()
         state = parallm.save_hf_weights(chunks)        # collective; the full state dict on rank 0
         if self.model is not None:
-            missing, unexpected = self.model.load_state_dict(state, strict=False)
+            missing, unexpected = self.model.load_state_dict(fuse_experts(state), strict=False)
             if unexpected or set(missing) - {"lm_head.weight"}:
                 raise RuntimeError(f"push: missing {missing}, unexpected {unexpected}")
             self.model.tie_weights()
         return {"seconds": time.perf_counter() - t}
 
 
+def fuse_experts(state: dict) -> dict:
+    """The Hub's per-expert tensors (what ``save_hf_weights`` writes, ``mlp.experts.{e}.{gate,up,down}_proj``) ->
+    transformers 5's fused in-memory ones (``mlp.experts.gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``),
+    which ``load_state_dict`` wants; a dense model's state passes unchanged."""
+    out, experts = {}, {}
+    for name, t in state.items():
+        head, sep, tail = name.partition(".mlp.experts.")
+        if not sep:
+            out[name] = t
+            continue
+        e, proj = tail.split(".")[:2]
+        experts.setdefault(head, {}).setdefault(proj, {})[int(e)] = t
+    for head, projs in experts.items():
+        n = len(projs["down_proj"])
+        out[f"{head}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]]) for e in range(n)])
+        out[f"{head}.mlp.experts.down_proj"] = torch.stack([projs["down_proj"][e] for e in range(n)])
+    return out
+
+
 # -- GRPO -------------------------------------------------------------------------------------------------------
 
-def ppo_update(chunks, opt, ids, start, n, old, adv, args):
-    """``args.updates`` PPO-clip minibatch steps over the rollouts. Returns (the policy's mean entropy on the
+def ppo_update(chunks, opt, ids, start, n, old, adv, args, routed=None):
+    """``args.updates`` PPO-clip minibatch steps over the rollouts. ``routed``: the old policy's experts
+    ``[B, S, moe layers, top_k]`` to replay (MoE models), or None. Returns (the policy's mean entropy on the
     rollouts, from the first update; the clip fraction of the later ones)."""
     import parallm
     b = ids.shape[0]
@@ -314,6 +352,8 @@ def ppo_update(chunks, opt, ids, start, n, old, adv, args):
         sel = order[u * b // args.updates:(u + 1) * b // args.updates]
         # the batch form: the rollouts' old log-probs and advantages travel with their rows into each microbatch
         batch = {"input_ids": ids[sel], "old_logprobs": old[sel], "advantages": adv[sel]}
+        if routed is not None:      # router replay: each token routed as the old policy routed it
+            batch["routed_experts"] = routed[sel]
 
         def loss_fn(out, mb):
             lp, ent = answer_slice(out.logprobs, start, n), answer_slice(out.entropy, start, n)
@@ -364,7 +404,7 @@ def main(args) -> list[dict]:
     ckpt = os.path.join(workdir, "init")
     n, start = args.digits, args.digits + 2
     if rank == 0:
-        make_checkpoint(ckpt, n, args.seed)
+        make_checkpoint(ckpt, n, args.seed, args.model)
     dist.barrier()
     chunks = parallm.build_model(ckpt)
     parallm.load_hf_weights(chunks, ckpt)
@@ -382,6 +422,17 @@ def main(args) -> list[dict]:
     finally:
         if hasattr(rollout, "close"):
             rollout.close()
+
+
+def routing_drift(chunks, ids, routed, start: int, n: int) -> float:
+    """The share of (answer token, MoE layer) pairs whose experts (as sets) the updated policy would choose
+    differently from ``routed``, the old policy's: how much the updates moved the routing that was replayed."""
+    import parallm
+    with torch.no_grad():
+        _, now = parallm.forward(chunks, ids, output="logprobs", return_routed_experts=True)
+    # the answer tokens: positions start .. start + n - 1 (routing is per input token)
+    before, after = (t[:, start:start + n].sort(-1).values for t in (routed, now))
+    return (before != after).any(-1).float().mean().item()
 
 
 def lr_factor(step: int, steps: int) -> float:
@@ -417,16 +468,23 @@ def run(chunks, opt, rollout, args, g, warm_loss, t_start, made, rank) -> list[d
         grouped = r.view(args.prompts, args.group)
         adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1)
         ids = torch.cat([prompts, answers], dim=1)
-        with torch.no_grad():
-            old = answer_slice(parallm.forward(chunks, ids, output="logprobs"), start, n)
+        moe = args.model == "moe"
+        with torch.no_grad():     # the old policy's log-probs (and, for an MoE model, the experts it routed with)
+            out = parallm.forward(chunks, ids, output="logprobs", return_routed_experts=moe)
+        lp, routed = out if moe else (out, None)
+        old = answer_slice(lp, start, n)
         mismatch = (rollout_lp - old).abs()
-        entropy, clip_frac = ppo_update(chunks, opt, ids, start, n, old, adv, args)
+        entropy, clip_frac = ppo_update(chunks, opt, ids, start, n, old, adv, args, routed=routed)
         lr = opt.param_groups[0]["lr"]
         schedule.step()                              # once per GRPO step (its --updates optimizer steps share it)
+        drift = routing_drift(chunks, ids, routed, start, n) if moe else None
         push = rollout.push(chunks)
-        row = dict(step=step, rollout=rollout.name, reward=r.mean().item(), entropy=entropy, clip_frac=clip_frac,
-                   logprob_mismatch=mismatch.mean().item(), logprob_mismatch_max=mismatch.max().item(), lr=lr,
-                   push_s=push["seconds"], rollout_s=t_rollout, step_s=time.perf_counter() - t0)
+        row = dict(step=step, rollout=rollout.name, model=args.model, reward=r.mean().item(), entropy=entropy,
+                   clip_frac=clip_frac, logprob_mismatch=mismatch.mean().item(),
+                   logprob_mismatch_max=mismatch.max().item(), lr=lr, push_s=push["seconds"], rollout_s=t_rollout,
+                   step_s=time.perf_counter() - t0)
+        if moe:
+            row["routing_drift"] = drift
         if args.task == "mix":
             task_of = prompts[:, 0]
             row["reward_by_task"] = {k: r[task_of == t].mean().item() for k, t in TASKS.items()
@@ -448,6 +506,9 @@ def run(chunks, opt, rollout, args, g, warm_loss, t_start, made, rank) -> list[d
             print(f"mean reward: first {k} steps {first:.3f}, last {k} steps {last:.3f}; max log-prob mismatch "
                   f"{max(x['logprob_mismatch_max'] for x in rows):.1e}; push {min(x['push_s'] for x in rows):.3f}-"
                   f"{max(x['push_s'] for x in rows):.3f} s")
+        if rows and args.model == "moe":
+            print(f"router replay: routing drift after each step's updates {min(x['routing_drift'] for x in rows):.3f}"
+                  f"-{max(x['routing_drift'] for x in rows):.3f} of (answer token, MoE layer) pairs")
         print(f"greedy accuracy on {len(eval_prompts)} held-out prompts: {acc_before:.3f} before GRPO, "
               f"{acc_after:.3f} after; {time.perf_counter() - t_start:.0f} s")
     if log:
