@@ -28,6 +28,17 @@ The contract with the consumer (a destination's loop over the generator):
   never writes into its memory again. The tensors of one bucket are views of one fresh allocation holding just
   that bucket's HF tensors (no copy is made: the messages land there), freed when the consumer has dropped all
   of them; clone a tensor to keep it apart from its bucket's memory.
+* **``out``** for consumers that own the memory the tensors must end up in (a shared-memory region another
+  process reads, a registered transfer buffer): ``out(k, numel)`` returns the memory of bucket ``k`` (0, 1, ...
+  in order): a contiguous 1-D tensor of the wire dtype on the parameters' device, at least ``numel`` elements,
+  into which the stream writes that bucket's HF tensors back to back (the rank's own rows packed there, direct
+  messages received there, packed ones copied from the staging room into place); the yielded tensors are views
+  of it, at element offsets in yield order. ``out(k + 1, ...)`` is called when the consumer asks for the first
+  tensor of bucket ``k`` (``out(0, ...)`` at the first request), so by then the consumer holds nothing of bucket
+  ``k - 1`` from the stream and the memory it hands out may be bucket ``k - 1``'s: two buffers used in turn
+  suffice, and the consumer may wait inside ``out`` until its reader is done with that buffer. Once bucket
+  ``k``'s tensors are yielded the stream never writes into its memory again. Only destinations call it; with
+  ``out`` the stream allocates no output buffer (the staging room stays the stream's). Not with ``copy=True``.
 * **CUDA streams.** Tensors are ready on the CUDA stream that is current when they are yielded (a consumer
   reading them on another stream makes it wait on that one first). When the consumer asks for the item that
   ends a buffer's validity, the stream records an event on the consumer's current stream (the one current at
@@ -123,7 +134,7 @@ def _parse_dst(dst_ranks, world: int) -> list[int]:
 
 
 def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=DEFAULT_BUCKET_BYTES,
-                      dst_ranks=None, copy: bool = False):
+                      dst_ranks=None, copy: bool = False, out=None, merged: bool = False):
     """Every HF tensor of the model, once, in table order (the order of :func:`export_metadata`), as
     ``(hf_name, full tensor)`` on each rank of ``dst_ranks`` (default: every rank). Collective: every rank calls
     it and iterates the returned generator to its end; on a rank that is not a destination the generator yields
@@ -136,19 +147,38 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
     ``bucket_bytes``.
 
     Yielded tensors live on the parameters' device and are never views of a parameter. Without ``copy`` a
-    tensor is valid until the next item is requested; with ``copy=True`` it is the consumer's to keep. A
+    tensor is valid until the next item is requested; with ``copy=True`` it is the consumer's to keep; with
+    ``out`` (a callable ``out(bucket_index, numel) -> tensor``, destinations only) the tensors are views of the
+    memory ``out`` hands out per bucket, written there in place (no temporary copied afterwards). A
     consumer that stops early (``close()``, ``break``, garbage collection, ``throw()``) ends the stream on every
     rank with an error there, never a hang. The contract in full, with CUDA streams, and the memory bound are
     in the module docstring.
 
     Arguments are checked on every rank in the call's single exchange: a bucket below one byte, a destination
     outside the world, or ranks passing different arguments is a ``ValueError`` on every rank.
+
+    ``merged=True`` (a model with LoRA adapters, :mod:`parallm.model.lora`): the tensors are the merged weights
+    ``W + B A * alpha / r`` under the base model's HF names, for an engine without LoRA. Each rank merges its
+    own shards in place when the stream starts (first ``next``) and restores the original bits when it ends or
+    is closed (one copy of the rank's adapted weights is held meanwhile); a model without adapters exports
+    its weights as they are.
     """
-    return open_stream(chunks, dtype=dtype, bucket_bytes=bucket_bytes, dst_ranks=dst_ranks, copy=copy)[0]
+    if merged:
+        return _merged_stream(chunks, dict(dtype=dtype, bucket_bytes=bucket_bytes, dst_ranks=dst_ranks, copy=copy,
+                                           out=out))
+    return open_stream(chunks, dtype=dtype, bucket_bytes=bucket_bytes, dst_ranks=dst_ranks, copy=copy,
+                       out=out)[0]
+
+
+def _merged_stream(chunks, kwargs):
+    """:func:`export_hf_tensors` of the merged weights (LoRA), restored when the stream ends."""
+    from ..model.lora import merged_weights
+    with merged_weights(chunks):
+        yield from open_stream(chunks, **kwargs)[0]
 
 
 def open_stream(chunks, *, dtype=None, bucket_bytes=DEFAULT_BUCKET_BYTES, dst_ranks=None, copy=False,
-                what: str = "export_hf_tensors"):
+                what: str = "export_hf_tensors", out=None):
     """:func:`export_hf_tensors`, returning ``(generator, state)``: ``state.exchanged`` says whether the stream
     ended early through an agreement (a rank stopped or failed and every rank learnt of it: the others raised),
     which callers that agree on an outcome afterwards need to know; ``state.buckets``, ``state.tensors``: the
@@ -165,6 +195,10 @@ def open_stream(chunks, *, dtype=None, bucket_bytes=DEFAULT_BUCKET_BYTES, dst_ra
         nbytes = _parse_bucket(bucket_bytes)
         numel = max(1, nbytes // torch.empty((), dtype=wire).element_size())
         dst = _parse_dst(dst_ranks, layout.world)
+        if out is not None and (copy or not callable(out)):
+            raise ValueError(f"{what}: out must be a callable out(bucket_index, numel) -> tensor, and not given "
+                             f"with copy=True (the tensors live in the memory out hands out); got out={out!r}, "
+                             f"copy={copy!r}")
         check_entry_casts(mine, wire, instead="export")   # before anything moves: everybody's error, not a hang
     except Exception as e:  # noqa: BLE001 - every rank learns of it in the exchange
         error = e
@@ -202,7 +236,7 @@ def open_stream(chunks, *, dtype=None, bucket_bytes=DEFAULT_BUCKET_BYTES, dst_ra
         if any(n in plan.fp32_bits for n in everything[i].hf):
             params[i] = params[i].detach().float().contiguous().view(wire)
     state = _StreamState(what, layout, plan)
-    stream = _run(plan, cache["buffers"], params, dst, wire, device, layout, bool(copy), state)
+    stream = _run(plan, cache["buffers"], params, dst, wire, device, layout, bool(copy), state, out)
     next(stream)   # to its first (internal) yield: from here on close() / garbage collection reach its handlers
     return stream, state
 
@@ -366,12 +400,12 @@ class _StreamState:
 
 
 def _run(plan: Plan, cache: _Buffers, params, dst, wire, device, layout: ParallelDims, copy: bool,
-         st: _StreamState):
+         st: _StreamState, out_fn=None):
     buffers = cache.take()
     try:
         yield None                                   # primed by open_stream
         if layout.rank in dst:
-            yield from _destination(plan, buffers, params, dst, wire, device, layout, copy, st)
+            yield from _destination(plan, buffers, params, dst, wire, device, layout, copy, st, out_fn)
         else:
             _send_only(plan, buffers, params, dst, wire, device, layout, st)
         st.ended = True
@@ -419,8 +453,21 @@ def _send_only(plan: Plan, buffers: _Buffers, params, dst, wire, device, layout:
     st.wait_pending()
 
 
+def _consumer_buffer(out_fn, k: int, numel: int, wire, device) -> torch.Tensor:
+    """``out_fn(k, numel)`` checked: a contiguous 1-D tensor of ``wire`` on ``device`` with at least ``numel``
+    elements; its first ``numel``."""
+    buf = out_fn(k, numel)
+    if not (isinstance(buf, torch.Tensor) and buf.dim() == 1 and buf.is_contiguous() and buf.dtype == wire
+            and buf.device == torch.device(device) and buf.numel() >= numel):
+        got = (f"{tuple(buf.shape)} {buf.dtype} on {buf.device}, contiguous={buf.is_contiguous()}"
+               if isinstance(buf, torch.Tensor) else type(buf).__name__)
+        raise ValueError(f"export_hf_tensors: out({k}, {numel}) must return a contiguous 1-D {wire} tensor on "
+                         f"{device} of at least {numel} elements; it returned {got}")
+    return buf[:numel]
+
+
 def _destination(plan: Plan, buffers: _Buffers, params, dst, wire, device, layout: ParallelDims, copy: bool,
-                 st: _StreamState):
+                 st: _StreamState, out_fn=None):
     """A destination: bucket k+1 is packed and in flight while bucket k's tensors are placed and read by the
     consumer. It starts once the consumer asks for bucket k's first tensor, so that it no longer holds bucket
     k-1's, whose buffer k+1 reuses (two buffers)."""
@@ -432,8 +479,11 @@ def _destination(plan: Plan, buffers: _Buffers, params, dst, wire, device, layou
     def start(k):
         bucket, slot = buckets[k], k % 2
         fence.acquire(slot)
-        out = (torch.empty(bucket.stage, dtype=wire, device=device) if copy      # the consumer's own memory
-               else buffers.get("output", slot, out_numel, wire, device))
+        if out_fn is not None:                       # the consumer's memory, written in place
+            out = _consumer_buffer(out_fn, k, bucket.stage, wire, device)
+        else:
+            out = (torch.empty(bucket.stage, dtype=wire, device=device) if copy  # the consumer's own memory
+                   else buffers.get("output", slot, out_numel, wire, device))
         staging = buffers.get("staging", slot, stage_numel, wire, device)
         _pack(bucket, out, staging, params, me)
         st.go_on()

@@ -7,16 +7,31 @@ an engine started with ``weight_transfer_config={"backend": NAME}`` builds the b
 registers its own from the ``vllm.general_plugins`` entry point (pyproject.toml -> :func:`register`), which vLLM
 loads in every process before the model, so an engine started after ``pip install parallm`` knows them:
 
-* ``parallm_shm``: engines on the trainer's host. The sender owns a shared-memory file of two slots; it packs a
-  slot while the engines load the other, and each ``update_weights`` names the slot and where each tensor lies
-  in it (one copy into the slot on the sender, one out of it in each worker: vLLM's layer-wise reload keeps a
-  layer's tensors until the layer is complete, so the worker cannot keep views of a slot the sender reuses).
+* ``parallm_shm``: engines on the trainer's host. The sender owns a shared-memory file of two slots; the export
+  stream writes a bucket into one slot while the engines load the other, and each ``update_weights`` names the
+  slot and where each tensor lies in it. The worker loads from views of the slot (the model's own loader copies
+  them into its parameters: that is the one copy out of the slot). vLLM's layer-wise reload keeps a layer's
+  tensors until the layer is complete (a layer split across two buckets, a vocabulary-padded embedding until
+  ``finish_weight_update``), and the sender reuses the slot once the update returns: so after each update the
+  worker replaces the tensors the reload still holds that are views of the slot by copies of their own
+  (:func:`own_held`; a few tensors per update, not the bucket).
 * ``parallm_gloo``: engines on any host. A gloo group per engine (the sending trainer rank at rank 0, the
   engine's workers at ``rank_offset + worker rank``; a ``TCPStore`` rendezvous at ``master_address`` /
   ``master_port`` as vLLM's NCCL backend), made without torch.distributed's default group, with a timeout so
   that a dead peer raises instead of hanging. Each ``update_weights`` announces one packed buffer (names,
-  dtypes, shapes, bytes) that the sender then broadcasts. A group per engine, not one over every engine: a dead
-  engine then fails its own group only, and the others finish the push.
+  dtypes, shapes, bytes) that the sender then broadcasts.
+
+  A group per engine, not vLLM's NCCL layout of one group over the trainer and every engine's workers (each
+  engine at its rank offset). The reason is what a failure does. A gloo collective cannot leave a member out:
+  in one group a dead engine makes the broadcast fail for every member still in it, so the healthy engines'
+  ``update_weights`` raise halfway through the push, and vLLM cannot take another update after a failed one
+  (stale worker replies): every engine would need a restart, where the push promises that the others receive
+  every tensor and finish. With a group per engine only the dead engine's group fails. Rebuilding one group
+  over the survivors afterwards would not save the push under way. The cost: the sender posts one broadcast
+  per engine per bucket, so the bytes leaving the trainer grow with the number of engines (at least one copy
+  of each bucket per engine, where one group needs at least one in all, and can relay through the engines'
+  workers); on one host that is memory bandwidth (``parallm_shm`` is the route there), across hosts the
+  trainer's network link. Not measured.
 * ``parallm``: either of the two, chosen by the trainer at ``init_weight_transfer_engine`` (a server started
   with it serves both).
 
@@ -58,7 +73,7 @@ import torch
 
 from .fixes import TIED_HEAD, TIED_SOURCE, cpu_experts_repacked, engine_tensors, mismatch
 
-__all__ = ["BACKENDS", "register"]
+__all__ = ["BACKENDS", "own_held", "register"]
 
 BACKENDS = {"parallm": ("shm", "gloo"), "parallm_shm": ("shm",), "parallm_gloo": ("gloo",)}
 
@@ -117,6 +132,29 @@ class ParallmUpdateInfo:
     path: str | None = None
 
 
+def own_held(model, region: torch.Tensor) -> int:
+    """After a load from views of ``region``: every tensor vLLM's layer-wise reload still holds for a layer that
+    is not complete yet (``LAYERWISE_INFO[layer].loaded_weights``, the loader's bound arguments, kept until the
+    layer's last tensor arrives) that lies in ``region``'s memory is replaced by a copy of its own, so that the
+    sender may overwrite the region. Returns the bytes copied. vLLM 0.32's reload module; a vLLM without it
+    holds nothing this way (0)."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:
+        return 0
+    base = region.untyped_storage().data_ptr()
+    copied = 0
+    for layer in model.modules():
+        info = LAYERWISE_INFO.get(layer)
+        for _, bound in (info.loaded_weights if info is not None else ()):
+            for key, value in list(bound.arguments.items()):
+                if (isinstance(value, torch.Tensor) and value.device == region.device
+                        and value.untyped_storage().data_ptr() == base):
+                    bound.arguments[key] = value.clone()
+                    copied += value.numel() * value.element_size()
+    return copied
+
+
 def _worker_rank(parallel_config) -> int:
     """This worker's rank among all the engine's workers (every data-parallel replica), as vLLM's NCCL backend
     counts it."""
@@ -159,6 +197,7 @@ class _EngineMethods:
         self.group = None               # gloo
         self.store = None
         self.repack = None
+        self.held_bytes = 0             # bytes copied out of the slots by own_held (see receive_weights)
 
     # -- init / verify ---------------------------------------------------------------------------------------
     def parse_init_info(self, init_dict):
@@ -253,7 +292,7 @@ class _EngineMethods:
                 raise ValueError(f"{self.name}: update names slot {info.slot} with {info.nbytes} bytes, outside "
                                  f"the {self.shm.numel()}-byte region")
             start = info.slot * self.slot_bytes
-            buffer = self.shm[start:start + info.nbytes].clone()      # vLLM may keep the tensors: its own copy
+            buffer = self.shm[start:start + info.nbytes]      # views of the slot: loaded from there (one copy)
         elif transport == "gloo" and self.group is not None:
             buffer = torch.empty(info.nbytes, dtype=torch.uint8)
             self.group.broadcast(buffer, 0).wait()
@@ -270,6 +309,8 @@ class _EngineMethods:
             disable_mtp_completeness_check = contextlib.nullcontext
         with disable_mtp_completeness_check():
             self.model.load_weights(weights)
+        if transport == "shm":
+            self.held_bytes += own_held(self.model, self.shm)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

@@ -2,11 +2,13 @@
 :class:`~parallm.integrations.vllm.client.Connection` (``push_weights(chunks, connection)``).
 
 Every trainer rank runs the export stream with the connection's sending rank as its only destination (collective
-at any tp / pp / vpp / ep / cp layout). On the sender, each tensor is copied into one of two slots (the
-shared-memory file of ``parallm_shm``; a buffer of the sender for ``parallm_gloo``) as it arrives; a full slot
-becomes one ``update_weights`` call per engine (each engine's calls on its own thread, in order; for gloo with the
-slot's broadcast to the engine's group posted beside it), and the sender fills the other slot meanwhile. Before a
-slot is filled again every engine has loaded it. Around the stream: ``verify`` (the engines check names, shapes
+at any tp / pp / vpp / ep / cp layout). On the sender the stream writes each bucket straight into one of two
+slots (the shared-memory file of ``parallm_shm``; a buffer of the sender for ``parallm_gloo``) through the
+stream's ``out`` hook: the sender's own rows are packed there, the other ranks' messages are received there (or,
+for packed parts, copied from the stream's staging room into place): no temporary that is copied afterwards. A
+finished bucket becomes one ``update_weights`` call per engine (each engine's calls on its own thread, in order;
+for gloo with the slot's broadcast to the engine's group posted beside it) while the stream fills the other slot
+with the next bucket. Before the stream writes into a slot again every engine has loaded it. Around the stream: ``verify`` (the engines check names, shapes
 and dtype against their models, before anything changes), ``start_weight_update``, and after it
 ``finish_weight_update`` and a prefix-cache reset (cached prompt prefixes hold keys and values of the old
 weights).
@@ -28,6 +30,8 @@ import torch
 
 from ...checkpoint.cast import WIRE_DTYPES
 from ...checkpoint.export import DEFAULT_BUCKET_BYTES, _parse_bucket, export_metadata, open_stream
+from ...checkpoint.export_plan import saved_entries
+from ...model.table import model_entries
 from ...parallel.errors import gather_objects, raise_failures, status_of
 from ...parallel.state import as_chunks, dims_of
 from .client import Connection, EngineFailed, wait_all
@@ -42,7 +46,11 @@ def _align(n: int) -> int:
 
 
 class _Fanout:
-    """The sender's side of one push: two slots, filled in turn, each sent to every live engine as one update."""
+    """The sender's side of one push: two slots used in turn, one per stream bucket. The export stream writes
+    each bucket straight into its slot (``open_stream(..., out=fanout.slot_for)``: the sender's own rows are
+    packed there, the other ranks' messages land there), so the slot is the one copy on the sender; a finished
+    bucket becomes one ``update_weights`` per live engine, and before the stream writes into a slot again every
+    engine has loaded what it held before."""
 
     def __init__(self, conn: Connection, engines: list[int], slot_bytes: int, gloo: bool):
         self.conn, self.live, self.gloo = conn, list(engines), gloo
@@ -52,22 +60,42 @@ class _Fanout:
         else:           # the file's slots may be larger than this push's (an earlier push's): the engines'
             stride = conn.slot_bytes        # slot k starts at k x the announced slot size
             self.buffers = [conn.shm[k * stride:k * stride + slot_bytes] for k in range(2)]
-        self.slot, self.offset, self.entries = 0, 0, []
+        self.slot, self.entries = None, []  # the bucket being filled: its slot, its tensors so far
         self.pending = [None, None]         # per slot: ({engine: future}, {engine: gloo work})
         self.sent = {i: 0 for i in engines}
         self.updates = 0
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.entries and self.offset + nbytes > self.slot_bytes:
+    def slot_for(self, k: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The stream's ``out``: the memory of bucket ``k`` (slot ``k % 2``, as ``dtype``). Bucket ``k`` is asked
+        for once the stream has yielded every tensor of bucket ``k - 2``; it was sent then at the latest (see
+        :meth:`add`), and is waited for here: the engines are done with the slot before the stream writes."""
+        slot = k % 2
+        if numel * dtype.itemsize > self.slot_bytes:
+            raise ValueError(f"push_weights: a bucket of {numel * dtype.itemsize} bytes does not fit the "
+                             f"{self.slot_bytes}-byte slot")
+        if self.slot == slot:               # the bucket in this slot is complete: the stream asks for it again
             self.flush()
-        out = self.buffers[self.slot][self.offset:self.offset + nbytes]
-        out.view(tensor.dtype).view(tensor.shape).copy_(tensor)
-        self.entries.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), self.offset))
-        self.offset = _align(self.offset + nbytes)
+        self.wait(slot)
+        return self.buffers[slot][:numel * dtype.itemsize].view(dtype)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """A tensor the stream yielded: a view of one of the slots (the slot's bucket is sent when the first
+        tensor of another slot arrives, or at :meth:`close`)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        ptr = tensor.data_ptr()
+        slot = next((k for k, b in enumerate(self.buffers) if b.data_ptr() <= ptr
+                     and ptr + nbytes <= b.data_ptr() + b.numel()), None)
+        if slot is None or not tensor.is_contiguous():
+            raise RuntimeError(f"push_weights: the stream yielded {name} outside the shared slots (it must write "
+                               "into the memory push_weights hands it)")
+        if self.slot is not None and slot != self.slot:
+            self.flush()
+        self.slot = slot
+        self.entries.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape),
+                             ptr - self.buffers[slot].data_ptr()))
 
     def flush(self) -> None:
-        """Send the current slot to every live engine; go on in the other slot once the engines have it."""
+        """Send the bucket in the current slot to every live engine (without waiting for them)."""
         if not self.entries:
             return
         names, dtypes, shapes, offsets = (list(x) for x in zip(*self.entries))
@@ -85,8 +113,7 @@ class _Fanout:
             self.sent[i] += nbytes
         self.pending[self.slot] = (futures, works)
         self.updates += 1
-        self.slot, self.offset, self.entries = 1 - self.slot, 0, []
-        self.wait(self.slot)
+        self.slot, self.entries = None, []
 
     def wait(self, slot: int) -> None:
         """Every engine has loaded ``slot`` (or is marked failed and dropped)."""
@@ -111,6 +138,15 @@ class _Fanout:
         self.flush()
         self.wait(0)
         self.wait(1)
+
+
+def _largest_entry(chunks, layout, meta) -> int:
+    """Bytes of the largest group of HF tensors the stream keeps in one bucket (a table entry: q / k / v, gate /
+    up, a layer's experts): a bucket holds at most ``bucket_bytes`` of them, or one such entry larger than that,
+    so a slot of ``max(bucket_bytes, this)`` takes any bucket."""
+    sizes = {m.name: _numel(m.shape) * m.dtype.itemsize for m in meta}
+    _, everything = model_entries(chunks, layout)
+    return max((sum(sizes[n] for n in e.hf) for _, e in saved_entries(everything)), default=0)
 
 
 def _numel(shape) -> int:
@@ -172,8 +208,7 @@ def push_remote(chunks, conn: Connection, *, dtype: torch.dtype | None = None, b
     wire = dtype or chunks[0].config.params_dtype
     bucket = _parse_bucket(bucket_bytes or DEFAULT_BUCKET_BYTES)
     meta = export_metadata(chunks, dtype=wire)
-    largest = max(_numel(m.shape) * m.dtype.itemsize for m in meta)
-    slot_bytes = _align(max(bucket, largest))
+    slot_bytes = _align(max(bucket, _largest_entry(chunks, layout, meta)))
     error, engines = None, []
     if me == sender:
         try:
@@ -183,12 +218,13 @@ def push_remote(chunks, conn: Connection, *, dtype: torch.dtype | None = None, b
     statuses = gather_objects(status_of(error), what="push_weights", error=error)
     if any(s is not None for s in statuses):
         _raise(error, statuses, sender)
-    stream, state = open_stream(chunks, dtype=wire, bucket_bytes=bucket, dst_ranks=[sender], copy=False,
-                                what="push_weights")
-    nbytes = tensors = 0
     fanout, finished = None, {}
     if me == sender:
         fanout = _Fanout(conn, engines, slot_bytes, conn.backend == "parallm_gloo")
+    stream, state = open_stream(chunks, dtype=wire, bucket_bytes=bucket, dst_ranks=[sender], what="push_weights",
+                                out=None if fanout is None else (lambda k, n: fanout.slot_for(k, n, wire)))
+    nbytes = tensors = 0
+    if me == sender:
         try:
             for name, tensor in stream:
                 fanout.add(name, tensor)
