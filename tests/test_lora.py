@@ -249,3 +249,68 @@ def test_lora_dense_layouts(tmp_path):
         assert set(moments) == set(resume["moments"][key])
         for k, v in moments.items():
             assert torch.equal(resume["moments"][key][k], v), (key, k)
+
+
+def _four_rank_cases(rank, world, moe, dense, tmp):
+    import parallm
+    from parallm.parallel.state import current_dims
+    results = {}
+    for name, (ckpt, adapter, batch), kw, env in (
+            ("moe_tp2_ep2", moe, dict(tp=2, ep=2), "auto"),
+            ("moe_tp2_ep2_loop", moe, dict(tp=2, ep=2), "loop"),
+            ("dense_tp4", dense, dict(tp=4), "auto")):
+        os.environ["PARALLM_MOE_EXPERTS"] = env
+        parallm.init_parallel(**kw)
+        dims = current_dims()
+        chunks = parallm.build_model(ckpt)
+        parallm.load_hf_weights(chunks, ckpt)
+        parallm.load_hf_adapter(chunks, adapter)
+        per = batch[0].shape[0] // dims.dp
+        out = _check_run(rank, chunks, batch, dp_slice=slice(dims.dp_rank * per, (dims.dp_rank + 1) * per))
+        if name == "moe_tp2_ep2":
+            merged = dict(parallm.export_hf_tensors(chunks, merged=True, copy=True))
+            parallm.save_hf_adapter(chunks, os.path.join(tmp, "moe_saved"), overwrite=True)
+            if out is not None:
+                out["merged"] = merged
+        results[name] = out
+        parallm.destroy_parallel()
+    return results if rank == 0 else None
+
+
+@pytest.mark.timeout(900)
+def test_lora_moe_and_replicated_kv(tmp_path):
+    """Qwen3-MoE at tp2 x ep2 (dp2: each replica half the batch, token-mean), experts' adapters through the
+    grouped GEMM and through the loop; Qwen3 at tp4 (2 KV heads: k / v factors replicated over 2 ranks each);
+    against PEFT. The MoE adapter saved by parallm loads into PEFT with equal logits; its merged export equals
+    PEFT's merge_and_unload."""
+    import parallm
+    from parallm.checkpoint.lora_io import WEIGHTS_NAME
+    from safetensors.torch import load_file
+    moe_ckpt, moe_adapter, moe_batch, moe_ref, moe_base = _reference(
+        "qwen3_moe", tmp_path, overrides=dict(decoder_sparse_step=1, mlp_only_layers=[]))
+    ckpt, adapter, batch, ref, _ = _reference("qwen3", tmp_path)
+    res = helpers.run_ranks(_four_rank_cases, 4, (moe_ckpt, moe_adapter, moe_batch), (ckpt, adapter, batch),
+                            str(tmp_path))[0]
+    for name in ("moe_tp2_ep2", "moe_tp2_ep2_loop"):
+        _assert_case(res[name], moe_ref, moe_batch[1], name)
+    _assert_case(res["dense_tp4"], ref, batch[1], "dense_tp4")
+    # expert factors exist and moved (PEFT's stacked names)
+    assert any(".mlp.experts.base_layer.lora_B" in k for k in moe_ref["after"])
+    # the saved MoE adapter: the same names and shapes as PEFT's own file, and PEFT runs it
+    ours = load_file(str(tmp_path / "moe_saved" / WEIGHTS_NAME))
+    theirs = load_file(os.path.join(moe_adapter, WEIGHTS_NAME))
+    assert {k: tuple(v.shape) for k, v in ours.items()} == {k: tuple(v.shape) for k, v in theirs.items()}
+    _assert_close_dict(ours, moe_ref["after"], STEP_TOL, "saved MoE adapter")
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(moe_base), str(tmp_path / "moe_saved"))
+    stepped = peft.get_peft_model(copy.deepcopy(moe_base), peft.LoraConfig(r=R, lora_alpha=ALPHA,
+                                                                            target_modules=list(TARGETS)))
+    peft.set_peft_model_state_dict(stepped, ours)
+    ids, mask = moe_batch
+    pos = parallm.default_position_ids(mask)
+    with torch.no_grad():
+        got = loaded(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        want = stepped(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    assert torch.equal(got, want)
+    merged_ref = copy.deepcopy(stepped).merge_and_unload()
+    merged_hub = helpers.hub_state_dict(merged_ref, str(tmp_path / "moe_merged_ref"))
+    _assert_close_dict(res["moe_tp2_ep2"]["merged"], merged_hub, 1e-6, "MoE merged export")
