@@ -17,12 +17,12 @@ from __future__ import annotations
 import copy
 import os
 
+import peft         # the test extra installs it (pyproject.toml)
 import pytest
 import torch
 
 import helpers
 
-peft = pytest.importorskip("peft")
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 R, ALPHA = 4, 8
