@@ -238,7 +238,12 @@ def rank_fn(rank, world, cases, data):
                 "twice": errors_of(lambda: parallm.forward(chunks, {"input_ids": ids[mine],
                                                                     "routed_experts": given[mine]},
                                                            routed_experts=given[mine])),
+                "float": errors_of(lambda: parallm.forward(chunks, ids[mine], mask[mine],
+                                                           routed_experts=given[mine].float())),
             }
+            dense = parallm.build_model(helpers.tiny_config("qwen2"))
+            res["errors"]["dense"] = errors_of(lambda: parallm.forward(dense, ids[mine] % 101, mask[mine],
+                                                                       return_routed_experts=True))
         out[key] = res
         parallm.destroy_parallel()
     return out
@@ -306,4 +311,6 @@ def test_router_replay_matches_transformers(tmp_path):
                 assert "[0, 4)" in errs["range (rank 1 only)"] and "99" in errs["range (rank 1 only)"], errs
                 assert "repeats an expert" in errs["repeated"], errs
                 assert "given twice" in errs["twice"], errs
+                assert "must be an integer tensor, got torch.float32" in errs["float"], errs
+                assert "has no mixture-of-experts layers" in errs["dense"], errs
 
