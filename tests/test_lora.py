@@ -76,9 +76,10 @@ def _reference(family: str, tmp, *, overrides=None):
     opt = torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=WD)
     total, count = token_nll(model(input_ids=ids, attention_mask=mask, position_ids=pos).logits, ids, mask)
     (total / count).backward()
+    norm = torch.nn.utils.clip_grad_norm_(params, 1e9).item()
     opt.step()
     ref = dict(logits=logits, base_logits=base_logits, before=before, after=_peft_state(model),
-               merged=merged, loss=(total / count).item())
+               merged=merged, loss=(total / count).item(), norm=norm)
     return ckpt, adapter, (ids, mask), ref, base
 
 
@@ -102,6 +103,7 @@ def _check_run(rank, chunks, batch, *, dp_slice=None, extra=None):
     b_ids, b_mask = (ids, mask) if dp_slice is None else (ids[dp_slice], mask[dp_slice])
     out["loss"] = parallm.forward_backward(chunks, b_ids, b_mask, loss_fn=token_nll).item()
     parallm.finalize_grads(chunks)
+    out["norm"] = parallm.clip_grad_norm_(chunks, 1e9).item()
     out["base_grads_none"] = all(p.grad is None and getattr(p, "main_grad", None) is None
                                  for c in chunks for p in c.parameters() if id(p) not in lora)
     opt.step()
@@ -171,6 +173,17 @@ def _dense_cases(rank, world, ckpt, adapter, batch, tmp):
     resumed = dict(adapter=dict(parallm.export_adapter_tensors(chunks)), step=info["step"],
                    moments={k: _merged_state(chunks, opt, k) for k in ("exp_avg", "exp_avg_sq")},
                    config=lora_config_of(chunks).to_dict())
+    # a checkpoint of adapters into a model without them, and a full checkpoint into one with them: errors
+    plain = parallm.build_model(ckpt)
+    try:
+        parallm.load_checkpoint(os.path.join(tmp, "lora_ckpt"), plain)
+    except parallm.CheckpointError as e:
+        resumed["into_plain"] = str(e)
+    parallm.save_checkpoint(os.path.join(tmp, "full_ckpt"), plain, step=0, overwrite=True)
+    try:
+        parallm.load_checkpoint(os.path.join(tmp, "full_ckpt"), chunks)
+    except parallm.CheckpointError as e:
+        resumed["full_into_lora"] = str(e)
     parallm.destroy_parallel()
     results["resume"] = resumed
     return results if rank == 0 else None
@@ -201,6 +214,7 @@ def _assert_case(out, ref, mask, name):
     assert out["trainable_is_lora"] and out["state_on_lora_only"], name
     assert out["base_grads_none"] and out["base_unchanged"], name
     assert abs(out["loss"] - ref["loss"]) < 1e-5, (name, out["loss"], ref["loss"])
+    assert abs(out["norm"] - ref["norm"]) < 1e-5 * ref["norm"], (name, out["norm"], ref["norm"])
     _assert_close_dict(out["after"], ref["after"], STEP_TOL, f"{name} step")
     moved = max((ref["after"][k] - ref["before"][k]).abs().max().item() for k in ref["after"])
     assert moved > 10 * STEP_TOL
@@ -242,6 +256,8 @@ def test_lora_dense_layouts(tmp_path):
     assert all(".lora_" in n for n, _ in record["tensors"]), record["tensors"][:3]
     resume = res["resume"]
     assert resume["step"] == 3
+    assert "holds LoRA adapters only" in resume["into_plain"], resume.get("into_plain")
+    assert "full training checkpoint" in resume["full_into_lora"], resume.get("full_into_lora")
     assert set(resume["adapter"]) == set(tp2["ckpt_adapter"])
     for k, v in tp2["ckpt_adapter"].items():
         assert torch.equal(resume["adapter"][k], v), k
@@ -314,3 +330,33 @@ def test_lora_moe_and_replicated_kv(tmp_path):
     merged_ref = copy.deepcopy(stepped).merge_and_unload()
     merged_hub = helpers.hub_state_dict(merged_ref, str(tmp_path / "moe_merged_ref"))
     _assert_close_dict(res["moe_tp2_ep2"]["merged"], merged_hub, 1e-6, "MoE merged export")
+
+
+def test_lora_config_and_refusals():
+    """No process group: the config's checks, PEFT's target / pattern rules, and the modules refused by name."""
+    import parallm
+    from parallm.families import spec_from_config, family_of
+    from parallm.model.lora import LoraConfig, layer_slots
+    from parallm.model.table import all_entries
+    with pytest.raises(ValueError, match="dropout"):
+        LoraConfig(4, 8, TARGETS, dropout=0.1)
+    with pytest.raises(ValueError, match="r must be"):
+        LoraConfig(0, 8, TARGETS)
+    cfg = LoraConfig(4, 8, ("q_proj", "mlp.down_proj"), rank_pattern={"q_proj": 2}, alpha_pattern={"layers.1.q_proj": 3})
+    assert cfg.targets("model.layers.0.self_attn.q_proj") and not cfg.targets("model.layers.0.self_attn.k_proj")
+    assert cfg.targets("model.layers.0.mlp.down_proj") and not cfg.targets("model.layers.0.mlp.up_proj")
+    assert cfg.rank_alpha("model.layers.0.self_attn.q_proj") == (2, 8.0)
+    assert cfg.rank_alpha("model.layers.1.q_proj") == (2, 3.0)
+    assert parallm.LoraConfig is LoraConfig
+    # DeepSeek-V3's MLA projections and Qwen3-MoE's gate without up: refused, naming the module
+    import transformers
+    for family, kw, targets, match in (
+            ("deepseek_v3", dict(num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12,
+                                  qk_rope_head_dim=8, v_head_dim=10, n_routed_experts=4, n_group=2, topk_group=1,
+                                  num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1),
+             ("q_a_proj",), "q_a_proj is not supported"),
+            ("qwen3_moe", dict(decoder_sparse_step=1, mlp_only_layers=[]), ("gate_proj",), "without up_proj")):
+        spec, fam = spec_from_config(helpers.tiny_config(family, **kw))
+        with pytest.raises(ValueError, match=match):
+            for e in all_entries(fam.table, spec, task="causal_lm", pp=1):
+                layer_slots(spec, e, LoraConfig(4, 8, targets), tp=1, sp=False)
