@@ -13,7 +13,7 @@ import math
 import os
 
 from .errors import EXIT_FAIL, EXIT_OK, CLIError, UsageError
-from .options import Formatter, add_revision, para, positive, resolve_path
+from .options import Formatter, add_revision, add_split_options, para, positive, resolve_path, split_kwargs
 
 
 def add_parser(sub) -> None:
@@ -36,14 +36,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dp", type=positive, help="... and this many data-parallel replicas (sets the world size)")
     p.add_argument("--ep", type=positive, help="... and this many expert-parallel ranks (mixture of experts; "
                                                "divides --dp)")
-    p.add_argument("--num-layers-in-first-pipeline-stage", type=positive, metavar="N",
-                   help="an uneven pipeline split (Megatron's name): N layers on the first pipeline rank")
-    p.add_argument("--num-layers-in-last-pipeline-stage", type=positive, metavar="N",
-                   help="... N layers on the last pipeline rank (the ranks between share the rest equally)")
-    p.add_argument("--layers-per-stage", metavar="N,N,...",
-                   type=lambda s: s if s == "balanced" else [int(x) for x in s.split(",")],
-                   help="an explicit split: one count per virtual stage, in the order vpp_rank * pp + pp_rank; or "
-                        "'balanced': build_model's split that evens out the stages' work, the head included")
+    add_split_options(p)
     p.add_argument("--task", choices=("auto", "causal_lm", "value"), default="auto",
                    help="count a value head instead of the lm head (default: from the config)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -58,9 +51,7 @@ def run(args) -> int:
     if args.ep and args.ep > 1 and (args.dp or 1) % args.ep:
         raise UsageError(f"--ep {args.ep} must divide --dp {args.dp or 1} (experts are split over data-parallel "
                          "ranks)")
-    split = {k: v for k, v in (("num_layers_in_first_pipeline_stage", args.num_layers_in_first_pipeline_stage),
-                               ("num_layers_in_last_pipeline_stage", args.num_layers_in_last_pipeline_stage),
-                               ("layers_per_stage", args.layers_per_stage)) if v is not None}
+    split = split_kwargs(args)
     report = inspect_checkpoint(resolve_path(args.checkpoint, args.revision), tp=args.tp, pp=args.pp, vpp=args.vpp, dp=args.dp, ep=args.ep,
                                 task=None if args.task == "auto" else args.task, split=split)
     print(json.dumps(report, indent=2, default=str) if args.json else render(report))
@@ -120,16 +111,22 @@ def read_checkpoint(path: str, *, task: str | None, pp: int = 1) -> dict:
                 dtypes=sorted({t["dtype"] for t in tensors.values()}))
 
 
-def check_split(spec, *, tp: int, pp: int, vpp: int | None, split: dict | None = None) -> None:
+def check_split(spec, *, tp: int, pp: int, vpp: int | None, split: dict | None = None,
+                task: str = "causal_lm") -> dict | None:
     """The loader's own split checks, as a CLIError: tp over heads / KV heads / MLP, layers over pp x vpp (evenly,
-    or as ``split``, ``build_model``'s pipeline-split keywords, says)."""
+    or as ``split``, ``build_model``'s pipeline-split keywords, says). Returns ``split`` with
+    ``layers_per_stage="balanced"`` replaced by build_model's counts for ``task``."""
     from ..model.spec import check_tp
     from ..parallel.stages import stage_sizes
     try:
         check_tp(spec, tp)
+        if split and split.get("layers_per_stage") == "balanced":     # build_model's own split
+            from ..api import balanced_layers_per_stage
+            split = dict(split, layers_per_stage=balanced_layers_per_stage(spec, task=task, pp=pp, vpp=vpp or 1))
         stage_sizes(spec.num_layers, pp, vpp or 1, **(split or {}))
     except ValueError as e:
         raise CLIError(str(e)) from None
+    return split
 
 
 def _splits(fn, *args) -> bool:
@@ -230,14 +227,7 @@ def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, ep=Non
     report["moe"] = moe_facts(spec, dtype=main, tp=tp or 1)
     if any(x is not None for x in (tp, pp, vpp, dp, ep)):
         tp, pp, dp, vpp, ep = tp or 1, pp or 1, dp or 1, vpp if vpp and vpp > 1 else None, ep or 1
-        if split and split.get("layers_per_stage") == "balanced":     # build_model's own split
-            from ..api import balanced_layers_per_stage
-            try:
-                split = dict(split, layers_per_stage=balanced_layers_per_stage(spec, task=ck["task"], pp=pp,
-                                                                               vpp=vpp or 1))
-            except ValueError as e:
-                raise CLIError(str(e)) from None
-        check_split(spec, tp=tp, pp=pp, vpp=vpp, split=split)
+        split = check_split(spec, tp=tp, pp=pp, vpp=vpp, split=split, task=ck["task"])
         if ep > 1 and (spec.moe is None or spec.moe.num_experts % ep):
             raise CLIError(f"--ep {ep}: " + ("the model has no experts" if spec.moe is None else
                                              f"num_experts={spec.moe.num_experts} is not divisible by ep={ep}"))

@@ -7,7 +7,7 @@ import argparse
 import os
 import textwrap
 
-from ..verify import AUTO_UPDATE, LOGITS_ATOL, WEIGHTS_ATOL
+from ..verify import AUTO_UPDATE, LOGITS_ATOL, TOLERANCES, WEIGHTS_ATOL
 from .errors import CLIError, UsageError
 
 
@@ -84,6 +84,33 @@ exit codes: 0 every check passed; 1 a check failed, or an error (broken checkpoi
 2 bad command line."""
 
 
+def _split_list(text: str):
+    if text == "balanced":
+        return text
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer counts or 'balanced', got {text!r}") from None
+
+
+def add_split_options(p) -> None:
+    """build_model's pipeline-split keywords as options (``inspect``, ``verify``)."""
+    p.add_argument("--num-layers-in-first-pipeline-stage", type=positive, metavar="N",
+                   help="an uneven pipeline split (Megatron's name): N layers on the first pipeline rank")
+    p.add_argument("--num-layers-in-last-pipeline-stage", type=positive, metavar="N",
+                   help="... N layers on the last pipeline rank (the ranks between share the rest equally)")
+    p.add_argument("--layers-per-stage", metavar="N,N,...", type=_split_list,
+                   help="an explicit split: one count per virtual stage, in the order vpp_rank * pp + pp_rank; or "
+                        "'balanced': build_model's split that evens out the stages' work, the head included")
+
+
+def split_kwargs(args) -> dict:
+    """The pipeline-split options given, as build_model's keywords."""
+    return {k: v for k, v in (("num_layers_in_first_pipeline_stage", args.num_layers_in_first_pipeline_stage),
+                              ("num_layers_in_last_pipeline_stage", args.num_layers_in_last_pipeline_stage),
+                              ("layers_per_stage", args.layers_per_stage)) if v is not None}
+
+
 def check_options() -> argparse.ArgumentParser:
     """The options ``demo`` and ``verify`` share (a parent parser)."""
     p = argparse.ArgumentParser(add_help=False)
@@ -96,11 +123,13 @@ def check_options() -> argparse.ArgumentParser:
     g.add_argument("--lr", type=_lr, default=None, metavar="LR|auto",
                    help=f"learning rate of the SGD step. auto (default): chosen so the largest weight moves by "
                         f"{AUTO_UPDATE:g}, which makes the weight comparison meaningful at any model scale")
-    g.add_argument("--atol", type=float, default=LOGITS_ATOL, metavar="X",
-                   help=f"absolute tolerance for outputs and the loss, fp32 (default {LOGITS_ATOL:g}; large real "
-                        "models may need more: summation order differs between tp layouts)")
-    g.add_argument("--weights-atol", type=float, default=WEIGHTS_ATOL, metavar="X",
-                   help=f"absolute tolerance for the weights after the step (default {WEIGHTS_ATOL:g})")
+    g.add_argument("--atol", type=float, default=None, metavar="X",
+                   help=f"absolute tolerance for outputs and the loss (default {LOGITS_ATOL:g} in float32, "
+                        f"{TOLERANCES['bfloat16'][0]:g} in bfloat16; large real models may need more: summation "
+                        "order differs between layouts)")
+    g.add_argument("--weights-atol", type=float, default=None, metavar="X",
+                   help=f"absolute tolerance for the weights after the step (default {WEIGHTS_ATOL:g} in float32; "
+                        f"bfloat16: {TOLERANCES['bfloat16'][1]:g} beyond one bf16 rounding step of each weight)")
     g = p.add_argument_group("launch options")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="standalone only: cpu = gloo ranks with GPUs hidden; cuda = nccl, one GPU per rank; "

@@ -19,13 +19,15 @@ def report(args, rows: list[dict], *, error: str | None, info: dict, title: str,
         print(header)
     if info:
         where = "nccl on GPUs" if info.get("backend") == "nccl" else "gloo on CPU"
+        dtypes = sorted({r.get("dtype", "float32") for r in rows}) or ["float32"]
         print(f"{info.get('world', '?')} rank(s), {where}; reference: transformers {version('transformers')} in "
-              "float32 (eager attention) on rank 0")
+              f"{'/'.join(dtypes)} (eager attention) on rank 0")
     if rows:
         lrs = sorted({f"{r['lr']:.3g}" for r in rows if r.get("lr")})
         print(f"\n{results_table(rows)}\n")
-        print(f"tolerances: outputs and loss {args.atol:g}, weights after the step {args.weights_atol:g} "
-              f"(absolute, fp32); SGD lr {', '.join(lrs)}"
+        tols = sorted({(r.get("atol"), r.get("weights_atol")) for r in rows if r.get("atol") is not None})
+        tol = "; ".join(f"outputs and loss {a:g}, weights after the step {w:g}" for a, w in tols) or "-"
+        print(f"tolerances: {tol} (absolute; bf16 weights: beyond one rounding step); SGD lr {', '.join(lrs)}"
               + (f" (auto: largest update {AUTO_UPDATE:g})" if args.lr is None else ""))
         for r in rows:
             for n in r.get("notes", []):

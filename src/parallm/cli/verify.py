@@ -1,5 +1,5 @@
-"""``parallm verify CHECKPOINT --tp ... [--pp --vpp --dp --packed --sequence-parallel --task --mode]``: one layout
-of your checkpoint against transformers (:func:`parallm.verify.check_layout` on every rank).
+"""``parallm verify CHECKPOINT --tp ... [--pp --vpp --cp --dp --ep --dtype --packed --sequence-parallel --task --mode
+and the pipeline-split options]``: one layout of your checkpoint against transformers (:func:`parallm.verify.check_layout` on every rank).
 
 Before any rank starts, the launching process reads config.json and the safetensors headers and runs the
 loader's own checks (``inspect.read_checkpoint`` / ``check_split``): a broken checkpoint fails in a second, in one
@@ -12,7 +12,9 @@ import os
 
 from .errors import CLIError, UsageError
 from .launch import run_job, under_torchrun
-from .options import LAUNCH_EPILOG, Formatter, add_revision, check_kwargs, check_options, para, positive, resolve_path
+from .options import (LAUNCH_EPILOG, Formatter, add_revision, add_split_options, check_kwargs, check_options, para,
+                      positive, resolve_path, split_kwargs)
+from ..verify import VERIFY_DTYPES
 
 
 def add_parser(sub) -> None:
@@ -39,8 +41,18 @@ def add_parser(sub) -> None:
                         "divisible by pp x vpp)")
     p.add_argument("--dp", type=positive, default=None,
                    help="data-parallel replicas: each gets its share of the batch, gradients are averaged. "
-                        "Standalone: world = tp x pp x dp (default dp 1); under torchrun: default world / (tp x pp), "
-                        "and a given --dp must match")
+                        "Standalone: world = tp x cp x pp x dp (default dp 1); under torchrun: default "
+                        "world / (tp x cp x pp), and a given --dp must match")
+    p.add_argument("--cp", type=positive, default=1,
+                   help="context-parallel ranks: every sequence is split over them, each computes its share "
+                        "(default 1; world = tp x cp x pp x dp)")
+    p.add_argument("--cp-attn", choices=("auto", "allgather", "ring"), default="auto",
+                   help="with --cp > 1: how attention reaches the other ranks' keys (build_model's cp_attn)")
+    add_split_options(p)
+    p.add_argument("--dtype", choices=VERIFY_DTYPES, default="float32",
+                   help="the model's parameter dtype; transformers runs in it too (default float32: the check is "
+                        "about the weight mapping; bfloat16 checks the model as it will train, with looser default "
+                        "tolerances)")
     p.add_argument("--ep", type=positive, default=1,
                    help="expert parallelism for mixture-of-experts models: the experts of every MoE layer are "
                         "split over this many of the data-parallel ranks (must divide dp; default 1)")
@@ -82,17 +94,22 @@ def run(args) -> int:
             raise
         ckpt = os.path.abspath(args.checkpoint)    # not cached on this node: rank 0 streams the shards
     task = None if args.task == "auto" else args.task
-    check = Check(ckpt, save_dir, tp=args.tp, pp=args.pp, vpp=vpp, dp=args.dp, ep=args.ep, mode=args.mode,
+    split = split_kwargs(args)
+    if split and args.pp == 1:
+        raise UsageError("the pipeline-split options need --pp > 1")
+    check = Check(ckpt, save_dir, tp=args.tp, pp=args.pp, vpp=vpp, dp=args.dp, ep=args.ep, cp=args.cp,
+                  cp_attn=args.cp_attn, dtype=args.dtype, split=split or None, mode=args.mode,
                   task=task, packed=args.packed, sequence_parallel=args.sequence_parallel,
                   microbatches=args.microbatches or (2 if args.pp > 1 else 1),
                   label=os.path.basename(os.path.normpath(args.checkpoint)), **check_kwargs(args))
     header = None
     if not args.no_preflight and (not under_torchrun() or os.environ["RANK"] == "0"):
         found = read_checkpoint(ckpt, task=task, pp=args.pp)
-        check_split(found["spec"], tp=args.tp, pp=args.pp, vpp=vpp)
+        check_split(found["spec"], tp=args.tp, pp=args.pp, vpp=vpp, split=split, task=found["task"])
         if found["problem"]:
             raise CLIError(found["problem"])
-        header = (f"{found['spec'].architecture} ({'/'.join(found['dtypes'])}, loaded in float32), "
+        header = (f"{found['spec'].architecture} ({'/'.join(found['dtypes'])}, loaded in {args.dtype}), "
                   f"task {found['task']}")
-    return run_job(args, dict(kind="verify", checks=[check], workdir=None), world=args.tp * args.pp * (args.dp or 1),
+    world = args.tp * args.cp * args.pp * (args.dp or 1)
+    return run_job(args, dict(kind="verify", checks=[check], workdir=None), world=world,
                    title=f"parallm verify {ckpt}", header=header)

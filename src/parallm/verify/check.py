@@ -26,8 +26,10 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.state import group_device
-from . import LOGITS_ATOL, WEIGHTS_ATOL
-from .reference import compare_states, loss_for, max_diff_real, padded_batch, reference, reload_check
+from . import TOLERANCES
+from ..model.params import grad_of, zero_grads
+from .reference import (check_dtype, loss_for, max_diff_real, padded_batch, reference, reload_check,
+                        sgd_step, stepped_difference)
 
 
 @dataclass
@@ -43,6 +45,8 @@ class Check:
     ep: int = 1                   # expert parallelism (mixture-of-experts models), carved out of dp x cp
     cp: int = 1                   # context parallelism: every rank of a CP group passes the same batch
     cp_attn: str = "auto"         # its attention (build_model's cp_attn)
+    dtype: str = "float32"        # the parameters' dtype ("float32" or "bfloat16"); transformers runs in it too
+    split: dict | None = None     # build_model's pipeline-split keywords (layers_per_stage=[...] or "balanced", ...)
     packed: bool = False
     sequence_parallel: bool = False
     task: str | None = None       # None: from the checkpoint's architectures
@@ -53,9 +57,15 @@ class Check:
     seq: int = 16
     seed: int = 0
     lr: float | None = None
-    atol: float = LOGITS_ATOL
-    weights_atol: float = WEIGHTS_ATOL
+    atol: float | None = None             # None: by dtype (parallm.verify.TOLERANCES)
+    weights_atol: float | None = None
     timeout_s: float | None = None
+
+    def tolerances(self) -> tuple[float, float]:
+        """(outputs and loss, weights after the step): the given ones, else the dtype's defaults."""
+        atol, weights_atol = TOLERANCES.get(self.dtype, TOLERANCES["float32"])
+        return (atol if self.atol is None else self.atol,
+                weights_atol if self.weights_atol is None else self.weights_atol)
 
     def name(self, dp: int | None = None) -> str:
         """"tp2 pp2 vpp2 dp2 packed+SP value broadcast": the parts that differ from the defaults."""
@@ -68,6 +78,13 @@ class Check:
             parts.append("value")
         if self.cp > 1 and self.cp_attn != "auto":
             parts.append(self.cp_attn)
+        if self.dtype != "float32":
+            parts.append({"bfloat16": "bf16", "float16": "fp16"}.get(self.dtype, self.dtype))
+        for key, value in (self.split or {}).items():
+            if value is not None:
+                short = {"num_layers_in_first_pipeline_stage": "first", "num_layers_in_last_pipeline_stage": "last",
+                         "layers_per_stage": "split"}.get(key, key)
+                parts.append(f"{short} {value if isinstance(value, (int, str)) else ','.join(map(str, value))}")
         return " ".join(parts + ([self.mode] if self.mode != "auto" else []))
 
 
@@ -109,9 +126,12 @@ def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
     raw = _broadcast(run_local(lambda: load_config(ckpt)._raw if rank0 else None, what="reading config.json"))
     t0 = time.perf_counter()
     dist.barrier()
+    dtype = check_dtype(check.dtype)
     chunks = parallm.build_model(raw, task=check.task, packed=check.packed or check.sequence_parallel,
-                                 sequence_parallel=check.sequence_parallel, dtype=torch.float32,
-                                 cp_attn=check.cp_attn)
+                                 sequence_parallel=check.sequence_parallel, dtype=dtype,
+                                 cp_attn=check.cp_attn, **(check.split or {}))
+    split = chunks[0].dims.layer_split      # the layers per virtual stage (None: the even split)
+    row["layers"] = list(split) if split is not None else None
     task = chunks[0].task
     report = parallm.load_hf_weights(chunks, ckpt, mode=check.mode)
     row.update(load_s=_timed(t0), load_mode=report.mode)
@@ -121,7 +141,8 @@ def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
     batch = -(-check.batch // pieces) * pieces
     ids, mask = padded_batch(chunks[0].spec.vocab_size, batch=batch, seq=check.seq, seed=check.seed)
     ref = run_local(lambda pre=pre: reference(ckpt, task, ids=ids, mask=mask, pre=pre, pieces=pieces, lr=check.lr,
-                                              device=device) if rank0 else None, what="the transformers reference")
+                                              device=device, dtype=dtype) if rank0 else None,
+                    what="the transformers reference")
     del pre
     lr = _broadcast(ref["lr"] if rank0 else None)
 
@@ -137,13 +158,14 @@ def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
     with torch.no_grad():
         for c in chunks:
             for p in c.parameters():
-                if p.grad is not None:
-                    p -= lr * p.grad
-                    p.grad = None
+                g = grad_of(p)           # bf16 parameters: the fp32 main_grad
+                if g is not None:
+                    p.copy_(sgd_step(p, g, lr))
+        zero_grads(chunks)
     after = parallm.forward(chunks, ids, mask)
     new = parallm.save_hf_weights(chunks)
     if rank0:
-        _, d_weights, what = compare_states(new, ref["stepped"])
+        d_weights, what = stepped_difference(new, ref["stepped"], dtype)
         row.update(d_loss=abs(loss.item() - ref["loss"]), d_after=max_diff_real(after, ref["after"], mask),
                    d_weights=d_weights, lr=ref["lr"], update=ref["update"], loss=ref["loss"],
                    roundtrip=ref["roundtrip"],
@@ -154,7 +176,7 @@ def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
     dist.barrier()
     parallm.save_hf_weights(chunks, check.save_dir, overwrite=True)
     row["save_s"] = _timed(t0)
-    reloaded = run_local(lambda new=new: reload_check(check.save_dir, task, saved=new) if rank0 else None,
+    reloaded = run_local(lambda new=new: reload_check(check.save_dir, task, saved=new, dtype=dtype) if rank0 else None,
                          what="reloading the saved directory with transformers")
     del chunks, new
     gc.collect()
@@ -163,9 +185,10 @@ def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
     row["reload"], problem = reloaded
     if problem:
         row["notes"].append(f"reload: {problem}")
-    row.update(task=task, save_dir=check.save_dir)
-    row["ok"] = bool(row["d_out"] <= check.atol and row["d_loss"] <= check.atol and row["d_after"] <= check.atol
-                     and row["d_weights"] <= check.weights_atol and row["roundtrip"] and row["reload"])
+    atol, weights_atol = check.tolerances()
+    row.update(task=task, save_dir=check.save_dir, atol=atol, weights_atol=weights_atol, dtype=check.dtype)
+    row["ok"] = bool(row["d_out"] <= atol and row["d_loss"] <= atol and row["d_after"] <= atol
+                     and row["d_weights"] <= weights_atol and row["roundtrip"] and row["reload"])
     progress(f"{row['layout']} ({row['model']}): {'ok' if row['ok'] else 'FAIL'}")
     return row
 

@@ -12,7 +12,7 @@ import gc
 
 import torch
 
-from . import AUTO_UPDATE
+from . import AUTO_UPDATE, VERIFY_DTYPES
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=101, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -118,16 +118,31 @@ def quiet_transformers() -> None:
         pass
 
 
-def load_transformers(path: str, *, task: str, device="cpu"):
-    """transformers' model of a checkpoint directory in fp32 with eager attention, and its loading info."""
+def load_transformers(path: str, *, task: str, device="cpu", dtype=torch.float32):
+    """transformers' model of a checkpoint directory in ``dtype`` (fp32 by default) with eager attention, and its
+    loading info."""
     import transformers
     quiet_transformers()
     cls = transformers.AutoModelForSequenceClassification if task == "value" else transformers.AutoModelForCausalLM
-    kw = {_dtype_kwarg(): torch.float32, "attn_implementation": "eager", "output_loading_info": True}
+    kw = {_dtype_kwarg(): dtype, "attn_implementation": "eager", "output_loading_info": True}
     if task == "value":
         kw["num_labels"] = 1
     model, info = cls.from_pretrained(path, **kw)
-    return model.float().to(device).eval(), info
+    return model.to(dtype=dtype, device=device).eval(), info
+
+
+def check_dtype(name: str) -> torch.dtype:
+    """A verification dtype by name: float32, or bfloat16 (float16 cannot train without loss scaling, which
+    parallm does not do)."""
+    if name not in VERIFY_DTYPES:
+        raise ValueError(f"dtype {name!r} cannot be verified; use one of {', '.join(VERIFY_DTYPES)}")
+    return getattr(torch, name)
+
+
+def sgd_step(p: torch.Tensor, grad: torch.Tensor, lr: float) -> torch.Tensor:
+    """``p - lr * grad`` computed in fp32 and rounded once into ``p``'s dtype: the step both sides take, so
+    that in bf16 they differ only by their gradients (parallm's fp32 ``main_grad``, transformers' bf16 grad)."""
+    return (p.float() - lr * grad.float()).to(p.dtype)
 
 
 def hf_output(model, ids, mask, *, task: str = "causal_lm") -> torch.Tensor:
@@ -192,16 +207,37 @@ def compare_states(got: dict, want: dict) -> tuple[bool, float, str]:
     return not problems, worst, "; ".join(problems)
 
 
+def stepped_difference(got: dict, want: dict, dtype) -> tuple[float, str]:
+    """How far parallm's weights after the step (``got``) are from transformers' (``want``): the max absolute
+    difference in fp32; in a low-precision ``dtype`` the max over elements of what exceeds one rounding step of
+    ``dtype`` at the reference weight (``|w| = m 2^e``, ``m`` in [0.5, 1): spacing ``eps 2^(e-1)``), since the two
+    sides round ``w - lr g`` from slightly different gradients (fp32 ``main_grad`` vs a bf16 grad) and a
+    rounding may fall either way. inf (and what) when names or shapes differ."""
+    same, worst, what = compare_states(got, want)
+    if same or dtype == torch.float32 or worst == float("inf"):
+        return worst, what
+    eps, worst, where = torch.finfo(dtype).eps, 0.0, None
+    for k in sorted(got):
+        a, b = got[k].float(), want[k].float()
+        _, e = torch.frexp(b.abs())
+        excess = ((a - b).abs() - eps * torch.ldexp(torch.ones_like(b), e - 1)).clamp(min=0).max().item()
+        if excess > worst:
+            worst, where = excess, k
+    return worst, (f"most beyond one {str(dtype).replace('torch.', '')} step: {where}" if where else "")
+
+
 # -- the reference run ----------------------------------------------------------------------------------------
 
 
-def reference(ckpt: str, task: str, *, ids, mask, pre: dict, pieces: int, lr: float | None, device="cpu") -> dict:
+def reference(ckpt: str, task: str, *, ids, mask, pre: dict, pieces: int, lr: float | None, device="cpu",
+              dtype=torch.float32) -> dict:
     """transformers on the same checkpoint: the output, one SGD step (the loss is the mean over ``pieces`` equal
     slices of the batch, as parallm's data-parallel replicas x microbatches compute it), the output and weights
     after it. ``pre``: what parallm holds right after loading (HF names), compared bit for bit ("roundtrip");
     a value head that is not in the checkpoint is taken from it (parallm initialised it). ``lr=None``:
-    ``AUTO_UPDATE / max|grad|``, so the largest weight moves by AUTO_UPDATE whatever the model's scale."""
-    model, info = load_transformers(ckpt, task=task, device=device)
+    ``AUTO_UPDATE / max|grad|``, so the largest weight moves by AUTO_UPDATE whatever the model's scale.
+    ``dtype``: transformers runs in it (the model's parameters' dtype on parallm's side)."""
+    model, info = load_transformers(ckpt, task=task, device=device, dtype=dtype)
     notes = []
     missing = sorted(str(k) for k in info.get("missing_keys", []))
     no_score = task == "value" and "score.weight" in missing
@@ -225,13 +261,13 @@ def reference(ckpt: str, task: str, *, ids, mask, pre: dict, pieces: int, lr: fl
               for i in range(0, ids.shape[0], size)]
     loss = torch.stack(losses).mean()
     loss.backward()
-    gmax = max((p.grad.abs().max().item() for p in model.parameters() if p.grad is not None), default=0.0)
+    gmax = max((p.grad.abs().float().max().item() for p in model.parameters() if p.grad is not None), default=0.0)
     if lr is None:
         lr = AUTO_UPDATE / gmax if gmax > 0 else 1.0
     with torch.no_grad():
         for p in model.parameters():
             if p.grad is not None:
-                p -= lr * p.grad
+                p.copy_(sgd_step(p, p.grad, lr))
         after = hf_output(model, ids, mask, task=task).cpu()
     stepped = hf_state(model)
     del model
@@ -240,10 +276,10 @@ def reference(ckpt: str, task: str, *, ids, mask, pre: dict, pieces: int, lr: fl
                 roundtrip=same, notes=notes)
 
 
-def reload_check(save_dir: str, task: str, *, saved: dict) -> tuple[bool, str]:
-    """transformers reloads a directory parallm saved: nothing missing, unexpected or mis-shaped, and exactly
-    the tensors of ``saved``. Returns (ok, what is wrong)."""
-    model, info = load_transformers(save_dir, task=task)
+def reload_check(save_dir: str, task: str, *, saved: dict, dtype=torch.float32) -> tuple[bool, str]:
+    """transformers reloads a directory parallm saved (in ``dtype``): nothing missing, unexpected or mis-shaped,
+    and exactly the tensors of ``saved``. Returns (ok, what is wrong)."""
+    model, info = load_transformers(save_dir, task=task, dtype=dtype)
     problems = [f"{key.replace('_', ' ')}: {', '.join(str(k) for k in list(info[key])[:5])}"
                 for key in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(key)]
     same, _, what = compare_states(hf_state(model, clone=False), saved)
