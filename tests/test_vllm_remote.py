@@ -2,16 +2,23 @@
 API and parallm's backends ``parallm_shm`` / ``parallm_gloo`` (registered in the servers' workers through the
 ``vllm.general_plugins`` entry point of the editable install).
 
-Two servers at once, started once for the module: a tied Qwen2 with 2 tensor-parallel workers and the same model
-with 1 (both ``--weight-transfer-config '{"backend": "parallm"}'``, so each takes either transport). One 2-rank
-spawn, the trainer at tp2, connected to both:
+Three servers, started side by side once for the module (each ``--weight-transfer-config '{"backend":
+"parallm"}'``, so each takes either transport): a tied Qwen2 with 2 tensor-parallel workers, the same model with
+1, and an untied Qwen2 served by a data-parallel engine (``--data-parallel-size 2``: two replicas, each its own
+engine core and worker). One 2-rank spawn, the trainer at tp2:
 
-* parallm_shm: the engines' log-probs of their own samples against parallm's ``forward(output="logprobs")``
-  equal before training (< 1e-4, fp32), far apart after two AdamW steps, equal after the push, and after a second
-  and a third round (64 MiB buckets grow the shared-memory file; the third push's 64 KiB slots lie in it at the
-  file's slot stride); the same with parallm_gloo;
+* the two tied engines connected at once: parallm_shm: the engines' log-probs of their own samples against
+  parallm's ``forward(output="logprobs")`` equal before training (< 1e-4, fp32), far apart after two AdamW steps,
+  equal after the push, and after a second and a third round (64 MiB buckets grow the shared-memory file; the
+  third push's 64 KiB slots lie in it at the file's slot stride); the same with parallm_gloo;
+* the untied model into the data-parallel engine: each replica sampled on its own (vLLM's
+  ``X-data-parallel-rank`` header) equal before, far apart after training, equal after a parallm_shm push and
+  after a parallm_gloo one (its gloo group: the sender and both replicas' workers, ranks 1 and 2);
 * the errors, on every rank and within seconds, none changing an engine (a push afterwards works): an unknown
   backend, names the engines do not know, shapes that differ, a dtype the engines do not run;
+* a trainer rank (rank 1, not the sender) raising halfway through a push's stream, after the engines took some
+  updates: the same error on every rank within seconds, no engine marked failed, and the next push leaves both
+  engines equal to the trainer (they recover: finished with what they had, then every tensor);
 * the TP-1 server killed during a push (SIGKILL of its session at its second update): ``EngineFailed`` on every
   rank naming it as needing a restart, the TP-2 engine finished with every tensor (its log-probs equal the
   trainer's), and the next push to the healthy engine works.
@@ -39,31 +46,51 @@ TOL = 1e-4
 LAYERS = dict(num_hidden_layers=2, intermediate_size=96, tie_word_embeddings=True)
 
 
-def _sample_all(urls, model, batch, seed):
-    """Every engine's samples, taken on rank 0 and broadcast (every rank compares the same ones)."""
+def _sample_all(urls, model, batch, seed, *, dp_ranks=(None,)):
+    """Every engine's samples (each data-parallel replica's for ``dp_ranks``), taken on rank 0 and broadcast
+    (every rank compares the same ones)."""
     import torch.distributed as dist
     obj = [None]
     if dist.get_rank() == 0:
-        obj = [[ve.sample_http(u, model, batch, seed) for u in urls]]
+        obj = [[ve.sample_http(u, model, batch, seed, dp_rank=d) for u in urls for d in dp_ranks]]
     dist.broadcast_object_list(obj, src=0)
     return obj[0]
 
 
-def _diffs(chunks, urls, model, batch, seed):
-    return [ve.max_diff(chunks, batch, s) for s in _sample_all(urls, model, batch, seed)]
+def _diffs(chunks, urls, model, batch, seed, **kw):
+    return [ve.max_diff(chunks, batch, s) for s in _sample_all(urls, model, batch, seed, **kw)]
 
 
-def _attempt(out, key, fn):
-    t0 = time.monotonic()
-    try:
-        value = fn()
-        out[key] = ("ok", value, time.monotonic() - t0)
-    except Exception as e:  # noqa: BLE001
-        out[key] = (type(e).__name__, str(e), time.monotonic() - t0)
+def _untied_dp(out, s, rank):
+    """The untied model pushed into the data-parallel engine through both backends."""
+    import parallm
+    from parallm.integrations import vllm as pv
+    ckpt, url = s["untied"], s["dp_url"]
+    chunks = parallm.build_model(ckpt)
+    parallm.load_hf_weights(chunks, ckpt)
+    vocab = chunks[0].spec.vocab_size
+    batch = ve.prompts(vocab, 21)
+    diffs = lambda seed: _diffs(chunks, [url], ckpt, batch, seed, dp_ranks=(0, 1))  # noqa: E731
+    out["dp_before"] = diffs(21)
+    opt = parallm.build_optimizer(chunks, lr=2e-2)
+    ve.train(chunks, opt, vocab, 2, seed=22)
+    out["dp_stale"] = diffs(22)
+    conn = pv.connect([url], backend="parallm_shm", timeout=60)
+    out["dp_workers"] = conn.workers
+    out["dp_shm_push"] = pv.push_weights(chunks, conn, bucket_bytes="128KB")
+    out["dp_shm_after"] = diffs(23)
+    conn.close()
+    ve.train(chunks, opt, vocab, 1, seed=24)
+    out["dp_stale2"] = diffs(24)
+    conn = pv.connect([url], backend="parallm_gloo", timeout=60)
+    out["dp_gloo_push"] = pv.push_weights(chunks, conn)
+    out["dp_gloo_after"] = diffs(25)
+    conn.close()
 
 
 def _rank(rank, world, s):
     import parallm
+    from parallm.checkpoint import export
     from parallm.integrations import vllm as pv
     from parallm.integrations.vllm import client
     out = {}
@@ -91,7 +118,7 @@ def _rank(rank, world, s):
     pv.push_weights(chunks, conn)
     out["shm_after2"] = _diffs(chunks, urls, ckpt, batch, 5)
     ve.train(chunks, opt, vocab, 1, seed=8)
-    pv.push_weights(chunks, conn, bucket_bytes="64KB")  # slots smaller than the file's (the push before grew it)
+    out["shm_push3"] = pv.push_weights(chunks, conn, bucket_bytes="64KB")  # slots smaller than the file's
     out["shm_after3"] = _diffs(chunks, urls, ckpt, batch, 12)
     shm_path = conn.path
     conn.close()
@@ -107,34 +134,57 @@ def _rank(rank, world, s):
     out["gloo_after2"] = _diffs(chunks, urls, ckpt, batch, 8)
     gloo.close()
 
+    _untied_dp(out, s, rank)
+
     # errors on every rank; none changes an engine
-    _attempt(out, "unknown-backend", lambda: pv.connect(urls, backend="nccl_cpu"))
+    ve.attempt(out, "unknown-backend", lambda: pv.connect(urls, backend="nccl_cpu"))
     conn = pv.connect(urls, backend="parallm_shm", timeout=60)
     for key, cfg in s["others"].items():
         other = parallm.build_model(cfg)                # the engines check before any data moves
-        _attempt(out, key, lambda other=other: pv.push_weights(other, conn))
+        ve.attempt(out, key, lambda other=other: pv.push_weights(other, conn))
         del other
-    _attempt(out, "dtype", lambda: pv.push_weights(chunks, conn, dtype=torch.bfloat16))
+    ve.attempt(out, "dtype", lambda: pv.push_weights(chunks, conn, dtype=torch.bfloat16))
     out["after_errors"] = _diffs(chunks, urls, ckpt, batch, 9)   # still the last push's weights
+
+    # a trainer rank (not the sender) fails halfway through the stream
+    ve.train(chunks, opt, vocab, 1, seed=13)
+    calls, updates = [0], {}
+    source, update = export._source, client._HttpEngine.update
+
+    def failing(params, p):
+        calls[0] += 1
+        if rank == 1 and calls[0] == 12:      # of 21 calls in 15 buckets
+            raise RuntimeError("rank 1 failed halfway through the stream")
+        return source(params, p)
+
+    def counted(self, info):
+        updates[self.url] = updates.get(self.url, 0) + 1
+        return update(self, info)
+    export._source, client._HttpEngine.update = failing, counted
+    ve.attempt(out, "trainer-fails", lambda: pv.push_weights(chunks, conn, bucket_bytes="64KB"))
+    export._source, client._HttpEngine.update = source, update
+    out["trainer_fail_updates"] = updates
+    out["trainer_fail_needs_restart"] = conn.needs_restart
+    ve.attempt(out, "push-after-trainer-fail", lambda: pv.push_weights(chunks, conn))
+    out["after_trainer_fail"] = _diffs(chunks, urls, ckpt, batch, 14)
 
     # the TP-1 server killed at its second update of a push
     ve.train(chunks, opt, vocab, 1, seed=6)
     calls = {}
-    original = client._HttpEngine.update
 
-    def update(self, info):
+    def update_then_kill(self, info):
         calls[self.url] = calls.get(self.url, 0) + 1
         if self.url == urls[1] and calls[self.url] == 2:
             os.killpg(s["pids"][1], signal.SIGKILL)
             time.sleep(0.5)
-        return original(self, info)
+        return update(self, info)
+    client._HttpEngine.update = update_then_kill
+    ve.attempt(out, "engine-killed", lambda: pv.push_weights(chunks, conn, bucket_bytes="64KB"))
     client._HttpEngine.update = update
-    _attempt(out, "engine-killed", lambda: pv.push_weights(chunks, conn, bucket_bytes="64KB"))
-    client._HttpEngine.update = original
     out["needs_restart"] = conn.needs_restart
     out["healthy_after_kill"] = _diffs(chunks, urls[:1], ckpt, batch, 10)
     ve.train(chunks, opt, vocab, 1, seed=7)
-    _attempt(out, "push-after-kill", lambda: pv.push_weights(chunks, conn))
+    ve.attempt(out, "push-after-kill", lambda: pv.push_weights(chunks, conn))
     out["healthy_after_next"] = _diffs(chunks, urls[:1], ckpt, batch, 11)
     conn.close()
     return out
@@ -146,6 +196,7 @@ def run(tmp_path_factory):
     from parallm.integrations import vllm as pv
     root = tmp_path_factory.mktemp("vllm_remote")
     ckpt = ve.checkpoint(str(root / "ckpt"), "qwen2", 11, **LAYERS)
+    untied = ve.checkpoint(str(root / "untied"), "qwen2", 13, **dict(LAYERS, tie_word_embeddings=False))
     dense = dict(head_dim=32, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, **LAYERS)
     others = {   # trainer models that do not match the engines (a Qwen2 with biases)
         "unknown-names": helpers.tiny_config("qwen3", **dense),                      # q/k norms, no biases
@@ -154,11 +205,15 @@ def run(tmp_path_factory):
     others = {k: helpers.write_config(root / k, c.to_dict()) for k, c in others.items()}
     servers = []
     try:
-        for tp in (2, 1):
-            servers.append(pv.serve(ckpt, tensor_parallel_size=tp, env=ve.SERVER_ENV, timeout=420,
-                                    log=str(root / f"server_tp{tp}.log")))
-        s = dict(ckpt=ckpt, urls=[x.url for x in servers], pids=[x.process.pid for x in servers], others=others)
-        out = verify.spawn(_rank, 2, s, timeout=480, collective_timeout=helpers.COLLECTIVE_TIMEOUT_S,
+        for name, model, tp, args in (("tp2", ckpt, 2, ()), ("tp1", ckpt, 1, ()),
+                                      ("dp2", untied, 1, ("--data-parallel-size", "2"))):
+            servers.append(pv.serve(model, tensor_parallel_size=tp, env=ve.SERVER_ENV, args=args, wait=False,
+                                    log=str(root / f"server_{name}.log")))
+        for x in servers:
+            x.wait_ready(600)
+        s = dict(ckpt=ckpt, urls=[x.url for x in servers[:2]], pids=[x.process.pid for x in servers[:2]],
+                 others=others, untied=untied, dp_url=servers[2].url)
+        out = verify.spawn(_rank, 2, s, timeout=600, collective_timeout=helpers.COLLECTIVE_TIMEOUT_S,
                            preload=("helpers", "vllm_engines"),
                            env={"VLLM_LOGGING_LEVEL": "WARNING", "PARALLM_PROGRESS": "0"})
         yield out, servers
@@ -167,7 +222,7 @@ def run(tmp_path_factory):
             x.stop()
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 def test_push_into_two_servers_both_backends(run):
     """Equal at the start, far apart after training, equal after each push, into both engines (TP 2 and TP 1) at
     once, through shared memory and through gloo."""
@@ -187,7 +242,25 @@ def test_push_into_two_servers_both_backends(run):
         assert all(0 < e["seconds"] <= stats["seconds"] and e["gbps"] > 0 for e in stats["engines"].values()), stats
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
+def test_untied_model_into_a_data_parallel_engine(run):
+    """An untied Qwen2 (its own lm_head.weight) into an engine of two data-parallel replicas: each replica equal
+    to the trainer before, far apart after training, equal after a parallm_shm and a parallm_gloo push."""
+    out, servers = run
+    assert out[0]["dp_workers"] == [2]                   # both replicas' workers, one gloo rank each
+    for r in out:
+        assert len(r["dp_before"]) == 2 and max(r["dp_before"]) <= TOL, r["dp_before"]
+        for key in ("dp_stale", "dp_stale2"):
+            assert min(r[key]) > 100 * TOL, (key, r[key])
+        for key in ("dp_shm_after", "dp_gloo_after"):
+            assert max(r[key]) <= TOL, (key, r[key])
+    for key in ("dp_shm_push", "dp_gloo_push"):
+        stats = out[0][key]
+        assert list(stats["engines"]) == [servers[2].url] and stats["engines"][servers[2].url]["bytes"] \
+            == stats["bytes"] > 0, stats
+
+
+@pytest.mark.timeout(1200)
 def test_weight_checker_sees_what_it_can(run):
     """vLLM's /weight_checker digests before and after a push: the embedding and the norms changed in every
     worker; on vLLM-CPU the linear layers run from prepacked copies its digests do not see (documented)."""
@@ -198,13 +271,14 @@ def test_weight_checker_sees_what_it_can(run):
         assert "model.layers.0.input_layernorm.weight" in changed, (url, changed)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("key,kind,needles", [
     ("unknown-backend", "ValueError", ["unknown backend 'nccl_cpu'", "parallm_shm", "parallm_gloo"]),
     ("unknown-names", "ValueError", ["names the engine does not know", "self_attn.q_norm.weight"]),
     ("shapes-differ", "ValueError", ["shapes differ",
                                      "model.layers.0.mlp.gate_proj.weight: model (128, 128) vs engine (96, 128)"]),
     ("dtype", "ValueError", ["dtype mismatch", "torch.float32", "torch.bfloat16"]),
+    ("trainer-fails", "RuntimeError", ["rank 1 failed halfway through the stream"]),
     ("engine-killed", "EngineFailed", ["need a restart", "the other engines received every tensor"])])
 def test_errors_on_every_rank(run, key, kind, needles):
     """The same error type on every rank, within the connection's timeout (nobody hangs), naming the cause."""
@@ -218,7 +292,23 @@ def test_errors_on_every_rank(run, key, kind, needles):
         assert servers[1].url in out[0]["engine-killed"][1]
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
+def test_trainer_failure_mid_stream_leaves_engines_usable(run):
+    """A trainer rank raising halfway through the stream: the engines had taken some updates (the failure came
+    mid-push), none is marked as needing a restart (the stream ended on every rank and the engines were
+    finished with what they had), and the next push brings them level with the trainer."""
+    out, servers = run
+    updates = out[0]["trainer_fail_updates"]
+    assert sorted(updates) == sorted(x.url for x in servers[:2]) and all(n >= 1 for n in updates.values()), updates
+    total = out[0]["shm_push3"]["updates"]             # a whole push at the same bucket size
+    assert all(n < total for n in updates.values()), (updates, total)
+    for r in out:
+        assert r["trainer_fail_needs_restart"] == []
+        assert r["push-after-trainer-fail"][0] == "ok", r["push-after-trainer-fail"]
+        assert max(r["after_trainer_fail"]) <= TOL, r["after_trainer_fail"]
+
+
+@pytest.mark.timeout(1200)
 def test_killed_engine_needs_restart_and_the_other_goes_on(run):
     """The killed engine is reported as needing a restart; the TP-2 engine finished the failed push with every
     tensor, and the next push reaches it."""

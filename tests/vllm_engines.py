@@ -1,11 +1,13 @@
-"""Helpers of the vLLM tests that drive engines in other processes (tests/test_vllm_remote*.py): tiny checkpoints
-with a tokenizer (a ``vllm serve`` server needs one to return log-probs over HTTP), sampling through the server's
-completions route and through a ``vllm.LLM``, and the comparison with parallm's ``forward(output="logprobs")``."""
+"""Helpers of the vLLM tests (tests/test_vllm*.py): tiny checkpoints with a tokenizer (a ``vllm serve`` server
+needs one to return log-probs over HTTP), sampling through the server's completions route and through a
+``vllm.LLM``, the comparison with parallm's ``forward(output="logprobs")`` (the one check of every push), a few
+training steps, and recording an attempt's outcome."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.request
 
 import torch
@@ -44,14 +46,18 @@ def prompts(vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 9, 3, 12)]
 
 
-def sample_http(url: str, model: str, batch, seed: int, *, max_tokens: int = 8):
-    """The server's samples of each prompt (token ids) and its log-prob of each sampled token."""
+def sample_http(url: str, model: str, batch, seed: int, *, max_tokens: int = 8, dp_rank: int | None = None):
+    """The server's samples of each prompt (token ids) and its log-prob of each sampled token; ``dp_rank``: the
+    data-parallel replica of an engine started with ``--data-parallel-size`` that serves them (vLLM's
+    ``X-data-parallel-rank`` header; default: vLLM's load balancing picks)."""
     out = []
+    headers = {"Content-Type": "application/json"}
+    if dp_rank is not None:
+        headers["X-data-parallel-rank"] = str(dp_rank)
     for k, p in enumerate(batch):
         body = {"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed + k,
                 "logprobs": 0, "ignore_eos": True, "return_tokens_as_token_ids": True}
-        req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(), headers=headers)
         with urllib.request.urlopen(req, timeout=120) as res:
             lp = json.loads(res.read())["choices"][0]["logprobs"]
         out.append(([int(t.split(":")[1]) for t in lp["tokens"]], list(lp["token_logprobs"])))
@@ -86,8 +92,8 @@ def max_diff(chunks, batch, samples) -> float:
     return worst
 
 
-def train(chunks, opt, vocab: int, steps: int, seed: int) -> None:
-    """``steps`` AdamW steps of next-token loss on a random batch (the same on every rank)."""
+def train(chunks, opt, vocab: int, steps: int, seed: int, *, num_microbatches: int = 2) -> None:
+    """``steps`` AdamW steps of next-token loss on a random batch (the same on every rank of a replica)."""
     import parallm
     g = torch.Generator().manual_seed(seed)
 
@@ -97,7 +103,18 @@ def train(chunks, opt, vocab: int, steps: int, seed: int) -> None:
 
     for _ in range(steps):
         ids = torch.randint(0, vocab, (4, 12), generator=g)
-        parallm.forward_backward(chunks, ids, torch.ones_like(ids), loss_fn=loss_fn, num_microbatches=2)
+        parallm.forward_backward(chunks, ids, torch.ones_like(ids), loss_fn=loss_fn,
+                                 num_microbatches=num_microbatches)
         parallm.finalize_grads(chunks)
         opt.step()
         opt.zero_grad()
+
+
+def attempt(out: dict, key: str, fn) -> None:
+    """``out[key]``: ``("ok", fn(), seconds)``, or ``(exception type name, message, seconds)`` if it raised."""
+    t0 = time.monotonic()
+    try:
+        value = fn()
+        out[key] = ("ok", value, time.monotonic() - t0)
+    except Exception as e:  # noqa: BLE001
+        out[key] = (type(e).__name__, str(e), time.monotonic() - t0)

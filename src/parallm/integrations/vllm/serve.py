@@ -42,9 +42,32 @@ class Server:
     """A running ``vllm serve`` engine (:func:`serve`): ``url``, ``process``, ``log`` (the path of its output).
     ``stop()`` ends it (idempotent; ``with serve(...) as server:`` calls it); ``kill()`` kills it at once."""
 
-    def __init__(self, process, url: str, log: str, shm_before: set[str]):
-        self.process, self.url, self.log = process, url, log
+    def __init__(self, process, url: str, log: str, shm_before: set[str], model: str = ""):
+        self.process, self.url, self.log, self.model = process, url, log, model
         self._shm_before = shm_before
+
+    def wait_ready(self, timeout: float = 600.0) -> "Server":
+        """Wait until the server answers ``/health``; itself. Raises with the log's tail (and stops the server)
+        when it exits or is not ready within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                tail = self.tail()
+                self.stop()
+                raise RuntimeError(f"serve: the vLLM server for {self.model} exited with "
+                                   f"{self.process.returncode}; the end of {self.log}:\n{tail}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as res:
+                    if res.status == 200:
+                        return self
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                tail = self.tail()
+                self.stop()
+                raise TimeoutError(f"serve: the vLLM server for {self.model} was not ready within {timeout:.0f} "
+                                   f"s; the end of {self.log}:\n{tail}")
+            time.sleep(1.0)
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -132,14 +155,15 @@ def _in_use(path: str) -> bool:
 def serve(model_dir, *, tensor_parallel_size: int = 1, port: int | None = None, backend: str = "parallm",
           dtype: str = "float32", max_model_len: int | None = None, kv_cache_memory_bytes: int | None = 64 << 20,
           args=(), env: dict | None = None, python: str | None = None, log: str | None = None,
-          timeout: float = 600.0) -> Server:
+          timeout: float = 600.0, wait: bool = True) -> Server:
     """Start ``python -m vllm.entrypoints.openai.api_server`` for ``model_dir`` on ``port`` (a free one by
     default) with ``tensor_parallel_size`` workers and parallm's weight-transfer ``backend``, and wait until it
     answers ``/health``. ``args``: more command-line arguments; ``env``: more environment variables (on CPU
     machines ``VLLM_CPU_OMP_THREADS_BIND`` decides the workers' cores; vLLM's default asks for one NUMA node per
     worker); ``python``: the interpreter (default: this one); ``log``: where its output goes (default: a file
     in the temporary directory). ``kv_cache_memory_bytes`` None leaves vLLM's own sizing (on CPU: most of the
-    RAM). Raises with the log's tail when the server exits or is not ready within ``timeout`` seconds."""
+    RAM). Raises with the log's tail when the server exits or is not ready within ``timeout`` seconds.
+    ``wait=False`` returns at once: call :meth:`Server.wait_ready` (several servers then start side by side)."""
     port = port or _free_port()
     cmd = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", os.fspath(model_dir),
            "--port", str(port), "--host", "127.0.0.1", "--tensor-parallel-size", str(tensor_parallel_size),
@@ -157,23 +181,5 @@ def serve(model_dir, *, tensor_parallel_size: int = 1, port: int | None = None, 
     before = _shm_names()
     with open(log, "w") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
-    server = Server(process, f"http://127.0.0.1:{port}", log, before)
-    deadline = time.monotonic() + timeout
-    while True:
-        if process.poll() is not None:
-            tail = server.tail()
-            server.stop()
-            raise RuntimeError(f"serve: the vLLM server for {model_dir} exited with {process.returncode}; "
-                               f"the end of {log}:\n{tail}")
-        try:
-            with urllib.request.urlopen(f"{server.url}/health", timeout=5) as res:
-                if res.status == 200:
-                    return server
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            tail = server.tail()
-            server.stop()
-            raise TimeoutError(f"serve: the vLLM server for {model_dir} was not ready within {timeout:.0f} s; "
-                               f"the end of {log}:\n{tail}")
-        time.sleep(1.0)
+    server = Server(process, f"http://127.0.0.1:{port}", log, before, model=os.fspath(model_dir))
+    return server.wait_ready(timeout) if wait else server
