@@ -39,7 +39,7 @@ import contextlib
 import math
 import re
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +71,7 @@ class LoraConfig:
     r: int
     alpha: float
     target_modules: tuple[str, ...] | str = ALL_LINEAR
+    _: KW_ONLY
     dropout: float = 0.0
     rank_pattern: dict = field(default_factory=dict)
     alpha_pattern: dict = field(default_factory=dict)
