@@ -1,5 +1,6 @@
 """Router replay against transformers with the routing forced the same way, fp32, at tp2.ep2 (packed with
-sequence parallelism, and padded), pp2.ep2 (with activation recompute) and cp2.ep2 (all dp2, 4 ranks), for Qwen3-MoE (softmax router,
+sequence parallelism, and padded), pp2.ep2 (with activation recompute), cp2.ep2 and, for DeepSeek-V3,
+pp2.vpp2.ep2 (all dp2, 4 ranks), for Qwen3-MoE (softmax router,
 norm_topk_prob, with the load-balancing loss on) and DeepSeek-V3 (sigmoid group-limited router with a selection
 bias, routed_scaling_factor, dense first layer, shared experts).
 
@@ -16,8 +17,9 @@ round trip (replaying them gives bit-identical logits, in the padded and the per
 ``forward_backward`` with replay (batch-mapping entry, 2 microbatches per replica, token-mean loss), then
 ``finalize_grads`` and one SGD step: every weight, the router's included (which must move), equals the
 reference's; replay under a token budget (rows reordered into bins, results in the caller's order); and clear
-errors on every rank for wrong shapes, layer counts, top_k, ids out of range and
-repeated experts.
+errors on every rank for wrong shapes, layer counts, top_k, ids out of range,
+repeated experts, a float tensor, a dense model, and (cp2) CP ranks passing different experts at real tokens
+(values at padding may differ).
 """
 
 from __future__ import annotations
@@ -168,6 +170,7 @@ LAYOUTS = {"tp2.ep2 packed sp": dict(layout=dict(tp=2), build=dict(packed=True, 
            "tp2.ep2": dict(layout=dict(tp=2), build={}),
            "pp2.ep2 recompute": dict(layout=dict(pp=2), build=dict(recompute="full")),
            "cp2.ep2": dict(layout=dict(cp=2), build={})}
+DEEP_ONLY = {"pp2.vpp2.ep2": dict(layout=dict(pp=2, vpp=2), build={})}    # 4 layers: one per virtual stage
 
 
 def errors_of(call):
@@ -244,6 +247,17 @@ def rank_fn(rank, world, cases, data):
             dense = parallm.build_model(helpers.tiny_config("qwen2"))
             res["errors"]["dense"] = errors_of(lambda: parallm.forward(dense, ids[mine] % 101, mask[mine],
                                                                        return_routed_experts=True))
+        if lay.cp > 1:     # every rank of a CP group must pass the same experts (at real positions)
+            other = given[mine].clone()
+            row = 0 if mask[mine][0, 0] else 1
+            col = int(mask[mine][row].nonzero()[0])
+            other[row, col, 0] = other[row, col, 0].flip(0)
+            res["cp_differs"] = errors_of(lambda: parallm.forward(
+                chunks, ids[mine], mask[mine], routed_experts=other if lay.cp_rank == 1 else given[mine]))
+            padding_only = given[mine].clone()
+            padding_only[~mask[mine].bool()] = 3 if lay.cp_rank == 1 else -7
+            res["cp_padding_only"] = errors_of(lambda: parallm.forward(chunks, ids[mine], mask[mine],
+                                                                       routed_experts=padding_only))
         out[key] = res
         parallm.destroy_parallel()
     return out
@@ -272,7 +286,8 @@ def test_router_replay_matches_transformers(tmp_path):
         assert ref["moved"] > 1e-4, ref["moved"]        # the router is trained through the replayed weights
         refs[model_name] = ref
         data[model_name] = (ids, mask, given)
-        for j, (layout_name, layout) in enumerate(LAYOUTS.items()):
+        layouts = dict(LAYOUTS, **(DEEP_ONLY if "deepseek" in model_name else {}))
+        for j, (layout_name, layout) in enumerate(layouts.items()):
             cases[f"{model_name} {layout_name}"] = dict(ckpt=ckpt, model=model_name, errors=i == 0 and j == 0,
                                                         **layout)
     res = helpers.run_ranks(rank_fn, 4, cases, data, timeout=880)
@@ -295,6 +310,9 @@ def test_router_replay_matches_transformers(tmp_path):
             assert (got["replayed_routed"][~m] == -1).all() and (got["own"][~m] == -1).all(), key
             assert got["round_trip"], key
             assert got["budget"] < 1e-5 and got["budget_routed"], (key, got["budget"])
+            if case["layout"].get("cp"):
+                assert "context-parallel group must pass the same batch" in got["cp_differs"], got["cp_differs"]
+                assert got["cp_padding_only"] is None, got["cp_padding_only"]     # padding values are ignored
             assert abs(got["loss"] - ref["loss"]) < TOL, (key, got["loss"], ref["loss"])
         state = res[0][key]["state"]
         assert state.keys() == ref["state"].keys(), sorted(set(state) ^ set(ref["state"]))

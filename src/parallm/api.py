@@ -392,13 +392,13 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output
             m = num_microbatches or 1
             if isinstance(m, bool) or not isinstance(m, int) or m < 1:
                 raise ValueError(f"num_microbatches={num_microbatches!r} must be a whole number >= 1")
-            return (batch, request, bins, given), _cp_fingerprint(layout, batch, m, request), m
+            return (batch, request, bins, given), _cp_fingerprint(layout, batch, m, request, given), m
         m = num_microbatches if num_microbatches is not None else default_forward_microbatches(
             b, layout.pp, batch[0].numel(), batch[0].device)
         if isinstance(m, bool) or not isinstance(m, int) or m < 1 or (b and m > b):
             raise ValueError(f"num_microbatches={num_microbatches!r} must be a whole number from 1 to the batch "
                              f"size {b}")
-        return (batch, request, None, given), _cp_fingerprint(layout, batch, m, request), m
+        return (batch, request, None, given), _cp_fingerprint(layout, batch, m, request, given), m
     budget = max_tokens_per_microbatch
     ((input_ids, attention_mask, position_ids), request, bins, given), m = _checked_call(
         layout, check, what="forward",
@@ -562,17 +562,24 @@ def _batch_fingerprint(input_ids, position_ids, attention_mask, *extra: int) -> 
     return out
 
 
-FINGERPRINT_LENGTH = 7    # _batch_fingerprint with two extras: the rows the CP group exchanges
+FINGERPRINT_LENGTH = 8    # _batch_fingerprint with three extras: the rows the CP group exchanges
 
 
-def _cp_fingerprint(layout, batch, num_microbatches: int, request) -> list[int] | None:
+def _cp_fingerprint(layout, batch, num_microbatches: int, request, given=None) -> list[int] | None:
     """:func:`_batch_fingerprint` of a checked ``(input_ids, attention_mask, position_ids)`` under context
-    parallelism (None at cp = 1: nothing is exchanged)."""
+    parallelism (None at cp = 1: nothing is exchanged), with router replay's ``given`` experts ``[B, S, L, k]``
+    at the real positions (padding values are ignored) as one more weighted sum (-1 without replay)."""
     if layout.cp == 1:
         return None
     ids, mask, pos = batch
     kind = 0 if request is None else 2 if request.entropy else 1
-    return _batch_fingerprint(ids, pos, mask, num_microbatches, kind)
+    replay = -1
+    if given is not None:
+        flat = (given * mask.bool()[:, :, None, None]).reshape(-1)
+        weights = torch.arange(flat.numel(), dtype=torch.long, device=flat.device).mul_(2654435761).add_(
+            40503).remainder_(1 << 31).mul_(2).add_(1)
+        replay = int((flat * weights).sum())
+    return _batch_fingerprint(ids, pos, mask, num_microbatches, kind, replay)
 
 
 def _checked_call(layout, check, *, what: str, count_moe: bool, default: bool = False):
@@ -618,7 +625,7 @@ def _same_batch_in_cp_group(layout, fingerprint: list[int] | None, what: str, *,
         return None
     more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
     return ValueError(f"{what}: every rank of a context-parallel group must pass the same batch (input_ids, "
-                      f"attention_mask, position_ids, num_microbatches, output); rank {ranks[bad[0]]}'s differs "
+                      f"attention_mask, position_ids, num_microbatches, output, routed_experts); rank {ranks[bad[0]]}'s differs "
                       f"from rank {ranks[ok[0]]}'s, the first of its group{more}")
 
 
@@ -779,7 +786,7 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
         given = _check_replay(chunks, routed_experts, extras, batch[1])
         extras = _check_extras(extras, batch[0])
         return (batch, request, extras, reductions, bins, given), \
-            _cp_fingerprint(layout, batch, num_microbatches, request), num_microbatches
+            _cp_fingerprint(layout, batch, num_microbatches, request, given), num_microbatches
     ((ids_all, mask_all, pos_all), request, extras, reductions, bins, given), _ = _checked_call(
         layout, check, what="forward_backward", count_moe=layout.ep > 1 and chunks[0].spec.moe is not None)
     if request is not None:   # the head's weight gradient goes straight into its existing gradient buffer
