@@ -18,7 +18,8 @@ bits on CPU.
 Data flow of one MoE layer on one rank (N local tokens; under sequence parallelism N = T / tp)::
 
     router: logits = x W^T in the model dtype, then fp32 (what transformers computes), softmax -> top-k weights
-    w [N, k] (renormalised when norm_topk_prob), experts [N, k]
+    w [N, k] (renormalised when norm_topk_prob), experts [N, k]; under router replay the experts of the real
+    rows are the given ones and w the router's probabilities of them (:meth:`MoEBlock.route`)
     slots (token, choice) sorted by expert -> all-to-all over the expert-parallel group (parallel/experts.py)
     -> each local expert computes its TP shard of the FFN on its rows -> all-to-all back -> slots unsorted by the
     inverse permutation, viewed [N, k, H], weighted and summed over the k choices (no atomic adds: the same bits
