@@ -172,7 +172,7 @@ def _engine_rank(rank, world, dense, moe):
         return p, o
 
     def run(e, ranks, steps=STEPS, offloaded=None):
-        res = {"lp": [], "ent": [], "lp_dyn": [], "loss": [], "norm": [], "lr": [], "pg_loss": [], "held": []}
+        res = {"lp": [], "ent": [], "lp_dyn": [], "lp_train": [], "loss": [], "norm": [], "lr": [], "pg_loss": [], "held": []}
         for dynamic, key in ((False, "lp"), (True, "lp_dyn")):
             with e.eval_mode():
                 out = e.infer_batch(batch(ranks, dynamic))
@@ -183,8 +183,13 @@ def _engine_rank(rank, world, dense, moe):
                 if not dynamic:
                     res["ent"] = [t.clone() for t in out["model_output"]["entropy"].unbind()]
         for dynamic in steps:
+            td = batch(ranks, dynamic)
+            if dynamic:          # the outputs of a training step come back too, in verl's row order
+                tu.assign_non_tensor(td, return_model_output=True)
             with e.train_mode():
-                tr = e.train_batch(batch(ranks, dynamic), loss_function=loss_fn)
+                tr = e.train_batch(td, loss_function=loss_fn)
+            if dynamic and "log_probs" in tr["model_output"]:
+                res["lp_train"] = [t.clone() for t in tr["model_output"]["log_probs"].unbind()]
             if offloaded:
                 res["held"].append(storages(e))
             res["lr"].append(e.lr_scheduler_step())
@@ -231,6 +236,8 @@ def _engine_rank(rank, world, dense, moe):
         # stream) and parallm's 0: never read (no_padding_2_padding takes positions prompt_len - 1 .. len - 2)
         d = {"lp": max((a["lp"][i][:-1] - y[:-1]).abs().max().item() for i, y in zip(rows, c["lp"])),
              "lp_dyn": max((a["lp"][i][:-1] - y[:-1]).abs().max().item() for i, y in zip(rows, c["lp_dyn"])),
+             "lp_train": max(((a["lp_train"][i][:-1] - y[:-1]).abs().max().item()
+                              for i, y in zip(rows, c["lp_train"])), default=1.0),
              "ent": max((a["ent"][i] - y).abs().max().item() for i, y in zip(rows, c["ent"])),
              "lens": all(a["lp"][i].numel() == y.numel() for i, y in zip(rows, c["lp"])),
              "names": sorted(set(a["state"]) ^ set(c["state"])),
@@ -263,8 +270,9 @@ def _engine_rank(rank, world, dense, moe):
                          and all(torch.equal(off["state"][k], mine["state"][k]) for k in mine["state"])}
     # C. pp2 (dp1): both ranks' rows on both ranks; the reference is A's FSDP2 run over dp2
     gathered = [None] * world
-    dist.all_gather_object(gathered, {k: ref[k] for k in ("lp", "ent", "loss")})
+    dist.all_gather_object(gathered, {k: ref[k] for k in ("lp", "ent", "lp_train", "loss")})
     whole = {"lp": [t for g in gathered for t in g["lp"]], "ent": [t for g in gathered for t in g["ent"]],
+             "lp_train": [t for g in gathered for t in g["lp_train"]],
              "loss": [sum(g["loss"][i] for g in gathered) / world for i in range(len(STEPS))],
              "lr": ref["lr"], "norm": ref["norm"], "state": ref["state"]}
     parallm.destroy_parallel()
@@ -284,7 +292,7 @@ def _engine_rank(rank, world, dense, moe):
 def _check_engine(d, *, loss_tol=1e-5, weight_tol=1e-4, name=""):
     assert not d["names"], (name, d["names"])
     assert d["lens"], name
-    assert d["lp"] < 1e-5 and d["lp_dyn"] < 1e-5 and d["ent"] < 1e-5, (name, d)
+    assert d["lp"] < 1e-5 and d["lp_dyn"] < 1e-5 and d["ent"] < 1e-5 and d["lp_train"] < 1e-5, (name, d)
     (lr_a, lr_c), (loss_a, loss_c), (norm_a, norm_c) = d["lr"], d["loss"], d["norm"]
     assert lr_a == lr_c, (name, lr_a, lr_c)
     assert all(abs(x - y) < loss_tol for x, y in zip(loss_a, loss_c)), (name, loss_a, loss_c)
