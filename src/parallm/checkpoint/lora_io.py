@@ -168,7 +168,6 @@ def save_hf_adapter(chunks, out_dir, *, dtype: torch.dtype | None = None, overwr
     """Write the adapters as a PEFT directory (``adapter_config.json``, ``adapter_model.safetensors``) that
     ``PeftModel.from_pretrained(base, out_dir)`` loads. Collective; global rank 0 writes, into a temporary
     directory moved into place at the end (a non-empty ``out_dir`` needs ``overwrite=True``)."""
-    from safetensors.torch import save_file
     require_initialized("save_hf_adapter")
     chunks = as_chunks(chunks)
     out_dir = os.path.abspath(os.fspath(out_dir))
@@ -177,20 +176,24 @@ def save_hf_adapter(chunks, out_dir, *, dtype: torch.dtype | None = None, overwr
               what="save_hf_adapter")
     tensors = dict(export_adapter_tensors(chunks, dtype=dtype))
 
-    def write():
-        if dims.rank != 0:
-            return
-        tmp = make_tmp_beside(out_dir)
-        try:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, WEIGHTS_NAME),
-                      metadata={"format": "pt"})
-            with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
-                json.dump(peft_config_dict(chunks), f, indent=2)
-            _move_into_place(tmp, out_dir)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    run_local(write, what="save_hf_adapter")
+    run_local(lambda: write_peft_dir(out_dir, tensors, peft_config_dict(chunks)) if dims.rank == 0 else None,
+              what="save_hf_adapter")
+
+
+def write_peft_dir(out_dir: str, tensors: dict, config: dict) -> None:
+    """``adapter_model.safetensors`` + ``adapter_config.json`` written into a temporary directory beside
+    ``out_dir`` and moved into place (replacing ``out_dir``). Local, no collectives."""
+    from safetensors.torch import save_file
+    tmp = make_tmp_beside(out_dir)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, WEIGHTS_NAME),
+                  metadata={"format": "pt"})
+        with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
+            json.dump(config, f, indent=2)
+        _move_into_place(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 # -- in -------------------------------------------------------------------------------------------------------

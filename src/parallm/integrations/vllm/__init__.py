@@ -5,6 +5,8 @@
     # an engine in the trainer's process (one tensor-parallel rank), on one rank
     llm = pv.launch(model_dir, rank=0, dtype="float32")   # collective; a vllm.LLM on rank 0, None elsewhere
     stats = pv.push_weights(chunks, llm, rank=0)           # collective; {"bytes", "seconds", "gbps", ...}
+    stats = pv.push_adapter(chunks, llm, rank=0)           # LoRA: the adapter (engine with enable_lora=True;
+    llm.generate(..., lora_request=stats["lora_request"])  # merged weights otherwise), see docs/lora.md
 
     # engines in other processes: `vllm serve` servers (URLs) or vllm.LLM objects with worker processes
     conn = pv.connect(["http://host:8000", "http://host:8001"], backend="parallm_shm")   # collective
@@ -23,9 +25,10 @@ docs/rl.md.
 
 from .client import Connection, EngineFailed, connect
 from .inprocess import GPU_MEMORY_SHARE, KV_CACHE_BYTES, gpu_memory_default, launch
+from .lora import push_adapter
 from .push import push_weights
 from .serve import Server, serve
 from .source import export_source
 
 __all__ = ["GPU_MEMORY_SHARE", "KV_CACHE_BYTES", "Connection", "EngineFailed", "Server", "connect",
-           "export_source", "gpu_memory_default", "launch", "push_weights", "serve"]
+           "export_source", "gpu_memory_default", "launch", "push_adapter", "push_weights", "serve"]
