@@ -475,8 +475,9 @@ def _check_replay(chunks, routed_experts, extras, attention_mask, *, record: boo
     if routed_experts is None:
         return None
     from .model.routing import check_routed_experts, moe_layer_indices
-    return check_routed_experts(routed_experts, attention_mask, num_moe_layers=len(moe_layer_indices(chunks[0].spec)),
-                                top_k=moe.top_k, num_experts=moe.num_experts)
+    spec = chunks[0].spec
+    return check_routed_experts(routed_experts, attention_mask, moe_layers=moe_layer_indices(spec),
+                                num_layers=spec.num_layers, top_k=moe.top_k, num_experts=moe.num_experts)
 
 
 def _start_replay(chunks, given, m: int, sizes=None, *, record: bool) -> None:

@@ -248,14 +248,18 @@ def tokens_of_rows(rows: torch.Tensor, attention_mask: torch.Tensor, ctx, *, sp_
     return out.view(b, s, k)
 
 
-def check_routed_experts(routed, attention_mask: torch.Tensor, *, num_moe_layers: int, top_k: int,
-                         num_experts: int) -> torch.Tensor:
+def check_routed_experts(routed, attention_mask: torch.Tensor, *, moe_layers: list[int], num_layers: int,
+                         top_k: int, num_experts: int) -> torch.Tensor:
     """Validate ``routed_experts`` against a ``[B, S]`` batch and return it as ``[B, S, L, k]`` int64 on the
-    mask's device. Accepted: ``[B, S, L, k]`` (padded, like ``input_ids``), or ``[T, L, k]`` with ``T`` the
-    batch's real tokens (``attention_mask.sum()``) in row order (a packed / remove-padding stream: row 0's real
-    tokens, then row 1's, ...), spread onto the real positions. Values at padding positions are ignored (their
-    rows keep the router's own choice); at real positions each must be an expert id in ``[0, E)``, distinct
-    within a token. A ValueError names what is wrong, with the numbers."""
+    mask's device (``L = len(moe_layers)``, the model's MoE layers in order). Accepted: ``[B, S, L, k]``
+    (padded, like ``input_ids``), or ``[T, L, k]`` with ``T`` the batch's real tokens (``attention_mask.sum()``)
+    in row order (a packed / remove-padding stream: row 0's real tokens, then row 1's, ...), spread onto the
+    real positions. The layer axis may also hold all ``num_layers`` decoder layers (vLLM's ``routed_experts``
+    layout: a slot per layer, dense layers' slots unused) when the model has dense layers too: the MoE layers'
+    slots are taken, the others ignored. Values at padding positions are ignored (their rows keep the router's
+    own choice); at real positions each must be an expert id in ``[0, E)``, distinct within a token. A
+    ValueError names what is wrong, with the numbers."""
+    num_moe_layers = len(moe_layers)
     if not torch.is_tensor(routed) or routed.dtype.is_floating_point or routed.dtype == torch.bool \
             or routed.is_complex():
         raise ValueError(f"routed_experts must be an integer tensor, got "
@@ -267,6 +271,9 @@ def check_routed_experts(routed, attention_mask: torch.Tensor, *, num_moe_layers
            f"{num_moe_layers}, {top_k}] (the batch's {real} real tokens in row order)"
     shape = tuple(routed.shape)
     routed = routed.to(attention_mask.device)
+    if routed.dim() in (3, 4) and shape[-2] == num_layers != num_moe_layers:    # a slot per decoder layer
+        routed = routed.index_select(-2, torch.tensor(moe_layers, dtype=torch.long, device=routed.device))
+        shape = tuple(routed.shape)
     if routed.dim() == 3 and shape[1:] == (num_moe_layers, top_k) and shape[0] == real:
         full = routed.new_full((b, s, num_moe_layers, top_k), 0)
         full[mask] = routed
@@ -275,7 +282,8 @@ def check_routed_experts(routed, attention_mask: torch.Tensor, *, num_moe_layers
         detail = ""
         if routed.dim() in (3, 4):
             if shape[-2] != num_moe_layers:
-                detail = f": {shape[-2]} MoE layers given, the model has {num_moe_layers}"
+                detail = f": {shape[-2]} MoE layers given, the model has {num_moe_layers}" + (
+                    f" (or pass all {num_layers} decoder layers)" if num_layers != num_moe_layers else "")
             elif shape[-1] != top_k:
                 detail = f": top_k {shape[-1]} given, the model routes each token to {top_k} experts"
             elif routed.dim() == 3:
