@@ -1,7 +1,7 @@
 """Router replay against transformers with the routing forced the same way, fp32, at tp2.ep2 (packed with
-sequence parallelism, and padded), pp2.ep2 (with activation recompute), cp2.ep2 and, for DeepSeek-V3,
-pp2.vpp2.ep2 (all dp2, 4 ranks), for Qwen3-MoE (softmax router,
-norm_topk_prob, with the load-balancing loss on) and DeepSeek-V3 (sigmoid group-limited router with a selection
+sequence parallelism, and padded), tp2.ep1 (packed, sequence parallel: the tokens enter the TP region),
+pp2.ep2 (with activation recompute), cp2.ep2 and, for DeepSeek-V3, pp2.vpp2.ep2 (all dp2, 4 ranks), for
+Qwen3-MoE (softmax router, norm_topk_prob, with the load-balancing loss on) and DeepSeek-V3 (sigmoid group-limited router with a selection
 bias, routed_scaling_factor, dense first layer, shared experts).
 
 The reference is transformers' model whose every MoE router (``mlp.gate``, where transformers takes its top-k)
@@ -168,6 +168,7 @@ MODELS = {"qwen3-moe": lambda: helpers.tiny_config("qwen3_moe", num_hidden_layer
           "deepseek-v3": lambda: deepseek_config(num_hidden_layers=4)}
 LAYOUTS = {"tp2.ep2 packed sp": dict(layout=dict(tp=2), build=dict(packed=True, sequence_parallel=True)),
            "tp2.ep2": dict(layout=dict(tp=2), build={}),
+           "tp2.ep1 packed sp": dict(layout=dict(tp=2, ep=1), build=dict(packed=True, sequence_parallel=True)),
            "pp2.ep2 recompute": dict(layout=dict(pp=2), build=dict(recompute="full")),
            "cp2.ep2": dict(layout=dict(cp=2), build={})}
 DEEP_ONLY = {"pp2.vpp2.ep2": dict(layout=dict(pp=2, vpp=2), build={})}    # 4 layers: one per virtual stage
@@ -187,7 +188,7 @@ def rank_fn(rank, world, cases, data):
     out = {}
     for key, case in cases.items():
         ids, mask, given = data[case["model"]]
-        parallm.init_parallel(ep=2, **case["layout"])
+        parallm.init_parallel(**dict(dict(ep=2), **case["layout"]))
         lay = current_dims()
         assert lay.dp == 2
         chunks = parallm.build_model(case["ckpt"], **case["build"])
