@@ -1,8 +1,8 @@
 """Router replay against transformers with the routing forced the same way, fp32, at tp2.ep2 (packed with
 sequence parallelism, and padded), tp2.ep1 (packed, sequence parallel: the tokens enter the TP region),
 pp2.ep2 (with activation recompute), cp2.ep2 and, for DeepSeek-V3, pp2.vpp2.ep2 (all dp2, 4 ranks), for
-Qwen3-MoE (softmax router, norm_topk_prob, with the load-balancing loss on) and DeepSeek-V3 (sigmoid group-limited router with a selection
-bias, routed_scaling_factor, dense first layer, shared experts).
+Qwen3-MoE (softmax router, norm_topk_prob, with the load-balancing loss on) and DeepSeek-V3 (sigmoid
+group-limited router with a selection bias, routed_scaling_factor, dense first layer, shared experts).
 
 The reference is transformers' model whose every MoE router (``mlp.gate``, where transformers takes its top-k)
 is replaced for the call by one that returns the given experts at real tokens (its own top-k at padding) with
