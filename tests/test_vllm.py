@@ -34,6 +34,7 @@ if os.environ.get("PARALLM_REQUIRE_VLLM") != "1":
                                        "scripts/test.sh runs this file there)")
 
 import helpers  # noqa: E402
+import vllm_engines as ve  # noqa: E402
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 TOL = 1e-4
@@ -50,67 +51,9 @@ def _sample(llm, prompts, seed):
 
 def _sample_on(llm, prompts, seed, *, src):
     import torch.distributed as dist
-    obj = [None]
-    if llm is not None:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        params = SamplingParams(max_tokens=8, temperature=1.0, logprobs=0, seed=seed, ignore_eos=True)
-        res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        obj = [[(list(o.outputs[0].token_ids),
-                 [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]) for o in res]]
+    obj = [ve.sample_llm(llm, prompts, seed) if llm is not None else None]
     dist.broadcast_object_list(obj, src=src)
     return obj[0]
-
-
-def _max_diff(chunks, prompts, samples):
-    """max |vLLM's log-prob - parallm's forward(output="logprobs")| over every sampled token."""
-    import parallm
-    rows = [p + toks for p, (toks, _) in zip(prompts, samples)]
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, r in enumerate(rows):
-        ids[b, :len(r)] = torch.tensor(r)
-        mask[b, :len(r)] = 1
-    with torch.no_grad():
-        lp = parallm.forward(chunks, ids, mask, output="logprobs")
-    worst = 0.0
-    for b, (p, (toks, lps)) in enumerate(zip(prompts, samples)):
-        mine = lp[b, len(p) - 1:len(p) - 1 + len(toks)]       # position t scores token t + 1
-        worst = max(worst, (mine - torch.tensor(lps)).abs().max().item())
-    return worst
-
-
-def _train(chunks, opt, vocab, steps, seed, num_microbatches=2):
-    """``steps`` AdamW steps of next-token loss on a random batch (the same on every rank of a replica)."""
-    import parallm
-    g = torch.Generator().manual_seed(seed)
-
-    def loss_fn(logits, ids, mask):
-        lp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        return -lp.mean()
-
-    for _ in range(steps):
-        ids = torch.randint(0, vocab, (4, 12), generator=g)
-        parallm.forward_backward(chunks, ids, torch.ones_like(ids), loss_fn=loss_fn,
-                                 num_microbatches=num_microbatches)
-        parallm.finalize_grads(chunks)
-        opt.step()
-        opt.zero_grad()
-
-
-def _attempt(out, key, fn):
-    t0 = time.monotonic()
-    try:
-        value = fn()
-        out[key] = ("ok", value, time.monotonic() - t0)
-    except Exception as e:  # noqa: BLE001
-        out[key] = (type(e).__name__, str(e), time.monotonic() - t0)
-
-
-def _prompts(vocab, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 9, 3, 12)]
 
 
 def _dense_rank(rank, world, s):
@@ -130,23 +73,23 @@ def _dense_rank(rank, world, s):
     dist.all_reduce(x)                                  # the trainer's world still works beside the engine
     out["all_reduce"] = x.item()
     vocab = chunks[0].spec.vocab_size
-    prompts = _prompts(vocab, 1)
-    out["before"] = _max_diff(chunks, prompts, _sample(llm, prompts, 1))
+    prompts = ve.prompts(vocab, 1)
+    out["before"] = ve.max_diff(chunks, prompts, _sample(llm, prompts, 1))
     opt = parallm.build_optimizer(chunks, lr=2e-2)
-    _train(chunks, opt, vocab, 2, seed=2)
-    out["stale"] = _max_diff(chunks, prompts, _sample(llm, prompts, 2))
+    ve.train(chunks, opt, vocab, 2, seed=2)
+    out["stale"] = ve.max_diff(chunks, prompts, _sample(llm, prompts, 2))
     stats = pv.push_weights(chunks, llm, rank=0, bucket_bytes="256KB")
     out["stats"] = stats
     out["meta"] = len(parallm.export_metadata(chunks))
-    out["after"] = _max_diff(chunks, prompts, _sample(llm, prompts, 3))
+    out["after"] = ve.max_diff(chunks, prompts, _sample(llm, prompts, 3))
 
     # errors on every rank, each followed by a good push
-    _attempt(out, "not-on-rank", lambda: pv.push_weights(chunks, llm, rank=1))
-    _attempt(out, "rank-outside", lambda: pv.push_weights(chunks, llm, rank=4))
-    _attempt(out, "dtype", lambda: pv.push_weights(chunks, llm, rank=0, dtype=torch.bfloat16))
+    ve.attempt(out, "not-on-rank", lambda: pv.push_weights(chunks, llm, rank=1))
+    ve.attempt(out, "rank-outside", lambda: pv.push_weights(chunks, llm, rank=4))
+    ve.attempt(out, "dtype", lambda: pv.push_weights(chunks, llm, rank=0, dtype=torch.bfloat16))
     for key, cfg in s["others"].items():
         other = parallm.build_model(cfg)                # the check comes before any data: no weights needed
-        _attempt(out, key, lambda other=other: pv.push_weights(other, llm, rank=0))
+        ve.attempt(out, key, lambda other=other: pv.push_weights(other, llm, rank=0))
         del other
     original = pv.push._reload
 
@@ -155,7 +98,7 @@ def _dense_rank(rank, world, s):
             if k == 4:
                 raise RuntimeError("the engine's loader failed")
     pv.push._reload = failing if rank == 0 else original
-    _attempt(out, "engine-fails", lambda: pv.push_weights(chunks, llm, rank=0, bucket_bytes="64KB"))
+    ve.attempt(out, "engine-fails", lambda: pv.push_weights(chunks, llm, rank=0, bucket_bytes="64KB"))
     pv.push._reload = original
     from parallm.checkpoint import export as ex
     source, calls = ex._source, [0]
@@ -166,12 +109,12 @@ def _dense_rank(rank, world, s):
             raise RuntimeError("a sender's copy failed")
         return source(params, p)
     ex._source = failing_source if rank == 3 else source
-    _attempt(out, "sender-fails", lambda: pv.push_weights(chunks, llm, rank=0, bucket_bytes="64KB"))
+    ve.attempt(out, "sender-fails", lambda: pv.push_weights(chunks, llm, rank=0, bucket_bytes="64KB"))
     out["sender_calls"] = calls[0]
     ex._source = source
-    _train(chunks, opt, vocab, 1, seed=3)
-    _attempt(out, "push-after-errors", lambda: pv.push_weights(chunks, llm, rank=0))
-    out["after-errors"] = _max_diff(chunks, prompts, _sample(llm, prompts, 4))
+    ve.train(chunks, opt, vocab, 1, seed=3)
+    ve.attempt(out, "push-after-errors", lambda: pv.push_weights(chunks, llm, rank=0))
+    out["after-errors"] = ve.max_diff(chunks, prompts, _sample(llm, prompts, 4))
     out["threads_fn_restored"] = torch.set_num_threads.__module__ != "vllm.v1.worker.cpu_worker"
     # the engine shut down (vLLM's own shutdown, what its finalizer runs) leaves the trainer's world alone; a new
     # engine starts beside it
@@ -185,7 +128,7 @@ def _dense_rank(rank, world, s):
     out["second_engine_here"] = llm is not None
     pv.push_weights(chunks, llm, rank=1)
     samples = _sample_on(llm, prompts, 5, src=1)
-    out["second_engine"] = _max_diff(chunks, prompts, samples)
+    out["second_engine"] = ve.max_diff(chunks, prompts, samples)
     return out
 
 
@@ -198,24 +141,24 @@ def _moe_rank(rank, world, s):
     parallm.load_hf_weights(chunks, s["ckpt"])
     llm = pv.launch(s["ckpt"], rank=0, **ENGINE)
     vocab = chunks[0].spec.vocab_size
-    prompts = _prompts(vocab, 5)
-    out["before"] = _max_diff(chunks, prompts, _sample(llm, prompts, 1))
+    prompts = ve.prompts(vocab, 5)
+    out["before"] = ve.max_diff(chunks, prompts, _sample(llm, prompts, 1))
     opt = parallm.build_optimizer(chunks, lr=2e-2)
-    _train(chunks, opt, vocab, 2, seed=6)
-    out["stale"] = _max_diff(chunks, prompts, _sample(llm, prompts, 2))
+    ve.train(chunks, opt, vocab, 2, seed=6)
+    out["stale"] = ve.max_diff(chunks, prompts, _sample(llm, prompts, 2))
     out["stats"] = pv.push_weights(chunks, llm, rank=0, bucket_bytes="128KB")
-    out["after"] = _max_diff(chunks, prompts, _sample(llm, prompts, 3))
-    _train(chunks, opt, vocab, 1, seed=7)
-    out["stale2"] = _max_diff(chunks, prompts, _sample(llm, prompts, 4))
+    out["after"] = ve.max_diff(chunks, prompts, _sample(llm, prompts, 3))
+    ve.train(chunks, opt, vocab, 1, seed=7)
+    out["stale2"] = ve.max_diff(chunks, prompts, _sample(llm, prompts, 4))
     pv.push_weights(chunks, llm, rank=0)
-    out["after2"] = _max_diff(chunks, prompts, _sample(llm, prompts, 5))
+    out["after2"] = ve.max_diff(chunks, prompts, _sample(llm, prompts, 5))
     return out
 
 
 def _spawn(fn, world, s, timeout):
     from parallm import verify
     return verify.spawn(fn, world, s, timeout=timeout, collective_timeout=helpers.COLLECTIVE_TIMEOUT_S,
-                        preload=("helpers",), env={"VLLM_LOGGING_LEVEL": "WARNING", "PARALLM_PROGRESS": "0"})
+                        preload=("helpers", "vllm_engines"), env={"VLLM_LOGGING_LEVEL": "WARNING", "PARALLM_PROGRESS": "0"})
 
 
 @pytest.fixture(scope="module")
