@@ -104,7 +104,7 @@ def _rows(rank):
     return ids, mask, old, adv
 
 
-def _engine_rank(rank, world, dense, moe):
+def _engine_rank(rank, world, dense, moe, ckpt):
     """Phases on 2 gloo ranks, each engine built by verl's ``EngineRegistry`` from the same verl configs and fed
     the same verl batches (NO_PADDING, from verl's ``left_right_2_no_padding``), with verl's ``ppo_loss``:
     A. dense Qwen2, dp2: verl's FSDP2 engine (transformers under FSDP2, fp32) and parallm's engine: infer (fixed
@@ -113,7 +113,8 @@ def _engine_rank(rank, world, dense, moe):
        offload on (a model "on an accelerator": verl's device name is made "cuda" so verl's mode switches call
        ``to``, parallm.offload / onload then move the CPU storages), bit-equal to A; C. parallm at pp2 (dp1)
        fed both ranks' rows (the same global mini-batch as A's dp2); D. a Qwen3-MoE, FSDP2 dp2 vs parallm
-       dp2 x ep2."""
+       dp2 x ep2; E. (at A's layout) ``save_checkpoint`` after 2 steps, then a third step, against a fresh engine
+       that ``load_checkpoint``\ s and takes the third step: bit-equal weights, equal loss, norm and LR."""
     os.environ.update(ENV)
     import torch
     import torch.distributed as dist
@@ -268,6 +269,24 @@ def _engine_rank(rank, world, dense, moe):
                          "equal": all(torch.equal(x, y) for k in ("lp", "ent", "lp_dyn") for x, y in zip(off[k], mine[k]))
                          and off["loss"] == mine["loss"] and off["norm"] == mine["norm"] and off["lr"] == mine["lr"]
                          and all(torch.equal(off["state"][k], mine["state"][k]) for k in mine["state"])}
+    # E. checkpoints: save after a step, take another; a fresh engine loading the checkpoint takes the same one
+    def step(e, dynamic):
+        with e.train_mode():
+            tr = e.train_batch(batch(ranks, dynamic), loss_function=loss_fn)
+        return sum(tr["loss"]), tr["metrics"]["grad_norm"], e.lr_scheduler_step()
+
+    e1 = engine("parallm", dense)
+    step(e1, False)
+    step(e1, False)
+    e1.save_checkpoint(ckpt, global_step=2)
+    after = step(e1, True), {k: v.clone() for k, v in parallm.export_hf_tensors(e1.chunks)}
+    e2 = engine("parallm", dense)
+    e2.load_checkpoint(ckpt)
+    resumed = step(e2, True), {k: v.clone() for k, v in parallm.export_hf_tensors(e2.chunks)}
+    report["resume"] = {"step": (after[0], resumed[0]),
+                        "equal": all(torch.equal(after[1][k], resumed[1][k]) for k in after[1]),
+                        "lr": (e1.optimizer.param_groups[0]["lr"], e2.optimizer.param_groups[0]["lr"])}
+    del e1, e2
     # C. pp2 (dp1): both ranks' rows on both ranks; the reference is A's FSDP2 run over dp2
     gathered = [None] * world
     dist.all_gather_object(gathered, {k: ref[k] for k in ("lp", "ent", "lp_train", "loss")})
@@ -307,11 +326,11 @@ def _check_engine(d, *, loss_tol=1e-5, weight_tol=1e-4, name=""):
 def test_engine_matches_fsdp2(tmp_path):
     """parallm's engine against verl's own FSDP2 engine (transformers) on the same verl batches and configs:
     dense dp2 (fixed and dynamic micro-batches, 3 steps of a cosine schedule with warm-up and weight decay), the
-    same with verl's offload flags (bit-equal), pp2, and a Qwen3-MoE at ep2 (``_engine_rank``)."""
+    same with verl's offload flags (bit-equal), pp2, a Qwen3-MoE at ep2, and a checkpoint resume (``_engine_rank``)."""
     from parallm.integrations.verl import toy  # noqa: F401  (needs verl: skipped above without it)
     dense = toy.write_checkpoint(str(tmp_path / "dense"))
     moe = toy.write_checkpoint(str(tmp_path / "moe"), model_type="qwen3_moe")
-    reports = helpers.run_ranks(_engine_rank, 2, dense, moe, timeout=540)
+    reports = helpers.run_ranks(_engine_rank, 2, dense, moe, str(tmp_path / "ckpt"), timeout=540)
     for rank, rep in enumerate(reports):
         print(rank, rep)
         _check_engine(rep["dense"], name="dense")
@@ -323,6 +342,8 @@ def test_engine_matches_fsdp2(tmp_path):
         off = rep["offload"]
         assert off["equal"], "offloaded run differs from the resident one"
         assert off["start"] == (0, 0) and all(h == (0, 0) for h in off["held"]), off
+        res = rep["resume"]
+        assert res["equal"] and res["step"][0] == res["step"][1] and res["lr"][0] == res["lr"][1], res
         if rank == 1:      # the last pipeline stage: verl's output rank (losses and grad norm are reported there)
             assert rep["pp2_last_stage"]
             _check_engine(rep["pp2"], name="pp2")

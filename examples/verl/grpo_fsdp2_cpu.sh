@@ -4,7 +4,11 @@
 #
 #   bash examples/verl/grpo_fsdp2_cpu.sh [WORK_DIR] [extra hydra overrides...]
 #
-# STRATEGY=fsdp2 (default: verl's own FSDP2 engine) or STRATEGY=parallm (parallm's engine); STEPS (default 2).
+# STRATEGY=fsdp2 (default: verl's own FSDP2 engine) or STRATEGY=parallm (parallm's engine); STEPS (default 2);
+# ADV=grpo (default) or ADV=gae: PPO with a critic (critic.strategy=$STRATEGY; verl 0.9.1's FSDP critic asks
+# transformers for flash_attention_2, so on CPU only STRATEGY=parallm runs it); SAVE_FREQ (default -1: no
+# checkpoints; N: verl's trainer saves every N steps and at the last one under WORK_DIR/checkpoints/STRATEGY, and
+# a later run with the same WORK_DIR and a larger STEPS resumes from the latest one: trainer.resume_mode=auto).
 # What makes verl run on CPU (docs/verl.md): VERL_USE_EXTERNAL_MODULES loads parallm.integrations.verl in every
 # process (the CPU platform, the engine, the verl 0.9.1 workarounds), VERL_PLATFORM=cpu selects the platform,
 # Ray is told of 2 "GPUs" (one slot per training rank) and 16 CPUs, attention is sdpa, vLLM sleep mode is off.
@@ -15,6 +19,23 @@ WORK=${1:-/tmp/parallm_verl_toy}
 shift || true
 STRATEGY=${STRATEGY:-fsdp2}
 STEPS=${STEPS:-2}
+ADV=${ADV:-grpo}
+SAVE_FREQ=${SAVE_FREQ:--1}
+CRITIC=()
+if [ "$ADV" = gae ]; then
+  CRITIC=(
+    critic.strategy="$STRATEGY"
+    critic.model.path="$WORK/model"
+    +critic.model.override_config.attn_implementation=sdpa
+    critic.model.use_remove_padding=False
+    critic.model.enable_gradient_checkpointing=False
+    critic.optim.lr=1e-3
+    critic.ppo_micro_batch_size_per_gpu=2
+    critic.fsdp.use_torch_compile=False
+    critic.fsdp.param_offload=False
+    critic.fsdp.optimizer_offload=False
+  )
+fi
 [ -f "$WORK/model/config.json" ] || "$PY" -m parallm.integrations.verl.toy "$WORK" >/dev/null
 
 export VERL_USE_EXTERNAL_MODULES=parallm.integrations.verl VERL_PLATFORM=cpu
@@ -22,7 +43,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} VLLM_CPU_OMP_THREADS_BIND=nobind VL
 export TOKENIZERS_PARALLELISM=false RAY_DEDUP_LOGS=0 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
 
 exec "$PY" -m verl.trainer.main_ppo \
-  algorithm.adv_estimator=grpo \
+  algorithm.adv_estimator="$ADV" \
   algorithm.use_kl_in_reward=False \
   data.train_files="$WORK/data/train.parquet" \
   data.val_files="$WORK/data/val.parquet" \
@@ -64,11 +85,12 @@ exec "$PY" -m verl.trainer.main_ppo \
   trainer.total_training_steps="$STEPS" \
   trainer.val_before_train=False \
   trainer.test_freq=-1 \
-  trainer.save_freq=-1 \
+  trainer.save_freq="$SAVE_FREQ" \
   trainer.logger=console \
   trainer.project_name=parallm_verl \
-  trainer.experiment_name="grpo_${STRATEGY}_cpu" \
+  trainer.experiment_name="${ADV}_${STRATEGY}_cpu" \
   trainer.default_local_dir="$WORK/checkpoints/$STRATEGY" \
   ray_kwargs.ray_init.num_cpus=16 \
   +ray_kwargs.ray_init.num_gpus=2 \
+  "${CRITIC[@]}" \
   "$@"
