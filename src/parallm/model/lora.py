@@ -51,13 +51,18 @@ from .moe import Experts, swiglu
 from .params import attach_main_grad_hooks
 from .placement import Placement, place
 from .sharding import (Block, PartsSplit, Replicated, Split, TPLayout, _as_source, kv_heads_of_rank)
-from .table import chunk_entries
+from .table import chunk_entries, resolve_shape
 
 mtp = import_megatron().tensor_parallel
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # families whose layers parallm can adapt (their attention is plain GQA; experts as transformers 5 stacks them)
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
+# MoE families whose MLP target names PEFT 0.21 retargets to the stacked routed experts on transformers 5
+# (peft.utils.transformers_weight_conversion: a conversion pattern for the model type). Their dense MLPs and
+# shared experts then get no adapter. Qwen2-MoE has no pattern there: PEFT adapts its nn.Linear MLPs (dense
+# layers, shared expert) and not its routed experts, and so does parallm.
+PEFT_EXPERT_FAMILIES = ("qwen3_moe", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -270,17 +275,21 @@ def layer_slots(spec, entry, config: LoraConfig, *, tp: int, sp: bool) -> tuple[
         (m, p), = modules
         return "row", [Slot(m, p, spec.hidden_size, spec.q_size, *config.rank_alpha_scaled(m), Split(1), Replicated(),
                             False, sp)]
-    if local == "mlp.linear_fc1.weight" and not moe:
+    mlp = local in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight", "mlp.shared_experts.linear_fc1.weight",
+                    "mlp.shared_experts.linear_fc2.weight")
+    if mlp and (not moe or spec.family not in PEFT_EXPERT_FAMILIES):
         if not any(hit):
             return None
-        return "column", [Slot(m, p, spec.intermediate_size, spec.hidden_size, *config.rank_alpha_scaled(m),
-                               Replicated(), Split(0), sp, False) for (m, p), h in zip(modules, hit) if h]
-    if local == "mlp.linear_fc2.weight" and not moe:
-        if not hit[0]:
-            return None
-        (m, p), = modules
-        return "row", [Slot(m, p, spec.hidden_size, spec.intermediate_size, *config.rank_alpha_scaled(m), Split(1),
-                            Replicated(), False, sp)]
+        shapes = [resolve_shape(sh, spec) for sh in entry.row.shapes]
+        if local.endswith("linear_fc1.weight"):      # [gate; up], column-parallel
+            return "column", [Slot(m, p, sh[0], sh[1], *config.rank_alpha_scaled(m), Replicated(), Split(0), sp,
+                                   False) for (m, p), sh, h in zip(modules, shapes, hit) if h]
+        ((m, p),), (sh,) = modules, shapes
+        return "row", [Slot(m, p, sh[0], sh[1], *config.rank_alpha_scaled(m), Split(1), Replicated(), False, sp)]
+    if mlp:
+        return None            # PEFT on transformers 5 retargets these families' MLP names to the routed experts
+    if local.startswith("mlp.experts.") and spec.family not in PEFT_EXPERT_FAMILIES:
+        return None            # PEFT leaves them: transformers 5's stacked experts are no nn.Linear
     if local == "mlp.experts.linear_fc1.weight":
         if not any(hit):
             return None
@@ -300,8 +309,6 @@ def layer_slots(spec, entry, config: LoraConfig, *, tp: int, sp: bool) -> tuple[
         r, alpha = _expert_rank_alpha(config, modules)
         return "experts_fc2", [Slot(fused, "down_proj", spec.hidden_size, spec.moe.expert_intermediate_size, r,
                                     alpha / r, Split(1), Replicated(), False, tp > 1)]
-    if local.startswith(("mlp.shared_experts.", "mlp.linear_fc")):
-        return None                                  # as PEFT on transformers 5: routed experts only
     if entry.hf and entry.hf[0].endswith(".weight") and any(hit):
         raise ValueError(f"LoRA on {', '.join(m for (m, _), h in zip(modules, hit) if h)} is not supported: parallm "
                          "adapts q/k/v/o_proj, gate/up/down_proj and routed experts only (not multi-head latent "
@@ -459,6 +466,10 @@ def add_lora(chunks, config: LoraConfig):
         raise TypeError(f"add_lora takes a parallm.LoraConfig, got {type(config).__name__}")
     if lora_config_of(chunks) is not None:
         raise ValueError("the model already has LoRA adapters")
+    if getattr(chunks[0], "_parallm_grad_buffers", None) is not None or getattr(chunks[0], "_parallm_optimizer_built",
+                                                                                 False):
+        raise ValueError("add_lora after build_optimizer: the optimizer holds the base's parameters; add the "
+                         "adapters first (build_model(..., lora=...)), then build the optimizer")
     spec = chunks[0].spec
     if spec.family not in SUPPORTED_FAMILIES:
         raise ValueError(f"LoRA is not supported for the {spec.family} family yet (supported: "
@@ -545,7 +556,7 @@ def _local_rows(spec, entry, tp, rank) -> list[int]:
         q = spec.q_size * (2 if spec.attn_output_gate else 1) // tp
         kv = len(kv_heads_of_rank(rank, tp, spec.num_kv_heads)) * spec.head_dim
         return [q, kv, kv]
-    return [spec.intermediate_size // tp] * len(entry.hf)
+    return [resolve_shape(sh, spec)[0] // tp for sh in entry.row.shapes]
 
 
 def global_entries(spec, table, task, dims, config: LoraConfig, *, experts=None, layers=None,

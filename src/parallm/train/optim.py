@@ -198,6 +198,8 @@ class ParallelAdamW(torch.optim.Optimizer):
         self._parts: list[tuple[MasterAdamW, ParamBuckets | None]] = []
         self._build_parts(decay, skip, defaults, bucket_bytes)
         self.state = collections.defaultdict(dict, {p: st for p, st in self.owned()})
+        for chunk in self.chunks:       # parallm.add_lora refuses chunks an optimizer already holds
+            chunk._parallm_optimizer_built = True
 
     def _build_parts(self, decay, skip, defaults, bucket_bytes) -> None:
         if not (self.shard_over_dp or self.overlap_grad_reduce):
