@@ -2,7 +2,8 @@
 # GPU smoke: scripts/gpu_smoke.py (logits, log-probs, export, an AdamW step, a training checkpoint, MoE, kernel
 # choices, YaRN, big pipeline messages, throughput against transformers on CUDA + NCCL, every visible GPU: 1, 2
 # or 4), then scripts/gpu_checks/: train.py (offload on CUDA, the MoE token count beside NCCL gradient messages,
-# one world collective per call, an empty replica), attention.py (one process: the context-parallel CUDA block kernel and sliding
+# one world collective per call, an empty replica), replay.py (router replay against transformers with its
+# routers forced, fp32 and bf16, at ep = every GPU), attention.py (one process: the context-parallel CUDA block kernel and sliding
 # windows) and gated_deltanet.py (1-2 processes: the fla kernels against the torch recurrence, Qwen3.5 logits;
 # pip install -e ".[gpu]" first), and with vLLM's CUDA build and 2 GPUs vllm.py (an engine beside a resident
 # trainer, pushes, vLLM's NCCL backend fed by export_source). Every part runs even when an earlier one fails; the exit status is non-zero when any
@@ -16,6 +17,8 @@ echo "== scripts/gpu_smoke.py on $N process(es)"
 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$N" scripts/gpu_smoke.py "$@" || status=1
 echo "== scripts/gpu_checks/train.py on $N process(es)"
 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$N" scripts/gpu_checks/train.py "$@" || status=1
+echo "== scripts/gpu_checks/replay.py on $N process(es)"
+"$PY" -m torch.distributed.run --standalone --nproc-per-node "$N" scripts/gpu_checks/replay.py "$@" || status=1
 echo "== scripts/gpu_checks/attention.py"
 "$PY" scripts/gpu_checks/attention.py "$@" || status=1
 N2=$(( N >= 2 ? 2 : 1 ))

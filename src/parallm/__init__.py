@@ -15,10 +15,14 @@ Public API (a contract, see docs/api.md)::
     meta = parallm.export_metadata(chunks, *, dtype=None)   # [TensorMeta(name, dtype, shape)], the stream's order
     out = parallm.forward(chunks, batch_or_input_ids, attention_mask=None, position_ids=None, *, output=None,
                           temperature=1.0, token_chunk=None, num_microbatches=None,
-                          max_tokens_per_microbatch=None)      # output: None | "logprobs" | "logprobs+entropy"
+                          max_tokens_per_microbatch=None, routed_experts=None, return_routed_experts=False)
+    #   output: None | "logprobs" | "logprobs+entropy"; return_routed_experts=True returns (out, routed_experts)
     loss = parallm.forward_backward(chunks, batch_or_input_ids, attention_mask=None, *, loss_fn,
                                     num_microbatches=1, position_ids=None, output=None, temperature=1.0,
-                                    token_chunk=None, metric_reduce=None, max_tokens_per_microbatch=None)
+                                    token_chunk=None, metric_reduce=None, max_tokens_per_microbatch=None,
+                                    routed_experts=None)
+    #   routed_experts: router replay, [B, S, moe layers, top_k] (or a batch entry) routes every MoE layer with
+    #   those experts, weighted by the router's probabilities of them (docs/moe.md)
     #   batch: a mapping with input_ids, attention_mask, optional position_ids and any per-sample / per-token
     #   tensors, split with the microbatches and handed to loss_fn(out, mb); (input_ids, attention_mask) works too.
     #   loss_fn returns a scalar (mean over microbatches), (loss_sum, num_tokens) (token-mean), or either with a
