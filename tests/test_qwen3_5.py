@@ -14,6 +14,7 @@ after) against transformers' step on the same microbatches.
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import pytest
 import torch
@@ -479,3 +480,198 @@ def test_training_checkpoint_reshards_a_vl_moe_model(tmp_path):
     assert moved > 1e-4                                   # the first step changed the language model
     diff = max((res["load"][k] - res["save"][k]).abs().max().item() for k in hub)
     assert diff < 1e-6, diff
+
+
+# -- multi-token prediction: mtp.* carried bit for bit -------------------------------------------------------------
+
+def add_mtp(ckpt: str, hub: dict, *, seed: int, layers: int = 1) -> dict:
+    """Write multi-token-prediction tensors into ``ckpt``'s safetensors as the published checkpoints hold them
+    (``mtp.fc`` [H, 2H], ``mtp.pre_fc_norm_embedding`` / ``pre_fc_norm_hidden`` / ``norm`` [H], ``mtp.layers.{j}.*``:
+    a full-attention decoder layer, named and shaped as the model's last full-attention layer, experts included)
+    with random values; returns them. A sharded checkpoint gets them as a shard of its own in the index."""
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+    g = torch.Generator().manual_seed(seed)
+    prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in hub) else "model."
+    full = max(int(k.split(".")[-4 if ".mlp.experts." not in k else -6]) for k in hub
+               if k.startswith(prefix + "layers.") and ".self_attn.q_proj." in k)
+    h = hub[prefix + "norm.weight"].shape[0]
+    mtp = {"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
+           "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,)}
+    for j in range(layers):
+        src = f"{prefix}layers.{full}."
+        mtp.update({f"mtp.layers.{j}." + k[len(src):]: tuple(v.shape) for k, v in hub.items() if k.startswith(src)})
+    tensors = {k: torch.randn(shape, generator=g) for k, shape in mtp.items()}
+    index = os.path.join(ckpt, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        save_file(tensors, os.path.join(ckpt, "model-mtp.safetensors"), metadata={"format": "pt"})
+        data = json.load(open(index))
+        data["weight_map"].update({k: "model-mtp.safetensors" for k in tensors})
+        json.dump(data, open(index, "w"))
+    else:
+        path = os.path.join(ckpt, "model.safetensors")
+        save_file({**load_file(path), **tensors}, path, metadata={"format": "pt"})
+    return tensors
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen3_5_moe"])
+def test_mtp_tensors_listed_from_the_headers(model_type, tmp_path):
+    """The family lists the checkpoint's mtp.* tensors (names and shapes from the safetensors headers) and the
+    table then expects exactly them; mtp=False drops them, mtp=True needs them."""
+    from parallm.api import with_mtp
+    from parallm.families import spec_from_config
+    from parallm.model.table import expected_hf_shapes
+    cfg = hybrid_config(model_type)
+    ckpt = str(tmp_path / "m")
+    hub = helpers.hub_state_dict(make_model(cfg, seed=0), ckpt)
+    spec, family = spec_from_config(cfg)
+    assert with_mtp(spec, ckpt, None).carried_mtp == ()                   # none in the checkpoint yet
+    with pytest.raises(ValueError, match="holds no multi-token-prediction tensors"):
+        with_mtp(spec, ckpt, True)
+    mtp = add_mtp(ckpt, hub, seed=1)
+    assert any(".mlp.experts.0." in k for k in mtp) == (model_type != "qwen3_5_text")
+    carried = with_mtp(spec, ckpt, None)
+    assert carried.carried_mtp == tuple((k, tuple(mtp[k].shape)) for k in sorted(mtp))
+    assert with_mtp(spec, ckpt, True) == carried and with_mtp(spec, ckpt, False).carried_mtp == ()
+    with pytest.raises(ValueError, match="not a checkpoint directory"):
+        with_mtp(spec, cfg, True)
+    shapes = expected_hf_shapes(family.table, carried, task="causal_lm", pp=2)
+    assert set(shapes) == set(hub) | set(mtp) and all(shapes[k] == tuple(v.shape) for k, v in mtp.items())
+    from parallm.cli.inspect import inspect_checkpoint, render
+    report = inspect_checkpoint(ckpt)
+    assert report["problem"] is None and report["config"]["mtp_tensors"] == len(mtp), report["problem"]
+    assert f"mtp           {len(mtp)} multi-token-prediction tensors" in render(report)
+
+
+def rank_mtp(rank, world, ckpt, mtp, out):
+    import os
+
+    import parallm
+    from parallm.errors import CheckpointError
+    from parallm.parallel.state import current_dims
+    from safetensors.torch import load_file
+    res = {}
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 101, (4, 10), generator=g)
+    for name, layout in (("tp2", dict(tp=2)), ("pp2", dict(tp=2, pp=2))):
+        parallm.init_parallel(**layout)
+        dims = current_dims()
+        chunks = parallm.build_model(ckpt)
+        holds = [hasattr(c, "carried_mtp") for c in chunks]
+        assert holds == [c.post_process for c in chunks], holds       # the last stage holds them
+        helpers.nan_fill(chunks)
+        parallm.load_hf_weights(chunks, ckpt, mode="broadcast" if name == "pp2" else "auto")
+        sd = parallm.save_hf_weights(chunks)
+        exported = {k: v.clone() for k, v in parallm.export_hf_tensors(chunks, bucket_bytes=4096)}
+        meta = {m.name: tuple(m.shape) for m in parallm.export_metadata(chunks)}
+        if rank == 0:
+            for k, v in mtp.items():
+                assert torch.equal(sd[k], v) and torch.equal(exported[k], v), (name, k)
+                assert meta[k] == tuple(v.shape)
+        out_dir = os.path.join(out, f"saved-{name}")
+        parallm.save_hf_weights(chunks, out_dir)
+        if rank == 0:
+            files = {}
+            for f in os.listdir(out_dir):
+                if f.endswith(".safetensors"):
+                    files.update(load_file(os.path.join(out_dir, f)))
+            assert all(torch.equal(files[k], v) for k, v in mtp.items())
+        # never trained: an optimizer step moves the model, not the mtp tensors; a training checkpoint keeps them
+        opt = parallm.build_optimizer(chunks, lr=1e-2)
+        parallm.forward_backward(chunks, ids[dims.dp_rank * 2:(dims.dp_rank + 1) * 2] if dims.dp > 1 else ids,
+                                 loss_fn=causal_lm_loss)
+        parallm.finalize_grads(chunks)
+        opt.step()
+        stepped = parallm.save_hf_weights(chunks)
+        if name == "tp2":
+            parallm.save_checkpoint(os.path.join(out, "train"), chunks, opt, step=1)
+            res["stepped"] = stepped
+        else:
+            chunks2 = parallm.build_model(ckpt)
+            helpers.nan_fill(chunks2)
+            opt2 = parallm.build_optimizer(chunks2, lr=1e-2)
+            parallm.load_checkpoint(os.path.join(out, "train"), chunks2, opt2)
+            res["resumed"] = parallm.save_hf_weights(chunks2)
+        if rank == 0:
+            assert all(torch.equal(stepped[k], v) for k, v in mtp.items())
+            assert max((stepped[k] - sd[k]).abs().max().item() for k in sd) > 1e-4
+        # built without them: a strict load names them; strict=False drops them
+        bare = parallm.build_model(ckpt, mtp=False)
+        assert not any(hasattr(c, "carried_mtp") for c in bare)
+        with pytest.raises(CheckpointError, match=r"multi-token-prediction tensors \(mtp\.fc\.weight"):
+            parallm.load_hf_weights(bare, ckpt)
+        parallm.load_hf_weights(bare, ckpt, strict=False)
+        parallm.destroy_parallel()
+    return res
+
+
+@pytest.mark.timeout(400)
+def test_mtp_tensors_carried_through_load_save_export_and_checkpoints(tmp_path):
+    """A Qwen3-Next checkpoint (MoE) with mtp.* tensors written into its safetensors: loaded at tp2 (dp2) and
+    pp2 (tp2; the last stage holds them), saved as a dict and a directory, exported, stepped by AdamW (they do not
+    move), stored in a training checkpoint at tp2 and resumed at pp2: every mtp tensor bit-identical."""
+    cfg = hybrid_config("qwen3_next")
+    model = make_model(cfg, seed=11)
+    ckpt = str(tmp_path / "hf")
+    hub = helpers.hub_state_dict(model, ckpt)
+    mtp = add_mtp(ckpt, hub, seed=12)
+    res = helpers.run_ranks(rank_mtp, WORLD, ckpt, mtp, str(tmp_path))[0]
+    for k, v in mtp.items():
+        assert torch.equal(res["resumed"][k], v)
+    helpers.assert_same_state(res["resumed"], res["stepped"])
+
+
+# -- layers_per_stage="balanced" costs Gated DeltaNet and attention layers by their work ---------------------------
+
+def test_balanced_split_costs_the_two_layer_kinds():
+    """Qwen3-Next's shapes (hidden 2048, 16 heads x 256 gated attention, 32 value heads x 128 Gated DeltaNet, 512
+    experts top-10) with an uneven pattern (attention layers gathering at the end): per token at 8k tokens an
+    attention layer's scores cost 11x a Gated DeltaNet layer's recurrence; the split over 3 stages then differs
+    from the split that equal layer costs give (or the weights alone), and its dearest stage is cheaper."""
+    from parallm.api import balanced_layers_per_stage
+    from parallm.families import spec_from_config
+    from parallm.model.table import balance_costs, forward_costs, mixing_costs
+    from parallm.parallel.stages import balanced_sizes
+    lin, full = "linear_attention", "full_attention"
+    types = [lin, lin, lin, full] * 2 + [lin, full, full, full]
+    cfg = helpers.tiny_config("qwen3_next", **dict(
+        HYBRID, hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        num_hidden_layers=len(types), layer_types=types, vocab_size=151936, num_experts=512,
+        num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        intermediate_size=5120, max_position_embeddings=262144))
+    spec, family = spec_from_config(cfg)
+    # the mixing work: attention 16 x (256 + 256) x (n + 1) / 2; the recurrence per value head 3 dk dv + chunk
+    # terms, plus the conv; neither in the weights
+    mix = mixing_costs(spec, seq_len=8192)
+    assert mix[3] == 16 * 512 * 8193 // 2 and mix[0] == mix[1] == mix[8]
+    assert mix[0] == 32 * (3 * 128 * 128 + 64 * (5 * 128) + 64 * 64 // 3) + (2 * 16 * 128 + 32 * 128) * 4
+    assert mixing_costs(spec, seq_len=64)[0] == mix[0] and mixing_costs(spec, seq_len=64)[3] < mix[3] / 100
+    windowed = mixing_costs(dataclasses.replace(spec, layer_windows=(None,) * 3 + (128,) + (None,) * 8),
+                            seq_len=8192)
+    assert windowed[3] == round(16 * 512 * (128 * 129 / 2 + (8192 - 128) * 128) / 8192) and windowed[7] == mix[7]
+    weights, head = forward_costs(family.table, spec, task="causal_lm")
+    assert weights[0] > weights[3] and weights[0] + mix[0] < weights[3] + mix[3]     # the kinds swap places
+    costs, _ = balance_costs(family.table, spec, task="causal_lm", seq_len=8192)
+
+    def dearest(sizes):
+        ends = [sum(sizes[:k + 1]) for k in range(len(sizes))]
+        stages = [sum(costs[a:b]) for a, b in zip([0] + ends, ends)]
+        stages[-1] += head
+        return max(stages)
+
+    split = balanced_layers_per_stage(spec, task="causal_lm", pp=3, seq_len=8192)
+    equal = list(balanced_sizes([sum(costs) // len(costs)] * len(costs), head, 3))
+    by_weights = list(balanced_sizes(weights, head, 3))
+    assert split == [6, 5, 1] and equal == [5, 5, 2] and by_weights == [5, 6, 1], (split, equal, by_weights)
+    assert dearest(split) < 0.91 * min(dearest(equal), dearest(by_weights))
+    # build_model's default length: 4096 tokens, at most max_position_embeddings
+    assert balanced_layers_per_stage(spec, task="causal_lm", pp=3) == \
+        balanced_layers_per_stage(spec, task="causal_lm", pp=3, seq_len=4096)
+    small = dataclasses.replace(spec, rope=dataclasses.replace(spec.rope, max_position_embeddings=64))
+    assert balance_costs(family.table, small, task="causal_lm")[0] == \
+        balance_costs(family.table, spec, task="causal_lm", seq_len=64)[0]
+    with pytest.raises(ValueError, match="seq_len must be a positive whole number"):
+        balance_costs(family.table, spec, task="causal_lm", seq_len=0)

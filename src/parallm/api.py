@@ -124,20 +124,24 @@ def _source_dir(hf_config) -> str | None:
     return path if os.path.isdir(path) else os.path.dirname(path)
 
 
-def balanced_layers_per_stage(spec, *, task: str, pp: int, vpp: int = 1) -> list[int] | None:
+def balanced_layers_per_stage(spec, *, task: str, pp: int, vpp: int = 1, seq_len: int | None = None
+                              ) -> list[int] | None:
     """``build_model(layers_per_stage="balanced")``'s split of ``spec`` (a :class:`parallm.model.spec.DecoderSpec`)
     over ``pp x vpp`` virtual stages: :func:`parallm.parallel.stages.balanced_sizes` of the per-token
-    multiply-adds of each layer and of the ``task``'s head (:func:`parallm.model.table.forward_costs`). None at
-    ``pp * vpp == 1``. The same on every rank (a pure function of the config)."""
+    multiply-adds of each layer (its weights, and its token mixing at sequences of ``seq_len`` tokens: attention
+    scores, or a Gated DeltaNet layer's recurrence) and of the ``task``'s head
+    (:func:`parallm.model.table.balance_costs`; ``seq_len`` None: 4096, at most ``max_position_embeddings``;
+    build_model uses the default, pass this function's result as ``layers_per_stage`` for another length).
+    None at ``pp * vpp == 1``. The same on every rank (a pure function of the config)."""
     from .families import family_of
-    from .model.table import forward_costs
+    from .model.table import balance_costs
     from .parallel.stages import balanced_sizes
     if pp * vpp == 1:
         return None
     if spec.num_layers < pp * vpp:
         raise ValueError(f"{spec.num_layers} layers do not split into pp={pp} x vpp={vpp} stages of at least one "
                          "layer each")
-    layers, head = forward_costs(family_of(spec).table, spec, task=task)
+    layers, head = balance_costs(family_of(spec).table, spec, task=task, seq_len=seq_len)
     return list(balanced_sizes(layers, head, pp * vpp))
 
 
@@ -145,12 +149,39 @@ def with_mtp(spec, hf_config, mtp: bool | None):
     """``spec`` carrying its multi-token-prediction layers or not (see :func:`build_model`'s ``mtp``)."""
     if mtp not in (None, True, False):
         raise ValueError(f"mtp must be None, True or False, got {mtp!r}")
+    from .families import family_of
+    pick = family_of(spec).mtp_tensors
+    if pick is not None:        # the family lists its MTP tensors from the checkpoint's headers (Qwen3.5 mtp.*)
+        present = checkpoint_shapes(hf_config)
+        found = pick(present) if present is not None else ()
+        if mtp and not found:
+            raise ValueError(f"mtp=True, but " + (
+                f"{spec.architecture} lists its multi-token-prediction tensors from the checkpoint's headers and "
+                "hf_config is not a checkpoint directory: build from the directory" if present is None else
+                f"the checkpoint {hf_config} holds no multi-token-prediction tensors"))
+        return dataclasses.replace(spec, carried_mtp=found if mtp is not False else ())
     if mtp is None:
         mtp = spec.mtp_layers > 0 and checkpoint_has_mtp(hf_config, spec.num_layers)
     if mtp and not spec.mtp_layers:
         raise ValueError(f"mtp=True, but {spec.architecture}'s config has no multi-token-prediction layers "
                          "(num_nextn_predict_layers is 0 or the family has none)")
     return dataclasses.replace(spec, carried_mtp_layers=spec.mtp_layers if mtp else 0)
+
+
+def checkpoint_shapes(hf_config) -> dict | None:
+    """``{HF name: shape}`` of every tensor of checkpoint directory ``hf_config`` (from the index and the
+    safetensors headers: no tensor data), or None when it is not a readable checkpoint directory."""
+    import os
+
+    from .checkpoint.hf_dir import HFCheckpoint
+    from .errors import CheckpointError
+    if not isinstance(hf_config, (str, os.PathLike)) or not os.path.isdir(hf_config):
+        return None
+    try:
+        ckpt = HFCheckpoint(hf_config)
+        return {k: tuple(ckpt.source(k).shape) for k in ckpt.keys()}
+    except CheckpointError:          # a config-only directory, or one the loader will name the problem of
+        return None
 
 
 def checkpoint_has_mtp(hf_config, num_layers: int) -> bool:

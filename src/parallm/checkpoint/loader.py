@@ -93,6 +93,14 @@ def check_checkpoint(present: dict, spec, task: str, expected: dict, *, strict: 
     ``value_head_plan``'s two and :func:`fused_plan`'s."""
     if strict and spec.mtp_layers and not spec.carried_mtp_layers:
         refuse_uncarried_mtp(present, spec, where)
+    pick = family_of(spec).mtp_tensors
+    if strict and pick is not None and not spec.carried_mtp and (extra := pick(present)):
+        raise CheckpointError(
+            f"{where}: the checkpoint carries multi-token-prediction tensors ({', '.join(n for n, _ in extra[:3])}"
+            f"{f' and {len(extra) - 3} more' if len(extra) > 3 else ''}) and the model was built without them: "
+            "build it from this checkpoint directory (build_model(path), mtp=None or True) to carry them through "
+            "save_hf_weights / export_hf_tensors / training checkpoints, or load with strict=False to drop them "
+            "(as transformers does)")
     aliases, init = value_head_plan(present, spec, task)
     parts = fused_plan(present, expected, fused or {}, where=where,
                        num_experts=spec.moe.num_experts if spec.moe is not None else 0)

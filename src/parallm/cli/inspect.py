@@ -217,7 +217,9 @@ def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, ep=Non
                     rms_norm_eps=spec.rms_norm_eps, latent_attention=spec.mla is not None,
                     mtp_layers=spec.carried_mtp_layers, linear_layers=list(_linear_layers(spec)),
                     linear_heads=_linear_heads(spec), carried=len(spec.carried),
-                    carried_parameters=sum(math.prod(shape) for _, shape in spec.carried)),
+                    carried_parameters=sum(math.prod(shape) for _, shape in spec.carried),
+                    mtp_tensors=len(spec.carried_mtp),
+                    mtp_parameters=sum(math.prod(shape) for _, shape in spec.carried_mtp)),
         parameters=sum(dtypes.values()), tensors=len(tensors), dtypes=dtypes, dtype=main,
         dtype_bytes=itemsize.get(main, 4), files=files, problem=ck["problem"], notes=ck["notes"],
         valid_tp=[tp for tp in range(1, spec.num_heads + 1) if _splits(check_tp, spec, tp)],
@@ -282,6 +284,9 @@ def render(report: dict) -> str:
         *([f"carried       {c['carried']} tensors ({_count(c['carried_parameters'])} params: the vision tower) held "
            "on the first stage, loaded, saved and exported unchanged, never run nor trained"]
           if c.get("carried") else []),
+        *([f"mtp           {c['mtp_tensors']} multi-token-prediction tensors ({_count(c['mtp_parameters'])} params, "
+           "mtp.*) held replicated on the last stage, loaded, saved and exported unchanged, never run nor trained"]
+          if c.get("mtp_tensors") else []),
         f"parameters    {_count(report['parameters'])} ({report['parameters']:,}) in {report['tensors']} tensors",
         "dtype         " + ", ".join(f"{k} ({_count(v)} params)" for k, v in report["dtypes"].items()),
         f"files         {len(report['files'])} safetensors file(s), {_bytes(sum(report['files'].values()))}:",

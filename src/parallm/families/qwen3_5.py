@@ -12,8 +12,12 @@ Gated DeltaNet (linear attention, :mod:`parallm.model.gated_deltanet`) except ev
   expert scaled by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE's block).
 
 RoPE: Qwen3.5's text rotary is multimodal (``mrope_section``); for text-only positions (the same position on
-every axis, what parallm passes) it is the plain rotate-half RoPE, which is what runs here. Multi-token
-prediction tensors (``mtp.*``) are not read (transformers drops them too).
+every axis, what parallm passes) it is the plain rotate-half RoPE, which is what runs here.
+
+Multi-token prediction (the checkpoints' ``mtp.*``: ``mtp.fc``, ``mtp.pre_fc_norm_embedding`` /
+``pre_fc_norm_hidden``, ``mtp.layers.{j}.*`` (``mtp_num_hidden_layers`` of them), ``mtp.norm``; transformers drops
+them): not run; carried bit for bit (:func:`mtp_tensors` lists them from the checkpoint's headers, the last
+stage holds them replicated: ``build_model(mtp=...)``, :data:`CARRIED_MTP_ROW`).
 """
 
 from __future__ import annotations
@@ -64,6 +68,18 @@ QWEN3_NEXT_IN_PROJ = Row(
     (("gdn_qkvz_size", H), ("gdn_ba_size", H)), when=("linear_layer",))
 
 
+MTP_PREFIX = "mtp."
+# one row per tensor of spec.carried_mtp (the template is expanded by select_rows): replicated, never trained
+CARRIED_MTP_ROW = Row("carried_mtp.{c}", ("{carried}",), "copy", "last", ((0,),), when=("carried_mtp",),
+                      trained=False)
+
+
+def mtp_tensors(present: dict) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The multi-token-prediction tensors among a checkpoint's ``{name: shape}`` (``mtp.*``, top level in text
+    and vision-language checkpoints alike), in name order."""
+    return tuple((n, tuple(present[n])) for n in sorted(present) if n.startswith(MTP_PREFIX))
+
+
 def hybrid_table(in_proj: Row, *, moe: bool) -> tuple[Row, ...]:
     """The dense decoder table with its attention rows for attention layers only (q_proj ``[q_h; gate_h]`` per
     head: ``q_proj_size`` rows) and the Gated DeltaNet rows for the others; ``moe``: every MLP row for dense
@@ -79,7 +95,7 @@ def hybrid_table(in_proj: Row, *, moe: bool) -> tuple[Row, ...]:
                 shapes = (("q_proj_size",),) + r.shapes[1:]
             r = replace(r, shapes=shapes, when=r.when + ("attention_layer",))
         rows.append(r)
-    base = tuple(rows) + _gdn_rows(in_proj)
+    base = tuple(rows) + _gdn_rows(in_proj) + (CARRIED_MTP_ROW,)
     if not moe:
         return base
     experts = moe_rows("model.layers.{i}.mlp.", router="gate.weight", gate="experts.{e}.gate_proj.weight",
@@ -170,6 +186,7 @@ QWEN3_5 = register(Family(
     table=hybrid_table(QWEN3_5_IN_PROJ, moe=False),
     causal_architecture="Qwen3_5ForCausalLM",
     value_architecture="Qwen3_5TextForSequenceClassification",
+    mtp_tensors=mtp_tensors,
 ))
 
 QWEN3_5_MOE = register(Family(
@@ -182,6 +199,7 @@ QWEN3_5_MOE = register(Family(
     # transformers 5.25 has no sequence-classification class for Qwen3.5-MoE; a value model is saved under this
     # name (parallm loads it back; transformers cannot)
     value_architecture="Qwen3_5MoeForSequenceClassification",
+    mtp_tensors=mtp_tensors,
 ))
 
 
@@ -257,6 +275,7 @@ QWEN3_5_VL = register(Family(
     table=vl_table(QWEN3_5.table),
     causal_architecture="Qwen3_5ForConditionalGeneration",
     value_architecture="Qwen3_5ForSequenceClassification",
+    mtp_tensors=mtp_tensors,
 ))
 
 QWEN3_5_MOE_VL = register(Family(
@@ -267,4 +286,5 @@ QWEN3_5_MOE_VL = register(Family(
     table=vl_table(QWEN3_5_MOE.table),
     causal_architecture="Qwen3_5MoeForConditionalGeneration",
     value_architecture="Qwen3_5MoeForSequenceClassification",
+    mtp_tensors=mtp_tensors,
 ))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ..model.spec import DecoderSpec
 from .moe_common import moe_layers, num_experts_of
-from .qwen3_5 import QWEN3_NEXT_IN_PROJ, hybrid_spec, hybrid_table, qwen_hybrid_moe
+from .qwen3_5 import QWEN3_NEXT_IN_PROJ, hybrid_spec, hybrid_table, mtp_tensors, qwen_hybrid_moe
 from .registry import Family, register
 
 
@@ -31,4 +31,5 @@ QWEN3_NEXT = register(Family(
     table=hybrid_table(QWEN3_NEXT_IN_PROJ, moe=True),
     causal_architecture="Qwen3NextForCausalLM",
     value_architecture="Qwen3NextForSequenceClassification",
+    mtp_tensors=mtp_tensors,
 ))

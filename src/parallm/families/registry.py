@@ -21,6 +21,11 @@ class Family:
     table: tuple
     causal_architecture: str
     value_architecture: str
+    # The multi-token-prediction tensors this family carries without running them, picked from a checkpoint's
+    # tensors ({HF name: shape}, read from the safetensors headers) -> ((name, shape), ...) in a fixed order
+    # (Qwen3.5 / Qwen3-Next: ``mtp.*``); the model holds them on its last stage (spec.carried_mtp). None: the
+    # family has none, or describes them in its table (DeepSeek-V3's num_nextn_predict_layers).
+    mtp_tensors: Callable[[dict], tuple] | None = None
 
 
 FAMILIES: dict[str, Family] = {}

@@ -166,7 +166,8 @@ class DecoderLayer(nn.Module):
 
 class CarriedTensors(nn.ParameterList):
     """``spec.carried``'s tensors, one parameter each (``carried.{j}``), replicated on every TP rank of the first
-    pipeline stage, without gradient: loaded, saved, exported and checkpointed bit for bit, never run."""
+    pipeline stage (``spec.carried_mtp``'s: ``carried_mtp.{j}`` on the last), without gradient: loaded, saved,
+    exported and checkpointed bit for bit, never run."""
 
     def __init__(self, carried, dtype, device=None):
         super().__init__(nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
@@ -307,6 +308,8 @@ class DecoderChunk(nn.Module):
                 self.real_vocab_columns = real if real < per else None
             else:
                 self.score = nn.Linear(spec.hidden_size, 1, bias=False, dtype=config.params_dtype, device=device)
+            if spec.carried_mtp:     # a family's listed MTP tensors (Qwen3.5 mtp.*): held, never run
+                self.carried_mtp = CarriedTensors(spec.carried_mtp, config.params_dtype, device)
             if spec.carried_mtp_layers:      # carried multi-token-prediction layers: loaded, saved, never run
                 self.mtp_layers = nn.ModuleList(
                     MTPLayer(spec, config, tp, spec.num_layers + j, device, backend=backend, dims=dims,

@@ -196,6 +196,10 @@ class DecoderSpec:
     # HF tensors the model holds on its first pipeline stage, loads, saves and exports unchanged but never runs
     # nor trains (a vision-language checkpoint's vision tower): (HF name, shape) pairs
     carried: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # HF tensors the model holds on its last pipeline stage, replicated, loads, saves and exports unchanged but
+    # never runs nor trains: multi-token-prediction tensors a family lists from the checkpoint's headers
+    # (Qwen3.5 / Qwen3-Next ``mtp.*``: build_model(mtp=...)), (HF name, shape) pairs
+    carried_mtp: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def __post_init__(self):
         # only the fields that existing families never set are checked here (tests replace() sizes freely)

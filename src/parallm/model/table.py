@@ -30,6 +30,7 @@ of each layer.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from fractions import Fraction
 
 from .placement import placement_of
 from .spec import DecoderSpec
@@ -39,6 +40,9 @@ KINDS = ("copy", "vocab", "column", "row", "qkv", "gate_up", "gdn_conv", "gdn_in
 # num_layers + j), held by the chunk with post_process; the decoder layer inside it takes the "layer" rows
 STAGES = ("first", "layer", "last", "mtp")
 MTP_MODULE = "mtp_layers"       # the last chunk's module of carried MTP layers: mtp_layers.{j}.layer.* etc.
+# the last chunk's module of spec.carried_mtp (carried_mtp.{c}: one parameter per listed tensor); the first
+# chunk's spec.carried are "carried.{c}"
+CARRIED_MTP_MODULE = "carried_mtp"
 TP_SUM = ("never", "sp", "always")
 
 # Conditions a row may require (all must hold).
@@ -60,8 +64,9 @@ CONDITIONS = {
     "q_lora": lambda spec, task, pp: spec.mla is not None and spec.mla.q_lora_rank is not None,
     "no_q_lora": lambda spec, task, pp: spec.mla is not None and spec.mla.q_lora_rank is None,
     "down_bias": lambda spec, task, pp: spec.mla is not None and spec.mla.down_proj_bias,
-    # the model carries tensors it never runs (spec.carried: a vision tower)
+    # the model carries tensors it never runs (spec.carried: a vision tower; spec.carried_mtp: MTP tensors)
     "carried": lambda spec, task, pp: bool(spec.carried),
+    "carried_mtp": lambda spec, task, pp: bool(spec.carried_mtp),
     # the model carries multi-token-prediction layers (build_model(mtp=...))
     "mtp": lambda spec, task, pp: spec.carried_mtp_layers > 0,
 }
@@ -160,9 +165,10 @@ def select_rows(table, spec: DecoderSpec, task: str, pp: int) -> list[Row]:
     for r in table:
         if not r.applies(spec, task, pp):
             continue
-        if "{c}" in r.local:        # a template for every carried tensor (spec.carried), in order
+        if "{c}" in r.local:        # a template for every carried tensor (spec.carried / carried_mtp), in order
+            carried = spec.carried_mtp if r.local.startswith(CARRIED_MTP_MODULE + ".") else spec.carried
             out.extend(replace(r, local=r.local.replace("{c}", str(j)), hf=(name,), shapes=(tuple(shape),))
-                       for j, (name, shape) in enumerate(spec.carried))
+                       for j, (name, shape) in enumerate(carried))
         elif r.per_expert:
             if spec.moe is not None:
                 out.extend(_expand_experts(r, spec.moe.num_experts))
@@ -326,3 +332,51 @@ def forward_costs(table, spec: DecoderSpec, *, task: str) -> tuple[list[int], in
                 layers[e.layer] += share * full[0] * full[1]
     head = {"causal_lm": spec.vocab_size * spec.hidden_size, "value": spec.hidden_size}.get(task, 0)
     return [round(c) for c in layers], head
+
+
+# Tokens per sequence at which balance_costs counts the attention scores when none is given: a typical training
+# length (capped by the model's max_position_embeddings), not a measured optimum.
+BALANCE_SEQ_LEN = 4096
+
+
+def mixing_costs(spec: DecoderSpec, *, seq_len: int) -> list[int]:
+    """Multiply-adds per token of each layer's token mixing beyond its weights, for sequences of ``seq_len``
+    tokens: an attention layer's scores and weighted values, ``heads x (qk_dim + v_dim) x keys``, ``keys`` the
+    keys a query sees on average (``(seq_len + 1) / 2`` causal, fewer under a sliding window); a Gated DeltaNet
+    layer's chunked gated delta rule per value head, ``3 dk dv`` (reading, correcting and updating the ``dk x dv``
+    state) ``+ C (3 dk + 2 dv) + C^2 / 3`` (the within-chunk products and the triangular solve, chunk ``C`` =
+    64), plus its depthwise conv, ``conv_dim x kernel``, independent of the length. At long sequences an
+    attention layer costs far more than a Gated DeltaNet layer of the same weights, which is what a hybrid
+    model's pipeline split must know."""
+    from .gated_deltanet import CHUNK
+    lin = spec.linear_attn
+    gdn_layers = set(lin.layers) if lin is not None else set()
+    if lin is not None:
+        dk, dv, hv, hk, c = lin.key_head_dim, lin.value_head_dim, lin.num_value_heads, lin.num_key_heads, CHUNK
+        gdn = hv * (3 * dk * dv + c * (3 * dk + 2 * dv) + c * c // 3) + (2 * hk * dk + hv * dv) * lin.conv_kernel
+    if spec.mla is not None:
+        qk, v = spec.mla.qk_rope_head_dim + spec.mla.qk_nope_head_dim, spec.mla.v_head_dim
+    else:
+        qk = v = spec.head_dim
+    out = []
+    for i in range(spec.num_layers):
+        if i in gdn_layers:
+            out.append(gdn)
+            continue
+        w = spec.layer_windows[i] if i < len(spec.layer_windows) else None
+        n = seq_len
+        keys = Fraction(n + 1, 2) if w is None or w >= n else Fraction(w * (w + 1), 2 * n) + Fraction((n - w) * w, n)
+        out.append(round(spec.num_heads * (qk + v) * keys))
+    return out
+
+
+def balance_costs(table, spec: DecoderSpec, *, task: str, seq_len: int | None = None) -> tuple[list[int], int]:
+    """Per layer and for the head, multiply-adds per token: :func:`forward_costs` (the weights) plus
+    :func:`mixing_costs` at ``seq_len`` (None: :data:`BALANCE_SEQ_LEN`, at most the model's
+    ``max_position_embeddings``). What ``layers_per_stage="balanced"`` evens out."""
+    if seq_len is None:
+        seq_len = min(BALANCE_SEQ_LEN, spec.rope.max_position_embeddings or BALANCE_SEQ_LEN)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive whole number of tokens, got {seq_len!r}")
+    layers, head = forward_costs(table, spec, task=task)
+    return [a + b for a, b in zip(layers, mixing_costs(spec, seq_len=seq_len))], head
