@@ -1,4 +1,4 @@
-"""Qwen3-Next (``Qwen3NextForCausalLM``): the hybrid decoder of :mod:`parallm.families.qwen3_5` (Gated DeltaNet
+"""Qwen3-Next (``Qwen3NextForCausalLM``): the hybrid decoder of :mod:`parallm.families.hybrid_common` (Gated DeltaNet
 layers with full-attention ones between them, gated attention output, zero-centred norms, partial RoPE), with
 Qwen2-MoE's block on the layers ``decoder_sparse_step`` / ``mlp_only_layers`` pick (softmax top-k,
 ``norm_topk_prob`` from the config, a shared expert with its sigmoid gate; the others keep a dense MLP).
@@ -12,9 +12,15 @@ block (:mod:`parallm.model.gated_deltanet`).
 from __future__ import annotations
 
 from ..model.spec import DecoderSpec
+from ..model.table import Row
+from .hybrid_common import GDN, H, LINEAR, hybrid_spec, hybrid_table, mtp_tensors, qwen_hybrid_moe
 from .moe_common import moe_layers, num_experts_of
-from .qwen3_5 import QWEN3_NEXT_IN_PROJ, hybrid_spec, hybrid_table, mtp_tensors, qwen_hybrid_moe
 from .registry import Family, register
+
+# Qwen3-Next: in_proj_qkvz and in_proj_ba, rows grouped by key head
+QWEN3_NEXT_IN_PROJ = Row(
+    GDN + "in_proj.weight", (LINEAR + "in_proj_qkvz.weight", LINEAR + "in_proj_ba.weight"), "gdn_in", "layer",
+    (("gdn_qkvz_size", H), ("gdn_ba_size", H)), when=("linear_layer",))
 
 
 def qwen3_next_spec(config) -> DecoderSpec:
