@@ -28,10 +28,17 @@ __all__ = ["push_adapter"]
 LORA_ID = 1                   # the LoRARequest id parallm's adapter takes in an engine (one adapter per engine)
 
 
-def _engine_lora(llm) -> tuple[bool, int]:
-    """(whether the engine serves LoRA, its max_lora_rank)."""
+def _engine_lora(llm) -> tuple[bool, int, bool]:
+    """(whether the engine serves LoRA, its max_lora_rank, whether it takes stacked 3-D expert factors)."""
     config = getattr(getattr(llm.llm_engine, "vllm_config", None), "lora_config", None)
-    return (config is not None, int(getattr(config, "max_lora_rank", 0) or 0))
+    return (config is not None, int(getattr(config, "max_lora_rank", 0) or 0),
+            bool(getattr(config, "enable_mixed_moe_lora_format", False)))
+
+
+def _has_experts(chunks) -> bool:
+    chunk = as_chunks(chunks)[0]
+    return any(e.index is not None for e, _, _ in global_entries(chunk.spec, chunk.table, chunk.task, chunk.dims,
+                                                                 lora_config_of(chunks)))
 
 
 def _largest_rank(chunks) -> int:
@@ -62,7 +69,9 @@ def push_adapter(chunks, llm, *, rank: int = 0, name: str = "parallm", dtype: to
     directory on rank ``rank`` (a temporary directory kept for the engine, replaced at every push) and
     ``stats["lora_request"]`` is a ``vllm.lora.request.LoRARequest(name, 1, directory, load_inplace=True)`` on
     that rank (None elsewhere): pass it to ``llm.generate(..., lora_request=...)``, which loads the new adapter.
-    The engine's ``max_lora_rank`` must hold the adapters' largest rank (2 r for routed experts' gate_up).
+    The engine's ``max_lora_rank`` must hold the adapters' largest rank (2 r for routed experts' gate_up); with
+    routed experts' factors it needs ``enable_mixed_moe_lora_format=True`` (the request then says
+    ``is_3d_lora_weight=True``; vLLM runs MoE LoRA with Triton kernels: GPU only, never run here).
     An engine without LoRA, or engines in other processes (a :func:`connect` connection: loading an adapter into them
     is not implemented): :func:`push_weights` of the merged weights (``stats["mode"] == "merged"``).
     Returns ``{"mode": "adapter" | "merged", "bytes", "seconds", "lora_request", ...}``. Errors (no adapters, no
@@ -81,6 +90,7 @@ def push_adapter(chunks, llm, *, rank: int = 0, name: str = "parallm", dtype: to
         with merged_weights(chunks):
             stats = push_weights(chunks, llm, dtype=dtype, bucket_bytes=bucket_bytes)
         return dict(stats, mode="merged", lora_request=None)
+    experts = _has_experts(chunks)
     info = gather_objects(_engine_lora(llm) if llm is not None else None, what="push_adapter")[rank]
 
     def check_engine():
@@ -89,6 +99,11 @@ def push_adapter(chunks, llm, *, rank: int = 0, name: str = "parallm", dtype: to
         if info[0] and _largest_rank(chunks) > info[1]:
             raise ValueError(f"push_adapter: the adapters' largest rank is {_largest_rank(chunks)}, the engine's "
                              f"max_lora_rank {info[1]}; launch it with max_lora_rank >= {_largest_rank(chunks)}")
+        if info[0] and experts and not info[2]:
+            raise ValueError("push_adapter: the adapters hold routed experts' factors, stacked as PEFT writes them "
+                             "for transformers 5; launch the engine with enable_mixed_moe_lora_format=True (vLLM "
+                             "then takes them with is_3d_lora_weight=True; its MoE LoRA kernels need Triton: "
+                             "not on vLLM's CPU build)")
     run_local(check_engine, what="push_adapter")
     if not info[0]:
         with merged_weights(chunks):
@@ -104,7 +119,8 @@ def push_adapter(chunks, llm, *, rank: int = 0, name: str = "parallm", dtype: to
         from vllm.lora.request import LoRARequest
         path = _adapter_dir(llm)
         write_peft_dir(path, tensors, peft_config_dict(chunks))
-        return LoRARequest(lora_name=name, lora_int_id=LORA_ID, lora_path=path, load_inplace=True)
+        return LoRARequest(lora_name=name, lora_int_id=LORA_ID, lora_path=path, load_inplace=True,
+                           is_3d_lora_weight=experts)
     request = run_local(write, what="push_adapter")
     seconds = time.perf_counter() - start
     return {"mode": "adapter", "bytes": nbytes, "seconds": seconds, "tensors": len(tensors),
