@@ -2,9 +2,12 @@
 engines in processes of their own (2 tensor-parallel workers and 1) started by rank 0, every step's rollouts
 split between them, a push into both through parallm_shm every step. Runs in the vLLM venv (``scripts/test.sh``).
 
-The engines' log-probs of their samples equal the trainer's on every step (a push that did not reach one of the
-engines leaves them ~1 apart), and the reward rises within 24 steps (0.23 -> 0.43 when measured; sampling is
-seeded per request). The servers are stopped by the example (and their /dev/shm files removed)."""
+The engines' log-probs of their samples equal the trainer's on every one of 8 steps (a push that did not reach
+one of the engines leaves them apart, by ~1 from the first step, which follows the supervised warm-up; rollouts
+paired with the wrong prompts too). That the example learns (the reward rising within 24 steps) is checked on the
+same example with the in-process engine (tests/test_vllm.py::test_grpo_example_learns), not here: 24 steps with
+engines in other processes cost the suite several minutes more. The servers are stopped by the example (and
+their /dev/shm files removed)."""
 
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ def test_grpo_with_serve_engines_learns(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="ERROR", PARALLM_PROGRESS="0")
     log = tmp_path / "log.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "examples", "grpo.py"), "--rollout", "vllm", "--engines", "serve", "--steps", "24",
+           os.path.join(ROOT, "examples", "grpo.py"), "--rollout", "vllm", "--engines", "serve", "--steps", "8",
            "--workdir", str(tmp_path), "--jsonl", str(log)]
     before = shm_files()
     try:
@@ -36,10 +39,8 @@ def test_grpo_with_serve_engines_learns(tmp_path):
         left = remove_shm_files(before)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in open(log)]
-    assert [r["step"] for r in rows] == list(range(1, 25))
+    assert [r["step"] for r in rows] == list(range(1, 9))
     for r in rows:
         assert r["rollout"] == "vllm-serve" and 0.0 <= r["reward"] <= 1.0 and r["push_s"] > 0, r
         assert r["logprob_mismatch_max"] < 1e-3, r
-    first, last = (sum(r["reward"] for r in part) / len(part) for part in (rows[:5], rows[-5:]))
-    assert last > first + 0.1, [round(r["reward"], 3) for r in rows]
     assert not [n for n in left if n.startswith("parallm_wt_")], left      # the example closed its connection
