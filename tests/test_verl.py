@@ -11,7 +11,7 @@ Runs in .venv-verl (``scripts/setup_verl.sh``; ``scripts/test.sh`` runs this fil
   ``EngineRegistry`` from the same verl configs on 2 gloo ranks, take the same verl batches: log-probs and
   entropy (``infer_batch``, fixed and dynamic micro-batches), then 3 PPO ``train_batch`` steps with verl's
   ``ppo_loss`` and a cosine LR schedule with warm-up (losses, grad norms, LRs, the weights after AdamW), all in
-  fp32, equal within fp32 tolerance: dense at dp2, at pp2, a Qwen3-MoE at ep2; verl's offload flags (bit-equal);
+  fp32, equal within fp32 tolerance: dense at dp2, pp2, tp2 and cp2, a Qwen3-MoE at ep2; verl's offload flags (bit-equal);
   a checkpoint save / load (bit-equal continuation). See ``_engine_rank``.
 * ``test_value_engine``: parallm's critic engine's nested ``values`` against transformers (body x the score head),
   then one critic ``train_batch`` with verl's ``value_loss`` against the same AdamW step on transformers.
@@ -115,8 +115,8 @@ def _engine_rank(rank, world, dense, moe, ckpt):
        and dynamic micro-batches), then 3 ``train_batch`` steps (fixed, dynamic, fixed micro-batches) with a
        cosine LR schedule with warm-up and weight decay; B. parallm's engine again with param / optimizer
        offload on (a model "on an accelerator": verl's device name is made "cuda" so verl's mode switches call
-       ``to``, parallm.offload / onload then move the CPU storages), bit-equal to A; C. parallm at pp2 (dp1)
-       fed both ranks' rows (the same global mini-batch as A's dp2); D. a Qwen3-MoE, FSDP2 dp2 vs parallm
+       ``to``, parallm.offload / onload then move the CPU storages), bit-equal to A; C. parallm at pp2, tp2 and
+       cp2 (dp1) fed both ranks' rows (the same global mini-batch as A's dp2); D. a Qwen3-MoE, FSDP2 dp2 vs parallm
        dp2 x ep2; E. (at A's layout) ``save_checkpoint`` after 2 steps, then a third step, against a fresh engine
        that ``load_checkpoint``\ s and takes the third step: bit-equal weights, equal loss, norm and LR."""
     os.environ.update(ENV)
@@ -298,11 +298,14 @@ def _engine_rank(rank, world, dense, moe, ckpt):
              "lp_train": [t for g in gathered for t in g["lp_train"]],
              "loss": [sum(g["loss"][i] for g in gathered) / world for i in range(len(STEPS))],
              "lr": ref["lr"], "norm": ref["norm"], "state": ref["state"]}
-    parallm.destroy_parallel()
-    os.environ["PARALLM_VERL_CONFIG"] = json.dumps({"pp": 2})
-    pp = run(engine("parallm", dense), list(range(world)))
-    report["pp2"] = compare(whole, pp)
-    report["pp2_last_stage"] = pp["norm"][0] is not None
+    for name, layout in (("pp2", {"pp": 2}), ("tp2", {"tp": 2}), ("cp2", {"cp": 2})):
+        parallm.destroy_parallel()
+        os.environ["PARALLM_VERL_CONFIG"] = json.dumps(layout)
+        e = engine("parallm", dense)
+        out = run(e, list(range(world)))
+        report[name] = compare(whole, out)
+        report[name + "_output_rank"] = e.is_mp_src_rank_with_outputs()
+        report[name + "_reported"] = out["norm"][0] is not None
     # D. Qwen3-MoE: FSDP2 dp2 against parallm dp2 x ep2
     parallm.destroy_parallel()
     os.environ["PARALLM_VERL_CONFIG"] = json.dumps({"ep": 2})
@@ -330,7 +333,7 @@ def _check_engine(d, *, loss_tol=1e-5, weight_tol=1e-4, name=""):
 def test_engine_matches_fsdp2(tmp_path):
     """parallm's engine against verl's own FSDP2 engine (transformers) on the same verl batches and configs:
     dense dp2 (fixed and dynamic micro-batches, 3 steps of a cosine schedule with warm-up and weight decay), the
-    same with verl's offload flags (bit-equal), pp2, a Qwen3-MoE at ep2, and a checkpoint resume (``_engine_rank``)."""
+    same with verl's offload flags (bit-equal), pp2, tp2, cp2, a Qwen3-MoE at ep2, and a checkpoint resume (``_engine_rank``)."""
     from parallm.integrations.verl import toy  # noqa: F401  (needs verl: skipped above without it)
     dense = toy.write_checkpoint(str(tmp_path / "dense"))
     moe = toy.write_checkpoint(str(tmp_path / "moe"), model_type="qwen3_moe")
@@ -348,12 +351,16 @@ def test_engine_matches_fsdp2(tmp_path):
         assert off["start"] == (0, 0) and all(h == (0, 0) for h in off["held"]), off
         res = rep["resume"]
         assert res["equal"] and res["step"][0] == res["step"][1] and res["lr"][0] == res["lr"][1], res
-        if rank == 1:      # the last pipeline stage: verl's output rank (losses and grad norm are reported there)
-            assert rep["pp2_last_stage"]
-            _check_engine(rep["pp2"], name="pp2")
-        else:
-            d = rep["pp2"]
-            assert d["lp"] < 1e-5 and d["weights"] < 1e-4 and d["lr"][0] == d["lr"][1], d
+        # one replica over both ranks: verl's output rank is the last pipeline stage's tp / cp rank 0, and the
+        # losses and the grad norm are reported there
+        for name, out_rank in (("pp2", 1), ("tp2", 0), ("cp2", 0)):
+            assert rep[name + "_output_rank"] == (rank == out_rank), (name, rank)
+            if rank == out_rank:
+                assert rep[name + "_reported"], name
+                _check_engine(rep[name], name=name)
+            else:
+                d = rep[name]
+                assert d["lp"] < 1e-5 and d["weights"] < 1e-4 and d["lr"][0] == d["lr"][1], (name, d)
         _check_engine(rep["moe"], name="moe")
 
 
