@@ -13,7 +13,8 @@ the same plan from the same exchange, and the tests run it in one process. The e
     bucket   consecutive entries whose HF tensors, plus the staging room of their packed parts, fit in
              ``bucket_bytes`` (an entry larger than that is a bucket of its own). A bucket is laid out as one
              range of elements: the entries' HF tensors one after the other (what the destination yields views
-             of), then, from ``Bucket.stage`` on, the staging room of the packed parts.
+             of; a tensor of fp32 bits in a 2-byte stream starts at an even element, one unused element before
+             it where needed), then, from ``Bucket.stage`` on, the staging room of the packed parts.
 """
 
 from __future__ import annotations
@@ -131,28 +132,33 @@ def _parts_of(entry: int, pieces, bucket_numel: int, direct_numel: int) -> list[
     return parts
 
 
-def plan_buckets(entries, bucket_numel: int, direct_numel: int) -> list[Bucket]:
+def plan_buckets(entries, bucket_numel: int, direct_numel: int, *, aligned=frozenset()) -> list[Bucket]:
     """``entries``: ``(entry, hf shapes, pieces)`` in global order (``pieces`` as :func:`_parts_of` takes them)
     -> buckets of at most ``bucket_numel`` elements, HF tensors and staging room together (an entry larger than
-    that is a bucket of its own). Pure."""
+    that is a bucket of its own). ``aligned``: the ``(entry, hf index)`` of HF tensors that must start at an even
+    element of the bucket (fp32 bits in a 2-byte stream: viewed as float32 at the destination, which needs a
+    4-byte-aligned start); one element is skipped before one where needed. Pure."""
     buckets, current, used = [], [], 0
     for entry, hf_shapes, pieces in entries:
         parts = _parts_of(entry, pieces, bucket_numel, direct_numel)
-        cost = sum(math.prod(s) for s in hf_shapes) + sum(p.numel for p in parts if not p.direct)
+        cost = sum(math.prod(s) + ((entry, k) in aligned) for k, s in enumerate(hf_shapes)) \
+            + sum(p.numel for p in parts if not p.direct)
         if current and used + cost > bucket_numel:
-            buckets.append(_layout_bucket(current))
+            buckets.append(_layout_bucket(current, aligned))
             current, used = [], 0
         current.append((entry, hf_shapes, parts))
         used += cost
     if current:
-        buckets.append(_layout_bucket(current))
+        buckets.append(_layout_bucket(current, aligned))
     return buckets
 
 
-def _layout_bucket(entries) -> Bucket:
+def _layout_bucket(entries, aligned=frozenset()) -> Bucket:
     outputs, places, offset = [], {}, 0
     for entry, hf_shapes, _ in entries:
         for k, shape in enumerate(hf_shapes):
+            if (entry, k) in aligned and offset % 2:
+                offset += 1         # an element no tensor uses: the next one starts 4-byte aligned
             outputs.append((entry, k, offset))
             places[(entry, k)] = (offset, math.prod(shape) // _rows(shape) if math.prod(shape) else 0)
             offset += math.prod(shape)
@@ -194,17 +200,26 @@ def stream_metadata(everything, spec, *, task: str, pp: int, dtype: torch.dtype)
             for _, e in saved_entries(everything) for name in e.hf]
 
 
+# the layouts whose shards a stream can carry as fp32 bits: seen as pairs of 2-byte elements, the shard of TP
+# rank t is the t-th of tp equal pieces of the HF tensor's bits along dim 0 (copy: the whole tensor; column: rows
+# [t n/tp, (t+1) n/tp) are elements [2 t n/tp, 2 (t+1) n/tp) of a 1-D tensor's bits, or those rows of a 2-D one's)
+FP32_BIT_KINDS = ("copy", "column")
+
+
 def fp32_bit_names(everything, wire: torch.dtype) -> frozenset:
     """The HF names of ``keep_fp32`` rows that a stream of 2-byte ``wire`` elements carries as the raw bits of
-    their fp32 values (two wire elements per value; only replicated rows, whose blocks are whole rows). In an
-    fp32 or fp64 stream they are converted like everything else (fp32 -> fp64 is exact)."""
+    their fp32 values (two wire elements per value, the last dim doubled; the rows of :data:`FP32_BIT_KINDS`:
+    replicated ones (the sigmoid router) and ones split along dim 0 (Gated DeltaNet's ``A_log``, by value
+    heads), whose shards' bits are equal pieces of the tensor's bits). In an fp32 or fp64 stream they are
+    converted like everything else (fp32 -> fp64 is exact)."""
     if torch.empty((), dtype=wire).element_size() >= 4:
         return frozenset()
     out = set()
     for _, e in saved_entries(everything):
         if e.row.keep_fp32:
-            if e.row.kind != "copy":
-                raise RuntimeError(f"internal error: keep_fp32 row {e.row.local} is not replicated")
+            if e.row.kind not in FP32_BIT_KINDS:
+                raise RuntimeError(f"internal error: keep_fp32 row {e.row.local} has layout {e.row.kind!r}; its "
+                                   f"fp32 bits can travel only in layouts {FP32_BIT_KINDS}")
             out.update(e.hf)
     return frozenset(out)
 
@@ -217,8 +232,9 @@ def make_plan(tp_of, dp_of, held, everything, *, world: int, tp: int, pp: int, s
     shapes = expected_hf_shapes(family_of(spec).table, spec, task=task, pp=pp)
     bits = fp32_bit_names(everything, wire)
     shapes = {n: (s[:-1] + (2 * s[-1],) if n in bits else s) for n, s in shapes.items()}
-    entries, names = [], {}
+    entries, names, aligned = [], {}, set()
     for i, entry in saved_entries(everything):
+        aligned.update((i, k) for k, n in enumerate(entry.hf) if n in bits)
         hf_shapes = [shapes[n] for n in entry.hf]
         tp_layout = make_layout(entry.row.kind, spec, padded_vocab)
         pieces = []
@@ -230,7 +246,7 @@ def make_plan(tp_of, dp_of, held, everything, *, world: int, tp: int, pp: int, s
             pieces.append((t, src, tp_layout.shard_shape(t, tp, hf_shapes), tp_layout.blocks(t, tp, hf_shapes)))
         entries.append((i, hf_shapes, pieces))
         names[i] = tuple(entry.hf)
-    return Plan(plan_buckets(entries, numel, direct_numel), names, shapes, bits)
+    return Plan(plan_buckets(entries, numel, direct_numel, aligned=aligned), names, shapes, bits)
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:

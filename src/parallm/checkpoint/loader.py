@@ -452,8 +452,8 @@ def _recv_failure(length: int, device) -> BaseException:
 
 def _wire(shard: torch.Tensor, model_dtype: torch.dtype, names, device) -> torch.Tensor:
     """What rank 0 sends for a shard: overflow checked here (on the source values), then the narrower of the
-    checkpoint's and the model's dtype (a bf16 checkpoint for an fp32 model travels in bf16 and is widened by
-    the receiver's copy into its parameter)."""
+    checkpoint's and the parameter's dtype ``model_dtype`` (a bf16 checkpoint for an fp32 model travels in bf16
+    and is widened by the receiver's copy into its parameter)."""
     check_cast(shard, model_dtype, names)
     if shard.dtype not in WIRE_DTYPES or shard.element_size() > torch.empty((), dtype=model_dtype).element_size():
         shard = shard.to(model_dtype)
@@ -508,7 +508,8 @@ def _broadcast_load(needs, mine, everything, params, get, layout: ParallelDims, 
             sources = [get(n) for n in entry.hf]
             for tp_rank, ranks in needers[i].items():
                 shard = make_shard(entry.kind, sources, tp_rank, layout.tp, spec, padded_vocab)
-                wire = _wire(shard, model_dtype, entry.hf, device)
+                # a keep_fp32 row (fp32 in a model of any dtype) travels in the checkpoint's dtype up to fp32
+                wire = _wire(shard, torch.float32 if entry.row.keep_fp32 else model_dtype, entry.hf, device)
                 status.fill_(WIRE_DTYPES.index(wire.dtype))
                 for rank in ranks:
                     sending_to = rank

@@ -49,7 +49,9 @@ def _gdn_rows(in_proj: Row) -> tuple[Row, ...]:
         in_proj,
         Row(GDN + "conv1d.weight", (LINEAR + "conv1d.weight",), "gdn_conv", "layer",
             (("gdn_conv_dim", 1, "gdn_conv_kernel"),), when=when),
-        Row(GDN + "A_log", (LINEAR + "A_log",), "column", "layer", (("gdn_value_heads",),), when=when),
+        # fp32 in every dtype (Qwen3.5 checkpoints store it fp32; vLLM / SGLang hold it fp32)
+        Row(GDN + "A_log", (LINEAR + "A_log",), "column", "layer", (("gdn_value_heads",),), when=when,
+            keep_fp32=True),
         Row(GDN + "dt_bias", (LINEAR + "dt_bias",), "column", "layer", (("gdn_value_heads",),), when=when),
         # one [dv] weight shared by every value head: each TP rank's gradient covers its heads only
         Row(GDN + "norm.weight", (LINEAR + "norm.weight",), "copy", "layer", (("gdn_value_head_dim",),), when=when,

@@ -17,10 +17,11 @@ column-parallel ``in_proj`` computes, per rank, ``[q_r; k_r; v_r; z_r; b_r; a_r]
 :class:`parallm.model.sharding.FusedSplit` of a head-split ``in_proj_qkv``) or ``[qkvz_r; ba_r]`` (Qwen3-Next's
 two HF tensors, whose rows are grouped by key head: rank r's groups are one contiguous block of each, un-grouped
 here as transformers' ``fix_query_key_value_ordering`` does); the depthwise conv's channels ``[q_r; k_r; v_r]``,
-``A_log`` and ``dt_bias`` (by value head) are split the same way; ``out_proj`` is row parallel (its all-reduce /
-reduce-scatter sums the heads); the gated norm's ``[dv]`` weight is shared by every head, so its gradient is a
-partial sum over TP (``tp_sum="always"``). Under sequence parallelism the layer takes ``[T/tp, 1, H]`` like
-attention: ``in_proj`` all-gathers the tokens, ``out_proj`` reduce-scatters them.
+``A_log`` (an fp32 parameter in a model of any dtype) and ``dt_bias`` (by value head) are split the same way;
+``out_proj`` is row parallel (its all-reduce / reduce-scatter sums the heads); the gated norm's ``[dv]`` weight
+is shared by every head, so its gradient is a partial sum over TP (``tp_sum="always"``). Under sequence
+parallelism the layer takes ``[T/tp, 1, H]`` like attention: ``in_proj`` all-gathers the tokens, ``out_proj``
+reduce-scatters them.
 
 Sequences. Padded batches ``[S, B, H]``: the input at padded positions is zeroed first (transformers'
 ``apply_mask_to_padding_states``), so left padding is a run of zeros before the sequence (the conv's own zero
@@ -347,7 +348,9 @@ class GatedDeltaNet(nn.Module):
                                                 init_method=no_init, bias=False, gather_output=False)
         dtype = config.params_dtype
         self.conv1d = DepthwiseConv(2 * key + value, la.conv_kernel, dtype, device)
-        self.A_log = nn.Parameter(torch.empty(self.nv, dtype=dtype, device=device))
+        # fp32 in a model of any dtype (the Qwen design: checkpoints store it fp32, vLLM / SGLang hold it fp32;
+        # the table row is keep_fp32): exp(A_log) sets each head's decay, and bf16 would round it by up to 2^-8
+        self.A_log = nn.Parameter(torch.empty(self.nv, dtype=torch.float32, device=device))
         self.dt_bias = nn.Parameter(torch.empty(self.nv, dtype=dtype, device=device))
         self.norm = GatedRMSNorm(self.dv, spec.rms_norm_eps, dtype, device)
         self.out_proj = mtp.RowParallelLinear(la.num_value_heads * self.dv, spec.hidden_size, config=config,
