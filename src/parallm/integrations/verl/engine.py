@@ -260,6 +260,9 @@ class ParallmEngine(BaseEngine):
     # -- build ----------------------------------------------------------------------------------------------
     def initialize(self) -> None:
         o = self.options
+        if (getattr(self.model_config, "lora_rank", 0) or 0) > 0:
+            raise NotImplementedError(f"parallm engine: LoRA (model.lora_rank={self.model_config.lora_rank}) is "
+                                      "not supported by this engine; set lora_rank=0 (full fine-tuning)")
         path = self.model_config.local_path
         dtype = getattr(torch, o["dtype"])
         self.chunks = parallm.build_model(path, task=self.task, dtype=dtype, packed=o["packed"],
