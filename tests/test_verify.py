@@ -200,3 +200,39 @@ def test_verify_command_cp_dtype_and_split(tmp_path, capsys):
     assert code == 2 and "--pp > 1" in err, err
     code, _, err = run("--dtype", "float16")
     assert code == 2 and "invalid choice" in err, err
+
+
+def _verify_mtp_rank(rank, world, checks, ckpt):
+    import parallm
+    rows = [verify.check_layout(checks[0])]
+    # a loader that corrupts one MTP tensor after loading: the check must say so
+    real = parallm.load_hf_weights
+
+    def corrupting(chunks, *args, **kwargs):
+        report = real(chunks, *args, **kwargs)
+        for c in chunks:
+            if hasattr(c, "carried_mtp"):
+                with torch.no_grad():
+                    c.carried_mtp[0].add_(1.0)
+        return report
+    parallm.load_hf_weights = corrupting
+    rows.append(verify.check_layout(checks[1]))
+    return rows
+
+
+@pytest.mark.timeout(300)
+def test_check_layout_carries_and_checks_mtp_tensors(tmp_path):
+    """A Qwen3-Next checkpoint holding MTP tensors (transformers drops them): verify builds from the directory,
+    so they are carried, checked against the checkpoint's bytes (loaded, unchanged by the step, saved), and left
+    out of the comparisons with transformers; a corrupted one fails the row."""
+    from test_qwen3_5 import add_mtp, hybrid_config, make_model
+    cfg = hybrid_config("qwen3_next")
+    ckpt = str(tmp_path / "m")
+    mtp = add_mtp(ckpt, helpers.hub_state_dict(make_model(cfg, seed=4), ckpt), seed=5)
+    checks = [verify.Check(ckpt, str(tmp_path / "a"), tp=2, label="m"),
+              verify.Check(ckpt, str(tmp_path / "b"), tp=2, label="m")]
+    good, bad = helpers.run_ranks(_verify_mtp_rank, 2, checks, ckpt)[0]
+    print(good["notes"], bad["notes"])
+    assert good["ok"] and good["mtp_tensors"] == len(mtp) and good["roundtrip"] and good["reload"], good
+    assert not bad["ok"] and not bad["mtp_ok"] and any("not loaded bit for bit" in n for n in bad["notes"])
+    assert bad["d_out"] < 2e-5 and bad["roundtrip"]          # the rest of the model was right

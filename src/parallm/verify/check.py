@@ -19,6 +19,7 @@ same error on every rank instead of a hang.
 from __future__ import annotations
 
 import gc
+import os
 import time
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from ..parallel.state import group_device
 from . import TOLERANCES
+from ..checkpoint.hf_dir import HFCheckpoint
 from ..model.params import grad_of, zero_grads
 from .reference import (check_dtype, loss_for, max_diff_real, padded_batch, reference, reload_check,
                         sgd_step, stepped_difference)
@@ -124,10 +126,15 @@ def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
     # The config travels from rank 0, so ranks that cannot see the directory (other nodes) still build the model;
     # the loader then streams their shards from rank 0 (mode auto -> broadcast).
     raw = _broadcast(run_local(lambda: load_config(ckpt)._raw if rank0 else None, what="reading config.json"))
+    # When every rank sees the directory the model is built from it, so that multi-token-prediction tensors the
+    # checkpoint holds are carried (build_model's mtp=None); they are checked against the checkpoint's bytes,
+    # transformers having none to compare with.
+    seen = torch.tensor([int(os.path.isdir(ckpt))], device=device)
+    dist.all_reduce(seen, op=dist.ReduceOp.MIN)
     t0 = time.perf_counter()
     dist.barrier()
     dtype = check_dtype(check.dtype)
-    chunks = parallm.build_model(raw, task=check.task, packed=check.packed or check.sequence_parallel,
+    chunks = parallm.build_model(ckpt if seen.item() else raw, task=check.task, packed=check.packed or check.sequence_parallel,
                                  sequence_parallel=check.sequence_parallel, dtype=dtype,
                                  cp_attn=check.cp_attn, **(check.split or {}))
     split = chunks[0].dims.layer_split      # the layers per virtual stage (None: the even split)
@@ -137,6 +144,8 @@ def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
     row.update(load_s=_timed(t0), load_mode=report.mode)
 
     pre = parallm.save_hf_weights(chunks)
+    mtp = run_local(lambda: _split_mtp(pre, chunks[0].spec, ckpt, dtype) if rank0 else None,
+                    what="checking the multi-token-prediction tensors")
     pieces = dp * check.microbatches
     batch = -(-check.batch // pieces) * pieces
     ids, mask = padded_batch(chunks[0].spec.vocab_size, batch=batch, seq=check.seq, seed=check.seed)
@@ -165,6 +174,9 @@ def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
     after = parallm.forward(chunks, ids, mask)
     new = parallm.save_hf_weights(chunks)
     if rank0:
+        moved = [k for k in mtp["tensors"] if not torch.equal(new.pop(k), mtp["tensors"][k])]
+        if moved:
+            mtp["problems"].append(f"changed by the step: {', '.join(moved[:3])}")
         d_weights, what = stepped_difference(new, ref["stepped"], dtype)
         row.update(d_loss=abs(loss.item() - ref["loss"]), d_after=max_diff_real(after, ref["after"], mask),
                    d_weights=d_weights, lr=ref["lr"], update=ref["update"], loss=ref["loss"],
@@ -178,6 +190,12 @@ def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
     row["save_s"] = _timed(t0)
     reloaded = run_local(lambda new=new: reload_check(check.save_dir, task, saved=new, dtype=dtype) if rank0 else None,
                          what="reloading the saved directory with transformers")
+    if rank0 and mtp["tensors"]:
+        saved = HFCheckpoint(check.save_dir)
+        lost = [k for k, v in mtp["tensors"].items() if k not in saved.weight_map
+                or not torch.equal(saved.source(k).read(0, 0, v.shape[0]), v)]
+        if lost:
+            mtp["problems"].append(f"not saved as loaded: {', '.join(lost[:3])}")
     del chunks, new
     gc.collect()
     if not rank0:
@@ -186,11 +204,34 @@ def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
     if problem:
         row["notes"].append(f"reload: {problem}")
     atol, weights_atol = check.tolerances()
-    row.update(task=task, save_dir=check.save_dir, atol=atol, weights_atol=weights_atol, dtype=check.dtype)
+    row.update(task=task, save_dir=check.save_dir, atol=atol, weights_atol=weights_atol, dtype=check.dtype,
+               mtp_tensors=len(mtp["tensors"]), mtp_ok=not mtp["problems"])
+    row["notes"] += [f"multi-token-prediction tensors {p}" for p in mtp["problems"]]
     row["ok"] = bool(row["d_out"] <= atol and row["d_loss"] <= atol and row["d_after"] <= atol
-                     and row["d_weights"] <= weights_atol and row["roundtrip"] and row["reload"])
+                     and row["d_weights"] <= weights_atol and row["roundtrip"] and row["reload"]
+                     and row["mtp_ok"])
     progress(f"{row['layout']} ({row['model']}): {'ok' if row['ok'] else 'FAIL'}")
     return row
+
+
+def _split_mtp(pre: dict, spec, ckpt: str, dtype) -> dict:
+    """Take the carried multi-token-prediction tensors out of ``pre`` (parallm's state right after loading;
+    transformers drops them, so they are not part of its comparisons) and check them against the checkpoint's
+    own bytes in the model's dtype. Returns ``{"tensors": {name: tensor}, "problems": [...]}``."""
+    import re
+    names = {n for n, _ in spec.carried_mtp}
+    if spec.carried_mtp_layers:          # DeepSeek-V3 / GLM-4.5: model.layers.{L + j}.*
+        names |= {k for k in pre if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m.group(1)) >= spec.num_layers}
+    tensors = {k: pre.pop(k) for k in sorted(names) if k in pre}
+    problems = []
+    if tensors:
+        source = HFCheckpoint(ckpt)
+        float8 = (torch.float8_e4m3fn, torch.float8_e5m2)      # FP8 block weights: dequantised, not copied
+        differ = [k for k, v in tensors.items() if source.source(k).dtype not in float8
+                  and not torch.equal(source.source(k).read(0, 0, v.shape[0]).to(v.dtype), v)]
+        if differ:
+            problems.append(f"not loaded bit for bit: {', '.join(differ[:3])}")
+    return dict(tensors=tensors, problems=problems)
 
 
 def render_table(headers: list[str], rows: list[list[str]], right=frozenset()) -> str:
