@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 import zlib
-from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -47,273 +45,18 @@ from torch import nn
 
 from ..parallel.megatron_import import import_megatron
 from ..parallel.state import as_chunks
+from .lora_plan import (ALL_LINEAR, PEFT_EXPERT_FAMILIES, SUPPORTED_FAMILIES, KVRows, LoraConfig, LoraEntry,
+                        LoraRow, Slot, Stacked, _leaf, _local_rows, global_entries, layer_slots)
 from .moe import Experts, swiglu
 from .params import attach_main_grad_hooks
 from .placement import Placement, place
-from .sharding import (Block, PartsSplit, Replicated, Split, TPLayout, _as_source, kv_heads_of_rank)
-from .table import chunk_entries, resolve_shape
+from .table import chunk_entries
 
 mtp = import_megatron().tensor_parallel
 
-ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# families whose layers parallm can adapt (their attention is plain GQA; experts as transformers 5 stacks them)
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
-# MoE families whose MLP target names PEFT 0.21 retargets to the stacked routed experts on transformers 5
-# (peft.utils.transformers_weight_conversion: a conversion pattern for the model type). Their dense MLPs and
-# shared experts then get no adapter. Qwen2-MoE has no pattern there: PEFT adapts its nn.Linear MLPs (dense
-# layers, shared expert) and not its routed experts, and so does parallm.
-PEFT_EXPERT_FAMILIES = ("qwen3_moe", "mixtral")
-
-
-@dataclass(frozen=True)
-class LoraConfig:
-    """``r``: rank; ``alpha``: scaling numerator (PEFT's ``lora_alpha``: the update is ``B A x * alpha / r``);
-    ``target_modules``: HF module names as PEFT matches them (a name equals the module's last component or a
-    dotted suffix of its path; a string is a regex the whole path must match; ``"all-linear"``: every projection
-    of a layer); ``dropout``: 0 only (RL fine-tuning runs without it; anything else is a ValueError);
-    ``rank_pattern`` / ``alpha_pattern``: PEFT's per-module overrides (key: a regex matched against the end of
-    the module path); ``seed``: A's initialisation."""
-    r: int
-    alpha: float
-    target_modules: tuple[str, ...] | str = ALL_LINEAR
-    _: KW_ONLY
-    dropout: float = 0.0
-    rank_pattern: dict = field(default_factory=dict)
-    alpha_pattern: dict = field(default_factory=dict)
-    seed: int = 0
-
-    def __post_init__(self):
-        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
-            raise ValueError(f"LoraConfig: r must be a positive int, got {self.r!r}")
-        if not isinstance(self.alpha, (int, float)) or self.alpha <= 0:
-            raise ValueError(f"LoraConfig: alpha must be a positive number, got {self.alpha!r}")
-        if self.dropout != 0.0:
-            raise ValueError(f"LoraConfig: dropout={self.dropout} is not supported; parallm's adapters run without "
-                             "dropout (dropout=0.0)")
-        if not isinstance(self.target_modules, str):
-            object.__setattr__(self, "target_modules", tuple(self.target_modules))
-            if not self.target_modules:
-                raise ValueError("LoraConfig: target_modules is empty")
-        object.__setattr__(self, "rank_pattern", dict(self.rank_pattern or {}))
-        object.__setattr__(self, "alpha_pattern", dict(self.alpha_pattern or {}))
-        for name, pat in (("rank_pattern", self.rank_pattern), ("alpha_pattern", self.alpha_pattern)):
-            for k, v in pat.items():
-                if not isinstance(v, (int, float)) or v <= 0:
-                    raise ValueError(f"LoraConfig: {name}[{k!r}] must be positive, got {v!r}")
-
-    def targets(self, module: str) -> bool:
-        """Whether HF module ``module`` (``model.layers.0.self_attn.q_proj``) is targeted (PEFT's rule)."""
-        t = self.target_modules
-        if t == "all-linear":
-            return module.rsplit(".", 1)[-1] in ALL_LINEAR
-        if isinstance(t, str):
-            return re.fullmatch(t, module) is not None
-        return any(module == x or module.endswith("." + x) for x in t)
-
-    def rank_alpha(self, module: str) -> tuple[int, float]:
-        """``(r, alpha)`` of ``module`` after the patterns (PEFT's: the first key matching the path's end)."""
-        def pick(pattern, default):
-            for key, value in pattern.items():
-                if re.match(rf"(.*\.)?({key})$", module):
-                    return value
-            return default
-        return int(pick(self.rank_pattern, self.r)), float(pick(self.alpha_pattern, self.alpha))
-
-    def rank_alpha_scaled(self, module: str) -> tuple[int, float]:
-        """``(r, alpha / r)`` of ``module``."""
-        r, alpha = self.rank_alpha(module)
-        return r, alpha / r
-
-    def to_dict(self) -> dict:
-        t = self.target_modules
-        return {"r": self.r, "alpha": self.alpha, "target_modules": t if isinstance(t, str) else list(t),
-                "dropout": self.dropout, "rank_pattern": self.rank_pattern, "alpha_pattern": self.alpha_pattern,
-                "seed": self.seed}
-
-
-# -- layouts of the factors that no weight has ---------------------------------------------------------------
-
-class KVRows(TPLayout):
-    """Rows of a ``k_proj`` / ``v_proj``-shaped tensor (``[nkv * d, ...]``) as the fused QKV holds its k (or v)
-    part: rank r's KV heads (:func:`kv_heads_of_rank`), replicated over ``tp / nkv`` ranks when nkv < tp (the
-    first of them is the primary holder; the others' gradient rows are partial sums: ``replica_rows``)."""
-    name = "kv"
-    tp_dim = 0
-
-    def __init__(self, num_kv_heads: int, head_dim: int):
-        self.nkv, self.d = num_kv_heads, head_dim
-
-    def _rows(self, rank, tp):
-        kv = kv_heads_of_rank(rank, tp, self.nkv)
-        first = self.nkv >= tp or rank % (tp // self.nkv) == 0
-        return kv.start * self.d, kv.stop * self.d, first
-
-    def shard(self, sources, rank, tp):
-        a, b, _ = self._rows(rank, tp)
-        return _as_source(sources[0]).read(0, a, b)
-
-    def merge(self, shards):
-        tp = len(shards)
-        return [torch.cat([s for r, s in enumerate(shards) if self._rows(r, tp)[2]], dim=0)]
-
-    def blocks(self, rank, tp, hf_shapes):
-        a, b, first = self._rows(rank, tp)
-        return [Block(0, 0, a, b, 0, b - a, primary=first)]
-
-    def primary_slices(self, rank, tp, local_shape):
-        return [(0, 0, local_shape[0])] if self._rows(rank, tp)[2] else []
-
-    def replica_rows(self, rank, tp):
-        if self.nkv >= tp:
-            return None
-        a, b, _ = self._rows(rank, tp)
-        return 0, b - a
-
-
-class Stacked(TPLayout):
-    """A rank's experts' factors stacked along a new dim 0 (``shard[x]``: local expert x's factor in the
-    per-expert layout ``inner``); unlike the weights' ``ExpertStack`` the inner layout may be replicated over TP
-    (then only TP rank 0 counts it in norms)."""
-    name = "stacked"
-
-    def __init__(self, inner: TPLayout, count: int):
-        self.inner, self.count = inner, count
-        self.sources = inner.sources * count
-        self.tp_dim = None if inner.tp_dim is None else inner.tp_dim + 1
-        self.stride = inner.stride
-
-    def shard(self, sources, rank, tp):
-        n = self.inner.sources
-        return torch.stack([self.inner.shard(sources[x * n:(x + 1) * n], rank, tp) for x in range(self.count)])
-
-    def merge(self, shards):
-        return [t for x in range(self.count) for t in self.inner.merge([s[x] for s in shards])]
-
-    def blocks(self, rank, tp, hf_shapes):
-        n = self.inner.sources
-        return [b._replace(source=x * n + b.source) for x in range(self.count)
-                for b in self.inner.blocks(rank, tp, hf_shapes[x * n:(x + 1) * n])]
-
-    def primary_slices(self, rank, tp, local_shape):
-        whole = self.inner.primary_slices(rank, tp, tuple(local_shape[1:]))
-        return [(0, 0, local_shape[0])] if whole and local_shape else []
-
-
-# -- the global plan: which factors exist, their names, full shapes and layouts ------------------------------
-
-@dataclass(frozen=True)
-class LoraRow:
-    """What a training checkpoint reads of a factor's entry (weight-table rows have the same fields)."""
-    local: str
-    save: bool = True
-    trained: bool = True
-
-
-@dataclass(frozen=True)
-class LoraEntry:
-    """One factor as a weight-table entry: ``local`` its parameter in the chunk, ``hf`` its name in training
-    checkpoints (the HF module path + ``.lora_A.weight``; a routed expert's per expert,
-    ``model.layers.{i}.mlp.experts.{e}.gate_up_proj.lora_A.weight``), ``index`` an expert's slab."""
-    row: LoraRow
-    local: str
-    hf: tuple[str, ...]
-    layer: int
-    index: int | None = None
-    shape: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One HF module adapted inside a parallel linear: ``module`` its HF path, ``part`` its leaf (the key of
-    the factors in the adapter), ``rows`` its full output rows, ``cols`` its full input, ``r`` / ``scaling``,
-    ``b_layout`` / ``a_layout`` the factors' TP layouts."""
-    module: str
-    part: str
-    rows: int
-    cols: int
-    r: int
-    scaling: float
-    a_layout: TPLayout
-    b_layout: TPLayout
-    a_tp_sum: bool
-    b_tp_sum: bool
-
-
-def _leaf(hf_weight: str) -> tuple[str, str]:
-    module = hf_weight.removesuffix(".weight")
-    return module, module.rsplit(".", 1)[-1]
-
-
-def _expert_rank_alpha(config: LoraConfig, modules) -> tuple[int, float]:
-    """A routed expert's ``(r, alpha)``: the config's (patterns are for dense modules: PEFT rewrites the experts'
-    own into ``gate_up_proj`` patterns of its own making)."""
-    for m, _ in modules:
-        if config.rank_alpha(m) != (config.r, float(config.alpha)):
-            raise ValueError(f"LoRA: rank_pattern / alpha_pattern match the routed expert module {m}; routed experts "
-                             "take the config's r and alpha (gate_up_proj: 2 r and 2 alpha, as PEFT)")
-    return config.r, float(config.alpha)
-
-
-def layer_slots(spec, entry, config: LoraConfig, *, tp: int, sp: bool) -> tuple[str, list[Slot]] | None:
-    """``(kind, slots)`` of the table entry's linear (``"column"``, ``"row"``, ``"experts_fc1"``,
-    ``"experts_fc2"``), None when nothing of it is targeted. Raises for targeted modules parallm cannot adapt."""
-    local = entry.local.split(".", 2)[-1]          # drop "layers.{l}."
-    modules = [_leaf(h) for h in entry.hf]
-    hit = [config.targets(m) for m, _ in modules]
-    moe = spec.moe is not None
-    if local == "self_attention.linear_qkv.weight":
-        if not any(hit):
-            return None
-        rows = (spec.q_size * (2 if spec.attn_output_gate else 1), spec.kv_size, spec.kv_size)
-        kv = KVRows(spec.num_kv_heads, spec.head_dim)
-        layouts = (Split(0), kv, kv)
-        return "column", [Slot(m, p, n, spec.hidden_size, *config.rank_alpha_scaled(m), Replicated(), lay, sp, False)
-                          for (m, p), n, lay, h in zip(modules, rows, layouts, hit) if h]
-    if local == "self_attention.linear_proj.weight":
-        if not hit[0]:
-            return None
-        (m, p), = modules
-        return "row", [Slot(m, p, spec.hidden_size, spec.q_size, *config.rank_alpha_scaled(m), Split(1), Replicated(),
-                            False, sp)]
-    mlp = local in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight", "mlp.shared_experts.linear_fc1.weight",
-                    "mlp.shared_experts.linear_fc2.weight")
-    if mlp and (not moe or spec.family not in PEFT_EXPERT_FAMILIES):
-        if not any(hit):
-            return None
-        shapes = [resolve_shape(sh, spec) for sh in entry.row.shapes]
-        if local.endswith("linear_fc1.weight"):      # [gate; up], column-parallel
-            return "column", [Slot(m, p, sh[0], sh[1], *config.rank_alpha_scaled(m), Replicated(), Split(0), sp,
-                                   False) for (m, p), sh, h in zip(modules, shapes, hit) if h]
-        ((m, p),), (sh,) = modules, shapes
-        return "row", [Slot(m, p, sh[0], sh[1], *config.rank_alpha_scaled(m), Split(1), Replicated(), False, sp)]
-    if mlp:
-        return None            # PEFT on transformers 5 retargets these families' MLP names to the routed experts
-    if local.startswith("mlp.experts.") and spec.family not in PEFT_EXPERT_FAMILIES:
-        return None            # PEFT leaves them: transformers 5's stacked experts are no nn.Linear
-    if local == "mlp.experts.linear_fc1.weight":
-        if not any(hit):
-            return None
-        if not all(hit):
-            raise ValueError(f"LoRA: {', '.join(p for (m, p), h in zip(modules, hit) if h)} of the routed experts "
-                             f"cannot be targeted without {', '.join(p for (m, p), h in zip(modules, hit) if not h)}: "
-                             "transformers stacks them into one gate_up_proj (PEFT refuses the same)")
-        fused = entry.row.fused[0].format(i=entry.layer).removesuffix(".gate_up_proj")
-        r, alpha = _expert_rank_alpha(config, modules)
-        width = spec.moe.expert_intermediate_size
-        return "experts_fc1", [Slot(fused, "gate_up_proj", 2 * width, spec.hidden_size, 2 * r, alpha / r,
-                                    Replicated(), PartsSplit((width, width)), tp > 1, False)]
-    if local == "mlp.experts.linear_fc2.weight":
-        if not hit[0]:
-            return None
-        fused = entry.row.fused[0].format(i=entry.layer).removesuffix(".down_proj")
-        r, alpha = _expert_rank_alpha(config, modules)
-        return "experts_fc2", [Slot(fused, "down_proj", spec.hidden_size, spec.moe.expert_intermediate_size, r,
-                                    alpha / r, Split(1), Replicated(), False, tp > 1)]
-    if entry.hf and entry.hf[0].endswith(".weight") and any(hit):
-        raise ValueError(f"LoRA on {', '.join(m for (m, _), h in zip(modules, hit) if h)} is not supported: parallm "
-                         "adapts q/k/v/o_proj, gate/up/down_proj and routed experts only (not multi-head latent "
-                         "attention, Gated DeltaNet or other projections)")
-    return None
+__all__ = ["ALL_LINEAR", "PEFT_EXPERT_FAMILIES", "SUPPORTED_FAMILIES", "KVRows", "LoraConfig", "LoraEntry",
+           "LoraRow", "Slot", "Stacked", "add_lora", "adapters_disabled", "chunk_lora_entries", "global_entries",
+           "layer_slots", "lora_config_of", "lora_state_of", "merged_weights"]
 
 
 # -- the adapters ---------------------------------------------------------------------------------------------
@@ -548,47 +291,6 @@ def _add_to_chunk(chunk, config, state) -> int:
                       sequence_parallel=sp, expert_parallel=dims.ep > 1)
         added += 1
     return added
-
-
-def _local_rows(spec, entry, tp, rank) -> list[int]:
-    """This TP rank's rows of each HF module fused in a column-parallel weight (qkv: ``q_r, k_r, v_r``; gate/up)."""
-    if entry.local.endswith("linear_qkv.weight"):
-        q = spec.q_size * (2 if spec.attn_output_gate else 1) // tp
-        kv = len(kv_heads_of_rank(rank, tp, spec.num_kv_heads)) * spec.head_dim
-        return [q, kv, kv]
-    return [resolve_shape(sh, spec)[0] // tp for sh in entry.row.shapes]
-
-
-def global_entries(spec, table, task, dims, config: LoraConfig, *, experts=None, layers=None,
-                   holder=None) -> list[tuple[LoraEntry, Slot, str]]:
-    """Every factor of the model (``layers``: those layers only; ``experts``: those experts only), in model order:
-    ``(entry, slot, "A" | "B")``. The entries' ``local`` names are chunk-local when ``holder`` (a chunk) is
-    given (its layers), else use the global layer index."""
-    out = []
-    layers = range(spec.num_layers) if layers is None else layers
-    for entry in chunk_entries(table, spec, task=task, pp=dims.pp, pre_process=False, post_process=False,
-                               layers=layers, experts=experts):
-        if entry.index not in (None, 0):
-            continue
-        found = layer_slots(spec, entry, config, tp=dims.tp, sp=False)
-        if found is None:
-            continue
-        kind, slots = found
-        base = entry.local.removesuffix(".weight")
-        if kind.startswith("experts"):
-            base = base.rsplit(".", 1)[0]          # layers.{l}.mlp.experts
-        held = [None] if not kind.startswith("experts") else \
-            (list(experts) if experts is not None else list(range(spec.moe.num_experts)))
-        for s in slots:
-            for which in ("A", "B"):
-                local = f"{base}.lora.lora_{which}.{s.part}"
-                shape = (s.r, s.cols) if which == "A" else (s.rows, s.r)
-                for x, e in enumerate(held):
-                    hf = f"{s.module}.lora_{which}.weight" if e is None else \
-                        f"{s.module}.{e}.{s.part}.lora_{which}.weight"
-                    out.append((LoraEntry(LoraRow(hf), local, (hf,), entry.layer, None if e is None else x, shape),
-                                s, which))
-    return out
 
 
 def chunk_lora_entries(chunks) -> list[tuple[LoraEntry, object]]:
