@@ -8,8 +8,10 @@ file imports the Qwen3-VL vision code, which needs torchvision, and no CPU torch
 the package registry (the CUDA build breaks every vLLM model import, see scripts/setup_vllm.sh).
 
 The exact check therefore compares vLLM with itself: after two AdamW steps, ``push_weights`` into the running
-engine and vLLM reloading ``save_hf_weights``' directory through its own loader give the same samples and
-bit-identical log-probs (the same seed), and the stale engine's differ. With save_hf_weights bit-exact against
+engine and vLLM reloading ``save_hf_weights``' directory through its own loader hold the same tensors bit for
+bit, every one of them: ``A_log``, which vLLM keeps in fp32 whatever the engine's dtype, travels as fp32 bits in
+the bf16 push (parallm's ``keep_fp32`` row) and lands with values bf16 could not hold; both engines give the same
+samples and bit-identical log-probs (the same seed), and the stale engine's differ. With save_hf_weights bit-exact against
 transformers (tests/test_qwen3_5.py), the push delivers exactly the trained model. The bf16 distance to parallm's
 fp32 log-probs is checked loosely, before and after, and far apart while stale.
 """
@@ -70,17 +72,21 @@ def _rank(rank, world, s):
     out["moved"] = stale != pushed
     parallm.save_hf_weights(chunks, s["saved"])
     fresh = pv.launch(s["saved"], rank=1, **ENGINE)      # a second engine, loading the saved directory
-    out["fresh_diff"] = ve.max_diff(chunks, batch, _on_rank(1, fresh, lambda e: ve.sample_llm(e, batch, 5)))
+    fresh_sample = _on_rank(1, fresh, lambda e: ve.sample_llm(e, batch, 5))
+    out["fresh_diff"] = ve.max_diff(chunks, batch, fresh_sample)
     states = [_on_rank(r, e, _engine_state) for r, e in ((0, llm), (1, fresh))]
     if rank == 0:
         pushed_state, fresh_state = states
         out["names"] = sorted(pushed_state) == sorted(fresh_state)
         out["differ"] = {k: (pushed_state[k].float() - fresh_state[k].float()).abs().max().item()
                          for k in pushed_state if not torch.equal(pushed_state[k], fresh_state[k])}
-        out["a_log_as_bf16"] = all(
-            torch.equal(pushed_state[k], fresh_state[k].to(torch.bfloat16).float())
-            for k in pushed_state if k.endswith("A_log"))
-        out["a_log_fp32"] = all(pushed_state[k].dtype == torch.float32 for k in pushed_state if k.endswith("A_log"))
+        a_logs = [k for k in pushed_state if k.endswith("A_log")]
+        out["a_logs"] = len(a_logs)
+        out["a_log_fp32"] = all(pushed_state[k].dtype == torch.float32 for k in a_logs)
+        # the pushed values are fp32 ones (a bf16 wire would have rounded them)
+        out["a_log_not_bf16"] = all(not torch.equal(pushed_state[k], pushed_state[k].to(torch.bfloat16).float())
+                                    for k in a_logs)
+        out["same_samples"] = pushed == fresh_sample
     parallm.destroy_parallel()
     return out
 
@@ -94,10 +100,11 @@ def test_qwen3_next_push_equals_vllm_load(tmp_path):
     ve.write_tokenizer(ckpt, model.config.vocab_size)
     out = helpers.run_ranks(_rank, 2, {"ckpt": ckpt, "saved": str(tmp_path / "saved")}, timeout=840)[0]
     print({k: out[k] for k in ("before", "stale_diff", "after_diff", "fresh_diff", "differ")}, out["push"])
-    # the pushed engine holds what vLLM itself loads from save_hf_weights' directory, bit for bit, except A_log:
-    # vLLM keeps it in fp32 and parallm's push streams every tensor in the engine's dtype (bf16 here)
-    assert out["names"] and out["a_log_fp32"]
-    assert set(out["differ"]) == {k for k in out["differ"] if k.endswith("A_log")} and out["a_log_as_bf16"]
+    # the pushed engine holds what vLLM itself loads from save_hf_weights' directory, bit for bit, every tensor:
+    # A_log (fp32 in vLLM whatever its dtype) arrives as the fp32 bits parallm's bf16 push carries for it
+    assert out["names"] and out["a_logs"] == 2 and out["a_log_fp32"] and out["a_log_not_bf16"]
+    assert out["differ"] == {}, out["differ"]
+    assert out["same_samples"]                                # the same weights, the same seed: the same samples
     assert out["moved"]                                       # the push changed what the engine samples
     # the bf16 engine against fp32 parallm: close before and after the push, far apart while stale
     assert max(out["before"], out["after_diff"], out["fresh_diff"]) < 0.5
