@@ -11,7 +11,8 @@ directory, ``dtype=bf16`` and default) writing ``A_log`` fp32 bit-exact and ever
 ``export_hf_tensors`` in bf16 (small buckets: parts split, fp32 bits at odd places), fp16 and fp32 yielding
 ``A_log`` fp32 bit-exact, ``export_metadata`` agreeing in names, dtypes and shapes; one AdamW step whose fp32
 ``A_log`` update is ``torch.optim.AdamW``'s on the same fp32 gradient, bit for bit; a training checkpoint
-resharded from tp2 to tp4. Layouts: Qwen3.5 tp2·dp2 and tp4, Qwen3-Next tp2·pp2 (2 microbatches).
+resharded from tp2 to tp4 and exported offline (``checkpoint_to_hf``). Layouts: Qwen3.5 tp2·dp2 and tp4,
+Qwen3-Next tp2·pp2 (2 microbatches).
 """
 
 from __future__ import annotations
@@ -217,6 +218,12 @@ def _rank(rank, world, s):
     assert all(stepped[k].dtype == torch.float32 and not torch.equal(stepped[k], sd[k]) for k in stepped
                if is_a_log(k))
     parallm.save_checkpoint(os.path.join(s["tmp"], "train"), chunks, opt, step=1)
+    if rank == 0:       # exported offline in the run's dtype: A_log fp32 too
+        from safetensors.torch import load_file
+
+        from parallm.checkpoint.training import checkpoint_to_hf
+        checkpoint_to_hf(os.path.join(s["tmp"], "train"), os.path.join(s["tmp"], "offline"))
+        helpers.assert_same_state(load_file(os.path.join(s["tmp"], "offline", "model.safetensors")), stepped)
     del chunks, opt
 
     # 2. the training checkpoint resumed at tp4: the stepped fp32 A_log bit for bit; every way out at tp4
