@@ -545,7 +545,7 @@ def test_mtp_tensors_listed_from_the_headers(model_type, tmp_path):
     assert f"mtp           {len(mtp)} multi-token-prediction tensors" in render(report)
 
 
-def rank_mtp(rank, world, ckpt, mtp, out):
+def rank_mtp(rank, world, ckpt, mtp, out, plain):
     import os
 
     import parallm
@@ -603,6 +603,10 @@ def rank_mtp(rank, world, ckpt, mtp, out):
         with pytest.raises(CheckpointError, match=r"multi-token-prediction tensors \(mtp\.fc\.weight"):
             parallm.load_hf_weights(bare, ckpt)
         parallm.load_hf_weights(bare, ckpt, strict=False)
+        if name == "pp2":       # a rank seeing another directory (mtp=None decides per rank): refused everywhere
+            want = r"ranks disagree .*rank 0: 0 MTP layers / 29 MTP tensors, rank 3: 0 / 0"
+            with pytest.raises(ValueError, match=want):
+                parallm.build_model(ckpt if rank != 3 else plain)
         parallm.destroy_parallel()
     return res
 
@@ -616,8 +620,10 @@ def test_mtp_tensors_carried_through_load_save_export_and_checkpoints(tmp_path):
     model = make_model(cfg, seed=11)
     ckpt = str(tmp_path / "hf")
     hub = helpers.hub_state_dict(model, ckpt)
+    plain = helpers.save_checkpoint(model, str(tmp_path / "plain"))
     mtp = add_mtp(ckpt, hub, seed=12)
-    res = helpers.run_ranks(rank_mtp, WORLD, ckpt, mtp, str(tmp_path))[0]
+    assert len(mtp) == 29
+    res = helpers.run_ranks(rank_mtp, WORLD, ckpt, mtp, str(tmp_path), plain)[0]
     for k, v in mtp.items():
         assert torch.equal(res["resumed"][k], v)
     helpers.assert_same_state(res["resumed"], res["stepped"])

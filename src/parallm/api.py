@@ -104,6 +104,7 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
                     chunks[0].attn_impl, f" (context parallel: {chunks[0].cp_attn})" if chunks[0].cp_attn else "")
     kv_replica_group(spec.num_kv_heads)
     agree_on_kernels(chunks)        # kernel choices differing across ranks: an error on every rank
+    _agree_on_mtp(spec)             # mtp=None decides per rank, from the directory that rank sees
     attach_main_grad_hooks(chunks)
     source = _source_dir(hf_config)
     for chunk in chunks:
@@ -166,6 +167,20 @@ def with_mtp(spec, hf_config, mtp: bool | None):
         raise ValueError(f"mtp=True, but {spec.architecture}'s config has no multi-token-prediction layers "
                          "(num_nextn_predict_layers is 0 or the family has none)")
     return dataclasses.replace(spec, carried_mtp_layers=spec.mtp_layers if mtp else 0)
+
+
+def _agree_on_mtp(spec) -> None:
+    """Every rank must carry the same multi-token-prediction tensors (``mtp=None`` decides from the checkpoint
+    directory each rank sees; a rank that cannot see it carries none): one all-gather of (MTP layers, MTP
+    tensors) over the world; a ValueError on every rank naming a rank that differs."""
+    from .parallel.errors import exchange_rows
+    rows = exchange_rows([spec.carried_mtp_layers, len(spec.carried_mtp)], what="build_model").tolist()
+    bad = [r for r, row in enumerate(rows) if row != rows[0]]
+    if bad:
+        raise ValueError(f"build_model: ranks disagree on the multi-token-prediction tensors to carry (rank 0: "
+                         f"{rows[0][0]} MTP layers / {rows[0][1]} MTP tensors, rank {bad[0]}: {rows[bad[0]][0]} / "
+                         f"{rows[bad[0]][1]}): with mtp=None each rank decides from the checkpoint directory it "
+                         "sees; make it visible on every rank, or pass mtp=False")
 
 
 def checkpoint_shapes(hf_config) -> dict | None:
