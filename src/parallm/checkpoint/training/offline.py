@@ -56,6 +56,10 @@ def checkpoint_to_hf(path, out_dir, *, dtype: torch.dtype | None = None, overwri
     a bf16 / fp16 run writes the fp32 master weights. Atomic and with ``overwrite`` rules as
     ``save_hf_weights``. Tensors are read one output file at a time (at most ``max_shard_size`` bytes)."""
     record, metadata = read_record(path)
+    if record.get("lora") is not None:
+        raise CheckpointError(f"{path} holds LoRA adapters only (base: {record['lora'].get('base')}), not a model: "
+                              "load it into a model built with lora= and use parallm.save_hf_adapter (or "
+                              "save_hf_weights(merged=True))")
     path = os.path.abspath(os.fspath(path))
     out_dir = os.path.abspath(os.fspath(out_dir))
     saved_dtype = getattr(torch, record["dtype"])
