@@ -8,7 +8,7 @@ are checked not to be bf16 values (a bf16 round trip anywhere shows), and a "Qwe
 One spawn of 4 ranks, bf16 models throughout, per case: the ``A_log`` parameters fp32 and bit-equal to the
 checkpoint's slice (slice and broadcast loads), every other parameter bf16; ``save_hf_weights`` (dict and
 directory, ``dtype=bf16`` and default) writing ``A_log`` fp32 bit-exact and everything else as the checkpoint;
-``export_hf_tensors`` in bf16 (small buckets: parts split, fp32 bits at odd places), fp16 and fp32 yielding
+``export_hf_tensors`` in bf16 (small buckets: parts split; an odd start: the pure test), fp16 and fp32 yielding
 ``A_log`` fp32 bit-exact, ``export_metadata`` agreeing in names, dtypes and shapes; one AdamW step whose fp32
 ``A_log`` update is ``torch.optim.AdamW``'s on the same fp32 gradient, bit for bit; a training checkpoint
 resharded from tp2 to tp4 and exported offline (``checkpoint_to_hf``). Layouts: Qwen3.5 tp2·dp2 and tp4,
