@@ -89,18 +89,21 @@ def hub(tmp_path_factory):
 
 
 class NoNetwork:
-    """Records (and refuses) every attempt to resolve a host or open a connection from Python."""
+    """Records (and refuses) every attempt to resolve a host or open a connection from Python (local Unix
+    sockets, which multiprocessing's forkserver uses to start ranks, pass)."""
 
     def __init__(self, monkeypatch):
         self.calls = []
 
-        def refuse(what):
+        def refuse(what, original=None):
             def fn(*args, **kwargs):
-                self.calls.append((what, args[1:] if what == "connect" else args[:1]))
+                if original is not None and args[0].family == socket.AF_UNIX:
+                    return original(*args, **kwargs)
+                self.calls.append((what, args[1:] if original is not None else args[:1]))
                 raise OSError(f"network disabled in this test ({what})")
             return fn
-        monkeypatch.setattr(socket.socket, "connect", refuse("connect"))
-        monkeypatch.setattr(socket.socket, "connect_ex", refuse("connect_ex"))
+        monkeypatch.setattr(socket.socket, "connect", refuse("connect", socket.socket.connect))
+        monkeypatch.setattr(socket.socket, "connect_ex", refuse("connect_ex", socket.socket.connect_ex))
         monkeypatch.setattr(socket, "getaddrinfo", refuse("getaddrinfo"))
         monkeypatch.setattr(socket, "create_connection", refuse("create_connection"))
 
@@ -255,4 +258,9 @@ def test_build_load_save_by_hub_id_and_the_command_line(hub, tmp_path, monkeypat
     helpers.assert_same_state(helpers.hf_state_dict(model), helpers.hf_state_dict(original))
     assert cli(["convert", str(tmp_path / "train_ckpt"), str(tmp_path / "c2"), "--source", "tiny-org/absent"]) == 1
     assert cache in capsys.readouterr().err and not os.path.exists(tmp_path / "c2")
+    # verify: the ranks load the cached snapshot (the launching process resolved the id)
+    assert cli(["verify", REPO, "--tp", "2", "--quiet", "--json", str(tmp_path / "v.json")]) == 0, capsys.readouterr()
+    row = json.loads((tmp_path / "v.json").read_text())["rows"][0]
+    assert row["ok"] and row["model"] == "tiny-qwen2" and row["roundtrip"] and row["reload"], row
+    assert cli(["verify", "tiny-org/absent"]) == 1 and cache in capsys.readouterr().err
     assert net.calls == [], net.calls
