@@ -100,6 +100,7 @@ class Row:
     trained: bool = True            # False: a parameter without gradient (requires_grad=False: the router's
                                     # selection bias, updated by a rule, never by the optimizer)
     keep_fp32: bool = False         # held, saved and exported in fp32 whatever the model's / requested dtype
+    #                                 (DeepSeek's router and selection bias, Gated DeltaNet's A_log)
                                     # (the sigmoid router's weight and bias: transformers'
                                     # _keep_in_fp32_modules_strict; a bf16 bias changes which experts win)
 
