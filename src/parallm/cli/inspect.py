@@ -52,7 +52,8 @@ def run(args) -> int:
         raise UsageError(f"--ep {args.ep} must divide --dp {args.dp or 1} (experts are split over data-parallel "
                          "ranks)")
     split = split_kwargs(args)
-    report = inspect_checkpoint(resolve_path(args.checkpoint, args.revision), tp=args.tp, pp=args.pp, vpp=args.vpp, dp=args.dp, ep=args.ep,
+    report = inspect_checkpoint(resolve_path(args.checkpoint, args.revision), tp=args.tp, pp=args.pp, vpp=args.vpp,
+                                dp=args.dp, ep=args.ep,
                                 task=None if args.task == "auto" else args.task, split=split)
     print(json.dumps(report, indent=2, default=str) if args.json else render(report))
     return EXIT_FAIL if report["problem"] else EXIT_OK

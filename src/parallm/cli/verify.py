@@ -1,5 +1,6 @@
 """``parallm verify CHECKPOINT --tp ... [--pp --vpp --cp --dp --ep --dtype --packed --sequence-parallel --task --mode
-and the pipeline-split options]``: one layout of your checkpoint against transformers (:func:`parallm.verify.check_layout` on every rank).
+and the pipeline-split options]``: one layout of your checkpoint against transformers
+(:func:`parallm.verify.check_layout` on every rank).
 
 Before any rank starts, the launching process reads config.json and the safetensors headers and runs the
 loader's own checks (``inspect.read_checkpoint`` / ``check_split``): a broken checkpoint fails in a second, in one

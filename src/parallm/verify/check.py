@@ -134,7 +134,8 @@ def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
     t0 = time.perf_counter()
     dist.barrier()
     dtype = check_dtype(check.dtype)
-    chunks = parallm.build_model(ckpt if seen.item() else raw, task=check.task, packed=check.packed or check.sequence_parallel,
+    chunks = parallm.build_model(ckpt if seen.item() else raw, task=check.task,
+                                 packed=check.packed or check.sequence_parallel,
                                  sequence_parallel=check.sequence_parallel, dtype=dtype,
                                  cp_attn=check.cp_attn, **(check.split or {}))
     split = chunks[0].dims.layer_split      # the layers per virtual stage (None: the even split)
@@ -221,7 +222,8 @@ def _split_mtp(pre: dict, spec, ckpt: str, dtype) -> dict:
     import re
     names = {n for n, _ in spec.carried_mtp}
     if spec.carried_mtp_layers:          # DeepSeek-V3 / GLM-4.5: model.layers.{L + j}.*
-        names |= {k for k in pre if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m.group(1)) >= spec.num_layers}
+        names |= {k for k in pre
+                  if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m.group(1)) >= spec.num_layers}
     tensors = {k: pre.pop(k) for k in sorted(names) if k in pre}
     problems = []
     if tensors:
