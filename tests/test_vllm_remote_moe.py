@@ -8,7 +8,10 @@ inside the workers (``parallm.integrations.vllm.fixes.cpu_experts_repacked``); w
 push are off by ~0.5. The trainer at tp2 x pp2 on 4 gloo ranks (the stream gathers every stage's tensors to
 rank 0): log-probs of the engine's samples equal parallm's ``forward(output="logprobs")`` before training (< 1e-4,
 fp32), far apart after two AdamW steps, equal after a push through parallm_shm and after a second one through
-parallm_gloo.
+parallm_gloo. The workers loaded the shm push from views of the shared slots: each copied out of a slot only the
+tensors vLLM's layer-wise reload still held after an update (``held_bytes``: more than nothing, since the
+vocabulary-padded embedding waits for ``finish_weight_update``, and less than the push; a worker that
+copied whole slots again would copy nothing this way).
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ def _sample(llm, batch, seed):
     obj = [ve.sample_llm(llm, batch, seed) if llm is not None else None]
     dist.broadcast_object_list(obj, src=0)
     return obj[0]
+
+
+def _held_bytes(worker):
+    """In a worker: bytes its parallm backend copied out of the shared slots so far."""
+    return worker.weight_transfer_engine.held_bytes
 
 
 def _rank(rank, ckpt):
@@ -58,6 +66,8 @@ def _rank(rank, ckpt):
         conn = pv.connect([llm], backend="parallm_shm", timeout=120)
         out["shm_push"] = pv.push_weights(chunks, conn, bucket_bytes="128KB")
         out["shm_after"] = ve.max_diff(chunks, batch, _sample(llm, batch, 3))
+        if llm is not None:
+            out["held_bytes"] = llm.collective_rpc(_held_bytes)
         conn.close()
         ve.train(chunks, opt, vocab, 1, seed=7)
         out["stale2"] = ve.max_diff(chunks, batch, _sample(llm, batch, 4))
@@ -81,7 +91,8 @@ def moe(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_remote_moe")
     ckpt = ve.checkpoint(str(root / "ckpt"), "qwen3_moe", 12, moe=True, num_hidden_layers=2)
     from parallm.integrations.vllm.serve import remove_shm_files, shm_files
-    env = dict(os.environ, **ve.SERVER_ENV, PARALLM_PROGRESS="0")
+    env = dict(os.environ, **ve.SERVER_ENV, PARALLM_PROGRESS="0",
+               VLLM_ALLOW_INSECURE_SERIALIZATION="1")   # collective_rpc(_held_bytes): a function to the workers
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            os.path.abspath(__file__), ckpt, str(root)]
     before = shm_files()
@@ -100,6 +111,8 @@ def test_push_moe_into_an_llm_with_worker_processes(moe):
         assert r["stale"] > 100 * TOL and r["stale2"] > 100 * TOL, r
         assert r["shm_after"] <= TOL and r["gloo_after"] <= TOL, r
     assert len(moe[0]["shm_push"]["engines"]) == 1 and moe[0]["shm_push"]["updates"] > 1
+    held, pushed = moe[0]["held_bytes"], moe[0]["shm_push"]["bytes"]
+    assert len(held) == 2 and all(0 < h < pushed for h in held), (held, pushed)
 
 
 if __name__ == "__main__":          # one rank, under torch.distributed.run (the fixture above)
