@@ -8,8 +8,10 @@ Public API (a contract, see docs/api.md)::
     chunks = parallm.build_model(hf_config, *, task="causal_lm", packed=False, sequence_parallel=False,
                                  dtype=torch.float32, vocab_multiple=1, attn_impl="auto", recompute=None,
                                  cp_attn="auto")                # cp_attn: "allgather" | "ring" | "auto"
-    parallm.load_hf_weights(chunks, source, *, mode="auto")
-    state = parallm.save_hf_weights(chunks, out_dir=None, *, dtype=None)
+    #   hf_config / source: a directory, or a Hub id ("Qwen/Qwen2.5-0.5B", revision=) from the local HF cache only
+    parallm.load_hf_weights(chunks, source, *, mode="auto", revision=None)
+    state = parallm.save_hf_weights(chunks, out_dir=None, *, dtype=None, source=None)
+    #   a directory save also gets the source checkpoint's tokenizer / chat template / generation config
     for name, tensor in parallm.export_hf_tensors(chunks, *, dtype=None, bucket_bytes=..., dst_ranks=None,
                                                   copy=False): ...
     meta = parallm.export_metadata(chunks, *, dtype=None)   # [TensorMeta(name, dtype, shape)], the stream's order
