@@ -627,6 +627,18 @@ def test_mtp_tensors_carried_through_load_save_export_and_checkpoints(tmp_path):
     for k, v in mtp.items():
         assert torch.equal(res["resumed"][k], v)
     helpers.assert_same_state(res["resumed"], res["stepped"])
+    # the training checkpoint exported offline (parallm convert) keeps them too
+    import os
+
+    import parallm
+    from safetensors.torch import load_file
+    out = str(tmp_path / "converted")
+    parallm.checkpoint_to_hf(str(tmp_path / "train"), out)
+    files = {}
+    for f in os.listdir(out):
+        if f.endswith(".safetensors"):
+            files.update(load_file(os.path.join(out, f)))
+    helpers.assert_same_state(files, res["stepped"])
 
 
 # -- layers_per_stage="balanced" costs Gated DeltaNet and attention layers by their work ---------------------------
