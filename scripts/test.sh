@@ -5,7 +5,7 @@
 #   2. the vLLM tests (tests/test_vllm.py, tests/test_vllm_*.py) in .venv-vllm, made by scripts/setup_vllm.sh, with
 #      PARALLM_REQUIRE_VLLM=1: a missing or broken vLLM fails them instead of skipping them.
 #   3. the verl tests (tests/test_verl.py) in .venv-verl, made by scripts/setup_verl.sh, with PARALLM_REQUIRE_VERL=1
-#      (verl's own trainer runs 2 GRPO steps with parallm's engine there).
+#      (verl's own trainer runs 3 PPO steps with parallm's actor and critic there).
 # PARALLM_TEST_VLLM=0 leaves step 2 and its setup out, PARALLM_TEST_VERL=0 step 3 (for quick local runs; CI runs
 # all). Every step runs; the exit status is non-zero when any failed.
 set -euo pipefail

@@ -1,0 +1,96 @@
+"""GPU check for parallm's verl engine (never run: no GPU was lent). Needs verl 0.9.1 in the interpreter
+(`pip install "verl[verl-core]==0.9.1"` beside CUDA torch) and 1 CUDA device; exits 0 with a message if verl is
+missing. Run: `torchrun --nproc-per-node 1 scripts/gpu_checks/verl.py` (or plain python: it initialises a 1-rank group).
+
+Checks, on CUDA: verl's EngineRegistry builds parallm's engine for device "cuda"; with param_offload and
+optimizer_offload on, verl's mode switches (train_mode / eval_mode) offload the model and the AdamW state
+through parallm.offload (torch.cuda.memory_allocated falls by at least the parameter bytes outside the modes)
+and bring them back (parallm.onload); the log-probs and the weights after one PPO step equal a run without
+offload bit for bit.
+"""
+import os
+import sys
+import tempfile
+
+import torch
+
+try:
+    import verl  # noqa: F401
+except ImportError:
+    print("verl not installed: verl GPU check skipped")
+    sys.exit(0)
+os.environ.setdefault("VERL_USE_EXTERNAL_MODULES", "parallm.integrations.verl")
+import parallm.integrations.verl  # noqa: E402,F401
+import torch.distributed as dist  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+from verl.trainer.config import CheckpointConfig  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.config import ActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig  # noqa: E402
+from verl.workers.engine import EngineRegistry  # noqa: E402
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
+from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
+
+import parallm  # noqa: E402
+from parallm.integrations.verl import toy  # noqa: E402
+
+assert torch.cuda.is_available(), "needs a CUDA device"
+if not dist.is_initialized():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29591"), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl")
+path = toy.write_checkpoint(tempfile.mkdtemp(prefix="parallm_verl_gpu_"))
+actor_cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, clip_ratio=0.2,
+                        entropy_coeff=0.01, loss_agg_mode="token-mean")
+
+
+def batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, 60, (4, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    mask[2, 7:] = 0
+    td = TensorDict({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+                     "prompts": ids[:, :5].clone(), "responses": ids[:, 5:].clone(),
+                     "response_mask": mask[:, 5:].clone(), "old_log_probs": torch.full((4, 4), -2.0),
+                     "advantages": torch.randn(4, 4, generator=g)}, batch_size=[4])
+    td = left_right_2_no_padding(td)
+    tu.assign_non_tensor(td, temperature=1.0, calculate_entropy=True, use_dynamic_bsz=False,
+                         micro_batch_size_per_gpu=2, global_batch_size=4)
+    return td
+
+
+def run(offload):
+    eng = FSDPEngineConfig(strategy="fsdp", use_dynamic_bsz=False, micro_batch_size_per_gpu=2,
+                           infer_micro_batch_size_per_gpu=2, param_offload=offload, optimizer_offload=offload)
+    object.__setattr__(eng, "strategy", "parallm")
+    e = EngineRegistry.new(model_type="language_model", backend="parallm",
+                           model_config=HFModelConfig(path=path, use_remove_padding=False,
+                                                      override_config={"attn_implementation": "sdpa"}),
+                           engine_config=eng, optimizer_config=FSDPOptimizerConfig(lr=1e-3, total_training_steps=2),
+                           checkpoint_config=CheckpointConfig())
+    e.initialize()
+    assert e.device_type == "cuda", e.device_type
+    outside = []
+    with e.eval_mode():
+        lp = e.infer_batch(batch())["model_output"]["log_probs"]
+    outside.append(torch.cuda.memory_allocated())
+    with e.train_mode():
+        e.train_batch(batch(), loss_function=lambda model_output, data, dp_group=None:
+                      ppo_loss(actor_cfg, model_output, data, dp_group))
+    outside.append(torch.cuda.memory_allocated())
+    e.to("cuda", model=True, optimizer=True, grad=True)
+    inside = torch.cuda.memory_allocated()
+    weights = {k: v.clone() for k, v in parallm.export_hf_tensors(e.chunks)}
+    pbytes = sum(p.numel() * p.element_size() for c in e.chunks for p in c.parameters())
+    parallm.destroy_parallel()
+    return [t.cpu() for t in lp.unbind()], weights, outside, inside, pbytes
+
+
+lp0, w0, _, _, _ = run(False)
+lp1, w1, outside, inside, pbytes = run(True)
+assert all(torch.equal(a, b) for a, b in zip(lp0, lp1)), "offloaded log-probs differ"
+assert all(torch.equal(w0[k], w1[k]) for k in w0), "offloaded weights differ"
+assert all(inside - o >= pbytes for o in outside), (inside, outside, pbytes)
+print(f"verl engine on CUDA: offload frees {inside - max(outside)} B outside the modes (params {pbytes} B); "
+      "log-probs and weights bit-equal to the resident run")
