@@ -20,6 +20,8 @@ echo "== scripts/gpu_checks/train.py on $N process(es)"
 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$N" scripts/gpu_checks/train.py "$@" || status=1
 echo "== scripts/gpu_checks/replay.py on $N process(es)"
 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$N" scripts/gpu_checks/replay.py "$@" || status=1
+echo "== scripts/gpu_checks/verify.py (parallm verify in bf16, MTP tensors carried)"
+"$PY" scripts/gpu_checks/verify.py || status=1
 echo "== scripts/gpu_checks/attention.py"
 "$PY" scripts/gpu_checks/attention.py "$@" || status=1
 N2=$(( N >= 2 ? 2 : 1 ))
