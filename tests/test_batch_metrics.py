@@ -7,7 +7,8 @@ reach ``loss_fn(out, mb)`` in ``mb``, no closure over the whole batch. The loss 
 a token-weighted mean (``ratio``), a maximum (``ratio_max``), a minimum (``ratio_min``) and a sum (``tokens``).
 On 4 ranks, pp2.dp2 and cp2.dp2 with 2 microbatches of unequal token counts per replica: the returned objective,
 every metric (on every rank, every pipeline stage) and the weights after one SGD step equal transformers' on the
-whole batch. Then the errors: metrics with other names on one microbatch, a batch entry whose first dimension
+whole batch; the same at pp2.dp2 with the batch as a ``tensordict.TensorDict`` (and ``forward`` of a TensorDict
+equal to the dict's bit for bit). Then the errors: metrics with other names on one microbatch, a batch entry whose first dimension
 is not the batch, both on every rank.
 """
 
@@ -67,12 +68,20 @@ def rank_fn(rank, world, ckpt, data, layouts):
     from parallm.parallel.state import current_dims
     out = {}
     for name, layout in layouts.items():
+        layout = dict(layout)
+        as_tensordict = layout.pop("tensordict", False)
         parallm.init_parallel(**layout)
         lay = current_dims()
         chunks = parallm.build_model(ckpt)
         parallm.load_hf_weights(chunks, ckpt)
         mine = slice(4 * lay.dp_rank, 4 * lay.dp_rank + 4)
         mb = {k: v[mine] for k, v in data.items()}
+        if as_tensordict:       # the same rows as a tensordict.TensorDict: forward equal bit for bit to the dict's
+            from tensordict import TensorDict
+            plain, mb = mb, TensorDict(mb, batch_size=[4])
+            with torch.no_grad():
+                out["forward_equal"] = torch.equal(parallm.forward(chunks, mb, output="logprobs"),
+                                                   parallm.forward(chunks, plain, output="logprobs"))
         loss, metrics = parallm.forward_backward(chunks, mb, loss_fn=rl_loss, num_microbatches=2,
                                                  output="logprobs",
                                                  metric_reduce={"ratio_max": "max", "ratio_min": "min",
@@ -121,8 +130,9 @@ def test_batch_mapping_and_metrics_against_transformers(tmp_path):
     adv = torch.randn(ids.shape[0], generator=g)
     ref_loss, ref_metrics, ref_state, _ = reference(model, ids, mask, old, adv)
     data = {"input_ids": ids, "attention_mask": mask, "old_logprobs": old, "advantages": adv}
-    layouts = {"pp2.dp2": dict(pp=2), "cp2.dp2": dict(cp=2)}
+    layouts = {"pp2.dp2": dict(pp=2), "cp2.dp2": dict(cp=2), "pp2.dp2 TensorDict": dict(pp=2, tensordict=True)}
     res = helpers.run_ranks(rank_fn, 4, ckpt, data, layouts)
+    assert all(r["forward_equal"] for r in res)
     for name in layouts:
         for rank, r in enumerate(res):
             got = r[name]
