@@ -27,6 +27,10 @@ echo "== scripts/gpu_checks/attention.py"
 N2=$(( N >= 2 ? 2 : 1 ))
 echo "== scripts/gpu_checks/gated_deltanet.py on $N2 process(es)"
 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$N2" scripts/gpu_checks/gated_deltanet.py "$@" || status=1
+if [ "$N" -ge 2 ]; then
+  echo "== scripts/gpu_checks/export_out.py on 2 processes (the export stream writing into caller buffers)"
+  "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 scripts/gpu_checks/export_out.py || status=1
+fi
 if [ "$N" -ge 2 ] && "$PY" -c "import vllm" 2>/dev/null; then
   echo "== scripts/gpu_checks/vllm.py on 2 processes"
   "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 scripts/gpu_checks/vllm.py || status=1
