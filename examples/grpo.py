@@ -38,6 +38,12 @@ One GRPO step:
    ``routing_drift`` (logged) measures how far the updates moved the routing of those tokens;
 5. ``push_weights`` into the engine(s).
 
+``--lora R``: the warmed-up model becomes a frozen base (saved, and the engine starts from it) and GRPO trains LoRA
+adapters of rank R (alpha 2R) on every projection (``build_model(lora=...)``; the optimizer holds the adapters'
+state only); step 5 pushes the adapter alone (``pv.push_adapter`` into an engine started with ``enable_lora``: a
+``LoRARequest`` the rollouts then name), or the merged weights where the engine cannot serve LoRA (transformers'
+rollouts, ``--engines serve``, the MoE model on vLLM's CPU build). Give it a larger ``--lr`` (e.g. 5e-3).
+
 ``--engines serve`` (with vLLM): instead of one engine in rank 0's process, rank 0 starts two ``vllm serve``
 engines in processes of their own, one with 2 tensor-parallel workers and one with 1 (``pv.serve``), splits
 every step's rollouts between them (data-parallel rollout replicas), and pushes into both at once through vLLM's
@@ -96,6 +102,9 @@ def parse(argv=None):
                          "between them, pushes through vLLM's weight-transfer API)")
     ap.add_argument("--backend", choices=["parallm_shm", "parallm_gloo"], default="parallm_shm",
                     help="with --engines serve: parallm's weight-transfer backend")
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="GRPO trains LoRA adapters of rank R (every projection; alpha 2R) on the warmed-up model, "
+                         "which stays frozen; the engine receives the adapter alone (0: train every weight)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None, help="where the initial checkpoint goes (default: a temporary dir)")
     ap.add_argument("--jsonl", default=None, help="write one JSON line per step to this file (rank 0)")
@@ -197,14 +206,20 @@ def on_rank0(fn):
     return value
 
 
+MOE_ENGINE = [False]          # whether the engine serves the MoE model (set by main)
+
+
 class VLLMRollout:
     name = "vllm"
 
-    def __init__(self, ckpt: str, max_len: int, seed: int):
+    def __init__(self, ckpt: str, max_len: int, seed: int, lora: int = 0):
         from parallm.integrations import vllm as pv
-        self.pv = pv
+        self.pv, self.lora, self.request = pv, lora, None
+        # --lora on a dense model: an engine serving LoRA receives the adapter alone (vLLM's CPU build runs no MoE
+        # LoRA: a MoE engine gets the merged weights, push_adapter decides)
+        extra = dict(enable_lora=True, max_lora_rank=lora, max_loras=1) if lora and not MOE_ENGINE[0] else {}
         self.llm = pv.launch(ckpt, rank=0, dtype="float32", max_model_len=max_len, kv_cache_memory_bytes=64 << 20,
-                             seed=seed)
+                             seed=seed, **extra)
 
     def sample(self, prompts: torch.Tensor, *, n: int, temperature: float, seed: int):
         """Rank 0: (answers [B, n], the engine's log-probs of them [B, n])."""
@@ -215,14 +230,18 @@ class VLLMRollout:
         params = [SamplingParams(max_tokens=n, temperature=temperature, logprobs=0, seed=seed * 65537 + i,
                                  ignore_eos=True) for i in range(len(prompts))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts], params,
-                                 use_tqdm=False)
+                                 use_tqdm=False, lora_request=self.request)
         answers = torch.tensor([list(o.outputs[0].token_ids) for o in outs])
         lps = torch.tensor([[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                             for o in outs])
         return answers, lps
 
     def push(self, chunks) -> dict:
-        return self.pv.push_weights(chunks, self.llm, rank=0)
+        if not self.lora:
+            return self.pv.push_weights(chunks, self.llm, rank=0)
+        stats = self.pv.push_adapter(chunks, self.llm, rank=0)    # the adapter, or the merged weights
+        self.request = stats["lora_request"]
+        return stats
 
 
 class ServeRollout:
@@ -230,11 +249,11 @@ class ServeRollout:
     half of the rollouts over HTTP; pushes through vLLM's weight-transfer API (``connect`` + ``push_weights``)."""
     name = "vllm-serve"
 
-    def __init__(self, ckpt: str, max_len: int, seed: int, backend: str = "parallm_shm"):
+    def __init__(self, ckpt: str, max_len: int, seed: int, backend: str = "parallm_shm", lora: int = 0):
         import concurrent.futures
 
         from parallm.integrations import vllm as pv
-        self.pv, self.ckpt, self.servers = pv, ckpt, []
+        self.pv, self.ckpt, self.servers, self.lora = pv, ckpt, [], lora
         self.pool = concurrent.futures.ThreadPoolExecutor(16)
         env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
@@ -270,6 +289,8 @@ class ServeRollout:
         return torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
 
     def push(self, chunks) -> dict:
+        if self.lora:           # engines in other processes: the merged weights
+            return self.pv.push_adapter(chunks, self.conn)
         return self.pv.push_weights(chunks, self.conn)
 
     def close(self) -> None:
@@ -284,7 +305,7 @@ class TransformersRollout:
     """Without vLLM: transformers' ``generate`` on rank 0, its weights refreshed from ``save_hf_weights``."""
     name = "transformers"
 
-    def __init__(self, ckpt: str, max_len: int, seed: int):
+    def __init__(self, ckpt: str, max_len: int, seed: int, lora: int = 0):
         import transformers
         self.model = None
         if dist.get_rank() == 0:
@@ -309,7 +330,8 @@ class TransformersRollout:
     def push(self, chunks) -> dict:
         import parallm
         t = time.perf_counter()
-        state = parallm.save_hf_weights(chunks)        # collective; the full state dict on rank 0
+        # collective; the full state dict on rank 0 (with --lora the adapters merged into the frozen base)
+        state = parallm.save_hf_weights(chunks, merged=True)
         if self.model is not None:
             missing, unexpected = self.model.load_state_dict(fuse_experts(state), strict=False)
             if unexpected or set(missing) - {"lm_head.weight"}:
@@ -410,13 +432,26 @@ def main(args) -> list[dict]:
     parallm.load_hf_weights(chunks, ckpt)
     g = torch.Generator().manual_seed(args.seed)     # the same stream on every rank: the same prompts
     warm_loss = warmup(chunks, parallm.build_optimizer(chunks, lr=args.warmup_lr), args, g)
+    if args.lora:
+        # LoRA: the warmed-up model becomes the frozen base (written once, the engine starts from it) and GRPO
+        # trains adapters on it; the optimizer holds the adapters' state only
+        ckpt = os.path.join(workdir, "base")
+        parallm.save_hf_weights(chunks, ckpt, overwrite=True)
+        if rank == 0:
+            write_tokenizer(ckpt)
+        dist.barrier()
+        config = parallm.LoraConfig(args.lora, 2 * args.lora, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                              "up_proj", "down_proj"))
+        chunks = parallm.build_model(ckpt, lora=config)
+        parallm.load_hf_weights(chunks, ckpt)
+    MOE_ENGINE[0] = args.model == "moe"
     opt = parallm.build_optimizer(chunks, lr=args.lr)
 
     cls = pick_rollout(args.rollout)
     if cls is VLLMRollout and args.engines == "serve":
-        rollout = ServeRollout(ckpt, start + n, args.seed, backend=args.backend)
+        rollout = ServeRollout(ckpt, start + n, args.seed, backend=args.backend, lora=args.lora)
     else:
-        rollout = cls(ckpt, start + n, args.seed)
+        rollout = cls(ckpt, start + n, args.seed, lora=args.lora)
     try:
         return run(chunks, opt, rollout, args, g, warm_loss, t_start, made, rank)
     finally:
@@ -479,7 +514,8 @@ def run(chunks, opt, rollout, args, g, warm_loss, t_start, made, rank) -> list[d
         schedule.step()                              # once per GRPO step (its --updates optimizer steps share it)
         drift = routing_drift(chunks, ids, routed, start, n) if moe else None
         push = rollout.push(chunks)
-        row = dict(step=step, rollout=rollout.name, model=args.model, reward=r.mean().item(), entropy=entropy,
+        row = dict(step=step, rollout=rollout.name, model=args.model, lora=args.lora, push_mode=push.get("mode"),
+                   push_bytes=push.get("bytes"), reward=r.mean().item(), entropy=entropy,
                    clip_frac=clip_frac, logprob_mismatch=mismatch.mean().item(),
                    logprob_mismatch_max=mismatch.max().item(), lr=lr, push_s=push["seconds"], rollout_s=t_rollout,
                    step_s=time.perf_counter() - t0)

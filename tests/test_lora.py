@@ -54,17 +54,17 @@ def _peft_state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
 
 
-def _reference(family: str, tmp, *, overrides=None, targets=TARGETS):
+def _reference(family: str, tmp, *, overrides=None, targets=TARGETS, tag=""):
     """(checkpoint dir, adapter dir, batch, reference dict)."""
     import parallm
     cfg = helpers.tiny_config(family, **(overrides or {}))
     base = helpers.make_hf_model(cfg, seed=0)
-    ckpt = helpers.save_checkpoint(base, str(tmp / f"{family}_ckpt"))
+    ckpt = helpers.save_checkpoint(base, str(tmp / f"{family}{tag}_ckpt"))
     model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=R, lora_alpha=ALPHA,
                                                                       target_modules=list(targets),
                                                                       lora_dropout=0.0))
     _randomize_adapter(model, 7)
-    adapter = str(tmp / f"{family}_adapter")
+    adapter = str(tmp / f"{family}{tag}_adapter")
     model.save_pretrained(adapter)
     ids, mask = helpers.padded_batch(cfg.vocab_size, batch=4, seq=12)
     pos = parallm.default_position_ids(mask)
@@ -84,7 +84,7 @@ def _reference(family: str, tmp, *, overrides=None, targets=TARGETS):
     return ckpt, adapter, (ids, mask), ref, base
 
 
-def _check_run(rank, chunks, batch, *, dp_slice=None, extra=None):
+def _check_run(rank, chunks, batch, *, dp_slice=None, extra=None, opt_kw=None):
     """On every rank: logits with / without adapters, one step; returns what rank 0 reports."""
     import parallm
     from parallm.model.lora import chunk_lora_entries
@@ -99,7 +99,7 @@ def _check_run(rank, chunks, batch, *, dp_slice=None, extra=None):
     frozen = {f"{c.vpp_rank}.{n}": p.detach().clone() for c in chunks for n, p in c.named_parameters()
               if id(p) not in lora}
     out["trainable_is_lora"] = {id(p) for c in chunks for p in c.parameters() if p.requires_grad} == lora
-    opt = parallm.build_optimizer(chunks, lr=LR, eps=EPS, weight_decay=WD)
+    opt = parallm.build_optimizer(chunks, lr=LR, eps=EPS, weight_decay=WD, **(opt_kw or {}))
     out["state_on_lora_only"] = all(id(p) in lora for p, _ in opt.owned()) and len(list(opt.owned())) > 0
     b_ids, b_mask = (ids, mask) if dp_slice is None else (ids[dp_slice], mask[dp_slice])
     out["loss"] = parallm.forward_backward(chunks, b_ids, b_mask, loss_fn=token_nll).item()
@@ -255,6 +255,8 @@ def test_lora_dense_layouts(tmp_path):
     record = json.load(open(tmp_path / "lora_ckpt" / "parallm.json"))
     assert record["lora"]["base"] == ckpt and record["lora"]["config"]["r"] == R
     assert all(".lora_" in n for n, _ in record["tensors"]), record["tensors"][:3]
+    with pytest.raises(parallm.CheckpointError, match="LoRA adapters only"):
+        parallm.checkpoint_to_hf(str(tmp_path / "lora_ckpt"), str(tmp_path / "not_a_model"))
     resume = res["resume"]
     assert resume["step"] == 3
     assert "holds LoRA adapters only" in resume["into_plain"], resume.get("into_plain")
@@ -268,14 +270,16 @@ def test_lora_dense_layouts(tmp_path):
             assert torch.equal(resume["moments"][key][k], v), (key, k)
 
 
-def _four_rank_cases(rank, world, moe, dense, tmp):
+def _four_rank_cases(rank, world, moe, dense, deep, tmp):
     import parallm
     from parallm.parallel.state import current_dims
     results = {}
-    for name, (ckpt, adapter, batch), kw, env in (
-            ("moe_tp2_ep2", moe, dict(tp=2, ep=2), "auto"),
-            ("moe_tp2_ep2_loop", moe, dict(tp=2, ep=2), "loop"),
-            ("dense_tp4", dense, dict(tp=4), "auto")):
+    zero = dict(shard_over_dp=True, overlap_grad_reduce=True)
+    for name, (ckpt, adapter, batch), kw, env, opt_kw in (
+            ("moe_tp2_ep2", moe, dict(tp=2, ep=2), "auto", None),
+            ("moe_tp2_ep2_loop", moe, dict(tp=2, ep=2), "loop", None),
+            ("dense_tp4", dense, dict(tp=4), "auto", None),
+            ("dense_pp2_vpp2_zero", deep, dict(pp=2, vpp=2), "auto", zero)):
         os.environ["PARALLM_MOE_EXPERTS"] = env
         parallm.init_parallel(**kw)
         dims = current_dims()
@@ -283,7 +287,8 @@ def _four_rank_cases(rank, world, moe, dense, tmp):
         parallm.load_hf_weights(chunks, ckpt)
         parallm.load_hf_adapter(chunks, adapter)
         per = batch[0].shape[0] // dims.dp
-        out = _check_run(rank, chunks, batch, dp_slice=slice(dims.dp_rank * per, (dims.dp_rank + 1) * per))
+        out = _check_run(rank, chunks, batch, dp_slice=slice(dims.dp_rank * per, (dims.dp_rank + 1) * per),
+                         opt_kw=opt_kw)
         if name == "moe_tp2_ep2":
             merged = dict(parallm.export_hf_tensors(chunks, merged=True, copy=True))
             parallm.save_hf_adapter(chunks, os.path.join(tmp, "moe_saved"), overwrite=True)
@@ -298,7 +303,7 @@ def _four_rank_cases(rank, world, moe, dense, tmp):
 def test_lora_moe_and_replicated_kv(tmp_path):
     """Qwen3-MoE at tp2 x ep2 (dp2: each replica half the batch, token-mean), experts' adapters through the
     grouped GEMM and through the loop; Qwen3 at tp4 (2 KV heads: k / v factors replicated over 2 ranks each);
-    against PEFT. The MoE adapter saved by parallm loads into PEFT with equal logits; its merged export equals
+    a 4-layer Qwen3 at pp2 x vpp2 x dp2 with ZeRO and gradient buckets (two chunks per rank); against PEFT. The MoE adapter saved by parallm loads into PEFT with equal logits; its merged export equals
     PEFT's merge_and_unload."""
     import parallm
     from parallm.checkpoint.lora_io import WEIGHTS_NAME
@@ -306,11 +311,13 @@ def test_lora_moe_and_replicated_kv(tmp_path):
     moe_ckpt, moe_adapter, moe_batch, moe_ref, moe_base = _reference(
         "qwen3_moe", tmp_path, overrides=dict(decoder_sparse_step=1, mlp_only_layers=[]))
     ckpt, adapter, batch, ref, _ = _reference("qwen3", tmp_path)
+    deep = _reference("qwen3", tmp_path, overrides=dict(num_hidden_layers=4), tag="_deep")
     res = helpers.run_ranks(_four_rank_cases, 4, (moe_ckpt, moe_adapter, moe_batch), (ckpt, adapter, batch),
-                            str(tmp_path))[0]
+                            deep[:3], str(tmp_path))[0]
     for name in ("moe_tp2_ep2", "moe_tp2_ep2_loop"):
         _assert_case(res[name], moe_ref, moe_batch[1], name)
     _assert_case(res["dense_tp4"], ref, batch[1], "dense_tp4")
+    _assert_case(res["dense_pp2_vpp2_zero"], deep[3], deep[2][1], "dense_pp2_vpp2_zero")
     # expert factors exist and moved (PEFT's stacked names)
     assert any(".mlp.experts.base_layer.lora_B" in k for k in moe_ref["after"])
     # the saved MoE adapter: the same names and shapes as PEFT's own file, and PEFT runs it
@@ -343,7 +350,8 @@ def test_lora_config_and_refusals():
         LoraConfig(4, 8, TARGETS, dropout=0.1)
     with pytest.raises(ValueError, match="r must be"):
         LoraConfig(0, 8, TARGETS)
-    cfg = LoraConfig(4, 8, ("q_proj", "mlp.down_proj"), rank_pattern={"q_proj": 2}, alpha_pattern={"layers.1.q_proj": 3})
+    cfg = LoraConfig(4, 8, ("q_proj", "mlp.down_proj"), rank_pattern={"q_proj": 2},
+                     alpha_pattern={"layers.1.q_proj": 3})
     assert cfg.targets("model.layers.0.self_attn.q_proj") and not cfg.targets("model.layers.0.self_attn.k_proj")
     assert cfg.targets("model.layers.0.mlp.down_proj") and not cfg.targets("model.layers.0.mlp.up_proj")
     assert cfg.rank_alpha("model.layers.0.self_attn.q_proj") == (2, 8.0)
@@ -404,3 +412,25 @@ def test_lora_other_moe_families(tmp_path):
     assert not any(".experts." in k for k in names)
     assert any(".mlp.experts.base_layer.lora_B" in k for k in refs["mixtral"]["after"])
     assert "add_lora after build_optimizer" in res["after_optimizer"]
+
+
+@pytest.mark.timeout(300)
+def test_grpo_example_lora_transformers_rollouts(tmp_path):
+    """``examples/grpo.py --lora 8`` with transformers rollouts (3 steps at tp2): the warmed-up model becomes the
+    frozen base, GRPO trains adapters, the engine gets the merged weights every step: its log-probs equal the
+    trainer's (the vLLM run, adapter pushes and learning: tests/test_vllm_lora.py)."""
+    import json
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PARALLM_PROGRESS="0")
+    env.pop("RANK", None)
+    log = tmp_path / "log.jsonl"
+    cmd = [sys.executable, os.path.join(root, "examples", "grpo.py"), "--rollout", "transformers", "--steps", "3",
+           "--prompts", "8", "--lora", "8", "--lr", "5e-3", "--jsonl", str(log)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in open(log)]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["lora"] == 8 and r["logprob_mismatch_max"] < 1e-4, r
