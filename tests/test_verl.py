@@ -364,6 +364,189 @@ def test_engine_matches_fsdp2(tmp_path):
         _check_engine(rep["moe"], name="moe")
 
 
+def _replay_rank(rank, world, moe):
+    """Router replay through the engine (verl's ``router_replay.mode`` on its engine config), Qwen3-MoE at
+    dp2 x ep2, verl's ``ppo_loss``, one micro-batch per training step, two per forward-only pass:
+    R2: the forward-only pass records (verl's nested int16 ``routed_experts``) what parallm called directly
+    returns; a training step replaying random experts (given in verl's padded rollout layout, through verl's
+    ``left_right_2_no_padding``) equals ``parallm.forward_backward`` called directly with those experts on an
+    engine that does no replay (loss and weights bit-identical), and differs from a step without replay;
+    replaying the recorded experts equals the step without replay. R3: the forward-only pass replays the
+    batch's experts (bit-identical to ``parallm.forward`` with them), a row one route short (the rollout's last
+    token) gets a placeholder; the errors when the batch carries no experts."""
+    os.environ.update(ENV)
+    os.environ["PARALLM_VERL_CONFIG"] = json.dumps({"ep": 2})
+    import torch
+    import torch.distributed as dist
+    import verl  # noqa: F401  (loads parallm.integrations.verl)
+    from verl.trainer.config import CheckpointConfig
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import ActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.config.engine import EngineRouterReplayConfig
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import left_right_2_no_padding
+    import parallm
+    from parallm.integrations.verl.engine import _nested
+
+    def engine(mode):
+        model = HFModelConfig(path=moe, use_remove_padding=False, override_config={"attn_implementation": "sdpa"})
+        eng = FSDPEngineConfig(strategy="fsdp", model_dtype="fp32",
+                               mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
+                                                "buffer_dtype": "fp32"}, use_torch_compile=False,
+                               use_dynamic_bsz=False, micro_batch_size_per_gpu=B, infer_micro_batch_size_per_gpu=2,
+                               router_replay=EngineRouterReplayConfig(mode=mode))
+        object.__setattr__(eng, "strategy", "parallm")
+        optim = FSDPOptimizerConfig(lr=1e-2, weight_decay=0.1, total_training_steps=4, clip_grad=1.0,
+                                    lr_scheduler_type="constant", lr_warmup_steps=0)
+        e = EngineRegistry.new(model_type="language_model", backend="parallm", model_config=model,
+                               engine_config=eng, optimizer_config=optim, checkpoint_config=CheckpointConfig())
+        e.initialize()
+        return e
+
+    ids, mask, old, adv = _rows(rank)
+    cfg = json.load(open(os.path.join(moe, "config.json")))
+    layers, k = cfg["num_hidden_layers"], cfg["num_experts_per_tok"]
+    n_exp = cfg.get("num_experts", cfg.get("num_local_experts"))      # transformers 5 writes num_local_experts
+    g = torch.Generator().manual_seed(11 + rank)
+    # random experts per token and layer, distinct within a token, in the rollout's padded [B, P+R, L, k] layout
+    other = torch.rand(B, P + R, layers, n_exp, generator=g).argsort(-1)[..., :k].to(torch.int16)
+
+    def batch(dynamic=False, routes=None):
+        d = {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+             "prompts": ids[:, :P].clone(), "responses": ids[:, P:].clone(), "response_mask": mask[:, P:].clone(),
+             "old_log_probs": old, "advantages": adv}
+        if routes is not None and not routes.is_nested:
+            d["routed_experts"] = routes
+        td = left_right_2_no_padding(TensorDict(d, batch_size=[B]))
+        if routes is not None and routes.is_nested:      # what the R2 record returned: already nested
+            td["routed_experts"] = routes
+        tu.assign_non_tensor(td, temperature=1.0, calculate_entropy=True, use_dynamic_bsz=dynamic,
+                             micro_batch_size_per_gpu=B, max_token_len_per_gpu=12, use_remove_padding=False,
+                             global_batch_size=B * world, use_fused_kernels=False)
+        return td
+
+    # parallm's own right-padded layout of the same rows, built here from the padded rows (not by the engine)
+    lens = mask.sum(1)
+    s = int(lens.max())
+    r_ids = torch.zeros(B, s, dtype=torch.long)
+    r_mask = torch.zeros(B, s, dtype=torch.long)
+    r_other = torch.zeros(B, s, layers, k, dtype=torch.long)
+    for i in range(B):
+        n, real = int(lens[i]), mask[i].bool()
+        r_ids[i, :n], r_mask[i, :n], r_other[i, :n] = ids[i, real], 1, other[i, real].long()
+    r_pos = (r_mask.cumsum(1) - 1).clamp(min=0)
+
+    actor_cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=B, clip_ratio=0.2,
+                            entropy_coeff=0.01, loss_agg_mode="token-mean")
+
+    def loss_fn(model_output, data, dp_group=None):
+        return ppo_loss(actor_cfg, model_output, data, dp_group)
+
+    def weights(e):
+        return {k_: v.detach().clone() for k_, v in parallm.export_hf_tensors(e.chunks)}
+
+    def train(e, td):
+        with e.train_mode():
+            tr = e.train_batch(td, loss_function=loss_fn)
+        return sum(tr["loss"]), weights(e)
+
+    rep = {}
+    # R2 record: the forward-only pass's routed experts, fixed and dynamic micro-batches
+    e2 = engine("R2")
+    with e2.eval_mode():
+        out = e2.infer_batch(batch())["model_output"]
+        out_dyn = e2.infer_batch(batch(dynamic=True))["model_output"]
+    rec = out["routed_experts"]
+    lp_plain = [t.clone() for t in out["log_probs"].unbind()]
+    _, direct = parallm.forward(e2.chunks, r_ids, r_mask, r_pos, output="logprobs", return_routed_experts=True)
+    rep["record"] = {
+        "nested_int16": rec.is_nested and rec.dtype == torch.int16,
+        "shapes": [tuple(t.shape) for t in rec.unbind()] == [(int(n), layers, k) for n in lens],
+        "equal_direct": all(torch.equal(t.long(), direct[i, :int(lens[i])]) for i, t in enumerate(rec.unbind())),
+        "equal_dynamic": all(torch.equal(a, b_) for a, b_ in zip(rec.unbind(), out_dyn["routed_experts"].unbind())),
+        "differs_from_other": float(torch.cat([(t.long() != r_other[i, :int(lens[i])]).any(-1).flatten()
+                                               for i, t in enumerate(rec.unbind())]).float().mean())}
+    rec = torch.nested.as_nested_tensor([t.clone() for t in rec.unbind()], layout=torch.jagged)
+    # R3: forward-only replay of the rollout's experts (verl's padded layout through left_right_2_no_padding)
+    e3 = engine("R3")
+    with e3.eval_mode():
+        lp3 = [t.clone() for t in e3.infer_batch(batch(routes=other))["model_output"]["log_probs"].unbind()]
+        td_short = batch(routes=other)
+        td_short["routed_experts"] = torch.nested.as_nested_tensor(
+            [t[:-1].clone() for t in td_short["routed_experts"].unbind()], layout=torch.jagged)
+        lp3_short = [t.clone() for t in e3.infer_batch(td_short)["model_output"]["log_probs"].unbind()]
+        errors = []
+        for e_, td_, fwd in ((e3, batch(), True), (e2, batch(), False)):
+            try:
+                e_.infer_batch(td_) if fwd else e_.train_batch(td_, loss_function=loss_fn)
+            except ValueError as exc:
+                errors.append(str(exc))
+    lp_direct = parallm.forward(e3.chunks, r_ids, r_mask, r_pos, output="logprobs", routed_experts=r_other)
+    rep["r3"] = {
+        # a row's last position predicts past the sequence: never read by verl (no_padding_2_padding)
+        "equal_direct": all(torch.equal(t[:-1], lp_direct[i, :int(lens[i]) - 1]) for i, t in enumerate(lp3)),
+        "diff_plain": max((t[:-1] - p_[:-1]).abs().max().item() for t, p_ in zip(lp3, lp_plain)),
+        "short": max((t[:-1] - u[:-1]).abs().max().item() for t, u in zip(lp3, lp3_short)),
+        "errors": errors}
+    del e3
+    # training: R2 replaying the random experts against parallm called directly with them
+    loss_other, w_other = train(e2, batch(routes=other))
+    ref = engine("disabled")
+    td = batch()
+    num_tokens = td["loss_mask"].sum().to(torch.float64)
+    dist.all_reduce(num_tokens)
+    tu.assign_non_tensor(td, batch_num_tokens=num_tokens.item(), dp_size=world)
+    seen = []
+
+    def direct_loss(out, mb):
+        n_ = [int(x) for x in lens]
+        mo = {"log_probs": _nested(out.logprobs, n_), "entropy": _nested(out.entropy, n_)}
+        loss, _ = loss_fn(mo, td, ref.get_data_parallel_group())
+        seen.append(float(loss.detach().item()))
+        return loss, 1.0
+
+    with ref.train_mode():
+        ref.optimizer_zero_grad()
+        parallm.forward_backward(ref.chunks, {"input_ids": r_ids, "attention_mask": r_mask, "position_ids": r_pos,
+                                              "routed_experts": r_other},
+                                 loss_fn=direct_loss, output="logprobs+entropy", num_microbatches=1)
+        ref.optimizer_step()
+    w_ref = weights(ref)
+    # without replay, and replaying the recorded (the router's own) experts
+    loss_plain, w_plain = train(engine("disabled"), batch())
+    loss_rec, w_rec = train(engine("R2"), batch(routes=rec))
+    rep["train"] = {
+        "loss": (loss_other, seen[0], loss_plain, loss_rec),
+        "equal_direct": loss_other == seen[0] and all(torch.equal(w_other[k_], w_ref[k_]) for k_ in w_ref),
+        "rec_equal_plain": loss_rec == loss_plain and all(torch.equal(w_rec[k_], w_plain[k_]) for k_ in w_plain),
+        "other_vs_plain": max((w_other[k_] - w_plain[k_]).abs().max().item() for k_ in w_plain)}
+    return rep
+
+
+@pytest.mark.timeout(420)
+def test_engine_router_replay(tmp_path):
+    """Router replay as verl 0.9.1 drives it (``router_replay.mode`` R2 / R3 on the engine config, the batch's
+    ``routed_experts``) through parallm's engine, Qwen3-MoE at dp2 x ep2 (``_replay_rank``)."""
+    from parallm.integrations.verl import toy  # noqa: F401  (needs verl: skipped above without it)
+    moe = toy.write_checkpoint(str(tmp_path / "moe"), model_type="qwen3_moe")
+    for rank, rep in enumerate(helpers.run_ranks(_replay_rank, 2, moe, timeout=360)):
+        print(rank, rep)
+        rc = rep["record"]
+        assert rc["nested_int16"] and rc["shapes"] and rc["equal_direct"] and rc["equal_dynamic"], rc
+        assert rc["differs_from_other"] > 0.5, rc       # the replayed experts are not the router's own
+        r3 = rep["r3"]
+        assert r3["equal_direct"] and r3["diff_plain"] > 1e-3 and r3["short"] < 1e-5, r3
+        assert len(r3["errors"]) == 2 and all("routed_experts" in m for m in r3["errors"]), r3
+        assert "R3" in r3["errors"][0] and "R2" in r3["errors"][1], r3
+        tr = rep["train"]
+        assert tr["equal_direct"], tr                  # the engine's replay = parallm called directly, bit for bit
+        assert tr["rec_equal_plain"], tr               # replaying the router's own choice changes nothing
+        lo, _, lp_, _ = tr["loss"]
+        assert lo != lp_ and tr["other_vs_plain"] > 1e-4, tr   # replaying other experts is not ignored
+
+
 @pytest.mark.timeout(300)
 def test_value_engine():
     """parallm's critic engine (``value_model``, built by verl's ``EngineRegistry`` from a causal-LM checkpoint: the

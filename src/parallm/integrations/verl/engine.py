@@ -39,6 +39,17 @@ What each verl call becomes:
 * ``forward_backward_batch(forward_only=True)``: ``parallm.forward`` (log-probs, entropy or values on every
   rank), by verl's micro-batches (``num_microbatches`` at pp > 1; one call per micro-batch at pp = 1, where
   ``parallm.forward`` would run the batch whole; ``max_tokens_per_microbatch`` for the dynamic batch size).
+* router replay (MoE), verl's ``router_replay.mode`` on the engine config (``EngineConfig.router_replay``, the
+  field verl's Megatron and VeOmni engines read): ``"R2"``: the actor's forward-only pass (``compute_log_prob``,
+  a batch without ``routed_experts``) records the experts every MoE layer routed each token with and returns them
+  as ``model_output["routed_experts"]``, verl's layout (nested jagged int16 ``[b, j, num_moe_layers, top_k]``,
+  what verl's trainer unions into the batch); the update replays the batch's ``routed_experts``. ``"R3"``: every
+  actor pass replays the batch's ``routed_experts`` (the rollout's, one slot per decoder layer from vLLM; a row
+  one route short, the last generated token's, gets a placeholder route: that row only feeds the logits of the
+  position past the sequence's end, which verl's losses never read). Replay is ``parallm.forward`` /
+  ``forward_backward``'s ``routed_experts`` (docs/moe.md "Router replay"); a forward-only engine (verl's
+  reference policy) neither records nor replays, as verl's workers flag its pass off; a batch whose
+  ``enable_routing_replay`` is ``False`` is not replayed either.
 * ``optimizer_step``: ``finalize_grads``, ``clip_grad_norm_(clip_grad)``, the step only when the norm is finite.
 * ``to`` / ``train_mode`` / ``eval_mode``: with ``param_offload`` / ``optimizer_offload`` on, a model on an
   accelerator is moved out with ``parallm.offload`` (storages freed, host copies kept) and back with
@@ -161,10 +172,53 @@ def _padded(data: TensorDict, pad_token_id: int):
 
 
 def _nested(padded: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """parallm's ``[b, S]`` output, row r's first ``lengths[r]`` positions, as verl's nested jagged ``[b, j]``."""
+    """parallm's ``[b, S, ...]`` output, row r's first ``lengths[r]`` positions, as verl's nested jagged
+    ``[b, j, ...]``."""
     flat = torch.cat([padded[r, :n] for r, n in enumerate(lengths)]) if lengths else padded.new_zeros(0)
     offsets = torch.tensor([0, *lengths], device=flat.device).cumsum(0)
     return torch.nested.nested_tensor_from_jagged(flat, offsets)
+
+
+ROUTED = "routed_experts"   # verl's TensorDict key for router replay (trainer, workers, Megatron engine)
+
+
+def router_replay_mode(engine_config) -> str:
+    """verl's ``router_replay.mode`` on an engine config (``"disabled"``, ``"R2"`` or ``"R3"``); a dataclass
+    (``EngineRouterReplayConfig``) or a mapping (an OmegaConf node added with ``+...router_replay.mode=R2``)."""
+    rr = getattr(engine_config, "router_replay", None)
+    mode = rr.get("mode") if isinstance(rr, dict) else getattr(rr, "mode", None)
+    mode = mode or "disabled"
+    if mode not in ("disabled", "R2", "R3"):
+        raise ValueError(f"parallm engine: router_replay.mode={mode!r}; verl's modes are 'disabled', 'R2', 'R3'")
+    return mode
+
+
+def _routes_padded(routed: torch.Tensor, lengths: torch.Tensor, s: int, *, short_ok: bool) -> torch.Tensor:
+    """verl's ``routed_experts`` (nested jagged ``[B, j, L, k]``, rows as ``input_ids``: what verl's
+    ``left_right_2_no_padding`` makes of the rollout's padded tensor, or what the R2 record returned) as
+    parallm's right-padded ``[B, s, L, k]`` int64 (0 at padding: ignored there). ``short_ok`` (R3): a row one
+    route short (autoregressive rollouts record none for the last generated token) gets ``0 .. k-1`` for its
+    last token, a valid placeholder whose routing only reaches that position's own logits."""
+    if not routed.is_nested:
+        raise ValueError(f"parallm engine: routed_experts must be verl's nested jagged [B, j, layers, top_k] "
+                         f"(left_right_2_no_padding makes it); got a dense {tuple(routed.shape)}")
+    parts = list(routed.unbind())
+    if len(parts) != lengths.numel():
+        raise ValueError(f"parallm engine: routed_experts has {len(parts)} rows for {lengths.numel()} sequences")
+    if parts[0].dim() != 3:
+        raise ValueError(f"parallm engine: routed_experts rows must be [j, layers, top_k]; got "
+                         f"{tuple(parts[0].shape)}")
+    layers, k = parts[0].shape[1:]
+    out = torch.zeros(len(parts), s, layers, k, dtype=torch.long)
+    for r, (p, n) in enumerate(zip(parts, lengths.tolist())):
+        if p.shape[0] == n - 1 and short_ok:
+            p = torch.cat([p.to(torch.long), torch.arange(k, dtype=torch.long).expand(1, layers, k)])
+        if p.shape[0] != n:
+            raise ValueError(f"parallm engine: routed_experts row {r} has {p.shape[0]} routes for its {n} tokens"
+                             + ("" if short_ok else " (router_replay.mode R2 replays what the forward-only "
+                                                    "pass recorded: one route per token)"))
+        out[r, :n] = p.to(torch.long)
+    return out
 
 
 def _temperature(data: TensorDict) -> float:
@@ -212,6 +266,7 @@ class ParallmEngine(BaseEngine):
         self.optimizer_config = optimizer_config
         self.checkpoint_config = checkpoint_config
         self.options = parallm_options()
+        self.router_replay = router_replay_mode(engine_config)
         self.mode = None
         self.chunks = None
         self.optimizer = None
@@ -325,6 +380,24 @@ class ParallmEngine(BaseEngine):
             return result
         return {"log_probs": _nested(out, lengths)}
 
+    def _routing(self, data: TensorDict, forward_only: bool) -> str | None:
+        """What this pass does with MoE routing, as verl 0.9.1's Megatron engine decides it
+        (``forward_backward_batch``: ``record_r2_routes``, ``REPLAY_FORWARD``): ``"record"`` (R2, forward-only,
+        no ``routed_experts`` in the batch), ``"replay"`` (R2 with ``routed_experts``; R3 always) or ``None``."""
+        if self.router_replay == "disabled" or getattr(self.engine_config, "forward_only", False):
+            return None
+        if not tu.get_non_tensor_data(data=data, key="enable_routing_replay", default=True):
+            return None
+        if ROUTED in data.keys():
+            return "replay"
+        if self.router_replay == "R2" and forward_only:
+            return "record"
+        raise ValueError(f"parallm engine: router_replay.mode={self.router_replay} and this "
+                         f"{'forward-only ' if forward_only else 'training '}batch carries no {ROUTED!r}: "
+                         + ("R2 replays what the old-log-prob pass recorded (verl's trainer unions it into the "
+                            "batch)" if self.router_replay == "R2" else
+                            "R3 replays the rollout's experts (rollout.enable_rollout_routing_replay=True)"))
+
     def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False):
         group = self.get_data_parallel_group()
         batch_num_tokens = data["loss_mask"].sum().to(torch.float64).cpu() if "loss_mask" in data.keys() \
@@ -341,9 +414,13 @@ class ParallmEngine(BaseEngine):
         else:
             output = "logprobs+entropy" if calculate_entropy else "logprobs"
         temperature = _temperature(data)
+        routing = self._routing(data, forward_only)
+        routes = _routes_padded(data[ROUTED], lengths, ids.shape[1], short_ok=self.router_replay == "R3") \
+            if routing == "replay" else None
         if forward_only:
             output_lst, indices = self._forward_only(data, loss_function, ids, mask, pos, lengths, split, output,
-                                                     temperature, calculate_entropy)
+                                                     temperature, calculate_entropy, routes=routes,
+                                                     record=routing == "record")
             return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
         if loss_function is None:
             raise ValueError("parallm engine: forward_backward_batch(forward_only=False) needs a loss_function")
@@ -367,24 +444,38 @@ class ParallmEngine(BaseEngine):
 
         batch = {"input_ids": ids, "attention_mask": mask, "position_ids": pos,
                  ROW_KEY: torch.arange(len(data), dtype=torch.long)}
+        if routes is not None:
+            batch[ROUTED] = routes         # [B, S, L, k]: split with the micro-batches like the other rows
         parallm.forward_backward(self.chunks, batch, loss_fn=loss_fn, output=output, temperature=temperature,
                                  **split)
         indices = [rows for rows, _ in captured] if "max_tokens_per_microbatch" in split else None
         return postprocess_batch_func(output_lst=[entry for _, entry in captured], indices=indices, data=data)
 
     def _forward_only(self, data, loss_function, ids, mask, pos, lengths, split, output, temperature,
-                      calculate_entropy):
+                      calculate_entropy, *, routes=None, record=False):
         """Outputs of the whole mini-batch by verl's micro-batches; with a ``loss_function`` (verl's SFT
-        evaluation) its loss per micro-batch (fixed size), or over the mini-batch at once (dynamic size)."""
+        evaluation) its loss per micro-batch (fixed size), or over the mini-batch at once (dynamic size).
+        ``routes`` (``[B, S, L, k]``): replayed; ``record``: the routed experts come back as verl's
+        ``routed_experts`` (nested int16 ``[b, j, L, k]``) in each micro-batch's ``model_output``."""
         b = ids.shape[0]
+        routed = None
         if "num_microbatches" in split and self.dims.pp == 1:
             m = split["num_microbatches"]
-            parts = [parallm.forward(self.chunks, i, a, p, output=output, temperature=temperature)
-                     for i, a, p in zip(ids.tensor_split(m), mask.tensor_split(m), pos.tensor_split(m))]
+            route_parts = routes.tensor_split(m) if routes is not None else [None] * m
+            parts = [parallm.forward(self.chunks, i, a, p, output=output, temperature=temperature,
+                                     routed_experts=r, return_routed_experts=record)
+                     for i, a, p, r in zip(ids.tensor_split(m), mask.tensor_split(m), pos.tensor_split(m),
+                                           route_parts)]
+            if record:
+                routed = torch.cat([x[1] for x in parts])
+                parts = [x[0] for x in parts]
             out = parallm.TokenStats(torch.cat([x.logprobs for x in parts]), torch.cat([x.entropy for x in parts])) \
                 if isinstance(parts[0], parallm.TokenStats) else torch.cat(parts)
         else:
-            out = parallm.forward(self.chunks, ids, mask, pos, output=output, temperature=temperature, **split)
+            out = parallm.forward(self.chunks, ids, mask, pos, output=output, temperature=temperature,
+                                  routed_experts=routes, return_routed_experts=record, **split)
+            if record:
+                out, routed = out
         groups = [list(r) for r in torch.arange(b).tensor_split(split["num_microbatches"])] \
             if "num_microbatches" in split else [list(range(b))]
         groups = [[int(i) for i in g] for g in groups]
@@ -394,6 +485,8 @@ class ParallmEngine(BaseEngine):
             piece = parallm.TokenStats(out.logprobs[index], out.entropy[index]) \
                 if isinstance(out, parallm.TokenStats) else out[index]
             model_output = self._model_output(piece, lengths[index].tolist(), calculate_entropy)
+            if routed is not None:
+                model_output[ROUTED] = _nested(routed[index].to(torch.int16), lengths[index].tolist())
             entry = {"model_output": model_output, "loss": 0.0, "metrics": {}}
             if loss_function is not None:
                 micro = tu.index_select_tensor_dict(data, index)
