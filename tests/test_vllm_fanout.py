@@ -10,6 +10,8 @@ times). Runs in the main suite (no vLLM needed).
   ``save_hf_weights``. The stand-ins read a slot a few milliseconds after the update call (a sender that wrote
   into a slot before every engine had loaded it would show here).
 * ``parallm_gloo`` the same through a gloo group per engine (bit-equal, buffers of the sender).
+* The default bucket of a push into other processes (512 MiB) is capped at the model's size: one bucket, slots
+  of the model's bytes (plus alignment room), bit-equal.
 * ``export_hf_tensors(out=...)`` itself: yielded tensors are views of the caller's buffers, equal to
   ``copy=True``'s; ``out`` with ``copy=True`` and an ``out`` that returns a wrong buffer raise on every rank.
 * A trainer rank failing during the stream (rank 1 raising halfway): the same error type on every rank within
@@ -159,6 +161,16 @@ def _rank(rank, world, ckpt):
         out["gloo_exact"] = [all(torch.equal(e.got[n], state[n]) for n in state) for e in engines]
     conn.close()
 
+    # the default bucket for engines in other processes (512 MiB) capped at the model's size: one bucket, and
+    # shared-memory slots of about the model's bytes rather than 2 x 512 MiB
+    conn = pv.connect(["a", "b"], backend="parallm_shm", timeout=30)
+    stats = pv.push_weights(chunks, conn)
+    if rank == 0:
+        out["default_bucket"] = dict(buckets=stats["buckets"], slot_bytes=conn.slot_bytes,
+                                     model_bytes=sum(t.numel() * t.element_size() for t in state.values()),
+                                     exact=[all(torch.equal(e.got[n], state[n]) for n in state) for e in engines])
+    conn.close()
+
     # the hook itself
     bufs = {}
 
@@ -205,6 +217,9 @@ def test_push_fanout_one_copy_and_failures(tmp_path):
     assert r0["finished_after_failure"] == ["finish", "finish"]
     assert r0["after_failure_exact"] == [True, True]
     assert r0["gloo_exact"] == [True, True]
+    d = r0["default_bucket"]
+    assert d["buckets"] == 1 and d["exact"] == [True, True], d
+    assert d["model_bytes"] <= d["slot_bytes"] <= d["model_bytes"] + (2 << 20), d
     assert r0["hook_views"] and r0["hook_exact"]
     for r in res:
         assert r["out_and_copy"][0] == "ValueError" and "not given with copy=True" in r["out_and_copy"][1] \

@@ -333,9 +333,9 @@ def connect(engines, *, backend: str = "parallm_shm", sender: int = 0, timeout: 
     backends (``weight_transfer_config={"backend": "parallm"}``, or the one named here). ``backend``:
     ``"parallm_shm"`` (engines on this host; one shared-memory file) or ``"parallm_gloo"`` (any host; a gloo
     group per engine, so that a dead engine fails only its own group: see :mod:`.backends`; rendezvous at
-    ``master_address``: default 127.0.0.1 when every engine is local, else this host's address). ``timeout``: seconds any one engine call or gloo collective may take before the engine is
-    declared failed. Errors (an unknown backend, an engine that cannot be reached or runs another backend)
-    raise on every rank.
+    ``master_address``: default 127.0.0.1 when every engine is local, else this host's address). ``timeout``:
+    seconds any one engine call or gloo collective may take before the engine is declared failed. Errors (an
+    unknown backend, an engine that cannot be reached or runs another backend) raise on every rank.
 
     Pushes go through :func:`~parallm.integrations.vllm.push_weights` ``(chunks, connection)``.
     """

@@ -181,8 +181,9 @@ def push_weights(chunks, llm, *, rank: int = 0, dtype: torch.dtype | None = None
     ``push_weights(chunks, connection)`` with a :class:`~parallm.integrations.vllm.client.Connection` (what
     :func:`~parallm.integrations.vllm.connect` returned, on every rank): one export stream to the connection's
     sending rank, fanned out to every healthy engine of the connection (see :mod:`.remote`; ``rank`` is not
-    used). Returns, on every rank: ``{"bytes", "tensors", "updates", "seconds", "gbps", "buckets", "engines":
-    {engine name: {"bytes", "seconds" (until its finish_weight_update returned), "gbps"}}}``; an engine that
+    used; ``bucket_bytes`` defaults to 512 MiB there, capped at the model's size: the sender's shared memory is
+    two slots of it). Returns, on every rank: ``{"bytes", "tensors", "updates", "seconds", "gbps", "buckets",
+    "engines": {engine name: {"bytes", "seconds" (until its finish_weight_update returned), "gbps"}}}``; an engine that
     failed raises :class:`~parallm.integrations.vllm.client.EngineFailed` on every rank after the others have
     finished.
 

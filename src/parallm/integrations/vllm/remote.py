@@ -8,10 +8,11 @@ stream's ``out`` hook: the sender's own rows are packed there, the other ranks' 
 for packed parts, copied from the stream's staging room into place): no temporary that is copied afterwards. A
 finished bucket becomes one ``update_weights`` call per engine (each engine's calls on its own thread, in order;
 for gloo with the slot's broadcast to the engine's group posted beside it) while the stream fills the other slot
-with the next bucket. Before the stream writes into a slot again every engine has loaded it. Around the stream: ``verify`` (the engines check names, shapes
-and dtype against their models, before anything changes), ``start_weight_update``, and after it
-``finish_weight_update`` and a prefix-cache reset (cached prompt prefixes hold keys and values of the old
-weights).
+with the next bucket. Before the stream writes into a slot again every engine has loaded it. Buckets default to
+512 MiB here (``REMOTE_BUCKET_BYTES``; capped at the model's size), not the export stream's 64 MiB: each is a
+round trip through every engine. Around the stream: ``verify`` (the engines check names, shapes and dtype against
+their models, before anything changes), ``start_weight_update``, and after it ``finish_weight_update`` and a
+prefix-cache reset (cached prompt prefixes hold keys and values of the old weights).
 
 Failures. Anything raised before the stream (an engine that cannot be reached, a model that does not match)
 raises on every rank and changes no engine. An engine that fails during the push (killed, its update raising, no
@@ -29,7 +30,7 @@ import time
 import torch
 
 from ...checkpoint.cast import WIRE_DTYPES
-from ...checkpoint.export import DEFAULT_BUCKET_BYTES, _parse_bucket, export_metadata, open_stream
+from ...checkpoint.export import _parse_bucket, export_metadata, open_stream
 from ...checkpoint.export_plan import saved_entries
 from ...model.table import model_entries
 from ...parallel.errors import gather_objects, raise_failures, status_of
@@ -140,6 +141,15 @@ class _Fanout:
         self.wait(1)
 
 
+# Engines in other processes take the stream in larger buckets than the export stream's default (64 MiB): every
+# bucket is one update_weights call per engine (an HTTP request, the engine core, its workers), and on the bench
+# (bench/RESULTS.md, issue 37) 512 MiB buckets pushed a 2 GB model in 3.15 s against 5.09 s with 64 MiB. The
+# sender's shared memory is two slots of a bucket (verl's rollout default is 2048 MiB:
+# update_weights_bucket_megabytes).
+REMOTE_BUCKET_BYTES = 512 << 20
+SLOT_SLACK = 1 << 20        # room for the stream's per-tensor alignment inside a bucket that holds the whole model
+
+
 def _largest_entry(chunks, layout, meta) -> int:
     """Bytes of the largest group of HF tensors the stream keeps in one bucket (a table entry: q / k / v, gate /
     up, a layer's experts): a bucket holds at most ``bucket_bytes`` of them, or one such entry larger than that,
@@ -206,9 +216,12 @@ def push_remote(chunks, conn: Connection, *, dtype: torch.dtype | None = None, b
     if dtype is not None and dtype not in WIRE_DTYPES:
         raise ValueError(f"push_weights: dtype must be None or one of {[str(d) for d in WIRE_DTYPES]}, got {dtype}")
     wire = dtype or chunks[0].config.params_dtype
-    bucket = _parse_bucket(bucket_bytes or DEFAULT_BUCKET_BYTES)
+    bucket = _parse_bucket(bucket_bytes or REMOTE_BUCKET_BYTES)
     meta = export_metadata(chunks, dtype=wire)
-    slot_bytes = _align(max(bucket, _largest_entry(chunks, layout, meta)))
+    # a slot takes any bucket: the bucket size, or the model when smaller (plus the stream's alignment padding),
+    # or one table entry larger than both
+    total = sum(_numel(m.shape) * m.dtype.itemsize for m in meta)
+    slot_bytes = _align(max(min(bucket, _align(total) + SLOT_SLACK), _largest_entry(chunks, layout, meta)))
     error, engines = None, []
     if me == sender:
         try:
