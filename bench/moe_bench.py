@@ -74,7 +74,7 @@ def main(argv=None):
     b, s = args.batch, args.seq
     chunks, hf_step, pl_step, _ = one_process_pair(hf, batch=b, seq=s, loss=ce_loss, prefix="parallm-moebench-")
 
-    from parallm.model.moe import Experts, expert_kernel_of
+    from parallm.model.layers.moe import Experts, expert_kernel_of
     kernel = expert_kernel_of(chunks)
     moe_layers = [layer.mlp for c in chunks for layer in c.layers if hasattr(layer.mlp, "experts")]
     tensors_per_layer = max(sum(1 for _ in m.parameters()) for m in moe_layers)

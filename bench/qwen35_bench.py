@@ -47,7 +47,7 @@ def main(argv=None):
     import transformers
 
     import parallm
-    from parallm.model import gated_deltanet as gdn
+    from parallm.model.layers import gated_deltanet as gdn
     head = 128 if args.hidden >= 512 else 32
     cfg = transformers.AutoConfig.for_model(
         "qwen3_5_moe_text", hidden_size=args.hidden, num_hidden_layers=args.layers, full_attention_interval=4,

@@ -244,7 +244,7 @@ def main() -> int:
     # torch._grouped_mm gives an expert that no token chose exactly zero gradient (PyTorch reports non-zero ones
     # on SM100), else parallm uses the loop
     from parallm.model.kernels import kernel_choices
-    from parallm.model.moe import empty_group_problem
+    from parallm.model.layers.moe import empty_group_problem
     choices = kernel_choices(chunks)
     info(f"kernels chosen on {device}: {choices}")
     cpu_kernels = [k for k, v in choices.items() if "cpu" in v] if device.type == "cuda" else []

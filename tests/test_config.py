@@ -9,7 +9,7 @@ import os
 import pytest
 
 from parallm.families import load_config, spec_from_config, supported_architectures
-from parallm.model.rope import RopeSpec
+from parallm.model.positions.rope import RopeSpec
 
 from helpers import rewrite_config_4x, tiny_config
 
@@ -200,7 +200,7 @@ def test_broken_config_json_is_named(tmp_path):
 def test_attention_backend_registry():
     """attn_impl: "auto" picks per model kind and device; a kernel that does not fit or cannot run says why."""
     import torch
-    from parallm.model.attention import BACKENDS, resolve_attn_impl
+    from parallm.model.layers.attention import BACKENDS, resolve_attn_impl
     assert resolve_attn_impl("auto", packed=False, device="cpu", dtype=torch.float32).name == "sdpa"
     assert resolve_attn_impl("auto", packed=True, device="cpu", dtype=torch.bfloat16).name == "sdpa-loop"
     assert resolve_attn_impl("sdpa-loop", packed=True, device="cpu", dtype=torch.float32) is BACKENDS["sdpa-loop"]

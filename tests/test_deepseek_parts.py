@@ -91,7 +91,7 @@ def test_yarn_matches_transformers_deepseek(variant):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
     from parallm.families.deepseek_v3 import deepseek_v3_spec
-    from parallm.model.yarn import yarn_attention_factor, yarn_cos_sin, yarn_inv_freq
+    from parallm.model.positions.yarn import yarn_attention_factor, yarn_cos_sin, yarn_inv_freq
     cfg = _yarn_deepseek(variant)
     spec = deepseek_v3_spec(cfg)
     inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](cfg)
@@ -112,7 +112,7 @@ def test_yarn_matches_transformers_generic_configs():
     from transformers import LlamaConfig, Qwen2Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from parallm.model.yarn import (rope_parameters, rotary_dim, yarn_attention_factor, yarn_inv_freq,
+    from parallm.model.positions.yarn import (rope_parameters, rotary_dim, yarn_attention_factor, yarn_inv_freq,
                                     yarn_spec_from_params)
     llama = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=24, max_position_embeddings=96,
                         rope_parameters={"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 32,
@@ -137,7 +137,7 @@ def test_softmax_mscale_is_not_one():
     """The test configs make the softmax mscale^2 and the cos/sin factor matter (so the MLA parity test catches
     either one missing)."""
     from parallm.families.deepseek_v3 import deepseek_v3_spec
-    from parallm.model.yarn import softmax_mscale, yarn_attention_factor
+    from parallm.model.positions.yarn import softmax_mscale, yarn_attention_factor
     spec = deepseek_v3_spec(deepseek_config())
     assert softmax_mscale(spec.yarn) > 1.2 and abs(yarn_attention_factor(spec.yarn) - 1) > 0.03
     assert spec.mla.scale == pytest.approx(softmax_mscale(spec.yarn) / math.sqrt(20))
@@ -150,8 +150,8 @@ def test_softmax_mscale_is_not_one():
 def test_interleaved_rope_matches_transformers(dtype):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
 
-    from parallm.model.mla import apply_rope_interleaved
-    from parallm.model.yarn import YarnSpec, yarn_cos_sin
+    from parallm.model.layers.mla import apply_rope_interleaved
+    from parallm.model.positions.yarn import YarnSpec, yarn_cos_sin
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 4, 5, 8, generator=g, dtype=dtype), torch.randn(2, 1, 5, 8, generator=g, dtype=dtype)
     cos, sin = yarn_cos_sin(YarnSpec(dim=8, theta=1e4, factor=4.0, original_max_position_embeddings=16),
@@ -167,8 +167,8 @@ def test_partial_rotary_matches_glm(dtype):
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRotaryEmbedding, apply_rotary_pos_emb
 
     from parallm.families.glm4_moe import glm4_moe_spec
-    from parallm.model.rope import rope_cos_sin
-    from parallm.model.yarn import apply_partial_rope
+    from parallm.model.positions.rope import rope_cos_sin
+    from parallm.model.positions.yarn import apply_partial_rope
     cfg = glm_config()
     spec = glm4_moe_spec(cfg)
     assert spec.rotary_dim == 16 < spec.head_dim == 32
@@ -211,7 +211,7 @@ def _hf_router(kind, variant):
 def _parallm_router(cfg):
     from parallm.families.deepseek_v3 import deepseek_v3_spec
     from parallm.families.glm4_moe import glm4_moe_spec
-    from parallm.model.routing import GroupLimitedRouter
+    from parallm.model.layers.routing import GroupLimitedRouter
     spec = (deepseek_v3_spec if cfg.model_type == "deepseek_v3" else glm4_moe_spec)(cfg)
     moe = spec.moe
     assert moe.router == "sigmoid_grouped" and moe.score_bias
@@ -258,7 +258,7 @@ def test_router_bias_must_stay_fp32():
     too. So parallm refuses a non-fp32 bias."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-    from parallm.model.routing import sigmoid_route
+    from parallm.model.layers.routing import sigmoid_route
     cfg = deepseek_config(n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=1, hidden_size=4)
     bias = torch.tensor([0.1001, 0.1000, -1.0, -1.0])
     assert bias[0] != bias[1] and bias.bfloat16()[0] == bias.bfloat16()[1]
@@ -279,7 +279,7 @@ def test_router_bias_must_stay_fp32():
 
 
 def test_grouping_errors_name_the_numbers():
-    from parallm.model.routing import check_grouping
+    from parallm.model.layers.routing import check_grouping
     with pytest.raises(ValueError, match="n_group=3 does not divide n_routed_experts=8"):
         check_grouping(8, 2, 3, 1)
     with pytest.raises(ValueError, match="groups of 1 expert"):
@@ -579,11 +579,11 @@ def run_mla(cfg, state, x, mask, r, *, tp, rank, packed, sp):
     split_mla, run forward and backward on the batch; returns (output, input gradient, {HF name: gradient of this
     rank's shard}), the output and input gradient in this rank's layout ([S, B, H] padded, [T(/tp), 1, H])."""
     from parallm.families.deepseek_v3 import deepseek_v3_spec
-    from parallm.model.attention import make_packing, pack_tokens, resolve_attn_impl
+    from parallm.model.layers.attention import make_packing, pack_tokens, resolve_attn_impl
     from parallm.model.decoder import RMSNorm, make_config, padded_attention_mask
-    from parallm.model.mla import MLA_WEIGHTS, MLAttention, split_mla
-    from parallm.model.rope import rope_cos_sin
-    from parallm.model.yarn import yarn_cos_sin
+    from parallm.model.layers.mla import MLA_WEIGHTS, MLAttention, split_mla
+    from parallm.model.positions.rope import rope_cos_sin
+    from parallm.model.positions.yarn import yarn_cos_sin
     from parallm.parallel.cpu_compat import enable_megatron_sequence_parallel_on_cpu
     spec = deepseek_v3_spec(cfg)
     config = make_config(tp=tp, pp=1, vpp=None, dtype=torch.float32, sequence_parallel=sp)
@@ -617,8 +617,8 @@ def run_mla(cfg, state, x, mask, r, *, tp, rank, packed, sp):
 def _check_mla(results, ref, mask, *, packed, sp, spec, tol=2e-6):
     """Compare every rank's results with transformers': outputs and input gradients at real positions, shard
     gradients merged (replicated ones: equal on every rank, or summed over TP under sequence parallelism)."""
-    from parallm.model.attention import make_packing
-    from parallm.model.mla import MLA_WEIGHTS, merge_mla
+    from parallm.model.layers.attention import make_packing
+    from parallm.model.layers.mla import MLA_WEIGHTS, merge_mla
     state, out_ref, dx_ref, grads_ref = ref
     errors = {}
     if packed:
@@ -701,7 +701,7 @@ def test_mla_shards_round_trip(case):
     """split_mla / merge_mla bit-exact at tp 1, 2, 4; heads stay whole (kv_b per head: k_nope then v); a split
     that would cut a head is refused."""
     from parallm.families.deepseek_v3 import deepseek_v3_spec
-    from parallm.model.mla import MLA_WEIGHTS, merge_mla, mla_hf_shapes, split_mla
+    from parallm.model.layers.mla import MLA_WEIGHTS, merge_mla, mla_hf_shapes, split_mla
     spec = deepseek_v3_spec(CASES[case]())
     shapes = mla_hf_shapes(spec)
     assert set(shapes) <= set(MLA_WEIGHTS) and ("q_b_proj.weight" in shapes) == (case == "lora-yarn")

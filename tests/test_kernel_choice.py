@@ -12,7 +12,7 @@ import torch.distributed as dist
 from helpers import run_ranks, tiny_config
 
 import parallm
-from parallm.model import attention, moe
+from parallm.model.layers import attention, moe
 from parallm.model.kernels import kernel_mismatch
 from parallm.parallel.state import as_device
 

@@ -87,7 +87,7 @@ def _reference(family: str, tmp, *, overrides=None, targets=TARGETS, tag=""):
 def _check_run(rank, chunks, batch, *, dp_slice=None, extra=None, opt_kw=None):
     """On every rank: logits with / without adapters, one step; returns what rank 0 reports."""
     import parallm
-    from parallm.model.lora import chunk_lora_entries
+    from parallm.model.layers.lora import chunk_lora_entries
     ids, mask = batch
     out = {}
     with torch.no_grad():
@@ -119,7 +119,7 @@ def _check_run(rank, chunks, batch, *, dp_slice=None, extra=None, opt_kw=None):
 def _merged_state(chunks, opt, key):
     """Checkpoint name -> optimizer state ``key`` of every factor, whole (TP shards merged) on every rank."""
     import torch.distributed as dist
-    from parallm.model.lora import chunk_lora_entries
+    from parallm.model.layers.lora import chunk_lora_entries
     from parallm.model.placement import placement_of
     out = {}
     for entry, chunk in chunk_lora_entries(chunks):
@@ -136,7 +136,7 @@ def _merged_state(chunks, opt, key):
 
 def _dense_cases(rank, world, ckpt, adapter, batch, tmp):
     import parallm
-    from parallm.model.lora import lora_config_of
+    from parallm.model.layers.lora import lora_config_of
     results = {}
     for name, kw, build in (("tp2", dict(tp=2), {}), ("pp2", dict(pp=2), {}),
                             ("sp", dict(tp=2), dict(packed=True, sequence_parallel=True)),
@@ -193,7 +193,7 @@ def _dense_cases(rank, world, ckpt, adapter, batch, tmp):
 def lora_config_of_file(adapter):
     import json
     from parallm.checkpoint.lora_io import CONFIG_NAME
-    from parallm.model.lora import LoraConfig
+    from parallm.model.layers.lora import LoraConfig
     with open(os.path.join(adapter, CONFIG_NAME)) as f:
         cfg = json.load(f)
     return LoraConfig(cfg["r"], cfg["lora_alpha"], tuple(cfg["target_modules"]))
@@ -303,8 +303,9 @@ def _four_rank_cases(rank, world, moe, dense, deep, tmp):
 def test_lora_moe_and_replicated_kv(tmp_path):
     """Qwen3-MoE at tp2 x ep2 (dp2: each replica half the batch, token-mean), experts' adapters through the
     grouped GEMM and through the loop; Qwen3 at tp4 (2 KV heads: k / v factors replicated over 2 ranks each);
-    a 4-layer Qwen3 at pp2 x vpp2 x dp2 with ZeRO and gradient buckets (two chunks per rank); against PEFT. The MoE adapter saved by parallm loads into PEFT with equal logits; its merged export equals
-    PEFT's merge_and_unload."""
+    a 4-layer Qwen3 at pp2 x vpp2 x dp2 with ZeRO and gradient buckets (two chunks per rank); against PEFT. The
+    MoE adapter saved by parallm loads into PEFT with equal logits; its merged export equals PEFT's
+    merge_and_unload."""
     import parallm
     from parallm.checkpoint.lora_io import WEIGHTS_NAME
     from safetensors.torch import load_file
@@ -344,7 +345,7 @@ def test_lora_config_and_refusals():
     """No process group: the config's checks, PEFT's target / pattern rules, and the modules refused by name."""
     import parallm
     from parallm.families import spec_from_config, family_of
-    from parallm.model.lora import LoraConfig, layer_slots
+    from parallm.model.layers.lora import LoraConfig, layer_slots
     from parallm.model.table import all_entries
     with pytest.raises(ValueError, match="dropout"):
         LoraConfig(4, 8, TARGETS, dropout=0.1)

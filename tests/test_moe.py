@@ -671,7 +671,7 @@ def test_inspect_describes_experts_kernel_and_memory_per_expert_rank(tmp_path):
     from safetensors.torch import save_file
 
     from parallm.cli.inspect import inspect_checkpoint, render
-    from parallm.model.moe import expert_kernel
+    from parallm.model.layers.moe import expert_kernel
     model = helpers.make_hf_model(helpers.tiny_config("qwen2_moe"), seed=2)
     ckpt = helpers.save_checkpoint(model, str(tmp_path / "hub"))
     one = inspect_checkpoint(ckpt, tp=1, dp=2)

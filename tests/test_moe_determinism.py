@@ -30,7 +30,7 @@ def _block(top_k: int, shared: bool):
 
     import parallm.families  # noqa: F401 - registers the families
     from parallm.families.registry import spec_from_config
-    from parallm.model.moe import MoEBlock
+    from parallm.model.layers.moe import MoEBlock
     from parallm.parallel.state import current_dims
     cls = transformers.Qwen2MoeConfig if shared else transformers.Qwen3MoeConfig
     extra = dict(shared_expert_intermediate_size=24) if shared else {}
@@ -199,7 +199,7 @@ def test_the_dispatch_under_tp_and_ep_moves_rows_by_permutations_only(tmp_path):
 def test_swiglu_gives_autograds_bits(dtype):
     """The experts' fused ``silu(gate) * up`` (one saved tensor, one gradient buffer) equals autograd on
     ``F.silu(gate) * up`` bit for bit, forward and backward, in every training dtype."""
-    from parallm.model.moe import swiglu
+    from parallm.model.layers.moe import swiglu
     g = torch.Generator().manual_seed(3)
     h = torch.randn(37, 24, generator=g).to(dtype).requires_grad_(True)
     grad = torch.randn(37, 12, generator=g).to(dtype)

@@ -86,7 +86,7 @@ def _qkvgb(length, *, hk=2, hv=4, dk=8, dv=6, seed=0):
 def test_recurrence_and_conv_match_transformers_per_document():
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-    from parallm.model import gated_deltanet as gdn
+    from parallm.model.layers import gated_deltanet as gdn
     docs = [(0, 70), (70, 75), (75, 150), (150, 151)]           # several chunks, a 5- and a 1-token document
     cu = torch.tensor([0] + [b for _, b in docs], dtype=torch.int32)
     q, k, v, decay, beta = _qkvgb(151)
@@ -189,7 +189,7 @@ def test_vision_config_named_after_the_vl_model_still_lists_the_tower():
 
 def test_context_parallel_needs_heads_divisible_by_tp_times_cp():
     from parallm.families import spec_from_config
-    from parallm.model.gated_deltanet import check_cp_heads
+    from parallm.model.layers.gated_deltanet import check_cp_heads
     spec, _ = spec_from_config(hybrid_config("qwen3_5_text", linear_num_key_heads=2, linear_num_value_heads=8))
     check_cp_heads(spec, 1, 2)
     with pytest.raises(ValueError, match=r"tp=2 x cp=2: .*linear_num_key_heads=2 / tp=2 = 1 is not divisible by cp=2"):

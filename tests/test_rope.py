@@ -1,4 +1,4 @@
-"""Parity tests for parallm.model.rope against transformers' LLaMA rotary embedding."""
+"""Parity tests for parallm.model.positions.rope against transformers' LLaMA rotary embedding."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from parallm.model.rope import (
+from parallm.model.positions.rope import (
     SUPPORTED_ROPE_KINDS,
     RopeSpec,
     apply_rope,

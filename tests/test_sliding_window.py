@@ -123,7 +123,7 @@ def _window_reference(q, k, v, mask, window):
 @pytest.fixture
 def emulated_cuda(monkeypatch):
     """CUDA_BLOCK with aten's flash op emulated (``cuda_flash_usable`` forced true on CPU fp32 tensors)."""
-    from parallm.model import attention
+    from parallm.model.layers import attention
     fwd, bwd = emulated_flash()
     monkeypatch.setattr(attention, "flash_forward", fwd)
     monkeypatch.setattr(attention, "flash_backward", bwd)
@@ -132,7 +132,7 @@ def emulated_cuda(monkeypatch):
 
 
 def _kernels(emulated_cuda):
-    from parallm.model.attention import CPU_FLASH_BLOCK, MATH_BLOCK
+    from parallm.model.layers.attention import CPU_FLASH_BLOCK, MATH_BLOCK
     return {"math": MATH_BLOCK, "cpu-flash": CPU_FLASH_BLOCK, "cuda-emulated": emulated_cuda}
 
 
@@ -143,7 +143,7 @@ def test_context_parallel_pieces_within_the_window(cp, packed, emulated_cuda):
     by log-sum-exp), with each kernel: equal to sliding-window attention over the real tokens (windows 1, 3, 8,
     and none), gradients of q, k, v too (all-gather pieces through autograd; the ring's through the kernels'
     backward with the final output and lse)."""
-    from parallm.model.attention import merge_rows
+    from parallm.model.layers.attention import merge_rows
     from parallm.model.context_parallel import attend_pieces, ring_plan, split_batch
     ids, pos, mask = _batch()
     b, s = ids.shape
@@ -210,7 +210,7 @@ def test_context_parallel_pieces_within_the_window(cp, packed, emulated_cuda):
 def test_pieces_outside_the_window_are_dropped_and_tiles_stay_small():
     """At cp4 with a window shorter than a chunk, a chunk's pieces against chunks wholly outside the window are
     not in the plan; the tiles of a long packed sequence cover a band about the window wide (never S^2)."""
-    from parallm.model.attention import make_packing
+    from parallm.model.layers.attention import make_packing
     from parallm.model.context_parallel import ring_plan, split_batch
     s = 12 * WINDOW
     ids = torch.arange(s)[None] % 50
@@ -237,7 +237,7 @@ def test_pieces_outside_the_window_are_dropped_and_tiles_stay_small():
 def test_packed_window_plan_matches_masked_attention(emulated_cuda):
     """The packed path's windowed attention (sdpa_loop_varlen with a window, every document in one plan) equal to
     per-document masked SDPA, with gradients, for each kernel; the plain loop below the window."""
-    from parallm.model.attention import attend_plan, make_packing, sdpa_loop_varlen
+    from parallm.model.layers.attention import attend_plan, make_packing, sdpa_loop_varlen
     lengths = [5 * WINDOW + 3, 2, WINDOW, WINDOW + 1, 17]
     s = max(lengths)
     mask = torch.zeros(len(lengths), s, dtype=torch.long)
@@ -272,7 +272,7 @@ def test_packed_window_plan_matches_masked_attention(emulated_cuda):
 
 def test_padded_window_mask():
     """The padded path's band: query i sees keys i - w < j <= i by index in the row (transformers' overlay)."""
-    from parallm.model.attention import padded_attention, window_band
+    from parallm.model.layers.attention import padded_attention, window_band
     band = window_band(6, 3)
     want = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0], [0, 1, 1, 1, 0, 0],
                          [0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1]], dtype=torch.bool)
@@ -291,7 +291,7 @@ def test_padded_window_mask():
 # -- kernel calls do not grow with the documents ----------------------------------------------------------------
 
 def _counting(kernel):
-    from parallm.model.attention import BlockKernel
+    from parallm.model.layers.attention import BlockKernel
     calls = {"forward": 0, "backward": 0}
 
     def fwd(*a, **kw):
@@ -310,7 +310,7 @@ def test_kernel_calls_per_layer_do_not_grow_with_documents(window):
     """A packed batch of 4 and of 64 documents (the same 512 tokens) at cp2: the all-gather attention of one
     layer makes at most two forward and two backward kernel calls (tiles that see every pair, banded tiles), the
     ring as many per step, whatever the number of documents (the per-document loop made four per document)."""
-    from parallm.model.attention import CPU_FLASH_BLOCK, merge_rows
+    from parallm.model.layers.attention import CPU_FLASH_BLOCK, merge_rows
     from parallm.model.context_parallel import attend_pieces, ring_plan, split_batch
     counts = {}
     for docs in (4, 64):
@@ -349,7 +349,7 @@ def test_kernel_calls_per_layer_do_not_grow_with_documents(window):
 def test_block_kernel_choice_by_device():
     """CUDA devices however named (index 0 included) get the CUDA kernel, CPU the fused CPU one, others the
     explicit fp32 one; a backend's own block kernel wins."""
-    from parallm.model.attention import (BACKENDS, CPU_FLASH_BLOCK, CUDA_BLOCK, MATH_BLOCK, AttnBackend,
+    from parallm.model.layers.attention import (BACKENDS, CPU_FLASH_BLOCK, CUDA_BLOCK, MATH_BLOCK, AttnBackend,
                                          block_kernel)
     for device in (torch.device("cuda", 0), torch.device("cuda", 1), "cuda:0", "cuda", 0, 3):
         assert block_kernel(None, device) is CUDA_BLOCK, device
@@ -365,7 +365,7 @@ def test_cuda_kernel_groups_pieces_by_what_flash_can_mask():
     """The CUDA kernel's split of a plan: pieces whose band flash-attention expresses (bottom-right causal edge,
     or every key visible) in at most one call per kind, the rest (another rank's chunk cut by the window)
     through the fp32 tiles; fp32 tensors never reach flash (checked without the emulation)."""
-    from parallm.model import attention
+    from parallm.model.layers import attention
     from parallm.model.context_parallel import ring_plan, split_batch
     ids = torch.arange(64)[None] % 50
     mask = torch.ones_like(ids)

@@ -39,7 +39,7 @@ def report(name, value, limit):
 
 
 def check_kernels(device):
-    from parallm.model import gated_deltanet as gdn
+    from parallm.model.layers import gated_deltanet as gdn
     fla = gdn.KERNELS["fla"]
     why = fla.unavailable(device, torch.float32)
     if why is not None:
@@ -78,7 +78,7 @@ def check_kernels(device):
 
 
 def check_model(parallm, R, device, world, workdir, *, cpu: bool):
-    from parallm.model import gated_deltanet as gdn
+    from parallm.model.layers import gated_deltanet as gdn
     tp = world if world in (1, 2) else 2
     cfg = R.tiny_config("qwen3_5_text", num_hidden_layers=4, full_attention_interval=2, head_dim=16,
                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,

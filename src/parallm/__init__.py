@@ -64,7 +64,7 @@ _LAZY = {
     "build_optimizer": "train.optim", "save_checkpoint": "checkpoint.training",
     "load_checkpoint": "checkpoint.training", "checkpoint_to_hf": "checkpoint.training",
     "offload": "train.offload", "onload": "train.offload", "offloaded": "train.offload",
-    "LoraConfig": "model.lora", "add_lora": "model.lora", "adapters_disabled": "model.lora",
+    "LoraConfig": "model.layers.lora", "add_lora": "model.layers.lora", "adapters_disabled": "model.layers.lora",
     "export_adapter_tensors": "checkpoint.lora_io", "save_hf_adapter": "checkpoint.lora_io",
     "load_hf_adapter": "checkpoint.lora_io",
 }

@@ -16,7 +16,7 @@ from .model.logprobs import TokenStats, check_output
 from .model.spec import TASKS
 from .parallel.comm import gather_last_dim
 from .parallel.errors import agree, exchange_rows, spread_failure
-from .model.moe import AuxScales
+from .model.layers.moe import AuxScales
 from .model.params import attach_main_grad_hooks
 from .parallel.pipeline import broadcast_from_last_stage, run_pipeline
 from .parallel.state import as_chunks, current_dims, dims_of, kv_replica_group, require_initialized
@@ -50,7 +50,7 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     The parameters are allocated, not initialised: fill them with :func:`parallm.load_hf_weights`.
     The vocabulary is padded to a multiple of ``vocab_multiple * tp`` (zero rows, never visible in outputs).
     ``attn_impl``: the attention kernel (``"auto"``, ``"sdpa"``, ``"sdpa-loop"``, ``"flash-attn"``; see
-    :mod:`parallm.model.attention`); the choice is logged and kept as ``chunk.attn_impl``.
+    :mod:`parallm.model.layers.attention`); the choice is logged and kept as ``chunk.attn_impl``.
     ``cp_attn``: under context parallelism (``init_parallel(cp=...)``), how attention reaches the other ranks'
     keys: ``"allgather"`` (all-gathered once per layer), ``"ring"`` (passed around the CP group, merged by
     log-sum-exp), or ``"auto"`` (docs/context-parallel.md says which and why); kept as ``chunk.cp_attn``.
@@ -111,7 +111,7 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
         chunk.hf_config = getattr(config, "_raw", config)
         chunk.hf_source = source
     if lora is not None:        # LoRA adapters, the base frozen (docs/lora.md)
-        from .model.lora import add_lora
+        from .model.layers.lora import add_lora
         add_lora(chunks, lora)
     return chunks
 
@@ -506,7 +506,7 @@ REPLAY_KEY = "routed_experts"    # the batch mapping's entry for router replay
 
 
 def _check_replay(chunks, routed_experts, extras, attention_mask, *, record: bool = False):
-    """Router replay's input, checked (:func:`parallm.model.routing.check_routed_experts`): the keyword or the
+    """Router replay's input, checked (:func:`parallm.model.layers.routing.check_routed_experts`): the keyword or the
     batch mapping's ``"routed_experts"`` entry (taken out of ``extras``), as ``[B, S, L, k]`` int64, or None."""
     if not isinstance(record, bool):
         raise ValueError(f"return_routed_experts must be True or False, got {record!r}")
@@ -520,7 +520,7 @@ def _check_replay(chunks, routed_experts, extras, attention_mask, *, record: boo
                          f"{chunks[0].spec.architecture} has no mixture-of-experts layers")
     if routed_experts is None:
         return None
-    from .model.routing import check_routed_experts, moe_layer_indices
+    from .model.layers.routing import check_routed_experts, moe_layer_indices
     spec = chunks[0].spec
     return check_routed_experts(routed_experts, attention_mask, moe_layers=moe_layer_indices(spec),
                                 num_layers=spec.num_layers, top_k=moe.top_k, num_experts=moe.num_experts)
@@ -540,7 +540,7 @@ def _routed_of_call(chunks, layout, recorded, shape, order) -> torch.Tensor:
     """``forward(return_routed_experts=True)``'s second result: the chunks' recorded microbatches joined into
     ``[B, S, L, k]`` int64 (-1 at padding), the MoE layers of every pipeline stage (a MAX all-reduce over the
     pipeline group: each stage fills its own layers' columns, -1 elsewhere), in the caller's order."""
-    from .model.routing import moe_layer_indices
+    from .model.layers.routing import moe_layer_indices
     spec = chunks[0].spec
     device = next(chunks[0].parameters()).device
     b, s = shape

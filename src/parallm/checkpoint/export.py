@@ -157,7 +157,7 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
     Arguments are checked on every rank in the call's single exchange: a bucket below one byte, a destination
     outside the world, or ranks passing different arguments is a ``ValueError`` on every rank.
 
-    ``merged=True`` (a model with LoRA adapters, :mod:`parallm.model.lora`): the tensors are the merged weights
+    ``merged=True`` (a model with LoRA adapters, :mod:`parallm.model.layers.lora`): the tensors are the merged weights
     ``W + B A * alpha / r`` under the base model's HF names, for an engine without LoRA. Each rank merges its
     own shards in place when the stream starts (first ``next``) and restores the original bits when it ends or
     is closed (one copy of the rank's adapted weights is held meanwhile); a model without adapters exports
@@ -172,7 +172,7 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
 
 def _merged_stream(chunks, kwargs):
     """:func:`export_hf_tensors` of the merged weights (LoRA), restored when the stream ends."""
-    from ..model.lora import merged_weights
+    from ..model.layers.lora import merged_weights
     with merged_weights(chunks):
         yield from open_stream(chunks, **kwargs)[0]
 

@@ -1,4 +1,4 @@
-"""LoRA adapters in and out of the sharded model, in PEFT's format (the adapters themselves: model/lora.py).
+"""LoRA adapters in and out of the sharded model, in PEFT's format (the adapters themselves: model/layers/lora.py).
 
 PEFT names (``PeftModel.save_pretrained`` with peft 0.21 on transformers 5): ``base_model.model.{module}.lora_A.weight``
 ``[r, in]`` and ``.lora_B.weight`` ``[out, r]`` per adapted HF module; for a MoE layer's routed experts (stacked 3-D
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError
-from ..model.lora import LoraConfig, add_lora, global_entries, chunk_lora_entries, lora_config_of
+from ..model.layers.lora import LoraConfig, add_lora, global_entries, chunk_lora_entries, lora_config_of
 from ..model.placement import placement_of
 from ..model.sharding import Source
 from ..parallel.errors import gather_objects, run_local

@@ -170,10 +170,10 @@ def moe_facts(spec, *, dtype: str, tp: int) -> dict | None:
     """A mixture-of-experts model's experts and how they run: per MoE layer the experts, top-k and widths, the
     parameter tensors the layer holds (router, two stacked expert tensors, the shared expert's), and the expert
     GEMM kernel this machine's default device would use for the checkpoint's dtype at ``tp``
-    (:func:`parallm.model.moe.expert_kernel`, the choice ``build_model`` makes)."""
+    (:func:`parallm.model.layers.moe.expert_kernel`, the choice ``build_model`` makes)."""
     import torch
 
-    from ..model.moe import expert_kernel, grouped_mm_support
+    from ..model.layers.moe import expert_kernel, grouped_mm_support
     moe = spec.moe
     if moe is None:
         return None

@@ -17,7 +17,7 @@ routers: transformers' DeepseekV3 code ignores these keys and would run the sigm
 value; transformers would repeat them), RoPE kinds other than default / yarn.
 
 The weight table: LLaMA's embedding, norms, dense MLP (dense-first layers) and head, the MLA rows of
-:data:`parallm.model.mla.MLA_WEIGHTS` instead of the fused QKV, and the MoE rows of GLM-4.5 / DeepSeek-V3
+:data:`parallm.model.layers.mla.MLA_WEIGHTS` instead of the fused QKV, and the MoE rows of GLM-4.5 / DeepSeek-V3
 (:data:`parallm.families.moe_common.GROUPED_MOE_ROWS`: ``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``,
 per-expert ``mlp.experts.{e}.*``, ``mlp.shared_experts.*``). docs/families.md has the table with shapes.
 """
@@ -26,11 +26,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..model.mla import MLA_WEIGHTS
-from ..model.rope import RopeSpec
+from ..model.layers.mla import MLA_WEIGHTS
+from ..model.positions.rope import RopeSpec
 from ..model.spec import DecoderSpec, MLASpec, MoESpec
 from ..model.table import Row
-from ..model.yarn import mla_softmax_scale, rope_parameters, yarn_spec_from_params
+from ..model.positions.yarn import mla_softmax_scale, rope_parameters, yarn_spec_from_params
 from .llama import DECODER_TABLE
 from .moe_common import GROUPED_MOE_ROWS, moe_spec, moe_table
 from .registry import Family, base_spec_kwargs, load_config, register
@@ -178,8 +178,8 @@ _MLA_SHAPES = {
 
 
 def mla_rows() -> tuple[Row, ...]:
-    """One row per :data:`~parallm.model.mla.MLA_WEIGHTS` entry: its parameter in the layer's
-    ``self_attention`` (an :class:`~parallm.model.mla.MLAttention`), layout kind, ``tp_sum`` and conditions
+    """One row per :data:`~parallm.model.layers.mla.MLA_WEIGHTS` entry: its parameter in the layer's
+    ``self_attention`` (an :class:`~parallm.model.layers.mla.MLAttention`), layout kind, ``tp_sum`` and conditions
     (``q_lora`` / ``no_q_lora`` / ``down_bias`` / ``o_bias``)."""
     return tuple(Row(f"layers.{{l}}.self_attention.{local}", ("model.layers.{i}.self_attn." + hf,), kind, "layer",
                      (_MLA_SHAPES[hf],), when=tuple(cond.split("+")) if cond else (), tp_sum=tp_sum)

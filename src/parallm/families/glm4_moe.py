@@ -15,9 +15,9 @@ of DeepSeek-V3 (:data:`parallm.families.moe_common.GROUPED_MOE_ROWS`).
 
 from __future__ import annotations
 
-from ..model.rope import rope_spec_from_hf_config
+from ..model.positions.rope import rope_spec_from_hf_config
 from ..model.spec import DecoderSpec
-from ..model.yarn import rope_parameters, rotary_dim
+from ..model.positions.yarn import rope_parameters, rotary_dim
 from .deepseek_v3 import MTP_ROWS, base_kwargs_without_rope, grouped_moe_spec, mtp_layers_of
 from .moe_common import GROUPED_MOE_ROWS, moe_table
 from .registry import Family, register

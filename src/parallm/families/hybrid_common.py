@@ -2,7 +2,7 @@
 vision-language checkpoints; :mod:`parallm.families.qwen3_next`): the config parsing (layer kinds, partial RoPE,
 the Gated DeltaNet sizes, the Qwen-MoE block), the weight table built around a family's fused input projection,
 and the multi-token-prediction tensors they carry. The layers are Gated DeltaNet (linear attention,
-:mod:`parallm.model.gated_deltanet`) except every ``full_attention_interval``-th (``config.layer_types``), which
+:mod:`parallm.model.layers.gated_deltanet`) except every ``full_attention_interval``-th (``config.layer_types``), which
 runs full attention. What differs from Qwen3:
 
 * the attention layers: q_proj's rows are per head ``[q_h; gate_h]`` and the attention output is multiplied by
@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..model.rope import rope_spec_from_hf_config
+from ..model.positions.rope import rope_spec_from_hf_config
 from ..model.spec import DecoderSpec, GatedDeltaNetSpec
 from ..model.table import Row
-from ..model.yarn import rope_parameters, rotary_dim
+from ..model.positions.yarn import rope_parameters, rotary_dim
 from .deepseek_v3 import _config_dict, base_kwargs_without_rope
 from .llama import DECODER_TABLE
 from .moe_common import moe_rows, moe_spec, moe_table, num_experts_of

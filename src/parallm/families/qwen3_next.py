@@ -6,7 +6,7 @@ Qwen2-MoE's block on the layers ``decoder_sparse_step`` / ``mlp_only_layers`` pi
 The Gated DeltaNet's input projections are stored as two tensors whose rows are grouped by key head
 (``in_proj_qkvz``: per key head ``[q; k; v of its value heads; z of them]``, ``in_proj_ba``: ``[b; a]``): a
 rank's key heads are one contiguous block of each, so both split plainly over TP and the layer un-groups its
-block (:mod:`parallm.model.gated_deltanet`).
+block (:mod:`parallm.model.layers.gated_deltanet`).
 """
 
 from __future__ import annotations

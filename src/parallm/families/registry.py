@@ -7,9 +7,9 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from ..model.rope import RopeSpec, rope_spec_from_hf_config
+from ..model.positions.rope import RopeSpec, rope_spec_from_hf_config
 from ..model.spec import DecoderSpec
-from ..model.yarn import rope_parameters, yarn_spec_from_params
+from ..model.positions.yarn import rope_parameters, yarn_spec_from_params
 
 
 @dataclass(frozen=True)

@@ -20,22 +20,22 @@ from torch.utils.checkpoint import checkpoint
 
 from ..parallel.cpu_compat import enable_megatron_sequence_parallel_on_cpu
 from ..parallel.megatron_import import import_megatron
-from .attention import (AttnBackend, Packing, block_kernel, make_packing, pack_tokens, resolve_attn_impl,
-                        unpack_tokens)
-from .context_parallel import CP_KERNELS, ContextSplit, resolve_cp_attn, split_batch
-from .gated_deltanet import GatedDeltaNet, HybridContext, resolve_kernel as resolve_gdn_kernel
-from .logprobs import token_stats_head
-from .mla import MLAttention
-from .mlp import MLP, no_init
-from .moe import MoEAux, MoEBlock
-from .routing import RouterReplay, moe_layer_indices, rows_of_tokens, tokens_of_rows
-from .placement import attach_placements
-from .rope import rope_cos_sin
 from ..parallel.stages import layer_numbers
 from ..parallel.state import as_device
+from .context_parallel import CP_KERNELS, ContextSplit, resolve_cp_attn, split_batch
+from .layers.attention import (AttnBackend, Packing, block_kernel, make_packing, pack_tokens, resolve_attn_impl,
+                               unpack_tokens)
+from .layers.gated_deltanet import GatedDeltaNet, HybridContext, resolve_kernel as resolve_gdn_kernel
+from .layers.mla import MLAttention
+from .layers.mlp import MLP, no_init
+from .layers.moe import MoEAux, MoEBlock
+from .layers.routing import RouterReplay, moe_layer_indices, rows_of_tokens, tokens_of_rows
+from .logprobs import token_stats_head
+from .placement import attach_placements
+from .positions.rope import rope_cos_sin
+from .positions.yarn import apply_partial_rope, yarn_cos_sin
 from .spec import TASKS, DecoderSpec, check_ep, check_tp, padded_vocab_size
 from .table import chunk_entries
-from .yarn import apply_partial_rope, yarn_cos_sin
 
 _megatron = import_megatron()
 ModelParallelConfig = _megatron.ModelParallelConfig
@@ -141,9 +141,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
         cp_group = dims.cp_group if dims is not None and dims.cp > 1 else None
         self.linear = spec.is_linear_layer(layer_number)
-        if self.linear:              # Gated DeltaNet (Qwen3-Next, Qwen3.5): model/gated_deltanet.py
+        if self.linear:              # Gated DeltaNet (Qwen3-Next, Qwen3.5): model/layers/gated_deltanet.py
             self.self_attention = GatedDeltaNet(spec, config, tp, device, kernel=gdn_kernel, cp_group=cp_group)
-        elif spec.mla is not None:     # multi-head latent attention (DeepSeek-V3): model/mla.py
+        elif spec.mla is not None:     # multi-head latent attention (DeepSeek-V3): model/layers/mla.py
             self.self_attention = MLAttention(spec, config, tp, device, backend=backend, norm=RMSNorm,
                                               cp_group=cp_group, cp_attn=cp_attn)
         else:
@@ -151,7 +151,7 @@ class DecoderLayer(nn.Module):
                                             cp_attn=cp_attn, window=spec.window(layer_number))
         self.post_attention_layernorm = norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype,
                                                          device)
-        # The spec says which layers route over experts (model/moe.py); the others keep the dense MLP.
+        # The spec says which layers route over experts (model/layers/moe.py); the others keep the dense MLP.
         self.mlp = MoEBlock(spec, config, dims, device) if spec.is_moe_layer(layer_number) else MLP(spec, config)
 
     def forward(self, x, cos, sin, ctx, tokens=None, routed=None):
@@ -235,7 +235,7 @@ class DecoderChunk(nn.Module):
                  cp_attn: str = "auto"):
         """``table``: the family's weight table (each parameter's placement is attached from its row);
         ``dims``: the :class:`parallm.parallel.state.ParallelDims` the chunk is built for (kept as
-        ``chunk.dims``); ``attn_impl``: an attention backend of :mod:`parallm.model.attention` or "auto" (the
+        ``chunk.dims``); ``attn_impl``: an attention backend of :mod:`parallm.model.layers.attention` or "auto" (the
         resolved name is kept as ``chunk.attn_impl``); ``cp_attn``: the context-parallel attention ("auto",
         "allgather", "ring": :mod:`parallm.model.context_parallel`; kept as ``chunk.cp_attn``, None at cp = 1);
         ``recompute``: None, or ``"full"`` to recompute every
@@ -277,7 +277,7 @@ class DecoderChunk(nn.Module):
         self.attn_impl = backend.name
         cp_kernel = resolve_cp_attn(cp_attn)
         self.cp_attn = cp_kernel if dims.cp > 1 else None
-        # Gated DeltaNet layers' kernel (model/gated_deltanet.py; None without them), kept as chunk.gdn_kernel
+        # Gated DeltaNet layers' kernel (model/layers/gated_deltanet.py; None without them), kept as chunk.gdn_kernel
         gdn = resolve_gdn_kernel(device=as_device(device), dtype=config.params_dtype) if spec.linear_attn else None
         self.gdn_kernel = gdn.name if gdn is not None else None
         self.layers = nn.ModuleList(DecoderLayer(spec, config, tp, i, device, backend=backend, dims=dims,

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .rope import RopeSpec
-from .routing import check_grouping
-from .yarn import YarnSpec
+from .positions.rope import RopeSpec
+from .layers.routing import check_grouping
+from .positions.yarn import YarnSpec
 
 TASKS = ("causal_lm", "value", "hidden")   # "hidden": headless (final-normed hidden states)
 ROUTERS = ("softmax", "sigmoid_grouped")
@@ -29,7 +29,7 @@ class MoESpec:
     load-balancing loss to ``forward_backward``'s loss (HF ``output_router_logits=True``; docs/moe.md).
 
     ``router``: ``"softmax"`` (the above: Qwen-MoE, Mixtral) or ``"sigmoid_grouped"`` (DeepSeek-V3, Kimi-K2,
-    Moonlight, GLM-4.5; :mod:`parallm.model.routing`): sigmoid scores, plus the fp32 selection bias
+    Moonlight, GLM-4.5; :mod:`parallm.model.layers.routing`): sigmoid scores, plus the fp32 selection bias
     ``e_score_correction_bias`` when ``score_bias``, choose the ``top_k`` experts among the ``topk_group`` best of
     ``n_group`` groups; the weights are the unbiased scores (renormalised when ``norm_topk_prob``) times
     ``routed_scaling_factor``. The shared expert of those families is one ungated MLP of ``n_shared_experts *
@@ -74,7 +74,7 @@ class MLASpec:
     use ``latent_norm_eps`` (transformers builds them with the default 1e-6, whatever ``rms_norm_eps`` says).
     ``down_proj_bias``: ``q_a_proj`` / ``kv_a_proj_with_mqa`` carry a bias (``attention_bias``; o_proj's bias is
     :attr:`DecoderSpec.o_bias`). ``softmax_scale``: as ``DeepseekV3Attention.scaling`` (yarn's mscale squared
-    included, :func:`parallm.model.yarn.mla_softmax_scale`); None: ``q_head_dim ** -0.5``.
+    included, :func:`parallm.model.positions.yarn.mla_softmax_scale`); None: ``q_head_dim ** -0.5``.
 
     Naming trap: :attr:`q_head_dim` (nope + rope) is transformers' ``qk_head_dim``; megatron-core's
     ``qk_head_dim`` is the nope part alone (its rope part is ``qk_pos_emb_head_dim``).
@@ -113,8 +113,8 @@ class MLASpec:
 @dataclass(frozen=True)
 class GatedDeltaNetSpec:
     """The Gated DeltaNet (linear attention) layers of a hybrid model (Qwen3-Next, Qwen3.5:
-    :mod:`parallm.model.gated_deltanet`). ``layers``: the global indices of the layers that run it (the others run
-    full attention); ``num_key_heads`` / ``num_value_heads`` of widths ``key_head_dim`` / ``value_head_dim``
+    :mod:`parallm.model.layers.gated_deltanet`). ``layers``: the global indices of the layers that run it (the
+    others run full attention); ``num_key_heads`` / ``num_value_heads`` of widths ``key_head_dim`` / ``value_head_dim``
     (value heads a multiple of key heads); ``conv_kernel``: the depthwise conv's window. ``interleaved``: the
     checkpoint's input projections are Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` (rows grouped by key
     head) rather than Qwen3.5's ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``."""
@@ -176,8 +176,8 @@ class DecoderSpec:
     # Multi-head latent attention instead of GQA (DeepSeek-V3 family); head_dim is then its q_head_dim and
     # num_kv_heads == num_heads (MLA expands keys and values to every head).
     mla: MLASpec | None = None
-    # YaRN RoPE: when set, cos / sin come from parallm.model.yarn.yarn_cos_sin(yarn, ...) and ``rope`` holds only
-    # the rotary dim and theta (kind "default"); None: ``rope`` is the whole story.
+    # YaRN RoPE: when set, cos / sin come from parallm.model.positions.yarn.yarn_cos_sin(yarn, ...) and ``rope``
+    # holds only the rotary dim and theta (kind "default"); None: ``rope`` is the whole story.
     yarn: YarnSpec | None = None
     # num_nextn_predict_layers: the checkpoint may carry that many multi-token-prediction layers after the last
     # decoder layer (model.layers.{num_layers + j}.*); the decoder does not run them (transformers drops them).

@@ -349,7 +349,7 @@ def mixing_costs(spec: DecoderSpec, *, seq_len: int) -> list[int]:
     64), plus its depthwise conv, ``conv_dim x kernel``, independent of the length. At long sequences an
     attention layer costs far more than a Gated DeltaNet layer of the same weights, which is what a hybrid
     model's pipeline split must know."""
-    from .gated_deltanet import CHUNK
+    from .layers.gated_deltanet import CHUNK
     lin = spec.linear_attn
     gdn_layers = set(lin.layers) if lin is not None else set()
     if lin is not None:

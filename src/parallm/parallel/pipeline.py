@@ -224,7 +224,8 @@ def run_pipeline(chunks, microbatches, *, last_stage_fn, backward: bool, compute
     ``side``: a dict ``{microbatch: float}`` that travels backwards with the gradients: ``last_stage_fn`` fills
     ``side[m]`` on the last stage, every gradient message of microbatch ``m`` carries it (one fp64 element
     beside the gradient, in the same batch of operations) and the receiver stores it in its own ``side`` before
-    its backward of ``m`` (the load-balancing loss's per-microbatch weight: :class:`parallm.model.moe.AuxScales`).
+    its backward of ``m`` (the load-balancing loss's per-microbatch weight:
+    :class:`parallm.model.layers.moe.AuxScales`).
     """
     layout = dims_of(chunks)
     pp, vpp = layout.pp, len(chunks)

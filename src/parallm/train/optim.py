@@ -42,7 +42,7 @@ import inspect
 
 import torch
 
-from ..model.lora import chunk_lora_entries
+from ..model.layers.lora import chunk_lora_entries
 from ..model.table import model_entries
 from ..parallel.errors import run_local
 from ..model.params import clear_grad, grad_of, uses_main_grad
@@ -175,7 +175,7 @@ class ParallelAdamW(torch.optim.Optimizer):
         self.names: dict[torch.Tensor, str] = {}       # param -> "<vpp rank>.<local name>" (unique on a rank)
         self.entries: dict[torch.Tensor, object] = {}  # param -> its weight-table entry (HF names)
         mine, _ = model_entries(self.chunks, self.dims)
-        for entry, chunk in mine + chunk_lora_entries(self.chunks):     # LoRA factors: model/lora.py
+        for entry, chunk in mine + chunk_lora_entries(self.chunks):     # LoRA factors: model/layers/lora.py
             p = chunk.get_parameter(entry.local)
             self.names[p] = f"{chunk.vpp_rank}.{entry.local}"
             self.entries[p] = entry

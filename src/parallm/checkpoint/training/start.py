@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from ...families import family_of
-from ...model.lora import chunk_lora_entries, global_entries, lora_config_of
+from ...model.layers.lora import chunk_lora_entries, global_entries, lora_config_of
 from ...model.table import expected_hf_shapes, is_trained, model_entries
 from ...parallel.state import as_chunks, dims_of, require_initialized
 from ...train.optim import ParallelAdamW
@@ -38,7 +38,7 @@ def model_layout(chunks, dims):
 
 def lora_layout(chunks, dims):
     """:func:`model_layout` of a model with LoRA adapters: the factors alone (the frozen base comes from its HF
-    checkpoint), each by its training-checkpoint name (:class:`parallm.model.lora.LoraEntry`) and full shape, as
+    checkpoint), each by its training-checkpoint name (:class:`parallm.model.layers.lora.LoraEntry`) and full shape, as
     slices of those tensors like any weight: reshardable."""
     chunk = chunks[0]
     every = global_entries(chunk.spec, chunk.table, chunk.task, dims, lora_config_of(chunks))

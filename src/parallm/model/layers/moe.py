@@ -61,13 +61,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.experts import (combine, dispatch, expert_counts, gather_shares, share_of, share_sizes, slots_of,
-                                sort_slots, weighted_sum)
-from ..parallel.megatron_import import import_megatron
-from ..parallel.state import as_device
+from ...parallel.experts import (combine, dispatch, expert_counts, gather_shares, share_of, share_sizes, slots_of,
+                                 sort_slots, weighted_sum)
+from ...parallel.megatron_import import import_megatron
+from ...parallel.state import as_device
 from .mlp import MLP
 from .routing import GroupLimitedRouter, RouterReplay, sigmoid_weights, softmax_weights
-from .spec import DecoderSpec
+from ..spec import DecoderSpec
 
 mtp = import_megatron().tensor_parallel
 logger = logging.getLogger("parallm")
@@ -411,7 +411,7 @@ class MoEBlock(nn.Module):
     def route(self, h, routed=None):
         """(probs [N, E] fp32, weights [N, k] fp32, choices [N, k]): the logits in the model dtype, as transformers
         computes them, then fp32 (the activations are not upcast: only the [N, E] logits are). The sigmoid
-        group-limited router (:mod:`parallm.model.routing`) gives its sigmoid scores as the probabilities.
+        group-limited router (:mod:`parallm.model.layers.routing`) gives its sigmoid scores as the probabilities.
 
         ``routed``: router replay, ``(experts [N, k] int64, real [N] bool)`` in the rows of ``h``: the real rows
         route with those experts instead of the router's top-k (padding rows keep the router's own), and the

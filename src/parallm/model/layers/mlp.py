@@ -1,13 +1,13 @@
 """The gated MLP on megatron-core's parallel linears: the dense decoder layer's MLP and Qwen2-MoE's shared
-expert (which adds a gate of its own in :mod:`parallm.model.moe`)."""
+expert (which adds a gate of its own in :mod:`parallm.model.layers.moe`)."""
 
 from __future__ import annotations
 
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.megatron_import import import_megatron
-from .spec import DecoderSpec
+from ...parallel.megatron_import import import_megatron
+from ..spec import DecoderSpec
 
 mtp = import_megatron().tensor_parallel
 

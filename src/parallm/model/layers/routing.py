@@ -182,7 +182,7 @@ def moe_layer_indices(spec) -> list[int]:
 
 
 def _context_split_type():
-    from .context_parallel import ContextSplit
+    from ..context_parallel import ContextSplit
     return ContextSplit
 
 
@@ -194,7 +194,7 @@ def _packing_type():
 def rows_of_tokens(t: torch.Tensor, attention_mask: torch.Tensor, ctx, *, share=None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """A per-token ``[B, S, ...]`` tensor in the order of this rank's MoE input rows (the activations
-    ``x.reshape(-1, H)`` of :class:`parallm.model.moe.MoEBlock`): ``(rows [N, ...], real [N] bool)``.
+    ``x.reshape(-1, H)`` of :class:`parallm.model.layers.moe.MoEBlock`): ``(rows [N, ...], real [N] bool)``.
 
     Padded layout (``ctx`` a mask or None): ``[S, B]`` s-major. Packed (``ctx`` a ``Packing``): the real tokens
     row by row, then the stream's padding (not real). Context parallel (``ctx`` a ``ContextSplit``): this rank's

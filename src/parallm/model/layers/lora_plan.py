@@ -2,7 +2,7 @@
 (:class:`LoraConfig`), which factors each table entry's linear gets (:func:`layer_slots`: HF module, shapes, rank,
 scaling, TP layouts), the layouts no weight has (:class:`KVRows`, :class:`Stacked`), and every factor of the model
 as a weight-table-like entry (:func:`global_entries`) for checkpoints and the PEFT files. The adapters themselves:
-:mod:`parallm.model.lora`."""
+:mod:`parallm.model.layers.lora`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 
-from .sharding import Block, PartsSplit, Replicated, Split, TPLayout, _as_source, kv_heads_of_rank
-from .table import chunk_entries, resolve_shape
+from ..sharding import Block, PartsSplit, Replicated, Split, TPLayout, _as_source, kv_heads_of_rank
+from ..table import chunk_entries, resolve_shape
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # families whose layers parallm can adapt (their attention is plain GQA; experts as transformers 5 stacks them)

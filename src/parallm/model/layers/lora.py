@@ -43,14 +43,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.megatron_import import import_megatron
-from ..parallel.state import as_chunks
+from ...parallel.megatron_import import import_megatron
+from ...parallel.state import as_chunks
 from .lora_plan import (ALL_LINEAR, PEFT_EXPERT_FAMILIES, SUPPORTED_FAMILIES, KVRows, LoraConfig, LoraEntry,
                         LoraRow, Slot, Stacked, _leaf, _local_rows, global_entries, layer_slots)
 from .moe import Experts, swiglu
-from .params import attach_main_grad_hooks
-from .placement import Placement, place
-from .table import chunk_entries
+from ..params import attach_main_grad_hooks
+from ..placement import Placement, place
+from ..table import chunk_entries
 
 mtp = import_megatron().tensor_parallel
 

@@ -31,12 +31,12 @@ Without sequence parallelism the rope key enters the TP region through ``copy_to
 complete on every rank.
 
 RoPE: ``cos`` / ``sin`` as the decoder passes them (``cat((freqs, freqs), -1)``, fp32, the yarn attention factor
-already applied: :func:`parallm.model.yarn.yarn_cos_sin`), ``qk_rope_head_dim`` wide; interleaved pairs when
+already applied: :func:`parallm.model.positions.yarn.yarn_cos_sin`), ``qk_rope_head_dim`` wide; interleaved pairs when
 ``rope_interleave`` (:func:`apply_rope_interleaved`, transformers' ``apply_rotary_pos_emb_interleave``), else the
 rotate_half layout.
 
 Softmax scale: :attr:`parallm.model.spec.MLASpec.scale` (yarn's ``mscale(factor, mscale_all_dim) ** 2`` times
-``q_head_dim ** -0.5``). The attention kernels of :mod:`parallm.model.attention` scale by
+``q_head_dim ** -0.5``). The attention kernels of :mod:`parallm.model.layers.attention` scale by
 ``q_head_dim ** -0.5`` themselves, so the queries are multiplied by ``scale * sqrt(q_head_dim)`` first (skipped
 when that is 1): the same logits up to rounding. The flash-attn kernel and the context-parallel kernels need the
 values as wide as the keys: they are zero-padded for them and the output cut back.
@@ -50,14 +50,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.megatron_import import import_megatron
-from ..parallel.state import as_device
+from ...parallel.megatron_import import import_megatron
+from ...parallel.state import as_device
 from .attention import AttnBackend, Packing, block_kernel
-from .context_parallel import CP_KERNELS, ContextSplit
+from ..context_parallel import CP_KERNELS, ContextSplit
 from .mlp import no_init
-from .rope import apply_rope
-from .sharding import Replicated, Split, TPLayout
-from .spec import DecoderSpec
+from ..positions.rope import apply_rope
+from ..sharding import Replicated, Split, TPLayout
+from ..spec import DecoderSpec
 
 mtp = import_megatron().tensor_parallel
 

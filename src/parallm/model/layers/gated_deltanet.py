@@ -26,7 +26,7 @@ reduce-scatters them.
 Sequences. Padded batches ``[S, B, H]``: the input at padded positions is zeroed first (transformers'
 ``apply_mask_to_padding_states``), so left padding is a run of zeros before the sequence (the conv's own zero
 padding, a state that stays 0) and each row is exactly transformers' result. Packed streams ``[T, 1, H]``: every
-document of :class:`parallm.model.attention.Packing` starts afresh: the conv window never reaches into the
+document of :class:`parallm.model.layers.attention.Packing` starts afresh: the conv window never reaches into the
 previous document and the recurrent state is reset to 0 at each document's first token.
 
 Kernels (:data:`KERNELS`; ``PARALLM_GDN_KERNEL`` = ``auto`` (default), ``torch`` or ``fla``; chosen once at
@@ -61,10 +61,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.megatron_import import import_megatron
-from ..parallel.state import as_device
+from ...parallel.megatron_import import import_megatron
+from ...parallel.state import as_device
 from .attention import Packing
-from .context_parallel import ContextSplit
+from ..context_parallel import ContextSplit
 from .mlp import no_init
 
 mtp = import_megatron().tensor_parallel

@@ -207,7 +207,7 @@ def yarn_cos_sin(spec: YarnSpec, position_ids: torch.Tensor) -> tuple[torch.Tens
 def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first ``cos.shape[-1]`` channels of ``x`` (``[..., heads, head_dim]``) in the rotate_half
     layout and pass the rest unchanged: transformers' GLM-4.5 ``apply_rotary_pos_emb``, bit for bit. With
-    ``cos`` as wide as the head it is :func:`parallm.model.rope.apply_rope`."""
+    ``cos`` as wide as the head it is :func:`parallm.model.positions.rope.apply_rope`."""
     rot = cos.shape[-1]
     if rot > x.shape[-1]:
         raise ValueError(f"apply_partial_rope: the rotary dim {rot} exceeds the head dim {x.shape[-1]}")

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..parallel.state import as_device
+from ...parallel.state import as_device
 
 try:  # optional CUDA kernel
     from flash_attn import flash_attn_varlen_func as _flash_varlen
