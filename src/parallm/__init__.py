@@ -7,13 +7,22 @@ Public API (a contract, see docs/api.md)::
     parallm.destroy_parallel()                       # waits for pending asynchronous checkpoint saves first
     chunks = parallm.build_model(hf_config, *, task="causal_lm", packed=False, sequence_parallel=False,
                                  dtype=torch.float32, vocab_multiple=1, attn_impl="auto", recompute=None,
-                                 cp_attn="auto")                # cp_attn: "allgather" | "ring" | "auto"
+                                 cp_attn="auto", num_layers_in_first_pipeline_stage=None,
+                                 num_layers_in_last_pipeline_stage=None, layers_per_stage=None, mtp=None,
+                                 revision=None, lora=None)
+    #   cp_attn: "allgather" | "ring" | "auto"; layers_per_stage: one count per virtual stage, or "balanced"
+    #   mtp: carry the multi-token-prediction layers (moved bit for bit, never run); None: if the checkpoint has any
+    #   lora: a parallm.LoraConfig: LoRA adapters beside the targeted linears, the base frozen (docs/lora.md)
     #   hf_config / source: a directory, or a Hub id ("Qwen/Qwen2.5-0.5B", revision=) from the local HF cache only
-    parallm.load_hf_weights(chunks, source, *, mode="auto", revision=None)
-    state = parallm.save_hf_weights(chunks, out_dir=None, *, dtype=None, source=None)
+    parallm.load_hf_weights(chunks, source, *, mode="auto", strict=True, progress=None, allow_pickle=False,
+                            revision=None)
+    state = parallm.save_hf_weights(chunks, out_dir=None, *, dtype=None, overwrite=False,
+                                    max_shard_size=5 * 1024 ** 3, progress=None, source=None, merged=False)
     #   a directory save also gets the source checkpoint's tokenizer / chat template / generation config
-    for name, tensor in parallm.export_hf_tensors(chunks, *, dtype=None, bucket_bytes=..., dst_ranks=None,
-                                                  copy=False): ...
+    for name, tensor in parallm.export_hf_tensors(chunks, *, dtype=None, bucket_bytes=64 * 1024 ** 2,
+                                                  dst_ranks=None, copy=False, out=None, merged=False): ...
+    #   out(bucket_index, numel) -> tensor: yielded tensors are views of the buffers it hands out, written in place
+    #   merged=True (a model with LoRA adapters): W + B A * alpha / r under the base's names (export and save)
     meta = parallm.export_metadata(chunks, *, dtype=None)   # [TensorMeta(name, dtype, shape)], the stream's order
     out = parallm.forward(chunks, batch_or_input_ids, attention_mask=None, position_ids=None, *, output=None,
                           temperature=1.0, token_chunk=None, num_microbatches=None,
@@ -38,12 +47,27 @@ Public API (a contract, see docs/api.md)::
     parallm.onload(chunks, optimizer=None, ...); with parallm.offloaded(chunks, optimizer): ...
     parallm.save_checkpoint(path, chunks, optimizer=None, *, step, extra=None, overwrite=False, async_save=False)
     info = parallm.load_checkpoint(path, chunks, optimizer=None)      # {"step": ..., "extra": ...}
-    parallm.checkpoint_to_hf(path, out_dir, *, dtype=None, overwrite=False)   # offline, no process group
+    parallm.checkpoint_to_hf(path, out_dir, *, dtype=None, overwrite=False, max_shard_size=5 * 1024 ** 3)
+    #   offline, no process group
+
+    cfg = parallm.LoraConfig(r, alpha, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                             "up_proj", "down_proj"), *, dropout=0.0, rank_pattern={}, alpha_pattern={}, seed=0)
+    #   PEFT's rules: target_modules names, a regex string or "all-linear"; rank / alpha patterns; dropout 0 only
+    parallm.add_lora(chunks, cfg)                    # or build_model(..., lora=cfg); before build_optimizer
+    with parallm.adapters_disabled(chunks): ...      # the base model inside (a reference policy, no second model)
+    for peft_name, tensor in parallm.export_adapter_tensors(chunks, *, dtype=None): ...   # PEFT's names, whole
+    parallm.save_hf_adapter(chunks, out_dir, *, dtype=None, overwrite=False)   # PeftModel.from_pretrained loads it
+    cfg = parallm.load_hf_adapter(chunks, peft_dir)  # each rank its slices; a model without adapters gets them
 
     from parallm.integrations import vllm as pv      # optional; importing parallm never imports vLLM
-    llm = pv.launch(model_dir, *, rank=0, **llm_kwargs); stats = pv.push_weights(chunks, llm, *, rank=0)
-    conn = pv.connect(["http://host:port", llm, ...], backend="parallm_shm" | "parallm_gloo")
+    llm = pv.launch(model_dir, *, rank=0, **llm_kwargs)
+    stats = pv.push_weights(chunks, llm, *, rank=0, dtype=None, bucket_bytes=None)
+    conn = pv.connect(["http://host:port", llm, ...], *, backend="parallm_shm", sender=0, timeout=300.0,
+                      master_address=None)       # backend: "parallm_shm" | "parallm_gloo"
     stats = pv.push_weights(chunks, conn)          # engines in other processes, through vLLM's weight transfer
+    stats = pv.push_adapter(chunks, llm, *, rank=0, name="parallm", dtype=None, bucket_bytes=None)
+    #   an engine serving LoRA gets the adapter alone (stats["lora_request"] for llm.generate on that rank);
+    #   an engine without LoRA, or a connection, gets the merged weights (stats["mode"] == "merged")
     #   verl: VERL_USE_EXTERNAL_MODULES=parallm.integrations.verl registers parallm's engine (docs/verl.md)
 """
 
