@@ -104,8 +104,8 @@ def write_data(path: str, *, train: int = 64, val: int = 8, seed: int = 0) -> tu
     return files
 
 
-def write_toy(out_dir: str, *, seed: int = 0) -> dict[str, str]:
-    model = write_checkpoint(os.path.join(out_dir, "model"), seed=seed)
+def write_toy(out_dir: str, *, seed: int = 0, model_type: str = "qwen2") -> dict[str, str]:
+    model = write_checkpoint(os.path.join(out_dir, "model"), seed=seed, model_type=model_type)
     train, val = write_data(os.path.join(out_dir, "data"), seed=seed)
     return {"model": model, "train": train, "val": val, "reward": os.path.abspath(__file__)}
 
@@ -117,8 +117,12 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 
 
 if __name__ == "__main__":
-    import sys
+    import argparse
 
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m parallm.integrations.verl.toy OUT_DIR")
-    print(json.dumps(write_toy(sys.argv[1])))
+    ap = argparse.ArgumentParser(prog="python -m parallm.integrations.verl.toy",
+                                 description="Write the toy task: a tiny model, its tokenizer and the data files.")
+    ap.add_argument("out_dir")
+    ap.add_argument("--model-type", choices=["qwen2", "qwen3_moe"], default="qwen2")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    print(json.dumps(write_toy(args.out_dir, seed=args.seed, model_type=args.model_type)))
