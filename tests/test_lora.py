@@ -7,9 +7,11 @@ seed (B non-zero: PEFT's zero B would hide any mapping of B's rows), saved with 
 back by ``export_adapter_tensors`` in PEFT's names, against PEFT's after ``torch.optim.AdamW``), the frozen base
 bit-identical after the step, optimizer state on adapters only. One 2-rank spawn runs tp2, pp2, packed + SP (tp2)
 and cp2 on Qwen3 (tp2 also: merged export / save against PEFT's ``merge_and_unload``, ``save_hf_adapter`` loaded
-by ``PeftModel.from_pretrained``, a training checkpoint saved at tp2 and loaded at tp1 x dp2); one 4-rank spawn
-runs Qwen3-MoE at tp2 x ep2 (dp2, each replica its half of the batch) and Qwen3 at tp4 (fewer KV heads than
-ranks: k / v adapters replicated).
+by ``PeftModel.from_pretrained``, a training checkpoint saved at tp2 and loaded at tp1 x dp2), then DeepSeek-V3
+(multi-head latent attention: every MLA projection adapted, the replicated down-projections' factors partial over
+TP under SP; routed experts) at tp2 + SP and pp2 and Moonlight's shape (no q LoRA) at tp2; one 4-rank spawn runs
+Qwen3-MoE at tp2 x ep2 (dp2, each replica its half of the batch), DeepSeek-V3 at tp2 x ep2 + SP and Qwen3 at tp4
+(fewer KV heads than ranks: k / v adapters replicated).
 """
 
 from __future__ import annotations
@@ -25,6 +27,16 @@ import helpers
 
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# DeepSeek-V3: every MLA projection (q_proj where there is no q LoRA) and the MLP names (PEFT: routed experts)
+MLA_TARGETS = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+               "down_proj")
+# 2 layers: layer 0 dense, layer 1 MoE (4 experts in 2 groups, a shared expert); v 10 != nope 12 + rope 8; biases
+MLA_CONFIG = dict(num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
+                  v_head_dim=10, attention_bias=True, n_routed_experts=4, n_group=2, topk_group=1,
+                  num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, intermediate_size=48,
+                  first_k_dense_replace=1)
+# Moonlight's shape: no q LoRA (q_proj), rotate_half RoPE, no biases
+MLA_NO_Q_LORA = dict(MLA_CONFIG, q_lora_rank=None, rope_interleave=False, attention_bias=False)
 R, ALPHA = 4, 8
 LR, EPS, WD = 1e-3, 1e-4, 0.1
 LOGIT_TOL = 2e-5
@@ -190,6 +202,60 @@ def _dense_cases(rank, world, ckpt, adapter, batch, tmp):
     return results if rank == 0 else None
 
 
+def _mla_cases(rank, world, mla, moonlight, tmp):
+    """DeepSeek-V3 at tp2 with sequence parallelism (packed: the replicated down-projections' factors see half the
+    tokens each) and at pp2; Moonlight's shape (no q LoRA) at tp2; the ways out after the SP step, and its
+    adapters-only training checkpoint loaded into the pp2 model after that one's step."""
+    import parallm
+    results, saved = {}, os.path.join(tmp, "mla_lora_ckpt")
+
+    def save(chunks, opt):
+        parallm.save_checkpoint(saved, chunks, opt, step=1, overwrite=True)
+        return {"ckpt_adapter": dict(parallm.export_adapter_tensors(chunks)),
+                "ckpt_moments": {k: _merged_state(chunks, opt, k) for k in ("exp_avg", "exp_avg_sq")}}
+
+    def load(chunks, _):
+        opt = parallm.build_optimizer(chunks, lr=LR, eps=EPS, weight_decay=WD)
+        parallm.load_checkpoint(saved, chunks, opt)
+        import torch.distributed as dist
+        stages = [None] * world           # each pipeline stage holds its layers' moments
+        dist.all_gather_object(stages, {k: _merged_state(chunks, opt, k) for k in ("exp_avg", "exp_avg_sq")})
+        return {"resumed_adapter": dict(parallm.export_adapter_tensors(chunks)),
+                "resumed_moments": {k: {n: t for st in stages for n, t in st[k].items()} for k in stages[0]}}
+
+    for name, (ckpt, adapter, batch), kw, build, extra in (
+            ("mla_sp", mla, dict(tp=2), dict(packed=True, sequence_parallel=True), save),
+            ("mla_pp2", mla, dict(pp=2), {}, load),
+            ("mla_no_q_lora_tp2", moonlight, dict(tp=2), {}, None)):
+        parallm.init_parallel(**kw)
+        chunks = parallm.build_model(ckpt, **build)
+        parallm.load_hf_weights(chunks, ckpt)
+        parallm.load_hf_adapter(chunks, adapter)
+        out = _check_run(rank, chunks, batch, extra=extra)
+        if name == "mla_sp":
+            merged = dict(parallm.export_hf_tensors(chunks, merged=True, copy=True))
+            parallm.save_hf_adapter(chunks, os.path.join(tmp, "mla_saved"), overwrite=True)
+            if out is not None:
+                out["merged"] = merged
+        results[name] = out
+        parallm.destroy_parallel()
+    return results if rank == 0 else None
+
+
+def _two_rank_cases(rank, world, dense, mla, moonlight, tmp):
+    out = _dense_cases(rank, world, *dense, tmp)
+    more = _mla_cases(rank, world, mla, moonlight, tmp)
+    return None if out is None else dict(out, **more)
+
+
+def _peft_after(base, adapter_tensors, targets):
+    """A PEFT model of ``base`` holding ``adapter_tensors`` (PEFT names)."""
+    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=R, lora_alpha=ALPHA,
+                                                                      target_modules=list(targets)))
+    peft.set_peft_model_state_dict(model, adapter_tensors)
+    return model
+
+
 def lora_config_of_file(adapter):
     import json
     from parallm.checkpoint.lora_io import CONFIG_NAME
@@ -224,12 +290,16 @@ def _assert_case(out, ref, mask, name):
 @pytest.mark.timeout(900)
 def test_lora_dense_layouts(tmp_path):
     """Qwen3 at tp2, pp2, packed + SP, cp2 against PEFT; merged / adapter export, PEFT directory round trip,
-    adapters-only training checkpoint resharded tp2 -> tp1 x dp2."""
+    adapters-only training checkpoint resharded tp2 -> tp1 x dp2. DeepSeek-V3 (MLA + MoE) at tp2 + SP and pp2,
+    no-q-LoRA at tp2, against PEFT; its merged export, saved adapter and tp2 + SP -> pp2 training checkpoint."""
     ckpt, adapter, batch, ref, base = _reference("qwen3", tmp_path)
-    res = helpers.run_ranks(_dense_cases, 2, ckpt, adapter, batch, str(tmp_path))[0]
+    mla = _reference("deepseek_v3", tmp_path, overrides=MLA_CONFIG, targets=MLA_TARGETS)
+    moonlight = _reference("deepseek_v3", tmp_path, overrides=MLA_NO_Q_LORA, targets=MLA_TARGETS, tag="_noq")
+    res = helpers.run_ranks(_two_rank_cases, 2, (ckpt, adapter, batch), mla[:3], moonlight[:3], str(tmp_path))[0]
     mask = batch[1]
     for name in ("tp2", "pp2", "sp", "cp2"):
         _assert_case(res[name], ref, mask, name)
+    _check_mla(res, mla, moonlight, tmp_path)
     tp2 = res["tp2"]
     # merged weights after the step: PEFT's merge of the stepped adapter on the same base
     stepped = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=R, lora_alpha=ALPHA,
@@ -270,20 +340,62 @@ def test_lora_dense_layouts(tmp_path):
             assert torch.equal(resume["moments"][key][k], v), (key, k)
 
 
-def _four_rank_cases(rank, world, moe, dense, deep, tmp):
+def _check_mla(res, mla, moonlight, tmp_path):
+    """The DeepSeek-V3 cases against PEFT: every MLA projection and the routed experts adapted (PEFT retargets
+    deepseek_v3's MLP names to the stacked experts: its dense MLP and shared expert keep none); the merged export
+    equals PEFT's merge_and_unload and the saved adapter runs in PEFT with PEFT's logits."""
+    import parallm
+    for name, (_, _, batch, ref, _) in (("mla_sp", mla), ("mla_pp2", mla), ("mla_no_q_lora_tp2", moonlight)):
+        _assert_case(res[name], ref, batch[1], name)
+    for (_, _, _, ref, _), present, absent in (
+            (mla, ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "mlp.experts.base_layer"),
+             ("q_proj", "shared_experts", "layers.0.mlp")),
+            (moonlight, ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "mlp.experts.base_layer"),
+             ("q_a_proj", "q_b_proj", "shared_experts", "layers.0.mlp"))):
+        names = set(ref["after"])
+        assert all(any(f".{p}." in k for k in names) for p in present), sorted(names)
+        assert not any(f".{a}." in k for a in absent for k in names), sorted(names)
+    # the tp2 + SP training checkpoint (adapters and moments) resumed bit-exactly at pp2
+    sp, pp2 = res["mla_sp"], res["mla_pp2"]
+    assert set(sp["ckpt_adapter"]) == set(pp2["resumed_adapter"]) == set(mla[3]["after"])
+    for k, v in sp["ckpt_adapter"].items():
+        assert torch.equal(pp2["resumed_adapter"][k], v), k
+    for key, moments in sp["ckpt_moments"].items():
+        assert set(moments) == set(pp2["resumed_moments"][key]) and len(moments) > 0
+        for k, v in moments.items():
+            assert torch.equal(pp2["resumed_moments"][key][k], v), (key, k)
+    ckpt, _, batch, ref, base = mla
+    stepped = _peft_after(base, res["mla_sp"]["after"], MLA_TARGETS)
+    merged_ref = helpers.hub_state_dict(copy.deepcopy(stepped).merge_and_unload(), str(tmp_path / "mla_merged_ref"))
+    _assert_close_dict(res["mla_sp"]["merged"], merged_ref, 1e-6, "MLA merged export")
+    base_hub = helpers.hub_state_dict(base, str(tmp_path / "mla_base_hub"))
+    adapted = [k for k in merged_ref if not torch.equal(merged_ref[k], base_hub[k])]
+    assert any("kv_a_proj_with_mqa" in k for k in adapted) and any("experts" in k for k in adapted), adapted
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "mla_saved"))
+    ids, mask = batch
+    pos = parallm.default_position_ids(mask)
+    with torch.no_grad():
+        got = loaded(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        want = stepped(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    assert torch.equal(got, want)
+
+
+def _four_rank_cases(rank, world, moe, dense, deep, mla, tmp):
     import parallm
     from parallm.parallel.state import current_dims
     results = {}
     zero = dict(shard_over_dp=True, overlap_grad_reduce=True)
-    for name, (ckpt, adapter, batch), kw, env, opt_kw in (
-            ("moe_tp2_ep2", moe, dict(tp=2, ep=2), "auto", None),
-            ("moe_tp2_ep2_loop", moe, dict(tp=2, ep=2), "loop", None),
-            ("dense_tp4", dense, dict(tp=4), "auto", None),
-            ("dense_pp2_vpp2_zero", deep, dict(pp=2, vpp=2), "auto", zero)):
+    sp = dict(packed=True, sequence_parallel=True)
+    for name, (ckpt, adapter, batch), kw, env, opt_kw, build in (
+            ("moe_tp2_ep2", moe, dict(tp=2, ep=2), "auto", None, {}),
+            ("moe_tp2_ep2_loop", moe, dict(tp=2, ep=2), "loop", None, {}),
+            ("mla_moe_tp2_ep2_sp", mla, dict(tp=2, ep=2), "auto", None, sp),
+            ("dense_tp4", dense, dict(tp=4), "auto", None, {}),
+            ("dense_pp2_vpp2_zero", deep, dict(pp=2, vpp=2), "auto", zero, {})):
         os.environ["PARALLM_MOE_EXPERTS"] = env
         parallm.init_parallel(**kw)
         dims = current_dims()
-        chunks = parallm.build_model(ckpt)
+        chunks = parallm.build_model(ckpt, **build)
         parallm.load_hf_weights(chunks, ckpt)
         parallm.load_hf_adapter(chunks, adapter)
         per = batch[0].shape[0] // dims.dp
@@ -303,7 +415,8 @@ def _four_rank_cases(rank, world, moe, dense, deep, tmp):
 def test_lora_moe_and_replicated_kv(tmp_path):
     """Qwen3-MoE at tp2 x ep2 (dp2: each replica half the batch, token-mean), experts' adapters through the
     grouped GEMM and through the loop; Qwen3 at tp4 (2 KV heads: k / v factors replicated over 2 ranks each);
-    a 4-layer Qwen3 at pp2 x vpp2 x dp2 with ZeRO and gradient buckets (two chunks per rank); against PEFT. The
+    a 4-layer Qwen3 at pp2 x vpp2 x dp2 with ZeRO and gradient buckets (two chunks per rank); DeepSeek-V3 (MLA,
+    routed experts) at tp2 x ep2 (dp2) with packed + SP; against PEFT. The
     MoE adapter saved by parallm loads into PEFT with equal logits; its merged export equals PEFT's
     merge_and_unload."""
     import parallm
@@ -313,8 +426,10 @@ def test_lora_moe_and_replicated_kv(tmp_path):
         "qwen3_moe", tmp_path, overrides=dict(decoder_sparse_step=1, mlp_only_layers=[]))
     ckpt, adapter, batch, ref, _ = _reference("qwen3", tmp_path)
     deep = _reference("qwen3", tmp_path, overrides=dict(num_hidden_layers=4), tag="_deep")
+    mla = _reference("deepseek_v3", tmp_path, overrides=MLA_CONFIG, targets=MLA_TARGETS)
     res = helpers.run_ranks(_four_rank_cases, 4, (moe_ckpt, moe_adapter, moe_batch), (ckpt, adapter, batch),
-                            deep[:3], str(tmp_path))[0]
+                            deep[:3], mla[:3], str(tmp_path))[0]
+    _assert_case(res["mla_moe_tp2_ep2_sp"], mla[3], mla[2][1], "mla_moe_tp2_ep2_sp")
     for name in ("moe_tp2_ep2", "moe_tp2_ep2_loop"):
         _assert_case(res[name], moe_ref, moe_batch[1], name)
     _assert_case(res["dense_tp4"], ref, batch[1], "dense_tp4")
@@ -358,18 +473,37 @@ def test_lora_config_and_refusals():
     assert cfg.rank_alpha("model.layers.0.self_attn.q_proj") == (2, 8.0)
     assert cfg.rank_alpha("model.layers.1.q_proj") == (2, 3.0)
     assert parallm.LoraConfig is LoraConfig
-    # DeepSeek-V3's MLA projections and Qwen3-MoE's gate without up: refused, naming the module
+    # Gated DeltaNet's projections and Qwen3-MoE's gate without up: refused, naming the module
     import transformers
+    next_cfg = dict(num_hidden_layers=2, full_attention_interval=2, head_dim=32, num_attention_heads=4,
+                    num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=48)
     for family, kw, targets, match in (
-            ("deepseek_v3", dict(num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12,
-                                  qk_rope_head_dim=8, v_head_dim=10, n_routed_experts=4, n_group=2, topk_group=1,
-                                  num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1),
-             ("q_a_proj",), "q_a_proj is not supported"),
+            ("qwen3_next", next_cfg, ("in_proj_qkvz",), "in_proj_qkvz is not supported"),
             ("qwen3_moe", dict(decoder_sparse_step=1, mlp_only_layers=[]), ("gate_proj",), "without up_proj")):
         spec, fam = spec_from_config(helpers.tiny_config(family, **kw))
         with pytest.raises(ValueError, match=match):
             for e in all_entries(fam.table, spec, task="causal_lm", pp=1):
                 layer_slots(spec, e, LoraConfig(4, 8, targets), tp=1, sp=False)
+    # DeepSeek-V3: MLA projections adapted (the down-projections replicated, both factors' gradients partial sums
+    # under SP only), its MLP names on the routed experts only; "all-linear" takes the MLA projections too
+    spec, fam = spec_from_config(helpers.tiny_config("deepseek_v3", **MLA_CONFIG))
+    kinds = {}
+    for sp in (False, True):
+        for e in all_entries(fam.table, spec, task="causal_lm", pp=1):
+            found = layer_slots(spec, e, LoraConfig(4, 8, "all-linear"), tp=2, sp=sp)
+            if found is not None and e.layer == 1:
+                kinds[(e.local.split(".", 2)[-1], sp)] = (found[0], [(s.part, s.rows, s.cols, s.a_tp_sum,
+                                                                       s.b_tp_sum) for s in found[1]])
+    down = "self_attention.linear_kv_down_proj.weight"
+    assert kinds[(down, True)] == ("replicated", [("kv_a_proj_with_mqa", 24, 64, True, True)])
+    assert kinds[(down, False)] == ("replicated", [("kv_a_proj_with_mqa", 24, 64, False, False)])
+    assert kinds[("self_attention.linear_kv_up_proj.weight", True)] == ("column", [("kv_b_proj", 88, 16, True,
+                                                                                     False)])
+    assert kinds[("self_attention.linear_proj.weight", True)] == ("row", [("o_proj", 64, 40, False, True)])
+    assert {k for k, _ in kinds if ".mlp." in k or k.startswith("mlp.")} == {"mlp.experts.linear_fc1.weight",
+                                                                            "mlp.experts.linear_fc2.weight"}
 
 
 def _family_cases(rank, world, cases):

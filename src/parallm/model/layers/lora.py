@@ -4,7 +4,8 @@
 low-rank factors beside every targeted linear and freezes everything else (``requires_grad=False``: no gradient,
 no optimizer state, no gradient bucket). The output of an adapted linear is ``W x + (B (A x)) * alpha / r``, per
 HF module as PEFT names them (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``,
-``down_proj``), dropout 0 only.
+``down_proj``; multi-head latent attention's ``q_a_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``),
+dropout 0 only.
 
 Layouts over tensor parallelism (each factor is a parameter with a placement, like every weight):
 
@@ -13,6 +14,8 @@ Layouts over tensor parallelism (each factor is a parameter with a placement, li
                                                         QKV holds KV heads: replicated when nkv < tp)
     row-parallel linear (o_proj, down_proj)             A [r, in / tp] split like the weight's columns;
                                                         B [out, r] replicated
+    replicated linear (MLA's q_a_proj,                  A [r, in] and B [out, r] replicated, run on the rank's
+    kv_a_proj_with_mqa: duplicated on every TP rank)    own tokens, no communication
 
 The fused QKV holds one adapter per HF module: ``q_proj``'s B rows land in the ``q_r`` rows of ``[q_r; k_r;
 v_r]``, and so on. The products ``A x`` (``r`` wide) are what crosses the TP ranks: a column adapter's ``A x`` is
@@ -21,13 +24,22 @@ all-gathered over the sequence-parallel split (or enters the TP region as a copy
 part of the work are partial sums (``tp_sum``: A of a column adapter and B of a row adapter under sequence
 parallelism), summed by ``finalize_grads``.
 
-Routed experts (Qwen3-MoE, Qwen2-MoE, Mixtral): PEFT on transformers 5, whose experts are stacked 3-D
-parameters, targets them with ``target_parameters``: one adapter per expert over the fused ``gate_up_proj`` of rank
-``2 r`` (alpha ``2 alpha``) and one over ``down_proj`` of rank ``r``; ``gate_proj`` and ``up_proj`` must be targeted
-together. parallm does the same: per local expert ``fc1 A [2r, H]`` replicated over TP, ``fc1 B [2 I / tp, 2r]``
-(rows ``[gate_r; up_r]``), ``fc2 A [r, I / tp]``, ``fc2 B [H, r]`` replicated, stacked over the rank's experts. As
-in PEFT, the MLP targets then adapt routed experts only (a MoE model's dense layers and shared expert keep no
-adapter). Multi-head latent attention and Gated DeltaNet projections are refused by name.
+Multi-head latent attention (DeepSeek-V3, Kimi-K2, Moonlight; :mod:`parallm.model.layers.mla`): parallm holds each
+MLA projection as its HF tensor, rows unreordered (q_b / kv_b rows per head, k_nope then v, split over TP by
+heads; ``rope_interleave`` permutes activations, not weights), so each adapter is a plain one: ``q_b_proj``,
+``q_proj``, ``kv_b_proj`` column (B split by rows), ``o_proj`` row, and the down-projections ``q_a_proj`` /
+``kv_a_proj_with_mqa`` replicated. Under sequence parallelism a replicated linear sees this rank's tokens only:
+both its factors' gradients are partial sums (``tp_sum``), as the down-projections' own weights' are (their table
+rows' ``tp_sum="sp"``); without it every rank's gradients are whole (the up-projections' and the rope key's
+backward all-reduce).
+
+Routed experts (Qwen3-MoE, Mixtral, DeepSeek-V3; not Qwen2-MoE's: ``PEFT_EXPERT_FAMILIES``): PEFT on transformers
+5, whose experts are stacked 3-D parameters, targets them with ``target_parameters``: one adapter per expert over
+the fused ``gate_up_proj`` of rank ``2 r`` (alpha ``2 alpha``) and one over ``down_proj`` of rank ``r``;
+``gate_proj`` and ``up_proj`` must be targeted together. parallm does the same: per local expert ``fc1 A [2r, H]``
+replicated over TP, ``fc1 B [2 I / tp, 2r]`` (rows ``[gate_r; up_r]``), ``fc2 A [r, I / tp]``, ``fc2 B [H, r]``
+replicated, stacked over the rank's experts. As in PEFT, the MLP targets then adapt routed experts only (a MoE
+model's dense layers and shared expert keep no adapter). Gated DeltaNet projections are refused by name.
 
 ``A`` starts as PEFT's (Kaiming-uniform, bound ``1 / sqrt(fan_in)``) from a generator seeded per HF module
 (``LoraConfig.seed``), so every layout starts from the same full A; ``B`` starts at zero.
@@ -45,8 +57,9 @@ from torch import nn
 
 from ...parallel.megatron_import import import_megatron
 from ...parallel.state import as_chunks
-from .lora_plan import (ALL_LINEAR, PEFT_EXPERT_FAMILIES, SUPPORTED_FAMILIES, KVRows, LoraConfig, LoraEntry,
-                        LoraRow, Slot, Stacked, _leaf, _local_rows, global_entries, layer_slots)
+from .lora_plan import (ALL_LINEAR, MLA_LINEAR, PEFT_EXPERT_FAMILIES, SUPPORTED_FAMILIES, KVRows, LoraConfig,
+                        LoraEntry, LoraRow, Slot, Stacked, _leaf, _local_rows, global_entries, layer_slots)
+from .mla import ReplicatedLinear
 from .moe import Experts, swiglu
 from ..params import attach_main_grad_hooks
 from ..placement import Placement, place
@@ -54,9 +67,9 @@ from ..table import chunk_entries
 
 mtp = import_megatron().tensor_parallel
 
-__all__ = ["ALL_LINEAR", "PEFT_EXPERT_FAMILIES", "SUPPORTED_FAMILIES", "KVRows", "LoraConfig", "LoraEntry",
-           "LoraRow", "Slot", "Stacked", "add_lora", "adapters_disabled", "chunk_lora_entries", "global_entries",
-           "layer_slots", "lora_config_of", "lora_state_of", "merged_weights"]
+__all__ = ["ALL_LINEAR", "MLA_LINEAR", "PEFT_EXPERT_FAMILIES", "SUPPORTED_FAMILIES", "KVRows", "LoraConfig",
+           "LoraEntry", "LoraRow", "Slot", "Stacked", "add_lora", "adapters_disabled", "chunk_lora_entries",
+           "global_entries", "layer_slots", "lora_config_of", "lora_state_of", "merged_weights"]
 
 
 # -- the adapters ---------------------------------------------------------------------------------------------
@@ -71,7 +84,8 @@ class LoraState:
 class Adapter(nn.Module):
     """The factors beside one parallel linear: ``lora_A[part]`` / ``lora_B[part]`` per adapted HF module (see the
     module docstring for the layouts); ``kind``: ``"column"`` (output ``[slot_0 rows; slot_1 rows; ...]`` as
-    the fused weight's, ``layout`` the local rows of every slot of the weight, adapted or not) or ``"row"``."""
+    the fused weight's, ``layout`` the local rows of every slot of the weight, adapted or not), ``"row"`` or
+    ``"replicated"`` (a linear duplicated on every TP rank: no communication, the rank's own tokens)."""
 
     def __init__(self, kind: str, slots: list[Slot], local_rows: list[tuple[str, int]], state: LoraState, dims,
                  sp: bool):
@@ -84,6 +98,9 @@ class Adapter(nn.Module):
         slots = self.slots
         a = self.lora_A[slots[0].part] if len(slots) == 1 else torch.cat([self.lora_A[s.part] for s in slots])
         z = F.linear(x, a)
+        if self.kind == "replicated":
+            s = slots[0]
+            return F.linear(z, self.lora_B[s.part]) * s.scaling
         if self.kind == "column":
             if self.sp:
                 z = mtp.gather_from_sequence_parallel_region(z, True, group=self.tp_group)
@@ -126,6 +143,17 @@ class LoraRowParallelLinear(mtp.RowParallelLinear):
         if self.lora.state.enabled:
             out = out + self.lora(input_)
         return out, bias
+
+
+class LoraReplicatedLinear(ReplicatedLinear):
+    """MLA's replicated down-projection with an :class:`Adapter` (``self.lora``, kind ``"replicated"``) added to
+    its output."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        if self.lora.state.enabled:
+            out = out + self.lora(x)
+        return out
 
 
 class ExpertAdapter(nn.Module):
@@ -225,7 +253,8 @@ def add_lora(chunks, config: LoraConfig):
         found += _add_to_chunk(chunk, config, state)
     if found == 0 and _targets_nothing(spec, chunks[0], config):
         raise ValueError(f"LoRA target_modules {config.target_modules!r} match no module of this "
-                         f"{spec.architecture} (adaptable: {', '.join(ALL_LINEAR)})")
+                         f"{spec.architecture} (adaptable: "
+                         f"{', '.join(ALL_LINEAR + (MLA_LINEAR if spec.mla is not None else ()))})")
     for chunk in chunks:
         chunk.lora_config, chunk.lora_state = config, state
         chunk._parallm_norm_plan = None
@@ -254,10 +283,13 @@ def _add_to_chunk(chunk, config, state) -> int:
         module = chunk.get_submodule(entry.local.removesuffix(".weight"))
         weight = module.weight
         device = weight.device
-        if kind in ("column", "row"):
+        if kind in ("column", "row", "replicated"):
             if kind == "column":
                 local_rows = [(_leaf(h)[1], n) for h, n in zip(entry.hf, _local_rows(spec, entry, tp, rank))]
                 module.__class__ = LoraColumnParallelLinear
+            elif kind == "replicated":
+                local_rows = None
+                module.__class__ = LoraReplicatedLinear
             else:
                 local_rows = None
                 module.__class__ = LoraRowParallelLinear
@@ -333,7 +365,7 @@ def adapted_weights(chunks):
     ``(ExpertAdapter, part)``): what :func:`merged_weights` merges."""
     for chunk in as_chunks(chunks):
         for module in chunk.modules():
-            if isinstance(module, (LoraColumnParallelLinear, LoraRowParallelLinear)):
+            if isinstance(module, (LoraColumnParallelLinear, LoraRowParallelLinear, LoraReplicatedLinear)):
                 yield module.weight, module.lora
             elif isinstance(module, LoraExperts):
                 yield module.linear_fc1.weight, (module.lora, "gate_up_proj")
@@ -344,7 +376,7 @@ def adapted_weights(chunks):
 def _deltas(weight, what):
     """``[(view of weight, fp32 delta)]`` for one adapted weight."""
     if isinstance(what, Adapter):
-        if what.kind == "row":
+        if what.kind in ("row", "replicated"):
             return [(weight, what.delta(what.slots[0].part))]
         out, at = [], 0
         for part, rows in what.local_rows:

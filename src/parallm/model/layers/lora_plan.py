@@ -15,13 +15,21 @@ from ..sharding import Block, PartsSplit, Replicated, Split, TPLayout, _as_sourc
 from ..table import chunk_entries, resolve_shape
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# families whose layers parallm can adapt (their attention is plain GQA; experts as transformers 5 stacks them)
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
+# multi-head latent attention's own projections (transformers' DeepseekV3Attention; q_proj and o_proj are above)
+MLA_LINEAR = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+# families whose layers parallm can adapt (plain GQA or multi-head latent attention; experts as transformers 5
+# stacks them)
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 # MoE families whose MLP target names PEFT 0.21 retargets to the stacked routed experts on transformers 5
-# (peft.utils.transformers_weight_conversion: a conversion pattern for the model type). Their dense MLPs and
-# shared experts then get no adapter. Qwen2-MoE has no pattern there: PEFT adapts its nn.Linear MLPs (dense
-# layers, shared expert) and not its routed experts, and so does parallm.
-PEFT_EXPERT_FAMILIES = ("qwen3_moe", "mixtral")
+# (peft.utils.transformers_weight_conversion: a conversion pattern for the model type; deepseek_v3 shares
+# qwen2_moe's pattern in transformers' table, as qwen3_moe does). Their dense MLPs and shared experts then get no
+# adapter. Qwen2-MoE has no pattern there: PEFT adapts its nn.Linear MLPs (dense layers, shared expert) and not its
+# routed experts, and so does parallm.
+PEFT_EXPERT_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
+# parallm's MLA parameters (in a layer's self_attention) -> the kind of their adapter (see layer_slots)
+MLA_ADAPTED = {"linear_q_down_proj": "replicated", "linear_kv_down_proj": "replicated",
+               "linear_q_up_proj": "column", "linear_q_proj": "column", "linear_kv_up_proj": "column",
+               "linear_proj": "row"}
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,7 @@ class LoraConfig:
         """Whether HF module ``module`` (``model.layers.0.self_attn.q_proj``) is targeted (PEFT's rule)."""
         t = self.target_modules
         if t == "all-linear":
-            return module.rsplit(".", 1)[-1] in ALL_LINEAR
+            return module.rsplit(".", 1)[-1] in ALL_LINEAR + MLA_LINEAR
         if isinstance(t, str):
             return re.fullmatch(t, module) is not None
         return any(module == x or module.endswith("." + x) for x in t)
@@ -214,12 +222,26 @@ def _expert_rank_alpha(config: LoraConfig, modules) -> tuple[int, float]:
 
 
 def layer_slots(spec, entry, config: LoraConfig, *, tp: int, sp: bool) -> tuple[str, list[Slot]] | None:
-    """``(kind, slots)`` of the table entry's linear (``"column"``, ``"row"``, ``"experts_fc1"``,
-    ``"experts_fc2"``), None when nothing of it is targeted. Raises for targeted modules parallm cannot adapt."""
+    """``(kind, slots)`` of the table entry's linear (``"column"``, ``"row"``, ``"replicated"``: MLA's
+    down-projections, ``"experts_fc1"``, ``"experts_fc2"``), None when nothing of it is targeted. Raises for
+    targeted modules parallm cannot adapt."""
     local = entry.local.split(".", 2)[-1]          # drop "layers.{l}."
     modules = [_leaf(h) for h in entry.hf]
     hit = [config.targets(m) for m, _ in modules]
     moe = spec.moe is not None
+    if spec.mla is not None and local.startswith("self_attention.") and local.endswith(".weight") \
+            and local.split(".")[1] in MLA_ADAPTED:
+        if not hit[0]:
+            return None
+        (m, p), = modules
+        rows, cols = resolve_shape(entry.row.shapes[0], spec)
+        kind = MLA_ADAPTED[local.split(".")[1]]
+        # A / B layouts and which gradients are partial sums over TP under sequence parallelism: a replicated
+        # (duplicated) linear runs on this rank's tokens only, both factors partial as its own weight (tp_sum "sp")
+        a_lay, b_lay, a_sum, b_sum = {"replicated": (Replicated(), Replicated(), sp, sp),
+                                      "column": (Replicated(), Split(0), sp, False),
+                                      "row": (Split(1), Replicated(), False, sp)}[kind]
+        return kind, [Slot(m, p, rows, cols, *config.rank_alpha_scaled(m), a_lay, b_lay, a_sum, b_sum)]
     if local == "self_attention.linear_qkv.weight":
         if not any(hit):
             return None
@@ -270,8 +292,8 @@ def layer_slots(spec, entry, config: LoraConfig, *, tp: int, sp: bool) -> tuple[
                                     alpha / r, Split(1), Replicated(), False, tp > 1)]
     if entry.hf and entry.hf[0].endswith(".weight") and any(hit):
         raise ValueError(f"LoRA on {', '.join(m for (m, _), h in zip(modules, hit) if h)} is not supported: parallm "
-                         "adapts q/k/v/o_proj, gate/up/down_proj and routed experts only (not multi-head latent "
-                         "attention, Gated DeltaNet or other projections)")
+                         "adapts q/k/v/o_proj, gate/up/down_proj, routed experts and multi-head latent attention's "
+                         "q_a/q_b/kv_a/kv_b projections only (not Gated DeltaNet or other projections)")
     return None
 
 
