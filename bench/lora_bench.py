@@ -1,6 +1,7 @@
 """LoRA against full training on a Qwen3-MoE-shaped model (issue 39's benchmark). Not part of the test suite.
 
     PYTHONPATH=src python bench/lora_bench.py [--world 2] [--tp 2] [--ep 1] [--r 16] [--steps 3] [--small]
+        [--hidden 1024 --expert-width 768]     # nearer Qwen3-30B-A3B's proportions (hidden 2048, experts 768)
 
 Both sides: the same model (Qwen3-MoE shape: hidden 512, 4 layers, 8 heads / 4 KV heads, 16 experts of width 256,
 top 4, vocab 32000, fp32 unless ``--dtype bfloat16``), the same weights, the same batch (4 x 256 tokens per replica,
@@ -99,13 +100,26 @@ def main():
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--hidden", type=int, default=None, help="wider shapes: hidden size (head_dim 64 kept)")
+    ap.add_argument("--expert-width", type=int, default=None, help="moe_intermediate_size")
+    ap.add_argument("--layers", type=int, default=None)
     args = ap.parse_args()
     if args.small:
         args.seq, args.steps = 16, 2
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     import helpers
     tmp = tempfile.mkdtemp()
-    model = helpers.make_hf_model(helpers.tiny_config("qwen3_moe", **shape(args.small)))
+    dims = shape(args.small)
+    if args.hidden:
+        dims.update(hidden_size=args.hidden, num_attention_heads=args.hidden // 64,
+                    num_key_value_heads=args.hidden // 128, intermediate_size=2 * args.hidden)
+    if args.expert_width:
+        dims.update(moe_intermediate_size=args.expert_width)
+    if args.layers:
+        dims.update(num_hidden_layers=args.layers)
+    print("shape:", {k: v for k, v in dims.items() if k in ("hidden_size", "num_hidden_layers", "num_experts",
+                                                           "moe_intermediate_size", "vocab_size")})
+    model = helpers.make_hf_model(helpers.tiny_config("qwen3_moe", **dims))
     ckpt = os.path.join(tmp, "ckpt")
     helpers.hub_state_dict(model, ckpt)
     del model

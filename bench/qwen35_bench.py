@@ -8,8 +8,9 @@ Not part of the test suite.
 One process (tp = pp = ep = 1, gloo world of 1), fp32, the same Qwen3.5-MoE model on both sides (transformers
 runs its pure-torch recurrence: no fla here): parallm.forward_backward against transformers' forward + loss +
 backward, timed in interleaved rounds (best round, wall and process CPU time), each side's peak anonymous RSS
-during a step above its level before it (sampled every 2 ms), and the recurrence's share of parallm's step:
-1 - (the step with the chunked gated delta rule replaced by a trivial stand-in) / (the step). Target (issue 38):
+during a step above its level before it (sampled every 2 ms; the script runs itself with glibc's
+``MALLOC_MMAP_THRESHOLD_`` at 1 MiB, so that memory a step frees goes back to the system), and the recurrence's
+share of parallm's step: 1 - (the step with the chunked gated delta rule replaced by a trivial stand-in) / (the step). Target (issue 38):
 step time <= 1.0x transformers, aim 0.7x.
 """
 
@@ -37,6 +38,12 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="a tiny shape (hidden 128, 4 layers, 8 experts, 2 x 80)")
     args = ap.parse_args(argv)
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
+        # glibc keeps freed heap memory mapped: in one process the side measured second would fit in what the
+        # first one freed and show no growth. Blocks of 1 MiB and more are mmapped (and unmapped on free) with
+        # this set, which glibc reads at start-up only: run again with it.
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 20))
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:])], env)
     if args.quick:
         args.hidden, args.layers, args.experts, args.top_k, args.expert_width = 128, 4, 8, 2, 64
         args.seq, args.batch, args.iters = 80, 2, 1
@@ -78,7 +85,7 @@ def main(argv=None):
     (t_pl, t_hf, t_stub), (c_pl, c_hf, c_stub) = interleaved([pl_step, hf_step, pl_step_without_recurrence],
                                                              args.iters)
     peaks = {}
-    for name, fn in (("parallm", pl_step), ("transformers", hf_step)):
+    for name, fn in (("transformers", hf_step), ("parallm", pl_step)):
         before = rss_anon()
         with PeakRss() as peak:
             fn()
