@@ -330,6 +330,11 @@ class ParallmEngine(BaseEngine):
             self.lr_scheduler = build_lr_scheduler(self.optimizer, self.optimizer_config)
         self.to("cpu", model=self.is_param_offload_enabled, optimizer=self.is_optimizer_offload_enabled,
                 grad=self.is_param_offload_enabled)
+        d = self.dims
+        if d.rank == 0:        # one line per engine in the worker's log: what verl's config and parallm's block built
+            print(f"parallm engine: {self.task} {path} at tp={d.tp} pp={d.pp} vpp={d.vpp} cp={d.cp} ep={d.ep} "
+                  f"dp={d.dp}, {o['dtype']}, {'forward only' if self.engine_config.forward_only else 'training'}",
+                  flush=True)
 
     # -- modes and offload ----------------------------------------------------------------------------------
     def train_mode(self, **kwargs):

@@ -108,7 +108,9 @@ def fix_vllm_cpu_weight_reload(module) -> None:
     ``reload_weights(weights_iterator, is_checkpoint_format=True)``, restores the checkpoint layout, loads and
     re-processes each layer. On the CPU platform, for plain weights (no LoRA, no quantization, no QAT), the
     buckets verl receives are streamed into that call instead (each tensor copied out of the transfer buffer,
-    which the next bucket reuses); everything else takes verl's path unchanged."""
+    which the next bucket reuses), with the MoE experts' own post-load step run after their layer's reload
+    (``parallm.integrations.vllm.fixes.cpu_experts_repacked``: vLLM-CPU skips it, and the rollout's log-probs of a
+    Qwen3-MoE were 2e-2 off in probability after every sync); everything else takes verl's path unchanged."""
     ext = module.vLLMColocateWorkerExtension
     original = ext.update_weights_from_ipc
     if getattr(original, "_parallm_fix", False):
@@ -143,8 +145,11 @@ def fix_vllm_cpu_weight_reload(module) -> None:
                     return
 
         def reload():
+            from ..vllm.fixes import cpu_experts_repacked
             try:
-                self.model_runner.reload_weights(weights_iterator=stream(), is_checkpoint_format=True)
+                # the MoE layers' experts repacked after their reload (vLLM-CPU skips that step on a reload)
+                with cpu_experts_repacked(self.model_runner.model):
+                    self.model_runner.reload_weights(weights_iterator=stream(), is_checkpoint_format=True)
             except BaseException as e:     # reported by the receiving thread below
                 failure.append(e)
                 consumed.release()
