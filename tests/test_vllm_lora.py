@@ -7,7 +7,7 @@ spawn, Qwen3 at tp2 with LoRA r=8 on every projection:
   log-probs of its own samples under the ``LoRARequest`` equal parallm's ``forward(output="logprobs")`` (1e-4,
   fp32); one more step without a push leaves the engine stale; a second push (the same request name, reloaded in
   place) brings it back; requests without the adapter give the base model (parallm under ``adapters_disabled``);
-  the push moves the adapter only (its bytes against the whole model's);
+  the push moves the adapter only (its bytes against the whole model's), written to a directory in /dev/shm;
 * an engine without LoRA on rank 0: ``push_adapter`` pushes the merged weights; vLLM then equals parallm with
   its adapters, and parallm's base is bit-identical afterwards.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -78,7 +79,12 @@ def _rank(rank, world, ckpt):
     except ValueError as e:
         out["no_engine"] = str(e)
     if llm is not None:
+        # the adapter's directory (in /dev/shm) goes at interpreter exit, which this rank skips (the launcher
+        # ends it with os._exit): removed here
+        root = os.path.dirname(llm._parallm_lora_dir)
+        out["adapter_dir"] = os.path.isdir(root)
         llm.llm_engine.engine_core.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
     del llm
 
     llm = pv.launch(ckpt, rank=0, **ENGINE)          # no LoRA: the merged weights
@@ -100,6 +106,7 @@ def test_push_adapter(tmp_path):
                        env={"VLLM_LOGGING_LEVEL": "WARNING", "PARALLM_PROGRESS": "0"})
     r0, r1 = res
     assert r1["request_here"] and not r0["request_here"]
+    assert r1["adapter_dir"], "no adapter directory on the engine's rank"
     assert r0["stats"]["mode"] == "adapter"
     assert r0["after"] < TOL, r0
     assert r0["base"] < TOL, r0                       # requests without the adapter: the base model

@@ -48,8 +48,9 @@ def _largest_rank(chunks) -> int:
 
 
 def _adapter_dir(llm) -> str:
-    """The directory the engine's adapter is written to (made once per engine, removed with it): in shared memory
-    when the machine has it."""
+    """The directory the engine's adapter is written to (made once per engine; removed when the engine object is
+    collected or at interpreter exit, which a process ended by ``os._exit`` skips): in shared memory when the
+    machine has it."""
     path = getattr(llm, "_parallm_lora_dir", None)
     if path is None:
         parent = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
