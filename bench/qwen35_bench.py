@@ -8,7 +8,7 @@ Not part of the test suite.
 One process (tp = pp = ep = 1, gloo world of 1), fp32, the same Qwen3.5-MoE model on both sides (transformers
 runs its pure-torch recurrence: no fla here): parallm.forward_backward against transformers' forward + loss +
 backward, timed in interleaved rounds (best round, wall and process CPU time), each side's peak anonymous RSS
-during a step above its level before it (sampled every 2 ms; the script runs itself with glibc's
+during a step above its level before it (sampled every 2 ms, in a second process started with glibc's
 ``MALLOC_MMAP_THRESHOLD_`` at 1 MiB, so that memory a step frees goes back to the system), and the recurrence's
 share of parallm's step: 1 - (the step with the chunked gated delta rule replaced by a trivial stand-in) / (the step). Target (issue 38):
 step time <= 1.0x transformers, aim 0.7x.
@@ -17,7 +17,9 @@ step time <= 1.0x transformers, aim 0.7x.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -37,13 +39,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="a tiny shape (hidden 128, 4 layers, 8 experts, 2 x 80)")
+    ap.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)   # the memory run (see below)
     args = ap.parse_args(argv)
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
-        # glibc keeps freed heap memory mapped: in one process the side measured second would fit in what the
-        # first one freed and show no growth. Blocks of 1 MiB and more are mmapped (and unmapped on free) with
-        # this set, which glibc reads at start-up only: run again with it.
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 20))
-        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:])], env)
     if args.quick:
         args.hidden, args.layers, args.experts, args.top_k, args.expert_width = 128, 4, 8, 2, 64
         args.seq, args.batch, args.iters = 80, 2, 1
@@ -82,14 +79,27 @@ def main(argv=None):
         finally:
             gdn.chunk_gated_delta_rule = real_rule
 
+    if args.memory_only:
+        hf_step()               # each side's gradients exist before its measured step, as in the timed rounds
+        pl_step()
+        peaks = {}
+        for name, fn in (("transformers", hf_step), ("parallm", pl_step)):
+            before = rss_anon()
+            with PeakRss() as peak:
+                fn()
+            peaks[name] = peak.peak - before
+        print("PEAKS " + json.dumps(peaks))
+        parallm.destroy_parallel()
+        return
     (t_pl, t_hf, t_stub), (c_pl, c_hf, c_stub) = interleaved([pl_step, hf_step, pl_step_without_recurrence],
                                                              args.iters)
-    peaks = {}
-    for name, fn in (("transformers", hf_step), ("parallm", pl_step)):
-        before = rss_anon()
-        with PeakRss() as peak:
-            fn()
-        peaks[name] = peak.peak - before
+    # Peak memory in a process of its own, started with glibc's MALLOC_MMAP_THRESHOLD_ at 1 MiB: without it glibc
+    # keeps freed heap memory mapped, and the side measured second fits in what the first one freed (it showed
+    # 0 MiB). The timed rounds above run without it: an mmap per large block slows both sides' steps.
+    cmd = [sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:]), "--memory-only"]
+    run = subprocess.run(cmd, env=dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 20)), capture_output=True,
+                         text=True, check=True)
+    peaks = json.loads(next(x for x in run.stdout.splitlines() if x.startswith("PEAKS "))[6:])
     rows = []
     for what, pl, ref, stub in (("wall", t_pl, t_hf, t_stub), ("CPU time", c_pl, c_hf, c_stub)):
         rows.append((f"step {what}: parallm / transformers", f"{pl:.3f} s / {ref:.3f} s", f"{pl / ref:.2f}",
