@@ -3,7 +3,8 @@
 # choices, YaRN, big pipeline messages, throughput against transformers on CUDA + NCCL, every visible GPU: 1, 2
 # or 4), then scripts/gpu_checks/: train.py (offload on CUDA, the MoE token count beside NCCL gradient messages,
 # one world collective per call, an empty replica), replay.py (router replay against transformers with its
-# routers forced, fp32 and bf16, at ep = every GPU), attention.py (one process: the context-parallel CUDA block kernel and sliding
+# routers forced, fp32 and bf16, at ep = every GPU), lora.py (LoRA against PEFT on the GPU at tp = every GPU, fp32
+# and bf16; needs peft), attention.py (one process: the context-parallel CUDA block kernel and sliding
 # windows) and gated_deltanet.py (1-2 processes: the fla kernels against the torch recurrence, Qwen3.5 logits;
 # pip install -e ".[gpu]" first), and with vLLM's CUDA build and 2 GPUs vllm.py (an engine beside a resident
 # trainer, pushes, vLLM's NCCL backend fed by export_source), and with verl installed verl.py (parallm's engine
@@ -27,6 +28,12 @@ echo "== scripts/gpu_checks/attention.py"
 N2=$(( N >= 2 ? 2 : 1 ))
 echo "== scripts/gpu_checks/gated_deltanet.py on $N2 process(es)"
 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$N2" scripts/gpu_checks/gated_deltanet.py "$@" || status=1
+if "$PY" -c "import peft" 2>/dev/null; then
+  echo "== scripts/gpu_checks/lora.py on $N process(es)"
+  "$PY" -m torch.distributed.run --standalone --nproc-per-node "$N" scripts/gpu_checks/lora.py "$@" || status=1
+else
+  echo "== scripts/gpu_checks/lora.py not run: needs peft (pip install peft)"
+fi
 if [ "$N" -ge 2 ]; then
   echo "== scripts/gpu_checks/export_out.py on 2 processes (the export stream writing into caller buffers)"
   "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 scripts/gpu_checks/export_out.py || status=1
