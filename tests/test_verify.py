@@ -21,6 +21,10 @@ def _rank(rank, world, mode):
         raise ValueError("rank one is broken: 7 != 8")
     if rank == 1 and mode == "die":
         os._exit(5)
+    if mode == "hang":
+        # both ranks past the rendezvous first: rank 0 ending at once could leave rank 1 still connecting its gloo
+        # mesh to it, which then fails ("connectFullMesh failed") instead of hanging (seen under load)
+        dist.barrier()
     if rank == 1 and mode == "hang":
         while True:
             time.sleep(3600)
