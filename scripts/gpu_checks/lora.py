@@ -23,9 +23,10 @@ import argparse
 import copy
 import os
 import sys
-import tempfile
 
 import torch
+
+from gpu_common import Checks, shared_tmp, start
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 R, ALPHA, LR, EPS = 4, 8, 1e-3, 1e-4
@@ -63,28 +64,10 @@ def main() -> int:
     import parallm
     from parallm import verify
 
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29543")
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    device = torch.device("cpu") if args.cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-    failures = []
-
-    def report(name, value, limit, ok=None):
-        ok = (value <= limit) if ok is None else ok
-        if not ok:
-            failures.append(name)
-        if rank == 0:
-            print(f"{'PASS' if ok else 'FAIL'} {name}: {value} (limit {limit})", flush=True)
-
+    world, rank, device = start(args.cpu, 29543)
+    report = Checks(rank)
     parallm.init_parallel(tp=world, backend="gloo" if args.cpu else None)
-    tmp = tempfile.mkdtemp(prefix="parallm-lora-check-") if rank == 0 else None
-    box = [tmp]
-    torch.distributed.broadcast_object_list(box, src=0)
-    tmp = box[0]
+    tmp = shared_tmp("parallm-lora-check-")
     for i, (name, cfg) in enumerate(configs(world).items()):
         ckpt, adapter = os.path.join(tmp, name), os.path.join(tmp, name + "-adapter")
         base = verify.make_hf_model(cfg, seed=5 + i)                 # the same weights on every rank
@@ -160,9 +143,7 @@ def main() -> int:
                and all(0 < n < float("inf") for n in norms))
         del chunks
     parallm.destroy_parallel()
-    if rank == 0:
-        print("all LoRA checks passed" if not failures else f"FAILED: {failures}")
-    return 0 if not failures else 1
+    return report.finish("LoRA")
 
 
 if __name__ == "__main__":

@@ -21,10 +21,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 import torch
 import torch.nn.functional as F
+
+from gpu_common import Checks, shared_tmp, start
 
 
 def forced_routing(model, given, mask):
@@ -91,29 +92,11 @@ def main() -> int:
     from parallm import verify
     from parallm.parallel.state import current_dims
 
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29541")
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    device = torch.device("cpu") if args.cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-    failures = []
-
-    def report(name, value, limit, ok=None):
-        ok = (value <= limit) if ok is None else ok
-        if not ok:
-            failures.append(name)
-        if rank == 0:
-            print(f"{'PASS' if ok else 'FAIL'} {name}: {value} (limit {limit})", flush=True)
-
+    world, rank, device = start(args.cpu, 29541)
+    report = Checks(rank)
     parallm.init_parallel(ep=world, backend="gloo" if args.cpu else None)
     lay = current_dims()
-    tmp = tempfile.mkdtemp(prefix="parallm-replay-") if rank == 0 else None
-    box = [tmp]
-    torch.distributed.broadcast_object_list(box, src=0)
-    tmp = box[0]
+    tmp = shared_tmp("parallm-replay-")
     for i, (name, cfg) in enumerate(configs().items()):
         ckpt = os.path.join(tmp, name)
         if rank == 0:
@@ -174,9 +157,7 @@ def main() -> int:
                        min(norms), 0.0, ok=bool(torch.isfinite(loss)) and all(0 < n < float("inf") for n in norms))
             del chunks
     parallm.destroy_parallel()
-    if rank == 0:
-        print("all router-replay checks passed" if not failures else f"FAILED: {failures}")
-    return 0 if not failures else 1
+    return report.finish("router-replay")
 
 
 if __name__ == "__main__":

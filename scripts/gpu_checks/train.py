@@ -26,10 +26,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
+
+from gpu_common import Checks, shared_tmp, start
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,25 +51,11 @@ def main() -> int:
     sys.path.insert(0, os.path.join(args.repo, "bench"))
     import call_overhead_bench as bench
 
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29537")
-    world = int(os.environ["WORLD_SIZE"])
-    rank = int(os.environ["RANK"])
-    device = torch.device("cpu") if args.cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    failures = []
+    world, rank, device = start(args.cpu, 29537)
+    report = Checks(rank)
 
-    def report(name, value, limit, ok=None):
-        ok = (value <= limit) if ok is None else ok
-        if rank == 0:
-            print(f"{'PASS' if ok else 'FAIL'}  {name}: {value:.3g} (limit {limit:.3g})", flush=True)
-        if not ok:
-            failures.append(name)
-
-    tmp = tempfile.mkdtemp(prefix="parallm-smoke-train-") if rank == 0 else None
     parallm.init_parallel(backend="gloo" if args.cpu else None)
-    box = [tmp]
-    dist.broadcast_object_list(box, src=0)
-    tmp = box[0]
+    tmp = shared_tmp("parallm-smoke-train-")
     if rank == 0:
         dense = verify.make_hf_model(verify.tiny_config("qwen2", num_hidden_layers=2), seed=1)
         dense.save_pretrained(os.path.join(tmp, "dense"), safe_serialization=True)
@@ -168,9 +155,7 @@ def main() -> int:
         want = parallm.forward_backward(chunks, ids[:4], mask[:4], loss_fn=nll).item()   # every replica: rows 0-3
         parallm.destroy_parallel()
         report("T4 empty replica: loss against the step without it", max(abs(x - want) for x in got), 1e-5)
-    if rank == 0:
-        print("all passed" if not failures else f"FAILED: {failures}")
-    return 1 if failures else 0
+    return report.finish("training")
 
 
 if __name__ == "__main__":
