@@ -146,6 +146,24 @@ def _merged_state(chunks, opt, key):
     return out
 
 
+def _adapted(ckpt, adapter, build):
+    """This rank's chunks of ``ckpt`` (``build_model`` options ``build``) with PEFT's ``adapter`` loaded."""
+    import parallm
+    chunks = parallm.build_model(ckpt, **build)
+    parallm.load_hf_weights(chunks, ckpt)
+    parallm.load_hf_adapter(chunks, adapter)
+    return chunks
+
+
+def _merged_and_saved(chunks, out, directory):
+    """The merged export (into rank 0's report ``out``) and ``save_hf_adapter`` into ``directory``."""
+    import parallm
+    merged = dict(parallm.export_hf_tensors(chunks, merged=True, copy=True))
+    parallm.save_hf_adapter(chunks, directory, overwrite=True)
+    if out is not None:
+        out["merged"] = merged
+
+
 def _dense_cases(rank, world, ckpt, adapter, batch, tmp):
     import parallm
     from parallm.model.layers.lora import lora_config_of
@@ -154,9 +172,7 @@ def _dense_cases(rank, world, ckpt, adapter, batch, tmp):
                             ("sp", dict(tp=2), dict(packed=True, sequence_parallel=True)),
                             ("cp2", dict(cp=2), {})):
         parallm.init_parallel(**kw)
-        chunks = parallm.build_model(ckpt, **build)
-        parallm.load_hf_weights(chunks, ckpt)
-        parallm.load_hf_adapter(chunks, adapter)
+        chunks = _adapted(ckpt, adapter, build)
         out = _check_run(rank, chunks, batch)
         if name == "tp2":       # after the step: the ways out, then a training checkpoint of a second step
             extra = {"merged": dict(parallm.export_hf_tensors(chunks, merged=True, copy=True)),
@@ -228,15 +244,10 @@ def _mla_cases(rank, world, mla, moonlight, tmp):
             ("mla_pp2", mla, dict(pp=2), {}, load),
             ("mla_no_q_lora_tp2", moonlight, dict(tp=2), {}, None)):
         parallm.init_parallel(**kw)
-        chunks = parallm.build_model(ckpt, **build)
-        parallm.load_hf_weights(chunks, ckpt)
-        parallm.load_hf_adapter(chunks, adapter)
+        chunks = _adapted(ckpt, adapter, build)
         out = _check_run(rank, chunks, batch, extra=extra)
         if name == "mla_sp":
-            merged = dict(parallm.export_hf_tensors(chunks, merged=True, copy=True))
-            parallm.save_hf_adapter(chunks, os.path.join(tmp, "mla_saved"), overwrite=True)
-            if out is not None:
-                out["merged"] = merged
+            _merged_and_saved(chunks, out, os.path.join(tmp, "mla_saved"))
         results[name] = out
         parallm.destroy_parallel()
     return results if rank == 0 else None
@@ -395,17 +406,12 @@ def _four_rank_cases(rank, world, moe, dense, deep, mla, tmp):
         os.environ["PARALLM_MOE_EXPERTS"] = env
         parallm.init_parallel(**kw)
         dims = current_dims()
-        chunks = parallm.build_model(ckpt, **build)
-        parallm.load_hf_weights(chunks, ckpt)
-        parallm.load_hf_adapter(chunks, adapter)
+        chunks = _adapted(ckpt, adapter, build)
         per = batch[0].shape[0] // dims.dp
         out = _check_run(rank, chunks, batch, dp_slice=slice(dims.dp_rank * per, (dims.dp_rank + 1) * per),
                          opt_kw=opt_kw)
         if name == "moe_tp2_ep2":
-            merged = dict(parallm.export_hf_tensors(chunks, merged=True, copy=True))
-            parallm.save_hf_adapter(chunks, os.path.join(tmp, "moe_saved"), overwrite=True)
-            if out is not None:
-                out["merged"] = merged
+            _merged_and_saved(chunks, out, os.path.join(tmp, "moe_saved"))
         results[name] = out
         parallm.destroy_parallel()
     return results if rank == 0 else None
@@ -511,9 +517,7 @@ def _family_cases(rank, world, cases):
     results = {}
     for name, (ckpt, adapter, batch) in cases.items():
         parallm.init_parallel(tp=2)
-        chunks = parallm.build_model(ckpt)
-        parallm.load_hf_weights(chunks, ckpt)
-        parallm.load_hf_adapter(chunks, adapter)
+        chunks = _adapted(ckpt, adapter, {})
         results[name] = _check_run(rank, chunks, batch)
         parallm.destroy_parallel()
     parallm.init_parallel(tp=2)
