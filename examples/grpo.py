@@ -206,18 +206,15 @@ def on_rank0(fn):
     return value
 
 
-MOE_ENGINE = [False]          # whether the engine serves the MoE model (set by main)
-
-
 class VLLMRollout:
     name = "vllm"
 
-    def __init__(self, ckpt: str, max_len: int, seed: int, lora: int = 0):
+    def __init__(self, ckpt: str, max_len: int, seed: int, lora: int = 0, moe: bool = False):
         from parallm.integrations import vllm as pv
         self.pv, self.lora, self.request = pv, lora, None
         # --lora on a dense model: an engine serving LoRA receives the adapter alone (vLLM's CPU build runs no MoE
         # LoRA: a MoE engine gets the merged weights, push_adapter decides)
-        extra = dict(enable_lora=True, max_lora_rank=lora, max_loras=1) if lora and not MOE_ENGINE[0] else {}
+        extra = dict(enable_lora=True, max_lora_rank=lora, max_loras=1) if lora and not moe else {}
         self.llm = pv.launch(ckpt, rank=0, dtype="float32", max_model_len=max_len, kv_cache_memory_bytes=64 << 20,
                              seed=seed, **extra)
 
@@ -444,14 +441,14 @@ def main(args) -> list[dict]:
                                                               "up_proj", "down_proj"))
         chunks = parallm.build_model(ckpt, lora=config)
         parallm.load_hf_weights(chunks, ckpt)
-    MOE_ENGINE[0] = args.model == "moe"
     opt = parallm.build_optimizer(chunks, lr=args.lr)
 
     cls = pick_rollout(args.rollout)
     if cls is VLLMRollout and args.engines == "serve":
         rollout = ServeRollout(ckpt, start + n, args.seed, backend=args.backend, lora=args.lora)
     else:
-        rollout = cls(ckpt, start + n, args.seed, lora=args.lora)
+        rollout = cls(ckpt, start + n, args.seed, lora=args.lora,
+                      **({"moe": args.model == "moe"} if cls is VLLMRollout else {}))
     try:
         return run(chunks, opt, rollout, args, g, warm_loss, t_start, made, rank)
     finally:
