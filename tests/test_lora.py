@@ -146,6 +146,14 @@ def _merged_state(chunks, opt, key):
     return out
 
 
+def _hf_logits(model, batch):
+    """A transformers (or PEFT) model's logits of ``batch`` = (ids, mask), parallm's position ids."""
+    import parallm
+    ids, mask = batch
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, position_ids=parallm.default_position_ids(mask)).logits
+
+
 def _adapted(ckpt, adapter, build):
     """This rank's chunks of ``ckpt`` (``build_model`` options ``build``) with PEFT's ``adapter`` loaded."""
     import parallm
@@ -325,12 +333,8 @@ def test_lora_dense_layouts(tmp_path):
         assert torch.equal(v, base_sd[k]), f"{k}: the export after a merged one is not the base"
     # PEFT loads what save_hf_adapter wrote, with equal logits
     loaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "saved_adapter"))
-    ids, mask = batch
+    assert torch.equal(_hf_logits(loaded, batch), _hf_logits(stepped, batch))
     import parallm
-    with torch.no_grad():
-        want = stepped(input_ids=ids, attention_mask=mask, position_ids=parallm.default_position_ids(mask)).logits
-        got = loaded(input_ids=ids, attention_mask=mask, position_ids=parallm.default_position_ids(mask)).logits
-    assert torch.equal(got, want)
     # the checkpoint holds adapters only (and their optimizer state) and resumes bit-exactly at tp1 x dp2
     import json
     record = json.load(open(tmp_path / "lora_ckpt" / "parallm.json"))
@@ -383,12 +387,7 @@ def _check_mla(res, mla, moonlight, tmp_path):
     adapted = [k for k in merged_ref if not torch.equal(merged_ref[k], base_hub[k])]
     assert any("kv_a_proj_with_mqa" in k for k in adapted) and any("experts" in k for k in adapted), adapted
     loaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "mla_saved"))
-    ids, mask = batch
-    pos = parallm.default_position_ids(mask)
-    with torch.no_grad():
-        got = loaded(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        want = stepped(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-    assert torch.equal(got, want)
+    assert torch.equal(_hf_logits(loaded, batch), _hf_logits(stepped, batch))
 
 
 def _four_rank_cases(rank, world, moe, dense, deep, mla, tmp):
@@ -451,12 +450,7 @@ def test_lora_moe_and_replicated_kv(tmp_path):
     stepped = peft.get_peft_model(copy.deepcopy(moe_base), peft.LoraConfig(r=R, lora_alpha=ALPHA,
                                                                             target_modules=list(TARGETS)))
     peft.set_peft_model_state_dict(stepped, ours)
-    ids, mask = moe_batch
-    pos = parallm.default_position_ids(mask)
-    with torch.no_grad():
-        got = loaded(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        want = stepped(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-    assert torch.equal(got, want)
+    assert torch.equal(_hf_logits(loaded, moe_batch), _hf_logits(stepped, moe_batch))
     merged_ref = copy.deepcopy(stepped).merge_and_unload()
     merged_hub = helpers.hub_state_dict(merged_ref, str(tmp_path / "moe_merged_ref"))
     _assert_close_dict(res["moe_tp2_ep2"]["merged"], merged_hub, 1e-6, "MoE merged export")
