@@ -52,10 +52,12 @@ class Piece:
 class HFShard:
     """One weight-table entry as the sparse sync sees it on this rank. ``key``: the entry's HF names joined by
     ``+`` (the same on every rank); ``slots``: ``(HF name, full shape)`` of each HF tensor the entry makes;
-    ``pieces``: what this rank contributes (empty: nothing; then :meth:`tensor` is None)."""
+    ``pieces``: what this rank contributes (empty: nothing; then :meth:`tensor` is None); ``dtype``: the
+    parameter's dtype on every rank (the model's, float32 for a ``keep_fp32`` row)."""
     key: str
     slots: tuple[tuple[str, tuple[int, ...]], ...]
     pieces: tuple[Piece, ...]
+    dtype: torch.dtype
     _chunk: object = None
     _entry: object = None
 
@@ -112,9 +114,11 @@ def hf_shard_map(chunks, *, what: str = "hf_shard_map") -> list[HFShard]:
     tp_of, dp_of, held = rows[:, 0].tolist(), rows[:, 1].tolist(), rows[:, 2:].tolist()
     shapes = expected_hf_shapes(chunks[0].table, spec, task=task, pp=layout.pp)
     where = {(e.row, e.layer): (e, chunk) for e, chunk in mine}
+    model_dtype = chunks[0].config.params_dtype
     out = []
     for i, entry in saved_entries(everything):
         slots = tuple((name, tuple(shapes[name])) for name in entry.hf)
+        dtype = torch.float32 if entry.row.keep_fp32 else model_dtype
         pieces: tuple[Piece, ...] = ()
         if held[layout.rank][i]:
             holders = [r for r in range(layout.world) if held[r][i] and tp_of[r] == layout.tp_rank]
@@ -125,7 +129,10 @@ def hf_shard_map(chunks, *, what: str = "hf_shard_map") -> list[HFShard]:
                 slot_of = {name: k for k, name in enumerate(entry.hf)}
                 pieces = tuple(Piece(slot_of[s.name], s.dim, s.start, s.stop, s.offsets[s.dim])
                                for s in global_slices(local_entry, param, layout, shapes) if s.primary)
-            out.append(HFShard("+".join(entry.hf), slots, pieces, chunk, local_entry))
+            if chunk.get_parameter(local_entry.local).dtype != dtype:
+                raise RuntimeError(f"internal error: {local_entry.local} is "
+                                   f"{chunk.get_parameter(local_entry.local).dtype}, its row says {dtype}")
+            out.append(HFShard("+".join(entry.hf), slots, pieces, dtype, chunk, local_entry))
         else:
-            out.append(HFShard("+".join(entry.hf), slots, pieces))
+            out.append(HFShard("+".join(entry.hf), slots, pieces, dtype))
     return out

@@ -55,6 +55,10 @@ What each verl call becomes:
   accelerator is moved out with ``parallm.offload`` (storages freed, host copies kept) and back with
   ``parallm.onload``; a model living in host memory (the CPU platform) has nowhere to go and stays.
 * ``get_per_tensor_param``: ``parallm.export_hf_tensors`` (HF names, full tensors, collective: every rank iterates).
+* ``get_per_tensor_param_shard`` / ``get_per_tensor_param_delta_shard`` (verl's ``delta_sharded`` sparse sync):
+  each rank's local shards and the changed elements in HF coordinates, one contributor per element
+  (:mod:`.delta`, over :func:`parallm.checkpoint.shards.hf_shard_map`); verl's ``prime_delta_snapshots``
+  snapshots the shards.
 * checkpoints: ``parallm.save_checkpoint`` / ``load_checkpoint`` (any layout) with the LR schedule's state, and
   an HF export when verl's checkpoint config asks for ``hf_model``.
 """
@@ -273,6 +277,7 @@ class ParallmEngine(BaseEngine):
         self.lr_scheduler = None
         self.device_type = None         # where the parameters live (set by initialize)
         self._saved: list[str] = []
+        self._shards = None             # the delta export's shard map (.delta), built on first use
         self._init_parallel()
 
     # -- layout ---------------------------------------------------------------------------------------------
@@ -528,6 +533,32 @@ class ParallmEngine(BaseEngine):
         if self.chunks is not None and self.device_type != "cpu":
             parallm.onload(self.chunks, self.optimizer, params=True, grads=False, optimizer_state=False)
         return parallm.export_hf_tensors(self.chunks), None
+
+    # verl's delta snapshots live in host memory; pinning them (verl's default) competes with every other pinned
+    # pool (parallm.offload's included), as verl's Megatron engine says of its own
+    delta_pin_snapshots = False
+
+    def _shard_export(self):
+        if self.chunks is not None and self.device_type != "cpu":
+            parallm.onload(self.chunks, self.optimizer, params=True, grads=False, optimizer_state=False)
+        if self._shards is None:
+            from .delta import ShardExport
+            self._shards = ShardExport(self.chunks)
+        return self._shards
+
+    def get_per_tensor_param_shard(self, **kwargs):
+        """Each rank's local shard of every exported tensor group, ``(name, local_flat, ShardSpec)``, the same
+        sequence on every rank (:mod:`.delta`); what verl's ``prime_delta_snapshots`` snapshots."""
+        return self._shard_export().shard_stream(), None
+
+    def get_per_tensor_param_delta_shard(self, **kwargs):
+        """verl's sparse sync payload: per tensor group, the elements changed since the snapshot in the HF tensors'
+        coordinates ``(slots, dtype_str, counts, hf_idx, hf_val, gather_group)`` (verl's ``hf_delta_export`` over
+        :meth:`get_per_tensor_param_shard` with parallm's entry builder). Needs ``prime_delta_snapshots`` first."""
+        from verl.workers.engine.utils import hf_delta_export
+        export = self._shard_export()
+        self._delta_shard_snap = getattr(self, "_delta_shard_snap", {})
+        return hf_delta_export(export.shard_stream(), self._delta_shard_snap, export.delta_entry), None
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
