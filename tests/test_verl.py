@@ -114,6 +114,31 @@ def _rows(rank):
     return ids, mask, old, adv
 
 
+def _parallm_engine(path, *, layout=None, optim=None, remove_padding=False, **engine_kw):
+    """parallm's actor engine built by verl's ``EngineRegistry`` from verl's configs, as verl's trainer builds it
+    (an ``FSDPEngineConfig`` whose strategy is ``parallm``), fp32, initialised. ``layout``: parallm's block
+    (``PARALLM_VERL_CONFIG``; the previous layout torn down first); ``optim``: ``FSDPOptimizerConfig`` fields
+    (default: AdamW lr 1e-2, weight decay 0.1, clip 1.0, a constant schedule); ``engine_kw``: engine config
+    fields."""
+    import parallm
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine import EngineRegistry
+    if layout is not None:
+        parallm.destroy_parallel()
+        os.environ["PARALLM_VERL_CONFIG"] = json.dumps(layout)
+    model = HFModelConfig(path=path, use_remove_padding=remove_padding,
+                          override_config={"attn_implementation": "sdpa"})
+    eng = FSDPEngineConfig(strategy="fsdp", model_dtype="fp32", use_torch_compile=False, **engine_kw)
+    object.__setattr__(eng, "strategy", "parallm")
+    optim = FSDPOptimizerConfig(**dict(dict(lr=1e-2, weight_decay=0.1, total_training_steps=4, clip_grad=1.0,
+                                            lr_scheduler_type="constant", lr_warmup_steps=0), **(optim or {})))
+    e = EngineRegistry.new(model_type="language_model", backend="parallm", model_config=model, engine_config=eng,
+                           optimizer_config=optim, checkpoint_config=CheckpointConfig())
+    e.initialize()
+    return e
+
+
 def _engine_rank(rank, world, dense, moe, ckpt):
     r"""Phases on 2 gloo ranks, each engine built by verl's ``EngineRegistry`` from the same verl configs and fed
     the same verl batches (NO_PADDING, from verl's ``left_right_2_no_padding``), with verl's ``ppo_loss``:
@@ -385,31 +410,18 @@ def _replay_rank(rank, world, moe):
     import torch
     import torch.distributed as dist
     import verl  # noqa: F401  (loads parallm.integrations.verl)
-    from verl.trainer.config import CheckpointConfig
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
-    from verl.workers.config import ActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.config import ActorConfig
     from verl.workers.config.engine import EngineRouterReplayConfig
-    from verl.workers.engine import EngineRegistry
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import left_right_2_no_padding
     import parallm
     from parallm.integrations.verl.engine import _nested
 
     def engine(mode):
-        model = HFModelConfig(path=moe, use_remove_padding=False, override_config={"attn_implementation": "sdpa"})
-        eng = FSDPEngineConfig(strategy="fsdp", model_dtype="fp32",
-                               mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
-                                                "buffer_dtype": "fp32"}, use_torch_compile=False,
-                               use_dynamic_bsz=False, micro_batch_size_per_gpu=B, infer_micro_batch_size_per_gpu=2,
-                               router_replay=EngineRouterReplayConfig(mode=mode))
-        object.__setattr__(eng, "strategy", "parallm")
-        optim = FSDPOptimizerConfig(lr=1e-2, weight_decay=0.1, total_training_steps=4, clip_grad=1.0,
-                                    lr_scheduler_type="constant", lr_warmup_steps=0)
-        e = EngineRegistry.new(model_type="language_model", backend="parallm", model_config=model,
-                               engine_config=eng, optimizer_config=optim, checkpoint_config=CheckpointConfig())
-        e.initialize()
-        return e
+        return _parallm_engine(moe, use_dynamic_bsz=False, micro_batch_size_per_gpu=B,
+                               infer_micro_batch_size_per_gpu=2, router_replay=EngineRouterReplayConfig(mode=mode))
 
     ids, mask, old, adv = _rows(rank)
     cfg = json.load(open(os.path.join(moe, "config.json")))
@@ -565,10 +577,8 @@ def _options_rank(rank, world, dense):
     import torch
     import verl  # noqa: F401  (loads parallm.integrations.verl)
     from tensordict import TensorDict
-    from verl.trainer.config import CheckpointConfig
     from verl.utils import tensordict_utils as tu
-    from verl.workers.config import ActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
-    from verl.workers.engine import EngineRegistry
+    from verl.workers.config import ActorConfig
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import left_right_2_no_padding
     import parallm
@@ -589,18 +599,8 @@ def _options_rank(rank, world, dense):
         return td
 
     def run(layout, ranks):
-        parallm.destroy_parallel()
-        os.environ["PARALLM_VERL_CONFIG"] = json.dumps(layout)
-        model = HFModelConfig(path=dense, use_remove_padding=False, override_config={"attn_implementation": "sdpa"})
-        eng = FSDPEngineConfig(strategy="fsdp", model_dtype="fp32", use_torch_compile=False, use_dynamic_bsz=False,
-                               micro_batch_size_per_gpu=2, infer_micro_batch_size_per_gpu=2)
-        object.__setattr__(eng, "strategy", "parallm")
-        optim = FSDPOptimizerConfig(lr=1e-2, weight_decay=0.1, total_training_steps=4, clip_grad=1.0,
-                                    lr_scheduler_type="constant", lr_warmup_steps=0,
-                                    override_optimizer_config={"eps": 1e-6})
-        e = EngineRegistry.new(model_type="language_model", backend="parallm", model_config=model,
-                               engine_config=eng, optimizer_config=optim, checkpoint_config=CheckpointConfig())
-        e.initialize()
+        e = _parallm_engine(dense, layout=layout, optim={"override_optimizer_config": {"eps": 1e-6}},
+                            use_dynamic_bsz=False, micro_batch_size_per_gpu=2, infer_micro_batch_size_per_gpu=2)
         res = {"dtype": str(next(e.chunks[0].parameters()).dtype), "loss": [], "norm": []}
         with e.eval_mode():
             out = e.infer_batch(batch(ranks))["model_output"]
@@ -684,27 +684,18 @@ def _verl_ported_rank(rank, world, dense, qwen3, qwen3_moe):
     import verl  # noqa: F401  (loads parallm.integrations.verl)
     from transformers import AutoModelForCausalLM
     from verl import DataProto
-    from verl.trainer.config import CheckpointConfig
     from verl.utils import tensordict_utils as tu
     from verl.utils.model import compute_position_id_with_mask, create_random_mask
     from verl.utils.torch_functional import logprobs_from_logits_naive
-    from verl.workers.config import ActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
-    from verl.workers.engine import EngineRegistry
+    from verl.workers.config import ActorConfig
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
     import parallm
 
     def new_engine(path, layout, **kw):
-        parallm.destroy_parallel()
-        os.environ["PARALLM_VERL_CONFIG"] = json.dumps(layout)
-        model = HFModelConfig(path=path, use_remove_padding=True, override_config={"attn_implementation": "sdpa"})
-        eng = FSDPEngineConfig(forward_only=False, strategy="fsdp", use_torch_compile=False, model_dtype="fp32", **kw)
-        object.__setattr__(eng, "strategy", "parallm")
-        e = EngineRegistry.new(model_type="language_model", backend="parallm", model_config=model,
-                               engine_config=eng, optimizer_config=FSDPOptimizerConfig(total_training_steps=4),
-                               checkpoint_config=CheckpointConfig())
-        e.initialize()
-        return e
+        # verl's test: FSDPOptimizerConfig()'s lr and weight decay (a constant schedule, 4 steps), remove-padding on
+        return _parallm_engine(path, layout=layout, remove_padding=True, forward_only=False,
+                               optim=dict(lr=1e-3, weight_decay=1e-2), **kw)
 
     rep = {}
     # -- test_actor_engine
@@ -832,13 +823,10 @@ def _delta_rank(rank, world, dense, moe):
     import types
     os.environ.update(ENV)
     import torch
-    import torch.distributed as dist
     import verl  # noqa: F401  (loads parallm.integrations.verl)
     from tensordict import TensorDict
-    from verl.trainer.config import CheckpointConfig
     from verl.utils import tensordict_utils as tu
-    from verl.workers.config import ActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
-    from verl.workers.engine import EngineRegistry
+    from verl.workers.config import ActorConfig
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import left_right_2_no_padding
     import parallm
@@ -849,16 +837,8 @@ def _delta_rank(rank, world, dense, moe):
     from verl.checkpoint_engine.delta_checkpoint_engine import _GatherQueue
 
     def engine(path):
-        model = HFModelConfig(path=path, use_remove_padding=False, override_config={"attn_implementation": "sdpa"})
-        eng = FSDPEngineConfig(strategy="fsdp", model_dtype="fp32", use_torch_compile=False, use_dynamic_bsz=False,
-                               micro_batch_size_per_gpu=B, infer_micro_batch_size_per_gpu=B)
-        object.__setattr__(eng, "strategy", "parallm")
-        optim = FSDPOptimizerConfig(lr=1e-2, weight_decay=0.1, total_training_steps=4, clip_grad=1.0,
-                                    lr_scheduler_type="constant", lr_warmup_steps=0)
-        e = EngineRegistry.new(model_type="language_model", backend="parallm", model_config=model,
-                               engine_config=eng, optimizer_config=optim, checkpoint_config=CheckpointConfig())
-        e.initialize()
-        return e
+        return _parallm_engine(path, use_dynamic_bsz=False, micro_batch_size_per_gpu=B,
+                               infer_micro_batch_size_per_gpu=B)
 
     actor_cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=B, clip_ratio=0.2,
                             entropy_coeff=0.01, loss_agg_mode="token-mean")

@@ -22,6 +22,11 @@ VERL_VERSION = _fixes.VERL_VERSION
 
 
 def _register_engines(_module) -> None:
+    import sys
+    engine = sys.modules.get(__name__ + ".engine")
+    if engine is not None and not hasattr(engine, "register_engines"):
+        return     # .engine is being imported first (its own import of verl's engine package got here): it
+                   # registers the engines at its end
     from .engine import register_engines
     register_engines()
 

@@ -647,3 +647,8 @@ def register_fsdp_on_cpu() -> None:
         for backend in ("fsdp", "fsdp2"):
             if "cpu" not in EngineRegistry._engines.get(model_type, {}).get(backend, {}):
                 EngineRegistry.register(model_type=model_type, backend=backend, device="cpu")(cls)
+
+
+# imported before verl's engine package was (``from parallm.integrations.verl.engine import ...`` first): the
+# package's import hook (__init__) found this module half-built and left the registration to here
+register_engines()
