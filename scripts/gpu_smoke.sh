@@ -7,8 +7,8 @@
 # and bf16; needs peft), attention.py (one process: the context-parallel CUDA block kernel and sliding
 # windows) and gated_deltanet.py (1-2 processes: the fla kernels against the torch recurrence, Qwen3.5 logits;
 # pip install -e ".[gpu]" first), and with vLLM's CUDA build and 2 GPUs vllm.py (an engine beside a resident
-# trainer, pushes, vLLM's NCCL backend fed by export_source), and with verl installed verl.py (parallm's engine
-# offloading through verl's mode switches on CUDA, bit-equal to a resident run). Every part runs even when an earlier one fails; the exit status is non-zero when any
+# trainer, pushes, vLLM's NCCL backend fed by export_source), and with verl installed verl_engine.py (parallm's engine
+# offloading through verl's mode switches on CUDA, bit-equal to a resident run; the delta sync's exports). Every part runs even when an earlier one fails; the exit status is non-zero when any
 # failed. Extra arguments go to every script (--cpu: a dry run on gloo / CPU). Never run on a GPU yet.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,9 +45,9 @@ else
   echo "== scripts/gpu_checks/vllm.py not run: needs vLLM's CUDA build (pip install vllm) and 2 GPUs"
 fi
 if "$PY" -c "import verl" 2>/dev/null; then
-  echo "== scripts/gpu_checks/verl.py on 1 process"
-  "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 scripts/gpu_checks/verl.py || status=1
+  echo "== scripts/gpu_checks/verl_engine.py on 1 process"
+  "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 scripts/gpu_checks/verl_engine.py || status=1
 else
-  echo "== scripts/gpu_checks/verl.py not run: needs verl (pip install \"verl[verl-core]==0.9.1\")"
+  echo "== scripts/gpu_checks/verl_engine.py not run: needs verl (pip install \"verl[verl-core]==0.9.1\")"
 fi
 exit "$status"

@@ -1,25 +1,33 @@
 """GPU check for parallm's verl engine (never run: no GPU was lent). Needs verl 0.9.1 in the interpreter
 (`pip install "verl[verl-core]==0.9.1"` beside CUDA torch) and 1 CUDA device; exits 0 with a message if verl is
-missing. Run: `torchrun --nproc-per-node 1 scripts/gpu_checks/verl.py` (or plain python: it initialises a 1-rank group).
+missing. Run: `torchrun --nproc-per-node 1 scripts/gpu_checks/verl_engine.py` (or plain python: it initialises a 1-rank
+group); `--cpu`: a dry run of the same code on verl's CPU platform (gloo; the CUDA memory check is skipped there).
 
 Checks, on CUDA: verl's EngineRegistry builds parallm's engine for device "cuda"; with param_offload and
 optimizer_offload on, verl's mode switches (train_mode / eval_mode) offload the model and the AdamW state
 through parallm.offload (torch.cuda.memory_allocated falls by at least the parameter bytes outside the modes)
 and bring them back (parallm.onload); the log-probs and the weights after one PPO step equal a run without
-offload bit for bit.
+offload bit for bit. The sparse sync's exports with the model offloaded between syncs: a seed (full export),
+verl's prime_delta_snapshots, a PPO step, then get_per_tensor_param_delta_shard's pairs patch the seed into a
+copy bit-equal to a fresh full export, with exactly the changed elements shipped.
 """
 import os
 import sys
-import tempfile
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_common import Checks, start  # noqa: E402
+
+CPU = "--cpu" in sys.argv
 try:
     import verl  # noqa: F401
 except ImportError:
     print("verl not installed: verl GPU check skipped")
     sys.exit(0)
 os.environ.setdefault("VERL_USE_EXTERNAL_MODULES", "parallm.integrations.verl")
+if CPU:
+    os.environ.setdefault("VERL_PLATFORM", "cpu")
 import parallm.integrations.verl  # noqa: E402,F401
 import torch.distributed as dist  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
@@ -32,13 +40,13 @@ from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
 import parallm  # noqa: E402
 from parallm.integrations.verl import toy  # noqa: E402
+import tempfile  # noqa: E402
 
-assert torch.cuda.is_available(), "needs a CUDA device"
+world, rank, device = start(CPU, 29591)
+assert CPU or torch.cuda.is_available(), "needs a CUDA device (or --cpu)"
 if not dist.is_initialized():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29591"), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl")
+    dist.init_process_group("gloo" if CPU else "nccl")
+checks = Checks(rank)
 path = toy.write_checkpoint(tempfile.mkdtemp(prefix="parallm_verl_gpu_"))
 actor_cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, clip_ratio=0.2,
                         entropy_coeff=0.01, loss_agg_mode="token-mean")
@@ -70,27 +78,72 @@ def run(offload):
                            engine_config=eng, optimizer_config=FSDPOptimizerConfig(lr=1e-3, total_training_steps=2),
                            checkpoint_config=CheckpointConfig())
     e.initialize()
-    assert e.device_type == "cuda", e.device_type
+    assert e.device_type == device.type, e.device_type
+    mem = torch.cuda.memory_allocated if device.type == "cuda" else (lambda: 0)
     outside = []
     with e.eval_mode():
         lp = e.infer_batch(batch())["model_output"]["log_probs"]
-    outside.append(torch.cuda.memory_allocated())
+    outside.append(mem())
     with e.train_mode():
         e.train_batch(batch(), loss_function=lambda model_output, data, dp_group=None:
                       ppo_loss(actor_cfg, model_output, data, dp_group))
-    outside.append(torch.cuda.memory_allocated())
-    e.to("cuda", model=True, optimizer=True, grad=True)
-    inside = torch.cuda.memory_allocated()
+    outside.append(mem())
+    e.to(device.type, model=True, optimizer=True, grad=True)
+    inside = mem()
     weights = {k: v.clone() for k, v in parallm.export_hf_tensors(e.chunks)}
     pbytes = sum(p.numel() * p.element_size() for c in e.chunks for p in c.parameters())
     parallm.destroy_parallel()
     return [t.cpu() for t in lp.unbind()], weights, outside, inside, pbytes
 
 
+def delta(offload):
+    """The sparse sync's exports on this device, the model offloaded between syncs when ``offload``."""
+    eng = FSDPEngineConfig(strategy="fsdp", use_dynamic_bsz=False, micro_batch_size_per_gpu=2,
+                           infer_micro_batch_size_per_gpu=2, param_offload=offload, optimizer_offload=offload)
+    object.__setattr__(eng, "strategy", "parallm")
+    e = EngineRegistry.new(model_type="language_model", backend="parallm",
+                           model_config=HFModelConfig(path=path, use_remove_padding=False,
+                                                      override_config={"attn_implementation": "sdpa"}),
+                           engine_config=eng, optimizer_config=FSDPOptimizerConfig(lr=1e-3, total_training_steps=2),
+                           checkpoint_config=CheckpointConfig())
+    e.initialize()
+
+    def full():
+        gen, _ = e.get_per_tensor_param()
+        return {k: v.detach().cpu().clone() for k, v in gen}
+
+    seed = full()
+    e.prime_delta_snapshots()
+    with e.train_mode():
+        e.train_batch(batch(), loss_function=lambda model_output, data, dp_group=None:
+                      ppo_loss(actor_cfg, model_output, data, dp_group))
+    patched = {k: v.clone() for k, v in seed.items()}
+    shipped = 0
+    entries, _ = e.get_per_tensor_param_delta_shard()
+    for slots, _dtype, counts, idx, val, _pg in entries:      # one rank: every entry is already whole here
+        off = 0
+        for (name, _shape), c in zip(slots, counts.tolist()):
+            patched[name].view(-1)[idx[off:off + c].long().cpu()] = val[off:off + c].cpu()
+            off += c
+            shipped += c
+    now = full()
+    changed = sum(int((seed[k].view(-1).view(torch.int32) != now[k].view(-1).view(torch.int32)).sum()) for k in now)
+    equal = all(torch.equal(patched[k], now[k]) for k in now)
+    parallm.destroy_parallel()
+    return equal, shipped, changed
+
+
 lp0, w0, _, _, _ = run(False)
 lp1, w1, outside, inside, pbytes = run(True)
-assert all(torch.equal(a, b) for a, b in zip(lp0, lp1)), "offloaded log-probs differ"
-assert all(torch.equal(w0[k], w1[k]) for k in w0), "offloaded weights differ"
-assert all(inside - o >= pbytes for o in outside), (inside, outside, pbytes)
-print(f"verl engine on CUDA: offload frees {inside - max(outside)} B outside the modes (params {pbytes} B); "
-      "log-probs and weights bit-equal to the resident run")
+same_lp = all(torch.equal(a, b) for a, b in zip(lp0, lp1))
+same_w = all(torch.equal(w0[k], w1[k]) for k in w0)
+checks("offloaded log-probs bit-equal", same_lp, True, ok=same_lp)
+checks("offloaded weights bit-equal", same_w, True, ok=same_w)
+if device.type == "cuda":
+    checks("bytes freed outside the modes >= parameter bytes", inside - max(outside), pbytes,
+           ok=all(inside - o >= pbytes for o in outside))
+for offload in (False, True):
+    equal, shipped, changed = delta(offload)
+    checks(f"delta sync (offload={offload}): patched copy bit-equal, shipped = changed", (shipped, changed),
+           "equal", ok=equal and shipped == changed > 0)
+sys.exit(checks.finish("verl engine"))
