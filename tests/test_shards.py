@@ -69,7 +69,8 @@ def _shards_rank(rank, world, paths):
             t = sh.tensor()
             if t is None:
                 continue
-            slot, pos = sh.hf_positions(torch.arange(t.numel()), t.shape)
+            assert tuple(t.shape) == sh.shape, (sh.key, t.shape, sh.shape)
+            slot, pos = sh.hf_positions(torch.arange(t.numel()))
             flat = t.reshape(-1)
             for k, (hf, _) in enumerate(sh.slots):
                 m = slot == k

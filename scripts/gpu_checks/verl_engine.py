@@ -13,6 +13,7 @@ copy bit-equal to a fresh full export, with exactly the changed elements shipped
 """
 import os
 import sys
+import tempfile
 
 import torch
 
@@ -40,7 +41,6 @@ from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
 import parallm  # noqa: E402
 from parallm.integrations.verl import toy  # noqa: E402
-import tempfile  # noqa: E402
 
 world, rank, device = start(CPU, 29591)
 assert CPU or torch.cuda.is_available(), "needs a CUDA device (or --cpu)"
@@ -68,7 +68,8 @@ def batch():
     return td
 
 
-def run(offload):
+def engine(offload):
+    """parallm's engine built by verl's EngineRegistry for this device, with verl's offload flags ``offload``."""
     eng = FSDPEngineConfig(strategy="fsdp", use_dynamic_bsz=False, micro_batch_size_per_gpu=2,
                            infer_micro_batch_size_per_gpu=2, param_offload=offload, optimizer_offload=offload)
     object.__setattr__(eng, "strategy", "parallm")
@@ -78,15 +79,24 @@ def run(offload):
                            engine_config=eng, optimizer_config=FSDPOptimizerConfig(lr=1e-3, total_training_steps=2),
                            checkpoint_config=CheckpointConfig())
     e.initialize()
+    return e
+
+
+def ppo_step(e):
+    with e.train_mode():
+        e.train_batch(batch(), loss_function=lambda model_output, data, dp_group=None:
+                      ppo_loss(actor_cfg, model_output, data, dp_group))
+
+
+def run(offload):
+    e = engine(offload)
     assert e.device_type == device.type, e.device_type
     mem = torch.cuda.memory_allocated if device.type == "cuda" else (lambda: 0)
     outside = []
     with e.eval_mode():
         lp = e.infer_batch(batch())["model_output"]["log_probs"]
     outside.append(mem())
-    with e.train_mode():
-        e.train_batch(batch(), loss_function=lambda model_output, data, dp_group=None:
-                      ppo_loss(actor_cfg, model_output, data, dp_group))
+    ppo_step(e)
     outside.append(mem())
     e.to(device.type, model=True, optimizer=True, grad=True)
     inside = mem()
@@ -98,15 +108,7 @@ def run(offload):
 
 def delta(offload):
     """The sparse sync's exports on this device, the model offloaded between syncs when ``offload``."""
-    eng = FSDPEngineConfig(strategy="fsdp", use_dynamic_bsz=False, micro_batch_size_per_gpu=2,
-                           infer_micro_batch_size_per_gpu=2, param_offload=offload, optimizer_offload=offload)
-    object.__setattr__(eng, "strategy", "parallm")
-    e = EngineRegistry.new(model_type="language_model", backend="parallm",
-                           model_config=HFModelConfig(path=path, use_remove_padding=False,
-                                                      override_config={"attn_implementation": "sdpa"}),
-                           engine_config=eng, optimizer_config=FSDPOptimizerConfig(lr=1e-3, total_training_steps=2),
-                           checkpoint_config=CheckpointConfig())
-    e.initialize()
+    e = engine(offload)
 
     def full():
         gen, _ = e.get_per_tensor_param()
@@ -114,9 +116,7 @@ def delta(offload):
 
     seed = full()
     e.prime_delta_snapshots()
-    with e.train_mode():
-        e.train_batch(batch(), loss_function=lambda model_output, data, dp_group=None:
-                      ppo_loss(actor_cfg, model_output, data, dp_group))
+    ppo_step(e)
     patched = {k: v.clone() for k, v in seed.items()}
     shipped = 0
     entries, _ = e.get_per_tensor_param_delta_shard()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.table import expected_hf_shapes, held_params, model_entries
+from ..model.table import entry_tensor, expected_hf_shapes, held_params, model_entries
 from ..parallel.errors import exchange_rows
 from ..parallel.state import as_chunks, dims_of, require_initialized
 from .export_plan import saved_entries
@@ -58,6 +58,7 @@ class HFShard:
     slots: tuple[tuple[str, tuple[int, ...]], ...]
     pieces: tuple[Piece, ...]
     dtype: torch.dtype
+    shape: tuple[int, ...] = ()     # the contributing rank's tensor's shape
     _chunk: object = None
     _entry: object = None
 
@@ -66,24 +67,20 @@ class HFShard:
         return bool(self.pieces)
 
     def tensor(self) -> torch.Tensor | None:
-        """The contributing rank's tensor (the parameter, or the expert's slab of its stacked parameter: a view
-        of the parameter's storage, without autograd history), read now; None on other ranks."""
-        if not self.pieces:
-            return None
-        param = self._chunk.get_parameter(self._entry.local)
-        return param.detach() if self._entry.index is None else param.detach()[self._entry.index]
+        """The contributing rank's tensor (:func:`parallm.model.table.entry_tensor`: the parameter, or the
+        expert's slab of its stacked parameter), detached, read now; None on other ranks."""
+        return entry_tensor(self._chunk, self._entry).detach() if self.pieces else None
 
-    def hf_positions(self, local: torch.Tensor, shape) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(slot, position)`` (int64 each) of flat positions ``local`` in this rank's tensor of shape
-        ``shape``: the HF tensor each lands in and the flat position there; slot -1 for an element this rank
-        does not contribute (a replica's, a vocabulary padding row)."""
+    def hf_positions(self, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slot, position)`` (int64 each) of flat positions ``local`` in this rank's tensor: the HF tensor
+        each lands in and the flat position there; slot -1 for an element this rank does not contribute (a
+        replica's, a vocabulary padding row)."""
         local = local.to(torch.int64)
         slot = torch.full_like(local, -1)
         pos = torch.zeros_like(local)
         if not local.numel() or not self.pieces:
             return slot, pos
-        shape = tuple(int(n) for n in shape)
-        coords = list(torch.unravel_index(local, shape)) if shape else []
+        coords = list(torch.unravel_index(local, self.shape)) if self.shape else []
         for p in self.pieces:
             along = coords[p.dim]
             inside = (along >= p.start) & (along < p.stop)
@@ -124,15 +121,15 @@ def hf_shard_map(chunks, *, what: str = "hf_shard_map") -> list[HFShard]:
             holders = [r for r in range(layout.world) if held[r][i] and tp_of[r] == layout.tp_rank]
             src = min(holders, key=lambda r: (dp_of[r], r))
             local_entry, chunk = where[(entry.row, entry.layer)]
+            param = chunk.get_parameter(local_entry.local)
+            if param.dtype != dtype:
+                raise RuntimeError(f"internal error: {local_entry.local} is {param.dtype}, its row says {dtype}")
             if src == layout.rank:
-                param = chunk.get_parameter(local_entry.local)
                 slot_of = {name: k for k, name in enumerate(entry.hf)}
                 pieces = tuple(Piece(slot_of[s.name], s.dim, s.start, s.stop, s.offsets[s.dim])
                                for s in global_slices(local_entry, param, layout, shapes) if s.primary)
-            if chunk.get_parameter(local_entry.local).dtype != dtype:
-                raise RuntimeError(f"internal error: {local_entry.local} is "
-                                   f"{chunk.get_parameter(local_entry.local).dtype}, its row says {dtype}")
-            out.append(HFShard("+".join(entry.hf), slots, pieces, dtype, chunk, local_entry))
+            shape = tuple(entry_tensor(chunk, local_entry).shape)
+            out.append(HFShard("+".join(entry.hf), slots, pieces, dtype, shape, chunk, local_entry))
         else:
             out.append(HFShard("+".join(entry.hf), slots, pieces, dtype))
     return out

@@ -22,13 +22,10 @@ VERL_VERSION = _fixes.VERL_VERSION
 
 
 def _register_engines(_module) -> None:
-    import sys
-    engine = sys.modules.get(__name__ + ".engine")
-    if engine is not None and not hasattr(engine, "register_engines"):
-        return     # .engine is being imported first (its own import of verl's engine package got here): it
-                   # registers the engines at its end
-    from .engine import register_engines
-    register_engines()
+    # .engine registers the engines when its import completes; imported first, it is the one importing verl's
+    # engine package, and this gets its half-built module: its own end registers them
+    import importlib
+    importlib.import_module(__name__ + ".engine")
 
 
 _fixes.after_import("verl.workers.engine", _register_engines)

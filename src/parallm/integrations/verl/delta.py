@@ -73,8 +73,7 @@ class ShardExport:
         if not lidx.numel():
             return (list(s.slots), dtype_str, torch.zeros(k, dtype=torch.int64),
                     torch.empty(0, dtype=torch.int32, device=lval.device), lval.new_empty(0))
-        t = s.tensor()
-        slot, pos = s.hf_positions(lidx.cpu(), t.shape)
+        slot, pos = s.hf_positions(lidx.cpu())
         keep = slot >= 0
         slot, pos = slot[keep], pos[keep]
         order = torch.argsort(slot, stable=True)

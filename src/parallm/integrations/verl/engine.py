@@ -532,17 +532,20 @@ class ParallmEngine(BaseEngine):
         """HF-named full tensors (``parallm.export_hf_tensors``), on every rank; collective: every rank must
         iterate the generator to its end (verl's weight senders do). Offloaded parameters are brought back
         first (verl's worker offloads them again after the sync, as for its FSDP engine)."""
+        self._onload_params()
+        return parallm.export_hf_tensors(self.chunks), None
+
+    def _onload_params(self) -> None:
+        """Offloaded parameters back on the device for an export (verl's worker offloads them again after)."""
         if self.chunks is not None and self.device_type != "cpu":
             parallm.onload(self.chunks, self.optimizer, params=True, grads=False, optimizer_state=False)
-        return parallm.export_hf_tensors(self.chunks), None
 
     # verl's delta snapshots live in host memory; pinning them (verl's default) competes with every other pinned
     # pool (parallm.offload's included), as verl's Megatron engine says of its own
     delta_pin_snapshots = False
 
     def _shard_export(self):
-        if self.chunks is not None and self.device_type != "cpu":
-            parallm.onload(self.chunks, self.optimizer, params=True, grads=False, optimizer_state=False)
+        self._onload_params()
         if self._shards is None:
             from .delta import ShardExport
             self._shards = ShardExport(self.chunks)
@@ -649,6 +652,6 @@ def register_fsdp_on_cpu() -> None:
                 EngineRegistry.register(model_type=model_type, backend=backend, device="cpu")(cls)
 
 
-# imported before verl's engine package was (``from parallm.integrations.verl.engine import ...`` first): the
-# package's import hook (__init__) found this module half-built and left the registration to here
+# the engines are registered when this module is imported (the package imports it as soon as verl's engine
+# package is, or this module imports that package itself)
 register_engines()

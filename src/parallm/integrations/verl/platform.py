@@ -24,7 +24,6 @@ What the platform answers, and why:
 
 from __future__ import annotations
 
-import os
 import types
 from contextlib import contextmanager
 
