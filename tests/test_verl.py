@@ -114,6 +114,26 @@ def _rows(rank):
     return ids, mask, old, adv
 
 
+def _verl_batch(ranks, world, *, dynamic=False, micro=2):
+    """The PPO mini-batch of ``_rows`` of each rank in ``ranks``, in verl's NO_PADDING layout (verl's
+    ``left_right_2_no_padding``) with the non-tensor keys verl's actor worker sets (micro-batches of ``micro``
+    rows, or verl's dynamic batch size of 12 tokens)."""
+    import torch
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+    parts = [_rows(r) for r in ranks]
+    ids, mask, old, adv = (torch.cat([p[k] for p in parts]) for k in range(4))
+    td = left_right_2_no_padding(TensorDict(
+        {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+         "prompts": ids[:, :P].clone(), "responses": ids[:, P:].clone(), "response_mask": mask[:, P:].clone(),
+         "old_log_probs": old, "advantages": adv}, batch_size=[ids.shape[0]]))
+    tu.assign_non_tensor(td, temperature=1.0, calculate_entropy=True, use_dynamic_bsz=dynamic,
+                         micro_batch_size_per_gpu=micro, max_token_len_per_gpu=12, use_remove_padding=False,
+                         global_batch_size=B * world, use_fused_kernels=False)
+    return td
+
+
 def _parallm_engine(path, *, layout=None, optim=None, remove_padding=False, **engine_kw):
     """parallm's actor engine built by verl's ``EngineRegistry`` from verl's configs, as verl's trainer builds it
     (an ``FSDPEngineConfig`` whose strategy is ``parallm``), fp32, initialised. ``layout``: parallm's block
@@ -155,13 +175,11 @@ def _engine_rank(rank, world, dense, moe, ckpt):
     import torch.distributed as dist
     import verl  # noqa: F401  (loads parallm.integrations.verl)
     import verl.workers.engine.base as verl_base
-    from tensordict import TensorDict
     from verl.trainer.config import CheckpointConfig
     from verl.utils import tensordict_utils as tu
     from verl.workers.config import ActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import EngineRegistry
     from verl.workers.utils.losses import ppo_loss
-    from verl.workers.utils.padding import left_right_2_no_padding
     import parallm
 
     def engine(backend, path, offload=False):
@@ -181,18 +199,7 @@ def _engine_rank(rank, world, dense, moe, ckpt):
         return e
 
     def batch(ranks, dynamic):
-        parts = [_rows(r) for r in ranks]
-        ids, mask, old, adv = (torch.cat([p[k] for p in parts]) for k in range(4))
-        b = ids.shape[0]
-        td = TensorDict({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
-                         "prompts": ids[:, :P].clone(), "responses": ids[:, P:].clone(),
-                         "response_mask": mask[:, P:].clone(), "old_log_probs": old, "advantages": adv},
-                        batch_size=[b])
-        td = left_right_2_no_padding(td)
-        tu.assign_non_tensor(td, temperature=1.0, calculate_entropy=True, use_dynamic_bsz=dynamic,
-                             micro_batch_size_per_gpu=2, max_token_len_per_gpu=12, use_remove_padding=False,
-                             global_batch_size=B * world, use_fused_kernels=False)
-        return td
+        return _verl_batch(ranks, world, dynamic=dynamic)
 
     actor_cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, clip_ratio=0.2,
                             entropy_coeff=0.01, loss_agg_mode="token-mean")
@@ -574,29 +581,16 @@ def _options_rank(rank, world, dense):
     fp32 tolerance; ``dtype="bfloat16"`` (bf16 parameters, fp32 main weights in the optimizer) against the fp32
     engine within bf16's tolerance."""
     os.environ.update(ENV)
-    import torch
     import verl  # noqa: F401  (loads parallm.integrations.verl)
-    from tensordict import TensorDict
-    from verl.utils import tensordict_utils as tu
     from verl.workers.config import ActorConfig
     from verl.workers.utils.losses import ppo_loss
-    from verl.workers.utils.padding import left_right_2_no_padding
     import parallm
 
     actor_cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, clip_ratio=0.2,
                             entropy_coeff=0.01, loss_agg_mode="token-mean")
 
     def batch(ranks):
-        parts = [_rows(r) for r in ranks]
-        ids, mask, old, adv = (torch.cat([p[k] for p in parts]) for k in range(4))
-        td = left_right_2_no_padding(TensorDict(
-            {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
-             "prompts": ids[:, :P].clone(), "responses": ids[:, P:].clone(), "response_mask": mask[:, P:].clone(),
-             "old_log_probs": old, "advantages": adv}, batch_size=[ids.shape[0]]))
-        tu.assign_non_tensor(td, temperature=1.0, calculate_entropy=True, use_dynamic_bsz=False,
-                             micro_batch_size_per_gpu=2, max_token_len_per_gpu=12, use_remove_padding=False,
-                             global_batch_size=B * world, use_fused_kernels=False)
-        return td
+        return _verl_batch(ranks, world)
 
     def run(layout, ranks):
         e = _parallm_engine(dense, layout=layout, optim={"override_optimizer_config": {"eps": 1e-6}},
@@ -824,11 +818,8 @@ def _delta_rank(rank, world, dense, moe):
     os.environ.update(ENV)
     import torch
     import verl  # noqa: F401  (loads parallm.integrations.verl)
-    from tensordict import TensorDict
-    from verl.utils import tensordict_utils as tu
     from verl.workers.config import ActorConfig
     from verl.workers.utils.losses import ppo_loss
-    from verl.workers.utils.padding import left_right_2_no_padding
     import parallm
     # the delta engine's module imports cupy at the top (its NCCL wire); _GatherQueue does not use it
     stand_in = types.ModuleType("cupy")
@@ -844,14 +835,7 @@ def _delta_rank(rank, world, dense, moe):
                             entropy_coeff=0.01, loss_agg_mode="token-mean")
 
     def step(e):
-        ids, mask, old, adv = _rows(rank)
-        td = left_right_2_no_padding(TensorDict(
-            {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
-             "prompts": ids[:, :P].clone(), "responses": ids[:, P:].clone(), "response_mask": mask[:, P:].clone(),
-             "old_log_probs": old, "advantages": adv}, batch_size=[B]))
-        tu.assign_non_tensor(td, temperature=1.0, calculate_entropy=True, use_dynamic_bsz=False,
-                             micro_batch_size_per_gpu=B, max_token_len_per_gpu=12, use_remove_padding=False,
-                             global_batch_size=B * world, use_fused_kernels=False)
+        td = _verl_batch([rank], world, micro=B)
         with e.train_mode():
             e.train_batch(td, loss_function=lambda model_output, data, dp_group=None:
                           ppo_loss(actor_cfg, model_output, data, dp_group))
