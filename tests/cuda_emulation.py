@@ -20,7 +20,7 @@ def emulated_flash():
     (bottom-right aligned: query i of Lq sees key j of Lk iff i + Lk - Lq - left <= j <= i + Lk - Lq + right,
     -1 / None unbounded; causal sets right = 0), the lse as [hq, total_q]: the CUDA kernel's plumbing (groups,
     indices, windows, lse layout) checked without a GPU."""
-    from parallm.model.layers.attention import _flash_window, block_backward, block_forward
+    from parallm.model.layers.blocks import _flash_window, block_backward, block_forward
 
     def masks(g, window):
         win = _flash_window(g, window)

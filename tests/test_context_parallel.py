@@ -66,7 +66,7 @@ def _causal_reference(q, k, v, mask):
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 def test_split_keeps_every_token_once_with_its_targets_and_attention(cp, packed):
-    from parallm.model.layers.attention import CPU_FLASH_BLOCK, MATH_BLOCK
+    from parallm.model.layers.blocks import CPU_FLASH_BLOCK, MATH_BLOCK
     from parallm.model.context_parallel import attend_pieces, ring_pieces, split_batch
     ids, pos, mask = _batch()
     b, s = ids.shape
@@ -119,7 +119,7 @@ def test_block_kernels_agree():
     """The block kernels (explicit fp32 and the CPU's fused one) give the same output, log-sum-exp and gradients,
     with grouped-query heads, for both kinds of block (all keys visible: a chunk against the chunks before it;
     the square causal diagonal)."""
-    from parallm.model.layers.attention import CPU_FLASH_BLOCK, MATH_BLOCK
+    from parallm.model.layers.blocks import CPU_FLASH_BLOCK, MATH_BLOCK
     g = torch.Generator().manual_seed(2)
     c, d = 8, 16
     q = torch.randn(2, 4, c, d, generator=g)
@@ -167,7 +167,7 @@ def _window_causal_reference(q, k, v, mask, window):
 
 def _kernels_in_cp_rank(rank, world, data):
     import parallm
-    from parallm.model.layers import attention
+    from parallm.model.layers import blocks as attention
     from parallm.model.context_parallel import CP_KERNELS, split_batch
     from parallm.parallel.state import current_dims
     from cuda_emulation import emulated_flash

@@ -552,7 +552,7 @@ def _hf_reference(cfg, x, mask, r):
     sum(out * r) over real positions; the HF state (randomised)."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
-    from parallm.model.decoder import padded_attention_mask
+    from parallm.model.layers.attention import padded_attention_mask
     torch.manual_seed(0)
     attn = DeepseekV3Attention(cfg, 0)
     helpers.randomize_(attn, seed=1)
@@ -580,7 +580,8 @@ def run_mla(cfg, state, x, mask, r, *, tp, rank, packed, sp):
     rank's shard}), the output and input gradient in this rank's layout ([S, B, H] padded, [T(/tp), 1, H])."""
     from parallm.families.deepseek_v3 import deepseek_v3_spec
     from parallm.model.layers.attention import make_packing, pack_tokens, resolve_attn_impl
-    from parallm.model.decoder import RMSNorm, make_config, padded_attention_mask
+    from parallm.model.decoder import RMSNorm, make_config
+    from parallm.model.layers.attention import padded_attention_mask
     from parallm.model.layers.mla import MLA_WEIGHTS, MLAttention, split_mla
     from parallm.model.positions.rope import rope_cos_sin
     from parallm.model.positions.yarn import yarn_cos_sin

@@ -13,7 +13,7 @@ import helpers
 
 def test_unpadded_batch_runs_without_a_mask(world_of_one, tmp_path, monkeypatch):
     import parallm
-    from parallm.model import decoder
+    from parallm.model.layers import attention
     cfg = helpers.tiny_config("llama", num_hidden_layers=2)
     model = helpers.make_hf_model(cfg)
     ckpt = helpers.save_checkpoint(model, str(tmp_path / "m"))
@@ -24,8 +24,8 @@ def test_unpadded_batch_runs_without_a_mask(world_of_one, tmp_path, monkeypatch)
     padded = full.clone()
     padded[1, :4] = 0
     built = []
-    real = decoder.padded_attention_mask
-    monkeypatch.setattr(decoder, "padded_attention_mask", lambda m: built.append(m.shape) or real(m))
+    real = attention.padded_attention_mask
+    monkeypatch.setattr(attention, "padded_attention_mask", lambda m: built.append(m.shape) or real(m))
     out = parallm.forward(chunks, ids, full)
     assert built == []                                   # no [B, 1, S, S] mask for a batch without padding
     assert helpers.max_diff_real(out, helpers.hf_logits(model, ids, full), full) < 2e-5

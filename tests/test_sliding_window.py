@@ -123,7 +123,7 @@ def _window_reference(q, k, v, mask, window):
 @pytest.fixture
 def emulated_cuda(monkeypatch):
     """CUDA_BLOCK with aten's flash op emulated (``cuda_flash_usable`` forced true on CPU fp32 tensors)."""
-    from parallm.model.layers import attention
+    from parallm.model.layers import blocks as attention
     fwd, bwd = emulated_flash()
     monkeypatch.setattr(attention, "flash_forward", fwd)
     monkeypatch.setattr(attention, "flash_backward", bwd)
@@ -132,7 +132,7 @@ def emulated_cuda(monkeypatch):
 
 
 def _kernels(emulated_cuda):
-    from parallm.model.layers.attention import CPU_FLASH_BLOCK, MATH_BLOCK
+    from parallm.model.layers.blocks import CPU_FLASH_BLOCK, MATH_BLOCK
     return {"math": MATH_BLOCK, "cpu-flash": CPU_FLASH_BLOCK, "cuda-emulated": emulated_cuda}
 
 
@@ -143,7 +143,7 @@ def test_context_parallel_pieces_within_the_window(cp, packed, emulated_cuda):
     by log-sum-exp), with each kernel: equal to sliding-window attention over the real tokens (windows 1, 3, 8,
     and none), gradients of q, k, v too (all-gather pieces through autograd; the ring's through the kernels'
     backward with the final output and lse)."""
-    from parallm.model.layers.attention import merge_rows
+    from parallm.model.layers.blocks import merge_rows
     from parallm.model.context_parallel import attend_pieces, ring_plan, split_batch
     ids, pos, mask = _batch()
     b, s = ids.shape
@@ -237,7 +237,8 @@ def test_pieces_outside_the_window_are_dropped_and_tiles_stay_small():
 def test_packed_window_plan_matches_masked_attention(emulated_cuda):
     """The packed path's windowed attention (sdpa_loop_varlen with a window, every document in one plan) equal to
     per-document masked SDPA, with gradients, for each kernel; the plain loop below the window."""
-    from parallm.model.layers.attention import attend_plan, make_packing, sdpa_loop_varlen
+    from parallm.model.layers.attention import make_packing, sdpa_loop_varlen
+    from parallm.model.layers.blocks import attend_plan
     lengths = [5 * WINDOW + 3, 2, WINDOW, WINDOW + 1, 17]
     s = max(lengths)
     mask = torch.zeros(len(lengths), s, dtype=torch.long)
@@ -291,7 +292,7 @@ def test_padded_window_mask():
 # -- kernel calls do not grow with the documents ----------------------------------------------------------------
 
 def _counting(kernel):
-    from parallm.model.layers.attention import BlockKernel
+    from parallm.model.layers.blocks import BlockKernel
     calls = {"forward": 0, "backward": 0}
 
     def fwd(*a, **kw):
@@ -310,7 +311,7 @@ def test_kernel_calls_per_layer_do_not_grow_with_documents(window):
     """A packed batch of 4 and of 64 documents (the same 512 tokens) at cp2: the all-gather attention of one
     layer makes at most two forward and two backward kernel calls (tiles that see every pair, banded tiles), the
     ring as many per step, whatever the number of documents (the per-document loop made four per document)."""
-    from parallm.model.layers.attention import CPU_FLASH_BLOCK, merge_rows
+    from parallm.model.layers.blocks import CPU_FLASH_BLOCK, merge_rows
     from parallm.model.context_parallel import attend_pieces, ring_plan, split_batch
     counts = {}
     for docs in (4, 64):
@@ -349,8 +350,8 @@ def test_kernel_calls_per_layer_do_not_grow_with_documents(window):
 def test_block_kernel_choice_by_device():
     """CUDA devices however named (index 0 included) get the CUDA kernel, CPU the fused CPU one, others the
     explicit fp32 one; a backend's own block kernel wins."""
-    from parallm.model.layers.attention import (BACKENDS, CPU_FLASH_BLOCK, CUDA_BLOCK, MATH_BLOCK, AttnBackend,
-                                         block_kernel)
+    from parallm.model.layers.attention import BACKENDS, AttnBackend
+    from parallm.model.layers.blocks import CPU_FLASH_BLOCK, CUDA_BLOCK, MATH_BLOCK, block_kernel
     for device in (torch.device("cuda", 0), torch.device("cuda", 1), "cuda:0", "cuda", 0, 3):
         assert block_kernel(None, device) is CUDA_BLOCK, device
         assert block_kernel(BACKENDS["sdpa"], device) is CUDA_BLOCK
@@ -365,7 +366,7 @@ def test_cuda_kernel_groups_pieces_by_what_flash_can_mask():
     """The CUDA kernel's split of a plan: pieces whose band flash-attention expresses (bottom-right causal edge,
     or every key visible) in at most one call per kind, the rest (another rank's chunk cut by the window)
     through the fp32 tiles; fp32 tensors never reach flash (checked without the emulation)."""
-    from parallm.model.layers import attention
+    from parallm.model.layers import blocks as attention
     from parallm.model.context_parallel import ring_plan, split_batch
     ids = torch.arange(64)[None] % 50
     mask = torch.ones_like(ids)
@@ -473,3 +474,67 @@ def test_holes_refused_where_the_window_counts_real_tokens(world_of_one, models)
         want = verify.hf_output(models["mistral"]["model"], ids, short)
     assert (got - want)[short.bool()].abs().max() < 1e-4
     assert math.isfinite(float(got.abs().max()))
+
+
+def _largest_tensor_during(fn):
+    """(fn's result, the largest number of elements of any tensor an op made while ``fn`` ran, backward included
+    when ``fn`` runs it)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    Largest.most = max(Largest.most, t.numel())
+            return out
+
+    with Largest():
+        result = fn()
+    return result, Largest.most
+
+
+def _padded_window_case(pad: str, s: int, w: int = 16):
+    """Output and gradients of one windowed padded attention (``PaddedRows`` or, ``pad == "none"``, no mask)
+    against SDPA over the padded mask and transformers' band (real queries), and the largest tensor made."""
+    from parallm.model.layers.attention import PaddedRows, padded_attention, padded_attention_mask, window_band
+    b, hq, hkv, d = 2, 4, 2, 8
+    keep = torch.ones(b, s, dtype=torch.bool)
+    if pad == "left":
+        keep[0, :s // 3] = False
+    elif pad == "right":
+        keep[1, s - s // 4:] = False
+    elif pad == "hole":
+        keep[0, :5] = False
+        keep[1, 40:47] = False                  # a hole shorter than the window: keys on both sides visible
+        keep[1, 60:60 + w + 3] = False          # and one longer: the run after it sees nothing before it
+    g = torch.Generator().manual_seed(0)
+    q0 = torch.randn(b, hq, s, d, generator=g)
+    k0, v0 = (torch.randn(b, hkv, s, d, generator=g) for _ in range(2))
+    go = torch.randn(b, hq, s, d, generator=g)
+    real = keep[:, None, :, None]
+
+    def run(ctx):
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        out = padded_attention(q, k, v, ctx, window=w)
+        (out * go * real).sum().backward()
+        return out.detach(), q.grad, k.grad, v.grad
+
+    ref = run(padded_attention_mask(keep) & window_band(s, w))
+    got, largest = _largest_tensor_during(lambda: run(None if pad == "none" else PaddedRows(keep)))
+    for name, a, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        a, r = (a * real, r * real) if name in ("out", "dq") else (a, r)
+        assert (a - r).abs().max() < 1e-5, (pad, s, name, (a - r).abs().max())
+    return largest
+
+
+@pytest.mark.parametrize("pad", ["none", "left", "right", "hole"])
+def test_padded_window_memory_linear_in_s(pad):
+    """A padded batch longer than the window: the windowed layer's output and gradients equal SDPA's over the
+    padded mask and transformers' band (real queries: left / right padding, holes shorter and longer than the
+    window), and the largest tensor any op makes grows linearly with S (4x the tokens: at most ~4x; the old path
+    built an [S, S] int64 band and a [B, 1, S, S] mask per layer call: 16x)."""
+    small, large = _padded_window_case(pad, 128), _padded_window_case(pad, 512)
+    assert large <= 4.5 * small, (small, large)

@@ -34,7 +34,7 @@ def main() -> int:
     if not torch.cuda.is_available() and not args.cpu:
         print("no CUDA device: nothing to check (--cpu runs the script's logic on CPU)")
         return 1
-    from parallm.model.layers import attention as A
+    from parallm.model.layers import blocks as A
     from parallm.model.context_parallel import ring_plan, split_batch
     device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
     failures = []

@@ -27,8 +27,8 @@ out this rank's tokens, the same way on every rank (a pure function of the batch
   sees it (a padding query sees real keys and padding, which is harmless: its output is never used). With a
   sliding window each piece is cut to the keys the window reaches, and pieces wholly outside it are dropped
   (:meth:`ContextSplit.plan`, :func:`ring_plan`). All pieces of a rank (or of a ring step) run in one call of
-  the model's block kernel (:func:`parallm.model.layers.attention.block_kernel`, a
-  :class:`parallm.model.layers.attention.PiecePlan`), whatever the number of documents, and the parts of a query are
+  the model's block kernel (:func:`parallm.model.layers.blocks.block_kernel`, a
+  :class:`parallm.model.layers.blocks.PiecePlan`), whatever the number of documents, and the parts of a query are
   merged by log-sum-exp in fp32: no ``[queries, keys]`` mask or score tensor of a sequence is built.
 
 Activations keep the layouts of cp = 1: padded ``[rows, B, H]`` with ``rows = P / cp``; packed ``[rows, 1, H]``
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..parallel.comm import gather_rows_keep_own, gather_rows_sum_back
-from .layers.attention import BlockKernel, Piece, PiecePlan, attend_plan, block_kernel, merge_rows
+from .layers.blocks import BlockKernel, Piece, PiecePlan, attend_plan, block_kernel, merge_rows
 
 
 def _chunk_pieces(q0: int, k0: int, c: int, j: int) -> list[Piece]:
@@ -240,7 +240,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: Conte
     Keys and values are all-gathered over the CP group in one collective (backward: their gradients
     reduce-scattered onto the owners), then :func:`attend_pieces`. Memory kept for the backward: the whole
     sequence's K and V per layer, ``2 * hkv * d`` values per token. ``kernel``: the block kernel
-    (:func:`parallm.model.layers.attention.block_kernel`; default: the one for this device); ``window``: the layer's
+    (:func:`parallm.model.layers.blocks.block_kernel`; default: the one for this device); ``window``: the layer's
     sliding window (None: full causal attention)."""
     kv = gather_rows_sum_back(torch.cat([k, v], dim=2), group)                 # [cp * rows, width, 2 hkv, d]
     return attend_pieces(q, kv, split, kernel, window=window)
@@ -252,7 +252,7 @@ def attend_pieces(q: torch.Tensor, kv: torch.Tensor, split: ContextSplit, kernel
     d]`` (keys first along dim 2). The keys are put in global order (:attr:`ContextSplit.order`) and each chunk
     of this rank attends to the keys of its row / document before it (entirely) and to its own chunk's
     (causally), within ``window`` when given: :meth:`ContextSplit.plan`'s pieces in one kernel call
-    (:func:`parallm.model.layers.attention.attend_plan`), merged by log-sum-exp; the packed stream's tail rows get
+    (:func:`parallm.model.layers.blocks.attend_plan`), merged by log-sum-exp; the packed stream's tail rows get
     zeros."""
     rows, width, hq, d = q.shape
     hkv = kv.shape[2] // 2
@@ -367,7 +367,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: Con
     """:func:`cp_attention`'s result by a ring of point-to-point transfers instead of an all-gather: no rank holds
     more than two blocks of keys and values (``2 / cp`` of the sequence's) at a time, and nothing of them is kept
     for the backward; the price is ``cp`` steps (recomputed in the backward) whose transfers overlap the compute.
-    ``kernel``: the block kernel (the model's attention backend's, :func:`parallm.model.layers.attention.block_kernel`;
+    ``kernel``: the block kernel (the model's attention backend's, :func:`parallm.model.layers.blocks.block_kernel`;
     default: the one for this device); ``window``: the layer's sliding window (a step whose block lies wholly
     outside it for every chunk computes nothing, its transfer still made: every rank takes the same steps)."""
     return _RingAttention.apply(q, k, v, split, group, kernel or block_kernel(None, q.device), window)

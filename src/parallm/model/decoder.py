@@ -23,9 +23,9 @@ from ..parallel.megatron_import import import_megatron
 from ..parallel.stages import layer_numbers
 from ..parallel.state import as_device
 from .context_parallel import CP_KERNELS, ContextSplit, resolve_cp_attn, split_batch
-from .layers.attention import (AttnBackend, Packing, block_kernel, make_packing, pack_tokens, resolve_attn_impl,
-                               unpack_tokens)
-from .layers.gated_deltanet import GatedDeltaNet, HybridContext, resolve_kernel as resolve_gdn_kernel
+from .layers.attention import (AttnBackend, Packing, PaddedRows, block_kernel, make_packing, pack_tokens,
+                               resolve_attn_impl, unpack_tokens)
+from .layers.gated_deltanet import GatedDeltaNet, resolve_kernel as resolve_gdn_kernel
 from .layers.mla import MLAttention
 from .layers.mlp import MLP, no_init
 from .layers.moe import MoEAux, MoEBlock
@@ -157,8 +157,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, ctx, tokens=None, routed=None):
         """``tokens``: real-row mask of ``x`` for a MoE layer's load-balancing loss (None: not computed / all
         real). ``routed``: a MoE layer's replayed experts for the rows of ``x`` (:meth:`MoEBlock.route`)."""
-        if isinstance(ctx, HybridContext):      # a padded hybrid model: each layer kind takes its own mask
-            ctx = ctx.for_layer(self.linear)
+        if self.linear and isinstance(ctx, PaddedRows):     # padded: linear attention takes the [B, S] mask
+            ctx = ctx.keep
         x = x + self.self_attention(self.input_layernorm(x), cos, sin, ctx)
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, tokens, routed) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
@@ -208,20 +208,6 @@ class MTPLayer(nn.Module):
     def forward(self, *args, **kwargs):
         raise NotImplementedError("parallm carries multi-token-prediction layers (load, save, export) but does not "
                                   "run them")
-
-
-def padded_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Boolean ``[B, 1, S, S]`` mask: causal, real keys only, and every query may see itself.
-
-    The diagonal keeps rows of padded queries from being fully masked (which would give NaN that then leaks
-    through 0 * NaN into real tokens); outputs at padded positions are meaningless and callers mask them.
-    """
-    b, s = attention_mask.shape
-    device = attention_mask.device
-    causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
-    allowed = causal[None] & attention_mask.bool()[:, None, :]
-    allowed = allowed | torch.eye(s, dtype=torch.bool, device=device)[None]
-    return allowed[:, None]
 
 
 class DecoderChunk(nn.Module):
@@ -385,10 +371,9 @@ class DecoderChunk(nn.Module):
                                else 1)
             positions = pack_tokens(position_ids, ctx)[:, None]            # [T, 1]
         else:
-            # no padding: causal attention without a [B, 1, S, S] mask (None)
-            ctx = None if bool(attention_mask.all()) else padded_attention_mask(attention_mask)
-            if ctx is not None and self.spec.linear_attn is not None:    # Gated DeltaNet layers: [B, S] mask
-                ctx = HybridContext(attention=ctx, keep=attention_mask.bool())
+            # no padding: causal attention without a [B, 1, S, S] mask (None); padding: each layer kind builds
+            # what it needs from the [B, S] mask, once per batch (PaddedRows)
+            ctx = None if bool(attention_mask.all()) else PaddedRows(attention_mask.bool())
             positions = position_ids.transpose(0, 1)                     # [S, B]
         if self.pre_process:
             if split is not None:

@@ -283,17 +283,6 @@ class DepthwiseConv(nn.Module):
 
 
 @dataclass(frozen=True)
-class HybridContext:
-    """A padded batch's per-layer contexts in a model with Gated DeltaNet layers: ``attention`` (the boolean
-    ``[B, 1, S, S]`` mask attention takes) and ``keep`` (the ``[B, S]`` real-token mask the linear layers zero
-    the padding with). :meth:`for_layer` hands each layer its own."""
-    attention: torch.Tensor | None
-    keep: torch.Tensor
-
-    def for_layer(self, linear: bool):
-        return self.keep if linear else self.attention
-
-
 class _AllToAll(torch.autograd.Function):
     """``[n, ...]`` blocks: block j goes to rank j of ``group`` and block j received comes from rank j (``n`` the
     group's size); the backward is the same exchange of the gradients."""

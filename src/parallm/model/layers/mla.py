@@ -52,7 +52,8 @@ from torch import nn
 
 from ...parallel.megatron_import import import_megatron
 from ...parallel.state import as_device
-from .attention import AttnBackend, Packing, block_kernel
+from .attention import AttnBackend, Packing
+from .blocks import block_kernel
 from ..context_parallel import CP_KERNELS, ContextSplit
 from .mlp import no_init
 from ..positions.rope import apply_rope
