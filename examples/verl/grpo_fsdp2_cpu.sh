@@ -4,7 +4,10 @@
 #
 #   bash examples/verl/grpo_fsdp2_cpu.sh [WORK_DIR] [extra hydra overrides...]
 #
-# STRATEGY=fsdp2 (default: verl's own FSDP2 engine) or STRATEGY=parallm (parallm's engine); STEPS (default 2);
+# STRATEGY=fsdp2 (default: verl's own FSDP2 engine) or STRATEGY=parallm (parallm's engine through verl's FSDP
+# config, parallm's layout from PARALLM_VERL_CONFIG); MODEL_ENGINE=parallm instead selects parallm through verl's
+# config groups (model_engine=parallm: actor, reference and critic are parallm's engine, sized by verl's keys given
+# as overrides, e.g. actor_rollout_ref.actor.parallm.tensor_model_parallel_size=2; docs/verl.md); STEPS (default 2);
 # ADV=grpo (default) or ADV=gae: PPO with a critic (critic.strategy=$STRATEGY; verl 0.9.1's FSDP critic asks
 # transformers for flash_attention_2, so on CPU only STRATEGY=parallm runs it); SAVE_FREQ (default -1: no
 # checkpoints; N: verl's trainer saves every N steps and at the last one under WORK_DIR/checkpoints/STRATEGY, and
@@ -21,19 +24,36 @@ STRATEGY=${STRATEGY:-fsdp2}
 STEPS=${STEPS:-2}
 ADV=${ADV:-grpo}
 SAVE_FREQ=${SAVE_FREQ:--1}
+MODEL_ENGINE=${MODEL_ENGINE:-dp}
+if [ "$MODEL_ENGINE" = parallm ]; then
+  # verl's config groups of parallm (parallm/integrations/verl/config, on Hydra's search path through parallm's
+  # Hydra plugin): the engine settings live in actor_rollout_ref.actor.parallm / critic.parallm
+  ENGINE=(model_engine=parallm)
+  CRITIC_ENGINE=()
+  STRATEGY=parallm
+else
+  ENGINE=(
+    actor_rollout_ref.actor.strategy="$STRATEGY"
+    actor_rollout_ref.actor.fsdp_config.param_offload=False
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+  )
+  CRITIC_ENGINE=(
+    critic.strategy="$STRATEGY"
+    critic.fsdp.use_torch_compile=False
+    critic.fsdp.param_offload=False
+    critic.fsdp.optimizer_offload=False
+  )
+fi
 CRITIC=()
 if [ "$ADV" = gae ]; then
   CRITIC=(
-    critic.strategy="$STRATEGY"
     critic.model.path="$WORK/model"
     +critic.model.override_config.attn_implementation=sdpa
     critic.model.use_remove_padding=False
     critic.model.enable_gradient_checkpointing=False
     critic.optim.lr=1e-3
     critic.ppo_micro_batch_size_per_gpu=2
-    critic.fsdp.use_torch_compile=False
-    critic.fsdp.param_offload=False
-    critic.fsdp.optimizer_offload=False
+    "${CRITIC_ENGINE[@]}"
   )
 fi
 [ -f "$WORK/model/config.json" ] || "$PY" -m parallm.integrations.verl.toy "$WORK" >/dev/null
@@ -56,15 +76,13 @@ exec "$PY" -m verl.trainer.main_ppo \
   +actor_rollout_ref.model.override_config.attn_implementation=sdpa \
   actor_rollout_ref.model.use_remove_padding=False \
   actor_rollout_ref.model.enable_gradient_checkpointing=False \
-  actor_rollout_ref.actor.strategy="$STRATEGY" \
+  "${ENGINE[@]}" \
   actor_rollout_ref.actor.optim.lr=1e-3 \
   actor_rollout_ref.actor.ppo_mini_batch_size=4 \
   actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2 \
   actor_rollout_ref.actor.use_kl_loss=False \
   actor_rollout_ref.actor.entropy_coeff=0 \
   actor_rollout_ref.actor.use_torch_compile=False \
-  actor_rollout_ref.actor.fsdp_config.param_offload=False \
-  actor_rollout_ref.actor.fsdp_config.optimizer_offload=False \
   actor_rollout_ref.rollout.name=vllm \
   actor_rollout_ref.rollout.n=2 \
   actor_rollout_ref.rollout.tensor_model_parallel_size=1 \

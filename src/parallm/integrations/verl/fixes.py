@@ -51,7 +51,9 @@ def fix_cpu_backend_string() -> None:
     ``f"cpu:gloo,{device}:{backend}"``, which on the CPU platform is ``"cpu:gloo,cpu:gloo"``: torch rejects a
     device named twice, so no worker could start. On the CPU platform, with no backend given, the wrapper passes
     ``"cpu:gloo"``; otherwise verl's function runs unchanged. Wraps the module attribute, which
-    ``verl.workers.engine_workers`` imports by name after this runs (it is imported from ``import verl``)."""
+    ``verl.workers.engine_workers`` imports by name after this runs (it is imported from ``import verl``). The
+    non-Ray variant, which verl's torchrun-launched SFT trainer calls, gets the same mend
+    (:func:`_fix_torchrun_backend_string`)."""
     import verl.utils.distributed as dist
 
     original = dist.initialize_global_process_group_ray
@@ -66,6 +68,36 @@ def fix_cpu_backend_string() -> None:
     initialize_global_process_group_ray._parallm_fix = True
     initialize_global_process_group_ray.__doc__ = fix_cpu_backend_string.__doc__
     dist.initialize_global_process_group_ray = initialize_global_process_group_ray
+    _fix_torchrun_backend_string(dist)
+
+
+def _fix_torchrun_backend_string(dist) -> None:
+    """The same string in verl 0.9.1's non-Ray ``initialize_global_process_group(timeout_second=36000)``, which
+    the torchrun-launched trainers call (``verl.trainer.sft_trainer.run_sft``): it takes no backend argument, so
+    on the CPU platform the wrapper does what verl's function does (``init_process_group`` with verl's timeout and
+    ``DIST_INIT_METHOD``, ``set_device(LOCAL_RANK)``, returns ``(local_rank, rank, world_size)``) with the backend
+    ``"cpu:gloo"``; off the CPU platform verl's function runs unchanged. ``run_sft`` imports the name from the
+    module when it runs, so the module attribute is what it gets."""
+    original = dist.initialize_global_process_group
+    if getattr(original, "_parallm_fix", False):
+        return
+
+    def initialize_global_process_group(timeout_second=36000):
+        if not on_cpu():
+            return original(timeout_second=timeout_second)
+        import os
+        from datetime import timedelta
+
+        import torch.distributed
+        torch.distributed.init_process_group(backend="cpu:gloo", timeout=timedelta(seconds=timeout_second),
+                                             init_method=os.environ.get("DIST_INIT_METHOD", None))
+        local_rank, rank, world_size = (int(os.environ[k]) for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE"))
+        dist.get_torch_device().set_device(local_rank)
+        return local_rank, rank, world_size
+
+    initialize_global_process_group._parallm_fix = True
+    initialize_global_process_group.__doc__ = _fix_torchrun_backend_string.__doc__
+    dist.initialize_global_process_group = initialize_global_process_group
 
 
 # --- 2. the vLLM version lookup ----------------------------------------------------------------------------------
