@@ -61,14 +61,16 @@ What each verl call becomes:
   snapshots the shards.
 * checkpoints: ``parallm.save_checkpoint`` / ``load_checkpoint`` (any layout) with the LR schedule's state, and
   an HF export when verl's checkpoint config asks for ``hf_model``.
+
+The code by concern: this module (the engine class: layout, build, modes and offload, forward / backward, optimizer
+step), :mod:`.options` (``parallm_options``: parallm's own block), :mod:`.batch` (verl's batches as parallm's and
+back), :mod:`.optim` (AdamW and verl's LR schedules), :mod:`.weights` (the rollout's weights) over :mod:`.delta`,
+:mod:`.checkpoints`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import shutil
 
 import torch
 import torch.distributed as dist
@@ -79,186 +81,17 @@ from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 
 import parallm
 
+from .batch import ROUTED, ROW_KEY, _nested, _padded, _routes_padded, _temperature, micro_batching, router_replay_mode
+from .optim import build_lr_scheduler, build_optimizer
+from .checkpoints import Checkpoints
+from .options import parallm_options
+from .weights import RolloutWeights
+
 __all__ = ["ParallmEngine", "ParallmEngineWithLMHead", "ParallmEngineWithValueHead", "register_engines",
            "parallm_options", "build_lr_scheduler"]
 
-_DEFAULTS = {"tp": 1, "pp": 1, "vpp": None, "cp": 1, "ep": 1, "dtype": "float32", "recompute": None,
-             "packed": False, "attn_impl": "auto"}
-ROW_KEY = "verl_row"      # the batch entry carrying each row's index in verl's mini-batch
 
-
-def parallm_options() -> dict:
-    """parallm's block for the engine: ``PARALLM_VERL_CONFIG`` (JSON) over the defaults; unknown keys refused."""
-    raw = os.environ.get("PARALLM_VERL_CONFIG", "").strip()
-    given = json.loads(raw) if raw else {}
-    if not isinstance(given, dict):
-        raise ValueError(f"PARALLM_VERL_CONFIG must be a JSON object, got {raw!r}")
-    unknown = sorted(set(given) - set(_DEFAULTS))
-    if unknown:
-        raise ValueError(f"PARALLM_VERL_CONFIG: unknown key(s) {unknown}; known: {sorted(_DEFAULTS)}")
-    return {**_DEFAULTS, **given}
-
-
-def _decay_everything(name: str, param) -> bool:
-    """verl's FSDP engine builds ``torch.optim.AdamW(module.parameters(), weight_decay=...)``: every parameter
-    decays (biases and norm weights too), unlike parallm's default Megatron rule."""
-    return False
-
-
-def build_optimizer(chunks, optim_config):
-    """parallm's AdamW from verl's ``FSDPOptimizerConfig``: ``optimizer_impl="torch.optim"``,
-    ``optimizer="AdamW"`` (what verl's FSDP engine builds by default); ``override_optimizer_config`` may set
-    ``eps`` (and ``amsgrad=False`` / ``foreach`` / ``fused``, which change nothing here). Anything else is a
-    ``NotImplementedError`` naming it."""
-    impl = getattr(optim_config, "optimizer_impl", "torch.optim")
-    name = getattr(optim_config, "optimizer", "AdamW")
-    if impl != "torch.optim" or str(name).lower() != "adamw":
-        raise NotImplementedError(f"parallm engine: optimizer {impl}.{name}; parallm's optimizer is AdamW "
-                                  "(optimizer_impl='torch.optim', optimizer='AdamW')")
-    override = dict(getattr(optim_config, "override_optimizer_config", None) or {})
-    eps = float(override.pop("eps", 1e-8))
-    if override.pop("amsgrad", False):
-        raise NotImplementedError("parallm engine: AdamW(amsgrad=True) is not parallm's AdamW")
-    for harmless in ("foreach", "fused", "capturable", "differentiable", "maximize"):
-        if harmless == "maximize" and override.get(harmless):
-            raise NotImplementedError("parallm engine: AdamW(maximize=True) is not supported")
-        override.pop(harmless, None)
-    if override:
-        raise NotImplementedError(f"parallm engine: override_optimizer_config keys {sorted(override)} are not "
-                                  "supported (known: eps, amsgrad=False, foreach, fused)")
-    return parallm.build_optimizer(chunks, lr=optim_config.lr, betas=tuple(optim_config.betas), eps=eps,
-                                   weight_decay=optim_config.weight_decay, no_decay=_decay_everything)
-
-
-def warmup_steps(optim_config) -> int:
-    """verl's FSDP engine's warm-up length: ``lr_warmup_steps`` when > 0, else ``int(lr_warmup_steps_ratio *
-    total_training_steps)`` (``None`` counts as unset)."""
-    n = optim_config.lr_warmup_steps
-    if n is None or n <= 0:
-        n = int(optim_config.lr_warmup_steps_ratio * optim_config.total_training_steps)
-    return n
-
-
-def build_lr_scheduler(optimizer, optim_config):
-    """verl's LR schedule on parallm's optimizer (a ``torch.optim.Optimizer``): verl's own
-    ``get_constant_schedule_with_warmup`` / ``get_cosine_schedule_with_warmup`` (``LambdaLR``), built with the
-    arguments verl 0.9.1's FSDP engine passes them (``_build_lr_scheduler``), so the LR of every step is
-    verl's. ``lr_scheduler_type`` other than ``constant`` / ``cosine`` is a ``NotImplementedError``."""
-    from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
-    kind = optim_config.lr_scheduler_type
-    warmup = warmup_steps(optim_config)
-    if kind == "constant":
-        return get_constant_schedule_with_warmup(optimizer=optimizer, num_warmup_steps=warmup)
-    if kind == "cosine":
-        return get_cosine_schedule_with_warmup(
-            optimizer=optimizer, num_warmup_steps=warmup, num_training_steps=optim_config.total_training_steps,
-            min_lr_ratio=optim_config.min_lr_ratio, num_cycles=optim_config.num_cycles,
-            zero_indexed_step=optim_config.zero_indexed_step)
-    raise NotImplementedError(f"parallm engine: lr_scheduler_type={kind!r}; verl 0.9.1's FSDP engine knows "
-                              "'constant' and 'cosine' (with warm-up), and so does this one")
-
-
-def _padded(data: TensorDict, pad_token_id: int):
-    """verl's NO_PADDING batch (nested jagged ``input_ids`` / ``position_ids`` ``[B, j]``) as parallm's
-    right-padded ``[B, S]`` ``input_ids``, ``attention_mask``, ``position_ids``, and the row lengths ``[B]``."""
-    input_ids = data["input_ids"]
-    if not input_ids.is_nested:
-        raise ValueError("parallm engine: verl's NO_PADDING batches (nested input_ids) only; got a dense tensor")
-    lengths = input_ids.offsets().diff()
-    b, s = lengths.numel(), int(lengths.max().item()) if lengths.numel() else 0
-    ids = torch.nested.to_padded_tensor(input_ids, padding=pad_token_id, output_size=(b, s))
-    position_ids = data["position_ids"]
-    if position_ids.dim() == 3:
-        raise ValueError("parallm engine: 3-D (multimodal rope) position_ids are not supported")
-    pos = torch.nested.to_padded_tensor(position_ids, padding=0, output_size=(b, s))
-    mask = (torch.arange(s, device=ids.device)[None, :] < lengths[:, None].to(ids.device)).long()
-    return ids, mask, pos, lengths.cpu()
-
-
-def _nested(padded: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """parallm's ``[b, S, ...]`` output, row r's first ``lengths[r]`` positions, as verl's nested jagged
-    ``[b, j, ...]``."""
-    flat = torch.cat([padded[r, :n] for r, n in enumerate(lengths)]) if lengths else padded.new_zeros(0)
-    offsets = torch.tensor([0, *lengths], device=flat.device).cumsum(0)
-    return torch.nested.nested_tensor_from_jagged(flat, offsets)
-
-
-ROUTED = "routed_experts"   # verl's TensorDict key for router replay (trainer, workers, Megatron engine)
-
-
-def router_replay_mode(engine_config) -> str:
-    """verl's ``router_replay.mode`` on an engine config (``"disabled"``, ``"R2"`` or ``"R3"``); a dataclass
-    (``EngineRouterReplayConfig``) or a mapping (an OmegaConf node added with ``+...router_replay.mode=R2``)."""
-    rr = getattr(engine_config, "router_replay", None)
-    mode = rr.get("mode") if isinstance(rr, dict) else getattr(rr, "mode", None)
-    mode = mode or "disabled"
-    if mode not in ("disabled", "R2", "R3"):
-        raise ValueError(f"parallm engine: router_replay.mode={mode!r}; verl's modes are 'disabled', 'R2', 'R3'")
-    return mode
-
-
-def _routes_padded(routed: torch.Tensor, lengths: torch.Tensor, s: int, *, short_ok: bool) -> torch.Tensor:
-    """verl's ``routed_experts`` (nested jagged ``[B, j, L, k]``, rows as ``input_ids``: what verl's
-    ``left_right_2_no_padding`` makes of the rollout's padded tensor, or what the R2 record returned) as
-    parallm's right-padded ``[B, s, L, k]`` int64 (0 at padding: ignored there). ``short_ok`` (R3): a row one
-    route short (autoregressive rollouts record none for the last generated token) gets ``0 .. k-1`` for its
-    last token, a valid placeholder whose routing only reaches that position's own logits."""
-    if not routed.is_nested:
-        raise ValueError(f"parallm engine: routed_experts must be verl's nested jagged [B, j, layers, top_k] "
-                         f"(left_right_2_no_padding makes it); got a dense {tuple(routed.shape)}")
-    parts = list(routed.unbind())
-    if len(parts) != lengths.numel():
-        raise ValueError(f"parallm engine: routed_experts has {len(parts)} rows for {lengths.numel()} sequences")
-    if parts[0].dim() != 3:
-        raise ValueError(f"parallm engine: routed_experts rows must be [j, layers, top_k]; got "
-                         f"{tuple(parts[0].shape)}")
-    layers, k = parts[0].shape[1:]
-    out = torch.zeros(len(parts), s, layers, k, dtype=torch.long)
-    for r, (p, n) in enumerate(zip(parts, lengths.tolist())):
-        if p.shape[0] == n - 1 and short_ok:
-            p = torch.cat([p.to(torch.long), torch.arange(k, dtype=torch.long).expand(1, layers, k)])
-        if p.shape[0] != n:
-            raise ValueError(f"parallm engine: routed_experts row {r} has {p.shape[0]} routes for its {n} tokens"
-                             + ("" if short_ok else " (router_replay.mode R2 replays what the forward-only "
-                                                    "pass recorded: one route per token)"))
-        out[r, :n] = p.to(torch.long)
-    return out
-
-
-def _temperature(data: TensorDict) -> float:
-    t = data["temperature"] if "temperature" in data.keys() else 1.0
-    if isinstance(t, torch.Tensor):
-        t = t.reshape(-1)
-        if t.numel() and not torch.all(t == t[0]):
-            raise ValueError("parallm engine: per-sample temperatures differ within a mini-batch "
-                             f"({sorted(set(t.tolist()))}); parallm's log-probs take one temperature per call")
-        t = float(t[0]) if t.numel() else 1.0
-    return float(t)
-
-
-def micro_batching(data: TensorDict) -> dict:
-    """verl's micro-batch settings as parallm's keyword: ``{"num_microbatches": B / micro_batch_size_per_gpu}``,
-    or, with verl's dynamic batch size, ``{"max_tokens_per_microbatch": max_token_len_per_gpu}`` (parallm's
-    token budget: the fewest bins of at most that many tokens, the count agreed over data-parallel replicas, as
-    verl's ``rearrange_micro_batches`` does; the bins differ from verl's, which changes no gradient: verl's
-    losses are sums over sequences normalised for the whole mini-batch)."""
-    if tu.get_non_tensor_data(data=data, key="force_group_size", default=1) != 1:
-        raise NotImplementedError("parallm engine: force_group_size > 1 (verl's reward-model pairs) is not "
-                                  "supported")
-    if tu.get_non_tensor_data(data=data, key="sp_size", default=1) != 1:
-        raise NotImplementedError("parallm engine: ulysses sequence parallelism; use parallm's cp instead")
-    if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
-        budget = data["max_token_len_per_gpu"]
-        return {"max_tokens_per_microbatch": int(budget)}
-    b = len(data)
-    size = int(data["micro_batch_size_per_gpu"])
-    if size < 1 or b % size:
-        raise ValueError(f"parallm engine: the mini-batch of {b} rows on this data-parallel rank does not split "
-                         f"into micro-batches of micro_batch_size_per_gpu={size}")
-    return {"num_microbatches": b // size}
-
-
-class ParallmEngine(BaseEngine):
+class ParallmEngine(RolloutWeights, Checkpoints, BaseEngine):
     """A verl ``BaseEngine`` over parallm (see the module docstring for what each call does)."""
 
     task = "causal_lm"
@@ -526,75 +359,6 @@ class ParallmEngine(BaseEngine):
     def lr_scheduler_step(self):
         self.lr_scheduler.step()
         return self.lr_scheduler.get_last_lr()[0]
-
-    # -- weights for the rollout ----------------------------------------------------------------------------
-    def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
-        """HF-named full tensors (``parallm.export_hf_tensors``), on every rank; collective: every rank must
-        iterate the generator to its end (verl's weight senders do). Offloaded parameters are brought back
-        first (verl's worker offloads them again after the sync, as for its FSDP engine)."""
-        self._onload_params()
-        return parallm.export_hf_tensors(self.chunks), None
-
-    def _onload_params(self) -> None:
-        """Offloaded parameters back on the device for an export (verl's worker offloads them again after)."""
-        if self.chunks is not None and self.device_type != "cpu":
-            parallm.onload(self.chunks, self.optimizer, params=True, grads=False, optimizer_state=False)
-
-    # verl's delta snapshots live in host memory; pinning them (verl's default) competes with every other pinned
-    # pool (parallm.offload's included), as verl's Megatron engine says of its own
-    delta_pin_snapshots = False
-
-    def _shard_export(self):
-        self._onload_params()
-        if self._shards is None:
-            from .delta import ShardExport
-            self._shards = ShardExport(self.chunks)
-        return self._shards
-
-    def get_per_tensor_param_shard(self, **kwargs):
-        """Each rank's local shard of every exported tensor group, ``(name, local_flat, ShardSpec)``, the same
-        sequence on every rank (:mod:`.delta`); what verl's ``prime_delta_snapshots`` snapshots."""
-        return self._shard_export().shard_stream(), None
-
-    def get_per_tensor_param_delta_shard(self, **kwargs):
-        """verl's sparse sync payload: per tensor group, the elements changed since the snapshot in the HF tensors'
-        coordinates ``(slots, dtype_str, counts, hf_idx, hf_val, gather_group)`` (verl's ``hf_delta_export`` over
-        :meth:`get_per_tensor_param_shard` with parallm's entry builder). Needs ``prime_delta_snapshots`` first."""
-        from verl.workers.engine.utils import hf_delta_export
-        export = self._shard_export()
-        self._delta_shard_snap = getattr(self, "_delta_shard_snap", {})
-        return hf_delta_export(export.shard_stream(), self._delta_shard_snap, export.delta_entry), None
-
-    # -- checkpoints ----------------------------------------------------------------------------------------
-    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
-        """``<local_path>/parallm``: parallm's training checkpoint (model, optimizer, the LR schedule's state in
-        ``extra``; loads at any layout); ``<local_path>/huggingface`` too when verl's ``save_contents`` has
-        ``hf_model``. Keeps the last ``max_ckpt_to_keep`` of the directories this engine saved."""
-        extra = {"lr_scheduler": self.lr_scheduler.state_dict()} if self.lr_scheduler is not None else None
-        if extra is not None:
-            extra = json.loads(json.dumps(extra))
-        with self._resident():
-            parallm.save_checkpoint(os.path.join(local_path, "parallm"), self.chunks, self.optimizer,
-                                    step=int(global_step), extra=extra, overwrite=True)
-            contents = getattr(self.checkpoint_config, "save_contents", None) or []
-            if "hf_model" in contents:
-                parallm.save_hf_weights(self.chunks, os.path.join(local_path, "huggingface"), overwrite=True)
-        self._saved.append(local_path)
-        if max_ckpt_to_keep and len(self._saved) > max_ckpt_to_keep and self.dims.rank == 0:
-            for old in self._saved[:-max_ckpt_to_keep]:
-                shutil.rmtree(old, ignore_errors=True)
-        self._saved = self._saved[-max_ckpt_to_keep:] if max_ckpt_to_keep else self._saved
-        dist.barrier()
-
-    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
-        with self._resident():
-            info = parallm.load_checkpoint(os.path.join(local_path, "parallm"), self.chunks, self.optimizer)
-        extra = info.get("extra") or {}
-        if self.lr_scheduler is not None and "lr_scheduler" in extra:
-            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
-        if self.dims.rank == 0:
-            print(f"parallm engine: loaded {os.path.join(local_path, 'parallm')} (step {info.get('step')}, "
-                  f"{'with' if self.optimizer is not None else 'without'} optimizer)", flush=True)
 
 
 class ParallmEngineWithLMHead(ParallmEngine):
