@@ -10,10 +10,13 @@ Checks, one line each (PASS / FAIL, value, limit):
   q1. the fla kernels (chunk_gated_delta_rule, causal_conv1d with cu_seqlens) against parallm's torch path on a
       packed stream of 5 documents (lengths 1 .. 150, grouped values 2 -> 4 heads): fp32 outputs and the
       gradients of q, k, v, g, beta, x and the conv weight; bf16 outputs, relative
-  q2. build_model picks the fla kernel under "auto" on CUDA (chunk.gdn_kernel == "fla") and the torch one when
-      PARALLM_GDN_KERNEL=torch
-  q3. a tiny Qwen3.5 (4 layers, linear / full alternating) at tp = world, packed + sequence parallel: fp32 logits
-      against transformers (run with its torch fallback), with each kernel
+  q2. build_model's kernel: "auto" picks fla on CUDA for bf16 (chunk.gdn_kernel == "fla"), torch for fp32 (fla's
+      Triton dots would run TF32), torch when PARALLM_GDN_KERNEL=torch
+  q3-q5. a tiny Qwen3.5 (4 layers, linear / full alternating, rows of 150 tokens) at tp = world: packed +
+      sequence parallel (q3), padded with left padding and a hole between real tokens (q4: fla runs each row's
+      span as a document of its varlen path), cp2 padded (q5, 2 GPUs): fp32 logits against transformers (run
+      with its torch fallback), with each kernel (fla asked for by name at fp32: limit 1e-3 for its TF32 dots)
+  q6. bf16 padded on fla (auto) against fp32 transformers, relative
 Exits 0 when all pass.
 """
 
@@ -89,21 +92,45 @@ def check_model(parallm, R, device, world, workdir, *, cpu: bool):
         model.save_pretrained(ckpt)
     dist.barrier()
     model = R.make_hf_model(cfg, seed=5)
-    ids, mask = R.padded_batch(cfg.vocab_size, batch=4, seq=90, seed=2)
+    ids, mask = R.padded_batch(cfg.vocab_size, batch=4, seq=150, seed=2)
+    holed = mask.clone()
+    holed[1, 60:66] = 0                  # padding between real tokens: run through, as transformers does
     with torch.no_grad():
         ref = R.hf_output(model, ids, mask)
-    kernels = ["torch"] if cpu else ["auto", "torch"]
-    for name in kernels:
+        ref_holed = R.hf_output(model, ids, holed)
+    fla_ok = gdn.KERNELS["fla"].unavailable(device, torch.bfloat16) is None
+    # q2: auto takes fla for bf16 / fp16 only (fp32: Triton's dots would run TF32), torch when asked
+    for name, dtype in (("auto", torch.float32), ("auto", torch.bfloat16), ("torch", torch.bfloat16)):
         os.environ[gdn.KERNEL_ENV] = name
         parallm.init_parallel(tp=tp)
-        chunks = parallm.build_model(ckpt, packed=True, sequence_parallel=tp > 1)
-        want = ("fla" if gdn.KERNELS["fla"].unavailable(device, torch.float32) is None else "torch") \
-            if name == "auto" else name
-        report(f"q2 kernel under {name} is {want} (0 = yes)", float(chunks[0].gdn_kernel != want), 0)
+        chunks = parallm.build_model(ckpt, dtype=dtype)
+        want = "fla" if (name == "auto" and dtype != torch.float32 and fla_ok) else "torch"
+        report(f"q2 kernel under {name} {dtype} is {want} (0 = yes)", float(chunks[0].gdn_kernel != want), 0)
+        parallm.destroy_parallel()
+    # q3-q5: the layouts on each kernel (fla asked for by name at fp32), fp32 logits against transformers
+    layouts = [("q3 packed+SP", dict(packed=True, sequence_parallel=tp > 1), dict(tp=tp), mask, ref),
+               ("q4 padded (left padding, a hole)", {}, dict(tp=tp), holed, ref_holed)]
+    if world == 2:
+        layouts.append(("q5 cp2 padded", {}, dict(tp=1, cp=2), mask, ref))
+    for name in (["torch"] if cpu or not fla_ok else ["fla", "torch"]):
+        os.environ[gdn.KERNEL_ENV] = name
+        for label, build, layout, m, want in layouts:
+            parallm.init_parallel(**layout)
+            chunks = parallm.build_model(ckpt, **build)
+            parallm.load_hf_weights(chunks, ckpt)
+            out = parallm.forward(chunks, ids.to(device), m.to(device)).cpu()
+            report(f"{label} {layout} fp32 logits, kernel {chunks[0].gdn_kernel}", R.max_diff_real(out, want, m),
+                   1e-3 if chunks[0].gdn_kernel == "fla" else 1e-4)
+            parallm.destroy_parallel()
+    if fla_ok and not cpu:      # q6: bf16 on fla (auto), padded, against fp32 transformers (relative)
+        os.environ[gdn.KERNEL_ENV] = "auto"
+        parallm.init_parallel(tp=tp)
+        chunks = parallm.build_model(ckpt, dtype=torch.bfloat16)
         parallm.load_hf_weights(chunks, ckpt)
-        out = parallm.forward(chunks, ids.to(device), mask.to(device)).cpu()
-        report(f"q3 qwen3.5 tp{tp} packed+SP fp32 logits, kernel {chunks[0].gdn_kernel}",
-               R.max_diff_real(out, ref, mask), 1e-3 if chunks[0].gdn_kernel == "fla" else 1e-4)
+        out = parallm.forward(chunks, ids.to(device), mask.to(device)).float().cpu()
+        scale = ref[mask.bool()].abs().max().item()
+        report(f"q6 bf16 padded logits on {chunks[0].gdn_kernel} vs fp32 transformers (relative)",
+               R.max_diff_real(out, ref, mask) / scale, 3e-2)
         parallm.destroy_parallel()
     os.environ.pop(gdn.KERNEL_ENV, None)
 

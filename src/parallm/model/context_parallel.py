@@ -84,6 +84,24 @@ class ContextSplit:
     _ring: dict = field(default_factory=dict, repr=False)
     _plans: dict = field(default_factory=dict, repr=False)
 
+    def documents_cu(self) -> torch.Tensor:
+        """The gathered packed stream's documents (each ``2 cp c`` rows: its chunks in sequence order) as int64
+        ``cu_seqlens`` on the batch's device, made once per batch (every linear-attention layer reads it)."""
+        if "documents_cu" not in self._plans:
+            lengths = torch.tensor([2 * self.cp * c for _, c in self.segments], dtype=torch.long,
+                                   device=self.ids.device)
+            self._plans["documents_cu"] = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        return self._plans["documents_cu"]
+
+    def rows_cu(self) -> torch.Tensor:
+        """The padded layout's gathered rows (``cp * rows`` tokens each, compacted) as the documents of a packed
+        stream, row after row: int64 ``cu_seqlens``, made once per batch."""
+        if "rows_cu" not in self._plans:
+            n = self.cp * self.rows
+            self._plans["rows_cu"] = torch.arange(0, (self.width + 1) * n, n, dtype=torch.long,
+                                                  device=self.ids.device)
+        return self._plans["rows_cu"]
+
     def plan(self, window: int | None = None) -> PiecePlan:
         """:attr:`pieces` as one :class:`PiecePlan` (over the flat ``[rows * width]`` slots and the gathered keys
         in global order), clipped to ``window``: pieces wholly outside it dropped. Kept for the other layers."""

@@ -54,6 +54,14 @@ class Packing:
     batch: int
     seq: int
     _plans: dict = field(default_factory=dict, repr=False)
+    _cu_long: torch.Tensor | None = field(default=None, repr=False)
+
+    def cu_long(self) -> torch.Tensor:
+        """``cu_seqlens`` as int64, made once per batch: varlen kernels (fla) that cache their metadata by the
+        tensor they are given then hit their cache in every layer."""
+        if self._cu_long is None:
+            self._cu_long = self.cu_seqlens.to(torch.long)
+        return self._cu_long
 
     def window_plan(self, window: int) -> "PiecePlan":
         """Each segment attending to itself, causally within ``window`` (one piece per segment, cut to the
@@ -98,19 +106,43 @@ def unpack_tokens(x: torch.Tensor, packing: Packing) -> torch.Tensor:
 
 class PaddedRows:
     """A padded batch's attention context: ``keep``, the ``[B, S]`` boolean real-token mask, from which each layer
-    kind takes what it needs: full causal attention the boolean ``[B, 1, S, S]`` mask (:meth:`mask`, built on
-    first use, once per batch), sliding windows a :class:`PiecePlan` over the real tokens of each row
-    (:meth:`window_plan`: no ``[S, S]`` tensor), linear attention ``keep`` itself."""
+    kind takes what it needs, built once per batch on first use: full causal attention the boolean
+    ``[B, 1, S, S]`` mask (:meth:`mask`; None for a batch without padding: plain causal attention), sliding
+    windows a :class:`PiecePlan` over the real tokens of each row (:meth:`window_plan`: no ``[S, S]`` tensor),
+    linear attention ``keep`` and, on varlen kernels, each row's span of real tokens as one document
+    (:meth:`spans`)."""
 
     def __init__(self, keep: torch.Tensor):
         self.keep = keep
+        self.full = bool(keep.all())
         self._mask: torch.Tensor | None = None
         self._plans: dict[int, PiecePlan] = {}
+        self._spans: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
-    def mask(self) -> torch.Tensor:
-        if self._mask is None:
+    def mask(self) -> torch.Tensor | None:
+        if self._mask is None and not self.full:
             self._mask = padded_attention_mask(self.keep)
         return self._mask
+
+    def spans(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Each row's tokens from its first real one to its last (holes included: transformers runs them) as the
+        documents of a packed stream: ``(index [T] long, cu_seqlens [docs + 1] long, longest)``, ``index`` the
+        stream's places in the ``[S, B]`` (s-major) activations, rows without real tokens left out. Made once per
+        batch: every linear-attention layer reads the same tensors (fla's metadata caches hit)."""
+        if self._spans is None:
+            b, s = self.keep.shape
+            pos = torch.arange(s, device=self.keep.device)
+            real = self.keep.any(-1)
+            first = torch.where(self.keep, pos, s).amin(-1)
+            last = torch.where(self.keep, pos, -1).amax(-1)
+            lengths = torch.where(real, last - first + 1, 0)
+            rows = real.nonzero().squeeze(-1)
+            within = torch.arange(int(lengths.max()) if b else 0, device=self.keep.device)
+            take = within[None, :] < lengths[rows, None]                     # [docs, longest]
+            index = ((first[rows, None] + within[None, :]) * b + rows[:, None])[take]
+            cu = torch.cat([lengths.new_zeros(1), lengths[rows].cumsum(0)])
+            self._spans = (index, cu, int(within.numel()))
+        return self._spans
 
     def window_plan(self, window: int) -> "PiecePlan":
         if window not in self._plans:
@@ -167,10 +199,11 @@ def padded_attention(q, k, v, ctx, *, window: int | None = None):
     tiles computed; queries at padded positions then give zeros (callers mask them)."""
     b, hq, s, d = q.shape
     if window is not None and window < s and not isinstance(ctx, torch.Tensor):
-        plan = _full_rows_plan(b, s, window) if ctx is None else ctx.window_plan(window)
+        full = ctx is None or ctx.full
+        plan = _full_rows_plan(b, s, window) if full else ctx.window_plan(window)
         flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]
         return attend_plan(*flat, plan).view(b, s, hq, d).transpose(1, 2)
-    mask = ctx.mask() if isinstance(ctx, PaddedRows) else ctx
+    mask = ctx.mask() if isinstance(ctx, PaddedRows) else ctx       # None: no padding
     if window is not None and window < s:      # a caller's own [B, 1, S, S] mask: the band joins it
         band = window_band(s, window, q.device)
         mask = band if mask is None else mask & band

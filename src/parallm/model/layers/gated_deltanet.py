@@ -63,7 +63,7 @@ from torch import nn
 
 from ...parallel.megatron_import import import_megatron
 from ...parallel.state import as_device
-from .attention import Packing
+from .attention import Packing, PaddedRows
 from ..context_parallel import ContextSplit
 from .mlp import no_init
 
@@ -234,6 +234,12 @@ def _fla_unavailable(device, dtype):
     return None
 
 
+def _auto_picks_fla(device, dtype) -> bool:
+    """``auto`` takes fla for half-precision models only: its Triton dots run fp32 inputs at TF32 (about 1e-3
+    relative), which an fp32 model does not ask for; ``PARALLM_GDN_KERNEL=fla`` still runs it on fp32."""
+    return dtype in (torch.float16, torch.bfloat16) and KERNELS["fla"].unavailable(device, dtype) is None
+
+
 KERNELS: dict[str, GDNKernel] = {k.name: k for k in (
     GDNKernel("torch", conv=causal_conv_packed, rule=torch_packed_rule),
     GDNKernel("fla", conv=_fla_conv_packed, rule=_fla_rule_packed, unavailable=_fla_unavailable),
@@ -241,11 +247,11 @@ KERNELS: dict[str, GDNKernel] = {k.name: k for k in (
 
 
 def resolve_kernel(name: str | None = None, *, device, dtype) -> GDNKernel:
-    """The kernel for ``name`` (default: ``$PARALLM_GDN_KERNEL``, else "auto": fla where it can run, else
-    torch); a named kernel that cannot run here is a ValueError saying why."""
+    """The kernel for ``name`` (default: ``$PARALLM_GDN_KERNEL``, else "auto": fla where it can run on a
+    bf16 / fp16 model, else torch); a named kernel that cannot run here is a ValueError saying why."""
     name = name or os.environ.get(KERNEL_ENV, "auto")
     if name == "auto":
-        return KERNELS["fla"] if KERNELS["fla"].unavailable(device, dtype) is None else KERNELS["torch"]
+        return KERNELS["fla"] if _auto_picks_fla(device, dtype) else KERNELS["torch"]
     if name not in KERNELS:
         raise ValueError(f"{KERNEL_ENV} must be 'auto' or one of {sorted(KERNELS)}, got {name!r}")
     why = KERNELS[name].unavailable(device, dtype)
@@ -282,7 +288,6 @@ class DepthwiseConv(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel, dtype=dtype, device=device))
 
 
-@dataclass(frozen=True)
 class _AllToAll(torch.autograd.Function):
     """``[n, ...]`` blocks: block j goes to rank j of ``group`` and block j received comes from rank j (``n`` the
     group's size); the backward is the same exchange of the gradients."""
@@ -381,12 +386,11 @@ class GatedDeltaNet(nn.Module):
         qkv = torch.cat([q, k, v], dim=-1)
         n = seq.shape[0]
         if split.packed:     # the documents in turn, each 2 cp c_d rows (real tokens first)
-            lengths = torch.tensor([2 * cp * c for _, c in split.segments], dtype=torch.long, device=seq.device)
-            cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-            qkv = self.kernel.conv(qkv[:, 0], weight, cu)
-            q, k, v = qkv.split([nkc * dk, nkc * dk, nvc * dv], dim=-1)
-            out = self.kernel.rule(q.reshape(n, nkc, dk), k.reshape(n, nkc, dk), v.reshape(n, nvc, dv),
-                                   decay[:, 0].float(), beta[:, 0], cu)[:, None]
+            out = self._varlen(qkv[:, 0], decay[:, 0], beta[:, 0], split.documents_cu(), weight,
+                               (nkc, nvc))[:, None]
+        elif self.kernel.name != "torch":   # [G, B]: every compacted row one document of G tokens
+            flat = [t.transpose(0, 1).reshape((width * n,) + tuple(t.shape[2:])) for t in (qkv, decay, beta)]
+            out = self._varlen(*flat, split.rows_cu(), weight, (nkc, nvc)).view(width, n, nvc, dv).transpose(0, 1)
         else:                # [P, B]: every row compacted, real tokens first
             qkv = causal_conv_padded(qkv.permute(1, 2, 0), weight).permute(2, 0, 1)
             q, k, v = qkv.split([nkc * dk, nkc * dk, nvc * dv], dim=-1)
@@ -398,8 +402,22 @@ class GatedDeltaNet(nn.Module):
         back = _AllToAll.apply(back.reshape(cp, rows, width, nvc * dv), self.cp_group)   # [cp (head group), ...]
         return back.permute(1, 2, 0, 3).reshape(rows, width, self.nv, dv)
 
+    def _varlen(self, qkv, g, beta, cu_seqlens, conv_weight=None, heads=None):
+        """The conv and the recurrence through the kernel on a packed stream: ``qkv [T, C]``, ``g`` / ``beta``
+        ``[T, nv]``, documents at ``cu_seqlens`` (int64); ``heads``: ``(nk, nv)`` of the call (context
+        parallelism: this rank's share). Returns fp32 ``[T, nv, dv]``."""
+        nk, nv = heads or (self.nk, self.nv)
+        qkv = self.kernel.conv(qkv, self.conv1d.weight if conv_weight is None else conv_weight, cu_seqlens)
+        q, k, v = qkv.split([nk * self.dk, nk * self.dk, nv * self.dv], dim=-1)
+        n = qkv.shape[0]
+        return self.kernel.rule(q.reshape(n, nk, self.dk), k.reshape(n, nk, self.dk), v.reshape(n, nv, self.dv),
+                                g.float(), beta, cu_seqlens)
+
     def forward(self, x, cos=None, sin=None, ctx=None):
-        packed = isinstance(ctx, Packing)
+        """``ctx``: a :class:`Packing`, a :class:`PaddedRows` (or its ``[B, S]`` bool mask; None: no padding), or
+        a :class:`ContextSplit`. Padded rows run the torch kernel's padded path, or, with a varlen kernel (fla),
+        each row's span of real tokens as one document of a packed stream (:meth:`PaddedRows.spans`): the same
+        result, since the input is zeroed at padding and leading zeros leave the state at 0."""
         if isinstance(ctx, ContextSplit):
             proj, _ = self.in_proj(x)
             s, b = proj.shape[:2]
@@ -408,26 +426,31 @@ class GatedDeltaNet(nn.Module):
             out = self.norm(out.to(v.dtype), z.reshape(s, b, self.nv, self.dv))
             out, _ = self.out_proj(out.reshape(s, b, self.nv * self.dv))
             return out
-        if ctx is not None and not packed:           # padded: zero the padding (transformers does the same)
-            x = x * ctx.transpose(0, 1).unsqueeze(-1).to(x.dtype)
+        packed = isinstance(ctx, Packing)
+        rows = None if packed or ctx is None else ctx if isinstance(ctx, PaddedRows) else PaddedRows(ctx)
+        if rows is not None and not rows.full:       # padded: zero the padding (transformers does the same)
+            x = x * rows.keep.transpose(0, 1).unsqueeze(-1).to(x.dtype)
         proj, _ = self.in_proj(x)                    # [S, B, in_local] ([T, 1, ...] under sequence parallelism)
         s, b = proj.shape[:2]
         q, k, v, z, beta, a = self._split(proj)
         qkv = torch.cat([q, k, v], dim=-1)
-        if packed:
-            qkv = self.kernel.conv(qkv[:, 0], self.conv1d.weight, ctx.cu_seqlens)[:, None]
-        else:
-            qkv = causal_conv_padded(qkv.permute(1, 2, 0), self.conv1d.weight).permute(2, 0, 1)
-        key = self.nk * self.dk
-        q, k, v = qkv.split([key, key, self.nv * self.dv], dim=-1)
-        q = q.reshape(s, b, self.nk, self.dk)
-        k = k.reshape(s, b, self.nk, self.dk)
-        v = v.reshape(s, b, self.nv, self.dv)
         beta = beta.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         if packed:
-            out = self.kernel.rule(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], ctx.cu_seqlens)[:, None]
-        else:   # [S, B, ...] -> [B, S, ...] rows
+            out = self._varlen(qkv[:, 0], g[:, 0], beta[:, 0], ctx.cu_long())[:, None]
+        elif self.kernel.name != "torch":            # padded rows as the documents of a packed stream
+            if rows is None:
+                rows = PaddedRows(torch.ones(b, s, dtype=torch.bool, device=x.device))
+            index, cu, _ = rows.spans()
+            flat = [t.reshape((s * b,) + tuple(t.shape[2:])).index_select(0, index) for t in (qkv, g, beta)]
+            got = self._varlen(*flat, cu)
+            out = got.new_zeros((s * b, self.nv, self.dv)).index_copy(0, index, got).view(s, b, self.nv, self.dv)
+        else:
+            qkv = causal_conv_padded(qkv.permute(1, 2, 0), self.conv1d.weight).permute(2, 0, 1)
+            key = self.nk * self.dk
+            q, k, v = qkv.split([key, key, self.nv * self.dv], dim=-1)
+            q, k = q.reshape(s, b, self.nk, self.dk), k.reshape(s, b, self.nk, self.dk)
+            v = v.reshape(s, b, self.nv, self.dv)
             out = chunk_gated_delta_rule(*(t.transpose(0, 1) for t in (q, k, v, g, beta))).transpose(0, 1)
         out = self.norm(out.to(v.dtype), z.reshape(s, b, self.nv, self.dv))
         out, _ = self.out_proj(out.reshape(s, b, self.nv * self.dv))

@@ -1,0 +1,108 @@
+"""Gated DeltaNet on varlen kernels (fla) for every layout, checked on CPU with the kernel emulated.
+
+fla's kernels need CUDA; what is parallm's and can be checked here is the plumbing around them: a padded batch
+(the default layout) and the padded context-parallel layout run their linear-attention layers on the kernel's
+packed (varlen) path, each row's span of real tokens one document (holes included, as transformers runs them),
+the varlen metadata made once per batch (every layer gets the same ``cu_seqlens`` tensor, so fla's metadata cache
+hits), and ``auto`` never picks fla for an fp32 model (its Triton dots run TF32). The emulated kernel is
+parallm's own torch varlen functions registered under the name "fla" (they are exact to transformers per
+document: tests/test_qwen3_5.py); scripts/gpu_checks/gated_deltanet.py runs the real kernels on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import helpers
+from test_qwen3_5 import hybrid_config, make_model
+
+SEQ = 150             # three 64-token chunks, not a multiple of one
+TOL = 5e-5            # transformers' own chunked-vs-recurrent spread is ~3e-5 at this length
+
+
+def test_auto_takes_fla_for_half_precision_only(monkeypatch):
+    from parallm.model.layers import gated_deltanet as gdn
+    monkeypatch.setattr(gdn, "_fla_chunk", object())
+    monkeypatch.delenv(gdn.KERNEL_ENV, raising=False)
+    cuda = torch.device("cuda", 0)
+    assert gdn.resolve_kernel(device=cuda, dtype=torch.float32).name == "torch"
+    assert gdn.resolve_kernel(device=cuda, dtype=torch.bfloat16).name == "fla"
+    assert gdn.resolve_kernel(device=cuda, dtype=torch.float16).name == "fla"
+    assert gdn.resolve_kernel("fla", device=cuda, dtype=torch.float32).name == "fla"     # asked for: runs
+    assert gdn.resolve_kernel(device="cpu", dtype=torch.bfloat16).name == "torch"
+
+
+def test_padded_rows_as_documents():
+    from parallm.model.layers.attention import PaddedRows
+    keep = torch.tensor([[0, 0, 1, 1, 1],        # left padding
+                         [1, 1, 0, 1, 0],        # a hole, then right padding
+                         [0, 0, 0, 0, 0],        # no real token: no document
+                         [1, 1, 1, 1, 1]], dtype=torch.bool)
+    index, cu, longest = PaddedRows(keep).spans()
+    b = keep.shape[0]
+    want = [(0, [2, 3, 4]), (1, [0, 1, 2, 3]), (3, [0, 1, 2, 3, 4])]       # (row, positions in the row)
+    assert cu.tolist() == [0, 3, 7, 12] and longest == 5
+    assert index.tolist() == [p * b + row for row, ps in want for p in ps]          # [S, B] s-major places
+
+
+def _spy_kernel(calls):
+    """parallm's torch varlen conv and rule registered as "fla", recording the cu_seqlens tensor of each call."""
+    from parallm.model.layers import gated_deltanet as gdn
+
+    def conv(x, weight, cu):
+        calls.append(("conv", id(cu), cu.dtype))
+        return gdn.causal_conv_packed(x, weight, cu)
+
+    def rule(q, k, v, g, beta, cu):
+        calls.append(("rule", id(cu), cu.dtype))
+        return gdn.torch_packed_rule(q, k, v, g, beta, cu)
+
+    return gdn.GDNKernel("fla", conv=conv, rule=rule)
+
+
+def rank_varlen(rank, world, cases):
+    import os
+
+    import parallm
+    from parallm.model.layers import gated_deltanet as gdn
+    calls = []
+    gdn.KERNELS["fla"] = _spy_kernel(calls)
+    os.environ[gdn.KERNEL_ENV] = "fla"
+    out = []
+    for case in cases:
+        parallm.init_parallel(tp=case["tp"], cp=case.get("cp", 1))
+        chunks = parallm.build_model(case["ckpt"])
+        assert all(c.gdn_kernel == "fla" for c in chunks)
+        parallm.load_hf_weights(chunks, case["ckpt"])
+        calls.clear()
+        got = parallm.forward(chunks, case["ids"], case["mask"])
+        linear = sum(1 for c in chunks for layer in c.layers if layer.linear)
+        assert len(calls) == 2 * linear, (case["name"], calls)          # every linear layer on the varlen path
+        assert len({c[1] for c in calls}) == 1 and {c[2] for c in calls} == {torch.int64}, calls   # one cu
+        out.append(helpers.max_diff_real(got, case["ref"], case["mask"]))
+        parallm.destroy_parallel()
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_padded_and_cp_padded_layouts_on_the_varlen_kernel(tmp_path):
+    """Qwen3.5 and Qwen3-Next at tp2 padded (left padding, right padding, a hole between real tokens) and at cp2
+    padded, with the emulated varlen kernel: transformers' logits on every real position."""
+    cases = []
+    for i, (model_type, layout) in enumerate([("qwen3_5_text", dict(tp=2)), ("qwen3_next", dict(tp=2)),
+                                              ("qwen3_5_text", dict(tp=1, cp=2))]):
+        cfg = hybrid_config(model_type)
+        model = make_model(cfg, seed=40 + i)
+        ckpt = helpers.save_checkpoint(model, str(tmp_path / f"m{i}"))
+        ids, mask = helpers.padded_batch(cfg.vocab_size, batch=3, seq=SEQ, seed=i)
+        mask[:] = 1
+        mask[0, :37] = 0                    # left padding
+        mask[1, SEQ - 29:] = 0              # right padding
+        if "cp" not in layout:              # context parallelism compacts rows: holes are another question
+            mask[2, 70:75] = 0              # a hole: transformers runs the conv and the decay through it
+        ref = helpers.hf_logits(model, ids, mask)
+        cases.append(dict(name=f"{model_type} {layout}", ckpt=ckpt, ids=ids, mask=mask, ref=ref, **layout))
+    results = helpers.run_ranks(rank_varlen, 2, cases, timeout=400)
+    for case, diff in zip(cases, results[0]):
+        assert diff < TOL, (case["name"], diff)
