@@ -157,8 +157,6 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, ctx, tokens=None, routed=None):
         """``tokens``: real-row mask of ``x`` for a MoE layer's load-balancing loss (None: not computed / all
         real). ``routed``: a MoE layer's replayed experts for the rows of ``x`` (:meth:`MoEBlock.route`)."""
-        if self.linear and isinstance(ctx, PaddedRows):     # padded: linear attention takes the [B, S] mask
-            ctx = ctx.keep
         x = x + self.self_attention(self.input_layernorm(x), cos, sin, ctx)
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, tokens, routed) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
@@ -371,9 +369,9 @@ class DecoderChunk(nn.Module):
                                else 1)
             positions = pack_tokens(position_ids, ctx)[:, None]            # [T, 1]
         else:
-            # no padding: causal attention without a [B, 1, S, S] mask (None); padding: each layer kind builds
-            # what it needs from the [B, S] mask, once per batch (PaddedRows)
-            ctx = None if bool(attention_mask.all()) else PaddedRows(attention_mask.bool())
+            # each layer kind builds what it needs from the [B, S] mask, once per batch (PaddedRows; no padding:
+            # causal attention without a [B, 1, S, S] mask)
+            ctx = PaddedRows(attention_mask.bool())
             positions = position_ids.transpose(0, 1)                     # [S, B]
         if self.pre_process:
             if split is not None:
