@@ -438,20 +438,13 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         if packed:
             out = self._varlen(qkv[:, 0], g[:, 0], beta[:, 0], ctx.cu_long())[:, None]
-        elif self.kernel.name != "torch":            # padded rows as the documents of a packed stream
+        else:                                        # padded rows as the documents of a packed stream
             if rows is None:
                 rows = PaddedRows(torch.ones(b, s, dtype=torch.bool, device=x.device))
             index, cu, _ = rows.spans()
             flat = [t.reshape((s * b,) + tuple(t.shape[2:])).index_select(0, index) for t in (qkv, g, beta)]
             got = self._varlen(*flat, cu)
             out = got.new_zeros((s * b, self.nv, self.dv)).index_copy(0, index, got).view(s, b, self.nv, self.dv)
-        else:
-            qkv = causal_conv_padded(qkv.permute(1, 2, 0), self.conv1d.weight).permute(2, 0, 1)
-            key = self.nk * self.dk
-            q, k, v = qkv.split([key, key, self.nv * self.dv], dim=-1)
-            q, k = q.reshape(s, b, self.nk, self.dk), k.reshape(s, b, self.nk, self.dk)
-            v = v.reshape(s, b, self.nv, self.dv)
-            out = chunk_gated_delta_rule(*(t.transpose(0, 1) for t in (q, k, v, g, beta))).transpose(0, 1)
         out = self.norm(out.to(v.dtype), z.reshape(s, b, self.nv, self.dv))
         out, _ = self.out_proj(out.reshape(s, b, self.nv * self.dv))
         return out
