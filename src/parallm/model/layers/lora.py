@@ -180,6 +180,20 @@ def _aligned(*tensors) -> bool:
                for t in tensors)
 
 
+def expert_lora_delta(x, a, b, counts, offsets, grouped: bool):
+    """``B_e (A_e x)`` per expert of rows grouped by expert (a ``[E, r, in]``, b ``[E, out, r]``). On the grouped
+    GEMM the rank is zero-padded to a multiple of 16 bytes first (``r = 4`` in bf16 becomes 8): torch._grouped_mm
+    needs 16-byte aligned rows, and the zero rows of A / columns of B add exactly nothing, so any rank keeps the
+    grouped kernel instead of a loop over the experts. Falls back to the loop only when ``in`` / ``out`` are
+    themselves unaligned."""
+    if grouped:
+        pad = (-a.shape[-2]) % (16 // a.element_size())
+        if pad:
+            a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
+        grouped = _aligned(a, b)
+    return _gmm(_gmm(x, a, counts, offsets, grouped), b, counts, offsets, grouped)
+
+
 class LoraExperts(Experts):
     """The routed experts with their per-expert adapters (``self.lora``, an :class:`ExpertAdapter`): ``fc1`` and
     ``fc2`` each ``W x + B (A x) * scaling`` per expert. The adapters' partial sums over TP (A of fc1 sees this
@@ -197,9 +211,8 @@ class LoraExperts(Experts):
         def linear(x, w, part):
             y = _gmm(x, w, counts, offsets, grouped)
             if part in ad.lora_A:
-                a, b = ad.lora_A[part], ad.lora_B[part]
-                fast = grouped and _aligned(a, b)
-                y = y + _gmm(_gmm(x, a, counts, offsets, fast), b, counts, offsets, fast) * ad.slots[part].scaling
+                delta = expert_lora_delta(x, ad.lora_A[part], ad.lora_B[part], counts, offsets, grouped)
+                y = y + delta * ad.slots[part].scaling
             return y
 
         return linear(swiglu(linear(rows, w1, "gate_up_proj")), w2, "down_proj")
