@@ -11,7 +11,9 @@ on the same GPU (the same randomized adapter, loaded by parallm.load_hf_adapter)
   L2. logits under adapters_disabled equal the bare model's: <= 1e-4
   L3. one token-mean AdamW step (fp32): the factors after it against PEFT's after torch.optim.AdamW: <= 1e-5
       (the frozen base bit-identical afterwards)
-  L4. export_hf_tensors(merged=True) against PEFT's merge_and_unload: <= 1e-5
+  L4. export_hf_tensors(merged=True) against PEFT's merge_and_unload: <= 1e-5; its peak extra device memory
+      below 0.75x the base's matrices (the originals are kept on the host; the export stream's own buffers and one
+      fp32 delta at a time remain)
   L5. bf16: forward_backward with adapters gives a finite loss and finite, non-zero adapter gradients; the base
       holds no gradient
 Exits 0 when all pass. Needs peft (pip install peft).
@@ -105,7 +107,17 @@ def main() -> int:
         report(f"L1 {name} fp32 logits with adapters vs PEFT", (got - want).abs()[real].max().item(), 1e-4)
         report(f"L2 {name} adapters_disabled vs the bare model", (got_base - want_base).abs()[real].max().item(),
                1e-4)
-        merged = dict(parallm.export_hf_tensors(chunks, merged=True, copy=True))
+        torch.cuda.reset_peak_memory_stats(device) if device.type == "cuda" else None
+        start_mem = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        merged = {}
+        for k, t in parallm.export_hf_tensors(chunks, merged=True):
+            merged[k] = t.to("cpu", copy=True)         # host copies: only the merge itself is on the device
+        if device.type == "cuda":
+            adapted = sum(p.numel() * p.element_size() for c in chunks for n, p in c.named_parameters()
+                          if not p.requires_grad and p.dim() >= 2)
+            extra = torch.cuda.max_memory_allocated(device) - start_mem
+            report(f"L4 {name} merged export's extra device memory / the base's weights (originals kept on "
+                   f"the host)", extra / max(adapted, 1), 0.75)
         unloaded = copy.deepcopy(ref).merge_and_unload().state_dict()
         diff = max((merged[k].float() - unloaded[k].float().to(merged[k].device)).abs().max().item()
                    for k in merged if k in unloaded)

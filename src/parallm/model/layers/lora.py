@@ -407,9 +407,10 @@ def _deltas(weight, what):
 @contextlib.contextmanager
 def merged_weights(chunks):
     """Inside, every adapted base weight holds ``W + B A * scaling`` (computed in fp32, rounded once into the
-    weight's dtype): what an engine without LoRA serves. On exit the original bits are copied back (each
-    adapted weight is copied aside first: extra memory of one copy of the adapted weights of this rank). No
-    collectives: each rank merges its own shards."""
+    weight's dtype): what an engine without LoRA serves. On exit the original bits are copied back. Each adapted
+    weight is copied aside first, to host memory (on a GPU the merge then costs no device memory beyond one
+    weight's fp32 delta at a time: with expert LoRA the adapted weights are most of the model, and this is when a
+    colocated engine needs the room). No collectives: each rank merges its own shards."""
     saved = []
     try:
         with torch.no_grad():
@@ -417,11 +418,11 @@ def merged_weights(chunks):
                 pieces = _deltas(weight, what)
                 if not pieces:
                     continue
-                saved.append((weight, weight.detach().clone()))
+                saved.append((weight, weight.detach().to("cpu", copy=True)))
                 for view, delta in pieces:
                     view.copy_((view.float() + delta).to(view.dtype))
         yield
     finally:
         with torch.no_grad():
             for weight, original in saved:
-                weight.detach().copy_(original)
+                weight.detach().copy_(original, non_blocking=False)
