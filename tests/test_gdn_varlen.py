@@ -106,3 +106,18 @@ def test_padded_and_cp_padded_layouts_on_the_varlen_kernel(tmp_path):
     results = helpers.run_ranks(rank_varlen, 2, cases, timeout=400)
     for case, diff in zip(cases, results[0]):
         assert diff < TOL, (case["name"], diff)
+
+
+def test_empty_documents_anywhere_in_a_stream():
+    """Zero-length documents (first, between, last) take no room and reset nothing: the same output as the
+    stream without them (a trailing one used to index past the chunk table)."""
+    from parallm.model.layers import gated_deltanet as gdn
+    g = torch.Generator().manual_seed(0)
+    total = 100
+    q, k = (torch.randn(total, 2, 8, generator=g) for _ in range(2))
+    v = torch.randn(total, 4, 8, generator=g)
+    decay, beta = -torch.rand(total, 4, generator=g), torch.rand(total, 4, generator=g)
+    want = gdn.torch_packed_rule(q, k, v, decay, beta, torch.tensor([0, 70, 100]))
+    for cu in ([0, 0, 70, 100], [0, 70, 70, 100], [0, 70, 100, 100]):
+        got = gdn.torch_packed_rule(q, k, v, decay, beta, torch.tensor(cu))
+        assert torch.equal(got, want), cu

@@ -169,10 +169,12 @@ def causal_conv_packed(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.
 def chunk_layout(cu_seqlens: torch.Tensor, total: int, chunk: int = CHUNK):
     """Where each token of a packed stream goes when every document starts at a chunk boundary: ``(index
     [T], length, reset [length / chunk])``: token t's place in a stream of ``length`` tokens (each document
-    zero-padded up to whole chunks) and which chunks start a document."""
+    zero-padded up to whole chunks) and which chunks start a document. Empty documents take no room."""
     bounds = cu_seqlens.tolist()
     starts, index, at = [], [], 0
     for a, b in zip(bounds[:-1], bounds[1:]):
+        if b == a:
+            continue
         starts.append(at // chunk)
         index.append(torch.arange(at, at + b - a))
         at += -(-(b - a) // chunk) * chunk
