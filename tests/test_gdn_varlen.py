@@ -121,3 +121,26 @@ def test_empty_documents_anywhere_in_a_stream():
     for cu in ([0, 0, 70, 100], [0, 70, 70, 100], [0, 70, 100, 100]):
         got = gdn.torch_packed_rule(q, k, v, decay, beta, torch.tensor(cu))
         assert torch.equal(got, want), cu
+
+
+@pytest.mark.parametrize("decay_scale", [0.5, 15.0])
+def test_packed_rule_with_realistic_decays(decay_scale):
+    """The varlen recurrence against transformers' token-by-token form per document with decays as large as real
+    checkpoints give (exp(A_log) up to ~15 times softplus: log decays down to -15 per token, where the chunked
+    form's exp(cumsum) differences are at their hardest), documents across chunk boundaries."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    from parallm.model.layers import gated_deltanet as gdn
+    g = torch.Generator().manual_seed(1)
+    docs = [(0, 130), (130, 131), (131, 200)]
+    total = docs[-1][1]
+    q, k = (torch.randn(total, 2, 16, generator=g) for _ in range(2))
+    v = torch.randn(total, 4, 16, generator=g)
+    decay = -torch.rand(total, 4, generator=g) * decay_scale
+    beta = torch.rand(total, 4, generator=g)
+    cu = torch.tensor([0] + [b for _, b in docs])
+    got = gdn.torch_packed_rule(q, k, v, decay, beta, cu)
+    want = torch.cat([hf.torch_recurrent_gated_delta_rule(*(t[a:b][None] for t in (q, k, v, decay, beta)),
+                                                          initial_state=None, output_final_state=False,
+                                                          use_qk_l2norm_in_kernel=True)[0][0] for a, b in docs])
+    assert (got - want).abs().max() < 2e-5, (got - want).abs().max()
