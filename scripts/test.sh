@@ -15,7 +15,7 @@ VLLM_TESTS=(tests/test_vllm.py tests/test_vllm_device.py tests/test_vllm_source.
             tests/test_vllm_lora.py)
 VLLM_VENV=${PARALLM_VLLM_VENV:-.venv-vllm}      # where scripts/setup_vllm.sh puts it
 with_vllm=${PARALLM_TEST_VLLM:-1}
-VERL_TESTS=(tests/test_verl.py)
+VERL_TESTS=(tests/test_verl.py tests/test_verl_sft.py tests/test_verl_config.py)
 VERL_VENV=${PARALLM_VERL_VENV:-.venv-verl}      # where scripts/setup_verl.sh puts it
 with_verl=${PARALLM_TEST_VERL:-1}
 bash scripts/setup.sh

@@ -1,0 +1,209 @@
+"""parallm's config groups in verl 0.9.1's Hydra config tree (docs/verl.md, "verl's config selects parallm").
+
+Runs in .venv-verl (``scripts/test.sh`` runs it there with ``PARALLM_REQUIRE_VERL=1``); elsewhere it skips.
+
+* ``test_config_groups``: Hydra composes verl's own primary configs (``ppo_trainer`` with ``model_engine=parallm``,
+  ``sft_trainer_engine`` with ``engine=parallm optim=parallm``) with nothing but verl's overrides on the command
+  line (parallm's Hydra plugin puts the groups on the search path), and verl's ``omega_conf_to_dataclass`` turns
+  them into parallm's dataclasses: the actor, the reference policy (``forward_only``, the actor's layout) and the
+  critic (the actor's layout) carry the layout verl's keys gave, the engine's options are those keys; ``optim=
+  parallm`` is verl's FSDP optimizer config, field for field; bad values are refused when verl builds the config.
+* ``test_search_path_plugin``: without the plugin ``engine=parallm`` is unknown and
+  ``hydra.searchpath=[pkg://parallm.integrations.verl.config]`` is the documented fallback; the plugin leaves
+  other Hydra apps' search paths alone.
+* ``test_options_precedence``: ``parallm_options``: verl's config when the engine config is parallm's,
+  ``PARALLM_VERL_CONFIG`` over it key by key with a warning naming both values, the variable alone with verl's
+  FSDP config (``strategy=parallm``).
+* ``test_ppo_trainer_model_engine``: verl's PPO trainer (``examples/verl/grpo_fsdp2_cpu.sh`` with
+  ``MODEL_ENGINE=parallm ADV=gae``, KL loss on so the reference policy is built) with the layout from verl's config
+  (``actor_rollout_ref.actor.parallm.tensor_model_parallel_size=2``, no ``PARALLM_VERL_CONFIG``): actor, reference
+  and critic are parallm's engines at tp2, 2 steps, and after each weight sync the rollout's probabilities equal
+  the trainer's (fp32 both sides).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+if os.environ.get("PARALLM_REQUIRE_VERL") != "1":
+    pytest.importorskip("verl", reason="verl is not installed here (bash scripts/setup_verl.sh creates .venv-verl; "
+                                       "scripts/test.sh runs this file there)")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _compose(name, overrides):
+    from hydra import compose, initialize_config_module
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        return compose(config_name=name, overrides=list(overrides))
+
+
+def _ref_dataclass(cfg):
+    """The reference policy's dataclass as verl's ``ActorRolloutRefWorker.init_model`` builds it (its
+    ``log_prob_*`` keys renamed to the actor's first)."""
+    from omegaconf import open_dict
+    from verl.utils.config import omega_conf_to_dataclass
+    ref = cfg.actor_rollout_ref.ref.copy()
+    with open_dict(ref):
+        ref.ppo_mini_batch_size = cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+        ref.ppo_micro_batch_size = ref.pop("log_prob_micro_batch_size", None)
+        ref.ppo_micro_batch_size_per_gpu = ref.pop("log_prob_micro_batch_size_per_gpu", None)
+        ref.use_dynamic_bsz = ref.pop("log_prob_use_dynamic_bsz", False)
+        ref.ppo_max_token_len_per_gpu = ref.pop("log_prob_max_token_len_per_gpu", None)
+    return omega_conf_to_dataclass(ref)
+
+
+@pytest.mark.timeout(300)
+def test_config_groups(tmp_path, monkeypatch):
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import FSDPOptimizerConfig
+
+    from parallm.integrations.verl import toy
+    from parallm.integrations.verl.config import ParallmActorConfig, ParallmCriticConfig, ParallmEngineConfig
+    from parallm.integrations.verl.options import parallm_options
+    monkeypatch.delenv("PARALLM_VERL_CONFIG", raising=False)
+    model = toy.write_checkpoint(str(tmp_path / "model"))
+    a = "actor_rollout_ref.actor.parallm."
+    cfg = _compose("ppo_trainer", ["model_engine=parallm", a + "tensor_model_parallel_size=2",
+                                   a + "pipeline_model_parallel_size=2", a + "virtual_pipeline_model_parallel_size=2",
+                                   a + "dtype=bf16", a + "packed=true", "actor_rollout_ref.rollout.n=2",
+                                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                                   "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+                                   "critic.ppo_micro_batch_size_per_gpu=2", f"critic.model.path={model}"])
+    assert cfg.model_engine == "parallm" and cfg.actor_rollout_ref.actor.strategy == "parallm"
+    want = {"tp": 2, "pp": 2, "vpp": 2, "cp": 1, "ep": 1, "dtype": "bfloat16", "recompute": None, "packed": True,
+            "attn_impl": "auto"}
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert type(actor) is ParallmActorConfig and type(actor.engine) is ParallmEngineConfig
+    assert actor.engine.strategy == "parallm" and not actor.engine.forward_only
+    assert parallm_options(actor.engine) == want, parallm_options(actor.engine)
+    ref = _ref_dataclass(cfg)
+    assert type(ref) is ParallmActorConfig and ref.engine.forward_only
+    assert parallm_options(ref.engine) == want        # the reference policy runs in the actor's processes
+    critic = omega_conf_to_dataclass(cfg.critic)
+    assert type(critic) is ParallmCriticConfig and not critic.engine.forward_only
+    assert {k: v for k, v in parallm_options(critic.engine).items() if k != "packed"} == \
+        {k: v for k, v in want.items() if k != "packed"}
+    assert type(omega_conf_to_dataclass(cfg.critic.optim)) is FSDPOptimizerConfig
+
+    # verl's SFT trainer: engine=parallm optim=parallm; optim=parallm is verl's FSDP optimizer config, unchanged
+    sft = _compose("sft_trainer_engine", ["engine=parallm", "optim=parallm", "engine.context_parallel_size=2",
+                                          "engine.expert_model_parallel_size=2", "engine.recompute=full"])
+    engine = omega_conf_to_dataclass(sft.engine)
+    assert type(engine) is ParallmEngineConfig
+    assert parallm_options(engine) == {**want, "tp": 1, "pp": 1, "vpp": None, "cp": 2, "ep": 2,
+                                       "dtype": "float32", "recompute": "full", "packed": False}
+    fsdp_optim = _compose("sft_trainer_engine", ["optim=fsdp"]).optim
+    assert OmegaConf.to_container(sft.optim) == OmegaConf.to_container(fsdp_optim)
+
+    # refused when verl builds the config, naming the key
+    for override, words in [("engine.dtype=float16", "dtype"), ("engine.tensor_model_parallel_size=0",
+                                                                "tensor_model_parallel_size"),
+                            ("engine.recompute=selective", "recompute"), ("engine.strategy=fsdp2", "strategy")]:
+        bad = _compose("sft_trainer_engine", ["engine=parallm", "optim=parallm", override])
+        with pytest.raises(Exception, match=words):
+            omega_conf_to_dataclass(bad.engine)
+    bad = _compose("ppo_trainer", ["model_engine=parallm", "actor_rollout_ref.actor.strategy=fsdp2",
+                                   "actor_rollout_ref.rollout.n=2",
+                                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"])
+    with pytest.raises(Exception, match="strategy must be 'parallm'"):
+        omega_conf_to_dataclass(bad.actor_rollout_ref.actor)
+    with pytest.raises(HydraException):        # not a key of parallm's engine block
+        _compose("sft_trainer_engine", ["engine=parallm", "engine.sequence_parallel=true"])
+
+
+@pytest.mark.timeout(120)
+def test_search_path_plugin(monkeypatch):
+    """Without the plugin the group is unknown; ``hydra.searchpath`` is the fallback; other apps are left alone."""
+    from hydra._internal.config_search_path_impl import ConfigSearchPathImpl
+    from hydra.errors import HydraException
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from parallm.integrations.verl.options import parallm_options
+    from hydra_plugins.parallm_verl import ParallmVerlSearchPathPlugin
+    other = ConfigSearchPathImpl()
+    other.append("hydra", "pkg://hydra.conf")
+    other.append("main", "file:///srv/app/conf")
+    ParallmVerlSearchPathPlugin().manipulate_search_path(other)
+    assert [e.path for e in other.get_path()] == ["pkg://hydra.conf", "file:///srv/app/conf"]
+    monkeypatch.setattr(ParallmVerlSearchPathPlugin, "manipulate_search_path", lambda self, search_path: None)
+    with pytest.raises(HydraException, match="parallm"):
+        _compose("sft_trainer_engine", ["engine=parallm", "optim=parallm"])
+    fallback = _compose("sft_trainer_engine", ["engine=parallm", "optim=parallm", "engine.tensor_model_parallel_size=2",
+                                               "hydra.searchpath=[pkg://parallm.integrations.verl.config]"])
+    assert parallm_options(omega_conf_to_dataclass(fallback.engine))["tp"] == 2
+
+
+@pytest.mark.timeout(120)
+def test_options_precedence(monkeypatch, caplog):
+    from verl.workers.config import FSDPEngineConfig
+
+    from parallm.integrations.verl.config import ParallmEngineConfig
+    from parallm.integrations.verl.options import parallm_options
+    cfg = ParallmEngineConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2, dtype="bf16")
+    monkeypatch.delenv("PARALLM_VERL_CONFIG", raising=False)
+    with caplog.at_level(logging.WARNING, logger="parallm"):
+        got = parallm_options(cfg)
+    assert (got["tp"], got["ep"], got["dtype"], got["pp"]) == (2, 2, "bfloat16", 1) and not caplog.records
+    # the variable wins key by key, with a warning for each value that differs from verl's config
+    monkeypatch.setenv("PARALLM_VERL_CONFIG", '{"tp": 1, "ep": 2, "packed": true}')
+    with caplog.at_level(logging.WARNING, logger="parallm"):
+        got = parallm_options(cfg)
+    assert (got["tp"], got["ep"], got["packed"], got["dtype"]) == (1, 2, True, "bfloat16")
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert any("tp=1" in m and "tensor_model_parallel_size=2" in m for m in messages), messages
+    assert any("packed=True" in m and "packed=False" in m for m in messages), messages
+    # verl's FSDP engine config (strategy=parallm): the variable alone
+    fsdp = FSDPEngineConfig(strategy="fsdp")
+    object.__setattr__(fsdp, "strategy", "parallm")
+    monkeypatch.setenv("PARALLM_VERL_CONFIG", '{"pp": 2}')
+    assert parallm_options(fsdp)["pp"] == 2 and parallm_options(fsdp)["tp"] == 1
+    monkeypatch.setenv("PARALLM_VERL_CONFIG", '{"tensor_model_parallel_size": 2}')
+    with pytest.raises(ValueError, match="unknown key"):
+        parallm_options(cfg)
+
+
+@pytest.mark.timeout(900)
+def test_ppo_trainer_model_engine(tmp_path):
+    work = tmp_path / "work"
+    shm = "/dev/shm"
+    before = set(os.listdir(shm)) if os.path.isdir(shm) else set()
+    env = {k: v for k, v in os.environ.items() if k != "PARALLM_VERL_CONFIG"}
+    try:
+        r = subprocess.run(["bash", os.path.join(ROOT, "examples/verl/grpo_fsdp2_cpu.sh"), str(work),
+                            "actor_rollout_ref.actor.parallm.tensor_model_parallel_size=2",
+                            "actor_rollout_ref.actor.use_kl_loss=True"],
+                           env=dict(env, PYTHON=sys.executable, MODEL_ENGINE="parallm", ADV="gae", STEPS="2"),
+                           capture_output=True, text=True, timeout=840, cwd=ROOT)
+    finally:   # verl's weight-transfer buffers, left behind when Ray ends the workers
+        for name in set(os.listdir(shm)) - before if os.path.isdir(shm) else ():
+            if name.startswith("psm_"):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(shm, name))
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-8000:]
+    # every engine (actor, reference, critic) says the layout verl's config gave it
+    starts = re.findall(r"parallm engine: (\w+) .* at (tp=\d+ pp=\d+ vpp=\d+ cp=\d+ ep=\d+ dp=\d+), float32, "
+                        r"(training|forward only)", log)
+    assert {(task, mode) for task, _, mode in starts} == {("causal_lm", "training"), ("causal_lm", "forward only"),
+                                                          ("value", "training")}, starts
+    assert {layout for _, layout, _ in starts} == {"tp=2 pp=1 vpp=1 cp=1 ep=1 dp=1"}, starts
+    print(starts)
+    lines = {int(m.group(1)): m.group(0) for m in re.finditer(r"step:(\d+) - .*", log)}
+    assert sorted(lines) == [1, 2], (sorted(lines), log[-8000:])
+    for step, line in lines.items():
+        for key in ("critic/vf_loss", "critic/grad_norm", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+            assert re.search(re.escape(key) + r":-?[0-9]", line), (step, key, line[:2000])
+        diff = float(re.search(r"training/rollout_probs_diff_max:([0-9.e+-]+)", line).group(1))
+        print(f"step {step}: rollout_probs_diff_max {diff:.2e}")
+        assert diff < 1e-5, (step, diff)
