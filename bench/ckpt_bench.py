@@ -40,6 +40,7 @@ def _model(parallm, cfg, dtype, *, shard=False):
         for c in chunks:
             for p in c.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    parallm.mark_loaded(chunks)           # filled by hand: save_checkpoint refuses a model never loaded
     opt = parallm.build_optimizer(chunks, lr=1e-4, weight_decay=0.1, shard_over_dp=shard)
     for c in chunks:   # one step with made-up gradients: moments are not zeros
         for p in c.parameters():

@@ -97,7 +97,7 @@ CATALOG = {
     "before-init/forward": ("RuntimeError", ["forward", "init_parallel"]),
     "before-init/forward_backward": ("RuntimeError", ["forward_backward", "init_parallel"]),
     # parallel layout
-    "world-not-tp-pp-dp": ("ValueError", ["world size 4", "tp=3"]),
+    "world-not-tp-pp-dp": ("ValueError", ["world size 4", "tp*cp*pp*dp", "tp=3 x cp=1 x pp=1"]),
     "layers-not-pp": ("ValueError", ["3 layers", "pp=2"]),
     "layers-not-pp-vpp": ("ValueError", ["2 layers", "pp=2", "vpp=2"]),
     "unsupported-arch": ("ValueError", ["GemmaForCausalLM", "LlamaForCausalLM"]),
@@ -113,6 +113,9 @@ CATALOG = {
     "window-hole/forward": ("ValueError", ["row 0", "padding between its real tokens", "sliding window of 4"]),
     # saving into a non-empty directory without overwrite=True
     "save-nonempty": ("FileExistsError", ["atomic", "target", "overwrite=True"]),
+    # a loss_fn returning a non-scalar: the shape it got
+    "loss-not-scalar": ("ValueError", ["loss_fn must return a scalar tensor", "got a tensor of shape (4, 10)"]),
+    "loss-sum-not-scalar": ("ValueError", ["scalar loss_sum", "got a loss_sum of a tensor of shape (4,)"]),
 }
 for _name, _expect in DIR_CASES.items():
     for _mode in MODES:
@@ -259,6 +262,10 @@ def _catalog_rank(rank, world, s):
     attempt("save-nonempty", lambda: parallm.save_hf_weights(chunks, s["target"]))
     out["save-nonempty/unchanged"] = tree_digest(s["target"]) == before
     attempt("save-overwrite", lambda: parallm.save_hf_weights(chunks, s["target"], overwrite=True))
+    attempt("loss-not-scalar", lambda: parallm.forward_backward(chunks, ids, mask,
+                                                                loss_fn=lambda o, i, m: o.float().mean(-1)))
+    attempt("loss-sum-not-scalar", lambda: parallm.forward_backward(
+        chunks, ids, mask, loss_fn=lambda o, i, m: (o.float().sum((1, 2)), 3)))
 
     # after all those errors the ranks are still in step: a good load and a forward give the reference
     nan_fill(chunks)

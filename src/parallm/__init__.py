@@ -9,13 +9,16 @@ Public API (a contract, see docs/api.md)::
                                  dtype=torch.float32, vocab_multiple=1, attn_impl="auto", recompute=None,
                                  cp_attn="auto", num_layers_in_first_pipeline_stage=None,
                                  num_layers_in_last_pipeline_stage=None, layers_per_stage=None, mtp=None,
-                                 revision=None, lora=None)
+                                 revision=None, lora=None, init="empty", seed=0)
+    #   dtype: a torch dtype or "float32" / "bf16" / ...; init="random": random weights from seed (no load needed)
     #   cp_attn: "allgather" | "ring" | "auto"; layers_per_stage: one count per virtual stage, or "balanced"
     #   mtp: carry the multi-token-prediction layers (moved bit for bit, never run); None: if the checkpoint has any
     #   lora: a parallm.LoraConfig: LoRA adapters beside the targeted linears, the base frozen (docs/lora.md)
     #   hf_config / source: a directory, or a Hub id ("Qwen/Qwen2.5-0.5B", revision=) from the local HF cache only
     parallm.load_hf_weights(chunks, source, *, mode="auto", strict=True, progress=None, allow_pickle=False,
                             revision=None)
+    parallm.mark_loaded(chunks)                      # after filling every parameter yourself: forward and the
+    #   saves refuse a model never loaded (load_hf_weights / load_checkpoint / init="random" mark it themselves)
     state = parallm.save_hf_weights(chunks, out_dir=None, *, dtype=None, overwrite=False,
                                     max_shard_size=5 * 1024 ** 3, progress=None, source=None, merged=False)
     #   a directory save also gets the source checkpoint's tokenizer / chat template / generation config
@@ -38,6 +41,8 @@ Public API (a contract, see docs/api.md)::
     #   tensors, split with the microbatches and handed to loss_fn(out, mb); (input_ids, attention_mask) works too.
     #   loss_fn returns a scalar (mean over microbatches), (loss_sum, num_tokens) (token-mean), or either with a
     #   dict of scalar metrics, and forward_backward then returns (objective, metrics)
+    #   the tp / cp / pp ranks of one replica must pass the same batch (checked): shard data by
+    #   chunks[0].dims.dp_rank of chunks[0].dims.dp
     parallm.finalize_grads(chunks)
     norm = parallm.clip_grad_norm_(chunks, max_norm, norm_type=2.0)
     opt = parallm.build_optimizer(chunks, *, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
@@ -90,7 +95,7 @@ _LAZY = {
     "offload": "train.offload", "onload": "train.offload", "offloaded": "train.offload",
     "LoraConfig": "model.layers.lora", "add_lora": "model.layers.lora", "adapters_disabled": "model.layers.lora",
     "export_adapter_tensors": "checkpoint.lora_io", "save_hf_adapter": "checkpoint.lora_io",
-    "load_hf_adapter": "checkpoint.lora_io",
+    "load_hf_adapter": "checkpoint.lora_io", "mark_loaded": "model.loaded",
 }
 
 __all__ = ["CheckpointError", "ParallelError", *sorted(_LAZY)]

@@ -15,8 +15,9 @@ from .model.kernels import agree_on_kernels
 from .model.logprobs import TokenStats, check_output
 from .model.spec import TASKS
 from .parallel.comm import gather_last_dim
-from .parallel.errors import agree, exchange_rows, spread_failure
+from .parallel.errors import exchange_rows, spread_failure
 from .model.layers.moe import AuxScales
+from .model.loaded import require_loaded
 from .model.params import attach_main_grad_hooks
 from .parallel.pipeline import broadcast_from_last_stage, run_pipeline
 from .parallel.state import as_chunks, current_dims, dims_of, kv_replica_group, require_initialized
@@ -34,7 +35,7 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
                 cp_attn: str = "auto", num_layers_in_first_pipeline_stage: int | None = None,
                 num_layers_in_last_pipeline_stage: int | None = None,
                 layers_per_stage=None, mtp: bool | None = None,
-                revision: str | None = None, lora=None) -> list[DecoderChunk]:
+                revision: str | None = None, lora=None, init: str = "empty", seed: int = 0) -> list[DecoderChunk]:
     """Build this rank's share of the model: one chunk per virtual pipeline stage (``len == vpp`` or 1).
 
     ``hf_config``: a transformers ``PretrainedConfig``, a checkpoint directory, or a config.json path, or a Hub id
@@ -47,7 +48,13 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     None to follow the config (``*ForSequenceClassification`` -> value). ``packed``: remove padding and run
     the real tokens as one stream (varlen attention). ``sequence_parallel``: split that stream over the TP
     ranks between the parallel linears (needs ``packed=True``).
-    The parameters are allocated, not initialised: fill them with :func:`parallm.load_hf_weights`.
+    ``init="empty"`` (default): the parameters are allocated, not initialised, and the chunks are marked not
+    loaded: fill them with :func:`parallm.load_hf_weights` (or :func:`parallm.load_checkpoint`); ``forward``,
+    ``forward_backward`` and the saves refuse them until then (:mod:`parallm.model.loaded`; after filling
+    every parameter yourself, :func:`parallm.mark_loaded`). ``init="random"``: randomly initialised weights as
+    transformers initialises them, from ``seed``, the same model at every layout
+    (:mod:`parallm.checkpoint.random_init`). ``dtype``: a torch dtype or its name (``"float32"`` / ``"fp32"``,
+    ``"bfloat16"`` / ``"bf16"``, ``"float16"`` / ``"fp16"``, as verl configs spell it).
     The vocabulary is padded to a multiple of ``vocab_multiple * tp`` (zero rows, never visible in outputs).
     ``attn_impl``: the attention kernel (``"auto"``, ``"sdpa"``, ``"sdpa-loop"``, ``"flash-attn"``; see
     :mod:`parallm.model.layers.attention`); the choice is logged and kept as ``chunk.attn_impl``.
@@ -78,12 +85,14 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     Collective (every rank calls it): replicated-KV groups are created here when num_key_value_heads < tp.
     """
     require_initialized("build_model")
-    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"dtype must be a floating-point torch.dtype (float32, bfloat16, float16), got {dtype!r}")
+    dtype = model_dtype(dtype)
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
-    from .checkpoint.hf_dir import resolve_checkpoint
-    hf_config = resolve_checkpoint(hf_config, revision=revision)
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS} ('empty': load the weights next; 'random': random "
+                         f"weights from seed), got {init!r}")
+    from .checkpoint.hf_dir import config_source
+    hf_config = config_source(hf_config, revision=revision, what="build_model")
     config = load_config(hf_config)
     spec, family = spec_from_config(config)
     task = resolve_task(config, task)
@@ -110,10 +119,29 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     for chunk in chunks:
         chunk.hf_config = getattr(config, "_raw", config)
         chunk.hf_source = source
+    if init == "random":
+        from .checkpoint.random_init import init_random
+        init_random(chunks, seed=seed)
     if lora is not None:        # LoRA adapters, the base frozen (docs/lora.md)
         from .model.layers.lora import add_lora
         add_lora(chunks, lora)
     return chunks
+
+
+INITS = ("empty", "random")
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+               "float16": torch.float16, "fp16": torch.float16}
+
+
+def model_dtype(dtype) -> torch.dtype:
+    """``build_model``'s ``dtype``: a floating-point torch dtype, or one of :data:`DTYPE_NAMES` (verl configs
+    pass strings); anything else a ValueError listing what is accepted."""
+    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype.lower().removeprefix("torch.")]
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    raise ValueError(f"dtype must be a floating-point torch.dtype (torch.float32, torch.bfloat16, torch.float16) "
+                     f"or one of the names {sorted(DTYPE_NAMES)}, got {dtype!r}")
 
 
 def _source_dir(hf_config) -> str | None:
@@ -438,13 +466,17 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output
             m = num_microbatches or 1
             if isinstance(m, bool) or not isinstance(m, int) or m < 1:
                 raise ValueError(f"num_microbatches={num_microbatches!r} must be a whole number >= 1")
-            return (batch, request, bins, given), _cp_fingerprint(layout, batch, m, request, given), m
-        m = num_microbatches if num_microbatches is not None else default_forward_microbatches(
-            b, layout.pp, batch[0].numel(), batch[0].device)
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1 or (b and m > b):
-            raise ValueError(f"num_microbatches={num_microbatches!r} must be a whole number from 1 to the batch "
-                             f"size {b}")
-        return (batch, request, None, given), _cp_fingerprint(layout, batch, m, request, given), m
+        else:
+            bins = None
+            m = num_microbatches if num_microbatches is not None else default_forward_microbatches(
+                b, layout.pp, batch[0].numel(), batch[0].device)
+            if isinstance(m, bool) or not isinstance(m, int) or m < 1 or (b and m > b):
+                raise ValueError(f"num_microbatches={num_microbatches!r} must be a whole number from 1 to the "
+                                 f"batch size {b}")
+        require_loaded(chunks, "forward")
+        return (batch, request, bins, given), _call_fingerprint(
+            layout, batch, m, request, given, temperature=temperature, token_chunk=token_chunk,
+            budget=max_tokens_per_microbatch), m
     budget = max_tokens_per_microbatch
     ((input_ids, attention_mask, position_ids), request, bins, given), m = _checked_call(
         layout, check, what="forward",
@@ -596,84 +628,51 @@ def _microbatches(chunks, input_ids, position_ids, attention_mask, m: int, sizes
     return mbs
 
 
-def _batch_fingerprint(input_ids, position_ids, attention_mask, *extra: int) -> list[int]:
-    """A few integers that differ when two batches differ (in any id, position or mask value, or shape), computed
-    on the batch's device: for each tensor, the int64 sum of its values times fixed odd weights (a single
-    changed element always changes it). ``extra``: more integers to agree on (microbatches, output kind)."""
-    out = [int(input_ids.shape[0]), int(input_ids.shape[1]), *extra]
-    for t in (input_ids, position_ids, attention_mask):
-        flat = t.reshape(-1).long()
-        weights = torch.arange(flat.numel(), dtype=torch.long, device=flat.device).mul_(2654435761).add_(
-            40503).remainder_(1 << 31).mul_(2).add_(1)
-        out.append(int((flat * weights).sum()))
-    return out
-
-
-FINGERPRINT_LENGTH = 8    # _batch_fingerprint with three extras: the rows the CP group exchanges
-
-
-def _cp_fingerprint(layout, batch, num_microbatches: int, request, given=None) -> list[int] | None:
-    """:func:`_batch_fingerprint` of a checked ``(input_ids, attention_mask, position_ids)`` under context
-    parallelism (None at cp = 1: nothing is exchanged), with router replay's ``given`` experts ``[B, S, L, k]``
-    at the real positions (padding values are ignored) as one more weighted sum (-1 without replay)."""
-    if layout.cp == 1:
+def _call_fingerprint(layout, batch, num_microbatches: int, request, given=None, *, extras=None,
+                      temperature=1.0, token_chunk=None, budget=None) -> list[int] | None:
+    """:func:`parallm.parallel.batch_check.batch_fingerprint` of a checked ``(input_ids, attention_mask,
+    position_ids)`` with the batch mapping's ``extras`` and the call's arguments that shape the work
+    (:data:`SETTINGS`; router replay's ``given`` experts ``[B, S, L, k]`` at the real positions, padding values
+    ignored, -1 without replay), or None when the replica is this rank alone (nothing to compare)."""
+    from .parallel.batch_check import batch_fingerprint, weighted_sum
+    if layout.tp * layout.cp * layout.pp == 1:
         return None
     ids, mask, pos = batch
     kind = 0 if request is None else 2 if request.entropy else 1
-    replay = -1
-    if given is not None:
-        flat = (given * mask.bool()[:, :, None, None]).reshape(-1)
-        weights = torch.arange(flat.numel(), dtype=torch.long, device=flat.device).mul_(2654435761).add_(
-            40503).remainder_(1 << 31).mul_(2).add_(1)
-        replay = int((flat * weights).sum())
-    return _batch_fingerprint(ids, pos, mask, num_microbatches, kind, replay)
+    replay = -1 if given is None else weighted_sum(given * mask.bool()[:, :, None, None])
+    bits = torch.tensor([float(temperature)], dtype=torch.float64).view(torch.int64).item()
+    return batch_fingerprint(ids, pos, mask, extras=extras, settings=(
+        num_microbatches, kind, replay, bits, -1 if token_chunk is None else token_chunk,
+        -1 if budget is None else budget))
+
+
+SETTINGS = ("num_microbatches", "output", "routed_experts", "temperature", "token_chunk",
+            "max_tokens_per_microbatch")      # _call_fingerprint's settings, as errors name them
 
 
 def _checked_call(layout, check, *, what: str, count_moe: bool, default: bool = False):
     """The checks every ``forward`` / ``forward_backward`` call makes before any model collective.
 
-    ``check()`` (local work, no collectives) returns ``(result, CP fingerprint or None, microbatch count)``. Then,
-    each over the group it concerns: under context parallelism the batch fingerprints over the CP group
-    (:func:`_same_batch_in_cp_group`); with ``count_moe`` the microbatch count over the expert-parallel group
-    (:func:`_same_microbatches`); then ONE agreement over the world (:func:`parallm.parallel.errors.agree`: a
-    one-element all-reduce on the gloo control group; the messages are exchanged only on failure), so that an
-    error of any of them on any rank is an error on every rank before anything waits. A rank whose own check
-    failed still takes part in the group exchanges (its row marked failed, left out of the comparisons).
+    ``check()`` (local work, no collectives) returns ``(result, fingerprint or None, microbatch count)``. Then,
+    with ``count_moe``, the microbatch count over the expert-parallel group (:func:`_same_microbatches`); then
+    ONE agreement over the world (:func:`parallm.parallel.batch_check.agree_on_batch`: an all-reduce of ``1 + 2
+    dp`` integers on the gloo control group; messages are exchanged only on failure) that also compares the
+    batch fingerprints of the ranks of each model replica, so that an error of any of them on any rank, or
+    ranks of one replica passing different batches, is an error on every rank before anything waits. A rank
+    whose own check failed still takes part (its row marked failed, left out of the comparisons).
     Returns ``(result, the microbatch count to run)``."""
+    from .parallel.batch_check import agree_on_batch
     try:
         result, fingerprint, count = check()
         error = None
     except Exception as e:  # noqa: BLE001 - agreed on by every rank below
         result, fingerprint, count, error = None, None, 0, e
     failed = error is not None
-    if layout.cp > 1:
-        problem = _same_batch_in_cp_group(layout, fingerprint, what, failed=failed)
-        error = error or problem
     if count_moe:
         count, problem = _same_microbatches(count, layout, what, default=default, failed=failed)
         error = error or problem
-    agree(error, what=what)
+    agree_on_batch(error, fingerprint, layout, what=what, setting_names=SETTINGS)
     return result, count
-
-
-def _same_batch_in_cp_group(layout, fingerprint: list[int] | None, what: str, *, failed: bool = False
-                            ) -> ValueError | None:
-    """Every rank of a context-parallel group must pass the same batch (each computes its share of it): one
-    all-gather over the CP group of :func:`_batch_fingerprint` (``failed``: this rank's own check failed, its
-    row is left out). Returns the ValueError naming a rank whose batch differs from the first rank's of the
-    group (a wrong result or a hang otherwise), the same on every rank of the group, or None."""
-    import torch.distributed as dist
-    row = [int(failed)] + (list(fingerprint) if fingerprint is not None else [0] * FINGERPRINT_LENGTH)
-    rows = exchange_rows(row, what=what, group=layout.cp_group)
-    ranks = dist.get_process_group_ranks(layout.cp_group)
-    ok = [i for i in range(len(ranks)) if not rows[i, 0]]
-    bad = [i for i in ok if not torch.equal(rows[i, 1:], rows[ok[0], 1:])]
-    if not bad:
-        return None
-    more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
-    return ValueError(f"{what}: every rank of a context-parallel group must pass the same batch (input_ids, "
-                      f"attention_mask, position_ids, num_microbatches, output, routed_experts); rank {ranks[bad[0]]}'s differs "
-                      f"from rank {ranks[ok[0]]}'s, the first of its group{more}")
 
 
 def _stackable(out):
@@ -832,8 +831,10 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
         reductions = check_reductions(metric_reduce)
         given = _check_replay(chunks, routed_experts, extras, batch[1])
         extras = _check_extras(extras, batch[0])
-        return (batch, request, extras, reductions, bins, given), \
-            _cp_fingerprint(layout, batch, num_microbatches, request, given), num_microbatches
+        require_loaded(chunks, "forward_backward")
+        return (batch, request, extras, reductions, bins, given), _call_fingerprint(
+            layout, batch, num_microbatches, request, given, extras=extras, temperature=temperature,
+            token_chunk=token_chunk, budget=max_tokens_per_microbatch), num_microbatches
     ((ids_all, mask_all, pos_all), request, extras, reductions, bins, given), _ = _checked_call(
         layout, check, what="forward_backward", count_moe=layout.ep > 1 and chunks[0].spec.moe is not None)
     if request is not None:   # the head's weight gradient goes straight into its existing gradient buffer
@@ -1016,7 +1017,9 @@ def _loss_parts(result):
     else:
         value, tokens = result, None
     if not (torch.is_tensor(value) and value.dim() == 0):
-        raise ValueError("loss_fn must return a scalar tensor (or (loss_sum, num_tokens) with a scalar loss_sum)")
+        got = f"a tensor of shape {tuple(value.shape)}" if torch.is_tensor(value) else type(value).__name__
+        raise ValueError(f"loss_fn must return a scalar tensor (or (loss_sum, num_tokens) with a scalar loss_sum), "
+                         f"got {'a loss_sum of ' if tokens is not None else ''}{got}")
     return value, tokens, metrics
 
 

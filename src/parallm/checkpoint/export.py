@@ -72,6 +72,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ParallelError
+from ..model.loaded import require_loaded
 from ..model.table import held_params, model_entries
 from ..parallel.errors import exchange_rows, gather_objects, raise_failures, remote_error, status_of
 from ..parallel.state import ParallelDims, as_chunks, dims_of, require_initialized
@@ -155,7 +156,8 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
     in the module docstring.
 
     Arguments are checked on every rank in the call's single exchange: a bucket below one byte, a destination
-    outside the world, or ranks passing different arguments is a ``ValueError`` on every rank.
+    outside the world, or ranks passing different arguments is a ``ValueError`` on every rank; a model whose
+    weights were never loaded (:mod:`parallm.model.loaded`) a ``RuntimeError`` on every rank.
 
     ``merged=True`` (a model with LoRA adapters, :mod:`parallm.model.layers.lora`): the tensors are the merged weights
     ``W + B A * alpha / r`` under the base model's HF names, for an engine without LoRA. Each rank merges its
@@ -200,6 +202,7 @@ def open_stream(chunks, *, dtype=None, bucket_bytes=DEFAULT_BUCKET_BYTES, dst_ra
                              f"with copy=True (the tensors live in the memory out hands out); got out={out!r}, "
                              f"copy={copy!r}")
         check_entry_casts(mine, wire, instead="export")   # before anything moves: everybody's error, not a hang
+        require_loaded(chunks, what)                      # never-loaded weights (parallm.model.loaded)
     except Exception as e:  # noqa: BLE001 - every rank learns of it in the exchange
         error = e
     holds, params = held_params(mine, everything)

@@ -29,6 +29,11 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
                       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
+class MissingCheckpointError(CheckpointError, FileNotFoundError):
+    """A checkpoint directory (or its config.json) that does not exist: a :class:`CheckpointError`, catchable as
+    ``FileNotFoundError`` too."""
+
+
 class SliceSource(Source):
     """One tensor of a safetensors file; ``read`` touches only the requested slice's bytes (a view of the
     memory-mapped file: the bytes are read by whoever copies from it)."""
@@ -257,10 +262,30 @@ def resolve_checkpoint(path, *, revision: str | None = None):
     return hub_snapshot(text, revision=revision)
 
 
+def config_source(hf_config, *, revision: str | None = None, what: str = "build_model"):
+    """:func:`resolve_checkpoint` for a model's config: a path (or id) resolved, and a path that does not exist,
+    or a directory without config.json, a :class:`MissingCheckpointError` saying so (a relative path: with the
+    current directory it was tried in). Non-paths (a config object, a dict) pass through."""
+    resolved = resolve_checkpoint(hf_config, revision=revision)
+    if not isinstance(resolved, (str, os.PathLike)):
+        return resolved
+    path = os.fspath(resolved)
+    if not os.path.exists(path):
+        where = f" (relative to the current directory {os.getcwd()})" if not os.path.isabs(path) else ""
+        raise MissingCheckpointError(f"{what}: checkpoint directory {path}{where} does not exist")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise MissingCheckpointError(f"{what}: {path} has no config.json (is it a Hugging Face checkpoint "
+                                     "directory?)")
+    return resolved
+
+
 def hub_snapshot(repo_id: str, *, revision: str | None = None) -> str:
-    """The cached snapshot directory of Hub model ``repo_id`` at ``revision`` (see :func:`resolve_checkpoint`)."""
+    """The cached snapshot directory of Hub model ``repo_id`` at ``revision`` (see :func:`resolve_checkpoint`).
+    The error for an id the cache lacks also says that no local path of that name exists relative to the
+    current directory (``"tiny"`` may be a path mistyped or run from elsewhere)."""
     cache = hf_hub_cache()
-    where = f"{repo_id!r} (revision {revision or 'main'}) is not a local path, and the Hugging Face cache {cache}"
+    where = (f"{repo_id!r} (revision {revision or 'main'}) is not a local path (nothing of that name in the "
+             f"current directory {os.getcwd()}), and the Hugging Face cache {cache}")
     try:
         from huggingface_hub import snapshot_download
     except ImportError:

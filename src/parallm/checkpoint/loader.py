@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError, ParallelError
 from ..families import family_of
+from ..model.loaded import mark_loaded
 from ..model.sharding import SlabSource, TensorSource, make_shard
 from ..model.table import (Entry, all_entries, chunk_entries, entry_view, expected_hf_shapes,  # noqa: F401
                            fused_layout, held_params, model_entries)
@@ -36,7 +37,8 @@ from ..parallel.state import ParallelDims, as_chunks, dims_of, require_initializ
 from ..progress import bar
 from .cast import WIRE_DTYPES, check_cast, copy_cast_
 from .fp8 import DequantizedSource, block_size_of, fp8_plan
-from .hf_dir import HFCheckpoint, check_floating, check_keys_and_shapes, resolve_checkpoint, tensor_shapes
+from .hf_dir import (HFCheckpoint, MissingCheckpointError, check_floating, check_keys_and_shapes, resolve_checkpoint,
+                     tensor_shapes)
 
 logger = logging.getLogger("parallm")
 
@@ -176,7 +178,8 @@ def _choose_mode(mode: str, kinds: list[tuple[str, str]]) -> str:
     if kind0 == "missing-dir":
         if os.path.isfile(what0):
             raise CheckpointError(f"load_hf_weights: {what0} is a file; pass the checkpoint directory holding it")
-        raise CheckpointError(f"load_hf_weights: checkpoint directory {what0} does not exist (on global rank 0)")
+        raise MissingCheckpointError(f"load_hf_weights: checkpoint directory {what0} does not exist (on global "
+                                     "rank 0)")
     if kind0 == "none":
         raise CheckpointError(f"load_hf_weights: global rank 0 passed {what0}; rank 0 must hold the checkpoint "
                               "directory or the state dict")
@@ -286,8 +289,12 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
 
     Cost: one exchange between the ranks (an all-gather of a few integers per rank). Every reading rank checks
     the names, shapes and dtypes of all tensors at once and fills its parameters first; then the ranks exchange
-    their outcome (and which shards they still need), and rank 0 streams those. After an error the parameters
-    hold a partial load.
+    their outcome (and which shards they still need), and rank 0 streams those. A successful load marks the
+    chunks loaded (:mod:`parallm.model.loaded`: ``forward`` and the saves refuse a model never loaded). After an
+    error the parameters hold a partial load, and the chunks of a rank whose parameters were being written are
+    marked not loaded (an error that comes before any parameter is written leaves them as they were).
+    ``strict=False`` ignores only tensors the model does not use: a tensor the model needs is never skipped, so
+    a load that returns has filled every parameter.
     """
     require_initialized("load_hf_weights")
     if mode not in MODES:
@@ -314,6 +321,7 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
             get, init = _open_and_check(source, spec, task, layout, strict=strict, allow_pickle=allow_pickle,
                                         fp8_block=block)
             own = [(e, c) for e, c in mine if not set(e.hf) & set(init)]
+            mark_loaded(chunks, False)      # from here on a failure leaves a partial load
             _fill_all(own, get, layout, progress)
         except Exception as e:  # noqa: BLE001
             error, status = e, _FAILED_READ
@@ -344,10 +352,13 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
         skip = {i for i, e in enumerate(everything) if set(e.hf) & set(init)}
         needs = {r: (int(rows[r, 3]), [i for i in rows[r, 4:].nonzero().flatten().tolist() if i not in skip])
                  for r in range(layout.world) if not readers[r]}
+        if layout.rank in needs:
+            mark_loaded(chunks, False)
         _broadcast_load(needs, mine, everything, params, get, layout, spec, padded_vocab, progress)
     if kind == "dir":       # where save_hf_weights finds the tokenizer / generation files
         for chunk in chunks:
             chunk.hf_source = what
+    mark_loaded(chunks)     # every parameter filled (a missing tensor is an error, strict or not)
     return LoadReport(mode=mode, tensors=len(mine), seconds=time.perf_counter() - t0, initialised=tuple(init))
 
 

@@ -8,7 +8,8 @@ column k) and ``...experts.base_layer.lora_A.weight`` for the inner one (``gate_
 ``[E 2r, H]``, B ``[2 I, 2r E]``); a layer with one of the two has only the outer names.
 
 :func:`export_adapter_tensors` (collective) yields every factor whole on every rank; :func:`save_hf_adapter` writes
-``adapter_config.json`` + ``adapter_model.safetensors``; :func:`load_hf_adapter` reads them, every rank only its
+``adapter_config.json`` + ``adapter_model.safetensors`` (+ parallm's ``parallm_adapter.json``: the seed, kept out
+of PEFT's config, which warns about keys it does not know); :func:`load_hf_adapter` reads them, every rank only its
 own slices.
 """
 
@@ -25,12 +26,14 @@ from ..errors import CheckpointError
 from ..model.layers.lora import LoraConfig, add_lora, global_entries, chunk_lora_entries, lora_config_of
 from ..model.placement import placement_of
 from ..model.sharding import Source
+from ..parallel.comm import all_gather_single
 from ..parallel.errors import gather_objects, run_local
 from ..parallel.state import as_chunks, dims_of, require_initialized
 from .saver import _move_into_place, check_target, make_tmp_beside
 
 PREFIX = "base_model.model."
 CONFIG_NAME = "adapter_config.json"
+SIDECAR_NAME = "parallm_adapter.json"    # parallm's own fields (sidecar_dict), beside PEFT's config
 WEIGHTS_NAME = "adapter_model.safetensors"
 
 
@@ -102,7 +105,7 @@ def _gather_factors(chunks, dtype) -> dict[str, torch.Tensor]:
     flat = torch.cat([t.reshape(-1) for _, t, _ in local]) if local else None
     if dims.tp > 1 and flat is not None:
         every = torch.empty(dims.tp * flat.numel(), dtype=flat.dtype, device=flat.device)
-        dist.all_gather_into_tensor(every, flat, group=dims.tp_group)
+        all_gather_single(every, flat, group=dims.tp_group)
         every = every.view(dims.tp, -1)
     for k, (entry, tensor, layout) in enumerate(local):
         expert = entry.index is not None
@@ -160,14 +163,23 @@ def peft_config_dict(chunks) -> dict:
         "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "fan_in_fan_out": False,
         "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
         "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "lora_bias": False,
-        "parallm": {"seed": config.seed, "target_modules": config.to_dict()["target_modules"]},
     }
+
+
+def sidecar_dict(chunks) -> dict:
+    """What parallm keeps beside PEFT's config (:data:`SIDECAR_NAME`): the adapters' seed and the
+    ``target_modules`` as given to :class:`LoraConfig` (a regex or ``"all-linear"`` stays so). PEFT warns about
+    any key of adapter_config.json it does not know ("Unexpected keyword arguments"), so none is added there."""
+    config = _config(chunks)
+    return {"seed": config.seed, "target_modules": config.to_dict()["target_modules"]}
 
 
 def save_hf_adapter(chunks, out_dir, *, dtype: torch.dtype | None = None, overwrite: bool = False) -> None:
     """Write the adapters as a PEFT directory (``adapter_config.json``, ``adapter_model.safetensors``) that
-    ``PeftModel.from_pretrained(base, out_dir)`` loads. Collective; global rank 0 writes, into a temporary
-    directory moved into place at the end (a non-empty ``out_dir`` needs ``overwrite=True``)."""
+    ``PeftModel.from_pretrained(base, out_dir)`` loads without a warning, plus :data:`SIDECAR_NAME` (the
+    adapters' seed and target_modules as configured, which :func:`load_hf_adapter` reads back). Collective; global
+    rank 0 writes, into a temporary directory moved into place at the end (a non-empty ``out_dir`` needs
+    ``overwrite=True``)."""
     require_initialized("save_hf_adapter")
     chunks = as_chunks(chunks)
     out_dir = os.path.abspath(os.fspath(out_dir))
@@ -176,13 +188,14 @@ def save_hf_adapter(chunks, out_dir, *, dtype: torch.dtype | None = None, overwr
               what="save_hf_adapter")
     tensors = dict(export_adapter_tensors(chunks, dtype=dtype))
 
-    run_local(lambda: write_peft_dir(out_dir, tensors, peft_config_dict(chunks)) if dims.rank == 0 else None,
-              what="save_hf_adapter")
+    run_local(lambda: write_peft_dir(out_dir, tensors, peft_config_dict(chunks), sidecar=sidecar_dict(chunks))
+              if dims.rank == 0 else None, what="save_hf_adapter")
 
 
-def write_peft_dir(out_dir: str, tensors: dict, config: dict) -> None:
-    """``adapter_model.safetensors`` + ``adapter_config.json`` written into a temporary directory beside
-    ``out_dir`` and moved into place (replacing ``out_dir``). Local, no collectives."""
+def write_peft_dir(out_dir: str, tensors: dict, config: dict, *, sidecar: dict | None = None) -> None:
+    """``adapter_model.safetensors`` + ``adapter_config.json`` (+ ``sidecar`` as :data:`SIDECAR_NAME`) written
+    into a temporary directory beside ``out_dir`` and moved into place (replacing ``out_dir``). Local, no
+    collectives."""
     from safetensors.torch import save_file
     tmp = make_tmp_beside(out_dir)
     try:
@@ -190,6 +203,9 @@ def write_peft_dir(out_dir: str, tensors: dict, config: dict) -> None:
                   metadata={"format": "pt"})
         with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
             json.dump(config, f, indent=2)
+        if sidecar is not None:
+            with open(os.path.join(tmp, SIDECAR_NAME), "w") as f:
+                json.dump(sidecar, f, indent=2)
         _move_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -198,9 +214,11 @@ def write_peft_dir(out_dir: str, tensors: dict, config: dict) -> None:
 
 # -- in -------------------------------------------------------------------------------------------------------
 
-def config_from_peft(peft: dict, chunk) -> LoraConfig:
+def config_from_peft(peft: dict, chunk, sidecar: dict | None = None) -> LoraConfig:
     """The :class:`LoraConfig` of a PEFT adapter_config.json (its ``target_parameters`` mapped back to the experts'
-    HF module names); anything parallm does not run (dropout, rsLoRA, DoRA, biases) is a CheckpointError."""
+    HF module names); anything parallm does not run (dropout, rsLoRA, DoRA, biases) is a CheckpointError.
+    ``sidecar``: :data:`SIDECAR_NAME`'s contents (the seed); adapters saved before it existed carry the same
+    fields as a ``"parallm"`` key of adapter_config.json, read when there is no sidecar."""
     for key, ok in (("lora_dropout", 0.0), ("use_rslora", False), ("use_dora", False), ("bias", "none"),
                     ("lora_bias", False), ("fan_in_fan_out", False)):
         if peft.get(key, ok) not in (ok, None) and not (key == "lora_dropout" and peft.get(key) == 0):
@@ -219,7 +237,7 @@ def config_from_peft(peft: dict, chunk) -> LoraConfig:
         targets += leaves[p]
     rank_pattern = {k: v for k, v in (peft.get("rank_pattern") or {}).items() if k != r".*\.gate_up_proj"}
     alpha_pattern = {k: v for k, v in (peft.get("alpha_pattern") or {}).items() if k != r".*\.gate_up_proj"}
-    seed = (peft.get("parallm") or {}).get("seed", 0)
+    seed = (sidecar if sidecar is not None else peft.get("parallm") or {}).get("seed", 0)
     return LoraConfig(int(peft["r"]), peft["lora_alpha"], tuple(dict.fromkeys(targets)), rank_pattern=rank_pattern,
                       alpha_pattern=alpha_pattern, seed=seed)
 
@@ -282,7 +300,12 @@ def load_hf_adapter(chunks, peft_dir) -> LoraConfig:
             raise CheckpointError(f"{peft_dir} is not a PEFT adapter directory ({CONFIG_NAME} and {WEIGHTS_NAME} "
                                   "expected)")
         with open(path) as f:
-            return config_from_peft(json.load(f), chunks[0])
+            peft = json.load(f)
+        sidecar = None
+        if os.path.isfile(os.path.join(peft_dir, SIDECAR_NAME)):
+            with open(os.path.join(peft_dir, SIDECAR_NAME)) as f:
+                sidecar = json.load(f)
+        return config_from_peft(peft, chunks[0], sidecar)
     config = run_local(read_config, what="load_hf_adapter")
     if lora_config_of(chunks) is None:
         run_local(lambda: add_lora(chunks, config), what="load_hf_adapter")

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from ..families import family_of
 from ..model.table import entry_view, expected_hf_shapes, model_entries
+from ..model.loaded import require_loaded
 from ..parallel.errors import run_local
 from ..parallel.state import ParallelDims, as_chunks, dims_of, require_initialized
 from ..progress import bar
@@ -89,7 +90,7 @@ def _merge_entry(entry, view, shards, *, dtype, device) -> dict[str, torch.Tenso
     if entry.row.keep_fp32:          # the router's weight and selection bias: fp32 whatever the model's dtype
         dtype = torch.float32
     for name, tensor in zip(entry.hf, tp_layout.merge(shards)):
-        tensor = tensor.to(device=device, dtype=dtype or tensor.dtype).contiguous()   # checked by _check_casts
+        tensor = tensor.to(device=device, dtype=dtype or tensor.dtype).contiguous()   # checked by _check_saveable
         if tensor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
             tensor = tensor.clone()
         out[name] = tensor
@@ -195,6 +196,8 @@ def save_hf_weights(chunks, out_dir=None, *, dtype: torch.dtype | None = None, o
 
     ``merged=True``: a model with LoRA adapters saves ``W + B A * alpha / r`` under the base's names
     (:func:`parallm.model.layers.lora.merged_weights`: merged in place, restored bit for bit afterwards).
+
+    A model whose weights were never loaded is refused on every rank (:mod:`parallm.model.loaded`).
     """
     if merged:
         from ..model.layers.lora import merged_weights
@@ -204,8 +207,7 @@ def save_hf_weights(chunks, out_dir=None, *, dtype: torch.dtype | None = None, o
     require_initialized("save_hf_weights")
     chunks = as_chunks(chunks)
     layout = dims_of(chunks)
-    if dtype is not None and any(can_overflow(p.dtype, dtype) for c in chunks for p in c.parameters()):
-        run_local(lambda: _check_casts(chunks, layout, dtype), what="save_hf_weights")
+    run_local(lambda: _check_saveable(chunks, layout, dtype), what="save_hf_weights")
     if out_dir is None:
         local = gather_stage_tensors(chunks, layout, dtype, progress=progress)
         state = _collect_on_rank0(local, layout, next(chunks[0].parameters()).device)
@@ -218,10 +220,13 @@ def save_hf_weights(chunks, out_dir=None, *, dtype: torch.dtype | None = None, o
     return None
 
 
-def _check_casts(chunks, layout: ParallelDims, dtype) -> None:
-    """Every saved parameter of this rank fits ``dtype`` (checked before any collective, so an overflow is an
-    error on every rank rather than a rank missing from the next gather)."""
-    check_entry_casts(model_entries(chunks, layout)[0], dtype, instead="save")
+def _check_saveable(chunks, layout: ParallelDims, dtype) -> None:
+    """The model was loaded (:mod:`parallm.model.loaded`), and every saved parameter of this rank fits
+    ``dtype`` (checked before any collective, so either is an error on every rank rather than a rank missing
+    from the next gather)."""
+    require_loaded(chunks, "save_hf_weights")
+    if dtype is not None and any(can_overflow(p.dtype, dtype) for c in chunks for p in c.parameters()):
+        check_entry_casts(model_entries(chunks, layout)[0], dtype, instead="save")
 
 
 # the dtypes a weight directory may be saved in (safetensors codes from the one map in hf_dir)
@@ -330,7 +335,7 @@ def _save_dir(chunks, layout: ParallelDims, out_dir: str, *, dtype, overwrite: b
                     param, tp_layout = entry_view(chunk, entry)
                     out_dtype = torch.float32 if entry.row.keep_fp32 else dtype
                     elsize = torch.empty((), dtype=out_dtype).element_size()
-                    local = param.detach().to(device="cpu", dtype=out_dtype)      # checked by _check_casts
+                    local = param.detach().to(device="cpu", dtype=out_dtype)      # checked by _check_saveable
                     hf_shapes = [shapes[n] for n in entry.hf]
                     for block in tp_layout.blocks(layout.tp_rank, layout.tp, hf_shapes):
                         if not block.primary:

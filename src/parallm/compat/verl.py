@@ -27,6 +27,9 @@ Differences from verl, on purpose:
 * Vocab-parallel logits of the PP classes carry the vocabulary padding (when ``V % tp != 0``) as columns filled
   with the dtype's lowest value at real positions, so a softmax / cross entropy gives them probability exactly 0
   (padded positions are all zeros; mask them as usual).
+* A model whose weights were never loaded (``load_state_dict_to_megatron_*``, ``parallm.load_hf_weights`` or
+  ``parallm.load_checkpoint``; ``parallm.mark_loaded`` after filling the parameters another way) refuses
+  ``forward`` with an error naming the fix: its parameters are uninitialised memory.
 * RmPad classes run packed (remove-padding, varlen attention, sequence parallel when megatron_config says so)
   and return zeros at padded positions (verl's pad_input convention).
 """
@@ -43,6 +46,7 @@ from ..checkpoint.loader import load_hf_weights
 from ..checkpoint.saver import save_hf_weights
 from ..families import spec_from_config
 from ..model.decoder import DecoderChunk, prepare_config
+from ..model.loaded import require_loaded
 from ..parallel.comm import gather_last_dim
 from ..parallel.state import _import_parallel_state, as_chunks, current_dims, kv_replica_group
 
@@ -88,6 +92,7 @@ class _VerlBase(DecoderChunk):
         kv_replica_group(spec.num_kv_heads)
 
     def forward(self, *, input_ids, attention_mask=None, position_ids=None):
+        require_loaded(self, f"{type(self).__name__}.forward")   # local: every rank's chunks share the state
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if position_ids is None:

@@ -247,6 +247,7 @@ class DecoderChunk(nn.Module):
         self.padded_vocab_size = padded_vocab_size(spec.vocab_size, tp, vocab_multiple)
         self.share_embeddings_and_output_weights = spec.tie_word_embeddings and task == "causal_lm"
         self.input_tensor = None
+        self.weights_loaded = False     # allocated, not initialised: the loaders mark it (model/loaded.py)
         # What Megatron's schedules read from a model: its type (and, from the config, the fields
         # prepare_config adds).
         from megatron.core.enums import ModelType

@@ -30,11 +30,19 @@ def gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     return _GatherLastDim.apply(x, group)
 
 
+def all_gather_single(output: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
+    """Every rank's ``inp`` concatenated along dim 0 into ``output`` (rank order of ``group``): torch's
+    ``all_gather_single`` where it exists (torch >= 2.13, which deprecates ``all_gather_into_tensor`` with a
+    FutureWarning on every call), else ``all_gather_into_tensor``. parallm's own all-gathers go through here."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, inp, group=group, async_op=async_op)
+
+
 def _gather_rows(x: torch.Tensor, group) -> torch.Tensor:
     """Every rank's ``x`` stacked along dim 0, in the rank order of ``group``."""
     x = x.contiguous()
     out = x.new_empty((dist.get_world_size(group) * x.shape[0],) + tuple(x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=group)
+    all_gather_single(out, x, group=group)
     return out
 
 

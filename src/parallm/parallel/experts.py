@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .comm import all_gather_single
+
 
 class _AllToAll(torch.autograd.Function):
     """Rows of ``x`` split as ``in_splits`` go to the group's ranks; ``out_splits`` rows arrive from each."""
@@ -60,7 +62,7 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
 
 def _all_gather_rows(x, group, size):
     out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    all_gather_single(out, x.contiguous(), group=group)
     return out
 
 
@@ -321,7 +323,7 @@ def dispatch(rows: torch.Tensor, expert_counts: torch.Tensor, *, ep: int, group,
     counts = received
     if sharing:
         counts = received.new_empty((tp * ep, local))             # [(tp rank, source), expert]
-        dist.all_gather_into_tensor(counts, received.contiguous(), group=tp_group)
+        all_gather_single(counts, received.contiguous(), group=tp_group)
     counts = counts.reshape(-1, local)                                            # [(tp rank, source), expert]
     # every size the host needs, in one device-to-host copy (one wait per MoE layer on a GPU)
     host = torch.cat([per_rank.sum(1), counts.reshape(-1)]).tolist()

@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .megatron_import import import_megatron
+from .megatron_import import import_megatron, silence_cuda_hints
 from .stages import layer_numbers, layer_owner, stage_sizes
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("PARALLM_TIMEOUT_S", "600"))
@@ -89,9 +89,8 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, cp: int =
         _OWN["process_group"] = True
     world = dist.get_world_size()
     if world % (tp * cp * pp) != 0:
-        cps = f" x cp={cp}" if cp > 1 else ""
-        raise ValueError(f"world size {world} is not tp*{'cp*' if cp > 1 else ''}pp*dp: tp={tp}{cps} x pp={pp} = "
-                         f"{tp * cp * pp} does not divide {world}")
+        raise ValueError(f"world size {world} is not tp*cp*pp*dp: tp={tp} x cp={cp} x pp={pp} = {tp * cp * pp} "
+                         f"does not divide {world}")
     dp = world // (tp * cp * pp)
     if (dp * cp) % ep:
         what = f"dp={dp} x cp={cp} = {dp * cp}" if cp > 1 else f"dp={dp}"
@@ -116,6 +115,8 @@ def init_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, *, cp: int =
     _GROUP_CACHE.clear()
     _STATE["generation"] += 1
     _make_control_group(timeout)
+    if group_device().type == "cpu":        # megatron-core's CUDA stream advice means nothing here
+        silence_cuda_hints()
 
 
 def seed_parallel(seed: int) -> None:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ...parallel.errors import agree, run_local
+from ...model.loaded import mark_loaded
 from ...model.params import LOW_PRECISION
 from ..dcp_io import SliceLoadPlanner, VerifyingReader, dcp_failure
 from ..global_view import global_slices, uncovered_rows
@@ -69,6 +70,10 @@ def load_checkpoint(path, chunks, optimizer=None) -> dict:
     model (tensor names or shapes differ), an ``optimizer`` when the checkpoint holds no optimizer state, a
     missing, truncated or corrupted file (every item's CRC-32 is checked as it is read), a checkpoint of the
     older format that pickled ``extra``, or one holding an item that is not a tensor.
+
+    A full checkpoint marks the chunks loaded (:mod:`parallm.model.loaded`); a LoRA one (adapters only) leaves
+    the mark as it was: load the base with ``load_hf_weights`` as well. A failure while the parameters are being
+    read marks them not loaded.
     """
     path, chunks, dims = begin("load_checkpoint", path, chunks)
     shapes, mine, saved = model_layout(chunks, dims)
@@ -88,6 +93,9 @@ def load_checkpoint(path, chunks, optimizer=None) -> dict:
     record, has_master, extra, extra_tensors = run_local(preflight, what="load_checkpoint")
     targets, stepped = _load_targets(dims, optimizer, shapes, mine, has_master)
     targets.update({k: [t] for k, t in extra_tensors.items()})
+    full = record.get("lora") is None       # a LoRA checkpoint fills the adapters only, not the base
+    if full:
+        mark_loaded(chunks, False)          # from here on a failure leaves a partial load
     try:
         dcp.load(targets, storage_reader=VerifyingReader(path, record["crc32"]["items"]),
                  planner=SliceLoadPlanner(targets))
@@ -95,6 +103,8 @@ def load_checkpoint(path, chunks, optimizer=None) -> dict:
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         error = dcp_failure(e, "load_checkpoint")
     agree(error, what="load_checkpoint")
+    if full:
+        mark_loaded(chunks)
     if optimizer is not None:
         for param in stepped:
             optimizer.mark_master_loaded(param)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
+from ...model.loaded import require_loaded
 from ...parallel.errors import gather_objects, lost_peer_error, raise_failures, run_local, status_of
 from ..dcp_io import SliceSavePlanner, SliceTable, dcp_failure, item_crcs
 from ..global_view import global_slices
@@ -97,7 +98,8 @@ def save_checkpoint(path, chunks, optimizer=None, *, step: int, extra=None, over
     a save that fails or is killed midway leaves an older checkpoint at ``path`` untouched. A non-empty ``path``
     is refused unless ``overwrite=True``. ``async_save=True`` returns an :class:`AsyncCheckpointSave` once the
     state is copied to CPU memory (call ``.wait()`` before relying on the files; ``parallm.destroy_parallel``
-    waits for it too); otherwise returns None when the files are in place.
+    waits for it too); otherwise returns None when the files are in place. A model whose weights were never
+    loaded is refused on every rank (:mod:`parallm.model.loaded`).
     """
     path, chunks, dims = begin("save_checkpoint", path, chunks)
 
@@ -107,6 +109,7 @@ def save_checkpoint(path, chunks, optimizer=None, *, step: int, extra=None, over
         check_optimizer(optimizer, chunks)
         encoded = encode_extra(extra)
         check_target(path, overwrite, replacing=" (the new checkpoint replaces it atomically once complete)")
+        require_loaded(chunks, "save_checkpoint")
         return encoded
 
     extra_entry, extra_tensors = run_local(check, what="save_checkpoint")

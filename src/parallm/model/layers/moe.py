@@ -63,6 +63,7 @@ from torch import nn
 
 from ...parallel.experts import (combine, dispatch, expert_counts, gather_shares, share_of, share_sizes, slots_of,
                                  sort_slots, weighted_sum)
+from ...parallel.comm import all_gather_single
 from ...parallel.megatron_import import import_megatron
 from ...parallel.state import as_device
 from .mlp import MLP
@@ -440,7 +441,7 @@ class MoEBlock(nn.Module):
             h = mtp.gather_from_sequence_parallel_region(h, True, group=self.tp_group)
             weights = mtp.gather_from_sequence_parallel_region(weights, True, group=self.tp_group)
             gathered = choices.new_empty((choices.shape[0] * self.tp,) + tuple(choices.shape[1:]))
-            torch.distributed.all_gather_into_tensor(gathered, choices.contiguous(), group=self.tp_group)
+            all_gather_single(gathered, choices.contiguous(), group=self.tp_group)
             return h, weights, gathered
         if self.tp > 1:
             h = mtp.copy_to_tensor_model_parallel_region(h, group=self.tp_group)

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...parallel.comm import all_gather_single
+
 
 def check_grouping(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
     """Raise ValueError when the grouping cannot run (numbers named): ``n_group`` must divide the experts into
@@ -221,7 +223,7 @@ def rows_of_tokens(t: torch.Tensor, attention_mask: torch.Tensor, ctx, *, share=
 def _all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
     world = torch.distributed.get_world_size(group)
     out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
-    torch.distributed.all_gather_into_tensor(out, x.contiguous(), group=group)
+    all_gather_single(out, x.contiguous(), group=group)
     return out
 
 
