@@ -73,6 +73,40 @@ def test_launch_restores_the_current_device(monkeypatch):
     assert cuda.calls[-1][1:] == ("set_device", 3)
 
 
+class FakeGenerator:
+    """A CUDA device's default generator: its state is what ``manual_seed`` sets."""
+
+    def __init__(self, seed):
+        self.state = torch.tensor([seed], dtype=torch.uint8)
+
+    def get_state(self):
+        return self.state.clone()
+
+    def set_state(self, state):
+        self.state = state.clone()
+
+    def manual_seed(self, seed):
+        self.state = torch.tensor([seed % 256], dtype=torch.uint8)
+
+
+def test_launch_restores_the_cuda_rng(monkeypatch):
+    """vLLM's start-up reseeds every CUDA device's generator (``manual_seed`` -> ``manual_seed_all``); the
+    trainer's CUDA RNG streams are what they were afterwards, on every device, also when the start fails."""
+    FakeCuda(monkeypatch, current=1)
+    gens = tuple(FakeGenerator(seed) for seed in (11, 22, 33, 44))
+    monkeypatch.setattr(torch.cuda, "default_generators", gens)
+    for failing in (False, True):
+        try:
+            with launch_module._process_state_kept():
+                for g in gens:                           # what vLLM's seeding does to every device
+                    g.manual_seed(0)
+                if failing:
+                    raise RuntimeError("engine failed")
+        except RuntimeError:
+            assert failing
+        assert [int(g.get_state()[0]) for g in gens] == [11, 22, 33, 44]
+
+
 def test_the_engine_goes_on_the_trainers_device(monkeypatch):
     """vLLM's one-process executor derives its worker's local rank (its CUDA device) from the device config,
     plain ``cuda`` for ``vllm.LLM``: 0 on every rank; while ``launch`` starts the engine it is the trainer's."""

@@ -26,62 +26,9 @@ import time
 import torch
 
 import helpers
+import vllm_engines as ve
 
 LAYERS = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96)
-
-
-class _Engine:
-    """A stand-in engine with one worker: what parallm's worker backend does with each call, minus vLLM."""
-
-    def __init__(self, name):
-        self.name, self.got, self.calls, self.shm = name, {}, [], None
-        self.slot_bytes, self.group, self.infos = 0, None, []
-
-    def workers(self):
-        return 1
-
-    def local(self):
-        return True
-
-    def init(self, info):
-        import datetime
-
-        import torch.distributed as dist
-        if "verify" in info:
-            self.calls.append("verify")
-        elif info["transport"] == "shm":
-            self.shm = torch.from_file(info["path"], shared=True, size=info["slot_bytes"] * info["slots"],
-                                       dtype=torch.uint8)
-            self.slot_bytes = info["slot_bytes"]
-        else:
-            timeout = datetime.timedelta(seconds=info["timeout_s"])
-            store = dist.TCPStore(info["master_address"], info["master_port"], info["world_size"],
-                                  is_master=False, timeout=timeout)
-            self.group = dist.ProcessGroupGloo(dist.PrefixStore(info["group"], store), info["rank_offset"],
-                                               info["world_size"], timeout)
-
-    def start(self):
-        self.calls.append("start")
-
-    def update(self, info):
-        from parallm.integrations.vllm.backends import unpack
-        time.sleep(0.005)                    # a slot rewritten too early would be read rewritten
-        if info["transport"] == "shm":
-            start = info["slot"] * self.slot_bytes
-            buf = self.shm[start:start + info["nbytes"]]
-        else:
-            buf = torch.empty(info["nbytes"], dtype=torch.uint8)
-            self.group.broadcast(buf, 0).wait()
-        for name, t in unpack(buf, info):
-            self.got[name] = t.clone()
-        self.infos.append(info)
-        self.calls.append("update")
-
-    def finish(self):
-        self.calls.append("finish")
-
-    def reset_prefix_cache(self):
-        pass
 
 
 def _rank(rank, world, ckpt):
@@ -96,7 +43,7 @@ def _rank(rank, world, ckpt):
     engines = []
 
     def handles(_, timeout):
-        engines[:] = [_Engine("a"), _Engine("b")]
+        engines[:] = [ve.StandIn("a"), ve.StandIn("b")]
         return engines
     client._handles = handles
 
@@ -120,7 +67,7 @@ def _rank(rank, world, ckpt):
         out["in_shm"] = (len(seen), all(seen))
         out["shm_exact"] = [sorted(e.got) == sorted(state) and all(torch.equal(e.got[n], state[n]) for n in state)
                             for e in engines]
-        out["calls"] = [(e.calls[0], e.calls[1], e.calls[-1], e.calls.count("update")) for e in engines]
+        out["calls"] = [([c for c in e.calls if c != "update"], e.calls.count("update")) for e in engines]
         out["slots"] = sorted({i["slot"] for i in engines[0].infos})
     shm_engines = list(engines)
 
@@ -145,13 +92,16 @@ def _rank(rank, world, ckpt):
     export._source = source
     out["needs_restart"] = conn.needs_restart
     if rank == 0:
-        out["finished_after_failure"] = [e.calls[-1] for e in shm_engines]
+        out["after_failure_calls"] = [e.calls[-1] for e in shm_engines]
         for e in shm_engines:
             e.got.clear()
-    pv.push_weights(chunks, conn, bucket_bytes="64KB")
+            e.calls.clear()
+    stats = pv.push_weights(chunks, conn, bucket_bytes="64KB")
+    out["needs_restart_after_next"] = (conn.needs_restart, stats["needs_restart"])
     state = parallm.save_hf_weights(chunks)
     if rank == 0:
         out["after_failure_exact"] = [all(torch.equal(e.got[n], state[n]) for n in state) for e in shm_engines]
+        out["recovery_calls"] = [e.calls[:4] + e.calls[-3:] for e in shm_engines]
     conn.close()
 
     # parallm_gloo: the same through a gloo group per engine
@@ -169,6 +119,27 @@ def _rank(rank, world, ckpt):
         out["default_bucket"] = dict(buckets=stats["buckets"], slot_bytes=conn.slot_bytes,
                                      model_bytes=sum(t.numel() * t.element_size() for t in state.values()),
                                      exact=[all(torch.equal(e.got[n], state[n]) for n in state) for e in engines])
+    conn.close()
+
+    # a model on an accelerator pushing into host memory (a CUDA trainer's slots: the shm file, gloo's sender
+    # buffers): forced here on CPU, the stream assembles each bucket in its own buffer and copies it into the slot
+    staged = export._staged
+    export._staged = lambda buf, device: True
+    remote._Fanout.add = watched
+    seen.clear()
+    with torch.no_grad():
+        for p in chunks[0].parameters():
+            p.add_(0.25)
+    state = parallm.save_hf_weights(chunks)
+    conn = pv.connect(["a", "b"], backend="parallm_shm", timeout=30)
+    try:
+        stats = pv.push_weights(chunks, conn, bucket_bytes="64KB")
+    finally:
+        remote._Fanout.add, export._staged = add, staged
+    if rank == 0:
+        out["staged"] = dict(in_shm=len(seen) > 0 and all(seen), updates=stats["updates"],
+                             output_buffers=chunks[0]._parallm_export["buffers"].count("output"),
+                             exact=[all(torch.equal(e.got[n], state[n]) for n in state) for e in engines])
     conn.close()
 
     # the hook itself
@@ -208,21 +179,48 @@ def test_push_fanout_one_copy_and_failures(tmp_path):
     assert r0["updates"] > 8, r0["updates"]
     assert r0["shm_exact"] == [True, True]
     assert r0["slots"] == [0, 1]
-    for first, second, last, n in r0["calls"]:
-        assert (first, second, last) == ("verify", "start", "finish") and n == r0["updates"]
+    for calls, n in r0["calls"]:
+        assert calls == ["init", "verify", "pause", "start", "finish", "reset", "resume"] and n == r0["updates"], calls
     for r in res:
         kind, msg, seconds = r["trainer_failed"]
         assert kind == "RuntimeError" and "rank 1 failed halfway" in msg and seconds < 30, r["trainer_failed"]
-        assert r["needs_restart"] == []
-    assert r0["finished_after_failure"] == ["finish", "finish"]
+        # both engines had received part of the push: not finished (vLLM would build the layer it was loading
+        # from uninitialised memory), paused, listed as not to be used until a complete push
+        assert r["needs_restart_after_next"][1] == [], r["needs_restart_after_next"]
+    assert r0["needs_restart"] == ["a", "b"] and r0["needs_restart_after_next"][0] == [], r0
+    assert r0["after_failure_calls"] == ["update", "update"], r0["after_failure_calls"]
+    # the next push closes the interrupted update first, then sends every tensor
+    assert r0["recovery_calls"] == [["verify", "pause", "finish", "start", "finish", "reset", "resume"]] * 2, \
+        r0["recovery_calls"]
     assert r0["after_failure_exact"] == [True, True]
     assert r0["gloo_exact"] == [True, True]
     d = r0["default_bucket"]
     assert d["buckets"] == 1 and d["exact"] == [True, True], d
     assert d["model_bytes"] <= d["slot_bytes"] <= d["model_bytes"] + (2 << 20), d
     assert r0["hook_views"] and r0["hook_exact"]
+    staged = r0["staged"]
+    assert staged["in_shm"] and staged["output_buffers"] == 2 and staged["updates"] > 8, staged
+    assert staged["exact"] == [True, True], staged
     for r in res:
         assert r["out_and_copy"][0] == "ValueError" and "not given with copy=True" in r["out_and_copy"][1] \
             or r["out_and_copy"][0] == "ValueError" and "differ" in r["out_and_copy"][1], r["out_and_copy"]
         assert r["bad_out"][0] == "ValueError", r["bad_out"]
     assert "float64" in r0["bad_out"][1] and "contiguous 1-D torch.float32" in r0["bad_out"][1], r0["bad_out"]
+
+
+def test_out_may_be_host_memory_for_a_device_model():
+    """``export_hf_tensors(out=...)`` for parameters on CUDA takes host memory (what a remote push hands it: the
+    shared-memory slots, gloo's sender buffers), where it used to raise on the first bucket; memory on another
+    device is still refused."""
+    from parallm.checkpoint import export
+    cuda = torch.device("cuda", 0)
+    buf = export._consumer_buffer(lambda k, n: torch.empty(n + 3), 0, 8, torch.float32, cuda)
+    assert buf.device.type == "cpu" and buf.numel() == 8 and export._staged(buf, cuda)
+    assert not export._staged(buf, torch.device("cpu"))
+    try:
+        export._consumer_buffer(lambda k, n: torch.empty(n, device="meta"), 0, 8, torch.float32, cuda)
+    except ValueError as e:
+        assert "on cuda:0 (or on the host)" in str(e), e
+    else:
+        raise AssertionError("a buffer on another device was accepted")
+

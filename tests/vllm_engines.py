@@ -1,7 +1,8 @@
 """Helpers of the vLLM tests (tests/test_vllm*.py): tiny checkpoints with a tokenizer (a ``vllm serve`` server
 needs one to return log-probs over HTTP), sampling through the server's completions route and through a
 ``vllm.LLM``, the comparison with parallm's ``forward(output="logprobs")`` (the one check of every push), a few
-training steps, and recording an attempt's outcome."""
+training steps, recording an attempt's outcome, and stand-in engines for the main suite's tests of the sender
+(:class:`StandIn`)."""
 
 from __future__ import annotations
 
@@ -118,3 +119,76 @@ def attempt(out: dict, key: str, fn) -> None:
         out[key] = ("ok", value, time.monotonic() - t0)
     except Exception as e:  # noqa: BLE001
         out[key] = (type(e).__name__, str(e), time.monotonic() - t0)
+
+
+class StandIn:
+    """A stand-in engine with one worker for the main suite's tests of the sender (no vLLM): what parallm's worker
+    backend does with each call, minus vLLM; every call recorded in ``calls``. ``fail``: ``{call name: exception}``
+    raised by that call (after recording it); ``reset_ok``: what ``reset_prefix_cache`` answers; ``init_delay``:
+    seconds a gloo init waits before joining (a slow engine)."""
+
+    def __init__(self, name, *, fail=None, reset_ok=True, init_delay=0.0):
+        self.name, self.got, self.calls, self.shm = name, {}, [], None
+        self.slot_bytes, self.group, self.infos = 0, None, []
+        self.fail, self.reset_ok, self.init_delay = dict(fail or {}), reset_ok, init_delay
+
+    def _call(self, what):
+        self.calls.append(what)
+        if what in self.fail:
+            raise self.fail[what]
+
+    def workers(self):
+        return 1
+
+    def local(self):
+        return True
+
+    def init(self, info):
+        import datetime
+
+        import torch.distributed as dist
+        if "verify" in info:
+            self._call("verify")
+        elif info["transport"] == "shm":
+            self._call("init")
+            self.shm = torch.from_file(info["path"], shared=True, size=info["slot_bytes"] * info["slots"],
+                                       dtype=torch.uint8)
+            self.slot_bytes = info["slot_bytes"]
+        else:
+            self._call("init")
+            time.sleep(self.init_delay)
+            timeout = datetime.timedelta(seconds=info["timeout_s"])
+            store = dist.TCPStore(info["master_address"], info["master_port"], info["world_size"],
+                                  is_master=False, timeout=timeout)
+            self.group = dist.ProcessGroupGloo(dist.PrefixStore(info["group"], store), info["rank_offset"],
+                                               info["world_size"], timeout)
+
+    def update(self, info):
+        from parallm.integrations.vllm.backends import unpack
+        self._call("update")
+        time.sleep(0.005)                    # a slot rewritten too early would be read rewritten
+        if info["transport"] == "shm":
+            start = info["slot"] * self.slot_bytes
+            buf = self.shm[start:start + info["nbytes"]]
+        else:
+            buf = torch.empty(info["nbytes"], dtype=torch.uint8)
+            self.group.broadcast(buf, 0).wait()
+        for name, t in unpack(buf, info):
+            self.got[name] = t.clone()
+        self.infos.append(info)
+
+    def start(self):
+        self._call("start")
+
+    def pause(self):
+        self._call("pause")
+
+    def resume(self):
+        self._call("resume")
+
+    def finish(self):
+        self._call("finish")
+
+    def reset_prefix_cache(self):
+        self._call("reset")
+        return self.reset_ok

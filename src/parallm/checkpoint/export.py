@@ -39,6 +39,11 @@ The contract with the consumer (a destination's loop over the generator):
   suffice, and the consumer may wait inside ``out`` until its reader is done with that buffer. Once bucket
   ``k``'s tensors are yielded the stream never writes into its memory again. Only destinations call it; with
   ``out`` the stream allocates no output buffer (the staging room stays the stream's). Not with ``copy=True``.
+  For a model on an accelerator ``out`` may also return host memory (a shared-memory file, a pinned buffer):
+  the stream then assembles bucket ``k`` in its own device buffer as usual and copies it into ``out``'s memory
+  once it is complete, just before yielding its first tensor (a blocking device-to-host copy on the current
+  stream, after the bucket's receives and placing copies); the yielded tensors are views of ``out``'s memory.
+  Checked on CPU with the copy forced (tests/test_vllm_fanout.py); written, not run on a GPU.
 * **CUDA streams.** Tensors are ready on the CUDA stream that is current when they are yielded (a consumer
   reading them on another stream makes it wait on that one first). When the consumer asks for the item that
   ends a buffer's validity, the stream records an event on the consumer's current stream (the one current at
@@ -457,16 +462,22 @@ def _send_only(plan: Plan, buffers: _Buffers, params, dst, wire, device, layout:
 
 
 def _consumer_buffer(out_fn, k: int, numel: int, wire, device) -> torch.Tensor:
-    """``out_fn(k, numel)`` checked: a contiguous 1-D tensor of ``wire`` on ``device`` with at least ``numel``
-    elements; its first ``numel``."""
+    """``out_fn(k, numel)`` checked: a contiguous 1-D tensor of ``wire`` on ``device`` (or in host memory) with at
+    least ``numel`` elements; its first ``numel``."""
     buf = out_fn(k, numel)
     if not (isinstance(buf, torch.Tensor) and buf.dim() == 1 and buf.is_contiguous() and buf.dtype == wire
-            and buf.device == torch.device(device) and buf.numel() >= numel):
+            and buf.device in (torch.device(device), torch.device("cpu")) and buf.numel() >= numel):
         got = (f"{tuple(buf.shape)} {buf.dtype} on {buf.device}, contiguous={buf.is_contiguous()}"
                if isinstance(buf, torch.Tensor) else type(buf).__name__)
         raise ValueError(f"export_hf_tensors: out({k}, {numel}) must return a contiguous 1-D {wire} tensor on "
-                         f"{device} of at least {numel} elements; it returned {got}")
+                         f"{device} (or on the host) of at least {numel} elements; it returned {got}")
     return buf[:numel]
+
+
+def _staged(buf: torch.Tensor, device) -> bool:
+    """Whether a consumer's ``out`` buffer is host memory for a model on an accelerator: the bucket is then
+    assembled in the stream's own device buffer and copied into ``out`` once complete."""
+    return buf.device != torch.device(device)
 
 
 def _destination(plan: Plan, buffers: _Buffers, params, dst, wire, device, layout: ParallelDims, copy: bool,
@@ -482,8 +493,11 @@ def _destination(plan: Plan, buffers: _Buffers, params, dst, wire, device, layou
     def start(k):
         bucket, slot = buckets[k], k % 2
         fence.acquire(slot)
+        host = None
         if out_fn is not None:                       # the consumer's memory, written in place
             out = _consumer_buffer(out_fn, k, bucket.stage, wire, device)
+            if _staged(out, device):                 # host memory: assembled on the device, copied at the end
+                host, out = out, buffers.get("output", slot, out_numel, wire, device)
         else:
             out = (torch.empty(bucket.stage, dtype=wire, device=device) if copy  # the consumer's own memory
                    else buffers.get("output", slot, out_numel, wire, device))
@@ -494,23 +508,29 @@ def _destination(plan: Plan, buffers: _Buffers, params, dst, wire, device, layou
         works = _transfer(messages, [_at(bucket, out, staging, off, n) for _, off, n in messages], dst,
                           layout.world, me)
         st.pending.append(works)
-        return out, staging
+        return out, staging, host
 
     pending = start(0) if buckets else None
     for k, bucket in enumerate(buckets):
-        out, staging = pending
+        out, staging, host = pending
         if k >= 1:
             fence.release((k - 1) % 2)               # the consumer asked for this bucket: done with k-1
         pending = start(k + 1) if k + 1 < len(buckets) else None
         _wait(st.pending.pop(0))                     # bucket k's messages
-        tensors = []
+        placed = []
         for (entry, hf, offset), parts in zip(bucket.outputs, bucket.placing):
             name = plan.names[entry][hf]
             shape = plan.shapes[name]
+            place(parts, out.narrow(0, offset, math.prod(shape)).view(shape), staging, base=bucket.stage)
+            placed.append((name, offset, shape))
+        if host is not None:    # device -> host after the placing copies on the current stream; copy_ into host
+            host.copy_(out[:bucket.stage])          # memory returns once the bytes are there (pinned or not)
+            out = host
+        tensors = []
+        for name, offset, shape in placed:
             tensor = out.narrow(0, offset, math.prod(shape)).view(shape)
-            place(parts, tensor, staging, base=bucket.stage)
             tensors.append((name, tensor.view(torch.float32) if name in plan.fp32_bits else tensor))
-        out = staging = None
+        out = staging = host = None
         for item in tensors:
             st.yielded += 1
             yield item

@@ -49,12 +49,19 @@ the other workers): the trainer reports such an engine as needing a restart.
 
 The wire (JSON over vLLM's HTTP routes or ``collective_rpc``):
 
-    init   {"transport": "shm", "path": str, "slot_bytes": int, "slots": int}
+    init   {"transport": "shm", "path": str, "slot_bytes": int, "slots": int, "secret": str}
            {"transport": "gloo", "master_address": str, "master_port": int, "rank_offset": int,
-            "world_size": int, "group": str, "timeout_s": float}
+            "world_size": int, "group": "parallm/<secret>/...", "timeout_s": float, "secret": str}
            {"verify": {"names": [...], "shapes": [[...], ...], "dtype": "float32"}}
     update {"transport": "shm" | "gloo", "names": [...], "dtypes": [...], "shapes": [[...], ...],
-            "offsets": [bytes, ...], "nbytes": int, "slot": int, "path": str (shm only)}
+            "offsets": [bytes, ...], "nbytes": int, "slot": int, "path": str (shm only), "secret": str}
+
+What a worker accepts (the trust model, docs/rl.md): a shared-memory file only if it is a ``parallm_wt_*`` regular
+file of the worker's own user, mode 0600, in the shared-memory directory (:func:`.transport.allowed_shm_file`);
+a gloo rendezvous only at a store that holds the secret the init request names, in a group under that secret;
+an update only with the secret of the init that set its transport up. This guards against mistakes and against
+other users' files and stores; it does not make vLLM's dev-mode routes safe to expose (whoever reaches them can
+also call ``/collective_rpc``).
 
 A worker keeps one transport of each kind (the last init of that kind): a shared-memory connection and a gloo
 connection to the same engine (two trainers' connections, or a benchmark's) both work, each update naming its
@@ -66,12 +73,12 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
 
 from .fixes import TIED_HEAD, TIED_SOURCE, cpu_experts_repacked, engine_tensors, mismatch
+from .transport import allowed_shm_file, gloo_options, route_address
 
 __all__ = ["BACKENDS", "own_held", "register"]
 
@@ -118,6 +125,7 @@ class ParallmInitInfo:
     group: str = "parallm"
     timeout_s: float = 300.0
     verify: dict | None = None
+    secret: str | None = None
 
 
 @dataclass
@@ -130,6 +138,7 @@ class ParallmUpdateInfo:
     slot: int | None = None
     transport: str | None = None
     path: str | None = None
+    secret: str | None = None
 
 
 def own_held(model, region: torch.Tensor) -> int:
@@ -153,6 +162,27 @@ def own_held(model, region: torch.Tensor) -> int:
                     bound.arguments[key] = value.clone()
                     copied += value.numel() * value.element_size()
     return copied
+
+
+def _join_gloo(info: ParallmInitInfo, worker: int, *, what: str):
+    """This worker's gloo group with the sender (rank ``rank_offset + worker``), after checking that the
+    sender's store holds the connection's secret (``parallm/<secret>/auth``, set by the sender before any init)
+    and that the group's keys lie under it; the worker's gloo connections use its address on the interface that
+    routes to ``master_address``. Returns (group, store)."""
+    import torch.distributed as dist
+    timeout = datetime.timedelta(seconds=info.timeout_s)
+    root = f"parallm/{info.secret}"
+    if not info.secret or not str(info.group).startswith(root + "/"):
+        raise ValueError(f"{what}: a gloo init request without the connection's secret (or with a group outside "
+                         "it): refused; connect with parallm.integrations.vllm.connect")
+    store = dist.TCPStore(info.master_address, info.master_port, info.world_size, is_master=False, timeout=timeout)
+    if not store.check([f"{root}/auth"]):
+        raise ValueError(f"{what}: the store at {info.master_address}:{info.master_port} does not hold the secret "
+                         "of the init request: not the trainer that sent it; refused")
+    opts = gloo_options(route_address(info.master_address, info.master_port), info.timeout_s)
+    group = dist.ProcessGroupGloo(dist.PrefixStore(info.group, store), info.rank_offset + worker, info.world_size,
+                                  opts)
+    return group, store
 
 
 def _worker_rank(parallel_config) -> int:
@@ -198,6 +228,7 @@ class _EngineMethods:
         self.store = None
         self.repack = None
         self.held_bytes = 0             # bytes copied out of the slots by own_held (see receive_weights)
+        self.secrets = {}               # transport -> the secret of the connection that initialised it
 
     # -- init / verify ---------------------------------------------------------------------------------------
     def parse_init_info(self, init_dict):
@@ -220,24 +251,16 @@ class _EngineMethods:
         if init_info.transport == "shm":
             self.shm = None
             size = init_info.slot_bytes * init_info.slots
-            if not (init_info.path and os.path.exists(init_info.path)):
-                raise ValueError(f"{self.name}: the shared-memory file {init_info.path!r} does not exist on this "
-                                 "host: parallm_shm needs the engine on the trainer's host (parallm_gloo reaches "
-                                 "any host)")
-            if os.path.getsize(init_info.path) < size:
-                raise ValueError(f"{self.name}: {init_info.path} holds {os.path.getsize(init_info.path)} bytes, "
-                                 f"the trainer announced {size}")
-            self.shm = torch.from_file(init_info.path, shared=True, size=size, dtype=torch.uint8)
-            self.slot_bytes, self.shm_path = init_info.slot_bytes, init_info.path
+            try:
+                path = allowed_shm_file(init_info.path, size)
+            except ValueError as e:
+                raise ValueError(f"{self.name}: {e}") from None
+            self.shm = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+            self.slot_bytes, self.shm_path = init_info.slot_bytes, path
         else:
-            import torch.distributed as dist
             self.group = self.store = None
-            timeout = datetime.timedelta(seconds=init_info.timeout_s)
-            rank = init_info.rank_offset + _worker_rank(self.parallel_config)
-            self.store = dist.TCPStore(init_info.master_address, init_info.master_port, init_info.world_size,
-                                       is_master=False, timeout=timeout)
-            self.group = dist.ProcessGroupGloo(dist.PrefixStore(init_info.group, self.store), rank,
-                                               init_info.world_size, timeout)
+            self.group, self.store = _join_gloo(init_info, _worker_rank(self.parallel_config), what=self.name)
+        self.secrets[init_info.transport] = init_info.secret
 
     def _verify(self, verify: dict) -> None:
         """What the push brings against this worker's model: names, shapes, dtype (the engine's). Every worker
@@ -283,6 +306,9 @@ class _EngineMethods:
 
     def receive_weights(self, info: ParallmUpdateInfo) -> None:
         transport = info.transport or ("gloo" if info.slot is None else "shm")
+        if self.secrets.get(transport) is not None and info.secret != self.secrets[transport]:
+            raise ValueError(f"{self.name}: the {transport} update does not carry the secret of the connection "
+                             "that initialised this engine (another connection's, or none): refused")
         if transport == "shm" and self.shm is not None:
             if info.path is not None and info.path != self.shm_path:
                 raise ValueError(f"{self.name}: the update is in {info.path}, but this engine reads "

@@ -11,7 +11,8 @@ driven through vLLM's weight-transfer calls: ``init_weight_transfer_engine``, ``
 owns the transport; the other ranks only know who the sender is (they take part in the export stream). A
 :class:`Connection` remembers which engines failed: vLLM cannot take another update after a failed one, so a
 failed engine is reported (:class:`EngineFailed`, ``Connection.needs_restart``) and left out of later pushes until
-it is restarted and connected again.
+it is restarted and connected again. The engines themselves are :mod:`.engines`; the transports' pieces (the
+shared-memory file, the gloo rendezvous, the per-connection secret) :mod:`.transport`.
 """
 
 from __future__ import annotations
@@ -19,14 +20,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import datetime
-import json
 import os
-import socket
-import tempfile
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 import uuid
 import weakref
 
@@ -35,6 +30,8 @@ import torch.distributed as dist
 
 from ...errors import ParallelError
 from ...parallel.errors import exchange_rows, gather_objects, raise_failures, status_of
+from .engines import EngineError, Lane, _HttpEngine, _LLMEngine
+from .transport import create_shm_file, gloo_options, new_secret, sender_address, sender_store
 
 __all__ = ["Connection", "EngineFailed", "connect"]
 
@@ -46,133 +43,30 @@ class EngineFailed(ParallelError):
     after a failed one); the message names them and why."""
 
 
-class EngineError(RuntimeError):
-    """An engine's control call failed (the engine's own message, or why it could not be reached)."""
-
-
-class _HttpEngine:
-    """A ``vllm serve`` server, through its weight-transfer routes (``VLLM_SERVER_DEV_MODE=1``)."""
-
-    def __init__(self, url: str, timeout: float):
-        self.url = url.rstrip("/")
-        self.name = self.url
-        self.timeout = timeout
-        self.host = urllib.parse.urlparse(self.url).hostname or "127.0.0.1"
-
-    def _request(self, path: str, body=None, *, method: str = "POST"):
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(f"{self.url}/{path}", data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as res:
-                text = res.read().decode() or "null"
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")
-            with contextlib.suppress(Exception):
-                parsed = json.loads(detail)
-                detail = (parsed.get("error") or {}).get("message") or parsed.get("detail") or detail
-            if e.code == 404:
-                detail += (" (the weight-transfer routes exist only when the server runs with "
-                           "VLLM_SERVER_DEV_MODE=1)")
-            raise EngineError(f"{self.name}/{path}: HTTP {e.code}: {detail}") from None
-        except (OSError, urllib.error.URLError) as e:
-            raise EngineError(f"{self.name}/{path}: the engine cannot be reached ({e})") from None
-        return json.loads(text)
-
-    def workers(self) -> int:
-        return int(self._request("get_world_size?include_dp=true", method="GET")["world_size"])
-
-    def init(self, info: dict) -> None:
-        self._request("init_weight_transfer_engine", {"init_info": info})
-
-    def start(self) -> None:
-        self._request("start_weight_update")
-
-    def update(self, info: dict) -> None:
-        self._request("update_weights", {"update_info": info})
-
-    def finish(self) -> None:
-        self._request("finish_weight_update")
-
-    def reset_prefix_cache(self) -> None:
-        self._request("reset_prefix_cache")
-
-    def checksums(self) -> dict[str, str]:
-        return self._request("weight_checker", {"action": "checksum"})["checksums"]
-
-    def local(self) -> bool:
-        return self.host in ("localhost", "127.0.0.1", "::1", socket.gethostname())
-
-
-class _LLMEngine:
-    """A ``vllm.LLM`` of this process whose engine core and workers run in processes of their own."""
-
-    def __init__(self, llm, index: int):
-        self.llm = llm
-        self.name = f"LLM #{index}"
-        engine = llm.llm_engine
-        if getattr(engine, "model_executor", None) is not None:
-            raise ValueError(f"connect: {self.name} runs its engine core in this process "
-                             "(VLLM_ENABLE_V1_MULTIPROCESSING=0); its workers would be this process: push to it "
-                             "with push_weights(chunks, llm, rank=...) (the in-process path), or start it with "
-                             "VLLM_ENABLE_V1_MULTIPROCESSING=1")
-        config = engine.vllm_config
-        if config.weight_transfer_config is None:
-            raise ValueError(f"connect: {self.name} was started without weight_transfer_config: pass "
-                             "weight_transfer_config={'backend': 'parallm'} to vllm.LLM")
-        self.host = "127.0.0.1"
-
-    def _call(self, fn, *args):
-        try:
-            return fn(*args)
-        except Exception as e:  # noqa: BLE001 - named and handed on
-            raise EngineError(f"{self.name}: {type(e).__name__}: {e}") from None
-
-    def workers(self) -> int:
-        return int(self.llm.llm_engine.vllm_config.parallel_config.world_size_across_dp)
-
-    def init(self, info: dict) -> None:
-        self._call(self.llm.init_weight_transfer_engine, {"init_info": info})
-
-    def start(self) -> None:
-        self._call(self.llm.start_weight_update)
-
-    def update(self, info: dict) -> None:
-        self._call(self.llm.update_weights, {"update_info": info})
-
-    def finish(self) -> None:
-        self._call(self.llm.finish_weight_update)
-
-    def reset_prefix_cache(self) -> None:
-        self._call(self.llm.reset_prefix_cache)
-
-    def checksums(self) -> dict[str, str]:
-        out = {}
-        for part in self._call(self.llm.collective_rpc, "compute_weight_checksums"):
-            out.update(part)
-        return out
-
-    def local(self) -> bool:
-        return True
-
-
 class Connection:
     """Engines in other processes, connected to the trainer (:func:`connect`). On the sending rank it holds the
-    engines (``engines``: their names), one thread per engine for their calls (so an engine's calls keep their
-    order and the engines run side by side), and the transport (a shared-memory file, or a gloo group per
-    engine); on the other ranks only ``sender``, ``backend`` and the engines' count. ``needs_restart``: the
-    engines that failed (left out of later pushes). ``close()`` releases the transport (the shared-memory file is
-    removed; also when the connection is garbage-collected or the process exits)."""
+    engines (``engines``: their names), one daemon thread per engine for their calls (so an engine's calls keep
+    their order and the engines run side by side), and the transport (a shared-memory file, or a gloo group per
+    engine); on the other ranks only ``sender``, ``backend`` and the engines' count. ``close()`` releases the
+    transport (the shared-memory file is removed; also when the connection is garbage-collected or the process
+    exits).
+
+    ``needs_restart`` (sender): the engines that must not be used, by name: those that failed (``failed``: killed,
+    unreachable, an update or a control call that raised; vLLM takes no update after a failed one, so they are
+    left out of later pushes until restarted and connected again) and those whose push a trainer failure
+    interrupted (``interrupted``: they hold part of the new weights and are neither finished nor resumed; the
+    next push goes to them too and, complete, makes them usable again). ``usable()``: the others."""
 
     def __init__(self, *, sender: int, backend: str, handles, timeout: float, master_address: str | None):
         self.sender, self.backend, self.timeout = sender, backend, timeout
         self.handles = handles                      # None off the sender
         self.count = len(handles) if handles is not None else 0
         self.failed: dict[int, str] = {}
+        self.interrupted: dict[int, str] = {}
         self.master_address = master_address
         self.workers = [h.workers() for h in handles] if handles else []
-        self.pools = [concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"parallm-engine-{i}")
-                      for i in range(self.count)]
+        self.lanes = [Lane(f"parallm-engine-{i}") for i in range(self.count)]
+        self.secret = new_secret()
         self.slot_bytes = 0
         self.path = None
         self.shm = None                              # uint8 tensor over the file, two slots
@@ -186,23 +80,44 @@ class Connection:
 
     @property
     def needs_restart(self) -> list[str]:
-        return [self.handles[i].name for i in sorted(self.failed)] if self.handles else []
+        if not self.handles:
+            return []
+        return [self.handles[i].name for i in sorted({*self.failed, *self.interrupted})]
+
+    def usable(self) -> list[int]:
+        """The engines that hold the last complete push (neither failed nor interrupted)."""
+        return [i for i in range(self.count) if i not in self.failed and i not in self.interrupted]
 
     def healthy(self) -> list[int]:
+        """The engines a push goes to: the usable ones and the interrupted ones (not the failed)."""
         return [i for i in range(self.count) if i not in self.failed]
 
     def fail(self, i: int, why: str) -> None:
+        self.interrupted.pop(i, None)
         self.failed.setdefault(i, why)
+
+    def interrupt(self, i: int, why: str) -> None:
+        if i not in self.failed:
+            self.interrupted[i] = why
+
+    def describe(self, engines) -> str:
+        """``name: why`` of each engine in ``engines`` that failed or was interrupted."""
+        why = {**self.interrupted, **self.failed}
+        return "; ".join(f"{self.handles[i].name}: {why[i]}" for i in engines if i in why)
 
     def on_all(self, fn, engines=None, *, what: str) -> dict[int, str]:
         """``fn(handle)`` on each engine (default: the healthy ones) at once, each on its own thread; the
         failures, ``{engine: message}`` (nothing raised)."""
         engines = self.healthy() if engines is None else engines
-        futures = {i: self.pools[i].submit(fn, self.handles[i]) for i in engines}
+        futures = {i: self.lanes[i].submit(fn, self.handles[i]) for i in engines}
         return wait_all(futures, self.timeout + 30, what=what, names=self.engines)
 
+    def submit(self, i: int, fn, *args) -> concurrent.futures.Future:
+        """``fn(*args)`` on engine ``i``'s thread, after its calls already queued."""
+        return self.lanes[i].submit(fn, *args)
+
     def checksums(self) -> dict[str, dict[str, str]]:
-        """On the sender: each healthy engine's digests of its parameters (vLLM's ``/weight_checker`` checksum,
+        """On the sender: each usable engine's digests of its parameters (vLLM's ``/weight_checker`` checksum,
         or ``compute_weight_checksums`` of an ``LLM``'s workers), ``{engine: {worker prefix + vLLM parameter name:
         digest}}``. Taken before and after a push, the names whose digest changed are the tensors the push
         reached in the engine. vLLM's names and shards, not the HF ones (fused qkv / gate_up, a worker's rows).
@@ -211,52 +126,55 @@ class Connection:
         show a push there; the log-prob comparison sees everything. Not collective."""
         if self.handles is None:
             raise ValueError("checksums: this rank is not the connection's sender")
-        futures = {i: self.pools[i].submit(self.handles[i].checksums) for i in self.healthy()}
+        futures = {i: self.submit(i, self.handles[i].checksums) for i in self.usable()}
         return {self.handles[i].name: f.result(timeout=self.timeout) for i, f in futures.items()}
 
     # -- the transport (sender) ------------------------------------------------------------------------------
     def open_shm(self, slot_bytes: int) -> None:
-        """A shared-memory file of two slots of ``slot_bytes``, announced to every healthy engine (again when
-        a push needs larger slots)."""
+        """A shared-memory file of two slots of ``slot_bytes`` (:func:`.transport.create_shm_file`: mode 0600,
+        allocated at once, an ``OSError`` when the directory has no room), announced to every healthy engine
+        (again when a push needs larger slots)."""
         if self.shm is not None and self.slot_bytes >= slot_bytes:
             return
         self._drop_shm()
-        directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        self.path = os.path.join(directory, f"parallm_wt_{os.getpid()}_{uuid.uuid4().hex[:8]}")
-        with open(self.path, "wb") as f:
-            f.truncate(2 * slot_bytes)
-        self.shm = torch.from_file(self.path, shared=True, size=2 * slot_bytes, dtype=torch.uint8)
+        self.path = create_shm_file(2 * slot_bytes, tag=f"{os.getpid()}_{uuid.uuid4().hex[:8]}")
         self._unlink = weakref.finalize(self, _unlink, self.path)     # also at exit, when close() is not called
+        self.shm = torch.from_file(self.path, shared=True, size=2 * slot_bytes, dtype=torch.uint8)
         self.slot_bytes = slot_bytes
-        info = {"transport": "shm", "path": self.path, "slot_bytes": slot_bytes, "slots": 2}
+        info = {"transport": "shm", "path": self.path, "slot_bytes": slot_bytes, "slots": 2, "secret": self.secret}
         for i, why in self.on_all(lambda h: h.init(info), what="init_weight_transfer_engine").items():
             self.fail(i, why)
 
     def open_gloo(self) -> None:
-        """A gloo group per healthy engine: the sender at rank 0, the engine's workers after it; every engine's
-        init runs on its own thread while the sender joins each group."""
+        """A gloo group per healthy engine: the sender at rank 0, the engine's workers after it. The sender's
+        store listens on the address the engines reach it at (:func:`.transport.sender_address`, or
+        ``master_address``); the groups' keys lie under the connection's secret. Every engine's init runs on its
+        own thread while the sender joins that engine's group on another, all at once: an engine whose init
+        fails is given up at once, and a dead engine does not make the others wait (or time out)."""
         self.close_transport()
         self.generation += 1
-        timeout = datetime.timedelta(seconds=self.timeout)
-        address = self.master_address or _address(self.handles)
-        self.store = dist.TCPStore(address, 0, is_master=True, timeout=timeout, wait_for_workers=False)
-        futures = {}
+        address = self.master_address or sender_address([(h.host, h.port) for h in self.handles if not h.local()])
+        self.store = store = sender_store(address, self.timeout)
+        root = f"parallm/{self.secret}"
+        store.set(f"{root}/auth", "parallm")
+        inits, joins = {}, {}
         for i in self.healthy():
-            info = {"transport": "gloo", "master_address": address, "master_port": self.store.port,
-                    "rank_offset": 1, "world_size": 1 + self.workers[i], "group": f"parallm/{self.generation}/{i}",
-                    "timeout_s": self.timeout}
-            futures[i] = self.pools[i].submit(self.handles[i].init, info)
-        errors = {}
-        for i in list(futures):
-            try:
-                prefix = dist.PrefixStore(f"parallm/{self.generation}/{i}", self.store)
-                self.groups[i] = dist.ProcessGroupGloo(prefix, 0, 1 + self.workers[i], timeout)
-            except Exception as e:  # noqa: BLE001 - that engine failed
-                errors[i] = f"{type(e).__name__}: {e}"
-        for i, why in {**wait_all(futures, self.timeout + 30, what="init_weight_transfer_engine",
-                                  names=self.engines), **errors}.items():
+            group, size = f"{root}/{self.generation}/{i}", 1 + self.workers[i]
+            info = {"transport": "gloo", "master_address": address, "master_port": store.port, "rank_offset": 1,
+                    "world_size": size, "group": group, "timeout_s": self.timeout, "secret": self.secret}
+            inits[i] = self.submit(i, self.handles[i].init, info)
+            joiner = Lane(f"parallm-gloo-join-{i}")
+            joins[i] = joiner.submit(self._join, address, store.port, group, size)
+            joiner.shutdown()
+        for i, why in _joined(inits, joins, self.timeout + 30, self.groups).items():
             self.fail(i, why)
-            self.groups.pop(i, None)
+
+    def _join(self, address: str, port: int, group: str, size: int):
+        """The sender's side of one engine's group, through a store connection of its own (a ``TCPStore``'s
+        calls are serialised: a join waiting on a dead engine's keys would hold up every other join)."""
+        store = dist.TCPStore(address, port, is_master=False,
+                              timeout=datetime.timedelta(seconds=self.timeout))
+        return dist.ProcessGroupGloo(dist.PrefixStore(group, store), 0, size, gloo_options(address, self.timeout))
 
     def _drop_shm(self) -> None:
         self.shm = None
@@ -272,13 +190,43 @@ class Connection:
     def close(self) -> None:
         """Release the transport; the engines keep running (connect to them again to push)."""
         self.close_transport()
-        for pool in self.pools:
-            pool.shutdown(wait=False)
-        self.pools = []
+        for lane in self.lanes:
+            lane.shutdown()
+        self.lanes = []
 
     def __repr__(self) -> str:
         return (f"Connection(backend={self.backend!r}, sender={self.sender}, engines={self.engines or self.count}, "
                 f"needs_restart={self.needs_restart})")
+
+
+def _joined(inits: dict, joins: dict, timeout: float, groups: dict) -> dict[int, str]:
+    """Wait for every engine's init and the sender's side of its group (``{engine: future}`` each); the groups
+    made go into ``groups``; ``{engine: why}`` for the others. An engine is decided as soon as either of its
+    futures fails (its other one is left to end by its own timeout), or when both are done."""
+    deadline = time.monotonic() + timeout
+    failed, pending = {}, set(inits)
+    while pending:
+        for i in list(pending):
+            for what, fut in (("init_weight_transfer_engine", inits[i]), ("the sender's gloo group", joins[i])):
+                if fut.done() and fut.exception() is not None:
+                    e = fut.exception()
+                    failed[i] = f"{what}: {e}" if isinstance(e, EngineError) else f"{what}: {type(e).__name__}: {e}"
+                    break
+            if i in failed:
+                pending.discard(i)
+            elif inits[i].done() and joins[i].done():
+                groups[i] = joins[i].result()
+                pending.discard(i)
+        left = deadline - time.monotonic()
+        if not pending:
+            break
+        if left <= 0:
+            for i in pending:
+                failed[i] = f"init_weight_transfer_engine did not answer within {timeout:.0f} s"
+            break
+        concurrent.futures.wait([f for i in pending for f in (inits[i], joins[i]) if not f.done()], timeout=left,
+                                return_when=concurrent.futures.FIRST_COMPLETED)
+    return failed
 
 
 def _unlink(path: str) -> None:
@@ -298,12 +246,6 @@ def wait_all(futures: dict, timeout: float, *, what: str, names) -> dict[int, st
         except Exception as e:  # noqa: BLE001 - reported per engine
             out[i] = f"{what}: {e}" if isinstance(e, EngineError) else f"{what}: {type(e).__name__}: {e}"
     return out
-
-
-def _address(handles) -> str:
-    if all(h.local() for h in handles):
-        return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
 
 
 def _handles(engines, timeout: float) -> list:
@@ -333,9 +275,11 @@ def connect(engines, *, backend: str = "parallm_shm", sender: int = 0, timeout: 
     backends (``weight_transfer_config={"backend": "parallm"}``, or the one named here). ``backend``:
     ``"parallm_shm"`` (engines on this host; one shared-memory file) or ``"parallm_gloo"`` (any host; a gloo
     group per engine, so that a dead engine fails only its own group: see :mod:`.backends`; rendezvous at
-    ``master_address``: default 127.0.0.1 when every engine is local, else this host's address). ``timeout``:
-    seconds any one engine call or gloo collective may take before the engine is declared failed. Errors (an
-    unknown backend, an engine that cannot be reached or runs another backend) raise on every rank.
+    ``master_address``, the only address the sender's store listens on: default 127.0.0.1 when every engine is
+    local, else this host's address on the interface that routes to the engines, an error when that is a
+    loopback address or differs between engines). ``timeout``: seconds any one engine call or gloo collective may
+    take before the engine is declared failed. Errors (an unknown backend, an engine that cannot be reached or
+    runs another backend) raise on every rank.
 
     Pushes go through :func:`~parallm.integrations.vllm.push_weights` ``(chunks, connection)``.
     """

@@ -12,7 +12,8 @@ groups are untouched. The engine then starts in-process (``VLLM_ENABLE_V1_MULTIP
 only, with one tensor-parallel rank.
 
 What the in-process engine changes in the trainer's process, and what :func:`launch` does about it: vLLM seeds
-the global RNGs at start-up (saved and restored around it); its CPU worker replaces ``torch.set_num_threads`` by
+the global RNGs at start-up (CPU, Python, NumPy and every CUDA device's default generator: saved and restored
+around it); its CPU worker replaces ``torch.set_num_threads`` by
 a function that refuses (restored); its GPU worker makes ``cuda:<local rank>`` current, and its one-process
 executor takes the local rank from the device config, which is plain ``cuda`` (so ``cuda:0``) whatever the
 trainer's device: on CUDA the engine is placed on the trainer's current device and that device is current again
@@ -100,12 +101,27 @@ def _check_head_dim(config: dict) -> None:
                          f"{head_dim} (hidden_size / num_attention_heads, or config.head_dim)")
 
 
+def _cuda_rng_states() -> list | None:
+    """The state of every CUDA device's default generator (vLLM's start-up ``manual_seed`` reseeds them all), or
+    None without CUDA. Read from the generators themselves: no CUDA context is created on the other devices."""
+    if not torch.cuda.is_available():
+        return None
+    return [g.get_state() for g in torch.cuda.default_generators]
+
+
+def _restore_cuda_rng(states: list | None) -> None:
+    if states is not None:
+        for g, state in zip(torch.cuda.default_generators, states):
+            g.set_state(state)
+
+
 @contextlib.contextmanager
 def _process_state_kept():
-    """Undo what an in-process vLLM start changes in the trainer's process: the global RNG states,
-    ``torch.set_num_threads`` and the current CUDA device; and keep the engine core in this process."""
+    """Undo what an in-process vLLM start changes in the trainer's process: the global RNG states (CPU, Python,
+    NumPy and every CUDA device's), ``torch.set_num_threads`` and the current CUDA device; and keep the engine
+    core in this process."""
     import numpy as np
-    rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    rng = (torch.get_rng_state(), random.getstate(), np.random.get_state(), _cuda_rng_states())
     set_num_threads = torch.set_num_threads
     device = _cuda_device()
     mp = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
@@ -121,6 +137,7 @@ def _process_state_kept():
         torch.set_rng_state(rng[0])
         random.setstate(rng[1])
         np.random.set_state(rng[2])
+        _restore_cuda_rng(rng[3])
         if device is not None:
             torch.cuda.set_device(device)
 

@@ -2,7 +2,8 @@
 
 An engine that serves LoRA (``launch(..., enable_lora=True, max_lora_rank=...)``) receives the adapter alone:
 ``export_adapter_tensors`` (PEFT's names, a few MB) written as a PEFT directory on the engine's rank and handed
-to vLLM as a ``LoRARequest`` with ``load_inplace=True``, so the next request that names it reloads it. An engine
+to vLLM as a ``LoRARequest`` with ``load_inplace=True``, so the next request that names it reloads it; the engine's
+prefix cache is reset (checked), since vLLM keys cached blocks by the adapter's unchanged name and path. An engine
 without LoRA receives the merged weights (``W + B A alpha / r``) through :func:`push_weights` instead.
 """
 
@@ -120,6 +121,12 @@ def push_adapter(chunks, llm, *, rank: int = 0, name: str = "parallm", dtype: to
         from vllm.lora.request import LoRARequest
         path = _adapter_dir(llm)
         write_peft_dir(path, tensors, peft_config_dict(chunks))
+        # vLLM's prefix cache keys blocks by the adapter's name and path, both unchanged: the blocks cached under
+        # the old adapter would be reused
+        if not llm.reset_prefix_cache():
+            raise RuntimeError(f"push_adapter: the engine on rank {rank} refused to reset its prefix cache (blocks "
+                               "in use: requests ran during the push); its cached prompt prefixes would keep keys "
+                               "and values of the old adapter")
         return LoRARequest(lora_name=name, lora_int_id=LORA_ID, lora_path=path, load_inplace=True,
                            is_3d_lora_weight=experts)
     request = run_local(write, what="push_adapter")

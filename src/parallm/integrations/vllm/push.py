@@ -11,7 +11,8 @@ Two kinds of target, one function:
   bucket's tensors are memory of their own (no extra copy: the messages land there), freed when vLLM drops them.
   Tied models also send ``lm_head.weight`` (:mod:`.fixes`). On the engine's rank the stream runs on a thread of
   its own (:class:`_ReadAhead`), up to two buckets ahead of the engine loading on the calling thread; that thread
-  is the only one issuing collectives until the stream ends.
+  is the only one issuing collectives until the stream ends. After the reload the engine's prefix cache is reset
+  (checked: see :func:`_reset_prefix_cache`); a reload that fails part-way is closed (:func:`_reload`).
 * **engines in other processes** (a :class:`~parallm.integrations.vllm.client.Connection` from
   :func:`~parallm.integrations.vllm.connect`): ``push_weights(chunks, conn)`` streams the weights to the
   connection's sending rank and fans every bucket out to every engine through vLLM's weight-transfer calls
@@ -76,8 +77,32 @@ def _check_engine(chunks, llm, rank: int, dtype):
 
 
 def _reload(llm, weights) -> None:
-    with cpu_experts_repacked(llm.apply_model(lambda m: m)[0]):
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+    """vLLM's ``reload_weights`` from ``weights``. When it fails part-way (the engine's loader, or the stream: a
+    sending rank's failure), vLLM leaves its layer-wise reload open: layers not yet complete keep the tensors
+    they received and count them, so the next reload would complete them early with this push's stale tensors
+    and drop the rest. The reload is closed here instead (``finalize_layerwise_reload``: the layers not reached
+    keep their old weights, a layer reached in part is built from uninitialised memory): the engine must not be
+    used until the next push, which is raised on every rank, succeeds; that push then reloads every layer in
+    full."""
+    model = llm.apply_model(lambda m: m)[0]
+    with cpu_experts_repacked(model):
+        try:
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        except BaseException:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+            with contextlib.suppress(Exception):
+                finalize_layerwise_reload(model, llm.llm_engine.model_config)
+            raise
+
+
+def _reset_prefix_cache(llm, rank: int) -> None:
+    """vLLM's prefix cache (on by default) keeps the keys and values of cached prompt blocks, computed with the
+    old weights, and its worker-side reload does not touch the scheduler's cache: reset it after every reload,
+    and fail when vLLM refuses (it does while blocks are in use: requests running during the push)."""
+    if not llm.reset_prefix_cache():
+        raise RuntimeError(f"push_weights: the engine on rank {rank} refused to reset its prefix cache (blocks in "
+                           "use: requests ran during the push); its cached prompt prefixes would keep keys and "
+                           "values of the old weights")
 
 
 def _cuda_context():
@@ -256,6 +281,7 @@ def push_weights(chunks, llm, *, rank: int = 0, dtype: torch.dtype | None = None
                     yield TIED_HEAD, tensor
         try:
             _reload(llm, weights())
+            _reset_prefix_cache(llm, rank)
         except Exception as e:  # noqa: BLE001 - ends the stream on every rank, or is agreed on below
             error = e
         except BaseException as e:  # KeyboardInterrupt and the like: the others are told, then it goes on up

@@ -14,13 +14,23 @@ round trip through every engine. Around the stream: ``verify`` (the engines chec
 their models, before anything changes), ``start_weight_update``, and after it ``finish_weight_update`` and a
 prefix-cache reset (cached prompt prefixes hold keys and values of the old weights).
 
-Failures. Anything raised before the stream (an engine that cannot be reached, a model that does not match)
-raises on every rank and changes no engine. An engine that fails during the push (killed, its update raising, no
-answer within the connection's timeout) is marked as needing a restart and dropped; the others receive every
-tensor and finish; then every rank raises :class:`~parallm.integrations.vllm.client.EngineFailed` naming it.
-The next push goes to the healthy engines only. A failure of the trainer itself during the stream (a rank's copy,
-the sender) ends the stream on every rank with that error; the engines are then finished with what they received
-(a mix of old and new weights until the next push).
+Around the stream, on every engine the push goes to: ``verify`` (names, shapes and dtype against the engine's
+model, before anything changes), ``pause`` (a ``vllm serve`` engine lets its requests in flight end and holds new
+ones: no request straddles the update, and no block of the prefix cache is in use), ``start_weight_update``;
+after it ``finish_weight_update``, a prefix-cache reset whose result is checked (cached prompt prefixes hold keys
+and values of the old weights; vLLM refuses while blocks are in use) and ``resume``.
+
+Failures. A model that does not match raises on every rank and changes no engine. An engine that fails at any
+step of this call (cannot be reached, does not answer within the connection's timeout, ``pause`` /
+``start_weight_update`` / an update / ``finish`` raising, the prefix-cache reset refused, killed) is marked as
+needing a restart (``conn.failed``) and dropped; the others receive every tensor and finish; then every rank
+raises :class:`~parallm.integrations.vllm.client.EngineFailed` naming each engine that failed in this call (when
+none could start, before the stream). Later pushes go to the other engines only. A failure of the trainer itself
+during the stream (a rank's copy, the sender) ends the stream on every rank with that error; the engines that had
+received part of the push are not finished (vLLM would build the layer it was loading from uninitialised memory),
+stay paused and are marked ``conn.interrupted`` (listed in ``needs_restart``): the next push finishes their
+interrupted update first, then sends them every tensor, after which they are usable again. An engine that had
+received nothing is finished with its old weights intact and resumed.
 """
 
 from __future__ import annotations
@@ -36,10 +46,15 @@ from ...model.table import model_entries
 from ...parallel.errors import gather_objects, raise_failures, status_of
 from ...parallel.state import as_chunks, dims_of
 from .client import Connection, EngineFailed, wait_all
+from .engines import EngineError
 
 __all__ = ["push_remote"]
 
-ALIGN = 64          # every tensor starts at a multiple of this many bytes of its slot
+# A slot's size is rounded up to a multiple of this many bytes, so that slot k of the shared-memory file starts at
+# such a boundary. Inside a slot the tensors lie where the export stream places them, back to back at element
+# offsets (the export plan only skips an element where an fp32 row must start on 4 bytes, export_plan.py): no
+# alignment beyond their dtype's is promised.
+ALIGN = 64
 
 
 def _align(n: int) -> int:
@@ -103,12 +118,12 @@ class _Fanout:
         nbytes = max(o + torch.empty((), dtype=getattr(torch, d)).element_size() * _numel(s)
                      for o, d, s in zip(offsets, dtypes, shapes))
         info = {"transport": "gloo" if self.gloo else "shm", "names": names, "dtypes": dtypes, "shapes": shapes,
-                "offsets": offsets, "nbytes": nbytes}
+                "offsets": offsets, "nbytes": nbytes, "secret": self.conn.secret}
         if not self.gloo:
             info.update(slot=self.slot, path=self.conn.path)
         futures, works = {}, {}
         for i in self.live:
-            futures[i] = self.conn.pools[i].submit(self.conn.handles[i].update, info)
+            futures[i] = self.conn.submit(i, self.conn.handles[i].update, info)
             if self.gloo:
                 works[i] = self.conn.groups[i].broadcast(self.buffers[self.slot][:nbytes], 0)
             self.sent[i] += nbytes
@@ -140,6 +155,12 @@ class _Fanout:
         self.wait(0)
         self.wait(1)
 
+    def abandon(self) -> None:
+        """After a trainer failure: the bucket being filled is not sent; the updates in flight end."""
+        self.slot, self.entries = None, []
+        self.wait(0)
+        self.wait(1)
+
 
 # Engines in other processes take the stream in larger buckets than the export stream's default (64 MiB): every
 # bucket is one update_weights call per engine (an HTTP request, the engine core, its workers), and on the bench
@@ -167,7 +188,9 @@ def _numel(shape) -> int:
 
 
 def _before(conn: Connection, meta, wire: torch.dtype, slot_bytes: int) -> list[int]:
-    """The sender's checks and ``start_weight_update`` on every healthy engine; the engines that started."""
+    """On the sender: the transport, ``verify``, ``pause``, an interrupted update's ``finish`` and
+    ``start_weight_update`` on every healthy engine; the engines that started (an engine failing a step is marked
+    failed; a model that does not match raises)."""
     if conn.handles is None:
         raise ValueError("push_weights: this rank is not the connection's sender")
     if not conn.healthy():
@@ -186,13 +209,25 @@ def _before(conn: Connection, meta, wire: torch.dtype, slot_bytes: int) -> list[
             raise ValueError(f"push_weights: {conn.handles[i].name}: {why}")
     for i, why in unreachable.items():
         conn.fail(i, why)
+    for i, why in conn.on_all(lambda h: h.pause(), what="pause").items():
+        conn.fail(i, why)
+    interrupted = [i for i in conn.healthy() if i in conn.interrupted]   # their update is still open: close it
+    for i, why in conn.on_all(lambda h: h.finish(), interrupted, what="finish_weight_update (interrupted)").items():
+        conn.fail(i, why)
     for i, why in conn.on_all(lambda h: h.start(), what="start_weight_update").items():
         conn.fail(i, why)
     return conn.healthy()
 
 
+def _reset_checked(handle) -> None:
+    if not handle.reset_prefix_cache():
+        raise EngineError(f"{handle.name}: vLLM refused to reset the prefix cache (blocks still in use: requests "
+                          "ran during the push); cached prefixes would keep keys and values of the old weights")
+
+
 def _after(conn: Connection, engines: list[int]) -> dict[int, float]:
-    """``finish_weight_update`` and a prefix-cache reset on every engine still live; when each one finished
+    """``finish_weight_update``, a checked prefix-cache reset and ``resume`` on every engine of ``engines`` still
+    live (each then holds this push in full: no longer interrupted); when each one finished
     (``time.perf_counter()``)."""
     live = [i for i in engines if i not in conn.failed]
     done = {}
@@ -200,11 +235,63 @@ def _after(conn: Connection, engines: list[int]) -> dict[int, float]:
     def finish(h):
         h.finish()
         done[conn.handles.index(h)] = time.perf_counter()
-    for i, why in conn.on_all(finish, live, what="finish_weight_update").items():
-        conn.fail(i, why)
-    conn.on_all(lambda h: h.reset_prefix_cache(), [i for i in live if i not in conn.failed],
-                what="reset_prefix_cache")     # best effort: an engine without prefix caching refuses
+    for what, fn in (("finish_weight_update", finish), ("reset_prefix_cache", _reset_checked),
+                     ("resume", lambda h: h.resume())):
+        for i, why in conn.on_all(fn, [i for i in live if i not in conn.failed], what=what).items():
+            conn.fail(i, why)
+    for i in live:
+        if i not in conn.failed:
+            conn.interrupted.pop(i, None)
     return done
+
+
+def _interrupted(conn: Connection, fanout: "_Fanout", engines: list[int], was: set, error) -> None:
+    """After a trainer failure mid-stream: an engine that received part of this push (or held an interrupted one
+    before it) is left unfinished and paused and marked interrupted; the others (nothing received: their old
+    weights intact) are finished and resumed."""
+    fanout.abandon()
+    why = f"a trainer failure interrupted the push ({type(error).__name__}: {error})"
+    clean = []
+    for i in engines:
+        if i in conn.failed:
+            continue
+        if fanout.sent[i] > 0 or i in was:
+            conn.interrupt(i, f"{why} after {fanout.sent[i]} bytes: not finished, paused until a complete push")
+        else:
+            clean.append(i)
+    _after(conn, clean)
+
+
+def _send(conn: Connection, stream, state, fanout: _Fanout, engines: list[int], tried: list[int], was: set):
+    """The sender's loop: every tensor of the stream into the fan-out, then the engines finished (or, after a
+    trainer failure, :func:`_interrupted`). Returns (the error, when each engine finished, bytes, tensors)."""
+    error, finished, nbytes, tensors = None, {}, 0, 0
+    try:
+        for name, tensor in stream:
+            fanout.add(name, tensor)
+            nbytes += tensor.numel() * tensor.element_size()
+            tensors += 1
+        fanout.close()
+    except Exception as e:  # noqa: BLE001 - ends the stream on every rank, or is agreed on by the caller
+        error = e
+        if not state.exchanged:
+            try:
+                stream.throw(e)
+            except BaseException:  # noqa: BLE001 - the stream re-raises what it was told
+                pass
+    if error is None:
+        finished = _after(conn, engines)
+        failed = [i for i in tried if i in conn.failed]
+        if failed:
+            error = EngineFailed("push_weights: engine(s) failed in this push and need a restart (vLLM takes no "
+                                 "update after a failed one); the other engines received every tensor: "
+                                 + conn.describe(failed))
+    else:
+        try:
+            _interrupted(conn, fanout, engines, was, error)
+        except Exception:  # noqa: BLE001 - the trainer's error is the one reported
+            pass
+    return error, finished, nbytes, tensors
 
 
 def push_remote(chunks, conn: Connection, *, dtype: torch.dtype | None = None, bucket_bytes=None) -> dict:
@@ -222,10 +309,14 @@ def push_remote(chunks, conn: Connection, *, dtype: torch.dtype | None = None, b
     # or one table entry larger than both
     total = sum(_numel(m.shape) * m.dtype.itemsize for m in meta)
     slot_bytes = _align(max(min(bucket, _align(total) + SLOT_SLACK), _largest_entry(chunks, layout, meta)))
-    error, engines = None, []
+    error, engines, tried, was = None, [], [], set()
     if me == sender:
         try:
+            tried, was = conn.healthy(), set(conn.interrupted)
             engines = _before(conn, meta, wire, slot_bytes)
+            if not engines:
+                raise EngineFailed("push_weights: no engine could take the push; every engine needs a restart: "
+                                   + conn.describe(tried))
         except Exception as e:  # noqa: BLE001 - raised on every rank
             error = e
     statuses = gather_objects(status_of(error), what="push_weights", error=error)
@@ -238,29 +329,7 @@ def push_remote(chunks, conn: Connection, *, dtype: torch.dtype | None = None, b
                                 out=None if fanout is None else (lambda k, n: fanout.slot_for(k, n, wire)))
     nbytes = tensors = 0
     if me == sender:
-        try:
-            for name, tensor in stream:
-                fanout.add(name, tensor)
-                nbytes += tensor.numel() * tensor.element_size()
-                tensors += 1
-            fanout.close()
-        except Exception as e:  # noqa: BLE001 - ends the stream on every rank, or is agreed on below
-            error = e
-            if not state.exchanged:
-                try:
-                    stream.throw(e)
-                except BaseException:  # noqa: BLE001 - the stream re-raises what it was told
-                    pass
-            try:
-                fanout.close()
-            except Exception:  # noqa: BLE001 - the first error is the one reported
-                pass
-        finished = _after(conn, engines)
-        if error is None and conn.failed and any(i in conn.failed for i in engines):
-            error = EngineFailed("push_weights: engine(s) failed during the push and need a restart (vLLM "
-                                 "takes no update after a failed one); the other engines received every tensor: "
-                                 + "; ".join(f"{conn.handles[i].name}: {conn.failed[i]}" for i in engines
-                                             if i in conn.failed))
+        error, finished, nbytes, tensors = _send(conn, stream, state, fanout, engines, tried, was)
         if state.exchanged and error is not None:
             raise error
     else:
@@ -275,7 +344,8 @@ def push_remote(chunks, conn: Connection, *, dtype: torch.dtype | None = None, b
     summary = None
     if me == sender and error is None:
         summary = {"bytes": nbytes, "tensors": tensors, "updates": fanout.updates, "engines": {
-            conn.handles[i].name: {"bytes": fanout.sent[i], "seconds": finished[i] - t0} for i in engines}}
+            conn.handles[i].name: {"bytes": fanout.sent[i], "seconds": finished[i] - t0} for i in engines},
+            "needs_restart": conn.needs_restart}
     gathered = gather_objects((status_of(error), seconds, summary), what="push_weights", error=error)
     statuses = [g[0] for g in gathered]
     if any(s is not None for s in statuses):

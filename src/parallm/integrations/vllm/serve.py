@@ -7,6 +7,11 @@ backend (registered through the ``vllm.general_plugins`` entry point: parallm mu
 Python, ``pip install -e .`` for a checkout). The server runs in a session of its own, so that :meth:`Server.stop`
 ends it with its engine core and workers; vLLM leaves files in /dev/shm behind (``vllm_dist_*`` with TP > 1):
 ``stop`` removes the ones that appeared while the server ran and belong to no running process's open files.
+
+The server does not outlive its caller: it runs under a small watchdog process (:mod:`._watchdog`, the session's
+leader) that ends the session within about a second of the calling process's end, however it ended (torchrun's
+SIGTERM, SIGKILL, an OOM kill: no ``finally`` runs then). Its output goes to a file only its user reads
+(``mkstemp``, mode 0600: vLLM's request logs hold prompts).
 """
 
 from __future__ import annotations
@@ -17,12 +22,14 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
 __all__ = ["Server", "remove_shm_files", "serve", "shm_files"]
 
 _SHM = "/dev/shm"
+_WATCHDOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_watchdog.py")
 
 
 def _free_port() -> int:
@@ -39,7 +46,8 @@ def _shm_names() -> set[str]:
 
 
 class Server:
-    """A running ``vllm serve`` engine (:func:`serve`): ``url``, ``process``, ``log`` (the path of its output).
+    """A running ``vllm serve`` engine (:func:`serve`): ``url``, ``process`` (its watchdog, the leader of the
+    session the server, its engine core and workers run in), ``log`` (the path of its output).
     ``stop()`` ends it (idempotent; ``with serve(...) as server:`` calls it); ``kill()`` kills it at once."""
 
     def __init__(self, process, url: str, log: str, shm_before: set[str], model: str = ""):
@@ -160,9 +168,10 @@ def serve(model_dir, *, tensor_parallel_size: int = 1, port: int | None = None, 
     default) with ``tensor_parallel_size`` workers and parallm's weight-transfer ``backend``, and wait until it
     answers ``/health``. ``args``: more command-line arguments; ``env``: more environment variables (on CPU
     machines ``VLLM_CPU_OMP_THREADS_BIND`` decides the workers' cores; vLLM's default asks for one NUMA node per
-    worker); ``python``: the interpreter (default: this one); ``log``: where its output goes (default: a file
-    in the temporary directory). ``kv_cache_memory_bytes`` None leaves vLLM's own sizing (on CPU: most of the
-    RAM). Raises with the log's tail when the server exits or is not ready within ``timeout`` seconds.
+    worker); ``python``: the interpreter (default: this one); ``log``: where its output goes (default: a new
+    file of mode 0600 in the temporary directory). ``kv_cache_memory_bytes`` None leaves vLLM's own sizing (on
+    CPU: most of the RAM). The server ends when this process does (see the module docstring). Raises with the
+    log's tail when the server exits or is not ready within ``timeout`` seconds.
     ``wait=False`` returns at once: call :meth:`Server.wait_ready` (several servers then start side by side)."""
     port = port or _free_port()
     cmd = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", os.fspath(model_dir),
@@ -177,9 +186,14 @@ def serve(model_dir, *, tensor_parallel_size: int = 1, port: int | None = None, 
         cmd += ["--kv-cache-memory-bytes", str(kv_cache_memory_bytes)]
     cmd += list(args)
     full_env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", **(env or {}))
-    log = log or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"parallm_vllm_serve_{port}.log")
+    if log is None:
+        fd, log = tempfile.mkstemp(prefix=f"parallm_vllm_serve_{port}_", suffix=".log")     # mode 0600
+    else:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     before = _shm_names()
-    with open(log, "w") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+    watchdog = [python or sys.executable, _WATCHDOG, str(os.getpid()), "--"]
+    with os.fdopen(fd, "w") as out:
+        process = subprocess.Popen(watchdog + cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env,
+                                   start_new_session=True)
     server = Server(process, f"http://127.0.0.1:{port}", log, before, model=os.fspath(model_dir))
     return server.wait_ready(timeout) if wait else server
