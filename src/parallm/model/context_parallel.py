@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..parallel.comm import gather_rows_keep_own, gather_rows_sum_back
-from .layers.blocks import BlockKernel, Piece, PiecePlan, attend_plan, block_kernel, merge_rows
+from .layers.blocks import (BlockKernel, Piece, PiecePlan, add_sink, attend_plan, block_kernel, merge_rows,
+                            sink_grad)
 
 
 def _chunk_pieces(q0: int, k0: int, c: int, j: int) -> list[Piece]:
@@ -251,7 +252,8 @@ def _finish(input_ids, position_ids, src, *, cp, rank, packed, rows, width, orig
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: ContextSplit, group,
-                 kernel: BlockKernel | None = None, *, window: int | None = None) -> torch.Tensor:
+                 kernel: BlockKernel | None = None, *, window: int | None = None,
+                 sink: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence's keys: q ``[rows, width, hq, d]``, k / v
     ``[rows, width, hkv, d]`` (this rank's tokens, RoPE applied) -> ``[rows, width, hq, d]``.
 
@@ -259,13 +261,14 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: Conte
     reduce-scattered onto the owners), then :func:`attend_pieces`. Memory kept for the backward: the whole
     sequence's K and V per layer, ``2 * hkv * d`` values per token. ``kernel``: the block kernel
     (:func:`parallm.model.layers.blocks.block_kernel`; default: the one for this device); ``window``: the layer's
-    sliding window (None: full causal attention)."""
+    sliding window (None: full causal attention); ``sink``: each head's attention-sink logit (added once, after
+    every key of the sequence is merged)."""
     kv = gather_rows_sum_back(torch.cat([k, v], dim=2), group)                 # [cp * rows, width, 2 hkv, d]
-    return attend_pieces(q, kv, split, kernel, window=window)
+    return attend_pieces(q, kv, split, kernel, window=window, sink=sink)
 
 
 def attend_pieces(q: torch.Tensor, kv: torch.Tensor, split: ContextSplit, kernel: BlockKernel | None = None, *,
-                  window: int | None = None) -> torch.Tensor:
+                  window: int | None = None, sink: torch.Tensor | None = None) -> torch.Tensor:
     """q ``[rows, width, hq, d]``; kv: every rank's keys and values, rank-major, ``[cp * rows, width, 2 hkv,
     d]`` (keys first along dim 2). The keys are put in global order (:attr:`ContextSplit.order`) and each chunk
     of this rank attends to the keys of its row / document before it (entirely) and to its own chunk's
@@ -278,7 +281,7 @@ def attend_pieces(q: torch.Tensor, kv: torch.Tensor, split: ContextSplit, kernel
     k = kv[:, :, :hkv].reshape(-1, hkv, d)
     v = kv[:, :, hkv:].reshape(-1, hkv, d)
     out = attend_plan(q.reshape(rows * width, hq, d), k, v, split.plan(window),
-                      kernel or block_kernel(None, q.device))
+                      kernel or block_kernel(None, q.device), sink=sink)
     return out.view(rows, width, hq, d)
 
 
@@ -324,7 +327,7 @@ class _RingAttention(torch.autograd.Function):
     above :func:`ring_pieces`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, split, group, kernel, window):
+    def forward(ctx, q, k, v, sink, split, group, kernel, window):
         from ..parallel.comm import RingExchange
         cp, r = split.cp, split.rank
         rows, width, hq, d = q.shape
@@ -344,14 +347,16 @@ class _RingAttention(torch.autograd.Function):
                                                     kv[:, :, hkv:].reshape(-1, hkv, d), plan, scale))
             if step < cp - 1:
                 kv = ring.wait()
+        if sink is not None:        # once, after every block of the sequence is merged
+            acc, lse = add_sink(acc, lse, sink)
         ctx.split, ctx.group, ctx.scale, ctx.kernel, ctx.window = split, group, scale, kernel, window
-        ctx.save_for_backward(q, k, v, acc, lse)
+        ctx.save_for_backward(q, k, v, acc, lse, sink)
         return acc.to(q.dtype).view(rows, width, hq, d)
 
     @staticmethod
     def backward(ctx, grad):
         from ..parallel.comm import RingExchange
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         split, scale = ctx.split, ctx.scale
         cp, r = split.cp, split.rank
         rows, width, hq, d = q.shape
@@ -377,18 +382,21 @@ class _RingAttention(torch.autograd.Function):
             dkv = back.wait()
         dq = dq.to(q.dtype).view(rows, width, hq, d)
         dk, dv = (t.to(k.dtype).view(rows, width, hkv, d) for t in dkv)
-        return dq, dk, dv, None, None, None, None
+        dsink = sink_grad(out, lse, g, sink).to(sink.dtype) if sink is not None else None
+        return dq, dk, dv, dsink, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: ContextSplit, group,
-                   kernel: BlockKernel | None = None, *, window: int | None = None) -> torch.Tensor:
+                   kernel: BlockKernel | None = None, *, window: int | None = None,
+                   sink: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`cp_attention`'s result by a ring of point-to-point transfers instead of an all-gather: no rank holds
     more than two blocks of keys and values (``2 / cp`` of the sequence's) at a time, and nothing of them is kept
     for the backward; the price is ``cp`` steps (recomputed in the backward) whose transfers overlap the compute.
     ``kernel``: the block kernel (the model's attention backend's, :func:`parallm.model.layers.blocks.block_kernel`;
     default: the one for this device); ``window``: the layer's sliding window (a step whose block lies wholly
-    outside it for every chunk computes nothing, its transfer still made: every rank takes the same steps)."""
-    return _RingAttention.apply(q, k, v, split, group, kernel or block_kernel(None, q.device), window)
+    outside it for every chunk computes nothing, its transfer still made: every rank takes the same steps);
+    ``sink``: each head's attention-sink logit, added once after the last step's merge."""
+    return _RingAttention.apply(q, k, v, sink, split, group, kernel or block_kernel(None, q.device), window)
 
 
 CP_KERNELS = {"allgather": cp_attention, "ring": ring_attention}

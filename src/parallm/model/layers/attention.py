@@ -184,25 +184,30 @@ def _row_pieces(keep: torch.Tensor) -> list["Piece"]:
 
 
 @functools.lru_cache(maxsize=32)
-def _full_rows_plan(b: int, s: int, window: int) -> "PiecePlan":
+def _full_rows_plan(b: int, s: int, window: int | None) -> "PiecePlan":
     """The window plan of ``b`` rows of ``s`` real tokens each (a batch without padding)."""
     return PiecePlan([Piece(r * s, (r + 1) * s, r * s, (r + 1) * s, 0) for r in range(b)], window=window)
 
 
-def padded_attention(q, k, v, ctx, *, window: int | None = None):
+def padded_attention(q, k, v, ctx, *, window: int | None = None, sink: torch.Tensor | None = None):
     """q: [B, hq, S, d]; k, v: [B, hkv, S, d] (grouped-query: hq a multiple of hkv); ``ctx``: a
     :class:`PaddedRows` (or its boolean ``[B, 1, S, S]`` mask), or None for a batch without padding: plain causal
     attention (``is_causal``), no S x S mask, which lets SDPA pick its flash / memory-efficient kernels.
     ``window``: sliding-window attention (query ``i`` sees keys ``i - window < j <= i``, by index in the padded
     row as transformers counts them). A window shorter than the row runs the real tokens of each row through a
     :class:`PiecePlan` (:func:`attend_plan`): memory linear in S, no ``[S, S]`` mask or band, only the band's
-    tiles computed; queries at padded positions then give zeros (callers mask them)."""
+    tiles computed; queries at padded positions then give zeros (callers mask them). ``sink``: each head's
+    attention-sink logit ``[hq]`` (gpt-oss; :func:`parallm.model.layers.blocks.add_sink`): always the plan
+    path (SDPA has no sink)."""
     b, hq, s, d = q.shape
-    if window is not None and window < s and not isinstance(ctx, torch.Tensor):
-        full = ctx is None or ctx.full
-        plan = _full_rows_plan(b, s, window) if full else ctx.window_plan(window)
+    windowed = window is not None and window < s
+    if (windowed or sink is not None) and not isinstance(ctx, torch.Tensor):
+        w = window if windowed else None
+        plan = _full_rows_plan(b, s, w) if ctx is None or ctx.full else ctx.window_plan(w)
         flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]
-        return attend_plan(*flat, plan).view(b, s, hq, d).transpose(1, 2)
+        return attend_plan(*flat, plan, sink=sink).view(b, s, hq, d).transpose(1, 2)
+    if sink is not None:
+        raise ValueError("attention sinks need a PaddedRows context (the plan path), not a [B, 1, S, S] mask")
     mask = ctx.mask() if isinstance(ctx, PaddedRows) else ctx       # None: no padding
     if window is not None and window < s:      # a caller's own [B, 1, S, S] mask: the band joins it
         band = window_band(s, window, q.device)
@@ -211,13 +216,13 @@ def padded_attention(q, k, v, ctx, *, window: int | None = None):
                                           scale=1.0 / math.sqrt(d), enable_gqa=k.shape[1] != q.shape[1])
 
 
-def sdpa_loop_varlen(q, k, v, packing: Packing, *, window: int | None = None):
+def sdpa_loop_varlen(q, k, v, packing: Packing, *, window: int | None = None, sink: torch.Tensor | None = None):
     """q: [T, hq, d]; k, v: [T, hkv, d]. Causal attention within each segment of ``packing.cu_seqlens``: SDPA
     (``is_causal``) per segment. With a ``window`` shorter than the longest segment: every segment in one
     :class:`PiecePlan` through the device's block kernel (:func:`attend_plan`), its tiles covering the band
-    only."""
-    if window is not None and packing.max_seqlen > window:
-        return attend_plan(q, k, v, packing.window_plan(window))
+    only. With attention ``sink``s: always the plan (SDPA has none)."""
+    if sink is not None or (window is not None and packing.max_seqlen > window):
+        return attend_plan(q, k, v, packing.window_plan(window), sink=sink)
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
     bounds = packing.cu_seqlens.tolist()
     outs = []
@@ -229,8 +234,12 @@ def sdpa_loop_varlen(q, k, v, packing: Packing, *, window: int | None = None):
     return torch.cat(outs, dim=0)
 
 
-def flash_varlen(q, k, v, packing: Packing, *, window: int | None = None):
-    """flash-attn's varlen kernel; ``window``: its ``window_size=(window - 1, 0)`` (keys ``i - window < j <= i``)."""
+def flash_varlen(q, k, v, packing: Packing, *, window: int | None = None, sink: torch.Tensor | None = None):
+    """flash-attn's varlen kernel; ``window``: its ``window_size=(window - 1, 0)`` (keys ``i - window < j <= i``).
+    flash-attn's varlen kernel takes no attention sinks: with ``sink`` the plan through the device's block
+    kernel (aten's flash attention, which returns the log-sum-exp the sink is merged with)."""
+    if sink is not None:
+        return attend_plan(q, k, v, packing.window_plan(window), sink=sink)
     cu = packing.cu_seqlens.to(device=q.device, dtype=torch.int32)
     extra = {} if window is None else {"window_size": (window - 1, 0)}
     return _flash_varlen(q, k, v, cu, cu, packing.max_seqlen, packing.max_seqlen, causal=True, **extra)
@@ -246,8 +255,9 @@ def window_band(s: int, window: int, device=None) -> torch.Tensor:
 @dataclass(frozen=True)
 class AttnBackend:
     """One attention kernel: ``packed`` says which input it takes (a :class:`Packing` stream or a padded batch
-    with a boolean mask) as ``fn(q, k, v, ctx, window=None)`` (``window``: the layer's sliding window);
-    ``unavailable(device, dtype)`` returns why it cannot run there, or None; ``block``: its
+    with a boolean mask) as ``fn(q, k, v, ctx, window=None, sink=None)`` (``window``: the layer's sliding
+    window; ``sink``: per-head attention-sink logits); ``unavailable(device, dtype)`` returns why it cannot run
+    there, or None; ``block``: its
     :class:`BlockKernel` for context parallelism (None: :func:`block_kernel`'s default for the device;
     a fused GPU kernel returning the log-sum-exp, such as flash-attn's, plugs in here)."""
     name: str

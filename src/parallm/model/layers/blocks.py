@@ -471,31 +471,58 @@ def block_kernel(backend: "AttnBackend | None", device) -> BlockKernel:
     return {"cpu": CPU_FLASH_BLOCK, "cuda": CUDA_BLOCK}.get(kind, MATH_BLOCK)
 
 
+# -- attention sinks (gpt-oss) ----------------------------------------------------------------------------------
+#
+# A sink is one learned logit per head that joins every query's softmax denominator and carries no value:
+# p_j = exp(s_j) / (sum_k exp(s_k) + exp(sink)). Given the output and log-sum-exp merged over every key of a query
+# (all pieces, every CP rank's keys), the sink enters once: lse' = logaddexp(lse, sink), out' = out exp(lse - lse').
+# The backward of such attention is exactly the plain kernels' backward run with (out', lse'): their
+# dS = P (dP - rowsum(dO * O)) is the softmax Jacobian with the sink's column included (its value is 0, so it adds
+# nothing to dP). The sink's own gradient is -sum over queries of exp(sink - lse') rowsum(dO * O').
+
+def add_sink(acc: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor):
+    """``acc`` ``[R, hq, d]`` and ``lse`` ``[R, hq]`` (fp32, merged over all keys) with each head's ``sink``
+    ``[hq]`` in the denominator, once: ``(out, lse)``. Rows with no key (``lse = -inf``) stay zero."""
+    lse_s = torch.logaddexp(lse, sink.detach().float()[None])
+    return acc * torch.exp(lse - lse_s).unsqueeze(-1), lse_s
+
+
+def sink_grad(out: torch.Tensor, lse_s: torch.Tensor, grad: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """d loss / d sink ``[hq]`` (fp32) from the sink-corrected output and log-sum-exp and the output's gradient."""
+    d = (grad.float() * out.float()).sum(-1)                              # [R, hq]
+    return -(torch.exp(sink.detach().float()[None] - lse_s) * d).sum(0)
+
+
 class _PiecesAttention(torch.autograd.Function):
     """q ``[R, hq, d]``, k / v ``[K, hkv, d]`` -> ``[R, hq, d]``: every piece of a :class:`PiecePlan` by the
-    kernel, merged by log-sum-exp in fp32 (rows no piece covers: zeros); the backward from the saved fp32
-    output and log-sum-exp. Saves q, k, v, the output and lse: no ``[queries, keys]`` tensor."""
+    kernel, merged by log-sum-exp in fp32 (rows no piece covers: zeros), each head's ``sink`` (or None) added
+    once (:func:`add_sink`); the backward from the saved fp32 output and log-sum-exp. Saves q, k, v, the output
+    and lse: no ``[queries, keys]`` tensor."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, kernel):
+    def forward(ctx, q, k, v, sink, plan, kernel):
         scale = 1.0 / math.sqrt(q.shape[-1])
         acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         merge_rows(acc, lse, *kernel.attend(q, k, v, plan, scale))
+        if sink is not None:
+            acc, lse = add_sink(acc, lse, sink)
         ctx.plan, ctx.kernel, ctx.scale = plan, kernel, scale
-        ctx.save_for_backward(q, k, v, acc, lse)
+        ctx.save_for_backward(q, k, v, acc, lse, sink)
         return acc.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
         ctx.kernel.attend_backward(q, k, v, out, lse, grad, ctx.plan, ctx.scale, dq, dk, dv)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dsink = sink_grad(out, lse, grad, sink).to(sink.dtype) if sink is not None else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink, None, None
 
 
 def attend_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PiecePlan,
-                kernel: BlockKernel | None = None) -> torch.Tensor:
+                kernel: BlockKernel | None = None, *, sink: torch.Tensor | None = None) -> torch.Tensor:
     """Differentiable attention of flat q ``[R, hq, d]`` over k / v ``[K, hkv, d]`` along ``plan``'s pieces
-    (``kernel``: default :func:`block_kernel` for q's device)."""
-    return _PiecesAttention.apply(q, k, v, plan, kernel or block_kernel(None, q.device))
+    (``kernel``: default :func:`block_kernel` for q's device); ``sink``: each head's attention-sink logit
+    ``[hq]`` (gpt-oss), differentiable."""
+    return _PiecesAttention.apply(q, k, v, sink, plan, kernel or block_kernel(None, q.device))
