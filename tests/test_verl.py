@@ -16,7 +16,13 @@ Runs in .venv-verl (``scripts/setup_verl.sh``; ``scripts/test.sh`` runs this fil
 * ``test_engine_router_replay``: verl's R2 / R3 through the engine, bit-identical to parallm called directly.
 * ``test_engine_options``: ``packed``, ``recompute``, ``vpp``, bf16 through the engine against the plain engine.
 * ``test_verl_engine_tests_ported``: verl's own ``test_actor_engine`` / ``test_per_tensor_generator`` on this engine.
-* ``test_delta_export``: the shard / delta exports through verl's own delta gather queue, exact patches.
+* ``test_delta_export``: the shard / delta exports through verl's own delta gather queue at the rollout's bf16,
+  exact patches, exactly the changed elements, the contributing ranks' gather group.
+* ``test_engine_weight_sync_offloaded``: the full export's tensors held to the end across many buckets (verl's
+  delta seed, kimi), and every export leaving an offloaded model offloaded again (``_sync_rank``).
+* ``test_engine_step_hygiene``: an abandoned step, verl's loss on the outputs' device, ``override_config``, the
+  checkpoints' random generators and ``load_contents`` (``_hygiene_rank``).
+* ``test_engine_bad_batch_on_one_rank``: a batch one rank refuses is refused on both at once.
 * ``test_value_engine``: parallm's critic engine's nested ``values`` against transformers (body x the score head),
   then one critic ``train_batch`` with verl's ``value_loss`` against the same AdamW step on transformers.
 * ``test_grpo_moe_smoke``: verl's trainer, GRPO on a Qwen3-MoE at ep2 with router replay R2, 2 steps.
@@ -134,12 +140,13 @@ def _verl_batch(ranks, world, *, dynamic=False, micro=2):
     return td
 
 
-def _parallm_engine(path, *, layout=None, optim=None, remove_padding=False, **engine_kw):
+def _parallm_engine(path, *, layout=None, optim=None, remove_padding=False, override=None, checkpoint=None,
+                    **engine_kw):
     """parallm's actor engine built by verl's ``EngineRegistry`` from verl's configs, as verl's trainer builds it
     (an ``FSDPEngineConfig`` whose strategy is ``parallm``), fp32, initialised. ``layout``: parallm's block
     (``PARALLM_VERL_CONFIG``; the previous layout torn down first); ``optim``: ``FSDPOptimizerConfig`` fields
-    (default: AdamW lr 1e-2, weight decay 0.1, clip 1.0, a constant schedule); ``engine_kw``: engine config
-    fields."""
+    (default: AdamW lr 1e-2, weight decay 0.1, clip 1.0, a constant schedule); ``override``: more of the model's
+    ``override_config``; ``checkpoint``: ``CheckpointConfig`` fields; ``engine_kw``: engine config fields."""
     import parallm
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
@@ -148,13 +155,13 @@ def _parallm_engine(path, *, layout=None, optim=None, remove_padding=False, **en
         parallm.destroy_parallel()
         os.environ["PARALLM_VERL_CONFIG"] = json.dumps(layout)
     model = HFModelConfig(path=path, use_remove_padding=remove_padding,
-                          override_config={"attn_implementation": "sdpa"})
+                          override_config={"attn_implementation": "sdpa", **(override or {})})
     eng = FSDPEngineConfig(strategy="fsdp", model_dtype="fp32", use_torch_compile=False, **engine_kw)
     object.__setattr__(eng, "strategy", "parallm")
     optim = FSDPOptimizerConfig(**dict(dict(lr=1e-2, weight_decay=0.1, total_training_steps=4, clip_grad=1.0,
                                             lr_scheduler_type="constant", lr_warmup_steps=0), **(optim or {})))
     e = EngineRegistry.new(model_type="language_model", backend="parallm", model_config=model, engine_config=eng,
-                           optimizer_config=optim, checkpoint_config=CheckpointConfig())
+                           optimizer_config=optim, checkpoint_config=CheckpointConfig(**(checkpoint or {})))
     e.initialize()
     return e
 
@@ -804,28 +811,66 @@ def test_verl_engine_tests_ported(tmp_path):
 
 # -- the sparse (delta) weight sync's exports --------------------------------------------------------------------
 
-def _delta_rank(rank, world, dense, moe):
-    """verl's ``delta_sharded`` sync driven as its checkpoint engine drives it, minus the NCCL wire (cupy / NCCL
-    are not here): the seed is ``get_per_tensor_param`` (rank 0 keeps it as the rollout's weights), then verl's
-    ``prime_delta_snapshots``; each later sync feeds ``get_per_tensor_param_delta_shard``'s entries into verl's
-    own ``_GatherQueue`` (gathers to rank 0 over the entries' groups) and rank 0 applies each slot's
-    ``(position, value)`` pairs to its copy. Per layout (dense dp2, tp2, pp2; Qwen3-MoE dp2 x ep2): a sync with
-    nothing changed ships nothing; after a PPO step and after a sparse edit (every parameter +1 at its first
-    local element, on every rank) the patched copy equals a fresh full export bit for bit, and the pairs shipped
-    are exactly the elements that changed (no duplicate, no extra)."""
+def _delta_sync(e, rollout, rank):
+    """One steady ``delta_sharded`` sync of engine ``e`` into ``rollout`` (rank 0's dict of HF tensors) as verl's
+    checkpoint engine runs it, minus the NCCL wire: ``get_per_tensor_param_delta_shard``'s entries through verl's
+    own ``_GatherQueue`` (gathers to rank 0 over the entries' groups), each slot's ``(position, value)`` pairs
+    applied on rank 0. Returns (elements shipped, duplicates within a slot, the entries' dtypes, the ranks of
+    their gather groups)."""
     import sys
     import types
+    import torch
+    import torch.distributed as dist
+    # the delta engine's module imports cupy at the top (its NCCL wire); _GatherQueue does not use it
+    stand_in = types.ModuleType("cupy")
+    stand_in.ndarray = type("ndarray", (), {})
+    sys.modules.setdefault("cupy", stand_in)
+    from verl.checkpoint_engine.delta_checkpoint_engine import _GatherQueue
+    shipped, dups = [0], [0]
+
+    def consume(name, dtype_str, shape, numel, idx, val):
+        if idx is None or not idx.numel():
+            return
+        assert tuple(rollout[name].shape) == tuple(shape) and str(rollout[name].dtype) == "torch." + dtype_str, \
+            (name, rollout[name].dtype, dtype_str)
+        shipped[0] += idx.numel()
+        dups[0] += idx.numel() - torch.unique(idx).numel()
+        rollout[name].view(-1)[idx.long()] = val.to(rollout[name].dtype)
+
+    queue = _GatherQueue(batch_k=3, max_round_bytes=1 << 20, is_r0=rank == 0, consume=consume)
+    weights, _ = e.get_per_tensor_param_delta_shard()
+    dtypes, groups = set(), set()
+    for slots, dtype_str, counts, idx, val, pg in weights:
+        dtypes.add(dtype_str)
+        groups.add(None if pg is None else tuple(dist.get_process_group_ranks(pg)))
+        queue.put(pg, slots, dtype_str, counts, idx, val)
+    queue.flush_all()
+    return shipped[0], dups[0], sorted(dtypes), sorted(groups, key=str)
+
+
+def _bits_changed(a, b):
+    """Elements of the bf16 tensors of dict ``a`` whose bits differ in ``b``."""
+    import torch
+    return sum(int((a[k].view(-1).view(torch.int16) != b[k].view(-1).view(torch.int16)).sum()) for k in a)
+
+
+def _delta_rank(rank, world, dense, moe):
+    """verl's ``delta_sharded`` sync driven as its checkpoint engine drives it, minus the NCCL wire (cupy / NCCL
+    are not here): the seed is ``get_per_tensor_param`` cast to the rollout's bf16 as verl's ``_send_full_seed``
+    casts it (rank 0 keeps it as the rollout's weights), then verl's ``prime_delta_snapshots``; each later sync
+    feeds ``get_per_tensor_param_delta_shard``'s entries into verl's own ``_GatherQueue`` (gathers to rank 0
+    over the entries' groups) and rank 0 applies each slot's ``(position, value)`` pairs to its copy. Per layout
+    (dense dp2, tp2, pp2; Qwen3-MoE dp2 x ep2; fp32 models): a sync with nothing changed ships nothing; after a
+    PPO step and after a sparse edit (every parameter +1 at its first local element, on every rank) the patched
+    copy equals a fresh full export cast to bf16 bit for bit, the pairs shipped are exactly the elements whose
+    bf16 bits changed (no duplicate, no extra), every entry is bf16, and the entries' gather group is the ranks
+    that contribute (None at dp2, where rank 0 holds everything; the world at tp2 / pp2 / ep2)."""
     os.environ.update(ENV)
     import torch
     import verl  # noqa: F401  (loads parallm.integrations.verl)
     from verl.workers.config import ActorConfig
     from verl.workers.utils.losses import ppo_loss
     import parallm
-    # the delta engine's module imports cupy at the top (its NCCL wire); _GatherQueue does not use it
-    stand_in = types.ModuleType("cupy")
-    stand_in.ndarray = type("ndarray", (), {})
-    sys.modules.setdefault("cupy", stand_in)
-    from verl.checkpoint_engine.delta_checkpoint_engine import _GatherQueue
 
     def engine(path):
         return _parallm_engine(path, use_dynamic_bsz=False, micro_batch_size_per_gpu=B,
@@ -835,36 +880,16 @@ def _delta_rank(rank, world, dense, moe):
                             entropy_coeff=0.01, loss_agg_mode="token-mean")
 
     def step(e):
-        td = _verl_batch([rank], world, micro=B)
+        # the replica's rows: every tp / pp rank of one data-parallel replica passes the same batch
+        td = _verl_batch([e.get_data_parallel_rank()], e.get_data_parallel_size(), micro=B)
         with e.train_mode():
             e.train_batch(td, loss_function=lambda model_output, data, dp_group=None:
                           ppo_loss(actor_cfg, model_output, data, dp_group))
 
     def full(e):
+        """A fresh full export at the rollout's dtype (verl's seed: ``tensor.to(rollout_dtype)``)."""
         gen, _ = e.get_per_tensor_param()
-        return {k: v.detach().clone() for k, v in gen}
-
-    def sync(e, rollout):
-        """One steady sync into ``rollout`` (rank 0); (elements shipped, duplicates within a slot)."""
-        shipped, dups = [0], [0]
-
-        def consume(name, dtype_str, shape, numel, idx, val):
-            if idx is None or not idx.numel():
-                return
-            assert tuple(rollout[name].shape) == tuple(shape) and str(rollout[name].dtype) == "torch." + dtype_str
-            shipped[0] += idx.numel()
-            dups[0] += idx.numel() - torch.unique(idx).numel()
-            rollout[name].view(-1)[idx.long()] = val.to(rollout[name].dtype)
-
-        queue = _GatherQueue(batch_k=3, max_round_bytes=1 << 20, is_r0=rank == 0, consume=consume)
-        weights, _ = e.get_per_tensor_param_delta_shard()
-        for slots, dtype_str, counts, idx, val, pg in weights:
-            queue.put(pg, slots, dtype_str, counts, idx, val)
-        queue.flush_all()
-        return shipped[0], dups[0]
-
-    def changed(a, b):
-        return sum(int((a[k].view(-1).view(torch.int32) != b[k].view(-1).view(torch.int32)).sum()) for k in a)
+        return {k: v.detach().to(torch.bfloat16).clone() for k, v in gen}
 
     report = {}
     for name, layout, path in (("dp2", {}, dense), ("tp2", {"tp": 2}, dense), ("pp2", {"pp": 2}, dense),
@@ -874,21 +899,22 @@ def _delta_rank(rank, world, dense, moe):
         e = engine(path)
         rollout = full(e)                      # the seed sync: what the rollout holds
         e.prime_delta_snapshots()
-        rep = {"nothing": sync(e, rollout)}
+        *nothing, dtypes, groups = _delta_sync(e, rollout, rank)
+        rep = {"nothing": tuple(nothing), "dtypes": dtypes, "groups": groups}
         before = {k: v.clone() for k, v in rollout.items()}
         step(e)
-        rep["step"] = sync(e, rollout)
+        *rep["step"], _, _ = _delta_sync(e, rollout, rank)
         now = full(e)
-        rep["step_changed"] = changed(before, now)
+        rep["step_changed"] = _bits_changed(before, now)
         rep["step_equal"] = sorted(now) == sorted(rollout) and all(torch.equal(now[k], rollout[k]) for k in now)
         with torch.no_grad():                  # a sparse edit, the same on every replica
             for c in e.chunks:
                 for p in c.parameters():
                     p.view(-1)[0] += 1.0
         before = {k: v.clone() for k, v in rollout.items()}
-        rep["edit"] = sync(e, rollout)
+        *rep["edit"], _, _ = _delta_sync(e, rollout, rank)
         now = full(e)
-        rep["edit_changed"] = changed(before, now)
+        rep["edit_changed"] = _bits_changed(before, now)
         rep["edit_equal"] = all(torch.equal(now[k], rollout[k]) for k in now)
         rep["numel"] = sum(v.numel() for v in now.values())
         report[name] = rep
@@ -899,19 +925,287 @@ def _delta_rank(rank, world, dense, moe):
 @pytest.mark.timeout(420)
 def test_delta_export(tmp_path):
     """The engine's ``get_per_tensor_param_shard`` / ``get_per_tensor_param_delta_shard`` through verl's own
-    delta gather (``_delta_rank``): exact patches, exactly the changed elements, at dp2, tp2, pp2 and MoE ep2."""
+    delta gather (``_delta_rank``): at the rollout's bf16, exact patches, exactly the changed elements, the
+    contributing ranks' gather group, at dp2, tp2, pp2 and MoE ep2."""
     from parallm.integrations.verl import toy  # noqa: F401  (needs verl: skipped above without it)
     dense = toy.write_checkpoint(str(tmp_path / "dense"))
     moe = toy.write_checkpoint(str(tmp_path / "moe"), model_type="qwen3_moe")
     reports = helpers.run_ranks(_delta_rank, 2, dense, moe, timeout=400)
+    for rank, report in enumerate(reports):
+        for name, rep in report.items():
+            print(rank, name, rep)
+            assert rep["dtypes"] == ["bfloat16"], (name, rep)
+            # dp2: rank 0 contributes every element (rank 1 is a replica): nothing to gather, on either rank
+            assert rep["groups"] == ([None] if name == "dp2" else [(0, 1)]), (name, rep)
     for name, rep in reports[0].items():
-        print(name, rep)
         assert rep["nothing"] == (0, 0), (name, rep)
         shipped, dups = rep["step"]
-        assert rep["step_equal"] and dups == 0 and shipped == rep["step_changed"] > rep["numel"] // 2, (name, rep)
+        assert rep["step_equal"] and dups == 0 and shipped == rep["step_changed"] > 0, (name, rep)
         shipped, dups = rep["edit"]
         assert rep["edit_equal"] and dups == 0 and shipped == rep["edit_changed"], (name, rep)
         assert 0 < shipped < 1000, (name, rep)         # a handful of elements per tensor, not the model
+
+
+# -- a whole run's worth of engine calls: weight syncs with offload, abandoned steps, checkpoints ------------------
+
+def _sync_rank(rank, world, dense):
+    """At dp2, the model "on an accelerator" with verl's offload flags (verl's device name made "cuda" so verl's
+    mode switches call ``to``, as in ``_engine_rank``'s phase B) and the export stream cut into buckets of 4 KiB:
+    (2) ``get_per_tensor_param``'s tensors, every one held to the end as verl's ``delta_sharded`` seed and its
+    ``kimi`` engine hold them (27 tensors in 17 buckets), against a fresh ``save_hf_weights`` taken before
+    (bit-equal); (12) the parameters' storages during each export and after it (offloaded again: 0 bytes) for the
+    full export, ``prime_delta_snapshots`` and the delta export, and the export stream's cached buffers after;
+    the delta sync across a PPO step with the model offloaded between the calls: the seed (cast to bf16, as
+    verl's seed casts it) patched into a copy bit-equal to a fresh export cast to bf16."""
+    os.environ.update(ENV)
+    import functools
+    import torch
+    import verl  # noqa: F401  (loads parallm.integrations.verl)
+    import verl.workers.engine.base as verl_base
+    from verl.workers.config import ActorConfig
+    from verl.workers.utils.losses import ppo_loss
+    import parallm
+
+    actor_cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, clip_ratio=0.2,
+                            entropy_coeff=0.01, loss_agg_mode="token-mean")
+    original, real_export = verl_base.get_device_name, parallm.export_hf_tensors
+    verl_base.get_device_name = lambda: "cuda"
+    parallm.export_hf_tensors = functools.partial(real_export, bucket_bytes=4096)
+    rep = {}
+    try:
+        e = _parallm_engine(dense, use_dynamic_bsz=False, micro_batch_size_per_gpu=2,
+                            infer_micro_batch_size_per_gpu=2, param_offload=True, optimizer_offload=True)
+        reference = parallm.save_hf_weights(e.chunks)          # {name: tensor} on rank 0
+        e.device_type = "cuda"                 # as initialize leaves a CUDA model: offloaded
+        e.to("cpu", model=True, optimizer=True, grad=True)
+
+        def param_bytes():
+            return sum(p.untyped_storage().nbytes() for c in e.chunks for p in c.parameters())
+
+        def during_and_after(gen, keep):
+            during = []
+            for item in gen:
+                keep.append(item)
+                during.append(param_bytes())
+            return min(during), param_bytes()
+
+        held = []
+        rep["full"] = during_and_after(e.get_per_tensor_param()[0], held)
+        rep["n"] = len(held)
+        rep["storages"] = len({t.untyped_storage().data_ptr() for _, t in held})
+        if rank == 0:
+            rep["held_equal"] = sorted(k for k, _ in held) == sorted(reference) and \
+                all(torch.equal(t, reference[k]) for k, t in held)
+        cache = getattr(e.chunks[0], "_parallm_export", {}).get("buffers")
+        rep["export_buffers"] = len(cache.bufs) if cache is not None else 0
+        rollout = {k: t.to(torch.bfloat16) for k, t in held}       # verl's seed: tensor.to(rollout_dtype)
+        del held
+        shard_gen, _ = e.get_per_tensor_param_shard()
+        rep["shard"] = during_and_after(shard_gen, [])
+        e.prime_delta_snapshots()
+        rep["prime_after"] = param_bytes()
+        before = {k: v.clone() for k, v in rollout.items()}
+        with e.train_mode():
+            e.train_batch(_verl_batch([rank], world), loss_function=lambda model_output, data, dp_group=None:
+                          ppo_loss(actor_cfg, model_output, data, dp_group))
+        rep["step_after"] = param_bytes()
+        shipped, dups, dtypes, _ = _delta_sync(e, rollout, rank)
+        rep["delta_after"] = param_bytes()
+        now = {k: t.to(torch.bfloat16) for k, t in e.get_per_tensor_param()[0]}
+        if rank == 0:
+            rep["delta"] = {"equal": all(torch.equal(now[k], rollout[k]) for k in now), "shipped": shipped,
+                            "changed": _bits_changed(before, now), "dups": dups, "dtypes": dtypes}
+    finally:
+        verl_base.get_device_name, parallm.export_hf_tensors = original, real_export
+    return rep
+
+
+@pytest.mark.timeout(300)
+def test_engine_weight_sync_offloaded(tmp_path):
+    """verl's weight exports as its checkpoint engines consume them, with the model offloaded (``_sync_rank``):
+    tensors held across buckets stay right (``copy=True``), and every export leaves the parameters offloaded."""
+    from parallm.integrations.verl import toy
+    dense = toy.write_checkpoint(str(tmp_path / "dense"))
+    for rank, rep in enumerate(helpers.run_ranks(_sync_rank, 2, dense, timeout=240)):
+        print(rank, rep)
+        if rank == 0:
+            assert rep["held_equal"], rep                        # (2) every held tensor is still its own value
+        # 27 tensors in 17 buckets of 4 KiB (larger tensors alone), each bucket a fresh allocation (copy=True)
+        assert rep["n"] == 27 and rep["storages"] > 10, rep
+        if rank == 0:
+            d = rep["delta"]
+            assert d["equal"] and d["dtypes"] == ["bfloat16"] and d["dups"] == 0, d
+            assert d["shipped"] == d["changed"] > 0, d
+        # (12) resident while each export runs, offloaded again after it, as verl's naive path leaves the model
+        for key in ("full", "shard"):
+            assert rep[key][0] > 0 and rep[key][1] == 0, (key, rep)
+        assert rep["prime_after"] == rep["step_after"] == rep["delta_after"] == 0, rep
+        assert rep["export_buffers"] == 0, rep                   # the stream's cached buffers freed too
+
+
+def _hygiene_rank(rank, world, dense, ckpt):
+    """At dp2, fixed micro-batches of 2, verl's ``ppo_loss``: (22) a step abandoned between
+    ``forward_backward_batch`` and ``optimizer_step`` (an exception inside ``train_mode``, as from verl's
+    post-processing), then a full ``train_batch``, against a fresh engine's ``train_batch`` (grad norm and
+    weights bit-equal); (7) the micro-batch verl's loss receives lives on the model output's device
+    (``output_device`` made "meta" here, the CPU stand-in for a CUDA model with verl's CPU TensorDicts), in a
+    training step and in a forward-only pass with a loss; (19) ``model.override_config``: a change to the model
+    (``rms_norm_eps``) refused with NotImplementedError naming it, values equal to config.json's and verl's
+    tokenizer ids accepted; (20) ``save_checkpoint`` then draws from torch / numpy / random, ``load_checkpoint``
+    gives the draws again (the generators restored), ``checkpoint.load_contents=["model"]`` leaves the optimizer's
+    state alone while the default loads it."""
+    os.environ.update(ENV)
+    import random
+    import numpy as np
+    import torch
+    import verl  # noqa: F401  (loads parallm.integrations.verl)
+    from verl.workers.config import ActorConfig
+    from verl.workers.utils.losses import ppo_loss
+    import parallm
+    import parallm.integrations.verl.engine as engine_module
+
+    actor_cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, clip_ratio=0.2,
+                            entropy_coeff=0.01, loss_agg_mode="token-mean")
+
+    def loss_fn(model_output, data, dp_group=None):
+        return ppo_loss(actor_cfg, model_output, data, dp_group)
+
+    def engine(**kw):
+        return _parallm_engine(dense, use_dynamic_bsz=False, micro_batch_size_per_gpu=2,
+                               infer_micro_batch_size_per_gpu=2, **kw)
+
+    def weights(e):
+        return {k: v.clone() for k, v in parallm.export_hf_tensors(e.chunks)}
+
+    def state_sum(e):
+        return sum(float(t.double().abs().sum()) for st in e.optimizer.state.values() for t in st.values()
+                   if torch.is_tensor(t))
+
+    rep = {}
+    # (22) an abandoned step, then a full one
+    e = engine()
+    try:
+        with e.train_mode():
+            e.forward_backward_batch(_verl_batch([rank], world), loss_function=loss_fn)
+            raise RuntimeError("verl's post-processing failed")
+    except RuntimeError:
+        pass
+    with e.train_mode():
+        norm = e.train_batch(_verl_batch([rank], world), loss_function=loss_fn)["metrics"]["grad_norm"]
+    fresh = engine()
+    with fresh.train_mode():
+        fresh_norm = fresh.train_batch(_verl_batch([rank], world), loss_function=loss_fn)["metrics"]["grad_norm"]
+    w, fw = weights(e), weights(fresh)
+    rep["abandoned"] = {"norms": (norm, fresh_norm), "equal": all(torch.equal(w[k], fw[k]) for k in w)}
+    # (7) the micro-batch on the output's device
+    seen = []
+
+    def device_loss(model_output, data, dp_group=None):
+        seen.append(sorted({v.device.type for v in data.values() if isinstance(v, torch.Tensor)}))
+        return model_output["log_probs"].values().mean(), {}
+
+    real_device = getattr(engine_module, "output_device", None)
+    engine_module.output_device = lambda model_output: torch.device("meta")
+    try:
+        with fresh.train_mode():
+            fresh.train_batch(_verl_batch([rank], world), loss_function=device_loss)
+        with fresh.eval_mode():
+            fresh.forward_backward_batch(_verl_batch([rank], world), loss_function=device_loss, forward_only=True)
+    finally:
+        engine_module.output_device = real_device
+    rep["devices"] = seen
+    # (19) override_config
+    errors = []
+    for override in ({"rms_norm_eps": 1e-5}, {"rms_norm_eps": 1e-6, "pad_token_id": 0, "bos_token_id": 5}):
+        try:
+            engine(override=override)
+            errors.append(None)
+        except NotImplementedError as exc:
+            errors.append(str(exc))
+    rep["override"] = errors
+    # (20) checkpoints: the generators, load_contents
+    e.save_checkpoint(ckpt, global_step=1)
+    draws = (torch.rand(4), np.random.rand(3), random.random())
+    saved_state = state_sum(e)
+    torch.rand(100), np.random.rand(100), random.random()
+    e.load_checkpoint(ckpt)
+    again = (torch.rand(4), np.random.rand(3), random.random())
+    rep["rng"] = [torch.equal(draws[0], again[0]), bool(np.array_equal(draws[1], again[1])), draws[2] == again[2]]
+    model_only, default = engine(checkpoint={"load_contents": ["model"]}), engine()
+    model_only.load_checkpoint(ckpt)
+    default.load_checkpoint(ckpt)
+    w, mw = weights(e), weights(model_only)
+    rep["load_contents"] = {"weights": all(torch.equal(w[k], mw[k]) for k in w), "saved": saved_state,
+                            "model_only": state_sum(model_only), "default": state_sum(default)}
+    return rep
+
+
+@pytest.mark.timeout(300)
+def test_engine_step_hygiene(tmp_path):
+    """An abandoned step, verl's loss on the output's device, ``override_config``, the checkpoints' generators
+    and ``load_contents`` (``_hygiene_rank``)."""
+    from parallm.integrations.verl import toy
+    dense = toy.write_checkpoint(str(tmp_path / "dense"))
+    for rank, rep in enumerate(helpers.run_ranks(_hygiene_rank, 2, dense, str(tmp_path / "ckpt"), timeout=240)):
+        print(rank, rep)
+        a = rep["abandoned"]
+        assert a["norms"][0] == a["norms"][1] and a["equal"], a                  # (22)
+        assert len(rep["devices"]) == 4 and all(d == ["meta"] for d in rep["devices"]), rep["devices"]   # (7)
+        refused, accepted = rep["override"]                                      # (19)
+        assert refused is not None and "rms_norm_eps" in refused and accepted is None, rep["override"]
+        assert all(rep["rng"]), rep["rng"]                                       # (20)
+        lc = rep["load_contents"]
+        assert lc["weights"] and lc["default"] == lc["saved"] > 0 and lc["model_only"] != lc["saved"], lc
+
+
+def _bad_batch_rank(rank, world, dense):
+    """Data that only rank 1's batch fails the engine's checks on (per-sample temperatures that differ; a
+    micro-batch size that does not divide its rows): what each rank raises, and how long it took."""
+    os.environ.update(ENV)
+    import time
+    import torch
+    import verl  # noqa: F401  (loads parallm.integrations.verl)
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import ActorConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    actor_cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, clip_ratio=0.2,
+                            entropy_coeff=0.01, loss_agg_mode="token-mean")
+    e = _parallm_engine(dense, use_dynamic_bsz=False, micro_batch_size_per_gpu=2, infer_micro_batch_size_per_gpu=2)
+    out = []
+    for case in ("temperature", "micro_batch"):
+        td = _verl_batch([rank], world)
+        if rank == 1 and case == "temperature":
+            del td["temperature"]
+            td["temperature"] = torch.tensor([1.0, 0.7, 1.0, 1.0])
+        if rank == 1 and case == "micro_batch":
+            tu.assign_non_tensor(td, micro_batch_size_per_gpu=3)
+        start = time.monotonic()
+        try:
+            with e.train_mode():
+                e.train_batch(td, loss_function=lambda model_output, data, dp_group=None:
+                              ppo_loss(actor_cfg, model_output, data, dp_group))
+            out.append((case, None, "", time.monotonic() - start))
+        except Exception as exc:  # noqa: BLE001 - the outcome is the report
+            out.append((case, type(exc).__name__, str(exc), time.monotonic() - start))
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_engine_bad_batch_on_one_rank(tmp_path):
+    """A batch only one data-parallel rank's checks refuse is refused on every rank at once (``_bad_batch_rank``):
+    before, the other rank waited inside ``forward_backward`` for the process-group timeout."""
+    from parallm.integrations.verl import toy
+    dense = toy.write_checkpoint(str(tmp_path / "dense"))
+    outcomes = helpers.run_ranks_allow_dead(_bad_batch_rank, 2, dense, timeout=150)
+    print(outcomes)
+    assert all(kind == "ok" for kind, _ in outcomes), outcomes          # no rank hung, none died
+    for rank, (_, cases) in enumerate(outcomes):
+        for case, etype, message, seconds in cases:
+            assert etype == "ValueError" and seconds < 30, (rank, case, etype, message, seconds)
+            assert ("temperatures differ" if case == "temperature" else "micro_batch_size_per_gpu=3") in message
+            if rank == 0:
+                assert "rank 1" in message, message
 
 
 @pytest.mark.timeout(300)

@@ -5,11 +5,14 @@ verl's nested layout. Local work only (no collective): the engine runs the check
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 
-__all__ = ["ROW_KEY", "ROUTED", "micro_batching", "router_replay_mode"]
+__all__ = ["ROW_KEY", "ROUTED", "Prepared", "micro_batch", "micro_batching", "output_device", "prepare",
+           "router_replay_mode"]
 
 ROW_KEY = "verl_row"      # the batch entry carrying each row's index in verl's mini-batch
 
@@ -112,3 +115,48 @@ def micro_batching(data: TensorDict) -> dict:
         raise ValueError(f"parallm engine: the mini-batch of {b} rows on this data-parallel rank does not split "
                          f"into micro-batches of micro_batch_size_per_gpu={size}")
     return {"num_microbatches": b // size}
+
+
+@dataclass
+class Prepared:
+    """One mini-batch as parallm takes it (:func:`prepare`): right-padded ``ids`` / ``mask`` / ``pos`` ``[B, S]``,
+    the row ``lengths``, parallm's micro-batch keyword ``split``, the ``output`` kind (None: values), the
+    ``temperature``, the replayed ``routes`` ``[B, S, L, k]`` (or None), whether to ``record`` routes, and this
+    rank's ``tokens`` (``loss_mask`` summed)."""
+    ids: torch.Tensor
+    mask: torch.Tensor
+    pos: torch.Tensor
+    lengths: torch.Tensor
+    split: dict
+    output: str | None
+    calculate_entropy: bool
+    temperature: float
+    routes: torch.Tensor | None
+    record: bool
+    tokens: float
+
+
+def prepare(data: TensorDict, *, pad_token_id: int, value: bool, routing: str | None, short_ok: bool) -> Prepared:
+    """Every check and conversion of verl's mini-batch that needs no collective: the engine runs it inside
+    parallm's agreement (``run_local``), so a batch refused on one rank is refused on every rank at once.
+    ``routing``: ``"replay"`` / ``"record"`` / None (the engine's decision); ``short_ok``: R3's one-short rows."""
+    split = micro_batching(data)
+    ids, mask, pos, lengths = _padded(data, pad_token_id)
+    calculate_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
+    output = None if value else ("logprobs+entropy" if calculate_entropy else "logprobs")
+    routes = _routes_padded(data[ROUTED], lengths, ids.shape[1], short_ok=short_ok) if routing == "replay" else None
+    tokens = float(data["loss_mask"].sum().to(torch.float64).item()) if "loss_mask" in data.keys() else 0.0
+    return Prepared(ids, mask, pos, lengths, split, output, calculate_entropy, _temperature(data), routes,
+                    routing == "record", tokens)
+
+
+def output_device(model_output: dict) -> torch.device:
+    """Where the model's outputs for verl's loss live (the parameters' device)."""
+    return next(iter(model_output.values())).device
+
+
+def micro_batch(data: TensorDict, rows: torch.Tensor, device) -> TensorDict:
+    """Rows ``rows`` of verl's mini-batch (verl's ``index_select_tensor_dict``) on ``device``, the model
+    output's device: verl's worker hands the engine CPU TensorDicts, and verl's losses combine the micro-batch
+    with the outputs (``log_prob - old_log_prob``), as verl's FSDP and Megatron engines move each micro-batch."""
+    return tu.index_select_tensor_dict(data, rows).to(device)

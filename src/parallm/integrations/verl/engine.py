@@ -22,13 +22,16 @@ What each verl call becomes:
   ``torch.optim.AdamW`` over ``module.parameters()`` does) and verl's own LR schedule functions
   (``get_constant_schedule_with_warmup`` / ``get_cosine_schedule_with_warmup``, torch ``LambdaLR``\\ s) on that
   optimizer, with the warm-up step count verl's FSDP engine computes. Then offloaded when verl's flags say so.
+  ``model.override_config`` entries that would change the model are refused (:mod:`.overrides`).
 * ``forward_backward_batch`` (training): verl's global token count (``loss_mask`` summed over the data-parallel
   group) and ``dp_size`` go into the batch as verl's FSDP engine puts them; the mini-batch (verl's nested
   ``[b, j]`` rows, padded here into ``[B, S]`` + ``attention_mask``, plus each row's index) runs through ONE
   ``parallm.forward_backward(chunks, batch, loss_fn=..., num_microbatches=B / micro_batch_size_per_gpu)`` call
   (verl's dynamic batch size: ``max_tokens_per_microbatch=max_token_len_per_gpu``), so at pp > 1 every
-  micro-batch shares one pipeline schedule. ``loss_fn(out, mb)`` selects the micro-batch's rows of verl's
-  TensorDict (verl's ``index_select_tensor_dict``), turns parallm's ``[b, S]`` outputs into verl's nested
+  micro-batch shares one pipeline schedule. Every check of the batch (:func:`.batch.prepare`) runs inside
+  parallm's agreement first, so a batch refused on one rank is refused on every rank at once. ``loss_fn(out,
+  mb)`` selects the micro-batch's rows of verl's TensorDict (verl's ``index_select_tensor_dict``), moved to the
+  outputs' device as verl's engines move them, turns parallm's ``[b, S]`` outputs into verl's nested
   ``log_probs`` / ``entropy`` / ``values`` and calls verl's ``loss_function(model_output=..., data=micro_batch,
   dp_group=...)``. verl's losses are already normalised for the global mini-batch (verl's engines sum the
   micro-batch losses and average over data-parallel replicas), so ``loss_fn`` returns ``(loss, share)`` with
@@ -52,21 +55,25 @@ What each verl call becomes:
   reference policy) neither records nor replays, as verl's workers flag its pass off; a batch whose
   ``enable_routing_replay`` is ``False`` is not replayed either.
 * ``optimizer_step``: ``finalize_grads``, ``clip_grad_norm_(clip_grad)``, the step only when the norm is finite.
+  ``optimizer_zero_grad`` also forgets the token count of a ``forward_backward`` whose step never came.
 * ``to`` / ``train_mode`` / ``eval_mode``: with ``param_offload`` / ``optimizer_offload`` on, a model on an
   accelerator is moved out with ``parallm.offload`` (storages freed, host copies kept) and back with
   ``parallm.onload``; a model living in host memory (the CPU platform) has nowhere to go and stays.
-* ``get_per_tensor_param``: ``parallm.export_hf_tensors`` (HF names, full tensors, collective: every rank iterates).
+* ``get_per_tensor_param``: ``parallm.export_hf_tensors(copy=True)`` (HF names, full tensors, each the
+  consumer's own; collective: every rank iterates). Every export holds the parameters on the device while it
+  runs and leaves them offloaded again after, if they were (:mod:`.weights`).
 * ``get_per_tensor_param_shard`` / ``get_per_tensor_param_delta_shard`` (verl's ``delta_sharded`` sparse sync):
-  each rank's local shards and the changed elements in HF coordinates, one contributor per element
-  (:mod:`.delta`, over :func:`parallm.checkpoint.shards.hf_shard_map`); verl's ``prime_delta_snapshots``
-  snapshots the shards.
-* checkpoints: ``parallm.save_checkpoint`` / ``load_checkpoint`` (any layout) with the LR schedule's state, and
-  an HF export when verl's checkpoint config asks for ``hf_model``.
+  each rank's local shards and the changed elements in HF coordinates at the rollout's bf16, one contributor per
+  element, gathered over the contributing ranks (:mod:`.delta`, over
+  :func:`parallm.checkpoint.shards.hf_shard_map`); verl's ``prime_delta_snapshots`` snapshots the shards.
+* checkpoints: ``parallm.save_checkpoint`` / ``load_checkpoint`` (any layout) with the LR schedule's state and
+  the random generators, as verl's ``save_contents`` / ``load_contents`` say, and an HF export when they ask for
+  ``hf_model`` (:mod:`.checkpoints`).
 
 The code by concern: this module (the engine class: layout, build, modes and offload, forward / backward, optimizer
 step), :mod:`.options` (``parallm_options``: parallm's own block), :mod:`.batch` (verl's batches as parallm's and
 back), :mod:`.optim` (AdamW and verl's LR schedules), :mod:`.weights` (the rollout's weights) over :mod:`.delta`,
-:mod:`.checkpoints`.
+:mod:`.checkpoints`, :mod:`.overrides` (verl's ``override_config``).
 """
 
 from __future__ import annotations
@@ -81,11 +88,13 @@ from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func
 
 import parallm
+from parallm.parallel.errors import run_local
 
-from .batch import ROUTED, ROW_KEY, _nested, _padded, _routes_padded, _temperature, micro_batching, router_replay_mode
+from .batch import ROUTED, ROW_KEY, Prepared, _nested, micro_batch, output_device, prepare, router_replay_mode
 from .optim import build_lr_scheduler, build_optimizer
 from .checkpoints import Checkpoints
 from .options import parallm_options
+from .overrides import check_overrides
 from .weights import RolloutWeights
 
 __all__ = ["ParallmEngine", "ParallmEngineWithLMHead", "ParallmEngineWithValueHead", "register_engines",
@@ -158,6 +167,7 @@ class ParallmEngine(RolloutWeights, Checkpoints, BaseEngine):
             raise NotImplementedError(f"parallm engine: LoRA (model.lora_rank={self.model_config.lora_rank}) is "
                                       "not supported by this engine; set lora_rank=0 (full fine-tuning)")
         path = self.model_config.local_path
+        run_local(lambda: check_overrides(self.model_config), what="parallm engine: initialize")
         dtype = getattr(torch, o["dtype"])
         self.chunks = parallm.build_model(path, task=self.task, dtype=dtype, packed=o["packed"],
                                           recompute=o["recompute"], attn_impl=o["attn_impl"])
@@ -201,19 +211,20 @@ class ParallmEngine(RolloutWeights, Checkpoints, BaseEngine):
             raise ValueError(f"parallm engine: to({device!r}); this model lives on {self.device_type}")
 
     @contextlib.contextmanager
-    def _resident(self):
-        """Everything offloaded brought back for the block (a checkpoint, a weight export), then offloaded
-        again as it was."""
-        from parallm.train.offload import KINDS, _held
+    def _resident(self, kinds=("params", "grads", "optimizer_state")):
+        """What of ``kinds`` is offloaded brought back for the block (a checkpoint, a weight export), then
+        offloaded again as it was, also when the block fails or a generator running it is closed. Nested blocks
+        (a weight export inside another) leave the restoring to the outermost."""
+        from parallm.train.offload import _held
         held = _held(self.chunks) if self.chunks is not None else {}
-        kinds = {k: bool(held.get(k)) for k in KINDS}
-        if any(kinds.values()):
-            parallm.onload(self.chunks, self.optimizer, **kinds)
+        back = {k: k in kinds and bool(held.get(k)) for k in ("params", "grads", "optimizer_state")}
+        if any(back.values()):
+            parallm.onload(self.chunks, self.optimizer, **back)
         try:
             yield
         finally:
-            if any(kinds.values()):
-                parallm.offload(self.chunks, self.optimizer, **kinds)
+            if any(back.values()):
+                parallm.offload(self.chunks, self.optimizer, **back)
 
     # -- forward / backward ---------------------------------------------------------------------------------
     def _model_output(self, out, lengths: list[int], calculate_entropy: bool) -> dict:
@@ -245,40 +256,26 @@ class ParallmEngine(RolloutWeights, Checkpoints, BaseEngine):
                             "R3 replays the rollout's experts (rollout.enable_rollout_routing_replay=True)"))
 
     def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False):
-        group = self.get_data_parallel_group()
-        batch_num_tokens = data["loss_mask"].sum().to(torch.float64).cpu() if "loss_mask" in data.keys() \
-            else torch.zeros((), dtype=torch.float64)
-        if self.dims.dp > 1:
-            dist.all_reduce(batch_num_tokens, op=dist.ReduceOp.SUM, group=group)
-        tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())
-        tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
-        split = micro_batching(data)
-        ids, mask, pos, lengths = _padded(data, self.pad_token_id)
-        calculate_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
-        if self.task == "value":
-            output = None
-        else:
-            output = "logprobs+entropy" if calculate_entropy else "logprobs"
-        temperature = _temperature(data)
-        routing = self._routing(data, forward_only)
-        routes = _routes_padded(data[ROUTED], lengths, ids.shape[1], short_ok=self.router_replay == "R3") \
-            if routing == "replay" else None
+        def local():          # every check of the batch, inside the agreement: refused on every rank at once
+            if not forward_only and loss_function is None:
+                raise ValueError("parallm engine: forward_backward_batch(forward_only=False) needs a loss_function")
+            return prepare(data, pad_token_id=self.pad_token_id, value=self.task == "value",
+                           routing=self._routing(data, forward_only), short_ok=self.router_replay == "R3")
+
+        b = run_local(local, what="parallm engine: verl's batch")
+        self._global_tokens(data, b.tokens)
         if forward_only:
-            output_lst, indices = self._forward_only(data, loss_function, ids, mask, pos, lengths, split, output,
-                                                     temperature, calculate_entropy, routes=routes,
-                                                     record=routing == "record")
+            output_lst, indices = self._forward_only(data, loss_function, b)
             return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
-        if loss_function is None:
-            raise ValueError("parallm engine: forward_backward_batch(forward_only=False) needs a loss_function")
         return_model_output = bool(tu.get_non_tensor_data(data=data, key="return_model_output", default=False))
-        dp_group = group
+        dp_group = self.get_data_parallel_group()
         rows_here = len(data)
         captured = []      # (rows, {"loss", "metrics"[, "model_output"]}) per micro-batch, in schedule order
 
         def loss_fn(out, mb):
             rows = mb[ROW_KEY].cpu()
-            micro = tu.index_select_tensor_dict(data, rows)
-            model_output = self._model_output(out, lengths[rows].tolist(), calculate_entropy)
+            model_output = self._model_output(out, b.lengths[rows].tolist(), b.calculate_entropy)
+            micro = micro_batch(data, rows, output_device(model_output))
             loss, metrics = loss_function(model_output=model_output, data=micro, dp_group=dp_group)
             entry = {"loss": float(loss.detach().item()), "metrics": metrics}
             if return_model_output:
@@ -288,21 +285,34 @@ class ParallmEngine(RolloutWeights, Checkpoints, BaseEngine):
             # parallm's division by their sum over replicas is verl's average over data-parallel replicas
             return loss, rows.numel() / rows_here
 
-        batch = {"input_ids": ids, "attention_mask": mask, "position_ids": pos,
+        batch = {"input_ids": b.ids, "attention_mask": b.mask, "position_ids": b.pos,
                  ROW_KEY: torch.arange(len(data), dtype=torch.long)}
-        if routes is not None:
-            batch[ROUTED] = routes         # [B, S, L, k]: split with the micro-batches like the other rows
-        parallm.forward_backward(self.chunks, batch, loss_fn=loss_fn, output=output, temperature=temperature,
-                                 **split)
-        indices = [rows for rows, _ in captured] if "max_tokens_per_microbatch" in split else None
+        if b.routes is not None:
+            batch[ROUTED] = b.routes       # [B, S, L, k]: split with the micro-batches like the other rows
+        parallm.forward_backward(self.chunks, batch, loss_fn=loss_fn, output=b.output, temperature=b.temperature,
+                                 **b.split)
+        indices = [rows for rows, _ in captured] if "max_tokens_per_microbatch" in b.split else None
         return postprocess_batch_func(output_lst=[entry for _, entry in captured], indices=indices, data=data)
 
-    def _forward_only(self, data, loss_function, ids, mask, pos, lengths, split, output, temperature,
-                      calculate_entropy, *, routes=None, record=False):
+    def _global_tokens(self, data: TensorDict, local: float) -> None:
+        """verl's ``batch_num_tokens`` (``loss_mask`` summed over the data-parallel group, reduced on the group's
+        device as verl's engines reduce it: an NCCL group serves no CPU tensor) and ``dp_size`` into ``data``."""
+        from parallm.parallel.state import group_device
+        group = self.get_data_parallel_group()
+        tokens = torch.tensor(local, dtype=torch.float64, device=group_device(group))
+        if self.dims.dp > 1:
+            dist.all_reduce(tokens, op=dist.ReduceOp.SUM, group=group)
+        tu.assign_non_tensor(data, batch_num_tokens=tokens.item())
+        tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
+
+    def _forward_only(self, data, loss_function, prepared: Prepared):
         """Outputs of the whole mini-batch by verl's micro-batches; with a ``loss_function`` (verl's SFT
         evaluation) its loss per micro-batch (fixed size), or over the mini-batch at once (dynamic size).
-        ``routes`` (``[B, S, L, k]``): replayed; ``record``: the routed experts come back as verl's
-        ``routed_experts`` (nested int16 ``[b, j, L, k]``) in each micro-batch's ``model_output``."""
+        ``prepared.routes`` (``[B, S, L, k]``): replayed; ``prepared.record``: the routed experts come back as
+        verl's ``routed_experts`` (nested int16 ``[b, j, L, k]``) in each micro-batch's ``model_output``."""
+        ids, mask, pos, lengths, split = prepared.ids, prepared.mask, prepared.pos, prepared.lengths, prepared.split
+        output, temperature, routes, record = prepared.output, prepared.temperature, prepared.routes, prepared.record
+        calculate_entropy = prepared.calculate_entropy
         b = ids.shape[0]
         routed = None
         if "num_microbatches" in split and self.dims.pp == 1:
@@ -335,7 +345,7 @@ class ParallmEngine(RolloutWeights, Checkpoints, BaseEngine):
                 model_output[ROUTED] = _nested(routed[index].to(torch.int16), lengths[index].tolist())
             entry = {"model_output": model_output, "loss": 0.0, "metrics": {}}
             if loss_function is not None:
-                micro = tu.index_select_tensor_dict(data, index)
+                micro = micro_batch(data, index, output_device(model_output))
                 loss, metrics = loss_function(model_output=model_output, data=micro,
                                               dp_group=self.get_data_parallel_group())
                 entry["loss"], entry["metrics"] = float(loss.detach().item()), metrics
@@ -344,7 +354,11 @@ class ParallmEngine(RolloutWeights, Checkpoints, BaseEngine):
 
     # -- optimizer ------------------------------------------------------------------------------------------
     def optimizer_zero_grad(self):
+        """Zero the gradients and forget the token count a ``forward_backward`` left for ``finalize_grads``
+        (a step abandoned between the two, e.g. by an exception in verl's post-processing, would otherwise
+        divide the next step's gradients by both counts)."""
         self.optimizer.zero_grad()
+        self.chunks[0].pending_tokens = None
 
     def optimizer_step(self):
         parallm.finalize_grads(self.chunks)
