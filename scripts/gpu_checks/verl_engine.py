@@ -1,15 +1,22 @@
 """GPU check for parallm's verl engine (never run: no GPU was lent). Needs verl 0.9.1 in the interpreter
-(`pip install "verl[verl-core]==0.9.1"` beside CUDA torch) and 1 CUDA device; exits 0 with a message if verl is
-missing. Run: `torchrun --nproc-per-node 1 scripts/gpu_checks/verl_engine.py` (or plain python: it initialises a 1-rank
-group); `--cpu`: a dry run of the same code on verl's CPU platform (gloo; the CUDA memory check is skipped there).
+(`pip install "verl[verl-core]==0.9.1"` beside CUDA torch) and CUDA devices; exits 0 with a message if verl is
+missing. Run: `torchrun --nproc-per-node 1 scripts/gpu_checks/verl_engine.py` (or plain python: it initialises a
+1-rank group); with `--nproc-per-node 2` (or more) the engine runs at dp = ranks, which also exercises verl's
+``batch_num_tokens`` all-reduce on the NCCL data-parallel group (a CPU tensor there raised before); `--cpu`: a dry
+run of the same code on verl's CPU platform (gloo; the offload and memory checks are skipped there: the engine
+never offloads a model that lives in host memory; tests/test_verl.py checks that logic on CPU with the device faked).
 
-Checks, on CUDA: verl's EngineRegistry builds parallm's engine for device "cuda"; with param_offload and
-optimizer_offload on, verl's mode switches (train_mode / eval_mode) offload the model and the AdamW state
-through parallm.offload (torch.cuda.memory_allocated falls by at least the parameter bytes outside the modes)
-and bring them back (parallm.onload); the log-probs and the weights after one PPO step equal a run without
-offload bit for bit. The sparse sync's exports with the model offloaded between syncs: a seed (full export),
-verl's prime_delta_snapshots, a PPO step, then get_per_tensor_param_delta_shard's pairs patch the seed into a
-copy bit-equal to a fresh full export, with exactly the changed elements shipped.
+Checks, on CUDA: verl's EngineRegistry builds parallm's engine for device "cuda"; a PPO step through verl's
+``ppo_loss`` runs (verl's CPU micro-batch moved to the outputs' device: before, "Expected all tensors to be on
+the same device"); with param_offload and optimizer_offload on, verl's mode switches (train_mode / eval_mode)
+offload the model and the AdamW state through parallm.offload (torch.cuda.memory_allocated AND memory_reserved
+fall by at least the parameter bytes outside the modes: offload ends with empty_cache) and bring them back
+(parallm.onload), and a second offload reuses the pinned host copies of the first; the log-probs and the weights
+after one PPO step equal a run without offload bit for bit. The weight syncs with the model offloaded between
+them: every tensor of get_per_tensor_param held to the end equals a save_hf_weights taken before (copy=True), the
+parameters are offloaded again after each export, and the delta sync (a seed cast to bf16 as verl's seed casts
+it, verl's prime_delta_snapshots, a PPO step, get_per_tensor_param_delta_shard's pairs) patches the seed into a
+copy bit-equal to a fresh export cast to bf16, with exactly the changed elements shipped.
 """
 import os
 import sys
@@ -91,59 +98,80 @@ def ppo_step(e):
 def run(offload):
     e = engine(offload)
     assert e.device_type == device.type, e.device_type
-    mem = torch.cuda.memory_allocated if device.type == "cuda" else (lambda: 0)
+    cuda = device.type == "cuda"
+    mem = (lambda: (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())) if cuda else (lambda: (0, 0))
     outside = []
     with e.eval_mode():
         lp = e.infer_batch(batch())["model_output"]["log_probs"]
     outside.append(mem())
+    from parallm.train.offload import _held
+    hosts = [h for _, h in _held(e.chunks)["params"]]
     ppo_step(e)
     outside.append(mem())
+    again = [h for _, h in _held(e.chunks)["params"]]
+    reused = len(hosts) == len(again) > 0 and all(a is b for a, b in zip(hosts, again)) \
+        and all(h.is_pinned() == cuda for h in again)
     e.to(device.type, model=True, optimizer=True, grad=True)
     inside = mem()
     weights = {k: v.clone() for k, v in parallm.export_hf_tensors(e.chunks)}
     pbytes = sum(p.numel() * p.element_size() for c in e.chunks for p in c.parameters())
     parallm.destroy_parallel()
-    return [t.cpu() for t in lp.unbind()], weights, outside, inside, pbytes
+    return [t.cpu() for t in lp.unbind()], weights, outside, inside, pbytes, reused
 
 
 def delta(offload):
-    """The sparse sync's exports on this device, the model offloaded between syncs when ``offload``."""
+    """The weight syncs on this device, the model offloaded between syncs when ``offload``."""
     e = engine(offload)
+    with e._resident():
+        reference = parallm.save_hf_weights(e.chunks)       # {name: cpu tensor} on rank 0
 
-    def full():
-        gen, _ = e.get_per_tensor_param()
-        return {k: v.detach().cpu().clone() for k, v in gen}
+    def param_bytes():
+        return sum(p.untyped_storage().nbytes() for c in e.chunks for p in c.parameters())
 
-    seed = full()
+    held = list(e.get_per_tensor_param()[0])               # every tensor kept to the end, as verl's seed keeps them
+    held_ok = rank != 0 or all(torch.equal(t.cpu(), reference[k]) for k, t in held) and len(held) == len(reference)
+    after = [param_bytes()]
+    seed = {k: t.detach().to(torch.bfloat16).cpu() for k, t in held}
+    del held
     e.prime_delta_snapshots()
+    after.append(param_bytes())
     ppo_step(e)
     patched = {k: v.clone() for k, v in seed.items()}
     shipped = 0
     entries, _ = e.get_per_tensor_param_delta_shard()
-    for slots, _dtype, counts, idx, val, _pg in entries:      # one rank: every entry is already whole here
+    for slots, _dtype, counts, idx, val, _pg in entries:   # dp only: rank 0 contributes every element (group None)
         off = 0
         for (name, _shape), c in zip(slots, counts.tolist()):
-            patched[name].view(-1)[idx[off:off + c].long().cpu()] = val[off:off + c].cpu()
+            if rank == 0:
+                patched[name].view(-1)[idx[off:off + c].long().cpu()] = val[off:off + c].cpu()
             off += c
             shipped += c
-    now = full()
-    changed = sum(int((seed[k].view(-1).view(torch.int32) != now[k].view(-1).view(torch.int32)).sum()) for k in now)
-    equal = all(torch.equal(patched[k], now[k]) for k in now)
+    after.append(param_bytes())
+    now = {k: v.detach().to(torch.bfloat16).cpu() for k, v in e.get_per_tensor_param()[0]}
+    changed = sum(int((seed[k].view(-1).view(torch.int16) != now[k].view(-1).view(torch.int16)).sum()) for k in now)
+    equal = rank != 0 or all(torch.equal(patched[k], now[k]) for k in now)
     parallm.destroy_parallel()
-    return equal, shipped, changed
+    return held_ok, after, equal, shipped, changed
 
 
-lp0, w0, _, _, _ = run(False)
-lp1, w1, outside, inside, pbytes = run(True)
+lp0, w0, _, _, _, _ = run(False)
+lp1, w1, outside, inside, pbytes, reused = run(True)
 same_lp = all(torch.equal(a, b) for a, b in zip(lp0, lp1))
 same_w = all(torch.equal(w0[k], w1[k]) for k in w0)
-checks("offloaded log-probs bit-equal", same_lp, True, ok=same_lp)
+checks("offloaded log-probs bit-equal (a PPO step ran on this device)", same_lp, True, ok=same_lp)
 checks("offloaded weights bit-equal", same_w, True, ok=same_w)
-if device.type == "cuda":
-    checks("bytes freed outside the modes >= parameter bytes", inside - max(outside), pbytes,
-           ok=all(inside - o >= pbytes for o in outside))
+if device.type == "cuda":       # a CPU model is never offloaded (nowhere to go): these are CUDA-only
+    checks("the second offload reuses the first's pinned host copies", reused, True, ok=reused)
+    checks("allocated bytes freed outside the modes >= parameter bytes", inside[0] - max(o[0] for o in outside),
+           pbytes, ok=all(inside[0] - o[0] >= pbytes for o in outside))
+    checks("reserved bytes freed outside the modes >= parameter bytes (empty_cache)",
+           inside[1] - max(o[1] for o in outside), pbytes, ok=all(inside[1] - o[1] >= pbytes for o in outside))
 for offload in (False, True):
-    equal, shipped, changed = delta(offload)
-    checks(f"delta sync (offload={offload}): patched copy bit-equal, shipped = changed", (shipped, changed),
-           "equal", ok=equal and shipped == changed > 0)
+    held_ok, after, equal, shipped, changed = delta(offload)
+    checks(f"full export held to the end equals save_hf_weights (offload={offload})", held_ok, True, ok=held_ok)
+    if offload and device.type == "cuda":
+        checks("parameters offloaded again after each export (bytes after full, prime, delta)", after, [0, 0, 0],
+               ok=after == [0, 0, 0])
+    checks(f"delta sync at bf16 (offload={offload}): patched copy bit-equal, shipped = changed", (shipped, changed),
+           "equal", ok=equal and (rank != 0 or shipped == changed > 0))
 sys.exit(checks.finish("verl engine"))
