@@ -956,7 +956,8 @@ def _sync_rank(rank, world, dense):
     (bit-equal); (12) the parameters' storages during each export and after it (offloaded again: 0 bytes) for the
     full export, ``prime_delta_snapshots`` and the delta export, and the export stream's cached buffers after;
     the delta sync across a PPO step with the model offloaded between the calls: the seed (cast to bf16, as
-    verl's seed casts it) patched into a copy bit-equal to a fresh export cast to bf16."""
+    verl's seed casts it) patched into a copy bit-equal to a fresh export cast to bf16; a delta sync closed
+    part-way: the model offloaded again, the next delta sync refused (its snapshots dropped)."""
     os.environ.update(ENV)
     import functools
     import torch
@@ -1015,6 +1016,17 @@ def _sync_rank(rank, world, dense):
         if rank == 0:
             rep["delta"] = {"equal": all(torch.equal(now[k], rollout[k]) for k in now), "shipped": shipped,
                             "changed": _bits_changed(before, now), "dups": dups, "dtypes": dtypes}
+        # a delta sync stopped part-way (on every rank): parameters offloaded again; the next one refused
+        gen, _ = e.get_per_tensor_param_delta_shard()
+        next(gen)
+        gen.close()
+        rep["closed_after"] = param_bytes()
+        try:
+            list(e.get_per_tensor_param_delta_shard()[0])
+            rep["retry"] = None
+        except AssertionError as exc:
+            rep["retry"] = str(exc)
+        rep["retry_after"] = param_bytes()
     finally:
         verl_base.get_device_name, parallm.export_hf_tensors = original, real_export
     return rep
@@ -1040,6 +1052,9 @@ def test_engine_weight_sync_offloaded(tmp_path):
         for key in ("full", "shard"):
             assert rep[key][0] > 0 and rep[key][1] == 0, (key, rep)
         assert rep["prime_after"] == rep["step_after"] == rep["delta_after"] == 0, rep
+        # a delta sync stopped part-way leaves the model offloaded and the next delta sync refused (verl's
+        # assertion), not shipping against snapshots ahead of the rollout
+        assert rep["closed_after"] == rep["retry_after"] == 0 and "no seed snapshot" in (rep["retry"] or ""), rep
         assert rep["export_buffers"] == 0, rep                   # the stream's cached buffers freed too
 
 

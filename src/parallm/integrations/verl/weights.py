@@ -53,12 +53,21 @@ class RolloutWeights:
         """verl's sparse sync payload: per tensor group, the elements changed (at the rollout's dtype) since the
         snapshot, in the HF tensors' coordinates ``(slots, dtype_str, counts, hf_idx, hf_val, gather_group)``
         (verl's ``hf_delta_export`` over :meth:`get_per_tensor_param_shard` with parallm's entry builder). Needs
-        ``prime_delta_snapshots`` first."""
+        ``prime_delta_snapshots`` first. verl's diff refreshes each entry's snapshot as it yields the entry, so a
+        sync that stops part-way (an exception, ``close()``) would leave snapshots ahead of the rollout and a later
+        sync would never ship those changes: the snapshots are then dropped, and the next delta sync fails at
+        once (verl's "no seed snapshot" assertion) until ``prime_delta_snapshots`` runs after a full sync."""
         from verl.workers.engine.utils import hf_delta_export
         self._delta_shard_snap = getattr(self, "_delta_shard_snap", {})
 
         def stream():
             export = self._shard_export()
-            return hf_delta_export(export.shard_stream(), self._delta_shard_snap, export.delta_entry)
+            complete = False
+            try:
+                yield from hf_delta_export(export.shard_stream(), self._delta_shard_snap, export.delta_entry)
+                complete = True
+            finally:
+                if not complete:       # snapshots refreshed for entries the rollout may never have received
+                    self._delta_shard_snap.clear()
 
         return self._with_params(stream), None
