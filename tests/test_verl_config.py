@@ -191,7 +191,9 @@ def test_ppo_trainer_model_engine(tmp_path):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(shm, name))
     log = r.stdout + r.stderr
-    assert r.returncode == 0, log[-8000:]
+    (tmp_path / "trainer.log").write_text(log)
+    errors = "\n".join(line for line in log.splitlines() if "Error" in line)[:6000]
+    assert r.returncode == 0, f"rc {r.returncode}; error lines:\n{errors}\n...\n{log[-4000:]}"
     # every engine (actor, reference, critic) says the layout verl's config gave it
     starts = re.findall(r"parallm engine: (\w+) .* at (tp=\d+ pp=\d+ vpp=\d+ cp=\d+ ep=\d+ dp=\d+), float32, "
                         r"(training|forward only)", log)
