@@ -20,7 +20,7 @@ import sys
 
 from .. import __version__
 from ..errors import USER_ERRORS
-from . import convert, demo, inspect, verify
+from . import convert, demo, inspect, serve_tinker, verify
 from .errors import EXIT_FAIL, EXIT_USAGE, CLIError, err
 from .options import Formatter
 
@@ -33,6 +33,7 @@ commands:
   verify    the same checks on your checkpoint, for the layout you give (--tp, --pp, ...)
   inspect   what a checkpoint is and how it can be split (no processes started)
   convert   turn a training checkpoint (parallm.save_checkpoint) into a Hugging Face directory
+  serve-tinker  serve the Tinker API (the tinker SDK's ServiceClient) on a model split over local ranks
 
 Run `parallm COMMAND --help` for each command's options."""
 
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parallm", description=DESCRIPTION, formatter_class=Formatter)
     parser.add_argument("--version", action="version", version=f"parallm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for command in (demo, verify, inspect, convert):
+    for command in (demo, verify, inspect, convert, serve_tinker):
         command.add_parser(sub)
     return parser
 

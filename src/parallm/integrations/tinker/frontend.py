@@ -1,0 +1,135 @@
+"""The HTTP front end (rank 0): the standard library's threading HTTP server, one thread per connection, routes
+``(method, path)`` to the service's ``route_*`` methods.
+
+Trust model: the server binds ``127.0.0.1`` unless told otherwise (``--host``); every request must carry the
+SDK's ``X-API-Key`` header, and when the server was given a key (``--api-key`` or ``PARALLM_TINKER_API_KEY``)
+it must be that key (constant-time comparison), else 401. Without a key any key is accepted: anyone who reaches
+the port can train and sample. There is no TLS: put a TLS proxy in front to serve beyond a trusted network.
+
+An unknown route is a 404 with the SDK's error body naming the method and path ("not offered by parallm's
+Tinker server"); a bug in a route is a 500 naming the exception (the SDK retries 5xx: routes raise
+:class:`.protocol.ApiError` for everything a client can cause).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from .protocol import PROTO, ApiError, check_sdk_version
+
+__all__ = ["ROUTES", "start_http"]
+
+log = logging.getLogger("parallm.tinker")
+
+# (method, path regex) -> service method; path groups become arguments
+ROUTES = [
+    ("GET", r"/api/v1/healthz", "route_healthz"),
+    ("GET", r"/api/v1/get_server_capabilities", "route_capabilities"),
+    ("POST", r"/api/v1/client/config", "route_client_config"),
+    ("POST", r"/api/v1/client/dynamic_config", "route_dynamic_config"),
+    ("POST", r"/api/v1/telemetry", "route_telemetry"),
+    ("POST", r"/api/v1/cancel_future", "route_cancel_future"),
+    ("POST", r"/api/v1/create_session", "route_create_session"),
+    ("POST", r"/api/v1/session_heartbeat", "route_heartbeat"),
+    ("POST", r"/api/v1/sessions/([^/]+)/finish", "route_finish_session"),
+    ("POST", r"/api/v1/retrieve_future", "route_retrieve_future"),
+    ("POST", r"/api/v1/create_model", "route_create_model"),
+    ("POST", r"/api/v1/get_info", "route_get_info"),
+    ("POST", r"/api/v1/forward_backward", "route_forward_backward"),
+    ("POST", r"/api/v1/optim_step", "route_optim_step"),
+    ("POST", r"/api/v1/save_weights", "route_save_weights"),
+    ("POST", r"/api/v1/load_weights", "route_load_weights"),
+    ("POST", r"/api/v1/save_weights_for_sampler", "route_save_for_sampler"),
+    ("POST", r"/api/v1/create_sampling_session", "route_create_sampling_session"),
+    ("POST", r"/api/v1/asample", "route_asample"),
+    ("GET", r"/api/v1/samplers/([^/]+)", "route_get_sampler"),
+    ("POST", r"/api/v1/weights_info", "route_weights_info"),
+    ("GET", r"/api/v1/training_runs", "route_training_runs"),
+    ("GET", r"/api/v1/training_runs/([^/]+)", "route_training_run"),
+    ("GET", r"/api/v1/training_runs/([^/]+)/checkpoints", "route_list_checkpoints"),
+    ("DELETE", r"/api/v1/training_runs/([^/]+)/checkpoints/(.+)", "route_delete_checkpoint"),
+]
+_COMPILED = [(m, re.compile(p + r"/?"), name) for m, p, name in ROUTES]
+
+
+def _make_handler(service, api_key: str | None):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "parallm-tinker"
+
+        def log_message(self, fmt, *args):      # quiet: one line per error only
+            pass
+
+        def _send(self, status: int, payload, content_type="application/json"):
+            data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _auth(self):
+            key = self.headers.get("X-API-Key")
+            if not key:
+                raise ApiError(401, "missing X-API-Key header (the SDK sends TINKER_API_KEY / api_key)")
+            if api_key is not None and not hmac.compare_digest(key.encode(), api_key.encode()):
+                raise ApiError(401, "invalid API key for this server")
+
+        def _dispatch(self, method: str):
+            path = self.path.split("?", 1)[0]
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            try:
+                check_sdk_version(self.headers.get("X-Stainless-Package-Version"))
+                for m, pattern, name in _COMPILED:
+                    match = pattern.fullmatch(path)
+                    if match and m == method:
+                        break
+                else:
+                    raise ApiError(404, f"{method} {path} is not offered by parallm's Tinker server")
+                if name != "route_healthz":
+                    self._auth()
+                fn = getattr(service, name)
+                if name == "route_forward_backward":
+                    result = fn(raw, self.headers.get("Content-Encoding"))
+                else:
+                    from .protocol import json_body
+                    body = json_body(raw, route=path) if raw else {}
+                    result = fn(body, *match.groups())
+                if isinstance(result, tuple):               # a future's result: ("json", dict) / ("proto", bytes)
+                    kind, value = result
+                    self._send(200, value, PROTO if kind == "proto" else "application/json")
+                else:
+                    self._send(200, result)
+            except ApiError as e:
+                self._send(e.status, e.body())
+            except Exception as e:  # noqa: BLE001 - a server bug: say which
+                log.exception("%s %s failed", method, path)
+                self._send(500, {"error": f"{type(e).__name__}: {e}", "category": "server"})
+
+        def do_GET(self):
+            self._dispatch("GET")
+
+        def do_POST(self):
+            self._dispatch("POST")
+
+        def do_DELETE(self):
+            self._dispatch("DELETE")
+
+        def do_PUT(self):
+            self._dispatch("PUT")
+
+    return Handler
+
+
+def start_http(service, *, host: str, port: int, api_key: str | None) -> ThreadingHTTPServer:
+    """Serve on ``host:port`` from a daemon thread; returns the server (``shutdown()`` stops it)."""
+    ThreadingHTTPServer.daemon_threads = True
+    server = ThreadingHTTPServer((host, port), _make_handler(service, api_key))
+    threading.Thread(target=server.serve_forever, name="tinker-http", daemon=True).start()
+    return server

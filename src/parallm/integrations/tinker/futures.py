@@ -1,0 +1,83 @@
+"""The SDK's futures: every accepted request gets a request id at once; its result (or error) is fetched with
+``/api/v1/retrieve_future``, which the server holds open up to :data:`LONG_POLL_S` while the work runs and
+otherwise answers ``try_again`` (the SDK asks again immediately, so holding the call is what keeps the client
+from spinning). Thread-safe: HTTP threads create and wait, the dispatcher resolves.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+__all__ = ["FutureStore", "LONG_POLL_S"]
+
+LONG_POLL_S = 20.0        # below the SDK's 45 s timeout of a retrieve_future call
+KEEP_S = 3600.0           # a result nobody fetched is dropped after an hour
+
+
+class _Entry:
+    __slots__ = ("kind", "model_id", "done", "result", "error", "created", "finished", "extra")
+
+    def __init__(self, kind, model_id, extra):
+        self.kind, self.model_id, self.extra = kind, model_id, extra
+        self.done, self.result, self.error = False, None, None
+        self.created, self.finished = time.monotonic(), None
+
+
+class FutureStore:
+    """Request id -> pending / result / error. A result is ``("json", dict)`` or ``("proto", bytes)``; an
+    error ``(message, category)``."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._entries: dict[str, _Entry] = {}
+        self._ids = itertools.count(1)
+
+    def create(self, kind: str, *, model_id: str | None = None, extra: dict | None = None) -> str:
+        with self._cond:
+            rid = f"req-{next(self._ids)}"
+            self._entries[rid] = _Entry(kind, model_id, extra or {})
+            self._gc()
+            return rid
+
+    def resolve(self, rid: str, result) -> None:
+        self._finish(rid, result=result)
+
+    def fail(self, rid: str, message: str, *, category: str = "server") -> None:
+        self._finish(rid, error=(message, category))
+
+    def _finish(self, rid, *, result=None, error=None):
+        with self._cond:
+            e = self._entries.get(rid)
+            if e is None or e.done:
+                return
+            e.done, e.result, e.error, e.finished = True, result, error, time.monotonic()
+            self._cond.notify_all()
+
+    def wait(self, rid: str, timeout: float = LONG_POLL_S) -> _Entry | None:
+        """The entry once done, or still pending after ``timeout`` seconds; None for an unknown id."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                e = self._entries.get(rid)
+                if e is None or e.done:
+                    return e
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return e
+                self._cond.wait(left)
+
+    def get(self, rid: str) -> _Entry | None:
+        with self._cond:
+            return self._entries.get(rid)
+
+    def pending(self) -> list[str]:
+        with self._cond:
+            return [rid for rid, e in self._entries.items() if not e.done]
+
+    def _gc(self):
+        now = time.monotonic()
+        stale = [rid for rid, e in self._entries.items() if e.done and now - e.finished > KEEP_S]
+        for rid in stale:
+            del self._entries[rid]

@@ -1,0 +1,120 @@
+"""``parallm serve-tinker`` / ``python -m parallm.integrations.tinker``: the options, and starting the ranks.
+
+Standalone, the command starts ``tp * pp * cp * dp`` local processes (one per rank: gloo on CPU, NCCL with
+GPUs) and watches them: when rank 0 (the HTTP server) ends, the others are ended; when another rank dies, rank 0
+keeps serving what it can (it fails training requests with the lost rank named, :mod:`.dispatch`) until it is
+stopped. SIGINT / SIGTERM stop every rank. Under ``torchrun`` (``RANK`` / ``WORLD_SIZE`` set) each process is
+one rank and runs in place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+__all__ = ["add_arguments", "main", "run"]
+
+DESCRIPTION = """\
+Serve a Hugging Face decoder as a Tinker-API server: the `tinker` SDK (0.38.x) reaches it with
+ServiceClient(base_url="http://HOST:PORT") and any API key (or the one given by --api-key), and trains LoRA
+clients on the model split over the ranks started here (docs/tinker.md)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a checkpoint directory or a Hub id in the local HF cache")
+    p.add_argument("--model-name", default=None, help="the base model name clients use (default: --model)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides dp * cp)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: a free one, printed)")
+    p.add_argument("--api-key", default=None,
+                   help="the only API key accepted (default: env PARALLM_TINKER_API_KEY, else any key)")
+    p.add_argument("--lora-rank", type=int, default=32, help="the rank of every client's adapters")
+    p.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha (scaling alpha / rank)")
+    p.add_argument("--lora-unembed", choices=("refuse", "skip"), default="refuse",
+                   help="train_unembed=True clients: refused, or trained without a head adapter (said so)")
+    p.add_argument("--sampler", choices=("auto", "vllm", "parallm", "none"), default="auto",
+                   help="vllm: a `vllm serve` engine; parallm: the trainer's forwards; auto: vllm if installed")
+    p.add_argument("--sampler-timeout", type=float, default=600.0, help="seconds the vLLM engine may take to start")
+    p.add_argument("--max-context", type=int, default=None, help="cap on tokens per sequence (default: the model's)")
+    p.add_argument("--microbatch-rows", type=int, default=None, help="most datums per microbatch")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="where checkpoints go (every rank must see it; default: ./tinker-checkpoints)")
+    p.add_argument("--session-timeout", type=float, default=600.0, help="seconds without a heartbeat")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds any collective may wait")
+    p.add_argument("--ready-file", default=None, help="written (JSON: url, pid) once the server listens")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(args, argv) -> int:
+    world = args.tp * args.pp * args.cp * args.dp
+    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               LOCAL_WORLD_SIZE=str(world), PARALLM_TIMEOUT_S=str(args.timeout))
+    procs = []
+    for rank in range(world):
+        procs.append(subprocess.Popen([sys.executable, "-m", "parallm.integrations.tinker", *argv],
+                                      env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank))))
+
+    def stop(*_):              # rank 0 tells the others to stop; they are ended after it anyway
+        if procs[0].poll() is None:
+            procs[0].send_signal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    while procs[0].poll() is None:
+        time.sleep(0.5)
+    code = procs[0].returncode
+    deadline = time.monotonic() + 30
+    for p in procs[1:]:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs[1:]:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    return code
+
+
+def _argv_of(args) -> list[str]:
+    """The options of ``args`` as command-line arguments (what each rank process is started with)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = []
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if action.option_strings and value is not None and action.dest != "help":
+            out += [action.option_strings[0], str(value)]
+    return out
+
+
+def run(args) -> int:
+    """Start the server (standalone: local ranks; under torchrun: this rank)."""
+    if args.checkpoint_dir is None:
+        args.checkpoint_dir = os.path.abspath("tinker-checkpoints")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        import logging
+        logging.basicConfig(level=logging.WARNING, format="[tinker %(process)d] %(levelname)s %(message)s")
+        os.environ.setdefault("PARALLM_PROGRESS", "0")
+        from .server import run_rank
+        return run_rank(args)
+    return _spawn(args, _argv_of(args))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m parallm.integrations.tinker", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,266 @@
+"""Sampling for the SDK's ``SamplingClient`` (``sample``, ``compute_logprobs``): a vLLM engine in processes of its
+own, or, where vLLM is not installed, parallm's own forwards.
+
+- :class:`VllmSampler` (``--sampler vllm``, the default when vLLM imports): a ``vllm serve`` engine
+  (``parallm.integrations.vllm.serve``, one worker) started by rank 0 with LoRA enabled
+  (``--enable-lora``, runtime adapter loading). A sampler snapshot (``save_weights_for_sampler``) is a PEFT
+  directory (``parallm.save_hf_adapter``) that the engine loads once under its own name
+  (``/v1/load_lora_adapter``); the base model samples without one. Requests go to vLLM's
+  ``/v1/completions`` with the prompt as token ids. The engine is a process of its own: when it dies, the
+  requests in flight fail with the error, later sampling requests fail at once saying so, and training goes
+  on.
+- :class:`ParallmSampler` (``--sampler parallm``, or when vLLM is missing): the trainer ranks compute it, as
+  work items between the training requests: prompt log-probs with one ``forward(output="logprobs")``, samples
+  one token at a time with a full forward per token (no KV cache: quadratic in the length, a reference and a
+  fallback, not a serving engine). Exact: the same model and numerics as training.
+
+Both return the log-probs of the *unscaled* distribution (``log_softmax(logits)``, before temperature, top-k or
+top-p: vLLM's default ``raw_logprobs``), the sampled tokens including the stop token that ended a sample, and
+``stop_reason`` ``"stop"`` (a stop token / string or EOS) or ``"length"`` (``max_tokens``). Sampling
+parameters: ``temperature``, ``top_p``, ``top_k`` (-1: all), ``max_tokens`` (None: up to the context length),
+``seed``, ``stop`` (strings, token ids; ``None`` stops at EOS; ``[]`` disables EOS too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import threading
+import urllib.error
+import urllib.request
+
+import numpy as np
+import torch
+
+__all__ = ["ParallmSampler", "SampleJob", "SamplerDead", "VllmSampler", "stop_spec"]
+
+log = logging.getLogger("parallm.tinker")
+
+
+class SamplerDead(RuntimeError):
+    """The sampling engine is gone; the message says what happened."""
+
+
+@dataclasses.dataclass
+class SampleJob:
+    prompt: list                 # token ids
+    num_samples: int
+    params: dict                 # the SDK's SamplingParams as a dict
+    prompt_logprobs: bool
+    adapter_dir: str | None      # a sampler snapshot's PEFT directory, None: the base model
+    max_model_len: int
+
+
+def stop_spec(stop, eos: list) -> tuple[list, list, bool]:
+    """Tinker's ``stop`` -> (stop strings, stop token ids, ignore_eos)."""
+    if stop is None:
+        return [], [], False
+    if isinstance(stop, str):
+        return [stop], [], False
+    stop = list(stop)
+    if not stop:
+        return [], [], True
+    if all(isinstance(s, str) for s in stop):
+        return stop, [], False
+    if all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
+        return [], stop, False
+    raise ValueError("sampling_params.stop mixes strings and token ids")
+
+
+def max_new_tokens(job: SampleJob) -> int:
+    room = job.max_model_len - len(job.prompt)
+    if room < 1:
+        raise ValueError(f"the prompt has {len(job.prompt)} tokens; the sampler's context is {job.max_model_len}")
+    want = job.params.get("max_tokens")
+    return room if want is None else min(int(want), room)
+
+
+# -- vLLM in processes of its own -------------------------------------------------------------------------------
+
+class VllmSampler:
+    """A ``vllm serve`` engine for the base model with runtime LoRA loading."""
+
+    def __init__(self, model_dir: str, *, lora_rank: int, max_model_len: int, max_loras: int = 4,
+                 timeout: float = 600.0, python: str | None = None):
+        from ..vllm import serve
+        self.max_model_len, self.timeout = max_model_len, timeout
+        self.name = "base"
+        args = ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", str(max_loras),
+                "--generation-config", "vllm", "--served-model-name", self.name]
+        env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+               "VLLM_LOGGING_LEVEL": "WARNING"}
+        self.server = serve(model_dir, max_model_len=max_model_len, args=args, env=env, python=python, wait=False)
+        self.url = self.server.url
+        self.loaded: dict[str, str] = {}
+        self.lock = threading.RLock()
+        self.dead: str | None = None
+        self._ready = False
+
+    def pid(self) -> int:
+        return self.server.process.pid
+
+    def _ensure_ready(self) -> None:
+        """The engine starts while the model is built; the first sample waits for it (up to ``timeout``)."""
+        if self._ready:
+            return
+        with self.lock:
+            if self._ready or self.dead is not None:
+                return
+            try:
+                self.server.wait_ready(self.timeout)
+                self._ready = True
+            except Exception as e:  # noqa: BLE001 - the sampler is unusable: say why on every request
+                self.dead = f"the vLLM sampler did not start: {e}"
+
+    def close(self) -> None:
+        self.server.stop()
+
+    def _post(self, route: str, body: dict, *, timeout: float = 600.0):
+        self._ensure_ready()
+        if self.dead is not None:
+            raise SamplerDead(self.dead)
+        req = urllib.request.Request(self.url + route, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as res:
+                raw = res.read()
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"the vLLM sampler refused {route}: {e.code} {e.read().decode()[:500]}") from None
+        except (OSError, urllib.error.URLError) as e:
+            if not self.server.alive():
+                self.dead = (f"the vLLM sampler (pid {self.server.process.pid}, {self.url}) died "
+                             f"(exit code {self.server.process.returncode}); training continues, sampling does "
+                             f"not: restart the server. The end of its log {self.server.log}:\n"
+                             f"{self.server.tail()[-800:]}")
+                raise SamplerDead(self.dead) from None
+            raise RuntimeError(f"the vLLM sampler at {self.url} did not answer {route}: {e}") from None
+        return json.loads(raw) if raw else None
+
+    def _model(self, adapter_dir: str | None) -> str:
+        if adapter_dir is None:
+            return self.name
+        with self.lock:
+            name = self.loaded.get(adapter_dir)
+            if name is None:
+                name = f"tinker-{len(self.loaded) + 1}"
+                self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": adapter_dir})
+                self.loaded[adapter_dir] = name
+            return name
+
+    def sample(self, job: SampleJob):
+        strings, ids, ignore_eos = stop_spec(job.params.get("stop"), [])
+        p = job.params
+        body = {"model": self._model(job.adapter_dir), "prompt": list(job.prompt), "n": job.num_samples,
+                "max_tokens": max_new_tokens(job), "temperature": float(p.get("temperature", 1.0)),
+                "top_p": float(p.get("top_p", 1.0)), "top_k": int(p.get("top_k", -1)), "logprobs": 0,
+                "return_token_ids": True, "return_tokens_as_token_ids": True, "stop": strings,
+                "stop_token_ids": ids, "ignore_eos": ignore_eos, "skip_special_tokens": False}
+        if p.get("seed") is not None:
+            body["seed"] = int(p["seed"]) % (2 ** 63 - 1)
+        if job.prompt_logprobs:
+            body["prompt_logprobs"] = 0
+        res = self._post("/v1/completions", body)
+        choices = sorted(res["choices"], key=lambda c: c["index"])
+        sequences = []
+        for c in choices:
+            lp = c.get("logprobs") or {}
+            sequences.append((list(c["token_ids"]), [float(x) for x in lp.get("token_logprobs") or []],
+                              "length" if c.get("finish_reason") == "length" else "stop"))
+        prompt_lp = None
+        if job.prompt_logprobs:
+            raw = choices[0].get("prompt_logprobs") or []
+            prompt_lp = np.full(len(job.prompt), np.nan, dtype=np.float32)
+            for i, entry in enumerate(raw[:len(job.prompt)]):
+                if entry:
+                    got = entry.get(str(job.prompt[i]), entry.get(job.prompt[i]))
+                    prompt_lp[i] = float(got["logprob"]) if got is not None else np.nan
+        return sequences, prompt_lp
+
+
+# -- parallm's own forwards -----------------------------------------------------------------------------------------
+
+class ParallmSampler:
+    """Samples and prompt log-probs from the trainer ranks (``run(op_args)`` hands a ``sampler_forward`` item to
+    the dispatcher and returns rank 0's result). ``tokenizer``: for stop strings (None: stop strings refused)."""
+
+    def __init__(self, run, *, max_model_len: int, eos: list, tokenizer=None):
+        self.run, self.max_model_len, self.eos, self.tokenizer = run, max_model_len, list(eos), tokenizer
+
+    def close(self) -> None:
+        pass
+
+    def _forward(self, adapter_dir, rows: list, output):
+        width = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = torch.as_tensor(r)
+            mask[i, :len(r)] = 1
+        return self.run({"op": "sampler_forward", "args": {"adapter_dir": adapter_dir, "input_ids": ids,
+                                                           "attention_mask": mask, "output": output}})
+
+    def prompt_logprobs(self, job: SampleJob) -> np.ndarray:
+        out = np.full(len(job.prompt), np.nan, dtype=np.float32)
+        if len(job.prompt) > 1:
+            lp = self._forward(job.adapter_dir, [job.prompt], "logprobs")[0]
+            out[1:] = lp[:len(job.prompt) - 1].numpy()
+        return out
+
+    def sample(self, job: SampleJob):
+        strings, stop_ids, ignore_eos = stop_spec(job.params.get("stop"), self.eos)
+        if strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer in the model directory (this one has none)")
+        stops = set(stop_ids) | (set() if ignore_eos else set(self.eos))
+        p = job.params
+        gen = torch.Generator().manual_seed(int(p["seed"]) if p.get("seed") is not None
+                                            else int(torch.randint(0, 2 ** 62, ()).item()))
+        limit = max_new_tokens(job)
+        seqs = [[] for _ in range(job.num_samples)]
+        lps = [[] for _ in range(job.num_samples)]
+        live = list(range(job.num_samples))
+        reasons = ["length"] * job.num_samples
+        for _ in range(limit):
+            if not live:
+                break
+            logits = self._forward(job.adapter_dir, [job.prompt + seqs[i] for i in live], None)
+            for row, i in enumerate(live[:]):
+                tok, lp = _draw(logits[row], p, gen)
+                seqs[i].append(tok)
+                lps[i].append(lp)
+                if tok in stops or (strings and _has_stop(self.tokenizer, seqs[i], strings)):
+                    reasons[i] = "stop"
+                    live.remove(i)
+        sequences = [(seqs[i], lps[i], reasons[i]) for i in range(job.num_samples)]
+        return sequences, (self.prompt_logprobs(job) if job.prompt_logprobs else None)
+
+
+def _has_stop(tokenizer, tokens, strings) -> bool:
+    text = tokenizer.decode(tokens)
+    return any(s in text for s in strings)
+
+
+def _draw(logits: torch.Tensor, params: dict, gen) -> tuple[int, float]:
+    """One token from ``logits`` [V] under temperature / top-k / top-p; its unscaled log-prob."""
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    t = float(params.get("temperature", 1.0))
+    if t <= 0:
+        tok = int(torch.argmax(logits))
+        return tok, float(logp[tok])
+    z = logits.double() / t
+    k = int(params.get("top_k", -1))
+    if 0 < k < z.numel():
+        kth = torch.topk(z, k).values[-1]
+        z = z.masked_fill(z < kth, -math.inf)
+    probs = torch.softmax(z, dim=-1)
+    top_p = float(params.get("top_p", 1.0))
+    if top_p < 1.0:
+        sp, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sp, 0) - sp < top_p
+        mask = torch.zeros_like(probs, dtype=torch.bool)
+        mask[order[keep]] = True
+        probs = torch.where(mask, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum()
+    tok = int(torch.multinomial(probs, 1, generator=gen))
+    return tok, float(logp[tok])

@@ -1,0 +1,125 @@
+"""The sampling routes: ``create_sampling_session`` (a base model, or a sampler snapshot's ``tinker://`` path),
+``asample`` (which ``sample`` and ``compute_logprobs`` both use), ``samplers/<id>``. Samples run on a thread
+pool of rank 0, beside the training work, through the configured sampler (:mod:`.sampling`).
+
+Not offered (a 400 naming the parameter): top-k log-probs, ``target_prompt_logprobs``, ``prompt_alt_tokens_k``,
+``prompt_logprobs_last_n``, ``record_stability_info`` (StableReinforce), image / audio chunks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+
+from . import protocol
+from .protocol import ApiError
+from .sampling import SampleJob, SamplerDead
+from .service import _types
+
+__all__ = ["SamplingRoutes"]
+
+log = logging.getLogger("parallm.tinker")
+
+
+class SamplingRoutes:
+    def _pool(self):
+        if getattr(self, "_sample_pool", None) is None:
+            self._sample_pool = concurrent.futures.ThreadPoolExecutor(max_workers=32,
+                                                                      thread_name_prefix="tinker-sample")
+        return self._sample_pool
+
+    def new_sampling_session(self, session_id: str, seq_id, model_path: str | None, adapter_dir: str | None) -> str:
+        with self.lock:
+            sid = f"{session_id}:sample:{seq_id if seq_id is not None else len(self.samplers)}"
+            if sid in self.samplers:
+                sid = f"{sid}.{len(self.samplers)}"
+            self.samplers[sid] = {"base_model": self.config["model_name"], "model_path": model_path,
+                                  "adapter_dir": adapter_dir}
+        return sid
+
+    def route_create_sampling_session(self, body):
+        req = protocol.parse(_types().CreateSamplingSessionRequest, body, route="create_sampling_session")
+        self.session(req.session_id)
+        adapter_dir = None
+        if req.model_path is not None:
+            _, _, _, adapter_dir = self.checkpoints.resolve(req.model_path, want="sampler_weights")
+        elif req.base_model is not None:
+            self._check_base(req.base_model)
+        else:
+            raise ApiError(400, "create_sampling_session: give model_path or base_model")
+        sid = self.new_sampling_session(req.session_id, req.sampling_session_seq_id, req.model_path, adapter_dir)
+        return {"type": "create_sampling_session", "sampling_session_id": sid}
+
+    def route_get_sampler(self, body, sampler_id):
+        s = self.samplers.get(sampler_id)
+        if s is None:
+            raise ApiError(404, f"unknown sampler {sampler_id!r}")
+        return {"sampler_id": sampler_id, "base_model": s["base_model"], "model_path": s["model_path"]}
+
+    def _sample_target(self, req) -> str | None:
+        if req.sampling_session_id is not None:
+            s = self.samplers.get(req.sampling_session_id)
+            if s is None:
+                raise ApiError(404, f"unknown sampling session {req.sampling_session_id!r}")
+            return s["adapter_dir"]
+        if req.model_path is not None:
+            return self.checkpoints.resolve(req.model_path, want="sampler_weights")[3]
+        if req.base_model is not None:
+            self._check_base(req.base_model)
+            return None
+        raise ApiError(400, "asample: give sampling_session_id, model_path or base_model")
+
+    def _check_sample(self, req) -> list:
+        unsupported = [name for name, on in (("topk_prompt_logprobs", req.topk_prompt_logprobs),
+                                             ("topk_sample_logprobs", req.topk_sample_logprobs),
+                                             ("target_prompt_logprobs", req.target_prompt_logprobs is not None),
+                                             ("prompt_alt_tokens_k", req.prompt_alt_tokens_k),
+                                             ("prompt_logprobs_last_n", req.prompt_logprobs_last_n is not None),
+                                             ("record_stability_info", bool(req.record_stability_info))) if on]
+        if unsupported:
+            raise ApiError(400, f"asample: {', '.join(unsupported)} not offered by parallm's Tinker server")
+        if req.num_samples < 1:
+            raise ApiError(400, f"asample: num_samples must be at least 1, got {req.num_samples}")
+        tokens = []
+        for chunk in req.prompt.chunks:
+            if getattr(chunk, "type", None) != "encoded_text":
+                raise ApiError(400, f"asample: {getattr(chunk, 'type', type(chunk).__name__)} chunks are not "
+                                    "offered (text chunks only)")
+            tokens.extend(int(t) for t in chunk.tokens)
+        vocab = self.config["vocab"]
+        if not tokens:
+            raise ApiError(400, "asample: empty prompt")
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"asample: prompt token {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(tokens) >= self.config["max_context"]:
+            raise ApiError(400, f"asample: the prompt has {len(tokens)} tokens; the context is "
+                                f"{self.config['max_context']}")
+        return tokens
+
+    def route_asample(self, body):
+        req = protocol.parse(_types().SampleRequest, body, route="asample")
+        if self.sampler is None:
+            raise ApiError(400, "this server has no sampler (started with --sampler none)")
+        adapter_dir = self._sample_target(req)
+        tokens = self._check_sample(req)
+        params = req.sampling_params.model_dump()
+        job = SampleJob(prompt=tokens, num_samples=req.num_samples, params=params,
+                        prompt_logprobs=bool(req.prompt_logprobs), adapter_dir=adapter_dir,
+                        max_model_len=self.config["max_context"])
+        rid = self.futures.create("sample")
+        self._pool().submit(self._run_sample, rid, job)
+        return {"request_id": rid, "model_id": None,
+                "sample_sequence_ids": [f"{rid}.{k}" for k in range(req.num_samples)]}
+
+    def _run_sample(self, rid: str, job: SampleJob) -> None:
+        try:
+            sequences, prompt_lp = self.sampler.sample(job)
+            self.futures.resolve(rid, ("proto", protocol.encode_sample_response(sequences, prompt_lp)))
+        except SamplerDead as e:
+            self.futures.fail(rid, str(e), category="server")
+        except ValueError as e:
+            self.futures.fail(rid, f"asample: {e}", category="user")
+        except Exception as e:  # noqa: BLE001 - every error reaches the request
+            log.exception("sampling failed")
+            self.futures.fail(rid, f"sampling failed: {type(e).__name__}: {e}", category="server")

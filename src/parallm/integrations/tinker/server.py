@@ -1,0 +1,155 @@
+"""One rank of the Tinker server: builds the model (once, at the layout given), then rank 0 serves HTTP and leads
+the dispatcher while every other rank follows it (:mod:`.dispatch`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+
+import parallm
+
+from .checkpoints import CheckpointStore
+from .dispatch import Leader, follow, new_control_group
+from .frontend import start_http
+from .sampling import ParallmSampler
+from .sampling_routes import SamplingRoutes
+from .service import ServiceBase
+from .trainer import Trainer
+from .training_routes import TrainingRoutes
+
+__all__ = ["Service", "run_rank"]
+
+log = logging.getLogger("parallm.tinker")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class Service(TrainingRoutes, SamplingRoutes, ServiceBase):
+    """Everything rank 0 answers (the route methods of its three parts)."""
+
+
+def _model_facts(model: str) -> tuple[str, dict]:
+    from ...checkpoint.hf_dir import resolve_checkpoint
+    directory = os.path.abspath(resolve_checkpoint(model))
+    with open(os.path.join(directory, "config.json")) as f:
+        cfg = json.load(f)
+    text = cfg.get("text_config", cfg)
+    return directory, {"vocab": int(text["vocab_size"]), "arch": (cfg.get("architectures") or ["?"])[0],
+                       "max_position": int(text.get("max_position_embeddings") or 4096),
+                       "eos": cfg.get("eos_token_id", text.get("eos_token_id"))}
+
+
+def _build(args, directory):
+    parallm.init_parallel(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, timeout_s=args.timeout)
+    lora = parallm.LoraConfig(args.lora_rank, args.lora_alpha, "all-linear")
+    chunks = parallm.build_model(directory, lora=lora, dtype=getattr(torch, args.dtype))
+    parallm.load_hf_weights(chunks, directory)
+    opt = parallm.build_optimizer(chunks, lr=1e-4, betas=(0.9, 0.95), eps=1e-12)
+    return chunks, opt
+
+
+def _config(args, directory, facts, template) -> dict:
+    names = {args.model, directory, args.model_name or args.model}
+    has_tok = any(os.path.exists(os.path.join(directory, f)) for f in _TOKENIZER_FILES)
+    warn = None
+    if args.lora_unembed == "skip":
+        warn = ("parallm's Tinker server trains no LoRA adapter on the output head: train_unembed=True clients "
+                "get the attention / MLP adapters only (--lora-unembed skip)")
+    return {"model_name": args.model_name or args.model, "model_names": names, "vocab": facts["vocab"],
+            "arch": facts["arch"], "max_context": min(facts["max_position"], args.max_context or 1 << 30),
+            "tokenizer_id": directory if has_tok else (args.model_name or args.model), "lora_rank": args.lora_rank,
+            "lora_alpha": args.lora_alpha, "lora_unembed": args.lora_unembed, "adapter_template": template,
+            "session_warning": warn}
+
+
+def _sampler(args, leader, directory, config, facts):
+    kind = args.sampler
+    if kind == "auto":
+        try:
+            import vllm  # noqa: F401
+            kind = "vllm"
+        except ImportError:
+            kind = "parallm"
+    if kind == "none":
+        return None
+    if kind == "vllm":
+        from .sampling import VllmSampler
+        return VllmSampler(directory, lora_rank=args.lora_rank, max_model_len=config["max_context"],
+                           timeout=args.sampler_timeout)
+    eos = facts["eos"]
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    tokenizer = None
+    if config["tokenizer_id"] == directory:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+
+    def run(item):
+        done, box = threading.Event(), {}
+        leader.submit(item, lambda ok, v, c: (box.update(ok=ok, v=v, c=c), done.set()))
+        done.wait()
+        if not box["ok"]:
+            raise (ValueError if box["c"] == "user" else RuntimeError)(box["v"])
+        return box["v"]
+    return ParallmSampler(run, max_model_len=config["max_context"], eos=eos, tokenizer=tokenizer)
+
+
+def _janitor(service, stop: threading.Event):
+    while not stop.wait(5.0):
+        try:
+            service.skip_gaps()
+            service.expire_sessions()
+        except Exception:  # noqa: BLE001 - keep the janitor alive
+            log.exception("janitor")
+
+
+def run_rank(args) -> int:
+    """Every rank: build, then serve (rank 0) or follow. Returns the exit code."""
+    directory, facts = _model_facts(args.model)
+    chunks, opt = _build(args, directory)
+    store = CheckpointStore(args.checkpoint_dir)
+    template = os.path.join(store.root, "_parallm_init", "template")
+    parallm.save_hf_adapter(chunks, template, overwrite=True)
+    group = new_control_group(args.timeout)
+    trainer = Trainer(chunks, opt, group=group, max_rows=args.microbatch_rows)
+    if torch.distributed.get_rank() != 0:
+        follow(trainer.execute, group)
+        parallm.destroy_parallel()
+        return 0
+    leader = Leader(trainer.execute, group)
+    config = _config(args, directory, facts, template)
+    sampler = _sampler(args, leader, directory, config, facts)
+    service = Service(leader=leader, config=config, checkpoints=store, sampler=sampler,
+                      session_timeout_s=args.session_timeout)
+    api_key = args.api_key or os.environ.get("PARALLM_TINKER_API_KEY")
+    httpd = start_http(service, host=args.host, port=args.port, api_key=api_key)
+    url = f"http://{args.host}:{httpd.server_address[1]}"
+    stop = threading.Event()
+    threading.Thread(target=_janitor, args=(service, stop), daemon=True).start()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: leader.stop())
+    print(f"parallm serve-tinker: {config['model_name']} at tp={args.tp} pp={args.pp} on {url} "
+          f"(sampler: {type(sampler).__name__ if sampler else 'none'})", flush=True)
+    if args.ready_file:
+        with open(args.ready_file + ".tmp", "w") as f:
+            json.dump({"url": url, "pid": os.getpid(), "time": time.time(),
+                       "sampler_pid": sampler.pid() if hasattr(sampler, "pid") else None}, f)
+        os.replace(args.ready_file + ".tmp", args.ready_file)
+    try:
+        leader.run()
+    finally:
+        stop.set()
+        httpd.shutdown()
+        if sampler is not None:
+            sampler.close()
+    if leader.lost is None:
+        parallm.destroy_parallel()
+        return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)            # a lost peer: gloo's teardown would wait for it

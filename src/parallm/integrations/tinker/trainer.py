@@ -1,0 +1,181 @@
+"""What every rank does for each work item (:mod:`.dispatch` delivers the items): create / drop a client,
+forward and forward_backward with Tinker's losses, the AdamW step, training and sampler checkpoints, and the
+parallm sampler's forwards (:mod:`.sampling`).
+
+Each op switches the model to its client first (:class:`.clients.ClientTable`). Rollback: a ``forward_backward``
+that fails restores the client's gradients as they were before it (every rank, so an input that only parallm's
+checks catch leaves the client as it was); a failed checkpoint load restores the client's adapters and
+optimizer state. Values come back on rank 0 only (``None`` elsewhere).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import parallm
+
+from .batch import make_loss_fn, outputs_of, pack
+from .clients import SAMPLER_PREFIX, ClientState, ClientTable, grads_restore, grads_snapshot
+
+__all__ = ["Trainer"]
+
+
+class Trainer:
+    """This rank's model, optimizer and clients. ``execute(item)`` runs one work item."""
+
+    def __init__(self, chunks, optimizer, *, group, max_rows: int | None = None):
+        self.chunks, self.optimizer, self.group = chunks, optimizer, group
+        self.dims = chunks[0].dims
+        self.table = ClientTable(chunks, optimizer)
+        self.max_rows = max_rows
+        self.sampler_dir: str | None = None        # the adapter directory now in the model for a sampler op
+
+    def execute(self, item: dict):
+        return getattr(self, "op_" + item["op"])(**item.get("args", {}))
+
+    # -- clients ---------------------------------------------------------------------------------------------
+    def op_create_client(self, *, model_id, lora, base_model, init_dir):
+        self.table.deactivate()
+        parallm.load_hf_adapter(self.chunks, init_dir)
+        self.table.reset_optimizer()
+        self.table.zero_grads()
+        self.table.add(ClientState(model_id=model_id, lora=dict(lora), base_model=base_model))
+        self.table.active, self.sampler_dir = model_id, None
+        return {"model_id": model_id}
+
+    def op_drop_client(self, *, model_id):
+        self.table.drop(model_id)
+        return {"model_id": model_id}
+
+    def _activate(self, model_id):
+        self.sampler_dir = None
+        return self.table.activate(model_id)
+
+    # -- forward / forward_backward -----------------------------------------------------------------------------
+    def op_forward(self, *, model_id, loss_fn, config, data, backward):
+        self._activate(model_id)
+        d = self.dims
+        packed = pack(data, dp=d.dp, dp_rank=d.dp_rank, pp=d.pp, max_rows=self.max_rows)
+        output = "logprobs" if packed.next_token else None
+        captured: list = []
+        if backward:
+            snap = grads_snapshot(self.table.params)
+            try:
+                parallm.forward_backward(self.chunks, packed.batch, output=output, num_microbatches=packed.microbatches,
+                                         loss_fn=make_loss_fn(packed, loss_fn=loss_fn, config=config, dp=d.dp,
+                                                              captured=captured))
+            except BaseException:
+                grads_restore(self.table.params, snap)
+                raise
+        else:
+            with torch.no_grad():
+                out = parallm.forward(self.chunks, packed.batch, output=output,
+                                      num_microbatches=packed.microbatches if d.pp > 1 else None)
+            outputs_of(out, packed, loss_fn=loss_fn, config=config, captured=captured)
+        rows = self._gather_rows(captured)
+        if rows is None:
+            return None
+        missing = [i for i in range(len(data)) if i not in rows]
+        if missing:
+            raise RuntimeError(f"forward: no output for datums {missing[:5]} (internal error)")
+        outputs = [{"logprobs": rows[i][0].numpy()} for i in range(len(data))]
+        return {"outputs": outputs, "metrics": {"loss:sum": float(sum(rows[i][1] for i in range(len(data))))}}
+
+    def _gather_rows(self, captured):
+        """Every replica's captured rows on rank 0 (from one rank per replica: tp rank 0 of the last stage)."""
+        d = self.dims
+        mine = captured if (d.tp_rank == 0 and d.pp_rank == d.pp - 1 and d.cp_rank == 0) else []
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine, group=self.group)
+        if d.rank != 0:
+            return None
+        rows = {}
+        for part in everyone:
+            for i, tl, loss in part:
+                rows.setdefault(i, (tl, loss))
+        return rows
+
+    # -- the optimizer -------------------------------------------------------------------------------------------
+    def op_optim_step(self, *, model_id, adam):
+        st = self._activate(model_id)
+        for group in self.optimizer.param_groups:
+            group["lr"] = adam["learning_rate"]
+            group["betas"] = (adam["beta1"], adam["beta2"])
+            group["eps"] = adam["eps"]
+            if group.get("name") != "no_decay":
+                group["weight_decay"] = adam["weight_decay"]
+        parallm.finalize_grads(self.chunks)
+        clip = adam["grad_clip_norm"]
+        norm = parallm.clip_grad_norm_(self.chunks, clip if clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.table.zero_grads()
+        st.steps += 1
+        return {"metrics": {"grad_norm:mean": float(norm)}}
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def op_save_state(self, *, model_id, path, extra, overwrite):
+        st = self._activate(model_id)
+        parallm.save_checkpoint(path, self.chunks, self.optimizer, step=st.steps, extra=extra, overwrite=overwrite)
+        return {"path": path}
+
+    def op_load_state(self, *, model_id, path, optimizer):
+        st = self._activate(model_id)
+        before = ([p.detach().clone() for p in self.table.params], self.optimizer.state_dict(),
+                  grads_snapshot(self.table.params))
+        before = (before[0], {k: v for k, v in before[1].items()}, before[2])
+        try:
+            info = parallm.load_checkpoint(path, self.chunks, self.optimizer if optimizer else None)
+        except BaseException:
+            self._restore(before)
+            raise
+        if not optimizer:
+            self.table.reset_optimizer()
+        self.table.zero_grads()
+        st.steps = int(info.get("step") or 0) if optimizer else 0
+        return {"step": st.steps}
+
+    @torch.no_grad()
+    def _restore(self, before):
+        params, _, grads = before
+        for p, v in zip(self.table.params, params):
+            p.copy_(v)
+        grads_restore(self.table.params, grads)
+
+    def op_save_sampler(self, *, model_id, path):
+        self._activate(model_id)
+        parallm.save_hf_adapter(self.chunks, path, overwrite=True)
+        return {"path": path}
+
+    # -- the parallm sampler (no vLLM): forwards of a sampler snapshot or the base model ------------------------
+    def use_sampler(self, adapter_dir: str | None):
+        """Put a sampler snapshot's adapter into the model (the active client's values are copied out first);
+        ``None``: the base model (the caller runs inside ``parallm.adapters_disabled``)."""
+        if adapter_dir is None or self.sampler_dir == adapter_dir:
+            return
+        self.table.deactivate()
+        parallm.load_hf_adapter(self.chunks, adapter_dir)
+        self.table.active, self.sampler_dir = SAMPLER_PREFIX + adapter_dir, adapter_dir
+
+    def op_sampler_forward(self, *, adapter_dir, input_ids, attention_mask, output):
+        """Log-probs (``output="logprobs"``) or last-position logits (``None``) of a batch, on every rank."""
+        self.use_sampler(adapter_dir)
+        batch = {"input_ids": torch.as_tensor(input_ids), "attention_mask": torch.as_tensor(attention_mask)}
+        with torch.no_grad():
+            if adapter_dir is None:
+                with parallm.adapters_disabled(self.chunks):
+                    out = parallm.forward(self.chunks, batch, output=output)
+            else:
+                out = parallm.forward(self.chunks, batch, output=output)
+        if output is None:
+            lengths = batch["attention_mask"].sum(-1) - 1
+            out = out[torch.arange(out.shape[0]), lengths]
+        return out.float().cpu() if self.dims.rank == 0 else None
+
+    def op_noop(self):
+        return None
+
+    def op_exists(self, *, path):
+        return os.path.exists(path)

@@ -1,0 +1,224 @@
+"""The training routes: ``create_model``, ``get_info``, ``forward_backward`` (and ``forward``), ``optim_step``,
+``save_weights``, ``load_weights``, ``save_weights_for_sampler``. Each checks its request on rank 0 (a malformed
+one fails alone, as a user error, before any rank sees it) and hands a work item to the dispatcher in the
+client's ``seq_id`` order (:class:`.service.ServiceBase.job`).
+
+LoRA: the server trains adapters of one rank (``--lora-rank``, alpha ``--lora-alpha``) on every attention and
+MLP projection; a client asks for that rank and chooses ``train_attn`` / ``train_mlp``. ``train_unembed``
+(an adapter on the output head) is not offered by parallm: refused, unless the server runs with
+``--lora-unembed skip`` (then trained without it, and every session is told so). Full fine-tuning (no LoRA
+config) is refused: the SDK's clients create LoRA models only.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+
+import numpy as np
+
+from . import protocol
+from .clients import write_initial_adapter
+from .losses import LossInputError, check_config, check_inputs
+from .protocol import ApiError
+from .service import ModelRecord, _types
+
+__all__ = ["TrainingRoutes"]
+
+
+class TrainingRoutes:
+    # -- create ---------------------------------------------------------------------------------------------------
+    def _check_lora(self, lora) -> dict:
+        c = self.config
+        if lora is None:
+            raise ApiError(400, "full fine-tuning is not offered by parallm's Tinker server: create a LoRA client "
+                                "(create_lora_training_client)")
+        if lora.rank != c["lora_rank"]:
+            raise ApiError(400, f"this server trains LoRA adapters of rank {c['lora_rank']} (parallm serve-tinker "
+                                f"--lora-rank); create the client with rank={c['lora_rank']} (asked: {lora.rank})")
+        if lora.train_unembed and c["lora_unembed"] != "skip":
+            raise ApiError(400, "train_unembed=True: parallm does not put a LoRA adapter on the output head; "
+                                "create the client with train_unembed=False, or start the server with "
+                                "--lora-unembed skip to train the other adapters without it")
+        if not (lora.train_attn or lora.train_mlp):
+            raise ApiError(400, "train_attn and train_mlp are both False: nothing to train (the head's adapter "
+                                "is not offered)")
+        seed = lora.seed if lora.seed is not None else secrets.randbits(62)
+        return {"rank": lora.rank, "alpha": c["lora_alpha"], "seed": int(seed), "train_mlp": bool(lora.train_mlp),
+                "train_attn": bool(lora.train_attn), "train_unembed": bool(lora.train_unembed)}
+
+    def _check_base(self, base_model):
+        if base_model is not None and base_model not in self.config["model_names"]:
+            raise ApiError(400, f"this server serves {self.config['model_name']!r}, not {base_model!r}")
+
+    def _check_optimizer(self, cfg):
+        kind = getattr(cfg, "type", "adamw") if cfg is not None else "adamw"
+        if kind != "adamw":
+            raise ApiError(400, f"optimizer {kind!r} is not offered by parallm's Tinker server (AdamW only)")
+
+    def _new_model(self, session_id, model_seq_id, lora, user_metadata, *, done=None) -> str:
+        model_id = f"{session_id}:train:{model_seq_id}"
+        with self.lock:
+            if model_id in self.models:
+                raise ApiError(409, f"model {model_id} exists already")
+            self.models[model_id] = ModelRecord(model_id=model_id, session_id=session_id, lora=lora,
+                                                created=time.time(), user_metadata=user_metadata)
+        init_dir = os.path.join(self.checkpoints.root, "_parallm_init", model_id.replace(":", "_"))
+        write_initial_adapter(self.config["adapter_template"], init_dir, seed=lora["seed"],
+                              train_mlp=lora["train_mlp"], train_attn=lora["train_attn"])
+        return model_id, {"op": "create_client", "args": {"model_id": model_id, "lora": lora, "init_dir": init_dir,
+                                                          "base_model": self.config["model_name"]}}
+
+    def route_create_model(self, body):
+        req = protocol.parse(_types().CreateModelRequest, body, route="create_model")
+        self.session(req.session_id)
+        self._check_base(req.base_model)
+        self._check_optimizer(req.optimizer_config)
+        lora = self._check_lora(req.lora_config)
+        model_id, item = self._new_model(req.session_id, req.model_seq_id, lora, req.user_metadata)
+        out = self.job("create_model", item, lambda v: ("json", {"model_id": model_id, "type": "create_model"}),
+                       on_error=lambda: self.forget_model(model_id))
+        return dict(out, model_id=model_id)
+
+    def route_get_info(self, body):
+        req = protocol.parse(_types().GetInfoRequest, body, route="get_info")
+        rec = self.model(req.model_id)
+        c = self.config
+        return {"type": "get_info", "model_id": rec.model_id, "is_lora": True, "lora_rank": rec.lora["rank"],
+                "model_name": c["model_name"], "optimizer_config": {"type": "adamw"},
+                "model_data": {"arch": c["arch"], "model_name": c["model_name"], "tokenizer_id": c["tokenizer_id"]}}
+
+    # -- forward / forward_backward -------------------------------------------------------------------------------
+    def _check_data(self, req) -> str | None:
+        """The request's loss, config and data against the model; the message of the first problem, or None."""
+        c = self.config
+        try:
+            if not req.data:
+                raise LossInputError("forward_backward: no data")
+            config = check_config(req.loss_fn, req.loss_fn_config)
+            widths = set()
+            for i, d in enumerate(req.data):
+                n = len(d.tokens)
+                if n == 0:
+                    raise LossInputError(f"datum {i}: empty model input")
+                if n + 1 > c["max_context"]:
+                    raise LossInputError(f"datum {i}: {n} tokens; the model's context is {c['max_context']}")
+                if d.tokens.min() < 0 or d.tokens.max() >= c["vocab"]:
+                    bad = int(d.tokens.min()) if d.tokens.min() < 0 else int(d.tokens.max())
+                    raise LossInputError(f"datum {i}: input token {bad} is outside the vocabulary [0, {c['vocab']})")
+                check_inputs(req.loss_fn, config, d.inputs, length=n, vocab=c["vocab"], index=i)
+                widths.add(np.asarray(d.inputs["target_tokens"]).shape[1:])
+            if len(widths) > 1:
+                raise LossInputError("2-D target_tokens must have the same width K in every datum of a request")
+        except LossInputError as e:
+            return str(e)
+        req.loss_fn_config = config
+        return None
+
+    def route_forward_backward(self, raw: bytes, encoding: str | None):
+        req = protocol.decode_forward_backward(raw, encoding=encoding)
+        self.model(req.model_id)
+        error = self._check_data(req)
+        item = {"op": "forward", "args": {"model_id": req.model_id, "loss_fn": req.loss_fn,
+                                          "config": req.loss_fn_config, "data": req.data,
+                                          "backward": not req.forward_only}}
+        kind = "forward" if req.forward_only else "forward_backward"
+        return self.job(kind, item, lambda v: ("proto", protocol.encode_forward_backward_output(v["outputs"],
+                                                                                              v["metrics"])),
+                        model_id=req.model_id, seq_id=req.seq_id, error=error)
+
+    # -- optim_step -----------------------------------------------------------------------------------------------
+    def route_optim_step(self, body):
+        req = protocol.parse(_types().OptimStepRequest, body, route="optim_step")
+        self.model(req.model_id)
+        p = req.optim_params
+        error = None
+        if not isinstance(p, _types().AdamParams):
+            error = f"optim_step: {type(p).__name__} is not offered by parallm's Tinker server (AdamParams only)"
+            adam = {}
+        else:
+            adam = {k: float(getattr(p, k)) for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay",
+                                                       "grad_clip_norm")}
+            bad = [k for k, v in adam.items() if not np.isfinite(v) or v < 0] + \
+                [k for k in ("beta1", "beta2") if adam[k] >= 1]
+            if bad:
+                error = f"optim_step: AdamParams {bad} out of range: {adam}"
+        item = {"op": "optim_step", "args": {"model_id": req.model_id, "adam": adam}}
+        return self.job("optim_step", item, lambda v: _json({"metrics": v["metrics"]}), model_id=req.model_id,
+                        seq_id=req.seq_id, error=error)
+
+    # -- checkpoints ----------------------------------------------------------------------------------------------
+    def _meta(self, rec, **more) -> dict:
+        return {"base_model": self.config["model_name"], "model_id": rec.model_id, "lora": rec.lora, **more}
+
+    def route_save_weights(self, body):
+        req = protocol.parse(_types().SaveWeightsRequest, body, route="save_weights")
+        rec = self.model(req.model_id)
+        name = req.path or f"step-{int(time.time() * 1000)}"
+        directory = self.checkpoints.path(rec.model_id, "weights", name)
+        error = None
+        if os.path.exists(directory) and not req.overwrite:
+            error = f"checkpoint {self.checkpoints.tinker_path(rec.model_id, 'weights', name)} exists (overwrite=True)"
+        meta = self._meta(rec, user_metadata=req.user_metadata)
+        item = {"op": "save_state", "args": {"model_id": rec.model_id, "path": directory, "overwrite": req.overwrite,
+                                             "extra": {"tinker": meta}}}
+
+        def result(v):
+            self.checkpoints.write_meta(directory, meta)
+            return _json({"path": self.checkpoints.tinker_path(rec.model_id, "weights", name),
+                          "type": "save_weights"})
+        return self.job("save_weights", item, result, model_id=rec.model_id, seq_id=req.seq_id, error=error)
+
+    def route_load_weights(self, body):
+        req = protocol.parse(_types().LoadWeightsRequest, body, route="load_weights")
+        _, _, _, directory = self.checkpoints.resolve(req.path, want="weights")
+        meta = self.checkpoints.meta(directory)
+        if meta["base_model"] not in self.config["model_names"]:
+            raise ApiError(400, f"{req.path} was trained on {meta['base_model']!r}; this server serves "
+                                f"{self.config['model_name']!r}")
+        self._check_base(req.base_model)
+        self._check_optimizer(req.optimizer_config)
+        load = {"op": "load_state", "args": {"path": directory, "optimizer": bool(req.optimizer)}}
+        to_result = lambda model_id: lambda v: _json({"path": req.path, "model_id": model_id,  # noqa: E731
+                                                     "type": "load_weights"})
+        if req.model_id is not None:          # an existing client loads a checkpoint
+            rec = self.model(req.model_id)
+            if rec.lora["rank"] != meta["lora"]["rank"]:
+                raise ApiError(400, f"{req.path} holds rank-{meta['lora']['rank']} adapters; {rec.model_id} has "
+                                    f"rank {rec.lora['rank']}")
+            load["args"]["model_id"] = rec.model_id
+            return self.job("load_weights", load, to_result(rec.model_id), model_id=rec.model_id, seq_id=req.seq_id)
+        if req.session_id is None or req.model_seq_id is None:
+            raise ApiError(400, "load_weights: give model_id and seq_id, or session_id and model_seq_id")
+        self.session(req.session_id)
+        lora = dict(meta["lora"], seed=0)
+        model_id, create = self._new_model(req.session_id, req.model_seq_id, lora, req.user_metadata)
+        self.job("create_model", create, lambda v: None, on_error=lambda: self.forget_model(model_id))
+        load["args"]["model_id"] = model_id
+        return self.job("load_weights", load, to_result(model_id))
+
+    def route_save_for_sampler(self, body):
+        req = protocol.parse(_types().SaveWeightsForSamplerRequest, body, route="save_weights_for_sampler")
+        rec = self.model(req.model_id)
+        error = None
+        if req.kind != "snapshot":
+            error = f"save_weights_for_sampler: kind={req.kind!r} is not offered (snapshot only)"
+        name = req.path or f"sampler-{secrets.token_hex(6)}"
+        directory = self.checkpoints.path(rec.model_id, "sampler_weights", name)
+        tinker_path = self.checkpoints.tinker_path(rec.model_id, "sampler_weights", name)
+        meta = self._meta(rec, user_metadata=req.user_metadata, ephemeral=req.path is None)
+        item = {"op": "save_sampler", "args": {"model_id": rec.model_id, "path": directory}}
+
+        def result(v):
+            self.checkpoints.write_meta(directory, meta)
+            if req.path is not None:
+                return _json({"path": tinker_path, "type": "save_weights_for_sampler"})
+            sid = self.new_sampling_session(rec.session_id, req.sampling_session_seq_id, tinker_path, directory)
+            return _json({"path": None, "sampling_session_id": sid, "type": "save_weights_for_sampler"})
+        return self.job("save_weights_for_sampler", item, result, model_id=rec.model_id, seq_id=req.seq_id,
+                        error=error)
+
+
+def _json(d: dict) -> tuple:
+    return ("json", d)
