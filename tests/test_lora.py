@@ -210,8 +210,15 @@ def _dense_cases(rank, world, ckpt, adapter, batch, tmp):
     resumed = dict(adapter=dict(parallm.export_adapter_tensors(chunks)), step=info["step"],
                    moments={k: _merged_state(chunks, opt, k) for k in ("exp_avg", "exp_avg_sq")},
                    config=lora_config_of(chunks).to_dict())
+    # the PEFT directory save_hf_adapter wrote at tp2, back into a fresh model at tp1 x dp2 (its sidecar's seed)
+    fresh = parallm.build_model(ckpt)
+    parallm.load_hf_weights(fresh, ckpt)
+    resumed["reloaded_seed"] = parallm.load_hf_adapter(fresh, os.path.join(tmp, "saved_adapter")).seed
+    resumed["reloaded"] = dict(parallm.export_adapter_tensors(fresh))
+    del fresh
     # a checkpoint of adapters into a model without them, and a full checkpoint into one with them: errors
     plain = parallm.build_model(ckpt)
+    parallm.load_hf_weights(plain, ckpt)
     try:
         parallm.load_checkpoint(os.path.join(tmp, "lora_ckpt"), plain)
     except parallm.CheckpointError as e:
@@ -331,9 +338,25 @@ def test_lora_dense_layouts(tmp_path):
     base_sd = base.state_dict()
     for k, v in tp2["unmerged"].items():
         assert torch.equal(v, base_sd[k]), f"{k}: the export after a merged one is not the base"
-    # PEFT loads what save_hf_adapter wrote, with equal logits
-    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "saved_adapter"))
+    # PEFT loads what save_hf_adapter wrote, with equal logits and without a warning (parallm's own fields are in
+    # a sidecar: a key PEFT does not know in adapter_config.json makes it warn "Unexpected keyword arguments")
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "saved_adapter"))
+    peft_said = [str(w.message) for w in caught if any(k in str(w.message) for k in ("Unexpected keyword", "parallm",
+                                                                                       "upgrade the PEFT"))]
+    assert not peft_said, peft_said     # (transformers' own deprecation notices aside)
     assert torch.equal(_hf_logits(loaded, batch), _hf_logits(stepped, batch))
+    import json
+    saved_cfg = json.load(open(tmp_path / "saved_adapter" / "adapter_config.json"))
+    sidecar = json.load(open(tmp_path / "saved_adapter" / "parallm_adapter.json"))
+    assert "parallm" not in saved_cfg and sidecar["seed"] == 0 and sorted(sidecar["target_modules"]) == \
+        sorted(TARGETS), sidecar
+    # ... and parallm reads it back bit for bit at another layout
+    assert res["resume"]["reloaded_seed"] == 0 and set(res["resume"]["reloaded"]) == set(tp2["after"])
+    for k, v in tp2["after"].items():
+        assert torch.equal(res["resume"]["reloaded"][k], v), k
     import parallm
     # the checkpoint holds adapters only (and their optimizer state) and resumes bit-exactly at tp1 x dp2
     import json
@@ -473,6 +496,15 @@ def test_lora_config_and_refusals():
     assert cfg.rank_alpha("model.layers.0.self_attn.q_proj") == (2, 8.0)
     assert cfg.rank_alpha("model.layers.1.q_proj") == (2, 3.0)
     assert parallm.LoraConfig is LoraConfig
+    # the seed: from parallm_adapter.json, else the "parallm" key older saves wrote into adapter_config.json
+    from parallm.checkpoint.lora_io import config_from_peft
+
+    class _NoExperts:
+        table = ()
+    peft_cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    assert config_from_peft(peft_cfg, _NoExperts()).seed == 0
+    assert config_from_peft(peft_cfg, _NoExperts(), {"seed": 7, "target_modules": "all-linear"}).seed == 7
+    assert config_from_peft(dict(peft_cfg, parallm={"seed": 5}), _NoExperts()).seed == 5
     # Gated DeltaNet's projections and Qwen3-MoE's gate without up: refused, naming the module
     import transformers
     next_cfg = dict(num_hidden_layers=2, full_attention_interval=2, head_dim=32, num_attention_heads=4,

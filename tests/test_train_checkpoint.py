@@ -285,7 +285,7 @@ def _destroy_with_pending_saves(parallm, rank, s, out):
     parallm.destroy_parallel()
 
     parallm.init_parallel(tp=2)
-    chunks = parallm.build_model(s["hf"])
+    chunks = parallm.build_model(s["hf"], init="random")      # any weights: the save fails on purpose
     failing = os.path.join(root, "destroy-failing")
     original = fs._write_item
     if rank == 1:
@@ -391,6 +391,7 @@ def rank_exact(rank, world, s):
     # the error catalog, at tp1.pp2 fp32
     parallm.init_parallel(tp=1, pp=2)
     chunks = parallm.build_model(s["hf"])
+    parallm.load_hf_weights(chunks, s["hf"])
     opt = parallm.build_optimizer(chunks, lr=1e-2)
     root = s["root"]
     good = os.path.join(root, "exact-float32")
@@ -413,6 +414,8 @@ def rank_exact(rank, world, s):
             craft(os.path.join(root, "exact-float32"), os.path.join(root, f"crafted-{kind}"), kind,
                   os.path.join(root, f"marker-{kind}"))
     torch.distributed.barrier()
+    loaded = parallm.build_model(s["hf"])
+    parallm.load_hf_weights(loaded, s["hf"])
     cases = [
         ("other-shapes", lambda: parallm.load_checkpoint(os.path.join(root, "model-wide"), chunks),
          "CheckpointError", ["another model", "shapes differ", "model.layers.0.mlp.down_proj.weight", "(64, 128)"]),
@@ -424,6 +427,10 @@ def rank_exact(rank, world, s):
          "CheckpointError", [os.path.join("broken-truncated", "__1_0.distcp"), "truncated"]),
         ("corrupted", lambda: parallm.load_checkpoint(broken["corrupted"], chunks, opt),
          "CheckpointError", [os.path.join("broken-corrupted", "__0_0.distcp"), "corrupted", "CRC-32"]),
+        # the corrupted load above failed while it wrote the parameters: the model counts as never loaded
+        ("save-after-failed-load", lambda: parallm.save_checkpoint(os.path.join(root, "after-failed"), chunks,
+                                                                   step=1),
+         "RuntimeError", ["save_checkpoint", "never loaded", "load_hf_weights"]),
         ("corrupted-metadata", lambda: parallm.load_checkpoint(broken["metadata"], chunks),
          "CheckpointError", [os.path.join("broken-metadata", ".metadata"), "corrupted"]),
         ("unfinished", lambda: parallm.load_checkpoint(broken["unfinished"], chunks),
@@ -432,9 +439,11 @@ def rank_exact(rank, world, s):
          "CheckpointError", ["nowhere", "does not exist"]),
         ("non-empty-target", lambda: parallm.save_checkpoint(good, chunks, opt, step=3),
          "FileExistsError", ["exact-float32", "overwrite=True"]),
-        # extra: JSON + tensors only, checked on every rank (here a tuple on rank 1 alone), nothing written
+        # extra: JSON + tensors only, checked on every rank (here a tuple on rank 1 alone), nothing written; saved
+        # from a loaded model (a load that failed while reading, as "corrupted" above, leaves `chunks` marked not
+        # loaded, which save_checkpoint refuses on that rank)
         ("extra-tuple-on-rank-1", lambda: parallm.save_checkpoint(
-            os.path.join(root, "bad-extra-tuple"), chunks, step=1,
+            os.path.join(root, "bad-extra-tuple"), loaded, step=1,
             extra={"sched": {"betas": (0.9, 0.99) if rank == 1 else [0.9, 0.99]}}),
          "TypeError", ["extra['sched']['betas']", "tuple", "use a list"] + (["failed on rank 1"] if rank == 0 else [])),
         ("extra-object", lambda: parallm.save_checkpoint(os.path.join(root, "bad-extra-object"), chunks, step=1,
@@ -474,6 +483,7 @@ def test_exact_resume_async_and_errors(tmp_path):
     assert [r["good-loads"] for r in results] == [2, 2]
     assert not os.path.exists(os.path.join(root, "bad-extra-tuple"))
     assert not os.path.exists(os.path.join(root, "bad-extra-object"))
+    assert not os.path.exists(os.path.join(root, "after-failed"))
     # no crafted pickle ran, in the ranks or here: the offline readers read the tensors they need and nothing else
     v1 = os.path.join(root, "crafted-v1")
     assert read_tensors(v1)["model/model.norm.weight"].shape == (64,)

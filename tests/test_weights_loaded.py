@@ -55,6 +55,11 @@ def _never_loaded(parallm, rank, s, out):
     loaded = parallm.build_model(ckpt)
     parallm.load_hf_weights(loaded, ckpt)
     ref = parallm.forward(loaded, ids, mask)
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:    # megatron's CUDA stream hint: silenced on CPU groups
+        warnings.simplefilter("always")
+        parallm.forward_backward(loaded, ids, mask, loss_fn=lambda o, i, m: o.float().mean())
+    out["cuda_hint"] = [str(w.message) for w in caught if "CUDA_DEVICE_MAX_CONNECTIONS" in str(w.message)]
     with torch.no_grad():
         for c, d in zip(empty, loaded):
             for p, q in zip(c.parameters(), d.parameters()):
@@ -75,7 +80,10 @@ def _never_loaded(parallm, rank, s, out):
     parallm.load_checkpoint(os.path.join(tmp, "full_ckpt"), fresh)
     out["checkpoint_equal"] = torch.equal(parallm.forward(fresh, ids, mask), ref)
     adapted = parallm.build_model(ckpt, lora=parallm.LoraConfig(4, 8, ("q_proj", "v_proj")), init="random")
-    parallm.save_hf_adapter(adapted, os.path.join(tmp, "adapter"), overwrite=True)
+    with warnings.catch_warnings(record=True) as caught:    # its TP all-gather: torch 2.13's new name, no warning
+        warnings.simplefilter("always")
+        parallm.save_hf_adapter(adapted, os.path.join(tmp, "adapter"), overwrite=True)
+    out["adapter_warnings"] = [str(w.message) for w in caught]
     bare = parallm.build_model(ckpt)
     parallm.load_hf_adapter(bare, os.path.join(tmp, "adapter"))
     _attempt(out, "adapter_only/forward", lambda: parallm.forward(bare, ids, mask))
@@ -163,6 +171,8 @@ def test_never_loaded_is_refused_everywhere(run):
         assert out["missing_load"][0] == "MissingCheckpointError", out["missing_load"]
         assert out["nothing_written"], r
         assert out["manual_equal"] and out["after_missing_equal"] and out["checkpoint_equal"], r
+        assert not out["adapter_warnings"], out["adapter_warnings"]
+        assert not out["cuda_hint"], out["cuda_hint"]
     print(res[1]["forward"][1])
 
 

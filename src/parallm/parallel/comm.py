@@ -33,8 +33,17 @@ def gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
 def all_gather_single(output: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     """Every rank's ``inp`` concatenated along dim 0 into ``output`` (rank order of ``group``): torch's
     ``all_gather_single`` where it exists (torch >= 2.13, which deprecates ``all_gather_into_tensor`` with a
-    FutureWarning on every call), else ``all_gather_into_tensor``. parallm's own all-gathers go through here."""
+    FutureWarning on every call), else ``all_gather_into_tensor``. parallm's own all-gathers go through here
+    (``tests/test_call_collectives.py`` checks the package for direct calls of the deprecated names)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
+    """``inp`` summed over ``group`` and scattered along dim 0 (this rank's block into ``output``): torch's
+    ``reduce_scatter_single`` where it exists (torch >= 2.13 deprecates ``reduce_scatter_tensor``), else
+    ``reduce_scatter_tensor``."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, inp, group=group, async_op=async_op)
 
 
@@ -84,7 +93,7 @@ class _GatherRowsSumBack(torch.autograd.Function):
         world = dist.get_world_size(ctx.group)
         grad = grad.contiguous()
         out = grad.new_empty((grad.shape[0] // world,) + tuple(grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        reduce_scatter_single(out, grad, group=ctx.group)
         return out, None
 
 

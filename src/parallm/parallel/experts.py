@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .comm import all_gather_single
+from .comm import all_gather_single, reduce_scatter_single
 
 
 class _AllToAll(torch.autograd.Function):
@@ -68,7 +68,7 @@ def _all_gather_rows(x, group, size):
 
 def _reduce_scatter_rows(x, group, size):
     out = x.new_empty((x.shape[0] // size,) + tuple(x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    reduce_scatter_single(out, x.contiguous(), group=group)
     return out
 
 
