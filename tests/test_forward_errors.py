@@ -95,6 +95,8 @@ def test_bad_batch_on_one_rank_fails_everywhere(tmp_path):
             assert etype == "ValueError" and needle in msg and elapsed < 60, (name, r[name])
             if rank != culprit:                                # the others are told who failed
                 assert f"failed on rank {culprit}" in msg, (name, msg)
+            elif name != "microbatches":                       # and the culprit's own message names it too
+                assert f"on global rank {culprit}" in msg, (name, msg)
         assert r["after"] < 2e-5, r["after"]
         for name in ("stale_forward", "stale_save"):
             assert r[name] is not None and "built for tp=2 x pp=2 x dp=1" in r[name] and \

@@ -352,7 +352,8 @@ def _check_batch(chunks, input_ids, attention_mask, position_ids):
     vocab = chunks[0].spec.vocab_size
     low, high = (int(input_ids.min()), int(input_ids.max())) if input_ids.numel() else (0, 0)
     if low < 0 or high >= vocab:
-        raise ValueError(f"input_ids must lie in [0, {vocab}); got values in [{low}, {high}]")
+        raise ValueError(f"input_ids must lie in [0, {vocab}); got values in [{low}, {high}] (on global rank "
+                         f"{chunks[0].dims.rank})")
     return input_ids.long(), attention_mask, position_ids
 
 
