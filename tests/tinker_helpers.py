@@ -77,11 +77,103 @@ class Server:
             return f.read()[-n:]
 
     def stop(self) -> None:
+        """SIGTERM to the launcher (rank 0 then stops the other ranks); the whole process group is killed if
+        anything is left after 60 s."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
         self.log.close()
+
+
+# -- the references: transformers + PEFT on the same adapter, torch's AdamW ---------------------------------------
+
+def adapter_dir(workdir: str, tinker_path: str) -> str:
+    """The directory of a ``tinker://<model>/sampler_weights/<name>`` path of a server whose checkpoint directory
+    is ``workdir/ckpt`` (the server's own mapping)."""
+    from parallm.integrations.tinker.checkpoints import CheckpointStore
+    model_id, segment, name = tinker_path[len("tinker://"):].split("/")
+    return CheckpointStore(os.path.join(workdir, "ckpt")).path(model_id, segment, name)
+
+
+def adapter_tensors(directory: str) -> dict:
+    from safetensors.torch import load_file
+    return load_file(os.path.join(directory, "adapter_model.safetensors"))
+
+
+def peft_model(model_dir: str, adapter: str):
+    """transformers' model of ``model_dir`` (fp32) with the PEFT adapter directory ``adapter``, trainable."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, adapter, is_trainable=True)
+    return model
+
+
+def peft_state(model) -> dict:
+    from peft import get_peft_model_state_dict
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def target_logprobs(model, tokens, targets):
+    """transformers' log-prob of ``targets[t]`` after ``tokens[:t + 1]`` (differentiable)."""
+    import torch
+    logits = model(input_ids=torch.as_tensor([tokens])).logits[0].float()
+    t = torch.as_tensor(targets)
+    lsm = logits.log_softmax(-1)
+    return lsm.gather(-1, t[:, None]).squeeze(-1) if t.dim() == 1 else lsm.gather(-1, t)
+
+
+def reference_loss(loss_fn: str, tl, inputs: dict, config: dict):
+    """Tinker's losses as its documentation writes them (torch), summed over the datum's tokens."""
+    import torch
+    lo = inputs.get("clip_low_threshold", config.get("clip_low_threshold", 0.8))
+    hi = inputs.get("clip_high_threshold", config.get("clip_high_threshold", 1.2))
+    if loss_fn == "cross_entropy":
+        return (-tl * inputs["weights"]).sum()
+    lp, adv = inputs["logprobs"], inputs["advantages"]
+    if loss_fn == "importance_sampling":
+        return -(torch.exp(tl - lp) * adv).sum()
+    if loss_fn == "dro":
+        return -(tl * adv - 0.5 * config["beta"] * (tl - lp) ** 2).sum()
+    if loss_fn == "gspo":
+        in_ratio = inputs["sequence_ratio_mask"] != 0
+        log_ratio = (tl.detach() - lp)[in_ratio].mean()
+        ratio = torch.exp(log_ratio + tl - tl.detach())
+    else:
+        ratio = torch.exp(tl - lp)
+    clipped = torch.clamp(ratio, lo, hi)
+    if loss_fn == "cispo":
+        return -(clipped.detach() * tl * adv).sum()
+    return -torch.min(ratio * adv, clipped * adv).sum()
+
+
+def reference_step(model, data, loss_fn: str, config: dict, adam: dict, optimizer=None):
+    """One Tinker step on the PEFT model: the summed loss of ``data`` (``(tokens, inputs)`` pairs), backward,
+    gradient clipping when asked, torch.optim.AdamW. Returns (loss, per-datum target log-probs, optimizer)."""
+    import torch
+    params = [p for p in model.parameters() if p.requires_grad]
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(params, lr=adam["learning_rate"], betas=(adam["beta1"], adam["beta2"]),
+                                      eps=adam["eps"], weight_decay=adam["weight_decay"])
+    total, lps = 0.0, []
+    for tokens, inputs in data:
+        tl = target_logprobs(model, tokens, inputs["target_tokens"])
+        t_inputs = {k: torch.as_tensor(v) for k, v in inputs.items()}
+        loss = reference_loss(loss_fn, tl, t_inputs, config)
+        loss.backward()
+        total += float(loss.detach())
+        lps.append(tl.detach())
+    if adam.get("grad_clip_norm", 0.0) > 0:
+        torch.nn.utils.clip_grad_norm_(params, adam["grad_clip_norm"])
+    optimizer.step()
+    optimizer.zero_grad()
+    return total, lps, optimizer

@@ -88,7 +88,8 @@ def target_logprobs(out: torch.Tensor, mb: dict, r: int, *, next_token: bool) ->
     if next_token:
         return out[r, :n]
     targets = mb["in_target_tokens"][r, :n].to(out.device)
-    logp = torch.log_softmax(out[r, :n].float(), dim=-1)
+    x = out[r, :n]
+    logp = torch.log_softmax(x.float() if x.dtype in (torch.bfloat16, torch.float16) else x, dim=-1)
     if targets.dim() == 1:
         return logp.gather(-1, targets[:, None]).squeeze(-1)
     return logp.gather(-1, targets)
