@@ -240,8 +240,9 @@ def test_source_placement_errors_on_every_rank(results):
 
 @pytest.mark.timeout(300)
 def test_missing_directory_named_on_every_rank(results):
-    # The message must say which path is missing (not only "the source on global rank 0 does not exist").
-    _check(results, "missing-dir", "CheckpointError", ["good-nope"])
+    # The message must say which path is missing (not only "the source on global rank 0 does not exist"); the
+    # type is CheckpointError's subclass that is also a FileNotFoundError (build_model raises the same one).
+    _check(results, "missing-dir", "MissingCheckpointError", ["good-nope", "does not exist"])
 
 
 @pytest.mark.timeout(300)

@@ -141,3 +141,35 @@ def test_one_replica_one_batch(results, layout):
         for r in ranks[1:]:
             assert torch.equal(results[r][f"{layout}/after"], results[ranks[0]][f"{layout}/after"])
     print(results[0][f"{layout}/extra/forward_backward"][1])
+
+
+def test_fingerprint_pure(monkeypatch):
+    """No process group: every single-element change of any dtype changes the fingerprint (and its fold), the
+    checksum does not depend on the slicing that bounds its memory, and a batch entry's name, dtype and shape
+    count."""
+    from parallm.parallel import batch_check as bc
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randint(0, 1000, (3, 7), generator=g), torch.randn(3, 7, generator=g),
+               torch.randn(3, 7, generator=g).bfloat16(), torch.rand(3, 7, generator=g) > 0.5,
+               torch.randn(3, 7, generator=g).double()]
+    for t in tensors:
+        base = bc.weighted_sum(t)
+        for i in range(t.numel()):
+            u = t.clone().reshape(-1)
+            u[i] = ~u[i] if u.dtype == torch.bool else u[i] + 1
+            assert bc.weighted_sum(u.reshape(t.shape)) != base, (t.dtype, i)
+        monkeypatch.setattr(bc, "CHUNK", 4)
+        assert bc.weighted_sum(t) == base, t.dtype
+        monkeypatch.setattr(bc, "CHUNK", 1 << 22)
+    ids, mask = helpers.padded_batch(101)
+    pos = mask.cumsum(-1)
+    extras = {"adv": torch.ones(4), "old": torch.zeros(4, 10)}
+    fp = bc.batch_fingerprint(ids, pos, mask, extras=extras, settings=(2, 0))
+    variants = [{"adv2": torch.ones(4), "old": extras["old"]},                 # another name
+                {"adv": torch.ones(4, dtype=torch.float64), "old": extras["old"]},   # another dtype
+                {"adv": torch.ones(4, 1), "old": extras["old"]}, None]             # another shape; none
+    for other in variants:
+        assert bc.fold(bc.batch_fingerprint(ids, pos, mask, extras=other, settings=(2, 0))) != bc.fold(fp), other
+    assert bc.fold(bc.batch_fingerprint(ids, pos, mask, extras=extras, settings=(3, 0))) != bc.fold(fp)
+    assert bc.fold(fp) == bc.fold(bc.batch_fingerprint(ids, pos, mask, extras=dict(extras), settings=(2, 0)))
+    assert 0 <= bc.fold(fp) < (1 << 61) - 1

@@ -36,20 +36,40 @@ HINT = ("shard data by chunks[0].dims.dp_rank (of chunks[0].dims.dp), not by glo
         "context- and pipeline-parallel rank of a replica passes the replica's whole batch")
 
 
-def _weights(n: int, device) -> torch.Tensor:
-    return torch.arange(n, dtype=torch.long, device=device).mul_(2654435761).add_(40503).remainder_(
+CHUNK = 1 << 22           # elements summed at a time (bounds the int64 temporaries of a large batch entry)
+
+
+def _weights(start: int, n: int, device) -> torch.Tensor:
+    return torch.arange(start, start + n, dtype=torch.long, device=device).mul_(2654435761).add_(40503).remainder_(
         1 << 31).mul_(2).add_(1)
 
 
-def weighted_sum(t: torch.Tensor) -> int:
-    """The int64 sum of ``t``'s values (floating point: its bits) times fixed odd weights (wrapping): any
-    single changed element changes it."""
+def _weighted_sum(t: torch.Tensor) -> torch.Tensor:
+    """:func:`weighted_sum` as a 0-d int64 tensor on ``t``'s device (the sum wraps modulo 2^64), read by the
+    caller together with the others: one device-to-host copy per call, not one per tensor."""
     if t.is_complex():
         t = torch.view_as_real(t)
     if t.is_floating_point():
         t = t.contiguous().view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
-    flat = t.reshape(-1).long()
-    return int((flat * _weights(flat.numel(), flat.device)).sum()) if flat.numel() else 0
+    flat = t.reshape(-1)
+    total = torch.zeros((), dtype=torch.long, device=flat.device)
+    for start in range(0, flat.numel(), CHUNK):
+        part = flat[start:start + CHUNK].long()
+        total += (part * _weights(start, part.numel(), part.device)).sum()
+    return total
+
+
+def weighted_sum(t: torch.Tensor) -> int:
+    """The sum, modulo 2^64, of ``t``'s values (floating point: its bits) times fixed odd weights: any single
+    changed element changes it. Computed on ``t``'s device in slices of :data:`CHUNK` elements."""
+    return int(_weighted_sum(t)) % (1 << 64)
+
+
+def _read(sums: list[torch.Tensor]) -> list[int]:
+    """0-d int64 tensors (on any devices) as ints modulo 2^64, in one copy per device."""
+    if not sums:
+        return []
+    return [v % (1 << 64) for v in torch.stack([s.to(sums[0].device) for s in sums]).tolist()]
 
 
 def extras_checksum(extras: dict | None) -> int:
@@ -57,11 +77,16 @@ def extras_checksum(extras: dict | None) -> int:
     order (-1 for the positional form, which has none)."""
     if extras is None:
         return -1
+    names = sorted(extras)
+    return _combine(names, extras, _read([_weighted_sum(extras[n]) for n in names]))
+
+
+def _combine(names, extras, sums: list[int]) -> int:
     total = 0
-    for name in sorted(extras):
+    for name, value in zip(names, sums):
         t = extras[name]
         head = zlib.crc32(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        total = (total * 1000003 + head * 7919 + weighted_sum(t)) % (1 << 64)
+        total = (total * 1000003 + head * 7919 + value) % (1 << 64)
     return total
 
 
@@ -72,10 +97,12 @@ PARTS = ("batch size", "sequence length", "input_ids", "position_ids", "attentio
 def batch_fingerprint(input_ids, position_ids, attention_mask, *, extras=None, settings=()) -> list[int]:
     """A few integers that differ when two batches differ (see the module docstring): ``[B, S, ids, positions,
     mask, extras]`` followed by ``settings`` (the caller's further integers, named in
-    :func:`agree_on_batch`'s ``setting_names``)."""
-    out = [int(input_ids.shape[0]), int(input_ids.shape[1])]
-    out += [weighted_sum(t) for t in (input_ids, position_ids, attention_mask)]
-    out.append(extras_checksum(extras))
+    :func:`agree_on_batch`'s ``setting_names``). One device-to-host copy for all the sums."""
+    names = sorted(extras) if extras is not None else []
+    sums = _read([_weighted_sum(t) for t in (input_ids, position_ids, attention_mask)]
+                 + [_weighted_sum(extras[n]) for n in names])
+    out = [int(input_ids.shape[0]), int(input_ids.shape[1])] + sums[:3]
+    out.append(_combine(names, extras, sums[3:]) if extras is not None else -1)
     return out + [int(s) for s in settings]
 
 
