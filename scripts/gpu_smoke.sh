@@ -38,6 +38,8 @@ if [ "$N" -ge 2 ]; then
   echo "== scripts/gpu_checks/export_out.py on 2 processes (the export stream writing into caller buffers)"
   "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 scripts/gpu_checks/export_out.py || status=1
 fi
+echo "== scripts/gpu_checks/vllm_remote.py on $N process(es) (a CUDA trainer's push into engines in other processes)"
+"$PY" -m torch.distributed.run --standalone --nproc-per-node "$N" scripts/gpu_checks/vllm_remote.py "$@" || status=1
 if [ "$N" -ge 2 ] && "$PY" -c "import vllm" 2>/dev/null; then
   echo "== scripts/gpu_checks/vllm.py on 2 processes"
   "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 scripts/gpu_checks/vllm.py || status=1

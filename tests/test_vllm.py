@@ -13,8 +13,8 @@ Two 4-rank spawns, each with one in-process engine on rank 0 beside the trainer'
   not have, shapes that differ, the engine failing halfway through the stream, a sending rank failing halfway
   through it (the engine's rank reads the stream on a thread of its own);
 * a Qwen3-MoE at tp2 x ep2 (dp 2): the same before / stale / after comparison (vLLM-CPU's MoE reload needs the
-  experts repacked, see ``parallm.integrations.vllm.fixes.cpu_experts_repacked``), and a second push after more
-  training.
+  experts repacked, see ``parallm.integrations.vllm.fixes.cpu_experts_repacked``), a second push after more
+  training, and a push after one whose reload failed with an experts layer half-received.
 
 The GRPO example runs a few steps end to end in a third test (torchrun, 2 ranks).
 """
@@ -152,6 +152,23 @@ def _moe_rank(rank, world, s):
     out["stale2"] = ve.max_diff(chunks, prompts, _sample(llm, prompts, 4))
     pv.push_weights(chunks, llm, rank=0)
     out["after2"] = ve.max_diff(chunks, prompts, _sample(llm, prompts, 5))
+    # the engine's loader fails in the middle of layer 0's experts (vLLM's experts layer holds all four: half
+    # of them received); the next push must still reload that layer in full
+    original = pv.push._reload
+
+    def failing(llm_, weights):
+        def cut():
+            for name, t in weights:
+                if name == "model.layers.0.mlp.experts.2.gate_proj.weight":
+                    raise RuntimeError("the engine's loader failed in the middle of layer 0's experts")
+                yield name, t
+        return original(llm_, cut())
+    pv.push._reload = failing
+    ve.attempt(out, "engine-fails-mid-layer", lambda: pv.push_weights(chunks, llm, rank=0, bucket_bytes="16KB"))
+    pv.push._reload = original
+    ve.train(chunks, opt, vocab, 1, seed=8)
+    pv.push_weights(chunks, llm, rank=0)
+    out["after_failed_push"] = ve.max_diff(chunks, prompts, _sample(llm, prompts, 6))
     return out
 
 
@@ -218,6 +235,17 @@ def test_push_moe_tp2_ep2(moe):
         assert r["before"] <= TOL and r["after"] <= TOL and r["after2"] <= TOL, r
         assert r["stale"] > 100 * TOL and r["stale2"] > 100 * TOL, r
     assert moe[0]["stats"]["buckets"] > 1
+
+
+@pytest.mark.timeout(600)
+def test_push_after_a_reload_failed_mid_layer(moe):
+    """The engine's reload failing with an experts layer half-received (raised on every rank), then a push: vLLM
+    left the reload open, and without parallm closing it the next reload completed that layer early with the
+    failed push's tensors and dropped the rest; closed, the next push is exact."""
+    for r in moe:
+        kind, msg, _ = r["engine-fails-mid-layer"]
+        assert kind == "RuntimeError" and "middle of layer 0's experts" in msg, r["engine-fails-mid-layer"]
+        assert r["after_failed_push"] <= TOL, r["after_failed_push"]
 
 
 @pytest.mark.timeout(600)

@@ -17,8 +17,9 @@ engine core and worker). One 2-rank spawn, the trainer at tp2:
 * the errors, on every rank and within seconds, none changing an engine (a push afterwards works): an unknown
   backend, names the engines do not know, shapes that differ, a dtype the engines do not run;
 * a trainer rank (rank 1, not the sender) raising halfway through a push's stream, after the engines took some
-  updates: the same error on every rank within seconds, no engine marked failed, and the next push leaves both
-  engines equal to the trainer (they recover: finished with what they had, then every tensor);
+  updates: the same error on every rank within seconds; both engines left unfinished and paused (vLLM's
+  ``/is_paused``) and listed in ``needs_restart``; the next push leaves both engines equal to the trainer and
+  resumed (it closes their interrupted update, then sends every tensor);
 * the TP-1 server killed during a push (SIGKILL of its session at its second update): ``EngineFailed`` on every
   rank naming it as needing a restart, the TP-2 engine finished with every tensor (its log-probs equal the
   trainer's), and the next push to the healthy engine works.
@@ -59,6 +60,14 @@ def _sample_all(urls, model, batch, seed, *, dp_ranks=(None,)):
 
 def _diffs(chunks, urls, model, batch, seed, **kw):
     return [ve.max_diff(chunks, batch, s) for s in _sample_all(urls, model, batch, seed, **kw)]
+
+
+def _is_paused(url: str) -> bool:
+    """vLLM's ``/is_paused`` (dev mode): whether the engine holds new requests back."""
+    import json
+    import urllib.request
+    with urllib.request.urlopen(f"{url}/is_paused", timeout=30) as res:
+        return bool(json.loads(res.read())["is_paused"])
 
 
 def _untied_dp(out, s, rank):
@@ -165,7 +174,9 @@ def _rank(rank, world, s):
     export._source, client._HttpEngine.update = source, update
     out["trainer_fail_updates"] = updates
     out["trainer_fail_needs_restart"] = conn.needs_restart
+    out["trainer_fail_paused"] = [_is_paused(u) for u in urls] if rank == 0 else None
     ve.attempt(out, "push-after-trainer-fail", lambda: pv.push_weights(chunks, conn))
+    out["trainer_fail_paused_after"] = [_is_paused(u) for u in urls] if rank == 0 else None
     out["after_trainer_fail"] = _diffs(chunks, urls, ckpt, batch, 14)
 
     # the TP-1 server killed at its second update of a push
@@ -293,18 +304,22 @@ def test_errors_on_every_rank(run, key, kind, needles):
 
 
 @pytest.mark.timeout(1200)
-def test_trainer_failure_mid_stream_leaves_engines_usable(run):
+def test_trainer_failure_mid_stream_interrupts_the_engines(run):
     """A trainer rank raising halfway through the stream: the engines had taken some updates (the failure came
-    mid-push), none is marked as needing a restart (the stream ended on every rank and the engines were
-    finished with what they had), and the next push brings them level with the trainer."""
+    mid-push); they are not finished (vLLM would build the layer it was loading from uninitialised memory), stay
+    paused (they serve nothing) and are listed in ``needs_restart``; the next push closes their update, sends
+    every tensor, resumes them and brings them level with the trainer."""
     out, servers = run
+    urls = [x.url for x in servers[:2]]
     updates = out[0]["trainer_fail_updates"]
-    assert sorted(updates) == sorted(x.url for x in servers[:2]) and all(n >= 1 for n in updates.values()), updates
+    assert sorted(updates) == sorted(urls) and all(n >= 1 for n in updates.values()), updates
     total = out[0]["shm_push3"]["updates"]             # a whole push at the same bucket size
     assert all(n < total for n in updates.values()), (updates, total)
+    assert out[0]["trainer_fail_needs_restart"] == urls
+    assert out[0]["trainer_fail_paused"] == [True, True] and out[0]["trainer_fail_paused_after"] == [False, False]
     for r in out:
-        assert r["trainer_fail_needs_restart"] == []
         assert r["push-after-trainer-fail"][0] == "ok", r["push-after-trainer-fail"]
+        assert r["push-after-trainer-fail"][1]["needs_restart"] == [], r["push-after-trainer-fail"]
         assert max(r["after_trainer_fail"]) <= TOL, r["after_trainer_fail"]
 
 
