@@ -26,6 +26,7 @@ Peers are found through the process groups (``get_process_group_ranks``), never 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..families import family_of
-from ..model.table import entry_view, expected_hf_shapes, model_entries
+from ..model.table import entry_view, expected_hf_shapes, model_entries, stack_experts, stacked_saves
 from ..model.loaded import require_loaded
 from ..parallel.errors import run_local
 from ..parallel.state import ParallelDims, as_chunks, dims_of, require_initialized
@@ -214,7 +215,7 @@ def save_hf_weights(chunks, out_dir=None, *, dtype: torch.dtype | None = None, o
         if layout.rank != 0:
             return {}
         _, everything = model_entries(chunks, layout)
-        return {n: state[n] for e in everything if e.row.save for n in e.hf}
+        return stack_experts({n: state[n] for e in everything if e.row.save for n in e.hf}, stacked_saves(everything))
     _save_dir(chunks, layout, os.path.abspath(os.fspath(out_dir)), dtype=dtype, overwrite=overwrite,
               max_shard_size=parse_size(max_shard_size), progress=progress, source=source)
     return None
@@ -270,6 +271,28 @@ def plan_files(tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, l
     return files
 
 
+def file_tensors(everything, shapes: dict) -> tuple[list[tuple[str, tuple[int, ...]]], set, dict]:
+    """What a saved directory holds, in global order: ``(name, shape)`` of every saved tensor (the per-expert
+    tensors of ``save_fused`` rows replaced by the stacked tensor ``[E, ...]`` they are slabs of, at the place of
+    the first), the names kept in fp32 (``keep_fp32`` rows), and :func:`~parallm.model.table.stacked_saves`."""
+    stacked = stacked_saves(everything)
+    out, seen, fp32 = [], set(), set()
+    counts: dict[str, int] = {}
+    for fused, _ in stacked.values():
+        counts[fused] = counts.get(fused, 0) + 1
+    for e in everything:
+        if not e.row.save:
+            continue
+        for n in e.hf:
+            name = stacked[n][0] if n in stacked else n
+            if e.row.keep_fp32:
+                fp32.add(name)
+            if name not in seen:
+                seen.add(name)
+                out.append((name, (counts[name],) + tuple(shapes[n]) if n in stacked else tuple(shapes[n])))
+    return out, fp32, stacked
+
+
 def _pwrite_all(fd: int, data, offset: int) -> None:
     view = memoryview(data).cast("B")
     while len(view):
@@ -301,10 +324,14 @@ def _save_dir(chunks, layout: ParallelDims, out_dir: str, *, dtype, overwrite: b
     dtype = dtype or chunks[0].config.params_dtype
     shapes = expected_hf_shapes(family_of(spec).table, spec, task=task, pp=layout.pp)
     _, everything = model_entries(chunks, layout)
-    saved = [n for e in everything if e.row.save for n in e.hf]
-    fp32 = {n for e in everything if e.row.save and e.row.keep_fp32 for n in e.hf}
-    files = plan_files([(n, shapes[n]) for n in saved], dtype, max_shard_size, fp32=fp32)
+    saved, fp32, stacked = file_tensors(everything, shapes)
+    files = plan_files(saved, dtype, max_shard_size, fp32=fp32)
     where = {n: (f["name"], *f["tensors"][n]) for f in files for n in f["tensors"]}
+    for name, (fused, e) in stacked.items():      # expert e's slab of the stacked tensor it is saved into
+        fname, start, _ = where[fused]
+        elsize = torch.empty((), dtype=torch.float32 if fused in fp32 else dtype).element_size()
+        slab = elsize * math.prod(shapes[name])
+        where[name] = (fname, start + e * slab, shapes[name])
 
     def prepare():
         check_target(out_dir, overwrite)

@@ -103,6 +103,10 @@ class Attention(nn.Module):
         self.linear_proj = mtp.RowParallelLinear(
             spec.q_size, spec.hidden_size, config=config, init_method=no_init, bias=spec.o_bias,
             input_is_parallel=True, skip_bias_add=False)
+        # gpt-oss: this TP rank's query heads' attention-sink logits (split with the heads), entering each
+        # softmax's denominator once (every attention kernel takes ``sink=``)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads_local, dtype=config.params_dtype, device=device)) \
+            if spec.attn_sinks else None
 
     def forward(self, x, cos, sin, ctx):
         """x: [S, B, H] (or [T/tp, 1, H] under sequence parallelism); ctx: a boolean mask [B, 1, S, S] (padded),
@@ -119,14 +123,17 @@ class Attention(nn.Module):
         q = apply_partial_rope(q, cos, sin)     # the first rotary_dim channels (GLM-4.5); all of them otherwise
         k = apply_partial_rope(k, cos, sin)
         v = heads[:, :, nq + hkv:]
+        extra = {} if self.sinks is None else {"sink": self.sinks}
         if isinstance(ctx, ContextSplit):
-            out = self.cp_fn(q, k, v, ctx, self.cp_group, self.cp_block, window=self.window)  # [rows, width, hq, d]
+            out = self.cp_fn(q, k, v, ctx, self.cp_group, self.cp_block, window=self.window,
+                             **extra)                                                      # [rows, width, hq, d]
         elif isinstance(ctx, Packing):
-            out = self.backend.fn(q[:, 0], k[:, 0], v[:, 0], ctx, window=self.window).unsqueeze(1)  # [T, 1, hq, d]
+            out = self.backend.fn(q[:, 0], k[:, 0], v[:, 0], ctx, window=self.window,
+                                  **extra).unsqueeze(1)                                    # [T, 1, hq, d]
         else:
             # [S, B, h, d] -> [B, h, S, d]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-            out = self.backend.fn(q, k, v, ctx, window=self.window).permute(2, 0, 1, 3)
+            out = self.backend.fn(q, k, v, ctx, window=self.window, **extra).permute(2, 0, 1, 3)
         if self.gated:
             out = out * torch.sigmoid(heads[:, :, 1:nq:2])
         out, _ = self.linear_proj(out.reshape(s, b, hq * d))

@@ -67,6 +67,8 @@ class SlabSource(Source):
         return self.base.is_floating
 
     def read(self, dim, start, stop):
+        if self.start == 0 and self.rows == self.base.shape[1] and hasattr(self.base, "read_slab"):
+            return self.base.read_slab(self.index, dim, start, stop)     # only those rows / columns (MXFP4)
         slab = self.base.read(0, self.index, self.index + 1)[0].narrow(0, self.start, self.rows)
         return slab.narrow(dim, start, stop - start)
 
@@ -464,16 +466,18 @@ class ExpertStack(TPLayout):
     down: ``[E_local, H, I / tp]``). The sources are the experts' HF tensors one expert after the other:
     source ``k`` is source ``k % inner.sources`` of local expert ``k // inner.sources``, and each of the
     :meth:`blocks` of that source lies in ``shard[k // inner.sources]`` (its dim and local range are those of
-    the expert's own 2-D shard). No piece is replicated over TP, so every rank is the one owner of its whole
-    shard. megatron-core's ``partition_dim`` is the inner split's, one further out."""
+    the expert's own 2-D shard). With a TP-split ``inner`` no piece is replicated over TP, so every rank is the
+    one owner of its whole shard; a :class:`Replicated` ``inner`` (gpt-oss's per-expert down-projection bias
+    ``[E_local, H]``, added once after the row-parallel sum) is held whole on every TP rank and TP rank 0 owns it.
+    megatron-core's ``partition_dim`` is the inner split's, one further out (None: not split)."""
     name = "experts"
 
     def __init__(self, inner: TPLayout, count: int):
-        if inner.tp_dim is None:
-            raise ValueError(f"stacked experts need a TP-split per-expert layout, got {inner!r}")
+        if inner.tp_dim is None and not isinstance(inner, Replicated):
+            raise ValueError(f"stacked experts need a TP-split or replicated per-expert layout, got {inner!r}")
         self.inner, self.count = inner, count
         self.sources = inner.sources * count
-        self.tp_dim = inner.tp_dim + 1
+        self.tp_dim = None if inner.tp_dim is None else inner.tp_dim + 1
         self.stride = inner.stride
 
     def _per_expert(self, items) -> list[list]:
@@ -495,6 +499,8 @@ class ExpertStack(TPLayout):
                 for b in self.inner.blocks(rank, tp, shapes)]
 
     def primary_slices(self, rank, tp, local_shape):
+        if self.tp_dim is None and rank != 0:
+            return []
         return [(0, 0, local_shape[0])] if local_shape else []
 
     def __repr__(self):

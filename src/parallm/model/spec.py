@@ -13,7 +13,11 @@ from .layers.routing import check_grouping
 from .positions.yarn import YarnSpec
 
 TASKS = ("causal_lm", "value", "hidden")   # "hidden": headless (final-normed hidden states)
-ROUTERS = ("softmax", "sigmoid_grouped")
+ROUTERS = ("softmax", "sigmoid_grouped", "topk_softmax")
+# what the routed experts compute between their two projections (:mod:`parallm.model.layers.moe`)
+ACTIVATIONS = ("silu", "clamped_swiglu")
+# how a routed expert's weights are held and named (one expert's slab of the stacked parameter)
+EXPERT_LAYOUTS = ("rows", "interleaved_columns")
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,16 @@ class MoESpec:
     ``n_group`` groups; the weights are the unbiased scores (renormalised when ``norm_topk_prob``) times
     ``routed_scaling_factor``. The shared expert of those families is one ungated MLP of ``n_shared_experts *
     moe_intermediate_size`` (``shared_expert_intermediate_size``), as transformers builds it; their dense-first
-    layers (``first_k_dense_replace``) are the layers not in ``layers``.
+    layers (``first_k_dense_replace``) are the layers not in ``layers``. ``"topk_softmax"`` (gpt-oss): the
+    router's logits (``router_bias``: plus a trained bias ``[E]``) choose the ``top_k`` largest, and the weights
+    are the softmax over those ``k`` logits (they always sum to 1; ``norm_topk_prob`` is not read).
+
+    The experts (gpt-oss): ``expert_bias`` gives both projections a bias per expert; ``activation``
+    ``"clamped_swiglu"`` is ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate,
+    max=limit)`` (``swiglu_limit``, ``swiglu_alpha``), as transformers' ``GptOssExperts._apply_gate``;
+    ``expert_layout`` ``"interleaved_columns"`` holds an expert's ``gate_up`` as ``[H, 2 I]`` with gate / up in
+    the even / odd columns and ``down`` as ``[I, H]`` (transformers' gpt-oss layout: no transpose or de-interleave
+    on the way in or out), ``"rows"`` as ``[gate; up]`` ``[2 I, H]`` and ``[H, I]`` (every other family).
     """
     num_experts: int
     top_k: int
@@ -49,16 +62,38 @@ class MoESpec:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     score_bias: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "silu"
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
+    expert_layout: str = "rows"
 
     def __post_init__(self):
         if self.router not in ROUTERS:
             raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
-        if self.router == "softmax":
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.expert_layout not in EXPERT_LAYOUTS:
+            raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {self.expert_layout!r}")
+        clamp = (self.swiglu_limit, self.swiglu_alpha)
+        if self.activation == "clamped_swiglu":
+            bad = [f"{k}={v!r}" for k, v in zip(("swiglu_limit", "swiglu_alpha"), clamp)
+                   if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0]
+            if bad:
+                raise ValueError(f"the clamped SwiGLU needs positive {', '.join(bad)}")
+        elif clamp != (None, None):
+            raise ValueError(f"swiglu_limit / swiglu_alpha apply to activation='clamped_swiglu' only (got "
+                             f"{self.activation!r})")
+        if self.router_bias and self.router != "topk_softmax":
+            raise ValueError(f"a trained router bias is the topk_softmax router's (got router={self.router!r})")
+        if self.router in ("softmax", "topk_softmax"):
             extras = {k: v for k, v in (("n_group", self.n_group != 1), ("topk_group", self.topk_group != 1),
                                         ("routed_scaling_factor", self.routed_scaling_factor != 1.0),
                                         ("score_bias", self.score_bias)) if v}
             if extras:
-                raise ValueError(f"the softmax router takes none of {sorted(extras)} (sigmoid_grouped does)")
+                raise ValueError(f"the {self.router} router takes none of {sorted(extras)} (sigmoid_grouped "
+                                 "does)")
         else:
             check_grouping(self.num_experts, self.top_k, self.n_group, self.topk_group)
 
@@ -190,6 +225,9 @@ class DecoderSpec:
     # the attention layers' sigmoid output gate (Qwen3-Next, Qwen3.5): q_proj's rows are per head [q_h; gate_h]
     # and the attention output is multiplied by sigmoid(gate) before o_proj
     attn_output_gate: bool = False
+    # a learned attention-sink logit per query head (gpt-oss): one more logit in every softmax's denominator, with
+    # no value (``self_attn.sinks [num_heads]``, split over TP with the query heads)
+    attn_sinks: bool = False
     # zero-centred RMSNorm, ``x_normed * (1 + w)`` computed in fp32 (Qwen3-Next, Qwen3.5: every RMSNorm but the
     # Gated DeltaNet's gated one)
     zero_centered_norm: bool = False
@@ -210,6 +248,9 @@ class DecoderSpec:
         if bad:
             raise ValueError(f"layer_windows holds a window (a positive integer) or None per layer; got "
                              f"{self.layer_windows}")
+        if self.attn_sinks and (self.mla is not None or self.linear_attn is not None):
+            raise ValueError("attention sinks are implemented for grouped-query attention layers only (not with "
+                             "multi-head latent attention or Gated DeltaNet layers)")
         if self.mla is not None and self.sliding_window is not None:
             raise ValueError("sliding-window attention with multi-head latent attention is not supported")
         if not 0 <= self.carried_mtp_layers <= self.mtp_layers:
@@ -308,6 +349,11 @@ class DecoderSpec:
     @property
     def expert_intermediate_size(self) -> int:
         return self.moe.expert_intermediate_size if self.moe else 0
+
+    @property
+    def expert_gate_up_size(self) -> int:
+        """An expert's fused gate / up output width, ``2 I`` (gpt-oss's ``gate_up_proj [E, H, 2 I]``)."""
+        return 2 * self.expert_intermediate_size
 
     @property
     def shared_expert_intermediate_size(self) -> int:

@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
+import torch
+
 from .placement import placement_of
 from .spec import DecoderSpec
 
@@ -60,6 +62,10 @@ CONDITIONS = {
     "shared_expert_gate": lambda spec, task, pp: spec.moe is not None and spec.moe.shared_expert_gate,
     # the sigmoid group-limited router's fp32 selection bias (e_score_correction_bias: DeepSeek-V3, GLM-4.5)
     "score_bias": lambda spec, task, pp: spec.moe is not None and spec.moe.score_bias,
+    # gpt-oss: the router's trained bias, the experts' biases, the attention sinks
+    "router_bias": lambda spec, task, pp: spec.moe is not None and spec.moe.router_bias,
+    "expert_bias": lambda spec, task, pp: spec.moe is not None and spec.moe.expert_bias,
+    "attn_sinks": lambda spec, task, pp: spec.attn_sinks,
     # multi-head latent attention (DeepSeek-V3): with / without a q LoRA, the down-projections' bias
     "q_lora": lambda spec, task, pp: spec.mla is not None and spec.mla.q_lora_rank is not None,
     "no_q_lora": lambda spec, task, pp: spec.mla is not None and spec.mla.q_lora_rank is None,
@@ -99,6 +105,10 @@ class Row:
     fused: tuple[str, ...] = ()     # the names in a checkpoint that stores experts fused (FusedPart)
     trained: bool = True            # False: a parameter without gradient (requires_grad=False: the router's
                                     # selection bias, updated by a rule, never by the optimizer)
+    save_fused: bool = False        # a per-expert row whose checkpoint format is the stacked tensor fused[0]
+    #                                 ([E, *shape], gpt-oss): loads read expert e's slab of it, the dict and
+    #                                 directory saves write every expert stacked into it; the per-expert names
+    #                                 (hf) are what the export stream and training checkpoints use
     keep_fp32: bool = False         # held, saved and exported in fp32 whatever the model's / requested dtype
     #                                 (DeepSeek's router and selection bias, Gated DeltaNet's A_log)
                                     # (the sigmoid router's weight and bias: transformers'
@@ -122,6 +132,8 @@ class Row:
             raise ValueError(f"row {self.local}: an mtp-stage row needs the condition 'mtp'")
         if self.per_expert and self.stage != "layer":
             raise ValueError(f"row {self.local}: per-expert rows are layer rows")
+        if self.save_fused and not (self.per_expert or self.expert is not None) or self.save_fused and not self.fused:
+            raise ValueError(f"row {self.local}: save_fused is for per-expert rows with a fused (stacked) name")
         if self.fused and (self.stage != "layer" or len(self.fused) != (1 if self.per_expert or self.expert is not None
                                                                         else len(self.hf))):
             raise ValueError(f"row {self.local}: fused names are one per source of a layer row, or one stacked "
@@ -253,6 +265,42 @@ def fused_layout(table, spec: DecoderSpec, *, task: str, pp: int) -> dict[str, F
             stacked = e.row.fused[0].format(i=e.layer)
             for k, name in enumerate(e.hf):
                 out[name] = FusedPart(stacked, e.expert, k, len(e.hf))
+    return out
+
+
+def stacked_saves(everything) -> dict[str, tuple[str, int]]:
+    """Per-expert HF name -> ``(the stacked tensor it is saved into, its expert index)`` for the entries of
+    ``save_fused`` rows (gpt-oss: ``mlp.experts.{e}.gate_up_proj`` is slab ``e`` of ``mlp.experts.gate_up_proj``):
+    what the dict and directory saves write instead of the per-expert names. ``everything``: a model's entry list
+    (:func:`all_entries`)."""
+    out = {}
+    for e in everything:
+        if e.row.save_fused and e.expert is not None:
+            for name in e.hf:
+                out[name] = (e.row.fused[0].format(i=e.layer), e.expert)
+    return out
+
+
+def stack_experts(state: dict, stacked: dict[str, tuple[str, int]]) -> dict:
+    """``state`` (HF name -> tensor) with the per-expert tensors of :func:`stacked_saves` replaced by their stacked
+    tensors ``[E, ...]`` (experts in order, each at the place of its expert 0's tensor in the dict's order); a
+    missing expert is a RuntimeError naming it."""
+    groups: dict[str, dict[int, torch.Tensor]] = {}
+    for name, (fused, e) in stacked.items():
+        groups.setdefault(fused, {})[e] = name
+    out = {}
+    for name, tensor in state.items():
+        if name not in stacked:
+            out[name] = tensor
+            continue
+        fused, e = stacked[name]
+        if fused in out:
+            continue
+        names = groups[fused]
+        lost = [names[k] for k in sorted(names) if names[k] not in state]
+        if lost or sorted(names) != list(range(len(names))):
+            raise RuntimeError(f"internal error: {fused} cannot be stacked: {lost[:3]} missing")
+        out[fused] = torch.stack([state[names[k]] for k in range(len(names))])
     return out
 
 

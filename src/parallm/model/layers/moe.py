@@ -52,7 +52,6 @@ bf16 models differ from transformers by rounding only.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -67,7 +66,8 @@ from ...parallel.comm import all_gather_single
 from ...parallel.megatron_import import import_megatron
 from ...parallel.state import as_device
 from .mlp import MLP
-from .routing import GroupLimitedRouter, RouterReplay, sigmoid_weights, softmax_weights
+from .moe_aux import AuxScales, MoEAux, _AttachAux, load_balancing_loss  # noqa: F401  (AuxScales, MoEAux: here too)
+from .routing import GroupLimitedRouter, RouterReplay, sigmoid_weights, softmax_weights, topk_softmax_weights
 from ..spec import DecoderSpec
 
 mtp = import_megatron().tensor_parallel
@@ -182,13 +182,20 @@ def expert_kernel_of(chunks) -> str | None:
 
 
 class _Weight(nn.Module):
-    def __init__(self, shape, dtype, device):
+    """A ``weight`` parameter and, when ``bias`` gives its shape, a ``bias`` one."""
+
+    def __init__(self, shape, dtype, device, *, bias: tuple | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+        if bias is not None:
+            self.bias = nn.Parameter(torch.empty(bias, dtype=dtype, device=device))
+        else:
+            self.bias = None
 
 
 class Router(_Weight):
-    """The router's ``[E, H]`` weight, replicated over TP (megatron-core marks it ``sequence_parallel``)."""
+    """The router's ``[E, H]`` weight (and gpt-oss's ``[E]`` bias), replicated over TP (megatron-core marks it
+    ``sequence_parallel``)."""
     parallm_param_kind = "replicated"
 
 
@@ -223,28 +230,82 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return _SwiGLU.apply(h)
 
 
-class Experts(nn.Module):
-    """This rank's routed experts, stacked: ``linear_fc1.weight [E_local, 2 I / tp, H]`` (expert x's
-    ``[gate_r; up_r]``) and ``linear_fc2.weight [E_local, H, I / tp]``. ``forward`` computes every local
-    expert's TP shard ``down_r(silu(gate_r x) * up_r x)`` (a partial sum over TP ranks) on its rows."""
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, *, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's expert activation, transformers' ``GptOssExperts._apply_gate`` op for op (the same bits, forward
+    and backward): ``gate`` clamped above at ``limit``, ``up`` to ``[-limit, limit]``, then ``(up + 1) * gate *
+    sigmoid(gate * alpha)``."""
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
-    def __init__(self, n_local: int, hidden: int, width_local: int, dtype, device):
+
+def _group_of_rows(counts_device: torch.Tensor, rows: int, dtype) -> torch.Tensor:
+    """``[rows, E_local]`` one-hot of each row's local expert (rows grouped by expert, ``counts_device`` of each),
+    from the groups' bounds alone (no host sync)."""
+    ends = counts_device.cumsum(0)
+    at = torch.arange(rows, device=counts_device.device)[:, None]
+    return ((at >= (ends - counts_device)[None]) & (at < ends[None])).to(dtype)
+
+
+class Experts(nn.Module):
+    """This rank's routed experts, stacked. ``layout="rows"``: ``linear_fc1.weight [E_local, 2 I / tp, H]``
+    (expert x's ``[gate_r; up_r]``) and ``linear_fc2.weight [E_local, H, I / tp]``; ``"interleaved_columns"``
+    (gpt-oss, transformers' own orientation): ``linear_fc1.weight [E_local, H, 2 I / tp]`` (gate / up in the even /
+    odd columns) and ``linear_fc2.weight [E_local, I / tp, H]``. ``bias``: ``linear_fc1.bias [E_local, 2 I / tp]``
+    and ``linear_fc2.bias [E_local, H]``, the latter added by TP rank 0 only (``add_down_bias``), so the
+    row-parallel sum over TP adds it once. ``activation``: ``"silu"`` (``silu(gate) * up``) or
+    ``"clamped_swiglu"`` (:func:`clamped_swiglu` with ``limit`` / ``alpha``). ``forward`` computes every local
+    expert's TP shard ``down_r(act(gate_r x, up_r x))`` (a partial sum over TP ranks) on its rows."""
+
+    def __init__(self, n_local: int, hidden: int, width_local: int, dtype, device, *, layout: str = "rows",
+                 bias: bool = False, add_down_bias: bool = True, activation: str = "silu",
+                 limit: float | None = None, alpha: float | None = None):
         super().__init__()
-        self.linear_fc1 = _Weight((n_local, 2 * width_local, hidden), dtype, device)
-        self.linear_fc2 = _Weight((n_local, hidden, width_local), dtype, device)
+        self.columns = layout == "interleaved_columns"
+        fc1 = (n_local, hidden, 2 * width_local) if self.columns else (n_local, 2 * width_local, hidden)
+        fc2 = (n_local, width_local, hidden) if self.columns else (n_local, hidden, width_local)
+        self.linear_fc1 = _Weight(fc1, dtype, device, bias=(n_local, 2 * width_local) if bias else None)
+        self.linear_fc2 = _Weight(fc2, dtype, device, bias=(n_local, hidden) if bias else None)
+        self.add_down_bias = add_down_bias
+        self.activation, self.limit, self.alpha = activation, limit, alpha
         device_type = as_device(device).type
         self.kernel = expert_kernel(device_type, dtype, (hidden, 2 * width_local, width_local))
 
+    def act(self, h: torch.Tensor) -> torch.Tensor:
+        """The activation of fc1's output ``h`` ``[m, 2 w]``: gate / up are its halves (``rows``) or its even /
+        odd columns (``interleaved_columns``)."""
+        if self.activation == "silu" and not self.columns:
+            return swiglu(h)
+        gate, up = (h[..., 0::2], h[..., 1::2]) if self.columns else h.chunk(2, dim=-1)
+        if self.activation == "silu":
+            return F.silu(gate) * up
+        return clamped_swiglu(gate, up, limit=self.limit, alpha=self.alpha)
+
+    def mats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fc1's and fc2's weights as the right-hand matrices of ``rows @ w`` (``[E_local, in, out]``)."""
+        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
+        return (w1, w2) if self.columns else (w1.transpose(-2, -1), w2.transpose(-2, -1))
+
     def forward(self, rows: torch.Tensor, counts: list[int], counts_device: torch.Tensor) -> torch.Tensor:
         """``rows`` grouped by local expert, ``counts[x]`` of them for local expert x (``counts_device``: the same
-        on the device). An expert with no rows still takes part in autograd: its weights get a zero gradient."""
-        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
+        on the device). An expert with no rows still takes part in autograd: its weights get a zero gradient.
+        Biases enter through each row's one-hot expert times the stacked bias (a small GEMM: its gradient is a
+        GEMM too, with no accumulation by index)."""
+        m1, m2 = self.mats()
+        b1, b2 = self.linear_fc1.bias, self.linear_fc2.bias if self.add_down_bias else None
+        onehot = _group_of_rows(counts_device, rows.shape[0], rows.dtype) if b1 is not None else None
         if self.kernel == "grouped_mm":
             offsets = counts_device.cumsum(0).to(torch.int32)
-            h = swiglu(torch._grouped_mm(rows, w1.transpose(-2, -1), offs=offsets))
-            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
-        outs = [F.linear(swiglu(F.linear(part, fc1)), fc2)
-                for part, fc1, fc2 in zip(rows.split(counts, dim=0), w1.unbind(0), w2.unbind(0))]
+            h = torch._grouped_mm(rows, m1, offs=offsets)
+            if b1 is not None:
+                h = h + onehot @ b1
+            out = torch._grouped_mm(self.act(h), m2, offs=offsets)
+            return out + onehot @ b2 if b2 is not None else out
+        outs = []
+        for x, part in enumerate(rows.split(counts, dim=0)):
+            h = part @ m1[x] if b1 is None else torch.addmm(b1[x], part, m1[x])
+            out = self.act(h) @ m2[x]
+            outs.append(out if b2 is None else out + b2[x])
         return torch.cat(outs, dim=0)
 
 
@@ -264,113 +325,6 @@ class SharedExpert(MLP):
         if hasattr(self, "gate_weight"):
             out = torch.sigmoid(F.linear(x, self.gate_weight)) * out
         return out
-
-
-class AuxScales:
-    """The weight each microbatch's load-balancing loss enters the backward with, in one ``forward_backward``
-    call: ``coef / num_microbatches`` when that microbatch's ``loss_fn`` returned a scalar (the objective is a
-    mean over microbatches), ``coef * num_tokens`` when it returned ``(loss_sum, num_tokens)`` (every gradient
-    is divided by the global token count in ``finalize_grads``, so the term becomes ``coef * num_tokens / N``:
-    a token-weighted mean of the microbatches' losses, docs/moe.md). ``tokens[m]`` is set on the last pipeline
-    stage when ``loss_fn`` has run (-1 for a scalar loss) and reaches the other stages with the gradient of
-    microbatch ``m`` (:func:`parallm.parallel.pipeline.run_pipeline`'s ``side``), before their backward of it."""
-
-    def __init__(self, coef: float, num_microbatches: int):
-        self.coef, self.num_microbatches = float(coef), num_microbatches
-        self.tokens: dict[int, float] = {}
-
-    def of(self, m: int) -> float:
-        n = self.tokens.get(m)
-        if n is None:
-            raise RuntimeError(f"load-balancing loss: microbatch {m}'s backward ran before its loss kind and token "
-                               "count reached this rank")
-        return self.coef / self.num_microbatches if n < 0 else self.coef * n
-
-
-class _ScaleOf:
-    """A microbatch's :class:`AuxScales` entry, read when its backward runs (``float()``)."""
-
-    def __init__(self, scales: AuxScales, m: int):
-        self.scales, self.m = scales, m
-
-    def __float__(self) -> float:
-        return self.scales.of(self.m)
-
-
-class MoEAux:
-    """Load-balancing loss bookkeeping of one chunk: active only inside :func:`parallm.forward_backward` when
-    the model's ``aux_loss_coef`` > 0 (then ``scale`` is not None). ``microbatch`` is the microbatch whose step
-    runs (set by the pipeline engine before each forward and backward step); each MoE layer adds its loss to the
-    objective with that microbatch's weight (:class:`AuxScales`, read at backward time) and records its
-    detached value as ``(microbatch, value)``."""
-
-    def __init__(self):
-        self.scales: AuxScales | None = None
-        self.microbatch = 0
-        self.values: list[tuple[int, torch.Tensor]] = []
-        self.recording = True    # False while activation recompute replays a layer's forward in the backward
-
-    @property
-    def scale(self) -> _ScaleOf | None:
-        """The running microbatch's weight (a handle read at backward time), None when inactive."""
-        return None if self.scales is None else _ScaleOf(self.scales, self.microbatch)
-
-    @contextlib.contextmanager
-    def replaying(self):
-        """Inside: a replayed forward (activation recompute's, in the backward) computes and attaches the loss
-        again, as the autograd graph needs, but does not record its value a second time."""
-        before, self.recording = self.recording, False
-        try:
-            yield
-        finally:
-            self.recording = before
-
-    def start(self, scales: AuxScales) -> None:
-        self.scales, self.values, self.microbatch = scales, [], 0
-
-    def record(self, value: torch.Tensor) -> None:
-        self.values.append((self.microbatch, value))
-
-    def stop(self) -> list[tuple[int, torch.Tensor]]:
-        values, self.scales, self.values = self.values, None, []
-        return values
-
-
-class _AttachAux(torch.autograd.Function):
-    """Forward: ``out`` unchanged. Backward: also sends gradient ``float(scale)`` into ``aux`` (megatron-core's
-    MoEAuxLossAutoScaler; ``scale`` is read only now, see :class:`AuxScales`): the layer's loss joins the
-    objective without travelling through the pipeline."""
-
-    @staticmethod
-    def forward(ctx, out, aux, scale):
-        ctx.scale = scale
-        ctx.save_for_backward(aux)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        (aux,) = ctx.saved_tensors
-        return grad, torch.full_like(aux, float(ctx.scale)), None
-
-
-def load_balancing_loss(probs, choices, tokens, *, num_experts: int, tp_group=None):
-    """One layer's loss, transformers' ``load_balancing_loss_func`` applied to this layer alone:
-    ``E * sum_e f_e * P_e`` with ``f_e`` = top-k assignments to expert e per real token and ``P_e`` = mean router
-    probability of e over real tokens. ``tokens``: 1 for real rows, 0 for padding. With ``tp_group`` (the
-    ranks sharing the sequence's tokens: TP under sequence parallelism, the context-parallel group, or both)
-    the counts are summed over it and the returned value is this rank's share of the loss (the shares sum to
-    the loss; each carries the gradient of its tokens)."""
-    k = choices.shape[1]
-    counts = torch.zeros(num_experts, dtype=torch.float32, device=probs.device)
-    counts.scatter_add_(0, choices.reshape(-1), tokens.float().repeat_interleave(k))
-    real = tokens.float().sum().reshape(1)
-    prob_sum = (probs * tokens.float().unsqueeze(-1)).sum(0)
-    if tp_group is not None:
-        stats = torch.cat([counts, real])
-        torch.distributed.all_reduce(stats, group=tp_group)
-        counts, real = stats[:-1], stats[-1:]
-    real = real.clamp(min=1.0)
-    return num_experts * ((counts / real) * (prob_sum / real)).sum()
 
 
 class MoEBlock(nn.Module):
@@ -403,21 +357,28 @@ class MoEBlock(nn.Module):
                                              routed_scaling_factor=moe.routed_scaling_factor,
                                              score_bias=moe.score_bias, device=device)
         else:
-            self.router = Router((moe.num_experts, spec.hidden_size), config.params_dtype, device)
+            self.router = Router((moe.num_experts, spec.hidden_size), config.params_dtype, device,
+                                 bias=(moe.num_experts,) if moe.router_bias else None)
+        self.router_kind = moe.router
         self.experts = Experts(len(self.experts_held), spec.hidden_size, moe.expert_intermediate_size // tp,
-                               config.params_dtype, device)
+                               config.params_dtype, device, layout=moe.expert_layout, bias=moe.expert_bias,
+                               add_down_bias=dims.tp_rank == 0, activation=moe.activation,
+                               limit=moe.swiglu_limit, alpha=moe.swiglu_alpha)
         if moe.shared_expert_intermediate_size:
             self.shared_experts = SharedExpert(spec, config, moe.shared_expert_gate, device)
 
     def route(self, h, routed=None):
         """(probs [N, E] fp32, weights [N, k] fp32, choices [N, k]): the logits in the model dtype, as transformers
         computes them, then fp32 (the activations are not upcast: only the [N, E] logits are). The sigmoid
-        group-limited router (:mod:`parallm.model.layers.routing`) gives its sigmoid scores as the probabilities.
+        group-limited router (:mod:`parallm.model.layers.routing`) gives its sigmoid scores as the probabilities;
+        gpt-oss's ``topk_softmax`` router (its bias in the logits) the softmax over all experts (what the
+        load-balancing loss reads), its weights being the softmax over the chosen ``k`` logits.
 
         ``routed``: router replay, ``(experts [N, k] int64, real [N] bool)`` in the rows of ``h``: the real rows
         route with those experts instead of the router's top-k (padding rows keep the router's own), and the
         weights are the router's probabilities of the experts routed with, normalised as the router normalises
-        its own (:func:`softmax_weights` / :func:`sigmoid_weights`), so the router still gets gradients."""
+        its own (:func:`softmax_weights` / :func:`sigmoid_weights` / :func:`topk_softmax_weights`), so the router
+        still gets gradients."""
         if isinstance(self.router, GroupLimitedRouter):
             logits, weights, choices = self.router(h)
             scores = logits.sigmoid()
@@ -426,8 +387,15 @@ class MoEBlock(nn.Module):
                 weights = sigmoid_weights(scores, choices, norm_topk_prob=self.router.norm_topk_prob,
                                           routed_scaling_factor=self.router.routed_scaling_factor)
             return scores, weights, choices
-        logits = F.linear(h, self.router.weight).float()
+        logits = F.linear(h, self.router.weight, self.router.bias).float()
         probs = torch.softmax(logits, dim=-1)
+        if self.router_kind == "topk_softmax":       # gpt-oss: top-k of the logits, softmax over those k
+            top, choices = torch.topk(logits, self.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+            if routed is not None:
+                choices = torch.where(routed[1][:, None], routed[0], choices)
+                weights = topk_softmax_weights(logits, choices)
+            return probs, weights, choices
         weights, choices = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -96,6 +96,14 @@ def softmax_weights(probs: torch.Tensor, experts: torch.Tensor, *, norm_topk_pro
     return weights
 
 
+def topk_softmax_weights(logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """The combine weights ``[N, k]`` of ``experts`` ``[N, k]`` for gpt-oss's router (``topk_softmax``): the
+    softmax over those experts' fp32 ``logits`` ``[N, E]`` (the router's bias included). For the router's own
+    top-k this is transformers' ``GptOssTopKRouter`` weights; for replayed experts, the same softmax over THEIR
+    logits (router replay)."""
+    return torch.softmax(logits.gather(1, experts), dim=-1)
+
+
 def sigmoid_route(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, top_k: int, n_group: int,
                   topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
