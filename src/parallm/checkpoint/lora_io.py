@@ -20,7 +20,6 @@ import os
 import shutil
 
 import torch
-import torch.distributed as dist
 
 from ..errors import CheckpointError
 from ..model.layers.lora import LoraConfig, add_lora, global_entries, chunk_lora_entries, lora_config_of
