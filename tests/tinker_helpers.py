@@ -177,3 +177,11 @@ def reference_step(model, data, loss_fn: str, config: dict, adam: dict, optimize
     optimizer.step()
     optimizer.zero_grad()
     return total, lps, optimizer
+
+
+def rank_pids(server: Server) -> list[int]:
+    """The server's rank processes in rank order (the launcher's children; rank 0 is the one that wrote the
+    ready file)."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(server.proc.pid)], capture_output=True, text=True)
+    pids = sorted(int(p) for p in out.stdout.split())
+    return [server.pid] + [p for p in pids if p != server.pid]

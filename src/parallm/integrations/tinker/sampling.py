@@ -28,19 +28,24 @@ import json
 import logging
 import math
 import threading
+import time
 import urllib.error
 import urllib.request
 
 import numpy as np
 import torch
 
-__all__ = ["ParallmSampler", "SampleJob", "SamplerDead", "VllmSampler", "stop_spec"]
+__all__ = ["ParallmSampler", "SampleInputError", "SampleJob", "SamplerDead", "VllmSampler", "stop_spec"]
 
 log = logging.getLogger("parallm.tinker")
 
 
 class SamplerDead(RuntimeError):
     """The sampling engine is gone; the message says what happened."""
+
+
+class SampleInputError(ValueError):
+    """A sampling request the sampler cannot serve as asked (a user error)."""
 
 
 @dataclasses.dataclass
@@ -66,13 +71,14 @@ def stop_spec(stop, eos: list) -> tuple[list, list, bool]:
         return stop, [], False
     if all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
         return [], stop, False
-    raise ValueError("sampling_params.stop mixes strings and token ids")
+    raise SampleInputError("sampling_params.stop mixes strings and token ids")
 
 
 def max_new_tokens(job: SampleJob) -> int:
     room = job.max_model_len - len(job.prompt)
     if room < 1:
-        raise ValueError(f"the prompt has {len(job.prompt)} tokens; the sampler's context is {job.max_model_len}")
+        raise SampleInputError(f"the prompt has {len(job.prompt)} tokens; the sampler's context is "
+                               f"{job.max_model_len}")
     want = job.params.get("max_tokens")
     return room if want is None else min(int(want), room)
 
@@ -129,6 +135,10 @@ class VllmSampler:
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"the vLLM sampler refused {route}: {e.code} {e.read().decode()[:500]}") from None
         except (OSError, urllib.error.URLError) as e:
+            for _ in range(20):                   # a killed engine is reaped within moments
+                if not self.server.alive():
+                    break
+                time.sleep(0.25)
             if not self.server.alive():
                 self.dead = (f"the vLLM sampler (pid {self.server.process.pid}, {self.url}) died "
                              f"(exit code {self.server.process.returncode}); training continues, sampling does "
@@ -136,7 +146,10 @@ class VllmSampler:
                              f"{self.server.tail()[-800:]}")
                 raise SamplerDead(self.dead) from None
             raise RuntimeError(f"the vLLM sampler at {self.url} did not answer {route}: {e}") from None
-        return json.loads(raw) if raw else None
+        try:
+            return json.loads(raw) if raw else None
+        except json.JSONDecodeError:             # vLLM answers some routes with plain text
+            return raw.decode(errors="replace")
 
     def _model(self, adapter_dir: str | None) -> str:
         if adapter_dir is None:
@@ -211,7 +224,7 @@ class ParallmSampler:
     def sample(self, job: SampleJob):
         strings, stop_ids, ignore_eos = stop_spec(job.params.get("stop"), self.eos)
         if strings and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer in the model directory (this one has none)")
+            raise SampleInputError("stop strings need a tokenizer in the model directory (this one has none)")
         stops = set(stop_ids) | (set() if ignore_eos else set(self.eos))
         p = job.params
         gen = torch.Generator().manual_seed(int(p["seed"]) if p.get("seed") is not None

@@ -13,7 +13,7 @@ import logging
 
 from . import protocol
 from .protocol import ApiError
-from .sampling import SampleJob, SamplerDead
+from .sampling import SampleInputError, SampleJob, SamplerDead
 from .service import _types
 
 __all__ = ["SamplingRoutes"]
@@ -118,7 +118,7 @@ class SamplingRoutes:
             self.futures.resolve(rid, ("proto", protocol.encode_sample_response(sequences, prompt_lp)))
         except SamplerDead as e:
             self.futures.fail(rid, str(e), category="server")
-        except ValueError as e:
+        except SampleInputError as e:
             self.futures.fail(rid, f"asample: {e}", category="user")
         except Exception as e:  # noqa: BLE001 - every error reaches the request
             log.exception("sampling failed")

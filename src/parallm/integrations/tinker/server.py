@@ -18,7 +18,7 @@ import parallm
 from .checkpoints import CheckpointStore
 from .dispatch import Leader, follow, new_control_group
 from .frontend import start_http
-from .sampling import ParallmSampler
+from .sampling import ParallmSampler, SampleInputError
 from .sampling_routes import SamplingRoutes
 from .service import ServiceBase
 from .trainer import Trainer
@@ -94,7 +94,7 @@ def _sampler(args, leader, directory, config, facts):
         leader.submit(item, lambda ok, v, c: (box.update(ok=ok, v=v, c=c), done.set()))
         done.wait()
         if not box["ok"]:
-            raise (ValueError if box["c"] == "user" else RuntimeError)(box["v"])
+            raise (SampleInputError if box["c"] == "user" else RuntimeError)(box["v"])
         return box["v"]
     return ParallmSampler(run, max_model_len=config["max_context"], eos=eos, tokenizer=tokenizer)
 

@@ -1,0 +1,141 @@
+"""parallm's Tinker server with vLLM as its sampler (``--sampler vllm``: a ``vllm serve`` engine with runtime LoRA
+loading, started by rank 0), tp2 on two CPU ranks, started once for the module and stopped in ``finally``:
+
+- a sampler snapshot's ``compute_logprobs`` / ``sample`` log-probs from vLLM within 1e-4 of the training
+  client's forward (and the base model's);
+- tinker-cookbook's own loops, unmodified, with ``base_url`` pointing here (tests/tinker_cookbook_runs.py): the
+  supervised loop (its train NLL falls) and the RL loop (sampling through vLLM; its reward rises);
+- faults, last: the vLLM engine killed (SIGKILL) -> sampling requests fail with an error naming it, training
+  goes on; a trainer rank killed -> training requests fail within seconds naming the lost model, the server
+  still answers. No hang anywhere (every test has a timeout).
+
+Runs in .venv-tinker (scripts/test.sh's TINKER_TESTS)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker") if os.environ.get("PARALLM_REQUIRE_TINKER") != "1" else __import__("tinker")
+from tinker import types  # noqa: E402
+
+import tinker_helpers as th  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+RANK = 8
+ADAM = types.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    work = str(tmp_path_factory.mktemp("tinker_vllm"))
+    model = th.tiny_model(os.path.join(work, "model"), seed=4)
+    srv = th.Server(model, work, tp=2, sampler="vllm", lora_rank=RANK, extra=("--lora-unembed", "skip"))
+    try:
+        srv.model, srv.work = model, work
+        srv.client = tinker.ServiceClient(base_url=srv.url, api_key="tml-any")
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _datum(tokens):
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": np.array(tokens[1:]),
+                                       "weights": np.ones(len(tokens) - 1, np.float32)})
+
+
+def _forward_lp(tc, tokens):
+    return tc.forward([_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+
+
+def test_vllm_logprobs_match_the_training_forward(server):
+    tc = server.client.create_lora_training_client(base_model=server.model, rank=RANK, seed=7).result()
+    g = np.random.default_rng(0)
+    for _ in range(2):                       # a trained adapter, B != 0
+        tc.forward_backward([_datum(g.integers(3, 99, 12).tolist()) for _ in range(4)], "cross_entropy").result()
+        tc.optim_step(ADAM).result()
+    sc = tc.save_weights_and_get_sampling_client().result()
+    prompt = g.integers(3, 99, 10).tolist()
+    lp = sc.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+    want = _forward_lp(tc, prompt)
+    assert lp[0] is None
+    np.testing.assert_allclose(np.array(lp[1:]), want, atol=1e-4)
+    res = sc.sample(types.ModelInput.from_ints(prompt), 4, types.SamplingParams(max_tokens=8, seed=11, stop=[])).result()
+    assert len(res.sequences) == 4
+    for s in res.sequences:
+        assert len(s.tokens) == 8 and s.stop_reason == "length"
+        got = _forward_lp(tc, prompt + s.tokens)[len(prompt) - 1:]
+        np.testing.assert_allclose(np.array(s.logprobs), got, atol=1e-4)
+    base = server.client.create_sampling_client(base_model=server.model).result()       # no adapter
+    blp = base.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+    fresh = server.client.create_lora_training_client(base_model=server.model, rank=RANK, seed=8).result()
+    np.testing.assert_allclose(np.array(blp[1:]), _forward_lp(fresh, prompt), atol=1e-4)      # B = 0: the base
+    assert np.abs(np.array(blp[1:]) - np.array(lp[1:])).max() > 1e-3
+
+
+def _cookbook(server, kind, steps):
+    log_dir = os.path.join(server.work, kind)
+    env = dict(os.environ, TINKER_API_KEY="tml-any", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    run = subprocess.run([sys.executable, os.path.join(HERE, "tinker_cookbook_runs.py"), kind, server.url,
+                          server.model, log_dir, str(steps)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def test_cookbook_supervised_loop(server):
+    rows = [r for r in _cookbook(server, "sft", 6) if "train_mean_nll" in r]
+    nll = [r["train_mean_nll"] for r in rows]
+    print("cookbook sft train_mean_nll by step:", [round(x, 3) for x in nll])
+    assert len(nll) == 6 and nll[-1] < 0.7 * nll[0]
+
+
+def test_cookbook_rl_loop_learns(server):
+    rows = [r for r in _cookbook(server, "rl", 8) if "env/all/reward/total" in r]
+    reward = [r["env/all/reward/total"] for r in rows]
+    print("cookbook rl env/all/reward/total by step:", [round(x, 3) for x in reward])
+    assert len(reward) == 8 and np.mean(reward[-3:]) > np.mean(reward[:2]) + 0.2
+
+
+def test_killed_sampler_fails_sampling_not_training(server):
+    tc = server.client.create_lora_training_client(base_model=server.model, rank=RANK, seed=9).result()
+    sc = tc.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints([5, 6, 7, 8])
+    sc.sample(prompt, 1, types.SamplingParams(max_tokens=2, seed=1)).result()
+    os.killpg(server.sampler_pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(tinker.RequestFailedError, match="vLLM sampler .* died"):
+        sc.sample(prompt, 1, types.SamplingParams(max_tokens=2, seed=1)).result(timeout=120)
+    with pytest.raises(tinker.RequestFailedError, match="died"):          # later ones fail at once
+        sc.compute_logprobs(prompt).result(timeout=60)
+    assert time.monotonic() - t0 < 120
+    out = tc.forward_backward([_datum([5, 6, 7, 8, 9])], "cross_entropy").result(timeout=120)   # training goes on
+    assert out.metrics["loss:sum"] > 0
+    tc.optim_step(ADAM).result(timeout=120)
+
+
+def test_killed_trainer_rank_fails_training_without_a_hang(server):
+    tc = server.client.create_lora_training_client(base_model=server.model, rank=RANK, seed=10).result()
+    tc.forward_backward([_datum([5, 6, 7, 8, 9])], "cross_entropy").result()
+    rank1 = th.rank_pids(server)[1]
+    os.kill(rank1, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(tinker.RequestFailedError, match="parallel model is lost"):
+        tc.forward_backward([_datum([5, 6, 7, 8, 9])], "cross_entropy").result(timeout=200)
+    with pytest.raises(tinker.RequestFailedError, match="parallel model is lost"):       # at once now
+        tc.optim_step(ADAM).result(timeout=30)
+    elapsed = time.monotonic() - t0
+    rest = tinker.RestClient(base_url=server.url, api_key="tml-any")
+    assert rest.get_server_capabilities().result(timeout=30).supported_models       # the server still answers
+    assert rest.list_checkpoints(tc.model_id).result(timeout=30) is not None
+    print(f"training failed {elapsed:.1f} s after rank 1 was killed")
+    assert elapsed < 150
