@@ -6,8 +6,10 @@
 #      PARALLM_REQUIRE_VLLM=1: a missing or broken vLLM fails them instead of skipping them.
 #   3. the verl tests (tests/test_verl.py) in .venv-verl, made by scripts/setup_verl.sh, with PARALLM_REQUIRE_VERL=1
 #      (verl's own trainer runs 3 PPO steps with parallm's actor and critic there).
-# PARALLM_TEST_VLLM=0 leaves step 2 and its setup out, PARALLM_TEST_VERL=0 step 3 (for quick local runs; CI runs
-# all). Every step runs; the exit status is non-zero when any failed.
+#   4. the Tinker-server tests (TINKER_TESTS: the tinker SDK and tinker-cookbook against `parallm serve-tinker`) in
+#      .venv-tinker, made by scripts/setup_tinker.sh, with PARALLM_REQUIRE_TINKER=1.
+# PARALLM_TEST_VLLM=0 leaves step 2 and its setup out, PARALLM_TEST_VERL=0 step 3, PARALLM_TEST_TINKER=0 step 4
+# (for quick local runs; CI runs all). Every step runs; the exit status is non-zero when any failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_TESTS=(tests/test_vllm.py tests/test_vllm_device.py tests/test_vllm_source.py tests/test_vllm_remote.py
@@ -18,12 +20,18 @@ with_vllm=${PARALLM_TEST_VLLM:-1}
 VERL_TESTS=(tests/test_verl.py tests/test_verl_sft.py tests/test_verl_config.py)
 VERL_VENV=${PARALLM_VERL_VENV:-.venv-verl}      # where scripts/setup_verl.sh puts it
 with_verl=${PARALLM_TEST_VERL:-1}
+TINKER_TESTS=(tests/test_tinker.py tests/test_tinker_vllm.py)
+TINKER_VENV=${PARALLM_TINKER_VENV:-.venv-tinker}  # where scripts/setup_tinker.sh puts it
+with_tinker=${PARALLM_TEST_TINKER:-1}
 bash scripts/setup.sh
 if [ "$with_vllm" != 0 ]; then
   bash scripts/setup_vllm.sh
 fi
 if [ "$with_verl" != 0 ]; then
   bash scripts/setup_verl.sh
+fi
+if [ "$with_tinker" != 0 ]; then
+  bash scripts/setup_tinker.sh
 fi
 export OMP_NUM_THREADS=1
 
@@ -34,7 +42,7 @@ done
 status=0
 echo "== main suite (.venv)"
 ignore=()
-for t in "${VLLM_TESTS[@]}" "${VERL_TESTS[@]}"; do ignore+=("--ignore=$t"); done
+for t in "${VLLM_TESTS[@]}" "${VERL_TESTS[@]}" "${TINKER_TESTS[@]}"; do ignore+=("--ignore=$t"); done
 .venv/bin/python -m pytest "${paths[@]}" "${ignore[@]}" -q --durations=15 "$@" || status=$?
 if [ "$with_vllm" != 0 ]; then
   echo "== vLLM tests ($VLLM_VENV)"
@@ -49,5 +57,12 @@ if [ "$with_verl" != 0 ]; then
     --durations=15 || status=$?
 else
   echo "== verl tests left out (PARALLM_TEST_VERL=0)"
+fi
+if [ "$with_tinker" != 0 ]; then
+  echo "== Tinker-server tests ($TINKER_VENV)"
+  PARALLM_REQUIRE_TINKER=1 VLLM_LOGGING_LEVEL=WARNING "$TINKER_VENV/bin/python" -m pytest "${TINKER_TESTS[@]}" -q \
+    --durations=15 || status=$?
+else
+  echo "== Tinker-server tests left out (PARALLM_TEST_TINKER=0)"
 fi
 exit "$status"
