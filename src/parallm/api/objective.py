@@ -12,34 +12,39 @@ import torch
 from ..model.logprobs import TokenStats
 from ..parallel.errors import spread_failure
 from ..parallel.pipeline import broadcast_from_last_stage
-from ..train.metrics import finish, local_vector, spec_hash
+from ..train.metrics import as_vector, finish, local_vector, spec_hash
 
-_FIXED = 13    # forward_backward's fixed statistics (see its comment), before the per-microbatch counts
+_FIXED = 14    # forward_backward's fixed statistics (see last_stage_stats), before the per-microbatch counts
 
 
 def last_stage_stats(layout, stage, num_microbatches: int, device):
     """``(stats, metric_sums, metric_max)``, the same on every rank of the replica: the last stage's statistics
     (layout: :data:`_FIXED` fixed numbers, then each microbatch's token count, -1 for a scalar loss), the TP / CP
     ranks of the last stage agreeing by a MAX (a ``loss_fn`` may have raised on some of them only), broadcast from
-    the last stage; then the metrics' sums, maxima and spec."""
+    the last stage; then the metrics' sums, maxima and spec. The microbatches' values, token counts and metrics
+    stayed on the device during the schedule (no host sync per microbatch or metric): they are read here, once
+    per call, with the statistics."""
     records, failure, metrics = stage.records, stage.failure, stage.metrics
     # [microbatches returning a pair, returning a scalar, empty, sum of the values, sum of the token counts, ranks
     # whose loss_fn raised, replicas with data, with metrics, the metric spec's hash and its square, the lengths
-    # of the metric sums / maxima / spec; each microbatch's count (-1: a scalar loss)]
+    # of the metric sums / maxima / spec, microbatches with num_tokens < 0; each microbatch's count (-1: a scalar
+    # loss)]
     mine, metric_sums, metric_max = None, [], []
     if records:
         kinds = [records[m][1] for m in range(num_microbatches)]
-        counts = [-1.0 if records[m][1] == "scalar" else records[m][2] for m in range(num_microbatches)]
+        counts = as_vector([-1.0 if records[m][1] == "scalar" else records[m][2] for m in range(num_microbatches)],
+                           device)
         metric_sums, metric_max = local_vector(metrics) if not failure else ([], [])
         h = spec_hash(metrics.spec()) if not failure else 0
-        mine = torch.tensor([kinds.count("pair"), kinds.count("scalar"), kinds.count("empty"),
-                             torch.stack([v for v, _, _ in records.values()]).sum().item(),
-                             sum(max(c, 0.0) for c in counts), float(bool(failure)),
-                             float(kinds.count("empty") < num_microbatches), float(h > 0), h, h * h,
-                             len(metric_sums) - len(metrics.spec()), len(metric_max), len(metrics.spec())]
-                            + counts, dtype=torch.float64)
+        pair = torch.tensor([k == "pair" for k in kinds], device=device)
+        head = as_vector([kinds.count("pair"), kinds.count("scalar"), kinds.count("empty"),
+                          torch.stack([v for v, _, _ in records.values()]).double().sum(),
+                          counts.clamp(min=0.0).sum(), float(bool(failure)),
+                          float(kinds.count("empty") < num_microbatches), float(h > 0), h, h * h,
+                          len(metric_sums) - len(metrics.spec()), len(metric_max), len(metrics.spec()),
+                          ((counts < 0) & pair).sum()], device)
+        mine = torch.cat([head, counts])
         if layout.tp * layout.cp > 1:
-            mine = mine.to(device)
             torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX,
                                          group=layout.tp_cp_group if layout.cp > 1 else layout.tp_group)
     stats = broadcast_from_last_stage(layout, mine, (_FIXED + num_microbatches,), torch.float64, device).cpu()
@@ -47,8 +52,7 @@ def last_stage_stats(layout, stage, num_microbatches: int, device):
     if n_sums + n_max + n_spec:    # the metrics' sums, maxima and spec bytes, to every stage (zeros on failure)
         width = n_sums + n_spec + n_max
         flat = metric_sums + metric_max
-        local = torch.tensor(flat if len(flat) == width else [0.0] * width, dtype=torch.float64) \
-            if records else None
+        local = as_vector(flat if len(flat) == width else [0.0] * width, device) if records else None
         flat = broadcast_from_last_stage(layout, local, (width,), torch.float64, device).cpu()
         metric_sums, metric_max = flat[:n_sums + n_spec].tolist(), flat[n_sums + n_spec:].tolist()
     return stats, metric_sums, metric_max
@@ -70,6 +74,9 @@ def objective_of(chunks, layout, stage, stats, metric_sums, metric_max, aux_valu
         total = total.cpu()
     if total[5]:        # a loss_fn raised somewhere: its message to every rank, then raised everywhere
         spread_failure(stage.failure[0] if stage.failure else None, what="forward_backward")
+    if total[13]:       # read with the statistics, not per microbatch
+        raise ValueError(f"forward_backward: loss_fn returned a negative num_tokens for {int(total[13])} "
+                         "microbatch(es) (all data-parallel replicas); counts must be >= 0")
     pairs, scalars, empty = (int(x) for x in total[:3])
     reported = _reduce_metrics(layout, total, metric_sums, metric_max, device)
     if pairs and scalars:
@@ -152,9 +159,12 @@ def loss_parts(result):
             raise ValueError(f"loss_fn must return a scalar tensor or (loss_sum, num_tokens); got a sequence of "
                              f"{len(result)}")
         value, tokens = result
-        tokens = float(tokens.detach().float().sum()) if torch.is_tensor(tokens) else float(tokens)
-        if not tokens >= 0:
-            raise ValueError(f"loss_fn's num_tokens must be >= 0, got {tokens}")
+        if torch.is_tensor(tokens):     # stays on the device (checked >= 0 with the call's statistics)
+            tokens = tokens.detach().double().sum()
+        else:
+            tokens = float(tokens)
+            if not tokens >= 0:
+                raise ValueError(f"loss_fn's num_tokens must be >= 0, got {tokens}")
     else:
         value, tokens = result, None
     if not (torch.is_tensor(value) and value.dim() == 0):

@@ -222,7 +222,7 @@ class LastStage:
                 self.failure.append(e)
         if self.failure or kind == "empty":   # the same messages and collectives as the peers, zero gradients
             value, kind, tokens = zero_loss(result), "empty" if not self.failure else "scalar", 0.0
-        self.records[m] = (value.detach().float(), kind, tokens or 0.0)
+        self.records[m] = (value.detach().float(), kind, 0.0 if tokens is None else tokens)
         if self.scales is not None:      # the weight of m's load-balancing loss in the backward (AuxScales)
             self.scales.tokens[m] = -1.0 if kind == "scalar" else tokens
         return value / call.m if kind == "scalar" else value    # what is back-propagated

@@ -309,7 +309,7 @@ def _exchange(transport, ops, inbox, outbox, shapes, dtype, device, side=None) -
             tensor = inbox[name] = torch.empty(shape, dtype=dtype, device=device)
         posted.append((op == "send", tensor, transport.ranks[peer]))
         if side is not None and name[0] == _GRAD:
-            value = torch.tensor([side[name[1]] if op == "send" else 0.0], dtype=torch.float64, device=device)
+            value = torch.as_tensor(side[name[1]] if op == "send" else 0.0, dtype=torch.float64).to(device).reshape(1)
             posted.append((op == "send", value, transport.ranks[peer]))
             if op != "send":
                 extra.append((name[1], value))
@@ -320,7 +320,7 @@ def _exchange(transport, ops, inbox, outbox, shapes, dtype, device, side=None) -
         from .errors import lost_peer_error
         raise lost_peer_error(comm_error, "pipeline exchange") from comm_error
     for m, value in extra:
-        side[m] = float(value.item())
+        side[m] = value[0]          # a device tensor: read by its user when needed, no host sync here
 
 
 def broadcast_from_last_stage(layout: ParallelDims, tensor: torch.Tensor | None, shape, dtype,

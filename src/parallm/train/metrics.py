@@ -39,11 +39,13 @@ def check_reductions(metric_reduce) -> dict[str, str]:
     return dict(metric_reduce)
 
 
-def scalar_value(name: str, value) -> float:
+def scalar_value(name: str, value):
+    """A metric's value: a tensor stays a detached fp64 0-dim tensor on its device (read once per call, after the
+    schedule: no host sync per microbatch), a number a float."""
     if torch.is_tensor(value):
         if value.numel() != 1:
             raise ValueError(f"loss_fn's metric {name!r} must be a scalar, got a tensor of shape {tuple(value.shape)}")
-        return float(value.detach().float().reshape(()))
+        return value.detach().double().reshape(())
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     raise TypeError(f"loss_fn's metric {name!r} must be a scalar tensor or a number, got {type(value).__name__}")
@@ -79,7 +81,7 @@ class MetricAccumulator:
             elif how == "sum":
                 part[0] += v
             else:
-                part[0] = max(part[0], v if how == "max" else -v)
+                part[0] = _larger(part[0], v if how == "max" else -v)
 
     def spec(self) -> bytes:
         """The names and reductions, as bytes (what every replica must share); empty when loss_fn returned no
@@ -89,15 +91,25 @@ class MetricAccumulator:
         return ("M" + "\n".join(f"{n}\t{self.reductions.get(n, 'mean')}" for n in self.names)).encode()
 
 
+def _larger(a, b):
+    """max of two floats or 0-dim tensors, without reading a tensor on the host."""
+    if not (torch.is_tensor(a) or torch.is_tensor(b)):
+        return max(a, b)
+    like = a if torch.is_tensor(a) else b
+    return torch.maximum(torch.as_tensor(a, dtype=torch.float64, device=like.device),
+                         torch.as_tensor(b, dtype=torch.float64, device=like.device))
+
+
 def spec_hash(spec: bytes) -> int:
     """A 20-bit fingerprint + 1 of a spec (0: no metrics), small enough that sums of its squares over thousands
     of replicas stay exact in float64."""
     return 0 if not spec else (zlib.crc32(spec) & 0xFFFFF) + 1
 
 
-def local_vector(acc: MetricAccumulator | None) -> tuple[list[float], list[float]]:
+def local_vector(acc: MetricAccumulator | None) -> tuple[list, list]:
     """``(sums, maxima)`` to reduce over data-parallel replicas: ``sums`` = each key's ``(a, b)`` for the
-    summed reductions then the spec's bytes; ``maxima`` = each max / min key's value."""
+    summed reductions then the spec's bytes; ``maxima`` = each max / min key's value (floats or 0-dim tensors:
+    :func:`as_vector` puts them in one tensor on the device)."""
     if acc is None or not acc.given:
         return [], []
     sums, maxima = [], []
@@ -108,6 +120,13 @@ def local_vector(acc: MetricAccumulator | None) -> tuple[list[float], list[float
         else:
             maxima.append(acc.parts[n][0])
     return sums + list(acc.spec()), maxima
+
+
+def as_vector(values: list, device) -> torch.Tensor:
+    """Floats and 0-dim tensors -> one fp64 tensor on ``device`` (no host read of the tensors)."""
+    if not values:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    return torch.stack([torch.as_tensor(v, dtype=torch.float64).to(device) for v in values])
 
 
 def layout_of(spec: bytes) -> tuple[list[tuple[str, str]], int, int]:

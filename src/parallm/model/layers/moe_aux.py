@@ -22,22 +22,29 @@ class AuxScales:
         self.coef, self.num_microbatches = float(coef), num_microbatches
         self.tokens: dict[int, float] = {}
 
-    def of(self, m: int) -> float:
+    def of(self, m: int):
+        """Microbatch ``m``'s weight: a float, or a 0-dim device tensor when its token count is one (a
+        ``loss_fn``'s tensor count, or one received from the last stage: never read on the host here)."""
         n = self.tokens.get(m)
         if n is None:
             raise RuntimeError(f"load-balancing loss: microbatch {m}'s backward ran before its loss kind and token "
                                "count reached this rank")
+        if torch.is_tensor(n):
+            return torch.where(n < 0, self.coef / self.num_microbatches, self.coef * n)
         return self.coef / self.num_microbatches if n < 0 else self.coef * n
 
 
 class _ScaleOf:
-    """A microbatch's :class:`AuxScales` entry, read when its backward runs (``float()``)."""
+    """A microbatch's :class:`AuxScales` entry, read when its backward runs (:meth:`value`)."""
 
     def __init__(self, scales: AuxScales, m: int):
         self.scales, self.m = scales, m
 
-    def __float__(self) -> float:
+    def value(self):
         return self.scales.of(self.m)
+
+    def __float__(self) -> float:
+        return float(self.value())
 
 
 class MoEAux:
@@ -93,7 +100,10 @@ class _AttachAux(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (aux,) = ctx.saved_tensors
-        return grad, torch.full_like(aux, float(ctx.scale)), None
+        scale = ctx.scale.value() if hasattr(ctx.scale, "value") else ctx.scale
+        if torch.is_tensor(scale):      # a device token count: no host read
+            return grad, torch.ones_like(aux) * scale.to(aux.device, aux.dtype), None
+        return grad, torch.full_like(aux, float(scale)), None
 
 
 def load_balancing_loss(probs, choices, tokens, *, num_experts: int, tp_group=None):
