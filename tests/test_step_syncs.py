@@ -63,6 +63,13 @@ def rank_count(rank, world, ckpt, ids, mask):
                                                  loss_fn=loss_fn, num_microbatches=micro, output="logprobs",
                                                  metric_reduce={"top": "max"})
         counts[micro] = (list(seen), float(loss), sorted(metrics))
+    try:        # a negative tensor count, read with the statistics: an error on every rank
+        parallm.forward_backward(chunks, {"input_ids": ids, "attention_mask": mask}, num_microbatches=2,
+                                 loss_fn=lambda out, mb: (out.sum(), -mb["attention_mask"].sum()),
+                                 output="logprobs")
+        counts["negative"] = None
+    except ValueError as e:
+        counts["negative"] = str(e)
     parallm.destroy_parallel()
     return counts
 
@@ -75,6 +82,7 @@ def test_no_host_sync_in_the_schedule_for_losses_and_metrics(tmp_path):
     ids, mask = helpers.padded_batch(cfg.vocab_size, batch=4, seq=12, seed=1)
     results = helpers.run_ranks(rank_count, 2, ckpt, ids, mask, timeout=300)
     for rank, counts in enumerate(results):
+        assert "negative num_tokens for 2 microbatch" in (counts.pop("negative") or ""), counts
         for micro, (seen, loss, names) in counts.items():
             assert seen == [], (rank, micro, seen)       # none in the last stage, the side channel, the aux weight
             assert names == sorted([f"m{i}" for i in range(6)] + ["top"])
