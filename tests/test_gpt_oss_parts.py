@@ -236,3 +236,55 @@ def test_router_is_transformers_topk_then_softmax(checkpoint):
     given = torch.stack([(idx[:, 0] + 1) % 4, (idx[:, 0] + 2) % 4], dim=1)
     _, w2, c2 = block.route(h, (given, torch.ones(50, dtype=torch.bool)))
     assert torch.equal(c2, given) and torch.allclose(w2, logits.gather(1, given).softmax(-1))
+
+
+# -- MXFP4 ---------------------------------------------------------------------------------------------------------
+
+def _random_mxfp4(e=3, r=10, g=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (e, r, g, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(100, 140, (e, r, g), generator=gen, dtype=torch.uint8)
+    scales[0, 0, 0], scales[0, 0, 1] = 0, 254            # the scale range's ends (tiny and huge values)
+    return blocks, scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_dequantisation_is_transformers_bit_for_bit(dtype):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from parallm.checkpoint.mxfp4 import Mxfp4Source, dequantize
+    from parallm.model.sharding import SlabSource, TensorSource
+    blocks, scales = _random_mxfp4()
+    want = convert_moe_packed_tensors(blocks, scales, dtype=dtype)                  # [E, G * 32, R]
+    assert torch.equal(dequantize(blocks, scales).transpose(1, 2).to(dtype), want)
+    src = Mxfp4Source(TensorSource(blocks), TensorSource(scales))
+    assert src.shape == tuple(want.shape)
+    assert torch.equal(src.read(0, 1, 3).to(dtype), want[1:3])
+    full = want.float() if dtype == torch.bfloat16 else want
+    for e in range(3):
+        slab = SlabSource(src, e)
+        for dim, a, b in ((0, 0, 128), (0, 40, 72), (0, 5, 37), (1, 0, 10), (1, 3, 8)):
+            got = slab.read(dim, a, b)
+            assert torch.equal(got.to(dtype).float(), full[e].narrow(dim, a, b - a).float()), (e, dim, a, b)
+
+
+def test_mxfp4_plan_refuses_what_would_load_wrong_weights():
+    from parallm.checkpoint.mxfp4 import mxfp4_plan
+    from parallm.errors import CheckpointError
+    u8 = torch.uint8
+    good = {"x.gate_up_proj_blocks": (2, 8, 4, 16), "x.gate_up_proj_scales": (2, 8, 4), "x.norm": (8,)}
+    types = {"x.gate_up_proj_blocks": u8, "x.gate_up_proj_scales": u8, "x.norm": torch.float32}
+    assert mxfp4_plan(good, types, True, where="ckpt") == {
+        "x.gate_up_proj": ("x.gate_up_proj_blocks", "x.gate_up_proj_scales")}
+    assert mxfp4_plan({"x.norm": (8,)}, types, True, where="ckpt") == {}     # a dequantised checkpoint
+    with pytest.raises(CheckpointError, match="no quantization_config with quant_method 'mxfp4'"):
+        mxfp4_plan(good, types, False, where="ckpt")
+    lonely = {k: v for k, v in good.items() if not k.endswith("_scales")}
+    with pytest.raises(CheckpointError, match="x.gate_up_proj_blocks has no x.gate_up_proj_scales"):
+        mxfp4_plan(lonely, types, True, where="ckpt")
+    with pytest.raises(CheckpointError, match="do not pair up"):
+        mxfp4_plan(dict(good, **{"x.gate_up_proj_scales": (2, 8, 5)}), types, True, where="ckpt")
+    with pytest.raises(CheckpointError, match="are torch.float32 / torch.uint8"):
+        mxfp4_plan(good, dict(types, **{"x.gate_up_proj_blocks": torch.float32}), True, where="ckpt")
+    with pytest.raises(CheckpointError, match="both unquantised and as MXFP4"):
+        mxfp4_plan(dict(good, **{"x.gate_up_proj": (2, 128, 8)}), types, True, where="ckpt")
