@@ -144,3 +144,35 @@ def test_packed_rule_with_realistic_decays(decay_scale):
                                                           initial_state=None, output_final_state=False,
                                                           use_qk_l2norm_in_kernel=True)[0][0] for a, b in docs])
     assert (got - want).abs().max() < 2e-5, (got - want).abs().max()
+
+
+def rank_holes(rank, world, ckpt, ids, mask):
+    import parallm
+    out = []
+    for layout, build in ((dict(cp=2), {}), (dict(cp=2), {"packed": True}), ({}, {"packed": True})):
+        parallm.init_parallel(**layout)
+        chunks = parallm.build_model(ckpt, **build)
+        parallm.load_hf_weights(chunks, ckpt)
+        try:
+            parallm.forward(chunks, ids, mask)
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+        parallm.destroy_parallel()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_holed_rows_refused_where_the_hole_would_be_removed(tmp_path):
+    """A row with padding between its real tokens: the packed and context-parallel layouts remove the hole,
+    which transformers runs through (conv and decay), so they refuse the row on every rank, naming it; the padded
+    layout runs it exactly (test_padded_and_cp_padded_layouts_on_the_varlen_kernel)."""
+    cfg = hybrid_config("qwen3_5_text")
+    ckpt = helpers.save_checkpoint(make_model(cfg, seed=7), str(tmp_path / "m"))
+    ids, mask = helpers.padded_batch(cfg.vocab_size, batch=2, seq=40, seed=2)
+    mask[:] = 1
+    mask[1, 10:13] = 0
+    for rank_msgs in helpers.run_ranks(rank_holes, 2, ckpt, ids, mask, timeout=300):
+        for msg in rank_msgs:
+            assert msg is not None and "row 1 of the batch has padding between its real tokens" in msg, msg
+            assert "linear-attention" in msg, msg

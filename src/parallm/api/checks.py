@@ -33,7 +33,7 @@ def check_batch(chunks, input_ids, attention_mask, position_ids):
     if position_ids.shape != input_ids.shape:
         raise ValueError(f"position_ids {tuple(position_ids.shape)} does not match input_ids "
                          f"{tuple(input_ids.shape)}")
-    _check_window_rows(chunks[0], attention_mask)
+    _check_holed_rows(chunks[0], attention_mask)
     vocab = chunks[0].spec.vocab_size
     low, high = (int(input_ids.min()), int(input_ids.max())) if input_ids.numel() else (0, 0)
     if low < 0 or high >= vocab:
@@ -42,13 +42,16 @@ def check_batch(chunks, input_ids, attention_mask, position_ids):
     return input_ids.long(), attention_mask, position_ids
 
 
-def _check_window_rows(chunk: DecoderChunk, attention_mask: torch.Tensor) -> None:
-    """Sliding windows count keys by index in the padded row (transformers' masks); the packed and
-    context-parallel layouts count them among a row's real tokens. The two agree when each row's real tokens are
-    contiguous (left / right padding), or when a row spans no more than the window: any other row is refused
-    there, naming it (the padded layout takes it)."""
-    window = chunk.spec.sliding_window
-    if window is None or not (chunk.packed or chunk.dims.cp > 1) or not attention_mask.numel():
+def _check_holed_rows(chunk: DecoderChunk, attention_mask: torch.Tensor) -> None:
+    """Rows with padding between their real tokens (a hole), in the layouts that remove padding (packed, and
+    context parallelism, which compacts rows): transformers runs a hole's positions, and two layer kinds see the
+    difference. Sliding windows count keys by index in the padded row (the packed and context-parallel layouts
+    count real tokens: the same unless the row spans more than the window); linear attention (Gated DeltaNet)
+    convolves across the hole and decays its state there (the padded layout runs holes as transformers does).
+    Such rows are refused there, naming the row and saying why (the padded layout takes them)."""
+    spec = chunk.spec
+    window, linear = spec.sliding_window, spec.linear_attn is not None
+    if (window is None and not linear) or not (chunk.packed or chunk.dims.cp > 1) or not attention_mask.numel():
         return
     mask = attention_mask.bool()
     s = mask.shape[1]
@@ -56,14 +59,18 @@ def _check_window_rows(chunk: DecoderChunk, attention_mask: torch.Tensor) -> Non
     first = torch.where(mask, idx, s).min(-1).values
     last = torch.where(mask, idx, -1).max(-1).values
     span = (last - first + 1).clamp(min=0)
-    bad = ((span > mask.sum(-1)) & (span > window)).nonzero().squeeze(-1).tolist()
+    holed = span > mask.sum(-1)
+    bad = (holed if linear else holed & (span > window)).nonzero().squeeze(-1).tolist()
     if bad:
         row = bad[0]
+        why = ("the model has linear-attention (Gated DeltaNet) layers, which transformers runs "
+               "through the hole (its convolution reads across it, its state decays there) and the packed and "
+               "context-parallel layouts remove it" if linear else
+               f"the model has a sliding window of {window}: the packed and context-parallel layouts count the "
+               "window over real tokens, transformers over positions in the row")
         raise ValueError(f"row {row} of the batch has padding between its real tokens ({int(mask[row].sum())} "
-                         f"real tokens spread over {int(span[row])} positions) and the model has a sliding window "
-                         f"of {window}: the packed and context-parallel layouts count the window over real "
-                         "tokens, transformers over positions in the row; pass rows padded only at their ends, or "
-                         "use the padded layout (packed=False, cp=1)")
+                         f"real tokens spread over {int(span[row])} positions) and {why}; pass rows padded only "
+                         "at their ends, or use the padded layout (packed=False, cp=1)")
 
 
 def call_fingerprint(layout, batch, num_microbatches: int, request, given=None, *, extras=None,
