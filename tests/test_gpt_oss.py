@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import helpers
-from test_gpt_oss_parts import gpt_oss_config
+from test_gpt_oss_parts import gpt_oss_config, quantize_mxfp4
 
 from parallm.verify.reference import causal_lm_loss, hf_output, value_loss  # noqa: E402
 
@@ -94,25 +94,7 @@ def reference_step(model, ids, mask, pieces, task, tmp):
     return loss.item(), helpers.hub_state_dict(model, tmp), after
 
 
-# -- MXFP4: quantised as the published format defines it ----------------------------------------------------------
-
-def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A stacked expert tensor ``[E, C, R]`` as MXFP4 ``blocks [E, R, C/32, 16]`` / ``scales [E, R, C/32]`` by the
-    OCP MX definition (one E8M0 scale ``2^(floor(log2 amax) - 2)`` per 32 values, each value rounded to the
-    nearest E2M1 value, saturating at 6; low nibble first), as gpt-oss's checkpoints store them. transformers'
-    own quantiser needs its Triton kernels (not installable here); the reference is its dequantisation."""
-    from parallm.checkpoint.mxfp4 import FP4_VALUES
-    x = w.transpose(1, 2).float()
-    e, r, c = x.shape
-    groups = x.reshape(e, r, c // 32, 32)
-    amax = groups.abs().amax(-1)
-    exp = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.full_like(amax, -127)).clamp(-127, 127)
-    scaled = groups / torch.ldexp(torch.ones_like(exp), exp.int()).unsqueeze(-1)
-    grid = torch.tensor(FP4_VALUES[:8])
-    code = ((scaled.abs().clamp(max=6.0).unsqueeze(-1) - grid).abs().argmin(-1) + 8 * (scaled < 0).long())
-    code = code.to(torch.uint8)
-    return (code[..., 0::2] | (code[..., 1::2] << 4)).contiguous(), (exp + 127).to(torch.uint8).contiguous()
-
+# -- MXFP4 ----------------------------------------------------------------------------------------------------------
 
 def mxfp4_checkpoint(model, tmp, ckpt: str, *, declared: bool = True):
     """Write ``model``'s experts as MXFP4 to ``ckpt`` (biases, router, attention, embeddings unquantised, as

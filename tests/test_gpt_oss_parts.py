@@ -240,6 +240,24 @@ def test_router_is_transformers_topk_then_softmax(checkpoint):
 
 # -- MXFP4 ---------------------------------------------------------------------------------------------------------
 
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stacked expert tensor ``[E, C, R]`` as MXFP4 ``blocks [E, R, C/32, 16]`` / ``scales [E, R, C/32]`` by the
+    OCP MX definition (one E8M0 scale ``2^(floor(log2 amax) - 2)`` per 32 values, each value rounded to the
+    nearest E2M1 value, saturating at 6; low nibble first), as gpt-oss's checkpoints store them. transformers'
+    own quantiser needs its Triton kernels (not installable here); the reference is its dequantisation."""
+    from parallm.checkpoint.mxfp4 import FP4_VALUES
+    x = w.transpose(1, 2).float()
+    e, r, c = x.shape
+    groups = x.reshape(e, r, c // 32, 32)
+    amax = groups.abs().amax(-1)
+    exp = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.full_like(amax, -127)).clamp(-127, 127)
+    scaled = groups / torch.ldexp(torch.ones_like(exp), exp.int()).unsqueeze(-1)
+    grid = torch.tensor(FP4_VALUES[:8])
+    code = ((scaled.abs().clamp(max=6.0).unsqueeze(-1) - grid).abs().argmin(-1) + 8 * (scaled < 0).long())
+    code = code.to(torch.uint8)
+    return (code[..., 0::2] | (code[..., 1::2] << 4)).contiguous(), (exp + 127).to(torch.uint8).contiguous()
+
+
 def _random_mxfp4(e=3, r=10, g=4, seed=0):
     gen = torch.Generator().manual_seed(seed)
     blocks = torch.randint(0, 256, (e, r, g, 16), generator=gen, dtype=torch.uint8)
@@ -288,3 +306,35 @@ def test_mxfp4_plan_refuses_what_would_load_wrong_weights():
         mxfp4_plan(good, dict(types, **{"x.gate_up_proj_blocks": torch.float32}), True, where="ckpt")
     with pytest.raises(CheckpointError, match="both unquantised and as MXFP4"):
         mxfp4_plan(dict(good, **{"x.gate_up_proj": (2, 128, 8)}), types, True, where="ckpt")
+
+
+def test_inspect_shows_the_layer_pattern_and_the_experts_format(tmp_path, checkpoint):
+    """``parallm inspect`` on an MXFP4 gpt-oss checkpoint: no problem (the pairs read as the loader reads them),
+    the parameters counted as the model holds them, the window / full pattern and the sinks, MXFP4 experts
+    dequantised into the unquantised tensors' dtype; the same checkpoint stored unquantised: its dtype."""
+    from parallm.cli.inspect import inspect_checkpoint, render
+    model, hub = checkpoint
+    config = model.config.to_dict()
+    mx = {}
+    for name, t in hub.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            mx[name + "_blocks"], mx[name + "_scales"] = quantize_mxfp4(t)
+        else:
+            mx[name] = t
+    helpers.write_ckpt(str(tmp_path / "mx"), mx, dict(config, quantization_config={"quant_method": "mxfp4"}))
+    helpers.write_ckpt(str(tmp_path / "bf"), hub, config)
+    quantized = inspect_checkpoint(str(tmp_path / "mx"), tp=2, ep=2, dp=2)
+    plain = inspect_checkpoint(str(tmp_path / "bf"))
+    assert quantized["problem"] is None and plain["problem"] is None
+    assert quantized["parameters"] == plain["parameters"] == sum(t.numel() for t in hub.values())
+    assert quantized["dtype"] == "float32" and "mxfp4" in quantized["dtypes"]
+    text = render(quantized)
+    assert "layers        window 4 on 2 layers (0, 2); full attention on 1 layer (1); a learned attention sink " \
+           "per head" in text
+    assert "expert format MXFP4 in the checkpoint" in text and "dequantised on load into float32" in text
+    assert "router bias, expert biases, clamped SwiGLU (limit 0.3, alpha 1.702)" in text
+    assert "expert format float32; router bias" in render(plain)
+    assert any("MXFP4" in n for n in quantized["notes"])
+    undeclared = str(tmp_path / "undeclared")
+    helpers.write_ckpt(undeclared, mx, config)
+    assert "no quantization_config with quant_method 'mxfp4'" in inspect_checkpoint(undeclared)["problem"]

@@ -69,7 +69,7 @@ def read_checkpoint(path: str, *, task: str | None, pp: int = 1) -> dict:
     from ..api import resolve_task, with_mtp
     from ..checkpoint.hf_dir import SAFETENSORS_DTYPES, HFCheckpoint
     from ..checkpoint.loader import check_checkpoint
-    from ..model.table import expected_hf_shapes, fused_layout
+    from ..model.table import all_entries, expected_hf_shapes, fused_layout
     from ..families import load_config, spec_from_config
     if not os.path.isdir(path):
         raise CLIError(f"{path} does not exist" if not os.path.exists(path) else
@@ -85,21 +85,29 @@ def read_checkpoint(path: str, *, task: str | None, pp: int = 1) -> dict:
         task = resolve_task(config, task)
         spec = with_mtp(spec, path, None)          # MTP layers carried when the checkpoint holds them
         ckpt = HFCheckpoint(path)
-        tensors = {}
+        tensors, types = {}, {}
         for name, fname in ckpt.weight_map.items():
             src = ckpt.source(name)
             dtype = SAFETENSORS_DTYPES.get(src.dtype_code)
+            types[name] = dtype
             tensors[name] = dict(shape=src.shape, file=fname, itemsize=dtype.itemsize if dtype else 4,
                                  dtype=str(dtype).replace("torch.", "") if dtype else src.dtype_code)
     except ValueError as e:  # CheckpointError included
         raise CLIError(str(e)) from None
-    problem, notes = None, []
+    problem, notes, shapes = None, [], {k: v["shape"] for k, v in tensors.items()}
     try:
+        shapes, packed = _mxfp4_shapes(shapes, types, config, tensors, os.path.abspath(path))
+        if packed:
+            notes.append(f"{len(packed)} expert tensors are MXFP4 (*_blocks / *_scales): dequantised on load, each "
+                         "rank only its own experts' slice; saves write the model's dtype")
         expected = expected_hf_shapes(family.table, spec, task=task, pp=pp)
-        aliases, init, fused = check_checkpoint({k: v["shape"] for k, v in tensors.items()}, spec, task, expected,
+        aliases, init, fused = check_checkpoint(shapes, spec, task, expected,
                                                 strict=True, where=os.path.abspath(path),
                                                 fused=fused_layout(family.table, spec, task=task, pp=pp))
-        if fused:
+        if fused and any(e.row.save_fused for e in all_entries(family.table, spec, task=task, pp=pp)):
+            notes.append(f"{len(fused)} per-expert tensors are read as slabs of the stacked expert tensors "
+                         "(mlp.experts.gate_up_proj [E, ...]), which saves write back stacked")
+        elif fused:
             notes.append(f"{len(fused)} tensors are read from fused MoE tensors (transformers 5's in-memory "
                          "layout, e.g. mlp.experts.gate_up_proj); saves write the Hub's per-expert names")
         if init:
@@ -110,6 +118,20 @@ def read_checkpoint(path: str, *, task: str | None, pp: int = 1) -> dict:
         problem = str(e)
     return dict(spec=spec, family=family, task=task, tensors=tensors, problem=problem, notes=notes,
                 dtypes=sorted({t["dtype"] for t in tensors.values()}))
+
+
+def _mxfp4_shapes(shapes: dict, types: dict, config, tensors: dict, where: str):
+    """``shapes`` with each MXFP4 ``*_blocks`` / ``*_scales`` pair replaced by the tensor it stands for (as the
+    loader reads it: :func:`parallm.checkpoint.mxfp4.mxfp4_view`), and the pairs; ``tensors``' entries of a pair
+    are marked ``mxfp4`` (counted as the parameters they hold, 4.25 bits each: the scales in the blocks' share)."""
+    from ..checkpoint.mxfp4 import is_mxfp4, mxfp4_plan, stacked_shape
+    packed = mxfp4_plan(shapes, types, is_mxfp4(config), where=where)
+    out = {k: v for k, v in shapes.items() if not any(k in pair for pair in packed.values())}
+    for name, (blocks, scales) in packed.items():
+        out[name] = stacked_shape(shapes[blocks])
+        tensors[blocks].update(dtype="mxfp4", itemsize=4.25 / 8, shape=out[name], packed=True)
+        tensors[scales].update(dtype="mxfp4", shape=(0,), packed=True)
+    return out, packed
 
 
 def check_split(spec, *, tp: int, pp: int, vpp: int | None, split: dict | None = None,
@@ -182,10 +204,13 @@ def moe_facts(spec, *, dtype: str, tp: int) -> dict | None:
     width = moe.expert_intermediate_size // tp if moe.expert_intermediate_size % tp == 0 else 0
     sizes = (spec.hidden_size, 2 * width, width)
     kernel = expert_kernel(device, torch_dtype, sizes) if width else "loop"
+    activation = moe.activation if moe.activation == "silu" else \
+        f"clamped SwiGLU (limit {moe.swiglu_limit:g}, alpha {moe.swiglu_alpha:g})"
     return dict(experts=moe.num_experts, top_k=moe.top_k, layers=len(moe.layers),
                 expert_width=moe.expert_intermediate_size, shared_width=moe.shared_expert_intermediate_size,
-                tensors_per_layer=3 + int(moe.score_bias) + (2 + int(moe.shared_expert_gate)
-                                                             if moe.shared_expert_intermediate_size else 0),
+                tensors_per_layer=3 + int(moe.score_bias) + int(moe.router_bias) + 2 * int(moe.expert_bias)
+                + (2 + int(moe.shared_expert_gate) if moe.shared_expert_intermediate_size else 0),
+                router=moe.router, router_bias=moe.router_bias, expert_bias=moe.expert_bias, activation=activation,
                 kernel=kernel, device=device,
                 kernel_note=(grouped_mm_support(device, torch_dtype, sizes) if width else
                              f"moe_intermediate_size {moe.expert_intermediate_size} does not split over tp={tp}"))
@@ -207,7 +232,9 @@ def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, ep=Non
             n *= d
         dtypes[t["dtype"]] = dtypes.get(t["dtype"], 0) + n
         itemsize[t["dtype"]] = t["itemsize"]
-    main = max(dtypes, key=dtypes.get) if dtypes else "float32"
+    # the dtype the model loads into: the unquantised tensors' (MXFP4 experts are dequantised into it)
+    plain = {k: v for k, v in dtypes.items() if k != "mxfp4"}
+    main = max(plain, key=plain.get) if plain else "float32"
     report = dict(
         path=os.path.abspath(path), architecture=spec.architecture, family=ck["family"].name,
         model_type=spec.model_type, task=ck["task"],
@@ -220,7 +247,8 @@ def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, ep=Non
                     linear_heads=_linear_heads(spec), carried=len(spec.carried),
                     carried_parameters=sum(math.prod(shape) for _, shape in spec.carried),
                     mtp_tensors=len(spec.carried_mtp),
-                    mtp_parameters=sum(math.prod(shape) for _, shape in spec.carried_mtp)),
+                    mtp_parameters=sum(math.prod(shape) for _, shape in spec.carried_mtp),
+                    layer_pattern=_layer_pattern(spec), sinks=spec.attn_sinks),
         parameters=sum(dtypes.values()), tensors=len(tensors), dtypes=dtypes, dtype=main,
         dtype_bytes=itemsize.get(main, 4), files=files, problem=ck["problem"], notes=ck["notes"],
         valid_tp=[tp for tp in range(1, spec.num_heads + 1) if _splits(check_tp, spec, tp)],
@@ -238,6 +266,23 @@ def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, ep=Non
                                 stages=rank_params(spec, ck["task"], tp=tp, pp=pp, vpp=vpp, ep=ep, split=split),
                                 split=(list(stage_sizes(L, pp, vpp or 1, **split)) if split else None))
     return report
+
+
+def _layer_pattern(spec) -> str | None:
+    """Which layers attend through a sliding window and which see everything (None: no window anywhere)."""
+    if spec.sliding_window is None:
+        return None
+    groups: dict = {}
+    for i in range(spec.num_layers):
+        groups.setdefault(spec.window(i), []).append(i)
+
+    def layers(ids):
+        shown = ", ".join(map(str, ids[:6])) + (", ..." if len(ids) > 6 else "")
+        return f"{len(ids)} layer{'s' if len(ids) > 1 else ''} ({shown})"
+    parts = [f"window {w} on {layers(ids)}" for w, ids in groups.items() if w is not None]
+    if None in groups:
+        parts.append(f"full attention on {layers(groups[None])}")
+    return "; ".join(parts)
 
 
 def _linear_layers(spec) -> tuple[int, ...]:
@@ -280,6 +325,9 @@ def render(report: dict) -> str:
         f"({c['kv_heads']} kv heads), intermediate {c['intermediate']}, vocab {c['vocab']}",
         f"details       tied embeddings {yes[c['tied']]}; bias qkv {yes[c['qkv_bias']]} / o {yes[c['o_bias']]} / "
         f"mlp {yes[c['mlp_bias']]}; rope {c['rope']} (theta {c['rope_theta']:g}); rms eps {c['rms_norm_eps']:g}",
+        *([f"layers        {c['layer_pattern']}" + ("; a learned attention sink per head" if c.get("sinks") else "")]
+          if c.get("layer_pattern") else (["layers        a learned attention sink per head"] if c.get("sinks")
+                                          else [])),
         *([f"hybrid        Gated DeltaNet layers {c['linear_layers']} ({c['linear_heads']}); full attention "
            f"(output-gated) on the other {c['layers'] - len(c['linear_layers'])}"] if c.get("linear_layers") else []),
         *([f"carried       {c['carried']} tensors ({_count(c['carried_parameters'])} params: the vision tower) held "
@@ -321,6 +369,11 @@ def render(report: dict) -> str:
         lines.append(f"experts       {moe['experts']} per MoE layer ({moe['layers']} layers), top-{moe['top_k']}, "
                      f"{moe['expert_width']} wide{shared}; {moe['tensors_per_layer']} parameter tensors per MoE "
                      "layer (each rank's experts stacked per projection)")
+        fmt = ("MXFP4 in the checkpoint (FP4 values, a power-of-two scale per 32; dequantised on load into "
+               f"{report['dtype']})" if "mxfp4" in report["dtypes"] else report["dtype"])
+        extras = [x for x, on in (("router bias", moe.get("router_bias")), ("expert biases", moe.get("expert_bias")),
+                                  (moe.get("activation"), moe.get("activation") not in (None, "silu"))) if on]
+        lines.append(f"expert format {fmt}" + (f"; {', '.join(extras)}" if extras else ""))
         how = "torch._grouped_mm" if moe["kernel"] == "grouped_mm" else "a loop over the experts"
         lines.append(f"expert GEMMs  {how} on {moe['device']} in {report['dtype']}"
                      + (f" ({moe['kernel_note']})" if moe["kernel_note"] else ""))
