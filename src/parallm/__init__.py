@@ -9,7 +9,7 @@ Public API (a contract, see docs/api.md)::
                                  dtype=torch.float32, vocab_multiple=1, attn_impl="auto", recompute=None,
                                  cp_attn="auto", num_layers_in_first_pipeline_stage=None,
                                  num_layers_in_last_pipeline_stage=None, layers_per_stage=None, mtp=None,
-                                 revision=None, lora=None, init="empty", seed=0)
+                                 revision=None, lora=None, init="empty", seed=0, aux_loss="per_layer")
     #   dtype: a torch dtype or "float32" / "bf16" / ...; init="random": random weights from seed (no load needed)
     #   cp_attn: "allgather" | "ring" | "auto"; layers_per_stage: one count per virtual stage, or "balanced"
     #   mtp: carry the multi-token-prediction layers (moved bit for bit, never run); None: if the checkpoint has any

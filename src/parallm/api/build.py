@@ -25,7 +25,8 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
                 cp_attn: str = "auto", num_layers_in_first_pipeline_stage: int | None = None,
                 num_layers_in_last_pipeline_stage: int | None = None,
                 layers_per_stage=None, mtp: bool | None = None,
-                revision: str | None = None, lora=None, init: str = "empty", seed: int = 0) -> list[DecoderChunk]:
+                revision: str | None = None, lora=None, init: str = "empty", seed: int = 0,
+                aux_loss: str = "per_layer") -> list[DecoderChunk]:
     """Build this rank's share of the model: one chunk per virtual pipeline stage (``len == vpp`` or 1).
 
     ``hf_config``: a transformers ``PretrainedConfig``, a checkpoint directory, or a config.json path, or a Hub id
@@ -72,12 +73,24 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     adds each fresh ``param.grad`` into it and frees it); fp32 parameters keep ``param.grad``.
     ``lora``: a :class:`parallm.LoraConfig`: LoRA adapters beside the targeted linears, everything else frozen
     (:func:`parallm.add_lora`, docs/lora.md).
+    ``aux_loss``: the convention of a MoE model's load-balancing loss (when its config turns it on,
+    docs/moe.md): ``"per_layer"`` (default; Megatron-core's: one loss per MoE layer, summed; every layout) or
+    ``"pooled"`` (transformers', TRL's, verl's FSDP engine's: one loss over every layer's routing at once, about
+    ``1 / L`` of the sum at the same coefficient; ``pp = 1`` only: each layer's gradient needs every layer's
+    routing of the microbatch).
     Collective (every rank calls it): replicated-KV groups are created here when num_key_value_heads < tp.
     """
     require_initialized("build_model")
     dtype = model_dtype(dtype)
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    if aux_loss not in AUX_LOSSES:
+        raise ValueError(f"aux_loss must be one of {AUX_LOSSES}, got {aux_loss!r}")
+    if aux_loss == "pooled" and current_dims().pp > 1:
+        raise ValueError(f"aux_loss='pooled' needs pp=1 (got pp={current_dims().pp}): transformers' pooled "
+                         "load-balancing loss couples every MoE layer's routing of a microbatch, which the "
+                         "pipeline stages hold apart; use aux_loss='per_layer' (Megatron's) with pipeline "
+                         "parallelism")
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS} ('empty': load the weights next; 'random': random "
                          f"weights from seed), got {init!r}")
@@ -109,6 +122,8 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     for chunk in chunks:
         chunk.hf_config = getattr(config, "_raw", config)
         chunk.hf_source = source
+        chunk.moe_aux.mode = aux_loss
+        chunk.moe_aux.num_layers = len(spec.moe.layers) if spec.moe is not None else 0
     if init == "random":
         from ..checkpoint.random_init import init_random
         init_random(chunks, seed=seed)
@@ -119,6 +134,7 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
 
 
 INITS = ("empty", "random")
+AUX_LOSSES = ("per_layer", "pooled")
 
 
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

@@ -57,9 +57,10 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     :func:`parallm.train.grads.expect_microbatches`.
 
     Mixture-of-experts models whose config sets ``output_router_logits=True``: write ``aux_m`` for microbatch
-    m's load-balancing loss, the sum over MoE layers of the layer's loss on m's real tokens (each as
-    transformers' ``load_balancing_loss_func`` computes it for that layer alone; layers summed as Megatron does,
-    docs/moe.md). With a scalar ``loss_fn`` the objective is ``mean_m [loss_fn(mb_m) + router_aux_loss_coef *
+    m's load-balancing loss on m's real tokens: by default (``build_model(aux_loss="per_layer")``) the sum over
+    MoE layers of each layer's loss (transformers' ``load_balancing_loss_func`` for that layer alone; layers
+    summed as Megatron does), with ``aux_loss="pooled"`` transformers' function over all layers at once
+    (docs/moe.md). With a scalar ``loss_fn`` the objective is ``mean_m [loss_fn(mb_m) + router_aux_loss_coef *
     aux_m]``, averaged over replicas; the returned loss includes it.
 
     Token-mean losses: ``loss_fn`` may return ``(loss_sum, num_tokens)`` (a scalar tensor and a count: a number or
@@ -71,8 +72,9 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     of 0 divides by 1). With a load-balancing loss the objective is
     ``sum(loss_sum) / N + coef * sum(num_tokens_m * aux_m) / N`` over all microbatches m of all replicas,
     ``N = sum(num_tokens)``: the token-mean loss plus ``coef`` times the token-weighted mean of the microbatches'
-    load-balancing losses. For one microbatch on one replica that is exactly transformers' ``loss +
-    router_aux_loss_coef * aux_loss`` with a token-mean ``loss``; a microbatch with no tokens adds nothing. (The
+    load-balancing losses. For one microbatch on one replica, with ``build_model(aux_loss="pooled")``, that is
+    exactly transformers' ``loss + router_aux_loss_coef * aux_loss`` with a token-mean ``loss`` (with the default
+    ``"per_layer"``, Megatron's sum over layers, about L times larger); a microbatch with no tokens adds nothing. (The
     backward weights ``aux_m`` by ``coef * num_tokens_m``, known once ``loss_fn`` has run on the last stage and
     sent to the others with m's gradient, and ``finalize_grads`` divides by ``N`` as it does the rest.) Mixing
     the two kinds within a call, or within one step before ``finalize_grads``, is a ValueError.

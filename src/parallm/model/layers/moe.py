@@ -66,7 +66,8 @@ from ...parallel.comm import all_gather_single
 from ...parallel.megatron_import import import_megatron
 from ...parallel.state import as_device
 from .mlp import MLP
-from .moe_aux import AuxScales, MoEAux, _AttachAux, load_balancing_loss  # noqa: F401  (AuxScales, MoEAux: here too)
+from .moe_aux import (AuxScales, MoEAux, _AttachAux, _AttachPooled, balance_fractions,  # noqa: F401 (AuxScales, MoEAux)
+                      load_balancing_loss)
 from .routing import GroupLimitedRouter, RouterReplay, sigmoid_weights, softmax_weights, topk_softmax_weights
 from ..spec import DecoderSpec
 
@@ -447,11 +448,15 @@ class MoEBlock(nn.Module):
         probs, weights, choices = self.route(h, routed)
         if self.replay is not None and self.replay.recording:
             self.replay.rows[self.moe_index] = choices.detach()
-        aux = None
+        aux = pooled = None
         if self.aux is not None and self.aux.scale is not None and torch.is_grad_enabled():
             real = tokens if tokens is not None else torch.ones(h.shape[0], device=h.device)
-            aux = load_balancing_loss(probs, choices, real, num_experts=self.num_experts,
-                                      tp_group=self.sequence_group)
+            if self.aux.mode == "pooled":     # transformers' convention: one loss over every MoE layer
+                pooled = balance_fractions(probs, choices, real, num_experts=self.num_experts,
+                                           tp_group=self.sequence_group)
+            else:
+                aux = load_balancing_loss(probs, choices, real, num_experts=self.num_experts,
+                                          tp_group=self.sequence_group)
         if self.shares and self.sequence_parallel:       # this rank's own tokens are its share
             out = self._routed(h, weights, choices, tp_group=self.tp_group)
         elif self.shares:                                # a TP replica: route it all, dispatch this rank's share
@@ -471,4 +476,8 @@ class MoEBlock(nn.Module):
             if self.aux.recording:
                 self.aux.record(aux.detach())
             out = _AttachAux.apply(out, aux, self.aux.scale)
+        if pooled is not None:
+            if self.aux.recording:
+                self.aux.record_fractions(*pooled)
+            out = _AttachPooled.apply(out, pooled[1], self.aux, self.aux.microbatch, self.aux.scale)
         return out

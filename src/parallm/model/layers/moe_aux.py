@@ -59,6 +59,9 @@ class MoEAux:
         self.microbatch = 0
         self.values: list[tuple[int, torch.Tensor]] = []
         self.recording = True    # False while activation recompute replays a layer's forward in the backward
+        self.mode = "per_layer"  # build_model(aux_loss=...): "per_layer" (Megatron's) or "pooled" (transformers')
+        self.num_layers = 0      # the model's MoE layers (pooled: every layer's fractions are averaged over them)
+        self.pooled: dict[int, list] = {}   # pooled: microbatch -> [sum_l f_l, sum_l p_l (detached)]
 
     @property
     def scale(self) -> _ScaleOf | None:
@@ -76,13 +79,28 @@ class MoEAux:
             self.recording = before
 
     def start(self, scales: AuxScales) -> None:
-        self.scales, self.values, self.microbatch = scales, [], 0
+        self.scales, self.values, self.microbatch, self.pooled = scales, [], 0, {}
 
     def record(self, value: torch.Tensor) -> None:
         self.values.append((self.microbatch, value))
 
+    def record_fractions(self, f: torch.Tensor, p: torch.Tensor) -> None:
+        """Pooled mode: one layer's ``f`` (assignments per real token, global over the sequence's ranks) and ``p``
+        (this rank's share of the mean router probability) for the running microbatch."""
+        acc = self.pooled.setdefault(self.microbatch, [torch.zeros_like(f), torch.zeros_like(p)])
+        acc[0] += f
+        acc[1] += p.detach()
+
+    def pooled_weight(self, m: int) -> torch.Tensor:
+        """d(pooled loss) / d p_l for microbatch ``m``: ``E * sum_l f_l / L^2`` (the same for every layer l)."""
+        f = self.pooled[m][0]
+        return f.numel() * f / self.num_layers ** 2
+
     def stop(self) -> list[tuple[int, torch.Tensor]]:
         values, self.scales, self.values = self.values, None, []
+        if self.mode == "pooled":      # each microbatch's one pooled value: E sum_e (F_e / L) (P_e / L)
+            values = [(m, f.numel() * (f * p).sum() / self.num_layers ** 2) for m, (f, p) in self.pooled.items()]
+            self.pooled = {}
         return values
 
 
@@ -106,13 +124,29 @@ class _AttachAux(torch.autograd.Function):
         return grad, torch.full_like(aux, float(scale)), None
 
 
-def load_balancing_loss(probs, choices, tokens, *, num_experts: int, tp_group=None):
-    """One layer's loss, transformers' ``load_balancing_loss_func`` applied to this layer alone:
-    ``E * sum_e f_e * P_e`` with ``f_e`` = top-k assignments to expert e per real token and ``P_e`` = mean router
-    probability of e over real tokens. ``tokens``: 1 for real rows, 0 for padding. With ``tp_group`` (the
-    ranks sharing the sequence's tokens: TP under sequence parallelism, the context-parallel group, or both)
-    the counts are summed over it and the returned value is this rank's share of the loss (the shares sum to
-    the loss; each carries the gradient of its tokens)."""
+class _AttachPooled(torch.autograd.Function):
+    """Pooled mode (transformers' ``load_balancing_loss_func`` over every MoE layer at once): forward ``out``
+    unchanged; backward also sends into the layer's ``p`` (its share of the mean router probability per expert)
+    the pooled loss's gradient ``scale * E * sum_l f_l / L^2``, read at backward time, when every layer of the
+    microbatch has recorded its ``f`` (``pp = 1``: the whole forward ran before)."""
+
+    @staticmethod
+    def forward(ctx, out, p, aux, m, scale):
+        ctx.aux, ctx.m, ctx.scale = aux, m, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        scale = ctx.scale.value() if hasattr(ctx.scale, "value") else ctx.scale
+        weight = ctx.aux.pooled_weight(ctx.m)
+        scale = scale.to(weight.device, weight.dtype) if torch.is_tensor(scale) else float(scale)
+        return grad, weight * scale, None, None, None
+
+
+def balance_fractions(probs, choices, tokens, *, num_experts: int, tp_group=None):
+    """``(f, p)`` of one layer: ``f_e`` = top-k assignments to expert e per real token (summed over ``tp_group``,
+    no gradient), ``p_e`` = this rank's share of the mean router probability of e over the real tokens
+    (differentiable; the shares over ``tp_group`` sum to the mean). See :func:`load_balancing_loss`."""
     k = choices.shape[1]
     counts = torch.zeros(num_experts, dtype=torch.float32, device=probs.device)
     counts.scatter_add_(0, choices.reshape(-1), tokens.float().repeat_interleave(k))
@@ -123,4 +157,15 @@ def load_balancing_loss(probs, choices, tokens, *, num_experts: int, tp_group=No
         torch.distributed.all_reduce(stats, group=tp_group)
         counts, real = stats[:-1], stats[-1:]
     real = real.clamp(min=1.0)
-    return num_experts * ((counts / real) * (prob_sum / real)).sum()
+    return counts / real, prob_sum / real
+
+
+def load_balancing_loss(probs, choices, tokens, *, num_experts: int, tp_group=None):
+    """One layer's loss, transformers' ``load_balancing_loss_func`` applied to this layer alone:
+    ``E * sum_e f_e * P_e`` with ``f_e`` = top-k assignments to expert e per real token and ``P_e`` = mean router
+    probability of e over real tokens. ``tokens``: 1 for real rows, 0 for padding. With ``tp_group`` (the
+    ranks sharing the sequence's tokens: TP under sequence parallelism, the context-parallel group, or both)
+    the counts are summed over it and the returned value is this rank's share of the loss (the shares sum to
+    the loss; each carries the gradient of its tokens)."""
+    f, p = balance_fractions(probs, choices, tokens, num_experts=num_experts, tp_group=tp_group)
+    return num_experts * (f * p).sum()
