@@ -172,10 +172,10 @@ def reference_step(model, data, loss_fn: str, config: dict, adam: dict, optimize
         loss.backward()
         total += float(loss.detach())
         lps.append(tl.detach())
-    if adam.get("grad_clip_norm", 0.0) > 0:
-        torch.nn.utils.clip_grad_norm_(params, adam["grad_clip_norm"])
+    norm = float(torch.nn.utils.clip_grad_norm_(params, adam["grad_clip_norm"] or float("inf")))
     optimizer.step()
     optimizer.zero_grad()
+    reference_step.grad_norm = norm             # the global gradient norm before clipping, of the last call
     return total, lps, optimizer
 
 
@@ -185,3 +185,23 @@ def rank_pids(server: Server) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(server.proc.pid)], capture_output=True, text=True)
     pids = sorted(int(p) for p in out.stdout.split())
     return [server.pid] + [p for p in pids if p != server.pid]
+
+
+def check_sampling_params(sc, prompt, forward_lp) -> None:
+    """Temperature, top-p and top-k change what is drawn, not the log-probs reported (the unscaled
+    distribution's: the training forward's, within 1e-4); a stop token ends a sample with stop_reason "stop",
+    the stop token last."""
+    import numpy as np
+    from tinker import types
+    res = sc.sample(types.ModelInput.from_ints(prompt), 2, types.SamplingParams(
+        max_tokens=5, seed=3, temperature=0.7, top_p=0.9, top_k=20, stop=[])).result()
+    for s in res.sequences:
+        assert len(s.tokens) == 5
+        np.testing.assert_allclose(np.array(s.logprobs), forward_lp(prompt + s.tokens)[len(prompt) - 1:],
+                                   atol=1e-4)
+    stops = list(range(3, 60))
+    res = sc.sample(types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=40, seed=4,
+                                                                               stop=stops)).result()
+    for s in res.sequences:
+        assert s.stop_reason == "stop" and s.tokens[-1] in stops
+        assert not any(t in stops for t in s.tokens[:-1])

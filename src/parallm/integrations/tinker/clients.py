@@ -26,7 +26,8 @@ import shutil
 
 import torch
 
-__all__ = ["ClientState", "ClientTable", "write_initial_adapter"]
+__all__ = ["ClientState", "ClientTable", "clone_state_dict", "grads_restore", "grads_snapshot",
+           "write_initial_adapter"]
 
 SAMPLER_PREFIX = "sampler:"
 
@@ -42,13 +43,13 @@ class ClientState:
     steps: int = 0                   # optimizer steps taken
 
 
-def _clone_state_dict(sd):
+def clone_state_dict(sd):
     if torch.is_tensor(sd):
         return sd.detach().clone()
     if isinstance(sd, dict):
-        return {k: _clone_state_dict(v) for k, v in sd.items()}
+        return {k: clone_state_dict(v) for k, v in sd.items()}
     if isinstance(sd, (list, tuple)):
-        return type(sd)(_clone_state_dict(v) for v in sd)
+        return type(sd)(clone_state_dict(v) for v in sd)
     return sd
 
 
@@ -76,7 +77,7 @@ class ClientTable:
     def __init__(self, chunks, optimizer):
         self.chunks, self.optimizer = chunks, optimizer
         self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
-        self.fresh_optim = _clone_state_dict(optimizer.state_dict())
+        self.fresh_optim = clone_state_dict(optimizer.state_dict())
         self.clients: dict[str, ClientState] = {}
         self.active: str | None = None
 
@@ -98,7 +99,7 @@ class ClientTable:
         if st is None:          # a sampler snapshot or a dropped client: nothing to keep
             return
         st.params = [p.detach().clone() for p in self.params]
-        st.optim = _clone_state_dict(self.optimizer.state_dict())
+        st.optim = clone_state_dict(self.optimizer.state_dict())
         st.grads = grads_snapshot(self.params)
 
     @torch.no_grad()

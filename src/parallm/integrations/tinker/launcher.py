@@ -101,8 +101,23 @@ def _argv_of(args) -> list[str]:
     return out
 
 
+def check_sdk() -> None:
+    """The server decodes the SDK's own request types and protobuf messages: the ``tinker`` package of the line
+    it speaks must be importable (``pip install 'parallm[tinker]'``)."""
+    from .protocol import SDK_LINE
+    try:
+        import tinker
+    except ImportError as e:
+        raise SystemExit(f"parallm serve-tinker needs the tinker SDK {SDK_LINE}x: pip install 'parallm[tinker]' "
+                         f"({e})") from None
+    if not tinker.__version__.startswith(SDK_LINE):
+        raise SystemExit(f"parallm serve-tinker speaks the protocol of tinker {SDK_LINE}x; tinker "
+                         f"{tinker.__version__} is installed: pip install 'parallm[tinker]'")
+
+
 def run(args) -> int:
     """Start the server (standalone: local ranks; under torchrun: this rank)."""
+    check_sdk()
     if args.checkpoint_dir is None:
         args.checkpoint_dir = os.path.abspath("tinker-checkpoints")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

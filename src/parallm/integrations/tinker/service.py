@@ -131,6 +131,8 @@ class ServiceBase:
                 return
             s["finished"] = True
             mine = [m for m, rec in self.models.items() if rec.session_id == sid]
+            for mid in mine:
+                self.models.pop(mid)
         for mid in mine:
             self.leader.submit({"op": "drop_client", "args": {"model_id": mid}}, lambda ok, v, c: None)
 

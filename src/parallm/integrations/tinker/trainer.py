@@ -18,7 +18,7 @@ import torch.distributed as dist
 import parallm
 
 from .batch import make_loss_fn, outputs_of, pack
-from .clients import SAMPLER_PREFIX, ClientState, ClientTable, grads_restore, grads_snapshot
+from .clients import SAMPLER_PREFIX, ClientState, ClientTable, clone_state_dict, grads_restore, grads_snapshot
 
 __all__ = ["Trainer"]
 
@@ -123,9 +123,8 @@ class Trainer:
 
     def op_load_state(self, *, model_id, path, optimizer):
         st = self._activate(model_id)
-        before = ([p.detach().clone() for p in self.table.params], self.optimizer.state_dict(),
+        before = ([p.detach().clone() for p in self.table.params], clone_state_dict(self.optimizer.state_dict()),
                   grads_snapshot(self.table.params))
-        before = (before[0], {k: v for k, v in before[1].items()}, before[2])
         try:
             info = parallm.load_checkpoint(path, self.chunks, self.optimizer if optimizer else None)
         except BaseException:
@@ -139,9 +138,11 @@ class Trainer:
 
     @torch.no_grad()
     def _restore(self, before):
-        params, _, grads = before
+        """The client's adapters, AdamW state and gradients as they were before a failed load."""
+        params, optim, grads = before
         for p, v in zip(self.table.params, params):
             p.copy_(v)
+        self.optimizer.load_state_dict(optim)
         grads_restore(self.table.params, grads)
 
     def op_save_sampler(self, *, model_id, path):

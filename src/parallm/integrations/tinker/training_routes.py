@@ -57,7 +57,8 @@ class TrainingRoutes:
         if kind != "adamw":
             raise ApiError(400, f"optimizer {kind!r} is not offered by parallm's Tinker server (AdamW only)")
 
-    def _new_model(self, session_id, model_seq_id, lora, user_metadata, *, done=None) -> str:
+    def _new_model(self, session_id, model_seq_id, lora, user_metadata) -> tuple[str, dict]:
+        """Register a model and write its initial adapter; the model id and the ``create_client`` item."""
         model_id = f"{session_id}:train:{model_seq_id}"
         with self.lock:
             if model_id in self.models:
