@@ -18,6 +18,8 @@ Checks, one line each (PASS / FAIL, measured, limit):
       (and cp2.ep2 at N = 4)
   T4. (N >= 2) an empty replica at dp = N with a token-mean loss (token budget too): no hang, loss equal to the
       same step without that replica's rows
+  T5. no host sync per metric in forward_backward (torch.cuda.set_sync_debug_mode("warn") counts: 8 tensor
+      metrics add none)
 Exits 0 when all pass.
 """
 
@@ -155,7 +157,44 @@ def main() -> int:
         want = parallm.forward_backward(chunks, ids[:4], mask[:4], loss_fn=nll).item()   # every replica: rows 0-3
         parallm.destroy_parallel()
         report("T4 empty replica: loss against the step without it", max(abs(x - want) for x in got), 1e-5)
+    _check_syncs(parallm, ckpt, ids, mask, report, args.cpu)
     return report.finish("training")
+
+
+def _check_syncs(parallm, ckpt, ids, mask, report, cpu: bool) -> None:
+    """T5: the loss bookkeeping makes no host sync during the schedule: torch.cuda.set_sync_debug_mode("warn")
+    counts the syncs of a forward_backward with a token-mean loss and 8 tensor metrics and of the same call
+    without metrics (4 microbatches); they must be equal (the model's own syncs, such as the padding check, are
+    in both)."""
+    import warnings
+    parallm.init_parallel(backend="gloo" if cpu else None)
+    chunks = parallm.build_model(ckpt)
+    parallm.load_hf_weights(chunks, ckpt)
+    device = next(chunks[0].parameters()).device
+    batch = {"input_ids": ids[:4].to(device), "attention_mask": mask[:4].to(device)}
+
+    def loss(metrics):
+        def fn(out, mb):
+            m = mb["attention_mask"][:, 1:].float()
+            lp = out[:, :-1]
+            n = m.sum()
+            extra = {f"m{i}": (lp * m).sum() / n.clamp(min=1) * i for i in range(metrics)}
+            return ((-lp * m).sum(), n), extra
+        return fn
+    counts = []
+    for metrics in (0, 8):
+        if not cpu:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            parallm.forward_backward(chunks, batch, loss_fn=loss(metrics), num_microbatches=4, output="logprobs")
+        if not cpu:
+            torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchroniz" in str(w.message) for w in seen))
+    parallm.destroy_parallel()
+    report(f"T5 host syncs of forward_backward with 8 metrics minus without ({counts[1]} vs {counts[0]})",
+           float(counts[1] - counts[0]), 0.0)
 
 
 if __name__ == "__main__":
