@@ -117,8 +117,12 @@ def rank_fn(rank, world, ckpt, ids, mask, loss_mask):
                 for p in c.parameters():
                     p -= LR * p.grad
         state = parallm.save_hf_weights(chunks)
+        big = []        # a budget every sequence fits in one bin: still at least pp microbatches (stages overlap)
+        parallm.forward_backward(chunks, {"input_ids": ids[mine], "attention_mask": mask[mine]},
+                                 loss_fn=lambda o, mb: big.append(1) or nll_sum(o, dict(mb, loss_mask=mb[
+                                     "attention_mask"])), max_tokens_per_microbatch=10 ** 6)
         out[packed] = dict(lp=lp, loss=loss.item(), seen=seen, state=state, uneven=uneven,
-                           dp_rank=lay.dp_rank, last=lay.pp_rank == 1)
+                           dp_rank=lay.dp_rank, last=lay.pp_rank == 1, big=len(big))
         parallm.destroy_parallel()
     return out
 
@@ -138,6 +142,7 @@ def test_token_budget_microbatches_against_transformers(tmp_path):
             mine = slice(4 * got["dp_rank"], 4 * got["dp_rank"] + 4)
             assert abs(got["loss"] - ref_loss) < TOL, (packed, rank, got["loss"], ref_loss)
             assert abs(got["uneven"] - ref_uneven) < TOL, (packed, rank, got["uneven"], ref_uneven)
+            assert got["big"] == (2 if got["last"] else 0), (packed, rank, got["big"])   # >= pp bins
             both = ref_lp[mine] != 0       # positions whose token and next token are real
             lp_err = ((got["lp"] - ref_lp[mine]) * both).abs().max().item()
             assert lp_err < TOL, (packed, rank, lp_err)

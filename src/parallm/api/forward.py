@@ -103,7 +103,7 @@ def forward(chunks, input_ids, attention_mask=None, position_ids=None, *, output
         default=num_microbatches is None)
     order = sizes = None
     if budget is not None:     # bins of at most `budget` real tokens, as many on every replica
-        order, sizes = token_budget_bins(layout, attention_mask, max(bins, m))
+        order, sizes = token_budget_bins(layout, attention_mask, max(bins, m, layout.pp))
         input_ids, attention_mask, position_ids = (t[order] for t in (input_ids, attention_mask, position_ids))
         if given is not None:
             given = given[order]

@@ -82,7 +82,8 @@ def forward_backward(chunks, input_ids, attention_mask=None, *, loss_fn, num_mic
     Token budget: ``max_tokens_per_microbatch=n`` forms the microbatches from the real tokens
     (``attention_mask``) instead of equal row counts: the sequences are spread, longest first onto the least
     loaded, over the fewest bins of at most ``n`` tokens (:mod:`parallm.train.batching`; verl's dynamic batch
-    size), the count agreed over the data-parallel replicas (the largest; at least ``num_microbatches``), so
+    size), the count agreed over the data-parallel replicas (the largest; at least ``num_microbatches`` and at
+    least ``pp``, so that the pipeline stages overlap), so
     every replica runs the same schedule (a replica with fewer sequences than bins runs empty microbatches).
     Batch entries travel with their rows. A sequence longer than ``n`` is a ValueError. Use a token-mean
     ``loss_fn``: the objective is then the same whatever the bins (a scalar loss's mean over microbatches
@@ -179,7 +180,7 @@ def _prepare(chunks, layout, input_ids, attention_mask, position_ids, *, loss_fn
         request = dataclasses.replace(request, accumulate=True)
     m, sizes = num_microbatches, None
     if budget is not None:    # bins of at most the budget's real tokens, as many per replica
-        order, sizes = token_budget_bins(layout, mask, max(bins, num_microbatches))
+        order, sizes = token_budget_bins(layout, mask, max(bins, num_microbatches, layout.pp))
         index = torch.tensor(order, dtype=torch.long, device=ids.device)
         ids, mask, pos = (t.index_select(0, index) for t in (ids, mask, pos))
         if extras:
