@@ -15,6 +15,9 @@ Checks, one line each (PASS / FAIL, measured, limit):
   C. fp32 inputs on CUDA: CUDA_BLOCK takes the fp32 tiles (flash needs half precision): equal to MATH to 1e-5
   D. a Mistral with a sliding window of 16 (S = 96, 6x) built packed on this GPU: fp32 logits against
      transformers (eager) 1e-4; bf16 packed logits (the flash path under a window) relative to fp32 < 3e-2
+  E. the same Mistral padded: windowed rows through the piece plan (no [S, S] mask), same limits
+  F. attention sinks (gpt-oss) through CUDA_BLOCK vs MATH_BLOCK: packed plan, windows None / 24, bf16 (3e-2
+     relative) and fp32 (1e-5): output, dq and the sink's gradient
 Exits 0 when all pass.
 """
 
@@ -150,18 +153,46 @@ def _model_check(device, report, *, cpu: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         got = {}
-        for dt in (torch.float32, torch.bfloat16):
-            chunks = parallm.build_model(tmp, packed=True, dtype=dt)
-            parallm.load_hf_weights(chunks, tmp)
-            with torch.no_grad():
-                got[dt] = parallm.forward(chunks, ids.to(device), mask.to(device)).float().cpu()
-            del chunks
+        for packed in (True, False):      # E: the padded layout's windowed rows through the block kernel
+            for dt in (torch.float32, torch.bfloat16):
+                chunks = parallm.build_model(tmp, packed=packed, dtype=dt)
+                parallm.load_hf_weights(chunks, tmp)
+                with torch.no_grad():
+                    got[packed, dt] = parallm.forward(chunks, ids.to(device), mask.to(device)).float().cpu()
+                del chunks
     real = mask.bool()
-    report("D windowed Mistral packed fp32 logits vs transformers",
-           (got[torch.float32] - want)[real].abs().max().item(), 1e-4)
-    rel = ((got[torch.bfloat16] - want)[real].norm() / want[real].norm()).item()
-    report("D windowed Mistral packed bf16 logits vs fp32 transformers (relative)", rel, 3e-2)
+    for packed, label in ((True, "D windowed Mistral packed"), (False, "E windowed Mistral padded (piece plan)")):
+        report(f"{label} fp32 logits vs transformers", (got[packed, torch.float32] - want)[real].abs().max().item(),
+               1e-4)
+        rel = ((got[packed, torch.bfloat16] - want)[real].norm() / want[real].norm()).item()
+        report(f"{label} bf16 logits vs fp32 transformers (relative)", rel, 3e-2)
     parallm.destroy_parallel()
+    _sink_check(device, report)
+
+
+def _sink_check(device, report) -> None:
+    """F: attention sinks through CUDA_BLOCK (aten flash + the sink merged into the lse) against MATH_BLOCK in
+    fp32 on the same inputs: a packed plan of 3 documents, window None and 24; output, dq and dsink."""
+    from parallm.model.layers import blocks as A
+    from parallm.model.layers.attention import make_packing
+    g = torch.Generator().manual_seed(4)
+    mask = torch.zeros(3, 80, dtype=torch.long)
+    for r, n in enumerate((80, 33, 57)):
+        mask[r, :n] = 1
+    packing = make_packing(mask)
+    t = packing.total
+    for dt, limit in ((torch.bfloat16, 3e-2), (torch.float32, 1e-5)):
+        for window in (None, 24):
+            base = [torch.randn(t, h, 64, generator=g) for h in (8, 2, 2)] + [torch.randn(8, generator=g)]
+            res = {}
+            for name, kernel, dev, dtype in (("cuda", A.CUDA_BLOCK, device, dt), ("math", A.MATH_BLOCK, "cpu",
+                                                                                 torch.float32)):
+                q, k, v, sink = (x.to(dev, dtype).requires_grad_() for x in base)
+                out = A.attend_plan(q, k, v, packing.window_plan(window), kernel, sink=sink)
+                out.float().pow(2).sum().backward()
+                res[name] = [x.float().cpu() for x in (out.detach(), q.grad, sink.grad)]
+            worst = max(((a - b).norm() / b.norm().clamp(min=1e-6)).item() for a, b in zip(res["cuda"], res["math"]))
+            report(f"F sinks on CUDA_BLOCK {dt} window {window}: out, dq, dsink vs MATH (relative)", worst, limit)
 
 
 def _emulate_flash(A) -> None:
