@@ -22,7 +22,8 @@ import shutil
 import torch
 
 from ..errors import CheckpointError
-from ..model.layers.lora import LoraConfig, add_lora, global_entries, chunk_lora_entries, lora_config_of
+from ..model.layers.lora import (PEFT_EXPERT_FAMILIES, LoraConfig, add_lora, global_entries, chunk_lora_entries,
+                                 lora_config_of)
 from ..model.placement import placement_of
 from ..model.sharding import Source
 from ..parallel.comm import all_gather_single
@@ -151,7 +152,7 @@ def peft_config_dict(chunks) -> dict:
         else:
             params.add(parts[0][0].split(".")[-3])        # ...experts.{e}.gate_up_proj.lora_A.weight
     rank_pattern, alpha_pattern = dict(config.rank_pattern), dict(config.alpha_pattern)
-    if "gate_up_proj" in params:
+    if "gate_up_proj" in params and chunk.spec.family in PEFT_EXPERT_FAMILIES:   # PEFT's conversion doubles it
         rank_pattern[r".*\.gate_up_proj"] = 2 * config.r
         alpha_pattern[r".*\.gate_up_proj"] = 2 * config.alpha
     return {

@@ -33,6 +33,11 @@ both its factors' gradients are partial sums (``tp_sum``), as the down-projectio
 rows' ``tp_sum="sp"``); without it every rank's gradients are whole (the up-projections' and the rope key's
 backward all-reduce).
 
+gpt-oss's routed experts (``gate_up_proj [E, H, 2 I]``, ``down_proj [E, I, H]``, held as transformers holds them):
+PEFT adapts them through ``target_parameters=["gate_up_proj", "down_proj"]`` (``LoraConfig(target_modules=(...,
+"gate_up_proj", "down_proj"))`` here): one adapter per expert of rank ``r`` over each, A ``[r, in]``, B ``[out,
+r]``; fc1's B rows are gate_up's interleaved columns, split over TP as the weight's columns are.
+
 Routed experts (Qwen3-MoE, Mixtral, DeepSeek-V3; not Qwen2-MoE's: ``PEFT_EXPERT_FAMILIES``): PEFT on transformers
 5, whose experts are stacked 3-D parameters, targets them with ``target_parameters``: one adapter per expert over
 the fused ``gate_up_proj`` of rank ``2 r`` (alpha ``2 alpha``) and one over ``down_proj`` of rank ``r``;
@@ -60,7 +65,7 @@ from ...parallel.state import as_chunks
 from .lora_plan import (ALL_LINEAR, MLA_LINEAR, PEFT_EXPERT_FAMILIES, SUPPORTED_FAMILIES, KVRows, LoraConfig,
                         LoraEntry, LoraRow, Slot, Stacked, _leaf, _local_rows, global_entries, layer_slots)
 from .mla import ReplicatedLinear
-from .moe import Experts, swiglu
+from .moe import Experts
 from ..params import attach_main_grad_hooks
 from ..placement import Placement, place
 from ..table import chunk_entries
@@ -158,12 +163,13 @@ class LoraReplicatedLinear(ReplicatedLinear):
 
 class ExpertAdapter(nn.Module):
     """The routed experts' factors of one layer, stacked over the rank's experts: ``lora_A/B["gate_up_proj"]``
-    (``[E_local, 2r, H]`` / ``[E_local, 2 I / tp, 2r]``) and ``lora_A/B["down_proj"]`` (``[E_local, r, I / tp]`` /
-    ``[E_local, H, r]``)."""
+    (``[E_local, 2r, H]`` / ``[E_local, 2 I / tp, 2r]``; gpt-oss: rank ``r``, B's rows the interleaved gate / up
+    columns of ``[H, 2 I]``) and ``lora_A/B["down_proj"]`` (``[E_local, r, I / tp]`` / ``[E_local, H, r]``).
+    ``columns``: the experts hold their weights as ``[in, out]`` (gpt-oss), so a merged update is ``(B A)^T``."""
 
-    def __init__(self, state: LoraState):
+    def __init__(self, state: LoraState, *, columns: bool = False):
         super().__init__()
-        self.state = state
+        self.state, self.columns = state, columns
         self.slots: dict[str, Slot] = {}
         self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()
 
@@ -196,26 +202,18 @@ def expert_lora_delta(x, a, b, counts, offsets, grouped: bool):
 
 class LoraExperts(Experts):
     """The routed experts with their per-expert adapters (``self.lora``, an :class:`ExpertAdapter`): ``fc1`` and
-    ``fc2`` each ``W x + B (A x) * scaling`` per expert. The adapters' partial sums over TP (A of fc1 sees this
-    rank's fc1 rows only; B of fc2 this rank's fc2 columns) ride on the experts' own TP reduction; their
-    gradients are partial sums (``tp_sum``)."""
+    ``fc2`` each ``W x + B (A x) * scaling`` per expert (biases and activation as the experts' own). The adapters'
+    partial sums over TP (A of fc1 sees this rank's fc1 rows only; B of fc2 this rank's fc2 columns) ride on the
+    experts' own TP reduction; their gradients are partial sums (``tp_sum``)."""
 
-    def forward(self, rows, counts, counts_device):
+    def project(self, x, part, groups):
+        y = super().project(x, part, groups)
         ad = self.lora
-        if not ad.state.enabled:
-            return super().forward(rows, counts, counts_device)
-        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
-        grouped = self.kernel == "grouped_mm"
-        offsets = counts_device.cumsum(0).to(torch.int32) if grouped else None
-
-        def linear(x, w, part):
-            y = _gmm(x, w, counts, offsets, grouped)
-            if part in ad.lora_A:
-                delta = expert_lora_delta(x, ad.lora_A[part], ad.lora_B[part], counts, offsets, grouped)
-                y = y + delta * ad.slots[part].scaling
+        if not ad.state.enabled or part not in ad.lora_A:
             return y
-
-        return linear(swiglu(linear(rows, w1, "gate_up_proj")), w2, "down_proj")
+        counts, offsets, _ = groups
+        delta = expert_lora_delta(x, ad.lora_A[part], ad.lora_B[part], counts, offsets, offsets is not None)
+        return y + delta * ad.slots[part].scaling
 
 
 # -- building -------------------------------------------------------------------------------------------------
@@ -321,7 +319,7 @@ def _add_to_chunk(chunk, config, state) -> int:
             experts_module = chunk.get_submodule(entry.local.rsplit(".", 2)[0])
             if not isinstance(experts_module, LoraExperts):
                 experts_module.__class__ = LoraExperts
-                experts_module.lora = ExpertAdapter(state)
+                experts_module.lora = ExpertAdapter(state, columns=experts_module.columns)
             ad = experts_module.lora
             (s,) = slots
             ad.slots[s.part] = s
@@ -401,7 +399,7 @@ def _deltas(weight, what):
     if part not in ad.lora_A:
         return []
     delta = torch.bmm(ad.lora_B[part].float(), ad.lora_A[part].float()) * ad.slots[part].scaling
-    return [(weight, delta)]
+    return [(weight, delta.transpose(-2, -1) if ad.columns else delta)]
 
 
 @contextlib.contextmanager

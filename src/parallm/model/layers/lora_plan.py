@@ -19,7 +19,8 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 MLA_LINEAR = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 # families whose layers parallm can adapt (plain GQA or multi-head latent attention; experts as transformers 5
 # stacks them)
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3",
+                      "gpt_oss")
 # MoE families whose MLP target names PEFT 0.21 retargets to the stacked routed experts on transformers 5
 # (peft.utils.transformers_weight_conversion: a conversion pattern for the model type; deepseek_v3 shares
 # qwen2_moe's pattern in transformers' table, as qwen3_moe does). Their dense MLPs and shared experts then get no
@@ -256,6 +257,8 @@ def layer_slots(spec, entry, config: LoraConfig, *, tp: int, sp: bool) -> tuple[
         (m, p), = modules
         return "row", [Slot(m, p, spec.hidden_size, spec.q_size, *config.rank_alpha_scaled(m), Split(1), Replicated(),
                             False, sp)]
+    if moe and spec.moe.expert_layout == "interleaved_columns" and local.startswith("mlp.experts."):
+        return _column_expert_slots(spec, entry, config, modules, hit, tp=tp)
     mlp = local in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight", "mlp.shared_experts.linear_fc1.weight",
                     "mlp.shared_experts.linear_fc2.weight")
     if mlp and (not moe or spec.family not in PEFT_EXPERT_FAMILIES):
@@ -295,6 +298,23 @@ def layer_slots(spec, entry, config: LoraConfig, *, tp: int, sp: bool) -> tuple[
                          "adapts q/k/v/o_proj, gate/up/down_proj, routed experts and multi-head latent attention's "
                          "q_a/q_b/kv_a/kv_b projections only (not Gated DeltaNet or other projections)")
     return None
+
+
+def _column_expert_slots(spec, entry, config, modules, hit, *, tp: int):
+    """gpt-oss's experts as PEFT adapts them (``target_parameters`` ``gate_up_proj`` / ``down_proj``: a
+    ``ParamWrapper`` per stacked parameter, ``[E, in, out]`` read as ``in -> out``): rank ``r`` on each, fc1's B
+    rows the interleaved gate / up columns (split over TP as the weight's columns), fc2's A columns split as its
+    rows. The experts' biases take no adapter."""
+    if not entry.local.endswith(".weight") or not hit[0]:
+        return None
+    part = entry.row.fused[0].rsplit(".", 1)[-1]
+    fused = entry.row.fused[0].format(i=entry.layer).removesuffix("." + part)
+    r, alpha = _expert_rank_alpha(config, modules)
+    width, hidden = spec.moe.expert_intermediate_size, spec.hidden_size
+    if part == "gate_up_proj":
+        return "experts_fc1", [Slot(fused, part, 2 * width, hidden, r, alpha / r, Replicated(), Split(0), tp > 1,
+                                    False)]
+    return "experts_fc2", [Slot(fused, part, hidden, width, r, alpha / r, Split(1), Replicated(), False, tp > 1)]
 
 
 def _local_rows(spec, entry, tp, rank) -> list[int]:

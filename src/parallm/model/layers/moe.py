@@ -282,32 +282,30 @@ class Experts(nn.Module):
             return F.silu(gate) * up
         return clamped_swiglu(gate, up, limit=self.limit, alpha=self.alpha)
 
-    def mats(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """fc1's and fc2's weights as the right-hand matrices of ``rows @ w`` (``[E_local, in, out]``)."""
-        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
-        return (w1, w2) if self.columns else (w1.transpose(-2, -1), w2.transpose(-2, -1))
-
     def forward(self, rows: torch.Tensor, counts: list[int], counts_device: torch.Tensor) -> torch.Tensor:
         """``rows`` grouped by local expert, ``counts[x]`` of them for local expert x (``counts_device``: the same
         on the device). An expert with no rows still takes part in autograd: its weights get a zero gradient.
         Biases enter through each row's one-hot expert times the stacked bias (a small GEMM: its gradient is a
         GEMM too, with no accumulation by index)."""
-        m1, m2 = self.mats()
-        b1, b2 = self.linear_fc1.bias, self.linear_fc2.bias if self.add_down_bias else None
-        onehot = _group_of_rows(counts_device, rows.shape[0], rows.dtype) if b1 is not None else None
-        if self.kernel == "grouped_mm":
-            offsets = counts_device.cumsum(0).to(torch.int32)
-            h = torch._grouped_mm(rows, m1, offs=offsets)
-            if b1 is not None:
-                h = h + onehot @ b1
-            out = torch._grouped_mm(self.act(h), m2, offs=offsets)
-            return out + onehot @ b2 if b2 is not None else out
-        outs = []
-        for x, part in enumerate(rows.split(counts, dim=0)):
-            h = part @ m1[x] if b1 is None else torch.addmm(b1[x], part, m1[x])
-            out = self.act(h) @ m2[x]
-            outs.append(out if b2 is None else out + b2[x])
-        return torch.cat(outs, dim=0)
+        offsets = counts_device.cumsum(0).to(torch.int32) if self.kernel == "grouped_mm" else None
+        onehot = _group_of_rows(counts_device, rows.shape[0], rows.dtype) \
+            if self.linear_fc1.bias is not None else None
+        groups = (counts, offsets, onehot)
+        return self.project(self.act(self.project(rows, "gate_up_proj", groups)), "down_proj", groups)
+
+    def project(self, x: torch.Tensor, part: str, groups) -> torch.Tensor:
+        """fc1 (``part`` ``"gate_up_proj"``) or fc2 (``"down_proj"``) of every local expert on its rows of ``x``,
+        bias included (fc2's on TP rank 0 only). ``groups``: ``(counts, offsets, onehot)`` of :meth:`forward`
+        (``offsets``: the grouped GEMM's, None: a loop over the experts)."""
+        counts, offsets, onehot = groups
+        fc = self.linear_fc1 if part == "gate_up_proj" else self.linear_fc2
+        mat = fc.weight if self.columns else fc.weight.transpose(-2, -1)         # [E_local, in, out]
+        bias = fc.bias if part == "gate_up_proj" or self.add_down_bias else None
+        if offsets is not None:
+            y = torch._grouped_mm(x, mat, offs=offsets)
+            return y if bias is None else y + onehot @ bias
+        return torch.cat([xe @ mat[e] if bias is None else torch.addmm(bias[e], xe, mat[e])
+                          for e, xe in enumerate(x.split(counts, dim=0))], dim=0)
 
 
 class SharedExpert(MLP):
