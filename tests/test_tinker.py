@@ -30,7 +30,7 @@ ADAM = {"learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight
 def server(tmp_path_factory):
     work = str(tmp_path_factory.mktemp("tinker"))
     model = th.tiny_model(os.path.join(work, "model"), seed=3)
-    srv = th.Server(model, work, tp=2, sampler="parallm", lora_rank=RANK, api_key=KEY)
+    srv = th.Server(model, work, tp=2, sampler="parallm", lora_rank=RANK, api_key=KEY, cli=True)   # parallm serve-tinker
     try:
         srv.model, srv.work = model, work
         srv.client = tinker.ServiceClient(base_url=srv.url, api_key=KEY)

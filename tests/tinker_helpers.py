@@ -47,13 +47,16 @@ def tiny_model(path: str, *, seed: int = 0, family: str = "qwen3", layers: int =
 
 
 class Server:
-    """``parallm serve-tinker`` in a subprocess (its own process group); ``url`` once ready."""
+    """The server in a subprocess (its own process group): ``python -m parallm.integrations.tinker``, or with
+    ``cli=True`` the ``parallm serve-tinker`` command (``python -m parallm``); ``url`` once ready."""
 
     def __init__(self, model: str, workdir: str, *, tp: int = 2, sampler: str = "parallm", lora_rank: int = 8,
-                 extra=(), python: str | None = None, api_key: str | None = None, timeout: float = 420.0):
+                 extra=(), python: str | None = None, api_key: str | None = None, timeout: float = 420.0,
+                 cli: bool = False):
         self.ready = os.path.join(workdir, "ready.json")
         self.log_path = os.path.join(workdir, "server.log")
-        cmd = [python or sys.executable, "-m", "parallm.integrations.tinker", "--model", model, "--tp", str(tp),
+        entry = ["-m", "parallm", "serve-tinker"] if cli else ["-m", "parallm.integrations.tinker"]
+        cmd = [python or sys.executable, *entry, "--model", model, "--tp", str(tp),
                "--port", "0", "--sampler", sampler, "--lora-rank", str(lora_rank), "--ready-file", self.ready,
                "--checkpoint-dir", os.path.join(workdir, "ckpt"), "--timeout", "120", *extra]
         if api_key:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import secrets
 import threading
 import time
 
@@ -51,6 +52,8 @@ class ServiceBase:
         self.samplers: dict[str, dict] = {}
         self.session_timeout_s = session_timeout_s
         self._ids = itertools.count(1)
+        self._run = secrets.token_hex(3)        # session ids (and the model ids and checkpoint paths made from
+        #                                         them) differ from one server start to the next
 
     # -- futures and ordering ------------------------------------------------------------------------------------
     def job(self, kind: str, item: dict, to_result, *, model_id: str | None = None, seq_id: int | None = None,
@@ -188,7 +191,7 @@ class ServiceBase:
         req = protocol.parse(_types().CreateSessionRequest, body, route="create_session")
         protocol.check_sdk_version(req.sdk_version)
         with self.lock:
-            sid = f"session-{next(self._ids)}"
+            sid = f"session-{self._run}-{next(self._ids)}"
             self.sessions[sid] = {"created": time.time(), "heartbeat": time.monotonic(), "finished": False,
                                   "user_metadata": req.user_metadata, "display_name": req.display_name}
         warn = self.config.get("session_warning")
