@@ -48,6 +48,21 @@ def read_tensors(path, keys=None) -> dict[str, torch.Tensor]:
     return _read_full(os.path.abspath(os.fspath(path)), record, metadata, list(keys), what="read_tensors")
 
 
+def stacked_of(record: dict, names) -> dict[str, tuple[str, int]]:
+    """Per-expert tensor name -> ``(the stacked tensor it is written into, its expert index)`` for a family whose
+    checkpoints stack their experts (gpt-oss: :func:`parallm.model.table.stacked_saves`), read from the record's
+    config; ``{}`` for every other family."""
+    from ...families import spec_from_config
+    from ...families.registry import family_for
+    from ...model.table import all_entries, stacked_saves
+    if not any(r.save_fused for r in family_for(record["hf_config"]).table):
+        return {}
+    spec, family = spec_from_config(record["hf_config"])
+    everything = all_entries(family.table, spec, task=record.get("task", "causal_lm"), pp=1)
+    names = set(names)
+    return {n: v for n, v in stacked_saves(everything).items() if n in names}
+
+
 def checkpoint_to_hf(path, out_dir, *, dtype: torch.dtype | None = None, overwrite: bool = False,
                      max_shard_size=DEFAULT_MAX_SHARD_SIZE) -> None:
     """Turn the training checkpoint at ``path`` into an HF checkpoint directory (safetensors + index +
@@ -72,17 +87,32 @@ def checkpoint_to_hf(path, out_dir, *, dtype: torch.dtype | None = None, overwri
             torch.float32} if dtype.itemsize < 4 else set()
     # fp32 masters where the run has them (a trained low-precision tensor); the stored tensor elsewhere
     sources = {n: "optim/master" if dtype.itemsize >= 4 and n in masters else "model" for n, _ in names}
-    files = plan_files(names, dtype, parse_size(max_shard_size), fp32=fp32)
+    stacked = stacked_of(record, [n for n, _ in names])      # gpt-oss: experts written stacked, as its checkpoints
+    parts = {}
+    for n, (fused, e) in stacked.items():
+        parts.setdefault(fused, {})[e] = n
+    outputs, seen = [], set()
+    for n, shape in names:
+        name = stacked[n][0] if n in stacked else n
+        if name not in seen:
+            seen.add(name)
+            outputs.append((name, (len(parts[name]),) + shape if n in stacked else shape))
+    fp32 |= {stacked[n][0] for n in fp32 if n in stacked}
+    files = plan_files(outputs, dtype, parse_size(max_shard_size), fp32=fp32)
     check_target(out_dir, overwrite)
     tmp = make_tmp_beside(out_dir)
     try:
         from safetensors.torch import save_file
         for f in files:
-            full = _read_full(path, record, metadata, [f"{sources[name]}/{name}" for name in f["tensors"]],
+            members = {name: [parts[name][e] for e in sorted(parts[name])] if name in parts else [name]
+                       for name in f["tensors"]}
+            full = _read_full(path, record, metadata, [f"{sources[n]}/{n}" for ns in members.values() for n in ns],
                               what="checkpoint_to_hf")
-            out = {name: cast(full[f"{sources[name]}/{name}"], torch.float32 if name in fp32 else dtype, name,
-                              instead="export").contiguous()
-                   for name in f["tensors"]}
+            out = {}
+            for name, ns in members.items():
+                t = [cast(full[f"{sources[n]}/{n}"], torch.float32 if name in fp32 else dtype, n, instead="export")
+                     for n in ns]
+                out[name] = (torch.stack(t) if name in parts else t[0]).contiguous()
             save_file(out, os.path.join(tmp, f["name"]), metadata={"format": "pt"})
         if len(files) > 1:
             weight_map = {n: f["name"] for f in files for n in f["tensors"]}
