@@ -75,6 +75,7 @@ def test_vllm_logprobs_match_the_training_forward(server):
         assert len(s.tokens) == 8 and s.stop_reason == "length"
         got = _forward_lp(tc, prompt + s.tokens)[len(prompt) - 1:]
         np.testing.assert_allclose(np.array(s.logprobs), got, atol=1e-4)
+    th.check_sampling_params(sc, prompt, lambda toks: _forward_lp(tc, toks))
     base = server.client.create_sampling_client(base_model=server.model).result()       # no adapter
     blp = base.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
     fresh = server.client.create_lora_training_client(base_model=server.model, rank=RANK, seed=8).result()
