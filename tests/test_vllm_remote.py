@@ -20,6 +20,10 @@ engine core and worker). One 2-rank spawn, the trainer at tp2:
   updates: the same error on every rank within seconds; both engines left unfinished and paused (vLLM's
   ``/is_paused``) and listed in ``needs_restart``; the next push leaves both engines equal to the trainer and
   resumed (it closes their interrupted update, then sends every tensor);
+* a request of 2000 tokens running on the TP-1 engine when a push starts: the push drains it first (vLLM's
+  ``/pause?mode=wait``): the engine's ``start_weight_update`` comes after the request's end, all of its tokens
+  come from the weights the engine held before (compared with a model loaded from a snapshot of them), and the
+  engines equal the trainer afterwards;
 * the TP-1 server killed during a push (SIGKILL of its session at its second update): ``EngineFailed`` on every
   rank naming it as needing a restart, the TP-2 engine finished with every tensor (its log-probs equal the
   trainer's), and the next push to the healthy engine works.
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -44,7 +49,8 @@ import helpers  # noqa: E402
 import vllm_engines as ve  # noqa: E402
 
 TOL = 1e-4
-LAYERS = dict(num_hidden_layers=2, intermediate_size=96, tie_word_embeddings=True)
+TOKENS = 2000              # the request in flight during a push
+LAYERS = dict(num_hidden_layers=2, intermediate_size=96, tie_word_embeddings=True, max_position_embeddings=2048)
 
 
 def _sample_all(urls, model, batch, seed, *, dp_ranks=(None,)):
@@ -68,6 +74,55 @@ def _is_paused(url: str) -> bool:
     import urllib.request
     with urllib.request.urlopen(f"{url}/is_paused", timeout=30) as res:
         return bool(json.loads(res.read())["is_paused"])
+
+
+def _request_in_flight(out, chunks, opt, conn, s, batch, rank):
+    """A long request (``TOKENS``) running on the TP-1 engine when a push starts: the push drains it first
+    (vLLM's ``/pause?mode=wait``), so every one of its tokens comes from the weights the engine held before
+    (compared with a model loaded from a snapshot of them); a push running beside it would change the weights
+    under it part-way."""
+    import torch.distributed as dist
+
+    import parallm
+    from parallm.integrations import vllm as pv
+    from parallm.integrations.vllm import client
+    parallm.save_hf_weights(chunks, s["snapshot"], overwrite=True)      # what the engines hold now
+    ve.train(chunks, opt, chunks[0].spec.vocab_size, 1, seed=15)
+    box, thread = {}, None
+    start = client._HttpEngine.start
+
+    def request():
+        try:
+            box["samples"] = ve.sample_http(s["urls"][1], s["ckpt"], batch[:1], 16, max_tokens=TOKENS)
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            box["error"] = f"{type(e).__name__}: {e}"
+        box["ended"] = time.monotonic()
+
+    def timed_start(self):
+        box.setdefault("started", {})[self.url] = time.monotonic()
+        return start(self)
+    if rank == 0:
+        thread = threading.Thread(target=request)
+        thread.start()
+        time.sleep(1.0)
+        out["inflight_running_at_push"] = thread.is_alive()
+    client._HttpEngine.start = timed_start
+    try:
+        ve.attempt(out, "inflight_push", lambda: pv.push_weights(chunks, conn, bucket_bytes="64KB"))
+    finally:
+        client._HttpEngine.start = start
+    if thread is not None:
+        thread.join()
+        # the engine's start_weight_update came after the request's end: the push waited for it
+        out["inflight_ended_before_update"] = box["ended"] <= box["started"][s["urls"][1]]
+    obj = [(box.get("samples"), box.get("error"))]
+    dist.broadcast_object_list(obj, src=0)
+    samples, out["inflight_error"] = obj[0]
+    old = parallm.build_model(s["snapshot"])
+    parallm.load_hf_weights(old, s["snapshot"])
+    out["inflight_tokens"] = len(samples[0][0]) if samples else 0
+    out["inflight_vs_old"] = ve.max_diff(old, batch[:1], samples) if samples else float("inf")
+    out["after_inflight"] = _diffs(chunks, s["urls"], s["ckpt"], batch, 17)
 
 
 def _untied_dp(out, s, rank):
@@ -178,6 +233,7 @@ def _rank(rank, world, s):
     ve.attempt(out, "push-after-trainer-fail", lambda: pv.push_weights(chunks, conn))
     out["trainer_fail_paused_after"] = [_is_paused(u) for u in urls] if rank == 0 else None
     out["after_trainer_fail"] = _diffs(chunks, urls, ckpt, batch, 14)
+    _request_in_flight(out, chunks, opt, conn, s, batch, rank)
 
     # the TP-1 server killed at its second update of a push
     ve.train(chunks, opt, vocab, 1, seed=6)
@@ -223,6 +279,7 @@ def run(tmp_path_factory):
         for x in servers:
             x.wait_ready(600)
         s = dict(ckpt=ckpt, urls=[x.url for x in servers[:2]], pids=[x.process.pid for x in servers[:2]],
+                 snapshot=str(root / "w0"),
                  others=others, untied=untied, dp_url=servers[2].url)
         out = verify.spawn(_rank, 2, s, timeout=600, collective_timeout=helpers.COLLECTIVE_TIMEOUT_S,
                            preload=("helpers", "vllm_engines"),
@@ -321,6 +378,20 @@ def test_trainer_failure_mid_stream_interrupts_the_engines(run):
         assert r["push-after-trainer-fail"][0] == "ok", r["push-after-trainer-fail"]
         assert r["push-after-trainer-fail"][1]["needs_restart"] == [], r["push-after-trainer-fail"]
         assert max(r["after_trainer_fail"]) <= TOL, r["after_trainer_fail"]
+
+
+@pytest.mark.timeout(1200)
+def test_push_drains_a_request_in_flight(run):
+    """A request generating when the push starts ends under the weights it started with (the push waited for
+    it); the engines equal the trainer after the push."""
+    out, _ = run
+    assert out[0]["inflight_running_at_push"] and out[0]["inflight_ended_before_update"], out[0]
+    for r in out:
+        assert r["inflight_push"][0] == "ok", r["inflight_push"]
+        assert r["inflight_error"] is None, r["inflight_error"]
+        assert r["inflight_tokens"] == TOKENS, r["inflight_tokens"]
+        assert r["inflight_vs_old"] <= TOL, r["inflight_vs_old"]
+        assert max(r["after_inflight"]) <= TOL, r["after_inflight"]
 
 
 @pytest.mark.timeout(1200)

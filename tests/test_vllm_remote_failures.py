@@ -177,9 +177,10 @@ def test_gloo_dead_engine_does_not_hold_up_the_others(res):
     assert res[0]["store_addresses"] == ["0100007F"], res[0]["store_addresses"]     # 127.0.0.1 only
 
 
-def _small_tmpfs_rank(rank, world, ckpt):
+def _small_tmpfs_rank(rank, world, ckpt, directory):
     import parallm
     from parallm.integrations import vllm as pv
+    os.environ[transport.SHM_DIR_ENV] = directory       # (spawned ranks may come from a fork server started earlier)
     out = {}
     parallm.init_parallel(tp=2)
     chunks = parallm.build_model(ckpt)
@@ -191,7 +192,7 @@ def _small_tmpfs_rank(rank, world, ckpt):
 
 
 @pytest.mark.timeout(300)
-def test_a_real_tmpfs_too_small(tmp_path, monkeypatch):
+def test_a_real_tmpfs_too_small(tmp_path):
     """The same on a real 1 MiB tmpfs (two slots need 2 MiB): the old sparse file made rank 0 die of SIGBUS at
     its first write past the free space, and its peer wait for the timeout. Mounting needs root: skipped
     elsewhere (the ENOSPC case above covers the logic)."""
@@ -200,12 +201,11 @@ def test_a_real_tmpfs_too_small(tmp_path, monkeypatch):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
-        monkeypatch.setenv(transport.SHM_DIR_ENV, str(mnt))
         cfg = helpers.tiny_config("qwen2", tie_word_embeddings=False, num_hidden_layers=2, hidden_size=256,
                                   intermediate_size=512)          # 6.6 MB: the buckets outgrow the 1 MiB
         ckpt = helpers.save_checkpoint(helpers.make_hf_model(cfg, seed=3), str(tmp_path / "ckpt"))
         t0 = time.monotonic()
-        res = helpers.run_ranks(_small_tmpfs_rank, 2, ckpt, timeout=240)
+        res = helpers.run_ranks(_small_tmpfs_rank, 2, ckpt, str(mnt), timeout=240)
         assert time.monotonic() - t0 < 200
         for r in res:
             kind, msg, seconds = r["push"]

@@ -10,10 +10,11 @@ rank 0): log-probs of the engine's samples equal parallm's ``forward(output="log
 fp32), far apart after two AdamW steps, equal after a push through parallm_shm and after a second one through
 parallm_gloo; then the sender failing in the middle of layer 0's experts (16 KB buckets, one expert each): the
 engine left unfinished with the experts layer half-received in both workers and marked in ``needs_restart``,
-and the next complete push brings it level. The workers loaded the shm push from views of the shared slots: each copied out of a slot only the
-tensors vLLM's layer-wise reload still held after an update (``held_bytes``: more than nothing, since the
-vocabulary-padded embedding waits for ``finish_weight_update``, and less than the push; a worker that
-copied whole slots again would copy nothing this way).
+and the next push (it closes the open update first) brings it level. The workers loaded the shm push from views
+of the shared slots: each copied out of a slot only the tensors vLLM's layer-wise reload still held after an
+update (``held_bytes``: more than nothing, since the vocabulary-padded embedding waits for
+``finish_weight_update``, and less than the push; a worker that copied whole slots again would copy nothing this
+way).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _trainer_fails_mid_layer(out, chunks, opt, llm, batch, vocab):
     """The sender fails at the stream's first tensor of layer 0's third expert (16 KB buckets: one expert per
     bucket, so the two before it reached the engine, and vLLM's experts layer of all four holds half of its
     experts): the engine is left unfinished (finishing would build that layer's other experts from
-    uninitialised memory) and marked; the next push brings it level."""
+    uninitialised memory) and marked; the next push closes the open update first and brings it level."""
     from parallm.integrations import vllm as pv
     from parallm.integrations.vllm import remote
     ve.train(chunks, opt, vocab, 1, seed=8)
@@ -161,7 +162,7 @@ def test_push_moe_into_an_llm_with_worker_processes(moe):
 @pytest.mark.timeout(600)
 def test_trainer_failure_in_the_middle_of_a_moe_layer(moe):
     """The engine is not finished with a half-received experts layer: it is marked (``needs_restart``) with the
-    layer still open in both workers, and the next complete push brings it level with the trainer."""
+    layer still open in both workers, and the next push (it closes the open update first) brings it level."""
     for r in moe:
         kind, msg, seconds = r["trainer_fails"]
         assert kind == "RuntimeError" and "middle of layer 0's experts" in msg and seconds < 60, r["trainer_fails"]

@@ -17,8 +17,9 @@ either: each function imports it when called). One concern per module: :mod:`.in
 in the trainer's process), :mod:`.push` (``push_weights``), :mod:`.source` (a vLLM ``WeightSource`` over the
 export stream, for vLLM's own trainer-side backends), :mod:`.backends` (parallm's worker-side weight-transfer
 backends ``parallm_shm`` and ``parallm_gloo``, registered in vLLM through the ``vllm.general_plugins`` entry
-point), :mod:`.serve` (``serve``: a ``vllm serve`` engine in processes of its own), :mod:`.client` (``connect``:
-engines and their control calls), :mod:`.remote` (the push into engines in
+point), :mod:`.serve` (``serve``: a ``vllm serve`` engine in processes of its own, under :mod:`._watchdog`),
+:mod:`.client` (``connect``), :mod:`.engines` (the engines' control calls and threads), :mod:`.transport` (the
+shared-memory file, the gloo rendezvous, the per-connection secret), :mod:`.remote` (the push into engines in
 other processes), :mod:`.fixes` (what the engine's model must look like; vLLM-CPU's reload fixes). See
 docs/rl.md.
 """

@@ -10,9 +10,8 @@ finished bucket becomes one ``update_weights`` call per engine (each engine's ca
 for gloo with the slot's broadcast to the engine's group posted beside it) while the stream fills the other slot
 with the next bucket. Before the stream writes into a slot again every engine has loaded it. Buckets default to
 512 MiB here (``REMOTE_BUCKET_BYTES``; capped at the model's size), not the export stream's 64 MiB: each is a
-round trip through every engine. Around the stream: ``verify`` (the engines check names, shapes and dtype against
-their models, before anything changes), ``start_weight_update``, and after it ``finish_weight_update`` and a
-prefix-cache reset (cached prompt prefixes hold keys and values of the old weights).
+round trip through every engine. From a model on an accelerator the slots are still host memory: the stream
+assembles each bucket on the device and copies it into the slot once complete (``export_hf_tensors(out=...)``).
 
 Around the stream, on every engine the push goes to: ``verify`` (names, shapes and dtype against the engine's
 model, before anything changes), ``pause`` (a ``vllm serve`` engine lets its requests in flight end and holds new
@@ -29,7 +28,8 @@ none could start, before the stream). Later pushes go to the other engines only.
 during the stream (a rank's copy, the sender) ends the stream on every rank with that error; the engines that had
 received part of the push are not finished (vLLM would build the layer it was loading from uninitialised memory),
 stay paused and are marked ``conn.interrupted`` (listed in ``needs_restart``): the next push finishes their
-interrupted update first, then sends them every tensor, after which they are usable again. An engine that had
+interrupted update first (vLLM refuses to start an update over an open one), then sends them every tensor,
+after which they are usable again. An engine that had
 received nothing is finished with its old weights intact and resumed.
 """
 
