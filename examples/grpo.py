@@ -320,6 +320,30 @@ def lr_factor(step: int, steps: int) -> float:
     return 0.5 + 0.25 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, steps - warm))))
 
 
+def summarize(rows, args, rollout, warm_loss, accuracy, held_out: int, t_start: float) -> None:
+    """Rank 0, at the end: the reward of the first and last 10 % of the steps, the worst mismatch, the pushes,
+    the routing drift (MoE), the engines' prefix-cache hits (``--engines serve``), the greedy accuracy."""
+    n = args.digits
+    k = max(1, len(rows) // 10)
+    first, last = (sum(x["reward"] for x in part) / len(part) for part in (rows[:k], rows[-k:]))
+    print(f"task {args.task}, {n} digits; rollouts: {rollout.name}; warm-up loss {warm_loss:.3f} after "
+          f"{args.warmup_steps} steps")
+    if rows:
+        worst = max(rows, key=lambda x: x["logprob_mismatch_max"])
+        print(f"mean reward: first {k} steps {first:.3f}, last {k} steps {last:.3f}; max log-prob mismatch "
+              f"{worst['logprob_mismatch_max']:.1e} (step {worst['step']}; every step checked <= "
+              f"{args.max_mismatch:g}); push {min(x['push_s'] for x in rows):.3f}-"
+              f"{max(x['push_s'] for x in rows):.3f} s")
+    if rows and args.model == "moe":
+        print(f"router replay: routing drift after each step's updates {min(x['routing_drift'] for x in rows):.3f}"
+              f"-{max(x['routing_drift'] for x in rows):.3f} of (answer token, MoE layer) pairs")
+    if hasattr(rollout, "prefix_cache"):
+        hits, queries = rollout.prefix_cache()
+        print(f"prefix cache: {hits:.0f} of {queries:.0f} prompt tokens served from the engines' caches")
+    print(f"greedy accuracy on {held_out} held-out prompts: {accuracy[0]:.3f} before GRPO, "
+          f"{accuracy[1]:.3f} after; {time.perf_counter() - t_start:.0f} s")
+
+
 def run(chunks, opt, rollout, args, g, warm_loss, t_start, made, rank) -> list[dict]:
     import parallm
     from tqdm.auto import tqdm
@@ -377,24 +401,7 @@ def run(chunks, opt, rollout, args, g, warm_loss, t_start, made, rank) -> list[d
     bar.close()
     acc_after = greedy_accuracy(rollout, eval_prompts, n)
     if rank == 0:
-        k = max(1, len(rows) // 10)
-        first, last = (sum(x["reward"] for x in part) / len(part) for part in (rows[:k], rows[-k:]))
-        print(f"task {args.task}, {n} digits; rollouts: {rollout.name}; warm-up loss {warm_loss:.3f} after "
-              f"{args.warmup_steps} steps")
-        if rows:
-            worst = max(rows, key=lambda x: x["logprob_mismatch_max"])
-            print(f"mean reward: first {k} steps {first:.3f}, last {k} steps {last:.3f}; max log-prob mismatch "
-                  f"{worst['logprob_mismatch_max']:.1e} (step {worst['step']}; every step checked <= "
-                  f"{args.max_mismatch:g}); push {min(x['push_s'] for x in rows):.3f}-"
-                  f"{max(x['push_s'] for x in rows):.3f} s")
-        if rows and args.model == "moe":
-            print(f"router replay: routing drift after each step's updates {min(x['routing_drift'] for x in rows):.3f}"
-                  f"-{max(x['routing_drift'] for x in rows):.3f} of (answer token, MoE layer) pairs")
-        if hasattr(rollout, "prefix_cache"):
-            hits, queries = rollout.prefix_cache()
-            print(f"prefix cache: {hits:.0f} of {queries:.0f} prompt tokens served from the engines' caches")
-        print(f"greedy accuracy on {len(eval_prompts)} held-out prompts: {acc_before:.3f} before GRPO, "
-              f"{acc_after:.3f} after; {time.perf_counter() - t_start:.0f} s")
+        summarize(rows, args, rollout, warm_loss, (acc_before, acc_after), len(eval_prompts), t_start)
     if log:
         log.close()
     parallm.destroy_parallel()
