@@ -8,9 +8,10 @@ The engines' log-probs of their samples equal the trainer's (within 1e-4, which 
 every step, ``--max-mismatch``) on every one of 8 steps (a push that did not reach one of the engines leaves them
 apart, by ~1 from the first step, which follows the supervised warm-up; rollouts paired with the wrong prompts
 too; a prefix cache not reset after a push serves the system prompt's keys and values of the previous step's
-weights), and the engines served most prompt tokens from their prefix caches (vLLM's ``/metrics``). That the example learns (the reward rising within 24 steps) is checked on the
-same example with the in-process engine (tests/test_vllm.py::test_grpo_example_learns), not here: 24 steps with
-engines in other processes cost the suite several minutes more. The servers are stopped by the example (and
+weights), and the engines served most prompt tokens from their prefix caches (vLLM's ``/metrics``). That the
+example learns (the reward rising within 24 steps) is checked on the same example with the in-process engine
+(tests/test_vllm.py::test_grpo_example_learns), not here: 24 steps with engines in other processes cost the
+suite several minutes more. The servers are stopped by the example (and
 their /dev/shm files removed)."""
 
 from __future__ import annotations
