@@ -527,8 +527,9 @@ def test_inspect_deepseek_uneven_split_and_mtp(tmp_path):
     MTP layer carried, yarn and latent attention reported, 6 parameter tensors per MoE layer (the selection bias
     among them), an uneven split's layers and memory per stage (the MTP layer on the last stage), and an even split
     that does not divide refused with a suggestion."""
-    from parallm.cli.errors import CLIError
-    from parallm.cli.inspect import inspect_checkpoint, render
+    from parallm.api.inspect import InspectError
+    from parallm import inspect_checkpoint
+    from parallm.cli.inspect import render
     model = helpers.make_hf_model(deepseek_config(num_hidden_layers=5), seed=2)
     ckpt = str(tmp_path / "mtp")
     full, mtp = mtp_checkpoint(model, ckpt)
@@ -546,5 +547,5 @@ def test_inspect_deepseek_uneven_split_and_mtp(tmp_path):
     assert plain["config"]["mtp_layers"] == 0 and plain["layout"]["stages"][0] == stages[0]
     assert stages[1]["params"] - plain["layout"]["stages"][1]["params"] == mtp_params    # half the MTP experts
     assert "--layers-per-stage" in render(report)
-    with pytest.raises(CLIError, match=r"layers_per_stage=\[2, 3\]"):
+    with pytest.raises(InspectError, match=r"layers_per_stage=\[2, 3\]"):
         inspect_checkpoint(ckpt, pp=2)

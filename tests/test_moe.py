@@ -670,7 +670,8 @@ def test_inspect_describes_experts_kernel_and_memory_per_expert_rank(tmp_path):
     smaller by half the routed experts; a fused (in-memory layout) checkpoint passes the check with a note."""
     from safetensors.torch import save_file
 
-    from parallm.cli.inspect import inspect_checkpoint, render
+    from parallm import inspect_checkpoint
+    from parallm.cli.inspect import render
     from parallm.model.layers.moe import expert_kernel
     model = helpers.make_hf_model(helpers.tiny_config("qwen2_moe"), seed=2)
     ckpt = helpers.save_checkpoint(model, str(tmp_path / "hub"))

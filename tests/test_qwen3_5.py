@@ -539,7 +539,8 @@ def test_mtp_tensors_listed_from_the_headers(model_type, tmp_path):
         with_mtp(spec, cfg, True)
     shapes = expected_hf_shapes(family.table, carried, task="causal_lm", pp=2)
     assert set(shapes) == set(hub) | set(mtp) and all(shapes[k] == tuple(v.shape) for k, v in mtp.items())
-    from parallm.cli.inspect import inspect_checkpoint, render
+    from parallm import inspect_checkpoint
+    from parallm.cli.inspect import render
     report = inspect_checkpoint(ckpt)
     assert report["problem"] is None and report["config"]["mtp_tensors"] == len(mtp), report["problem"]
     assert f"mtp           {len(mtp)} multi-token-prediction tensors" in render(report)

@@ -17,6 +17,8 @@ Public API (a contract, see docs/api.md)::
     #   hf_config / source: a directory, or a Hub id ("Qwen/Qwen2.5-0.5B", revision=) from the local HF cache only
     parallm.load_hf_weights(chunks, source, *, mode="auto", strict=True, progress=None, allow_pickle=False,
                             revision=None)
+    info = parallm.inspect_checkpoint(path, *, tp=None, pp=None, vpp=None, dp=None, ep=None, task=None, split=None)
+    #   what `parallm inspect` prints, as a dict: config, layer kinds, dtypes, valid tp / pp, memory per rank
     parallm.mark_loaded(chunks)                      # after filling every parameter yourself: forward and the
     #   saves refuse a model never loaded (load_hf_weights / load_checkpoint / init="random" mark it themselves)
     state = parallm.save_hf_weights(chunks, out_dir=None, *, dtype=None, overwrite=False,
@@ -96,6 +98,7 @@ _LAZY = {
     "LoraConfig": "model.layers.lora", "add_lora": "model.layers.lora", "adapters_disabled": "model.layers.lora",
     "export_adapter_tensors": "checkpoint.lora_io", "save_hf_adapter": "checkpoint.lora_io",
     "load_hf_adapter": "checkpoint.lora_io", "mark_loaded": "model.loaded",
+    "inspect_checkpoint": "api.inspect",
 }
 
 __all__ = ["CheckpointError", "ParallelError", *sorted(_LAZY)]
