@@ -106,7 +106,9 @@ def mxfp4_plan(present: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torc
     do not match, or storage other than uint8."""
     blocks = {n[:-len(BLOCKS)]: n for n in present if n.endswith(BLOCKS)}
     scales = {n[:-len(SCALES)]: n for n in present if n.endswith(SCALES)}
-    if not declared:
+    if not declared:        # only packed bytes are taken for MXFP4 here (a float tensor named *_blocks is a tensor)
+        blocks = {k: n for k, n in blocks.items() if dtypes.get(n) == torch.uint8}
+        scales = {k: n for k, n in scales.items() if dtypes.get(n) == torch.uint8}
         if blocks or scales:
             shown = ", ".join(sorted(blocks.values()) + sorted(scales.values()))
             raise CheckpointError(f"{where}: MXFP4 tensors ({shown[:200]}) but the config has no quantization_config "
