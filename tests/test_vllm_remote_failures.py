@@ -128,6 +128,15 @@ def _rank(rank, world, ckpt):
         out["store_addresses"] = _store_addresses(conn.store.port)
     pv.push_weights(chunks, conn, bucket_bytes="64KB")
     conn.close()
+
+    # a model never loaded: refused on every rank before any engine is paused or told an update starts
+    fresh = parallm.build_model(ckpt)
+    idle = ve.StandIn("a")
+    conn = _connect([idle], backend="parallm_shm", timeout=30)
+    calls = len(idle.calls)
+    ve.attempt(out, "unloaded", lambda: pv.push_weights(fresh, conn, bucket_bytes="64KB"))
+    out["unloaded_calls"] = idle.calls[calls:] if rank == 0 else []
+    conn.close()
     return out
 
 
@@ -302,3 +311,11 @@ def test_trainer_exits_while_an_engine_call_hangs(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "FAILED start_weight_update did not answer" in proc.stdout, proc.stderr[-2000:]
     assert time.monotonic() - t0 < 45
+
+
+def test_unloaded_model_refused_before_the_engines_are_touched(res):
+    for r in res:
+        kind, msg, _ = r["unloaded"]
+        assert kind == "RuntimeError" and "never loaded" in msg, r["unloaded"]
+    assert res[0]["unloaded_calls"] == [], res[0]["unloaded_calls"]     # no pause, no start_weight_update
+

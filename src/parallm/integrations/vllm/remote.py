@@ -42,6 +42,7 @@ import torch
 from ...checkpoint.cast import WIRE_DTYPES
 from ...checkpoint.export import _parse_bucket, export_metadata, open_stream
 from ...checkpoint.export_plan import saved_entries
+from ...model.loaded import require_loaded
 from ...model.table import model_entries
 from ...parallel.errors import gather_objects, raise_failures, status_of
 from ...parallel.state import as_chunks, dims_of
@@ -298,6 +299,7 @@ def push_remote(chunks, conn: Connection, *, dtype: torch.dtype | None = None, b
     """See :func:`~parallm.integrations.vllm.push_weights` (its second form) and the module docstring."""
     t0 = time.perf_counter()
     chunks = as_chunks(chunks)
+    require_loaded(chunks, "push_weights")     # before any engine is paused or told an update starts
     layout = dims_of(chunks)
     me, sender = layout.rank, conn.sender
     if dtype is not None and dtype not in WIRE_DTYPES:
