@@ -11,7 +11,7 @@ zigzag chunks hold 6 tokens, more than the window) in the four padding kinds (no
   vs transformers' ``log_softmax``;
 * ``save_hf_weights`` on rank 0 == the checkpoint's tensors (transformers' stacked expert tensors), bit for
   bit; ``export_hf_tensors`` yields every per-expert tensor (``mlp.experts.{e}.gate_up_proj`` ...) exactly
-  once, each the slab of the stacked tensor, bit-exact;
+  once, each the slab of the stacked tensor, bit-exact, in ``export_metadata``'s order;
 * one SGD step (``forward_backward`` + ``finalize_grads`` + ``p -= lr * grad``) vs the same step in
   transformers: the loss, every weight after it (sinks, router and expert biases included), the output after;
 * some cases also save a directory (transformers reloads it) and load in the other mode.
@@ -130,6 +130,7 @@ CASES = [
     ("cp2 dp2 ep2 packed ring (window 4 < a CP piece's 6)", {}, dict(cp=2, ep=2), {"packed": True,
                                                                                       "cp_attn": "ring"}, {}),
     ("tp2 cp2 all-gather padded", {}, dict(tp=2, cp=2), {"cp_attn": "allgather"}, {}),
+    ("tp4 (2 KV heads, each on 2 ranks; 1 sink per rank)", {}, dict(tp=4), {}, {}),
     ("value tp2 ep2, broadcast load", {}, dict(tp=2, ep=2), {"task": "value"}, dict(mode="broadcast")),
     ("MXFP4 experts tp2 ep2, bf16 dir save", {}, dict(tp=2, ep=2), {}, dict(mxfp4=True, save_dir=True)),
 ]
@@ -191,6 +192,7 @@ def _export_check(chunks, case) -> int:
         want = _stacked_slab(case["ref_sd"], name)
         want = case["ref_sd"][name] if want is None else want
         assert torch.equal(t, want), (case["name"], name)
+    assert names == [m.name for m in parallm.export_metadata(chunks)], case["name"]     # what it says it yields
     dup = [n for n, k in collections.Counter(names).items() if k > 1]
     assert not dup, (case["name"], dup)
     stacked = {n for n in case["ref_sd"] if ".mlp.experts." in n}
