@@ -13,7 +13,8 @@ zigzag chunks hold 6 tokens, more than the window) in the four padding kinds (no
   bit; ``export_hf_tensors`` yields every per-expert tensor (``mlp.experts.{e}.gate_up_proj`` ...) exactly
   once, each the slab of the stacked tensor, bit-exact, in ``export_metadata``'s order;
 * one SGD step (``forward_backward`` + ``finalize_grads`` + ``p -= lr * grad``) vs the same step in
-  transformers: the loss, every weight after it (sinks, router and expert biases included), the output after;
+  transformers: the loss, the gradient norm (``clip_grad_norm_``: each element once), every weight after it
+  (sinks, router and expert biases included), the output after;
 * some cases also save a directory (transformers reloads it) and load in the other mode.
 """
 
@@ -86,12 +87,13 @@ def reference_step(model, ids, mask, pieces, task, tmp):
     loss = torch.stack([loss_fn(hf_output(model, ids[i:i + size], mask[i:i + size], task=task), ids[i:i + size],
                                 mask[i:i + size]) for i in range(0, ids.shape[0], size)]).mean()
     loss.backward()
+    norm = torch.stack([p.grad.double().pow(2).sum() for p in model.parameters() if p.grad is not None]).sum().sqrt()
     with torch.no_grad():
         for p in model.parameters():
             if p.grad is not None:
                 p -= LR * p.grad
         after = hf_output(model, ids, mask, task=task)
-    return loss.item(), helpers.hub_state_dict(model, tmp), after
+    return loss.item(), helpers.hub_state_dict(model, tmp), after, norm.item()
 
 
 # -- MXFP4 ----------------------------------------------------------------------------------------------------------
@@ -153,11 +155,11 @@ def make_cases(tmp_path):
         ids, mask = helpers.padded_batch(cfg.vocab_size, seed=i, batch=8, seq=SEQ)
         tp, pp, cp = layout.get("tp", 1), layout.get("pp", 1), layout.get("cp", 1)
         dp = WORLD // (tp * pp * cp)
-        loss, new_sd, after = reference_step(model, ids, mask, dp, task, str(tmp_path / f"s{i}"))
+        loss, new_sd, after, norm = reference_step(model, ids, mask, dp, task, str(tmp_path / f"s{i}"))
         with torch.no_grad():
             ref = hf_output(model, ids, mask, task=task)
         case = dict(name=name, ckpt=ckpt, ids=ids, mask=mask, build=build, task=task, ref=ref, ref_sd=ckpt_sd,
-                    ref_loss=loss, ref_new_sd=new_sd, ref_after=after, opts=opts, tmp=str(tmp_path / f"out{i}"),
+                    ref_loss=loss, ref_norm=norm, ref_new_sd=new_sd, ref_after=after, opts=opts, tmp=str(tmp_path / f"out{i}"),
                     sinks=sink_effect(model, ids, mask, task), clamp=clamp_share(model, ids, mask, task),
                     layout=dict(tp=tp, pp=pp, cp=cp, vpp=layout.get("vpp"), ep=layout.get("ep", 1)))
         if task == "causal_lm":
@@ -240,6 +242,8 @@ def rank_cases(rank, world, cases):
         loss_fn = value_loss if task == "value" else causal_lm_loss
         loss = parallm.forward_backward(chunks, ids[sl], mask[sl], loss_fn=loss_fn)
         parallm.finalize_grads(chunks)
+        # every element once: the replicated down bias (TP rank 0 its owner), the sinks split with the heads
+        res["norm"] = abs(parallm.clip_grad_norm_(chunks, 1e9).item() - case["ref_norm"]) / case["ref_norm"]
         with torch.no_grad():
             for c in chunks:
                 for p in c.parameters():
@@ -301,6 +305,7 @@ def test_gpt_oss_every_layout_against_transformers(tmp_path):
         assert case["sinks"] > 1e-2 and case["clamp"] > 0.05, case["name"]     # both matter in this model
         assert fwd < 2e-5 and lp < 2e-5, case["name"]
         assert loss < 2e-5 and wdiff < 2e-5 and after < 5e-5, case["name"]
+        assert max(r["norm"] for r in per_rank) < 1e-5, case["name"]      # gradient norm, relative
         assert per_rank[0]["sinks_moved"] > 1e-4, case["name"]                  # the sinks trained
         if case["opts"].get("save_dir"):
             assert per_rank[0]["dir"] == "ok", case["name"]
