@@ -21,7 +21,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import helpers
 from test_gpt_oss_parts import gpt_oss_config
