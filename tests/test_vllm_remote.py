@@ -204,7 +204,7 @@ def _rank(rank, world, s):
     ve.attempt(out, "unknown-backend", lambda: pv.connect(urls, backend="nccl_cpu"))
     conn = pv.connect(urls, backend="parallm_shm", timeout=60)
     for key, cfg in s["others"].items():
-        other = parallm.build_model(cfg)                # the engines check before any data moves
+        other = parallm.build_model(cfg, init="random")   # engines refuse names / shapes before data moves
         ve.attempt(out, key, lambda other=other: pv.push_weights(other, conn))
         del other
     ve.attempt(out, "dtype", lambda: pv.push_weights(chunks, conn, dtype=torch.bfloat16))
