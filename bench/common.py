@@ -79,6 +79,20 @@ class PeakRss:
         self.peak = max(self.peak, rss_anon())
 
 
+def peak_and_best(step, iters: int) -> tuple[float, float]:
+    """``(peak anonymous RSS above the level before, in MiB, of one call of step(); the best of ``iters`` more
+    calls' wall times, in s)``."""
+    before = rss_anon()
+    with PeakRss() as peak:
+        step()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return (peak.peak - before) / 2**20, min(times)
+
+
 def table(rows, headers):
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
     line = " | ".join(str(h).ljust(w) for h, w in zip(headers, widths))

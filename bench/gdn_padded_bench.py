@@ -21,10 +21,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import PeakRss, free_port, rss_anon, table  # noqa: E402
+from common import free_port, peak_and_best, table  # noqa: E402
 
 
 def old_padded_forward(layer, x, ctx):
@@ -93,16 +92,9 @@ def one(side: str, args) -> dict:
         return float(parallm.forward_backward(chunks, ids, mask, loss_fn=loss_fn))
 
     loss = step()
-    before = rss_anon()
-    with PeakRss() as peak:
-        step()
-    times = []
-    for _ in range(args.iters):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+    peak, best = peak_and_best(step, args.iters)
     parallm.destroy_parallel()
-    return {"side": side, "peak_mib": (peak.peak - before) / 2**20, "s_best": min(times), "loss": loss}
+    return {"side": side, "peak_mib": peak, "s_best": best, "loss": loss}
 
 
 def main(argv=None):

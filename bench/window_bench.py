@@ -22,10 +22,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import PeakRss, rss_anon, table  # noqa: E402
+from common import peak_and_best, table  # noqa: E402
 
 
 def old_path(q, k, v, keep, window):
@@ -73,15 +72,8 @@ def one(path: str, s: int, args) -> dict:
         (out * grad).sum().backward()
         return out.detach()
 
-    before = rss_anon()
-    with PeakRss() as peak:
-        step()
-    times = []
-    for _ in range(args.iters):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return {"path": path, "s": s, "peak_mib": (peak.peak - before) / 2**20, "s_best": min(times)}
+    peak, best = peak_and_best(step, args.iters)
+    return {"path": path, "s": s, "peak_mib": peak, "s_best": best}
 
 
 def check_same(args) -> float:

@@ -66,8 +66,8 @@ from ...parallel.comm import all_gather_single
 from ...parallel.megatron_import import import_megatron
 from ...parallel.state import as_device
 from .mlp import MLP
-from .moe_aux import (AuxScales, MoEAux, _AttachAux, _AttachPooled, balance_fractions,  # noqa: F401 (AuxScales, MoEAux)
-                      load_balancing_loss)
+from .moe_aux import (AuxScales, MoEAux, _AttachAux, _AttachPooled,  # noqa: F401 (AuxScales, MoEAux: here too)
+                      balance_fractions, load_balancing_loss)
 from .routing import GroupLimitedRouter, RouterReplay, sigmoid_weights, softmax_weights, topk_softmax_weights
 from ..spec import DecoderSpec
 
