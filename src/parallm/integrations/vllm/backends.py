@@ -77,7 +77,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .fixes import TIED_HEAD, TIED_SOURCE, cpu_experts_repacked, engine_tensors, mismatch
+from .fixes import TIED_HEAD, TIED_SOURCE, SinkWriter, cpu_experts_repacked, engine_tensors, mismatch
 from .transport import allowed_shm_file, gloo_options, route_address
 
 __all__ = ["BACKENDS", "own_held", "register"]
@@ -227,6 +227,7 @@ class _EngineMethods:
         self.group = None               # gloo
         self.store = None
         self.repack = None
+        self.sinks = None               # gpt-oss's attention sinks of the update in progress (fixes.SinkWriter)
         self.held_bytes = 0             # bytes copied out of the slots by own_held (see receive_weights)
         self.secrets = {}               # transport -> the secret of the connection that initialised it
 
@@ -288,6 +289,7 @@ class _EngineMethods:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
         if self.shm is None and self.group is None:
             raise RuntimeError(f"{self.name}: start_weight_update before init_weight_transfer_engine")
+        self.sinks = SinkWriter(self.model)
         self.repack = cpu_experts_repacked(self.model)
         self.repack.start()
         try:
@@ -333,6 +335,8 @@ class _EngineMethods:
             from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
         except ImportError:
             disable_mtp_completeness_check = contextlib.nullcontext
+        if self.sinks is not None:
+            weights = list(self.sinks.divert(weights))
         with disable_mtp_completeness_check():
             self.model.load_weights(weights)
         if transport == "shm":
@@ -341,6 +345,7 @@ class _EngineMethods:
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
         repack, self.repack = self.repack, None
+        sinks, self.sinks = self.sinks, None
         try:
             finalize_layerwise_reload(self.model, self.model_config)
         except BaseException:
@@ -349,6 +354,8 @@ class _EngineMethods:
             raise
         if repack is not None:
             repack.finish()
+        if sinks is not None:
+            sinks.apply()
 
     def shutdown(self) -> None:
         self.shm = None

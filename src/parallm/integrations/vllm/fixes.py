@@ -10,15 +10,18 @@ process, so the fixes travel with the backend).
 * The tied head: vLLM's CPU build keeps a prepacked copy of a tied ``lm_head``, refreshed only when
   ``lm_head.weight`` is loaded, so a push into a tied model loads the embedding under that name too
   (:data:`TIED_SOURCE`, :data:`TIED_HEAD`).
+* :class:`SinkWriter`: vLLM 0.32's gpt-oss loader drops attention sinks in a layer-wise reload; they are written
+  after it instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 
-__all__ = ["TIED_HEAD", "TIED_SOURCE", "cpu_experts_repacked", "engine_tensors", "mismatch"]
+__all__ = ["TIED_HEAD", "TIED_SOURCE", "SinkWriter", "cpu_experts_repacked", "engine_tensors", "mismatch"]
 
 TIED_SOURCE, TIED_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -125,3 +128,66 @@ class cpu_experts_repacked(contextlib.AbstractContextManager):  # noqa: N801 - u
     def __exit__(self, kind, value, tb):
         self.finish()
         return False
+
+
+_HF_SINK = re.compile(r"^model\.layers\.(\d+)\.self_attn\.sinks$")
+_ENGINE_SINK = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:\w+\.)*sinks$")
+
+
+class SinkWriter:
+    """gpt-oss's attention sinks through a vLLM reload. vLLM 0.32's layer-wise reload moves a layer's parameters
+    to the meta device and wraps their weight loaders; gpt-oss's loader writes the sinks with
+    ``param.data.copy_`` instead (no weight loader), so the write lands on the meta tensor, the layer counts
+    nothing loaded, and ``finalize_layerwise_reload`` puts the old sinks back: an engine would sample with stale
+    sinks after every push. Here the pushed ``model.layers.{i}.self_attn.sinks`` are taken out of the stream
+    (:meth:`divert`, a copy of each: the stream's memory may be reused), and written into the engine's own
+    parameters (this worker's heads under vLLM's tensor parallelism) after the reload has finished
+    (:meth:`apply`). A model without sinks passes through untouched. ``model`` is vLLM's model module."""
+
+    def __init__(self, model):
+        self.params = {}
+        for name, param in model.named_parameters():
+            found = _ENGINE_SINK.search(name) if name.endswith("sinks") else None
+            if found:
+                self.params[int(found.group(1))] = (name, param)
+        self.pending: dict[int, torch.Tensor] = {}
+
+    def divert(self, weights):
+        """``weights`` (an iterable of ``(HF name, tensor)``) without the sinks, which are kept for :meth:`apply`."""
+        for name, tensor in weights:
+            found = _HF_SINK.match(name) if self.params else None
+            if found:
+                self.pending[int(found.group(1))] = tensor.detach().clone()
+                continue
+            yield name, tensor
+
+    def apply(self) -> int:
+        """Write the diverted sinks into the engine's parameters; returns how many. Raises when a pushed sink has
+        no parameter in the engine or its heads do not divide over the engine's tensor-parallel ranks."""
+        pending, self.pending = self.pending, {}
+        if not pending:
+            return 0
+        unknown = sorted(set(pending) - set(self.params))
+        if unknown:
+            raise ValueError(f"the push brought attention sinks for layer(s) {unknown}, which have no sinks in the "
+                             f"engine's model (layers with sinks there: {sorted(self.params)})")
+        rank, size = _tp_rank_size()
+        with torch.no_grad():
+            for layer, tensor in sorted(pending.items()):
+                name, param = self.params[layer]
+                local = param.numel()
+                if local * size != tensor.numel():
+                    raise ValueError(f"attention sinks of layer {layer}: the push brings {tensor.numel()} heads, "
+                                     f"the engine's {name} holds {local} on each of {size} tensor-parallel ranks")
+                part = tensor.reshape(-1)[rank * local:(rank + 1) * local]
+                param.data.copy_(part.reshape(param.shape).to(device=param.device, dtype=param.dtype))
+        return len(pending)
+
+
+def _tp_rank_size() -> tuple[int, int]:
+    """vLLM's tensor-parallel rank and size in this worker (0, 1 where vLLM has no such group)."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except (ImportError, AssertionError):
+        return 0, 1

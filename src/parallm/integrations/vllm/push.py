@@ -34,7 +34,7 @@ from ...errors import ParallelError
 from ...parallel.errors import exchange_rows, gather_objects, raise_failures, status_of
 from ...parallel.state import as_chunks, dims_of
 from .client import Connection
-from .fixes import TIED_HEAD, TIED_SOURCE, cpu_experts_repacked, engine_tensors, mismatch
+from .fixes import TIED_HEAD, TIED_SOURCE, SinkWriter, cpu_experts_repacked, engine_tensors, mismatch
 from .remote import push_remote
 
 __all__ = ["push_weights"]
@@ -83,16 +83,19 @@ def _reload(llm, weights) -> None:
     and drop the rest. The reload is closed here instead (``finalize_layerwise_reload``: the layers not reached
     keep their old weights, a layer reached in part is built from uninitialised memory): the engine must not be
     used until the next push, which is raised on every rank, succeeds; that push then reloads every layer in
-    full."""
+    full. gpt-oss's attention sinks are written after the reload (:class:`.fixes.SinkWriter`)."""
     model = llm.apply_model(lambda m: m)[0]
+    sinks = SinkWriter(model)
     with cpu_experts_repacked(model):
         try:
-            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": sinks.divert(weights),
+                                                         "is_checkpoint_format": True})
         except BaseException:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
             with contextlib.suppress(Exception):
                 finalize_layerwise_reload(model, llm.llm_engine.model_config)
             raise
+    sinks.apply()
 
 
 def _reset_prefix_cache(llm, rank: int) -> None:
