@@ -272,8 +272,8 @@ def test_bad_requests_fail_with_the_sdk_error(server, loss_fn, data, config, mes
 
 
 def test_bad_clients_and_routes(server):
-    with pytest.raises(tinker.BadRequestError, match="rank 8"):
-        server.client.create_lora_training_client(base_model=server.model, rank=4, train_unembed=False).result()
+    with pytest.raises(tinker.BadRequestError, match="--lora-rank 8"):
+        server.client.create_lora_training_client(base_model=server.model, rank=16, train_unembed=False).result()
     with pytest.raises(tinker.BadRequestError, match="train_unembed"):
         server.client.create_lora_training_client(base_model=server.model, rank=RANK).result()
     with pytest.raises(tinker.BadRequestError, match="serves"):

@@ -3,7 +3,9 @@ dp-th datum and is padded to the same rows, a pipeline runs microbatches and onl
 outputs, which rank 0 gathers): a dense Qwen3 at pp2 and a Qwen3-MoE at dp2 x ep2 (experts' adapters on both
 ranks' experts), each a server of its own (``--sampler none``), the SDK as the client, against transformers +
 PEFT + ``torch.optim.AdamW`` on the same adapter: two ``cross_entropy`` steps over 7 datums of unequal lengths
-(an odd count: the replicas differ), the log-probs, ``loss:sum``, and the adapters after the steps.
+(an odd count: the replicas differ), the log-probs, ``loss:sum``, and the adapters after the steps. The MoE
+client asks for rank 4 of the server's 8 (the routed experts' stacked factors cut to rank 4, their fused gate/up to
+PEFT's 2 r = 8, with scaling alpha / 4: integrations/tinker/ranks.py).
 
 Runs in .venv-tinker (scripts/test.sh's TINKER_TESTS)."""
 
@@ -45,18 +47,19 @@ def _data(seed):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", [("qwen3", ("--pp", "2")), ("qwen3_moe", ("--dp", "2", "--ep", "2"))],
-                         ids=["pp2", "dp2-ep2"])
+@pytest.mark.parametrize("layout", [("qwen3", ("--pp", "2"), 8), ("qwen3_moe", ("--dp", "2", "--ep", "2"), 4)],
+                         ids=["pp2", "dp2-ep2-rank4"])
 def test_layout_against_peft(tmp_path, layout):
-    family, extra = layout
+    family, extra, rank = layout
     work = str(tmp_path)
     model = th.tiny_model(os.path.join(work, "model"), seed=6) if family == "qwen3" else \
         _moe_model(os.path.join(work, "model"))
     server = th.Server(model, work, tp=1, sampler="none", lora_rank=8, extra=extra)
     try:
         client = tinker.ServiceClient(base_url=server.url, api_key="tml-any")
-        tc = client.create_lora_training_client(base_model=model, rank=8, seed=3, train_unembed=False).result()
+        tc = client.create_lora_training_client(base_model=model, rank=rank, seed=3, train_unembed=False).result()
         init = th.adapter_dir(work, tc.save_weights_for_sampler("init").result().path)
+        th.check_peft_rank(init, rank, 32, experts=family == "qwen3_moe")
         ref = th.peft_model(model, init)
         opt = None
         for step in range(2):

@@ -208,3 +208,25 @@ def check_sampling_params(sc, prompt, forward_lp) -> None:
     for s in res.sequences:
         assert s.stop_reason == "stop" and s.tokens[-1] in stops
         assert not any(t in stops for t in s.tokens[:-1])
+
+
+def check_peft_rank(directory: str, rank: int, alpha: float, *, experts: bool = False) -> None:
+    """A sampler snapshot is a rank-``rank`` PEFT adapter: ``r`` and ``lora_alpha`` in its config, every A with
+    ``rank`` rows (a MoE's stacked experts: ``E rank``, their fused gate/up ``E 2 rank``: PEFT's rank pattern) and
+    every B with ``rank`` columns likewise."""
+    with open(os.path.join(directory, "adapter_config.json")) as f:
+        config = json.load(f)
+    assert config["r"] == rank and config["lora_alpha"] == alpha, (config["r"], config["lora_alpha"])
+    if experts:
+        assert config["rank_pattern"] == {r".*\.gate_up_proj": 2 * rank}, config["rank_pattern"]
+    seen_experts = False
+    for name, t in adapter_tensors(directory).items():
+        k = t.shape[0] if ".lora_A." in name else t.shape[1]
+        if name.endswith(("experts.lora_A.weight", "experts.lora_B.weight", "experts.base_layer.lora_A.weight",
+                          "experts.base_layer.lora_B.weight")):
+            seen_experts = True
+            per = 2 * rank if ".base_layer." in name else rank
+            assert k % per == 0 and k // per > 1, (name, tuple(t.shape))
+        else:
+            assert k == rank, (name, tuple(t.shape))
+    assert seen_experts == experts

@@ -1,7 +1,8 @@
 """Several LoRA training clients on one base model: each client's adapters, optimizer state and accumulated
 gradients, switched in and out of the one model per request.
 
-The model is built once with adapters of the server's rank on every adaptable projection (``all-linear``). A
+The model is built once with adapters of the server's rank ``R`` on every adaptable projection (``all-linear``);
+a client of rank ``r <= R`` holds zeros beyond ``r`` and runs with scaling ``alpha / r`` (:mod:`.ranks`). A
 client *is* a set of values for those adapter parameters plus its AdamW state (moments, step) and the gradients
 its ``forward_backward`` calls have accumulated since its last ``optim_step``. The active client's values live in
 the model; switching to another copies the active one's out (``detach().clone()`` of every trainable parameter,
@@ -145,11 +146,16 @@ def initial_factor(name: str, shape, *, seed: int, kind_on: bool) -> torch.Tenso
     return (torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1).mul_(bound).float()
 
 
-def write_initial_adapter(template_dir: str, out_dir: str, *, seed: int, train_mlp: bool, train_attn: bool) -> None:
+def write_initial_adapter(template_dir: str, out_dir: str, *, seed: int, train_mlp: bool, train_attn: bool,
+                          rank: int, big: int, num_experts: int) -> None:
     """A PEFT directory with a new client's factors, in the layout of ``template_dir`` (the server's adapters as
-    ``save_hf_adapter`` wrote them at start-up). Written by rank 0; every rank then ``load_hf_adapter``s it."""
+    ``save_hf_adapter`` wrote them at start-up: rank ``big``); a client of rank ``rank`` gets zeros beyond it
+    (:mod:`.ranks`). Written by rank 0; every rank then ``load_hf_adapter``s it."""
     from safetensors import safe_open
     from safetensors.torch import save_file
+
+    from .ranks import cut_factor, pad_factor
+    kw = {"rank": rank, "big": big, "num_experts": num_experts}
     on = {"attn": train_attn, "mlp": train_mlp, "other": train_attn or train_mlp}
     os.makedirs(out_dir, exist_ok=True)
     tensors = {}
@@ -158,10 +164,11 @@ def write_initial_adapter(template_dir: str, out_dir: str, *, seed: int, train_m
             t = f.get_slice(name)
             shape = tuple(t.get_shape())
             dtype = f.get_tensor(name).dtype
-            tensors[name] = initial_factor(name, shape, seed=seed, kind_on=on[_module_kind(name)]).to(dtype)
+            t = initial_factor(name, shape, seed=seed, kind_on=on[_module_kind(name)])
+            tensors[name] = pad_factor(name, cut_factor(name, t, **kw), **kw).to(dtype)
     for fname in os.listdir(template_dir):
         if fname.endswith(".json"):
             shutil.copy(os.path.join(template_dir, fname), os.path.join(out_dir, fname))
     save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
     with open(os.path.join(out_dir, "tinker_init.json"), "w") as fh:
-        json.dump({"seed": seed, "train_mlp": train_mlp, "train_attn": train_attn}, fh)
+        json.dump({"seed": seed, "train_mlp": train_mlp, "train_attn": train_attn, "rank": rank}, fh)

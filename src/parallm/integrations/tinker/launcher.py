@@ -38,8 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (0: a free one, printed)")
     p.add_argument("--api-key", default=None,
                    help="the only API key accepted (default: env PARALLM_TINKER_API_KEY, else any key)")
-    p.add_argument("--lora-rank", type=int, default=32, help="the rank of every client's adapters")
-    p.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha (scaling alpha / rank)")
+    p.add_argument("--lora-rank", type=int, default=32,
+                   help="the rank R of the adapters the model holds: a client asks for any rank 1..R")
+    p.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha (a rank-r client: scaling alpha / r)")
     p.add_argument("--lora-unembed", choices=("refuse", "skip"), default="refuse",
                    help="train_unembed=True clients: refused, or trained without a head adapter (said so)")
     p.add_argument("--sampler", choices=("auto", "vllm", "parallm", "none"), default="auto",

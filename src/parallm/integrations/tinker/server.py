@@ -54,7 +54,7 @@ def _build(args, directory):
     return chunks, opt
 
 
-def _config(args, directory, facts, template) -> dict:
+def _config(args, directory, facts, template, chunks) -> dict:
     names = {args.model, directory, args.model_name or args.model}
     has_tok = any(os.path.exists(os.path.join(directory, f)) for f in _TOKENIZER_FILES)
     warn = None
@@ -65,7 +65,8 @@ def _config(args, directory, facts, template) -> dict:
             "arch": facts["arch"], "max_context": min(facts["max_position"], args.max_context or 1 << 30),
             "tokenizer_id": directory if has_tok else (args.model_name or args.model), "lora_rank": args.lora_rank,
             "lora_alpha": args.lora_alpha, "lora_unembed": args.lora_unembed, "adapter_template": template,
-            "session_warning": warn}
+            "session_warning": warn,
+            "num_experts": chunks[0].spec.moe.num_experts if chunks[0].spec.moe is not None else 1}
 
 
 def _sampler(args, leader, directory, config, facts):
@@ -122,7 +123,7 @@ def run_rank(args) -> int:
         parallm.destroy_parallel()
         return 0
     leader = Leader(trainer.execute, group)
-    config = _config(args, directory, facts, template)
+    config = _config(args, directory, facts, template, chunks)
     sampler = _sampler(args, leader, directory, config, facts)
     service = Service(leader=leader, config=config, checkpoints=store, sampler=sampler,
                       session_timeout_s=args.session_timeout)

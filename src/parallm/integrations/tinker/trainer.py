@@ -11,14 +11,18 @@ optimizer state. Values come back on rank 0 only (``None`` elsewhere).
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import torch
 import torch.distributed as dist
 
 import parallm
+from parallm.model.layers.lora import lora_config_of, set_adapter_rank
 
 from .batch import make_loss_fn, outputs_of, pack
 from .clients import SAMPLER_PREFIX, ClientState, ClientTable, clone_state_dict, grads_restore, grads_snapshot
+from .ranks import pad_peft_dir, shrink_peft_dir
 
 __all__ = ["Trainer"]
 
@@ -29,6 +33,9 @@ class Trainer:
     def __init__(self, chunks, optimizer, *, group, max_rows: int | None = None):
         self.chunks, self.optimizer, self.group = chunks, optimizer, group
         self.dims = chunks[0].dims
+        spec = chunks[0].spec
+        self.num_experts = spec.moe.num_experts if spec.moe is not None else 1
+        self.big_rank = lora_config_of(chunks).r     # the adapters' rank (--lora-rank)
         self.table = ClientTable(chunks, optimizer)
         self.max_rows = max_rows
         self.sampler_dir: str | None = None        # the adapter directory now in the model for a sampler op
@@ -40,6 +47,7 @@ class Trainer:
     def op_create_client(self, *, model_id, lora, base_model, init_dir):
         self.table.deactivate()
         parallm.load_hf_adapter(self.chunks, init_dir)
+        set_adapter_rank(self.chunks, lora["rank"])
         self.table.reset_optimizer()
         self.table.zero_grads()
         self.table.add(ClientState(model_id=model_id, lora=dict(lora), base_model=base_model))
@@ -52,7 +60,9 @@ class Trainer:
 
     def _activate(self, model_id):
         self.sampler_dir = None
-        return self.table.activate(model_id)
+        st = self.table.activate(model_id)
+        set_adapter_rank(self.chunks, st.lora["rank"])       # its scaling, alpha / r (ranks.py)
+        return st
 
     # -- forward / forward_backward -----------------------------------------------------------------------------
     def op_forward(self, *, model_id, loss_fn, config, data, backward):
@@ -146,8 +156,11 @@ class Trainer:
         grads_restore(self.table.params, grads)
 
     def op_save_sampler(self, *, model_id, path):
-        self._activate(model_id)
+        """A PEFT directory of the client's adapter at its own rank (the model's written, then cut by rank 0)."""
+        st = self._activate(model_id)
         parallm.save_hf_adapter(self.chunks, path, overwrite=True)
+        if self.dims.rank == 0:
+            shrink_peft_dir(path, path, rank=st.lora["rank"], big=self.big_rank, num_experts=self.num_experts)
         return {"path": path}
 
     # -- the parallm sampler (no vLLM): forwards of a sampler snapshot or the base model ------------------------
@@ -157,7 +170,14 @@ class Trainer:
         if adapter_dir is None or self.sampler_dir == adapter_dir:
             return
         self.table.deactivate()
-        parallm.load_hf_adapter(self.chunks, adapter_dir)
+        tmp = tempfile.mkdtemp(prefix="parallm-tinker-pad-")       # this rank's rank-R copy of the snapshot
+        try:
+            padded = os.path.join(tmp, "adapter")
+            rank = pad_peft_dir(adapter_dir, padded, big=self.big_rank, num_experts=self.num_experts)
+            parallm.load_hf_adapter(self.chunks, padded)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        set_adapter_rank(self.chunks, rank)
         self.table.active, self.sampler_dir = SAMPLER_PREFIX + adapter_dir, adapter_dir
 
     def op_sampler_forward(self, *, adapter_dir, input_ids, attention_mask, output):

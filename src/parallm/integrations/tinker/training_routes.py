@@ -3,9 +3,9 @@
 one fails alone, as a user error, before any rank sees it) and hands a work item to the dispatcher in the
 client's ``seq_id`` order (:class:`.service.ServiceBase.job`).
 
-LoRA: the server trains adapters of one rank (``--lora-rank``, alpha ``--lora-alpha``) on every attention and
-MLP projection; a client asks for that rank and chooses ``train_attn`` / ``train_mlp``. ``train_unembed``
-(an adapter on the output head) is not offered by parallm: refused, unless the server runs with
+LoRA: the server holds adapters of rank ``--lora-rank`` (alpha ``--lora-alpha``) on every attention and MLP
+projection; a client asks for any rank up to it (:mod:`.ranks`) and chooses ``train_attn`` / ``train_mlp``.
+``train_unembed`` (an adapter on the output head) is not offered by parallm: refused, unless the server runs with
 ``--lora-unembed skip`` (then trained without it, and every session is told so). Full fine-tuning (no LoRA
 config) is refused: the SDK's clients create LoRA models only.
 """
@@ -34,9 +34,11 @@ class TrainingRoutes:
         if lora is None:
             raise ApiError(400, "full fine-tuning is not offered by parallm's Tinker server: create a LoRA client "
                                 "(create_lora_training_client)")
-        if lora.rank != c["lora_rank"]:
-            raise ApiError(400, f"this server trains LoRA adapters of rank {c['lora_rank']} (parallm serve-tinker "
-                                f"--lora-rank); create the client with rank={c['lora_rank']} (asked: {lora.rank})")
+        if isinstance(lora.rank, bool) or not isinstance(lora.rank, int) or not 1 <= lora.rank <= c["lora_rank"]:
+            raise ApiError(400, f"LoRA rank {lora.rank}: this server trains LoRA adapters of rank 1 to "
+                                f"{c['lora_rank']} (parallm serve-tinker --lora-rank {c['lora_rank']}, the largest); "
+                                f"create the client with a rank <= {c['lora_rank']} or start the server with a "
+                                "larger --lora-rank")
         if lora.train_unembed and c["lora_unembed"] != "skip":
             raise ApiError(400, "train_unembed=True: parallm does not put a LoRA adapter on the output head; "
                                 "create the client with train_unembed=False, or start the server with "
@@ -67,7 +69,8 @@ class TrainingRoutes:
                                                 created=time.time(), user_metadata=user_metadata)
         init_dir = os.path.join(self.checkpoints.root, "_parallm_init", model_id.replace(":", "_"))
         write_initial_adapter(self.config["adapter_template"], init_dir, seed=lora["seed"],
-                              train_mlp=lora["train_mlp"], train_attn=lora["train_attn"])
+                              train_mlp=lora["train_mlp"], train_attn=lora["train_attn"], rank=lora["rank"],
+                              big=self.config["lora_rank"], num_experts=self.config["num_experts"])
         return model_id, {"op": "create_client", "args": {"model_id": model_id, "lora": lora, "init_dir": init_dir,
                                                           "base_model": self.config["model_name"]}}
 
@@ -151,7 +154,8 @@ class TrainingRoutes:
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def _meta(self, rec, **more) -> dict:
-        return {"base_model": self.config["model_name"], "model_id": rec.model_id, "lora": rec.lora, **more}
+        return {"base_model": self.config["model_name"], "model_id": rec.model_id, "lora": rec.lora,
+                "held_rank": self.config["lora_rank"], **more}
 
     def route_save_weights(self, body):
         req = protocol.parse(_types().SaveWeightsRequest, body, route="save_weights")
@@ -178,6 +182,12 @@ class TrainingRoutes:
         if meta["base_model"] not in self.config["model_names"]:
             raise ApiError(400, f"{req.path} was trained on {meta['base_model']!r}; this server serves "
                                 f"{self.config['model_name']!r}")
+        held = meta.get("held_rank", meta["lora"]["rank"])
+        if held != self.config["lora_rank"]:
+            raise ApiError(400, f"{req.path} was saved by a server whose adapters hold rank {held} (--lora-rank); "
+                                f"this server's hold rank {self.config['lora_rank']}: a training checkpoint loads "
+                                f"on a server with --lora-rank {held} (its sampler weights, a PEFT directory of "
+                                f"rank {meta['lora']['rank']}, load anywhere)")
         self._check_base(req.base_model)
         self._check_optimizer(req.optimizer_config)
         load = {"op": "load_state", "args": {"path": directory, "optimizer": bool(req.optimizer)}}

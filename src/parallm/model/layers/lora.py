@@ -53,6 +53,7 @@ model's dense layers and shared expert keep no adapter). Gated DeltaNet projecti
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import zlib
 
@@ -74,7 +75,7 @@ mtp = import_megatron().tensor_parallel
 
 __all__ = ["ALL_LINEAR", "MLA_LINEAR", "PEFT_EXPERT_FAMILIES", "SUPPORTED_FAMILIES", "KVRows", "LoraConfig",
            "LoraEntry", "LoraRow", "Slot", "Stacked", "add_lora", "adapters_disabled", "chunk_lora_entries",
-           "global_entries", "layer_slots", "lora_config_of", "lora_state_of", "merged_weights"]
+           "global_entries", "layer_slots", "lora_config_of", "lora_state_of", "merged_weights", "set_adapter_rank"]
 
 
 # -- the adapters ---------------------------------------------------------------------------------------------
@@ -354,6 +355,46 @@ def chunk_lora_entries(chunks) -> list[tuple[LoraEntry, object]]:
 
 
 # -- ways of using the adapters -------------------------------------------------------------------------------
+
+def set_adapter_rank(chunks, rank: int | None) -> None:
+    """Run the model's rank-``R`` adapters (``R``: its LoraConfig's ``r``) as rank-``rank`` ones: every slot's
+    scaling becomes PEFT's for the same adapter at rank ``rank``: ``alpha_s / r_s`` with ``r_s = R_s rank / R``
+    (``R_s`` / ``alpha_s`` the slot's rank and alpha after the config's patterns; a routed expert's fused gate/up,
+    ``2 R`` with ``2 alpha``, becomes ``2 rank``: ``alpha / rank``). The factors are not touched: the caller keeps
+    A's rows and B's columns beyond ``r_s`` zero, which then add exactly nothing and get exactly zero gradients
+    (the gradient of B's column j is ``g (A x)_j = 0``, of A's row j ``B[:, j]^T g x^T = 0``). ``None`` or ``R``
+    restores the configured scaling. Not collective (every rank must call it alike); used by a server whose
+    clients choose their rank (integrations/tinker)."""
+    chunks = as_chunks(chunks)
+    config = lora_config_of(chunks)
+    if config is None:
+        raise ValueError("set_adapter_rank: the model has no LoRA adapters")
+    big = config.r
+    rank = big if rank is None else rank
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= big:
+        raise ValueError(f"set_adapter_rank: rank {rank!r} must be an int in [1, {big}] (the adapters' rank)")
+    for chunk in chunks:
+        for module in chunk.modules():
+            if not isinstance(module, (Adapter, ExpertAdapter)):
+                continue
+            if not hasattr(module, "configured_slots"):       # the slots as built: what rank R restores
+                module.configured_slots = (list(module.slots) if isinstance(module, Adapter)
+                                           else dict(module.slots))
+            base = module.configured_slots
+            items = list(enumerate(base)) if isinstance(module, Adapter) else list(base.items())
+            for key, s in items:
+                if rank == big:
+                    new = s
+                elif isinstance(module, ExpertAdapter):
+                    new = dataclasses.replace(s, scaling=float(config.alpha) / rank)
+                else:
+                    r_s, alpha_s = config.rank_alpha(s.module)
+                    if (r_s * rank) % big:
+                        raise ValueError(f"set_adapter_rank: {s.module} has rank {r_s} (rank_pattern); rank "
+                                         f"{rank} of {big} does not divide it")
+                    new = dataclasses.replace(s, scaling=alpha_s / (r_s * rank // big))
+                module.slots[key] = new
+
 
 @contextlib.contextmanager
 def adapters_disabled(chunks):
