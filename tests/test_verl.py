@@ -11,7 +11,8 @@ Runs in .venv-verl (``scripts/setup_verl.sh``; ``scripts/test.sh`` runs this fil
   ``EngineRegistry`` from the same verl configs on 2 gloo ranks, take the same verl batches: log-probs and
   entropy (``infer_batch``, fixed and dynamic micro-batches), then 3 PPO ``train_batch`` steps with verl's
   ``ppo_loss`` and a cosine LR schedule with warm-up (losses, grad norms, LRs, the weights after AdamW), all in
-  fp32, equal within fp32 tolerance: dense at dp2, pp2, tp2 and cp2, a Qwen3-MoE at ep2; verl's offload flags (bit-equal);
+  fp32, equal within fp32 tolerance: dense at dp2, pp2, tp2 and cp2, a Qwen3-MoE and a gpt-oss at ep2; verl's offload
+  flags (bit-equal);
   a checkpoint save / load (bit-equal continuation). See ``_engine_rank``.
 * ``test_engine_router_replay``: verl's R2 / R3 through the engine, bit-identical to parallm called directly.
 * ``test_engine_options``: ``packed``, ``recompute``, ``vpp``, bf16 through the engine against the plain engine.
@@ -166,7 +167,7 @@ def _parallm_engine(path, *, layout=None, optim=None, remove_padding=False, over
     return e
 
 
-def _engine_rank(rank, world, dense, moe, ckpt):
+def _engine_rank(rank, world, dense, moe, gpt_oss, ckpt):
     r"""Phases on 2 gloo ranks, each engine built by verl's ``EngineRegistry`` from the same verl configs and fed
     the same verl batches (NO_PADDING, from verl's ``left_right_2_no_padding``), with verl's ``ppo_loss``:
     A. dense Qwen2, dp2: verl's FSDP2 engine (transformers under FSDP2, fp32) and parallm's engine: infer (fixed
@@ -175,8 +176,9 @@ def _engine_rank(rank, world, dense, moe, ckpt):
        offload on (a model "on an accelerator": verl's device name is made "cuda" so verl's mode switches call
        ``to``, parallm.offload / onload then move the CPU storages), bit-equal to A; C. parallm at pp2, tp2 and
        cp2 (dp1) fed both ranks' rows (the same global mini-batch as A's dp2); D. a Qwen3-MoE, FSDP2 dp2 vs parallm
-       dp2 x ep2; E. (at A's layout) ``save_checkpoint`` after 2 steps, then a third step, against a fresh engine
-       that ``load_checkpoint``\ s and takes the third step: bit-equal weights, equal loss, norm and LR."""
+       dp2 x ep2, and F. a gpt-oss the same way; E. (at A's layout) ``save_checkpoint`` after 2 steps, then a
+       third step, against a fresh engine that ``load_checkpoint``\ s and takes the third step: bit-equal
+       weights, equal loss, norm and LR."""
     os.environ.update(ENV)
     import torch
     import torch.distributed as dist
@@ -190,7 +192,8 @@ def _engine_rank(rank, world, dense, moe, ckpt):
     import parallm
 
     def engine(backend, path, offload=False):
-        model = HFModelConfig(path=path, use_remove_padding=False, override_config={"attn_implementation": "sdpa"})
+        attn = "eager" if "gpt_oss" in path else "sdpa"      # transformers runs gpt-oss's sinks in eager only
+        model = HFModelConfig(path=path, use_remove_padding=False, override_config={"attn_implementation": attn})
         eng = FSDPEngineConfig(strategy="fsdp2" if backend == "fsdp2" else "fsdp", model_dtype="fp32",
                                mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
                                                 "buffer_dtype": "fp32"}, use_torch_compile=False,
@@ -260,7 +263,7 @@ def _engine_rank(rank, world, dense, moe, ckpt):
     def fused_experts(sd):
         """The HF checkpoint's per-expert tensors as transformers 5 holds them in memory (what FSDP2's
         ``state_dict`` shows): ``experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up), ``experts.down_proj``
-        ``[E, H, I]``."""
+        ``[E, H, I]``; gpt-oss's per-expert slabs stacked back into its ``[E, ...]`` tensors."""
         out, layers = {}, {}
         for k, v in sd.items():
             head, sep, tail = k.partition(".mlp.experts.")
@@ -270,6 +273,10 @@ def _engine_rank(rank, world, dense, moe, ckpt):
             e, kind = tail.split(".")[:2]
             layers.setdefault(head, {}).setdefault(kind, {})[int(e)] = v
         for head, kinds in layers.items():
+            if "gate_proj" not in kinds:    # gpt-oss: each expert's slab of the stacked tensors, stacked again
+                for kind, per in kinds.items():
+                    out[f"{head}.mlp.experts.{kind}"] = torch.stack([per[i] for i in range(len(per))])
+                continue
             n = len(kinds["gate_proj"])
             out[f"{head}.mlp.experts.gate_up_proj"] = torch.stack(
                 [torch.cat([kinds["gate_proj"][i], kinds["up_proj"][i]]) for i in range(n)])
@@ -357,6 +364,11 @@ def _engine_rank(rank, world, dense, moe, ckpt):
     moe_ref = run(engine("fsdp2", moe), ranks, steps=(False, True))
     moe_mine = run(engine("parallm", moe), ranks, steps=(False, True))
     report["moe"] = compare(moe_ref, moe_mine)
+    # F. gpt-oss (sinks, windows, biased clamped-SwiGLU experts): FSDP2 dp2 vs parallm dp2 x ep2
+    parallm.destroy_parallel()
+    gpt_ref = run(engine("fsdp2", gpt_oss), ranks, steps=(False, True))
+    gpt_mine = run(engine("parallm", gpt_oss), ranks, steps=(False, True))
+    report["gpt_oss"] = compare(gpt_ref, gpt_mine)
     return report
 
 
@@ -378,11 +390,13 @@ def _check_engine(d, *, loss_tol=1e-5, weight_tol=1e-4, name=""):
 def test_engine_matches_fsdp2(tmp_path):
     """parallm's engine against verl's own FSDP2 engine (transformers) on the same verl batches and configs:
     dense dp2 (fixed and dynamic micro-batches, 3 steps of a cosine schedule with warm-up and weight decay), the
-    same with verl's offload flags (bit-equal), pp2, tp2, cp2, a Qwen3-MoE at ep2, and a checkpoint resume (``_engine_rank``)."""
+    same with verl's offload flags (bit-equal), pp2, tp2, cp2, a Qwen3-MoE and a gpt-oss at ep2, and a checkpoint
+    resume (``_engine_rank``)."""
     from parallm.integrations.verl import toy  # noqa: F401  (needs verl: skipped above without it)
     dense = toy.write_checkpoint(str(tmp_path / "dense"))
     moe = toy.write_checkpoint(str(tmp_path / "moe"), model_type="qwen3_moe")
-    reports = helpers.run_ranks(_engine_rank, 2, dense, moe, str(tmp_path / "ckpt"), timeout=540)
+    gpt_oss = toy.write_checkpoint(str(tmp_path / "gpt_oss"), model_type="gpt_oss")
+    reports = helpers.run_ranks(_engine_rank, 2, dense, moe, gpt_oss, str(tmp_path / "ckpt"), timeout=540)
     for rank, rep in enumerate(reports):
         print(rank, rep)
         _check_engine(rep["dense"], name="dense")
@@ -407,6 +421,7 @@ def test_engine_matches_fsdp2(tmp_path):
                 d = rep[name]
                 assert d["lp"] < 1e-5 and d["weights"] < 1e-4 and d["lr"][0] == d["lr"][1], (name, d)
         _check_engine(rep["moe"], name="moe")
+        _check_engine(rep["gpt_oss"], name="gpt_oss")
 
 
 def _replay_rank(rank, world, moe):

