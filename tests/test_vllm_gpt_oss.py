@@ -15,7 +15,9 @@ it moves every layer's parameters to the meta device and wraps their weight load
 the write lands on the meta tensor and ``finalize_layerwise_reload`` puts the old sinks back. parallm's push takes
 the sinks out of the stream and writes them into the engine's parameters after the reload
 (``parallm.integrations.vllm.fixes.SinkWriter``); the test checks that every engine tensor, the sinks included,
-equals the fresh engine's and that the sinks moved from the engine's pre-push values.
+equals the fresh engine's and that the sinks moved from the engine's pre-push values. The same for an engine in
+other processes (``vllm serve``, 2 tensor-parallel workers) pushed through the weight-transfer backend, where the
+writer runs in the engine's workers.
 """
 
 from __future__ import annotations
@@ -104,3 +106,67 @@ def test_gpt_oss_push_equals_vllm_load(tmp_path):
     assert out["moved"] and out["same_samples"]
     assert max(out["before"], out["after_diff"], out["fresh_diff"]) < 0.5
     assert out["stale_diff"] > 3 * max(out["before"], out["after_diff"])
+
+
+def _remote_rank(rank, world, s):
+    import torch
+
+    import parallm
+    from parallm.integrations import vllm as pv
+    out = {}
+    parallm.init_parallel(tp=2)
+    chunks = parallm.build_model(s["ckpt"])
+    parallm.load_hf_weights(chunks, s["ckpt"])
+    vocab = chunks[0].spec.vocab_size
+    conn = pv.connect([s["url"]], backend="parallm_shm", timeout=120)
+    before = conn.checksums()[s["url"]] if rank == 0 else None
+    opt = parallm.build_optimizer(chunks, lr=2e-2)
+    ve.train(chunks, opt, vocab, 2, seed=2)
+    batch = ve.prompts(vocab, 1)
+    out["push"] = pv.push_weights(chunks, conn, dtype=torch.bfloat16)
+    if rank == 0:
+        after = conn.checksums()[s["url"]]
+        out["sinks"] = sorted(n for n in after if n.endswith(".sinks"))
+        out["sinks_unchanged"] = sorted(n for n in out["sinks"] if after[n] == before[n])
+        out["changed"] = sum(after[n] != before[n] for n in after)
+    samples = None
+    if rank == 0:
+        samples = ve.sample_http(s["url"], s["ckpt"], batch, 1)
+    import torch.distributed as dist
+    obj = [samples]
+    dist.broadcast_object_list(obj, src=0)
+    out["after_diff"] = ve.max_diff(chunks, batch, obj[0])
+    conn.close()
+    parallm.destroy_parallel()
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_gpt_oss_push_into_a_served_engine(tmp_path):
+    """The weight-transfer backend's side of the sinks (``fixes.SinkWriter`` in the engine's workers): a gpt-oss
+    ``vllm serve`` engine with 2 tensor-parallel workers (each holds half of every layer's sinks), a trainer at
+    tp2 pushes after two AdamW steps through ``parallm_shm``; every sink shard's checksum in the engine changed
+    (vLLM's own reload would have kept them), and the engine's log-probs follow the trainer's."""
+    import torch
+    from parallm.integrations import vllm as pv
+    ckpt = str(tmp_path / "ckpt")
+    model = helpers.make_hf_model(helpers.tiny_config("gpt_oss", **GPT_OSS), seed=5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("self_attn.sinks"):
+                p.add_(1.0)
+    model.save_pretrained(ckpt)
+    ve.write_tokenizer(ckpt, model.config.vocab_size)
+    server = None
+    try:
+        server = pv.serve(ckpt, tensor_parallel_size=2, dtype="bfloat16", max_model_len=64, env=ve.SERVER_ENV,
+                          log=str(tmp_path / "server.log"))
+        out = helpers.run_ranks(_remote_rank, 2, {"ckpt": ckpt, "url": server.url}, timeout=600)
+    finally:
+        if server is not None:
+            server.stop()
+    rep = out[0]
+    print({k: rep[k] for k in ("sinks", "sinks_unchanged", "changed", "after_diff")}, rep["push"])
+    assert len(rep["sinks"]) == 2 * 2, rep["sinks"]          # 2 layers x 2 workers
+    assert rep["sinks_unchanged"] == [], rep["sinks_unchanged"]
+    assert max(r["after_diff"] for r in out) < 0.5
