@@ -83,6 +83,26 @@ def test_vllm_logprobs_match_the_training_forward(server):
     assert np.abs(np.array(blp[1:]) - np.array(lp[1:])).max() > 1e-3
 
 
+def test_vllm_serves_a_lower_rank_client(server):
+    """A rank-3 client on the rank-8 server: vLLM loads its rank-3 PEFT snapshot (scaling alpha / 3) and its
+    log-probs (prompt and sampled) are the training forward's within 1e-4."""
+    tc = server.client.create_lora_training_client(base_model=server.model, rank=3, seed=9).result()
+    g = np.random.default_rng(3)
+    for _ in range(2):
+        tc.forward_backward([_datum(g.integers(3, 99, 12).tolist()) for _ in range(4)], "cross_entropy").result()
+        tc.optim_step(ADAM).result()
+    path = tc.save_weights_for_sampler("rank3").result().path
+    th.check_peft_rank(th.adapter_dir(server.work, path), 3, 32)
+    sc = server.client.create_sampling_client(model_path=path).result()
+    prompt = g.integers(3, 99, 10).tolist()
+    lp = sc.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+    np.testing.assert_allclose(np.array(lp[1:]), _forward_lp(tc, prompt), atol=1e-4)
+    res = sc.sample(types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=6, seed=2, stop=[]))
+    for s in res.result().sequences:
+        np.testing.assert_allclose(np.array(s.logprobs), _forward_lp(tc, prompt + s.tokens)[len(prompt) - 1:],
+                                   atol=1e-4)
+
+
 def _cookbook(server, kind, steps):
     log_dir = os.path.join(server.work, kind)
     env = dict(os.environ, TINKER_API_KEY="tml-any", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
