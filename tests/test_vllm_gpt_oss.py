@@ -43,6 +43,19 @@ GPT_OSS = dict(num_hidden_layers=2, hidden_size=128, head_dim=64, num_attention_
                                     original_max_position_embeddings=32, rope_theta=150000.0))
 
 
+def _checkpoint(path: str, seed: int) -> str:
+    """A tiny gpt-oss checkpoint (``GPT_OSS``) with sinks moved well away from 0, and a tokenizer."""
+    import torch
+    model = helpers.make_hf_model(helpers.tiny_config("gpt_oss", **GPT_OSS), seed=seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("self_attn.sinks"):
+                p.add_(1.0)
+    model.save_pretrained(path)
+    ve.write_tokenizer(path, model.config.vocab_size)
+    return path
+
+
 def _rank(rank, world, s):
     import torch
 
@@ -87,15 +100,7 @@ def _rank(rank, world, s):
 
 @pytest.mark.timeout(900)
 def test_gpt_oss_push_equals_vllm_load(tmp_path):
-    import torch
-    ckpt = str(tmp_path / "ckpt")
-    model = helpers.make_hf_model(helpers.tiny_config("gpt_oss", **GPT_OSS), seed=3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("self_attn.sinks"):
-                p.add_(1.0)
-    model.save_pretrained(ckpt)
-    ve.write_tokenizer(ckpt, model.config.vocab_size)
+    ckpt = _checkpoint(str(tmp_path / "ckpt"), seed=3)
     out = helpers.run_ranks(_rank, 2, {"ckpt": ckpt, "saved": str(tmp_path / "saved")}, timeout=840)[0]
     print({k: out[k] for k in ("before", "stale_diff", "after_diff", "fresh_diff", "differ", "tensors")}, out["push"])
     # every engine tensor, the sinks included, bit-identical to vLLM's own load of save_hf_weights' directory
@@ -147,16 +152,8 @@ def test_gpt_oss_push_into_a_served_engine(tmp_path):
     ``vllm serve`` engine with 2 tensor-parallel workers (each holds half of every layer's sinks), a trainer at
     tp2 pushes after two AdamW steps through ``parallm_shm``; every sink shard's checksum in the engine changed
     (vLLM's own reload would have kept them), and the engine's log-probs follow the trainer's."""
-    import torch
     from parallm.integrations import vllm as pv
-    ckpt = str(tmp_path / "ckpt")
-    model = helpers.make_hf_model(helpers.tiny_config("gpt_oss", **GPT_OSS), seed=5)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("self_attn.sinks"):
-                p.add_(1.0)
-    model.save_pretrained(ckpt)
-    ve.write_tokenizer(ckpt, model.config.vocab_size)
+    ckpt = _checkpoint(str(tmp_path / "ckpt"), seed=5)
     server = None
     try:
         server = pv.serve(ckpt, tensor_parallel_size=2, dtype="bfloat16", max_model_len=64, env=ve.SERVER_ENV,
