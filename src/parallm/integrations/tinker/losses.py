@@ -18,8 +18,10 @@ epsilon of 0.2), from ``loss_fn_config`` or per token from ``loss_fn_inputs`` (n
 tokens its ``sequence_ratio_mask`` marks (required, at least one token). ``dro`` takes ``beta`` from
 ``loss_fn_config`` (required: the documentation names no default).
 
-Not offered (a :class:`LossInputError` naming why): ``stable_reinforce`` (its objective uses "stability
-information" the sampler records, whose definition Tinker has not published) and ``custom`` with a server-side
+Not offered (a :class:`LossInputError` naming why): ``stable_reinforce`` (the SDK 0.38 and Tinker's documentation
+give its inputs: samples recorded with ``record_stability_info=True``, provenance spans naming their
+``sequence_id``, a ``kl_coeff`` config; but not its objective, nor what the recorded "stability information" is:
+docs/tinker.md quotes them) and ``custom`` with a server-side
 loss id (the SDK runs ``forward_backward_custom`` on the client when the server does not announce server-side
 losses, which this server does not). ``forward_backward_custom`` itself works: the SDK turns the client's loss into
 a ``cross_entropy`` request whose weights are ``-dC/dlogprobs``.
@@ -50,9 +52,10 @@ LOSSES = {
     "gspo": (("target_tokens", "logprobs", "advantages", "sequence_ratio_mask"), CLIP_KEYS, CLIP_KEYS),
 }
 REFUSED = {
-    "stable_reinforce": "stable_reinforce is not offered by parallm's Tinker server: its objective uses the "
-                        "stability information Tinker's sampler records, whose definition Tinker has not "
-                        "published (use ppo, cispo, gspo or importance_sampling)",
+    "stable_reinforce": "stable_reinforce is not offered by parallm's Tinker server: the tinker SDK (0.38) defines "
+                        "its inputs (samples recorded with record_stability_info=True, provenance spans naming their "
+                        "sequence_id, loss_fn_config kl_coeff) but neither its objective nor the stability "
+                        "information the sampler records (use ppo, cispo, gspo or importance_sampling)",
     "custom": "server-side custom losses (loss_fn='custom' with a loss_id) are not offered by parallm's Tinker "
               "server; forward_backward_custom with a Python loss runs on the client and works",
 }
