@@ -106,7 +106,6 @@ def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
     the result row on global rank 0 (``ok``, ``d_out``, ``d_loss``, ``d_weights``, ``d_after``, ``roundtrip``,
     ``reload``, ``load_s``, ``save_s``, ``lr``, ``notes``, ...), None elsewhere."""
     import parallm
-    from ..families import load_config
     from ..parallel.errors import run_local
     from ..parallel.state import current_dims
 
@@ -118,11 +117,38 @@ def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
     parallm.init_parallel(tp=check.tp, pp=check.pp, vpp=check.vpp, cp=check.cp, ep=check.ep,
                           timeout_s=check.timeout_s)
     dims = current_dims()
-    rank0, dp, dp_rank = dims.rank == 0, dims.dp, dims.dp_rank
-    ckpt = check.ckpt
+    rank0, dp = dims.rank == 0, dims.dp
     row = dict(layout=check.name(dp), model=check.label)
     device = group_device()
+    chunks, dtype = _build_and_load(check, row, rank0, device)
+    pre = parallm.save_hf_weights(chunks)
+    spec, task = chunks[0].spec, chunks[0].task
+    mtp = run_local(lambda pre=pre: _split_mtp(pre, spec, check.ckpt, dtype) if rank0 else None,
+                    what="checking the multi-token-prediction tensors")
+    pieces = dp * check.microbatches
+    batch = -(-check.batch // pieces) * pieces
+    ids, mask = padded_batch(spec.vocab_size, batch=batch, seq=check.seq, seed=check.seed)
+    ref = run_local(lambda pre=pre: reference(check.ckpt, task, ids=ids, mask=mask, pre=pre,
+                                              pieces=pieces, lr=check.lr, device=device, dtype=dtype)
+                    if rank0 else None, what="the transformers reference")
+    del pre
+    new = _step_and_compare(check, chunks, ids, mask, ref, mtp, row, rank0, dims, dtype)
+    del ref
+    reloaded = _save_and_reload(check, chunks, new, mtp, row, rank0, dtype)
+    del chunks, new
+    gc.collect()
+    if not rank0:
+        return None
+    return _finish_row(check, row, reloaded, mtp, task, progress)
 
+
+def _build_and_load(check: Check, row: dict, rank0: bool, device):
+    """The model of ``check`` built and loaded (``row`` gets ``layers``, ``load_s``, ``load_mode``); returns
+    (chunks, dtype)."""
+    import parallm
+    from ..families import load_config
+    from ..parallel.errors import run_local
+    ckpt = check.ckpt
     # The config travels from rank 0, so ranks that cannot see the directory (other nodes) still build the model;
     # the loader then streams their shards from rank 0 (mode auto -> broadcast).
     raw = _broadcast(run_local(lambda: load_config(ckpt)._raw if rank0 else None, what="reading config.json"))
@@ -140,29 +166,23 @@ def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
                                  cp_attn=check.cp_attn, **(check.split or {}))
     split = chunks[0].dims.layer_split      # the layers per virtual stage (None: the even split)
     row["layers"] = list(split) if split is not None else None
-    task = chunks[0].task
     report = parallm.load_hf_weights(chunks, ckpt, mode=check.mode)
     row.update(load_s=_timed(t0), load_mode=report.mode)
+    return chunks, dtype
 
-    pre = parallm.save_hf_weights(chunks)
-    mtp = run_local(lambda: _split_mtp(pre, chunks[0].spec, ckpt, dtype) if rank0 else None,
-                    what="checking the multi-token-prediction tensors")
-    pieces = dp * check.microbatches
-    batch = -(-check.batch // pieces) * pieces
-    ids, mask = padded_batch(chunks[0].spec.vocab_size, batch=batch, seq=check.seq, seed=check.seed)
-    ref = run_local(lambda pre=pre: reference(ckpt, task, ids=ids, mask=mask, pre=pre, pieces=pieces, lr=check.lr,
-                                              device=device, dtype=dtype) if rank0 else None,
-                    what="the transformers reference")
-    del pre
+
+def _step_and_compare(check: Check, chunks, ids, mask, ref, mtp, row, rank0: bool, dims, dtype) -> dict:
+    """``forward`` against the reference, one SGD step (this replica's rows), ``forward`` again and the weights
+    after it (into ``row`` on rank 0); returns ``save_hf_weights`` after the step (rank 0; {} elsewhere)."""
+    import parallm
     lr = _broadcast(ref["lr"] if rank0 else None)
-
     out = parallm.forward(chunks, ids, mask)
     if rank0:
         row["d_out"] = max_diff_real(out, ref["out"], mask)
     del out
-    per = batch // dp
-    mine = slice(dp_rank * per, (dp_rank + 1) * per)
-    loss = parallm.forward_backward(chunks, ids[mine], mask[mine], loss_fn=loss_for(task),
+    per = ids.shape[0] // dims.dp
+    mine = slice(dims.dp_rank * per, (dims.dp_rank + 1) * per)
+    loss = parallm.forward_backward(chunks, ids[mine], mask[mine], loss_fn=loss_for(chunks[0].task),
                                     num_microbatches=check.microbatches)
     parallm.finalize_grads(chunks)
     with torch.no_grad():
@@ -183,24 +203,31 @@ def check_layout(check: Check, *, progress=lambda msg: None) -> dict | None:
                    d_weights=d_weights, lr=ref["lr"], update=ref["update"], loss=ref["loss"],
                    roundtrip=ref["roundtrip"],
                    notes=ref["notes"] + ([f"after the step: {what}"] if d_weights == float("inf") else []))
-    del after, ref
+    return new
 
+
+def _save_and_reload(check: Check, chunks, new, mtp, row, rank0: bool, dtype):
+    """``save_hf_weights`` into ``check.save_dir`` (``row["save_s"]``), transformers reloading it on rank 0, the
+    multi-token-prediction tensors saved as loaded. Returns the reload's (ok, problem) on rank 0."""
+    import parallm
+    from ..parallel.errors import run_local
     t0 = time.perf_counter()
     dist.barrier()
     parallm.save_hf_weights(chunks, check.save_dir, overwrite=True)
     row["save_s"] = _timed(t0)
-    reloaded = run_local(lambda new=new: reload_check(check.save_dir, task, saved=new, dtype=dtype) if rank0 else None,
-                         what="reloading the saved directory with transformers")
+    reloaded = run_local(lambda: reload_check(check.save_dir, chunks[0].task, saved=new, dtype=dtype)
+                         if rank0 else None, what="reloading the saved directory with transformers")
     if rank0 and mtp["tensors"]:
         saved = HFCheckpoint(check.save_dir)
         lost = [k for k, v in mtp["tensors"].items() if k not in saved.weight_map
                 or not torch.equal(saved.source(k).read(0, 0, v.shape[0]), v)]
         if lost:
             mtp["problems"].append(f"not saved as loaded: {', '.join(lost[:3])}")
-    del chunks, new
-    gc.collect()
-    if not rank0:
-        return None
+    return reloaded
+
+
+def _finish_row(check: Check, row: dict, reloaded, mtp, task: str, progress) -> dict:
+    """Rank 0's result row: the reload, tolerances and the verdict."""
     row["reload"], problem = reloaded
     if problem:
         row["notes"].append(f"reload: {problem}")
