@@ -546,7 +546,7 @@ def test_fused_checkpoints_load_at_tp2_ep2(tmp_path):
 
 def test_a_fused_tensor_of_the_wrong_shape_is_named(tmp_path):
     """No process group: the loader's check names the fused tensor and both shapes."""
-    from parallm.checkpoint.loader import check_checkpoint
+    from parallm.checkpoint.load_checks import check_checkpoint
     from parallm.errors import CheckpointError
     from parallm.families import spec_from_config
     from parallm.model.table import expected_hf_shapes, fused_layout

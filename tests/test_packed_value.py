@@ -63,7 +63,7 @@ def rank_value_from_causal(rank, world, ckpt, hidden_ref, ids, mask):
     import warnings
 
     import parallm
-    from parallm.checkpoint.loader import VALUE_HEAD_INIT_SEED
+    from parallm.checkpoint.load_checks import VALUE_HEAD_INIT_SEED
     parallm.init_parallel(tp=2)
     chunks = parallm.build_model(ckpt, task="value", packed=True, sequence_parallel=True)
     with warnings.catch_warnings(record=True) as caught:
