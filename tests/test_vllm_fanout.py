@@ -33,7 +33,7 @@ LAYERS = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96)
 
 def _rank(rank, world, ckpt):
     import parallm
-    from parallm.checkpoint import export
+    from parallm.checkpoint import export_run as export
     from parallm.integrations import vllm as pv
     from parallm.integrations.vllm import client, remote
     out = {}
@@ -212,7 +212,7 @@ def test_out_may_be_host_memory_for_a_device_model():
     """``export_hf_tensors(out=...)`` for parameters on CUDA takes host memory (what a remote push hands it: the
     shared-memory slots, gloo's sender buffers), where it used to raise on the first bucket; memory on another
     device is still refused."""
-    from parallm.checkpoint import export
+    from parallm.checkpoint import export_run as export
     cuda = torch.device("cuda", 0)
     buf = export._consumer_buffer(lambda k, n: torch.empty(n + 3), 0, 8, torch.float32, cuda)
     assert buf.device.type == "cpu" and buf.numel() == 8 and export._staged(buf, cuda)

@@ -154,7 +154,7 @@ def _untied_dp(out, s, rank):
 
 def _rank(rank, world, s):
     import parallm
-    from parallm.checkpoint import export
+    from parallm.checkpoint import export_run as export
     from parallm.integrations import vllm as pv
     from parallm.integrations.vllm import client
     out = {}

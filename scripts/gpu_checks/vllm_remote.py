@@ -63,7 +63,7 @@ def main() -> int:
     world, rank, device = start(args.cpu, 29533)
     import parallm
     from parallm import verify
-    from parallm.checkpoint import export
+    from parallm.checkpoint import export_run as export
     if args.cpu:
         export._staged = lambda buf, dev: True
     parallm.init_parallel(tp=world, backend="gloo" if args.cpu else None)
