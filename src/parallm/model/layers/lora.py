@@ -373,27 +373,34 @@ def set_adapter_rank(chunks, rank: int | None) -> None:
     rank = big if rank is None else rank
     if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= big:
         raise ValueError(f"set_adapter_rank: rank {rank!r} must be an int in [1, {big}] (the adapters' rank)")
+    plan = []                   # every adapter's new slots, computed before any is replaced (an error changes none)
     for chunk in chunks:
         for module in chunk.modules():
-            if not isinstance(module, (Adapter, ExpertAdapter)):
-                continue
-            if not hasattr(module, "configured_slots"):       # the slots as built: what rank R restores
-                module.configured_slots = (list(module.slots) if isinstance(module, Adapter)
-                                           else dict(module.slots))
-            base = module.configured_slots
-            items = list(enumerate(base)) if isinstance(module, Adapter) else list(base.items())
-            for key, s in items:
-                if rank == big:
-                    new = s
-                elif isinstance(module, ExpertAdapter):
-                    new = dataclasses.replace(s, scaling=float(config.alpha) / rank)
-                else:
-                    r_s, alpha_s = config.rank_alpha(s.module)
-                    if (r_s * rank) % big:
-                        raise ValueError(f"set_adapter_rank: {s.module} has rank {r_s} (rank_pattern); rank "
-                                         f"{rank} of {big} does not divide it")
-                    new = dataclasses.replace(s, scaling=alpha_s / (r_s * rank // big))
-                module.slots[key] = new
+            if isinstance(module, (Adapter, ExpertAdapter)):
+                if not hasattr(module, "configured_slots"):      # the slots as built: what rank R restores
+                    module.configured_slots = module.slots
+                plan.append((module, _slots_at_rank(module, config, rank)))
+    for module, slots in plan:
+        module.slots = slots            # a new list / dict: the built one is never changed
+
+
+def _slots_at_rank(module, config, rank: int):
+    """``module``'s configured slots with the scaling of rank ``rank`` (see :func:`set_adapter_rank`)."""
+    big, base = config.r, module.configured_slots
+    if rank == big:
+        return base
+
+    def one(s):
+        if isinstance(module, ExpertAdapter):
+            return dataclasses.replace(s, scaling=float(config.alpha) / rank)
+        r_s, alpha_s = config.rank_alpha(s.module)
+        if (r_s * rank) % big:
+            raise ValueError(f"set_adapter_rank: {s.module} has rank {r_s} (rank_pattern); rank {rank} of {big} "
+                             "does not divide it")
+        return dataclasses.replace(s, scaling=alpha_s / (r_s * rank // big))
+    if isinstance(base, dict):
+        return {k: one(s) for k, s in base.items()}
+    return [one(s) for s in base]
 
 
 @contextlib.contextmanager
