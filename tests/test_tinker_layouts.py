@@ -1,7 +1,7 @@
 """The Tinker server at layouts other than tp2 (its own code differs there: each data-parallel replica takes every
 dp-th datum and is padded to the same rows, a pipeline runs microbatches and only its last stage holds the
-outputs, which rank 0 gathers): a dense Qwen3 at pp2 and a Qwen3-MoE at dp2 x ep2 (experts' adapters on both
-ranks' experts), each a server of its own (``--sampler none``), the SDK as the client, against transformers +
+outputs, which rank 0 gathers; context parallelism splits every row over the ranks): a dense Qwen3 at pp2 and at
+cp2, and a Qwen3-MoE at dp2 x ep2 (experts' adapters on both ranks' experts), each a server of its own (``--sampler none``), the SDK as the client, against transformers +
 PEFT + ``torch.optim.AdamW`` on the same adapter: two ``cross_entropy`` steps over 7 datums of unequal lengths
 (an odd count: the replicas differ), the log-probs, ``loss:sum``, and the adapters after the steps. The MoE
 client asks for rank 4 of the server's 8 (the routed experts' stacked factors cut to rank 4, their fused gate/up to
@@ -47,8 +47,9 @@ def _data(seed):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", [("qwen3", ("--pp", "2"), 8), ("qwen3_moe", ("--dp", "2", "--ep", "2"), 4)],
-                         ids=["pp2", "dp2-ep2-rank4"])
+@pytest.mark.parametrize("layout", [("qwen3", ("--pp", "2"), 8), ("qwen3_moe", ("--dp", "2", "--ep", "2"), 4),
+                                    ("qwen3", ("--cp", "2"), 8)],
+                         ids=["pp2", "dp2-ep2-rank4", "cp2"])
 def test_layout_against_peft(tmp_path, layout):
     family, extra, rank = layout
     work = str(tmp_path)
