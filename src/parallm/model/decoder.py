@@ -283,35 +283,41 @@ class DecoderChunk(ChunkIO, nn.Module):
                 layer.mlp.replay = self.router_replay
                 layer.mlp.moe_index = moe_index[layer.layer_number]
         if post_process:
-            self.final_norm = norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
-            if task == "hidden":
-                pass  # a headless model (verl's ParallelLlamaModel): final-normed hidden states
-            elif task == "causal_lm":
-                # Tied and the embedding lives in this chunk: one parameter used twice. Tied across stages:
-                # this chunk owns a copy, loaded from the embedding and kept equal by finalize_grads.
-                reuse = self.share_embeddings_and_output_weights and pre_process
-                self.output_layer = mtp.ColumnParallelLinear(
-                    spec.hidden_size, self.padded_vocab_size, config=config, init_method=no_init, bias=False,
-                    gather_output=False, skip_weight_param_allocation=reuse)
-                # Vocab padding columns of this rank's logits (None: no padding here). They are filled with the
-                # dtype's lowest value, so a softmax / vocab-parallel cross entropy gives them probability 0.
-                per = self.padded_vocab_size // tp
-                real = max(0, min(per, spec.vocab_size - dims.tp_rank * per))
-                self.real_vocab_columns = real if real < per else None
-            else:
-                self.score = nn.Linear(spec.hidden_size, 1, bias=False, dtype=config.params_dtype, device=device)
-            if spec.carried_mtp:     # a family's listed MTP tensors (Qwen3.5 mtp.*): held, never run
-                self.carried_mtp = CarriedTensors(spec.carried_mtp, config.params_dtype, device)
-            if spec.carried_mtp_layers:      # carried multi-token-prediction layers: loaded, saved, never run
-                self.mtp_layers = nn.ModuleList(
-                    MTPLayer(spec, config, tp, spec.num_layers + j, device, backend=backend, dims=dims,
-                             padded_vocab=self.padded_vocab_size) for j in range(spec.carried_mtp_layers))
+            self._build_head(spec, config, tp, device, dims=dims, backend=backend)
         # Every parameter's placement (TP layout, partial-sum gradients, tied copies) from its table row, with
         # megatron-core's own attributes.
         experts = dims.expert_range(spec.moe.num_experts) if spec.moe is not None else None
         attach_placements(self, chunk_entries(table, spec, task=task, pp=dims.pp, pre_process=pre_process,
                                               post_process=post_process, layers=layers, experts=experts),
                           pp=dims.pp)
+
+    def _build_head(self, spec, config, tp: int, device, *, dims, backend) -> None:
+        """The last stage's final norm and head (output layer, value score or none), and the carried
+        multi-token-prediction tensors / layers."""
+        task, pre_process = self.task, self.pre_process
+        self.final_norm = norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
+        if task == "hidden":
+            pass  # a headless model (verl's ParallelLlamaModel): final-normed hidden states
+        elif task == "causal_lm":
+            # Tied and the embedding lives in this chunk: one parameter used twice. Tied across stages:
+            # this chunk owns a copy, loaded from the embedding and kept equal by finalize_grads.
+            reuse = self.share_embeddings_and_output_weights and pre_process
+            self.output_layer = mtp.ColumnParallelLinear(
+                spec.hidden_size, self.padded_vocab_size, config=config, init_method=no_init, bias=False,
+                gather_output=False, skip_weight_param_allocation=reuse)
+            # Vocab padding columns of this rank's logits (None: no padding here). They are filled with the
+            # dtype's lowest value, so a softmax / vocab-parallel cross entropy gives them probability 0.
+            per = self.padded_vocab_size // tp
+            real = max(0, min(per, spec.vocab_size - dims.tp_rank * per))
+            self.real_vocab_columns = real if real < per else None
+        else:
+            self.score = nn.Linear(spec.hidden_size, 1, bias=False, dtype=config.params_dtype, device=device)
+        if spec.carried_mtp:     # a family's listed MTP tensors (Qwen3.5 mtp.*): held, never run
+            self.carried_mtp = CarriedTensors(spec.carried_mtp, config.params_dtype, device)
+        if spec.carried_mtp_layers:      # carried multi-token-prediction layers: loaded, saved, never run
+            self.mtp_layers = nn.ModuleList(
+                MTPLayer(spec, config, tp, spec.num_layers + j, device, backend=backend, dims=dims,
+                         padded_vocab=self.padded_vocab_size) for j in range(spec.carried_mtp_layers))
 
     # -- Megatron model protocol -------------------------------------------------------------------------
     def set_input_tensor(self, input_tensor):
