@@ -332,3 +332,21 @@ def test_no_square_tensor(world_of_one, monkeypatch):
     with Largest():
         attn(x, cos, sin, PaddedRows(torch.ones(1, s, dtype=torch.bool))).sum().backward()
     assert 0 < Largest.biggest < s * s // 8, Largest.biggest
+
+
+def test_inspect_shows_the_indexer(tmp_path):
+    """`parallm inspect` (no process group) on a GLM-5 checkpoint with shared indexer layers: the indexer's heads,
+    top-k, RoPE layout, shared layers and parameters per layer (those of the checkpoint's indexer tensors)."""
+    from parallm import inspect_checkpoint
+    from parallm.cli.inspect import render
+    model = helpers.make_hf_model(glm5_config(num_hidden_layers=4, index_topk_freq=2, index_skip_topk_offset=1))
+    ckpt = helpers.save_checkpoint(model, str(tmp_path / "glm5"))
+    report = inspect_checkpoint(ckpt, tp=2, pp=2)
+    assert report["problem"] is None, report["problem"]
+    d = report["config"]["sparse_attention"]
+    state = model.state_dict()
+    per_layer = sum(v.numel() for k, v in state.items() if k.startswith("model.layers.0.self_attn.indexer."))
+    assert (d["heads"], d["topk"], d["rope"], d["shared_layers"], d["indexer_layers"]) == (16, TOPK, "interleaved",
+                                                                                           [1, 3], 2)
+    assert d["params_per_layer"] == per_layer
+    assert "top-16 keys per query" in render(report)

@@ -25,8 +25,13 @@ put in global order (backward: gradients reduce-scattered onto their owners), wh
 was built with; each rank's queries attend to their selected rows. Packed streams: the indexer selects within
 each document.
 
-**Kernels** (:data:`SPARSE_KERNELS`): ``"torch"``, the blocked gather kernel above, on any device and dtype (fp32
-accumulation). FlashMLA's sparse kernels (forward only) are not wired: on CUDA the torch kernel runs.
+**Kernels** (:data:`SPARSE_KERNELS`, chosen at build: :func:`resolve_sparse_kernel`, kept as ``kernel`` and
+compared across ranks like the other kernel choices): ``"torch"``, the blocked gather kernel above, on any device
+and dtype (fp32 accumulation); ``"flash-mla"`` on CUDA in bf16 where the ``flash_mla`` package is installed:
+FlashMLA's sparse prefill (``flash_mla_sparse_fwd``) for the forward when the shapes fit it (value width 512,
+64 / 128 heads per rank, top-k a multiple of 64; else the torch kernel), the torch kernel's blocked backward
+(FlashMLA has none). The FlashMLA path is written, not run on a GPU (scripts/gpu_checks/dsa.py checks the layer
+on a device).
 """
 
 from __future__ import annotations
@@ -87,28 +92,35 @@ class SparseLatentAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        q, kv, index, valid, out, lse = ctx.saved_tensors
-        scale, dv, step = ctx.scale, ctx.dv, ctx.step
-        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        g_all = grad.float()
-        for a in range(0, q.shape[0], step):
-            idx, ok = index[a:a + step], valid[a:a + step]
-            rows = kv.index_select(0, idx.reshape(-1)).view(idx.shape + (kv.shape[-1],)).float()
-            qb = q[a:a + step].float()
-            scores = (torch.bmm(qb, rows.transpose(1, 2)) * scale).masked_fill(~ok[:, None, :], float("-inf"))
-            base = lse[a:a + step]
-            base = torch.where(torch.isinf(base), torch.zeros_like(base), base)
-            p = torch.exp(scores - base[..., None])                                  # [b, h, k]
-            g = g_all[a:a + step]
-            dp = torch.bmm(g, rows[..., :dv].transpose(1, 2))                       # [b, h, k]
-            delta = (g * out[a:a + step]).sum(-1, keepdim=True)
-            ds = p * (dp - delta) * scale
-            dq[a:a + step] = torch.bmm(ds, rows)
-            drows = torch.bmm(ds.transpose(1, 2), qb)                                # [b, k, D]
-            drows[..., :dv] += torch.bmm(p.transpose(1, 2), g)
-            dkv.index_add_(0, idx.reshape(-1), drows.reshape(-1, kv.shape[-1]))
-        return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None, None, None
+        ctx.saved = ctx.saved_tensors
+        return _sparse_backward(ctx, grad)
+
+
+def _sparse_backward(ctx, grad):
+    """The blocked backward of the sparse latent attention from ``ctx.saved`` = (q, kv, index, valid, out fp32,
+    lse fp32): each block's gathered rows and probabilities recomputed."""
+    q, kv, index, valid, out, lse = ctx.saved
+    scale, dv, step = ctx.scale, ctx.dv, ctx.step
+    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    g_all = grad.float()
+    for a in range(0, q.shape[0], step):
+        idx, ok = index[a:a + step], valid[a:a + step]
+        rows = kv.index_select(0, idx.reshape(-1)).view(idx.shape + (kv.shape[-1],)).float()
+        qb = q[a:a + step].float()
+        scores = (torch.bmm(qb, rows.transpose(1, 2)) * scale).masked_fill(~ok[:, None, :], float("-inf"))
+        base = lse[a:a + step]
+        base = torch.where(torch.isinf(base), torch.zeros_like(base), base)
+        p = torch.exp(scores - base[..., None])                                  # [b, h, k]
+        g = g_all[a:a + step]
+        dp = torch.bmm(g, rows[..., :dv].transpose(1, 2))                       # [b, h, k]
+        delta = (g * out[a:a + step]).sum(-1, keepdim=True)
+        ds = p * (dp - delta) * scale
+        dq[a:a + step] = torch.bmm(ds, rows)
+        drows = torch.bmm(ds.transpose(1, 2), qb)                                # [b, k, D]
+        drows[..., :dv] += torch.bmm(p.transpose(1, 2), g)
+        dkv.index_add_(0, idx.reshape(-1), drows.reshape(-1, kv.shape[-1]))
+    return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None, None, None
 
 
 def sparse_latent_attention(q, kv, index, valid, *, scale: float, dv: int, budget: int | None = None):
@@ -116,7 +128,60 @@ def sparse_latent_attention(q, kv, index, valid, *, scale: float, dv: int, budge
     return SparseLatentAttention.apply(q, kv, index, valid, scale, dv, budget)
 
 
-SPARSE_KERNELS = {"torch": sparse_latent_attention}
+try:  # optional CUDA kernel: FlashMLA's sparse prefill (forward only)
+    from flash_mla import flash_mla_sparse_fwd as _flash_mla_sparse_fwd
+except Exception:  # noqa: BLE001 - not installed / no CUDA
+    _flash_mla_sparse_fwd = None
+
+
+def flash_mla_usable(q, kv, index, dv: int) -> bool:
+    """Whether FlashMLA's sparse prefill takes these shapes: CUDA bf16, value width 512, key rows 512 or 576 wide,
+    64 or 128 query heads, a top-k that is a multiple of 64."""
+    return (_flash_mla_sparse_fwd is not None and q.is_cuda and q.dtype == torch.bfloat16 and dv == 512
+            and kv.shape[-1] in (512, 576) and q.shape[1] in (64, 128) and index.shape[1] % 64 == 0)
+
+
+class FlashMLASparse(torch.autograd.Function):
+    """FlashMLA's sparse prefill for the forward (``flash_mla_sparse_fwd(q, kv[:, None], indices, scale,
+    d_v=512)``, invalid slots -1); the backward is :class:`SparseLatentAttention`'s blocked recomputation, its
+    log-sum-exp recomputed too (nothing taken from FlashMLA's base-2 lse). Written, not run on a GPU."""
+
+    @staticmethod
+    def forward(ctx, q, kv, index, valid, scale, dv, budget):
+        indices = torch.where(valid, index, -1).to(torch.int32)[:, None, :]
+        out = _flash_mla_sparse_fwd(q.contiguous(), kv[:, None].contiguous(), indices, scale, d_v=dv)[0]
+        ctx.save_for_backward(q, kv, index, valid, out)
+        ctx.scale, ctx.dv, ctx.step = scale, dv, _block_rows(index.shape[1], kv.shape[-1], budget)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, kv, index, valid, out = ctx.saved_tensors
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        for a in range(0, q.shape[0], ctx.step):
+            lse[a:a + ctx.step] = _block_forward(q[a:a + ctx.step], kv, index[a:a + ctx.step],
+                                                 valid[a:a + ctx.step], ctx.scale, ctx.dv)[1]
+        ctx.saved = (q, kv, index, valid, out.float(), lse)
+        return _sparse_backward(ctx, grad)
+
+
+def flash_mla_sparse(q, kv, index, valid, *, scale: float, dv: int, budget: int | None = None):
+    """FlashMLA's forward where :func:`flash_mla_usable`, else the torch kernel."""
+    if not flash_mla_usable(q, kv, index, dv):
+        return sparse_latent_attention(q, kv, index, valid, scale=scale, dv=dv, budget=budget)
+    return FlashMLASparse.apply(q, kv, index, valid, scale, dv, budget)
+
+
+# the sparse attention kernels: "torch" (any device, any dtype) and "flash-mla" (FlashMLA's sparse prefill forward
+# where installed and the shapes fit, else torch; CUDA, bf16)
+SPARSE_KERNELS = {"torch": sparse_latent_attention, "flash-mla": flash_mla_sparse}
+
+
+def resolve_sparse_kernel(device, dtype) -> str:
+    """"flash-mla" on CUDA in bf16 with FlashMLA installed, else "torch"."""
+    from ...parallel.state import as_device
+    cuda = as_device(device).type == "cuda"
+    return "flash-mla" if _flash_mla_sparse_fwd is not None and cuda and dtype == torch.bfloat16 else "torch"
 
 
 def check_dsa_stages(spec, stage_layers) -> None:
@@ -148,7 +213,7 @@ class DSAttention(MLAttention):
         self.source = spec.dsa.source(layer_number)
         self.topk = spec.dsa.topk
         self.indexer = Indexer(spec, config.params_dtype, device) if spec.has_indexer(layer_number) else None
-        self.sparse_kernel = "torch"
+        self.kernel = resolve_sparse_kernel(device if device is not None else "cpu", config.params_dtype)
         self.scale = spec.mla.scale          # the softmax scale, yarn's mscale^2 included
 
     def forward(self, x, cos, sin, ctx):
@@ -207,7 +272,7 @@ class DSAttention(MLAttention):
         keys = torch.cat([latent, self._rope(k_rope.unsqueeze(-2), cos, sin).squeeze(-2)], dim=-1)   # [S, B, D]
         if isinstance(ctx, ContextSplit):
             keys = gather_rows_sum_back(keys, self.cp_group).index_select(0, ctx.order)
-        out = SPARSE_KERNELS[self.sparse_kernel](q, keys.reshape(-1, keys.shape[-1]), index, valid,
+        out = SPARSE_KERNELS[self.kernel](q, keys.reshape(-1, keys.shape[-1]), index, valid,
                                                  scale=self.scale, dv=dl)
         out = torch.einsum("thd,hvd->thv", out, w_uv).reshape(s, b, h * self.v_dim)
         out, _ = self.linear_proj(out)
