@@ -20,12 +20,12 @@ import collections
 import copy
 import os
 
+import helpers
 import pytest
 import torch
-
-import helpers
 from test_deepseek import FP8_BLOCK, mtp_checkpoint, set_selection_bias
 from test_dsa_parts import glm5_config, v32_config
+
 from parallm.verify.reference import causal_lm_loss, hf_output
 
 LR = 0.5
@@ -253,3 +253,68 @@ def test_shared_layer_split_refused_and_bf16(tmp_path):
     ids, mask = helpers.padded_batch(model.config.vocab_size, seed=2, batch=2, seq=40)
     assert all(helpers.run_ranks(rank_refusals_bf16, 2, ckpt, ids, mask, timeout=180))
     assert os.path.isdir(ckpt)
+
+
+def _token_mean(out, ids, mask):
+    """(sum of next-token NLL over real positions, their count): the token-mean objective."""
+    lp = out[:, :-1].float().log_softmax(-1)
+    m = (mask[:, 1:] * mask[:, :-1]).float()
+    return -(lp.gather(-1, ids[:, 1:, None]).squeeze(-1) * m).sum(), m.sum()
+
+
+def rank_training(rank, world, ckpt, ids, mask, ref_lp, ref_ent, tmp):
+    """GLM-5 (shared indexer layers) at tp2 x ep2: log-probs and entropy; router replay (the experts returned
+    replay to the same logits, bit for bit); a token-mean AdamW step saved as a training checkpoint and resumed
+    at pp2 x ep2 (the same weights bit for bit, the indexer's and the fp32 weights_proj among them)."""
+    import parallm
+    from parallm.parallel.state import current_dims
+    out = {}
+    parallm.init_parallel(tp=2, ep=2)
+    lay = current_dims()
+    chunks = parallm.build_model(ckpt)
+    parallm.load_hf_weights(chunks, ckpt)
+    stats = parallm.forward(chunks, ids, mask, output="logprobs+entropy")
+    keep = (mask[:, 1:] * mask[:, :-1]).bool()
+    out["logprobs"] = (stats.logprobs[:, :-1][keep] - ref_lp[:, :-1][keep]).abs().max().item()
+    out["entropy"] = (stats.entropy[:, :-1][keep] - ref_ent[:, :-1][keep]).abs().max().item()
+    logits, routed = parallm.forward(chunks, ids, mask, return_routed_experts=True)
+    assert torch.equal(parallm.forward(chunks, ids, mask, routed_experts=routed), logits)
+    per = ids.shape[0] // lay.dp
+    sl = slice(lay.dp_rank * per, (lay.dp_rank + 1) * per)
+    opt = parallm.build_optimizer(chunks, lr=1e-2, weight_decay=0.1)
+    parallm.forward_backward(chunks, ids[sl], mask[sl], loss_fn=_token_mean, num_microbatches=2)
+    parallm.finalize_grads(chunks)
+    opt.step()
+    saved = os.path.join(tmp, "train")
+    parallm.save_checkpoint(saved, chunks, opt, step=1)
+    after = parallm.save_hf_weights(chunks)
+    parallm.init_parallel(tp=1, pp=2, ep=2)
+    resumed = parallm.build_model(ckpt)
+    opt = parallm.build_optimizer(resumed, lr=1e-2, weight_decay=0.1)
+    assert parallm.load_checkpoint(saved, resumed, opt)["step"] == 1
+    again = parallm.save_hf_weights(resumed)
+    if rank == 0:
+        helpers.assert_same_state(again, after)
+        out["after"] = {k: v for k, v in after.items() if ".indexer." in k}
+    parallm.destroy_parallel()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_dsa_logprobs_replay_and_training_checkpoint(tmp_path):
+    model = helpers.make_hf_model(glm5_shared(), seed=11)
+    set_selection_bias(model, seed=12)
+    ckpt = str(tmp_path / "glm5")
+    hub = helpers.hub_state_dict(model, ckpt)
+    ids, mask = helpers.padded_batch(model.config.vocab_size, seed=4, batch=8, seq=SEQ)
+    with torch.no_grad():
+        ref = hf_output(model, ids, mask)
+    lsm = ref.log_softmax(-1)
+    lp = torch.cat([lsm[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1), torch.zeros(8, 1)], dim=1)
+    ent = -(lsm.exp() * lsm).sum(-1)
+    results = helpers.run_ranks(rank_training, WORLD, ckpt, ids, mask, lp, ent, str(tmp_path / "work"),
+                                timeout=280)
+    print(results[0]["logprobs"], results[0]["entropy"])
+    assert max(r["logprobs"] for r in results) < 2e-5 and max(r["entropy"] for r in results) < 2e-5
+    indexer = results[0]["after"]
+    assert indexer and all(torch.equal(v, hub[k]) for k, v in indexer.items())     # frozen through AdamW

@@ -38,6 +38,7 @@ from torch import nn
 
 from ..positions.rope import apply_rope
 from .attention import Packing, PaddedRows
+from .mla import apply_rope_interleaved
 
 # fp32 score elements (queries x heads x keys) of one block of the indexer
 SCORE_BUDGET = 1 << 24
@@ -119,7 +120,6 @@ def key_ranges(ctx) -> KeyRanges:
 def rope_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleave: bool) -> torch.Tensor:
     """RoPE on the first ``cos.shape[-1]`` channels of ``x`` ``[..., heads, d]`` (the indexer's layout: rotated
     part first, unlike MLA's nope-first heads), interleaved pairs or rotate_half."""
-    from .mla import apply_rope_interleaved
     n = cos.shape[-1]
     rot = apply_rope_interleaved(x[..., :n], cos, sin) if interleave else apply_rope(x[..., :n], cos, sin)
     return torch.cat([rot, x[..., n:]], dim=-1)
@@ -129,7 +129,8 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ranges: KeyRa
                 scale: float, row0: int = 0, budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The top-k keys of each query: q ``[r, width, n, d]`` (queries ``row0 .. row0 + r - 1`` of ``ranges``,
     RoPE applied), k ``[key_rows, width, d]``, w ``[r, width, n]`` fp32 head weights; the products are taken in
-    fp32 and multiplied by ``scale`` before the ReLU, as transformers does. Returns ``(index, valid)`` ``[r * width, topk]``: each query's selected keys as flat key rows
+    fp32 and multiplied by ``scale`` before the ReLU, as transformers does. Returns ``(index, valid)`` ``[r *
+    width, topk]``: each query's selected keys as flat key rows
     (``g * width + w``) and whether each is a key it may see (a query that sees fewer than ``topk`` keys has
     invalid slots; their index is 0). Blocks of queries against their causal window: at most ``budget`` fp32
     scores at a time (None: :data:`SCORE_BUDGET`)."""
@@ -204,8 +205,7 @@ class Indexer(nn.Module):
         tp`` share of the rows, the selections all-gathered over it); ``cos`` / ``sin``: every row's;
         ``cp_split`` / ``cp_group``: context parallelism (keys all-gathered and put in global order)."""
         from ...parallel.comm import all_gather_single
-        tp, rank = (1, 0) if sp_group is None else (torch.distributed.get_world_size(sp_group),
-                                                    torch.distributed.get_rank(sp_group))
+        rank = 0 if sp_group is None else torch.distributed.get_rank(sp_group)
         mine = x.shape[0]
         row0 = rank * mine
         q, k, w = self.queries_keys(x, q_resid, cos[row0:row0 + mine], sin[row0:row0 + mine])
