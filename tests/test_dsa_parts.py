@@ -368,3 +368,36 @@ def test_table_covers_the_checkpoint(family, tmp_path):
     assert len(names) == len(set(names))
     indexed = sorted({int(k.split(".")[2]) for k in hub if ".indexer." in k})
     assert indexed == [i for i in range(spec.num_layers) if spec.has_indexer(i)]
+
+
+TP2_RUNS = [("glm_moe_dsa", False, False), ("glm_moe_dsa", True, True), ("deepseek_v32", True, False),
+            ("deepseek_v32", False, False)]
+
+
+def dsa_tp2_rank(rank, world, runs):
+    import parallm
+    parallm.init_parallel(tp=2)
+    try:
+        return [run_dsa(spec, state, x, mask, r, packed=packed, tp=2, rank=rank, sp=sp)
+                for spec, state, x, mask, r, packed, sp in runs]
+    finally:
+        parallm.destroy_parallel()
+
+
+@pytest.mark.timeout(240)
+def test_dsa_attention_tp2_matches_transformers():
+    """tp2 (two gloo ranks): MLA's heads split, the indexer replicated; padded, packed, packed + sequence
+    parallelism (each rank selects for its own tokens' queries, the selections all-gathered). Forward, input and
+    parameter gradients (the replicated latent projections' gradients complete on every rank without sequence
+    parallelism: the latent key rows enter the TP region as one contiguous copy)."""
+    from parallm.families import spec_from_config
+    runs, refs = [], []
+    for family, packed, sp in TP2_RUNS:
+        cfg = CONFIGS[family]()
+        spec, _ = spec_from_config(cfg)
+        x, _, mask, r = _batch(cfg.hidden_size)
+        refs.append(_hf_attention(family, cfg, x, mask, r))
+        runs.append((spec, refs[-1][0], x, mask, r, packed, sp))
+    per_rank = helpers.run_ranks(dsa_tp2_rank, 2, runs)
+    for k, (spec, _, _, mask, _, packed, sp) in enumerate(runs):
+        check_dsa([per_rank[0][k], per_rank[1][k]], refs[k], mask, packed=packed, sp=sp, spec=spec)

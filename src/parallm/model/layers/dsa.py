@@ -260,9 +260,6 @@ class DSAttention(MLAttention):
         if self.sequence_parallel:
             latent = mtp.gather_from_sequence_parallel_region(latent.contiguous(), tensor_parallel_output_grad=True)
             k_rope = mtp.gather_from_sequence_parallel_region(k_rope.contiguous(), tensor_parallel_output_grad=True)
-        elif self.tp > 1:
-            latent = mtp.copy_to_tensor_model_parallel_region(latent)
-            k_rope = mtp.copy_to_tensor_model_parallel_region(k_rope)
         s, b = q.shape[:2]
         h, dl = self.heads, self.kv_lora
         q_nope, q_rope = q.view(s, b, h, self.q_head_dim).split([self.nope, self.rope_dim], dim=-1)
@@ -270,6 +267,11 @@ class DSAttention(MLAttention):
         q_lat = torch.einsum("sbhn,hnd->sbhd", q_nope, w_uk)
         q = torch.cat([q_lat, self._rope(q_rope, cos, sin)], dim=-1).reshape(s * b, h, dl + self.rope_dim)
         keys = torch.cat([latent, self._rope(k_rope.unsqueeze(-2), cos, sin).squeeze(-2)], dim=-1)   # [S, B, D]
+        if not self.sequence_parallel and self.tp > 1:
+            # into the TP region after the concatenation: the copy's backward all-reduces its gradient in place,
+            # which must be a whole tensor (the halves of a concatenation's gradient are strided views, and an
+            # in-place all-reduce of one leaves it unreduced)
+            keys = mtp.copy_to_tensor_model_parallel_region(keys)
         if isinstance(ctx, ContextSplit):
             keys = gather_rows_sum_back(keys, self.cp_group).index_select(0, ctx.order)
         out = SPARSE_KERNELS[self.kernel](q, keys.reshape(-1, keys.shape[-1]), index, valid,
