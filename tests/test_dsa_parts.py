@@ -401,3 +401,44 @@ def test_dsa_attention_tp2_matches_transformers():
     per_rank = helpers.run_ranks(dsa_tp2_rank, 2, runs)
     for k, (spec, _, _, mask, _, packed, sp) in enumerate(runs):
         check_dsa([per_rank[0][k], per_rank[1][k]], refs[k], mask, packed=packed, sp=sp, spec=spec)
+
+
+# -- near-ties at the top-k boundary -------------------------------------------------------------------------
+
+def topk_margin(model, ids, mask) -> float:
+    """The smallest relative gap, over every real query that sees more than ``index_topk`` keys and every layer
+    with an indexer, between the last score transformers keeps and the first it drops: ``(v[k-1] - v[k]) /
+    max(|v[k-1]|, 1e-6)``. Two exact computations that differ in the last bits (TP reductions, another
+    summation order) may select differently where it is tiny; end-to-end tests keep batches whose margin is not
+    (the selection is a discrete choice: no tolerance covers a flipped key)."""
+    import torch.nn.functional as F
+    caught = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: caught.append((mod, args)))
+             for m in model.modules() if type(m).__name__.endswith("Indexer")]
+    try:
+        with torch.no_grad():
+            from parallm.verify.reference import hf_output
+            hf_output(model, ids, mask)
+            margin = float("inf")
+            for mod, (hs, q_resid, (cos, sin), am, *_) in caught:
+                from parallm.model.layers.indexer import rope_first
+                glm = "Glm" in type(mod).__name__
+                q = mod.wq_b(q_resid).unflatten(-1, (mod.n_heads, mod.head_dim))
+                k = mod.k_norm(mod.wk(hs))
+                q = rope_first(q, cos, sin, interleave=glm)
+                k = rope_first(k.unsqueeze(-2), cos, sin, interleave=glm).squeeze(-2)
+                scores = F.relu(torch.matmul(q.float(), k.float().transpose(-1, -2).unsqueeze(1)) * mod.softmax_scale)
+                w = mod.weights_proj(hs.float()).float() * mod.n_heads ** -0.5
+                total = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)                  # [B, S, S]
+                visible = am > -1e30 if am.dtype != torch.bool else am
+                kk = mod.index_topk
+                for b in range(total.shape[0]):
+                    for s in range(total.shape[1]):
+                        if not mask[b, s] or int(visible[b, s].sum()) <= kk:
+                            continue
+                        v = total[b, s][visible[b, s]].sort(descending=True).values
+                        margin = min(margin, float((v[kk - 1] - v[kk]) / max(abs(float(v[kk - 1])), 1e-6)))
+            return margin
+    finally:
+        for h in hooks:
+            h.remove()
