@@ -330,6 +330,7 @@ def test_dsa_logprobs_replay_and_training_checkpoint(tmp_path):
     ckpt = str(tmp_path / "glm5")
     hub = helpers.hub_state_dict(model, ckpt)
     ids, mask = helpers.padded_batch(model.config.vocab_size, seed=4, batch=8, seq=SEQ)
+    assert topk_margin(model, ids, mask) >= MARGIN          # no near-tie in this batch (see batch_without_near_ties)
     with torch.no_grad():
         ref = hf_output(model, ids, mask)
     lsm = ref.log_softmax(-1)

@@ -12,7 +12,7 @@ import helpers
 import peft
 import pytest
 import torch
-from test_dsa_parts import glm5_config
+from test_dsa_parts import glm5_config, topk_margin
 from test_lora import (
     ALPHA,
     EPS,
@@ -41,6 +41,7 @@ def reference(tmp):
     adapter = str(tmp / "adapter")
     model.save_pretrained(adapter)
     ids, mask = helpers.padded_batch(cfg.vocab_size, batch=4, seq=48)
+    assert topk_margin(model, ids, mask) >= 1e-5             # no top-k near-tie (test_dsa.batch_without_near_ties)
     pos = parallm.default_position_ids(mask)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits

@@ -252,7 +252,14 @@ class DSAttention(MLAttention):
         w = linear.weight
         lora = getattr(linear, "lora", None)
         if lora is not None and lora.state.enabled:
-            w = w + lora.delta(lora.slots[0].part).to(w.dtype)
+            slot = lora.slots[0]
+            a, b = lora.lora_A[slot.part], lora.lora_B[slot.part]
+            if not self.sequence_parallel and self.tp > 1:
+                # A is replicated and each rank's rows of B use it: its gradient is the sum over TP of every
+                # rank's part (as the adapter's own path makes it; under sequence parallelism finalize_grads sums
+                # it, its placement saying tp_sum)
+                a = mtp.copy_to_tensor_model_parallel_region(a)
+            w = w + ((b.float() @ a.float()) * slot.scaling).to(w.dtype)
         return w
 
     def _sparse(self, q, latent, k_rope, cos, sin, ctx, index, valid):
