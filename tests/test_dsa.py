@@ -85,6 +85,8 @@ CASES = [
     ("v32 pp2 dense-first=2 ep2", lambda: v32_config(num_hidden_layers=4, first_k_dense_replace=2),
      dict(tp=1, pp=2, ep=2, nmb=2), {}, {}),
     ("glm5 shared pp2", glm5_shared, dict(tp=1, pp=2, ep=1, nmb=1), {}, {}),
+    ("v32 pp2 vpp2 ep2 (4 layers)", lambda: v32_config(num_hidden_layers=4), dict(tp=1, pp=2, vpp=2, ep=2, nmb=2),
+     {}, {}),
     ("glm5 shared cp2 packed ep2", glm5_shared, dict(tp=1, pp=1, cp=2, ep=2, nmb=1), {"packed": True}, {}),
     ("v32 tp2 cp2 packed+SP", lambda: v32_config(), dict(tp=2, pp=1, cp=2, ep=1, nmb=1),
      {"packed": True, "sequence_parallel": True}, dict(logprobs=True)),
@@ -175,7 +177,7 @@ def rank_cases(rank, world, cases):
     from parallm.parallel.state import current_dims
     out = []
     for case in cases:
-        parallm.init_parallel(tp=case["tp"], pp=case["pp"], cp=case.get("cp", 1), ep=case["ep"])
+        parallm.init_parallel(tp=case["tp"], pp=case["pp"], vpp=case.get("vpp"), cp=case.get("cp", 1), ep=case["ep"])
         lay = current_dims()
         ids, mask = case["ids"], case["mask"]
         chunks = parallm.build_model(case["ckpt"], **case["build"])
@@ -342,3 +344,40 @@ def test_dsa_logprobs_replay_and_training_checkpoint(tmp_path):
     assert max(r["logprobs"] for r in results) < 2e-5 and max(r["entropy"] for r in results) < 2e-5
     indexer = results[0]["after"]
     assert indexer and all(torch.equal(v, hub[k]) for k, v in indexer.items())     # frozen through AdamW
+
+
+def rank_value(rank, world, ckpt, ids, mask, ref, state):
+    import parallm
+    parallm.init_parallel(tp=2)
+    chunks = parallm.build_model(ckpt, task="value")
+    helpers.nan_fill(chunks)
+    parallm.load_hf_weights(chunks, ckpt)
+    got = parallm.forward(chunks, ids, mask)
+    saved = parallm.save_hf_weights(chunks)
+    if rank == 0:
+        helpers.assert_same_state(saved, state)
+    parallm.destroy_parallel()
+    return helpers.max_diff_real(got, ref, mask)
+
+
+@pytest.mark.timeout(200)
+def test_dsa_value_model(tmp_path):
+    """A GLM-5 value model (``score.weight [1, H]``; transformers 5.25 has no sequence-classification class for
+    it: the reference is transformers' decoder's last hidden state times the score) at tp2: values at real
+    positions, the save bit-exact."""
+    model = helpers.make_hf_model(glm5_shared(), seed=21)
+    hub = helpers.hub_state_dict(model, str(tmp_path / "hub"))
+    state = {k: v for k, v in hub.items() if k != "lm_head.weight"}
+    state["score.weight"] = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    config = model.config.to_dict()
+    config.update(architectures=["GlmMoeDsaForSequenceClassification"], num_labels=1)
+    ckpt = helpers.write_ckpt(str(tmp_path / "value"), state, config)
+    ids, mask = helpers.padded_batch(model.config.vocab_size, seed=6, batch=4, seq=SEQ)
+    assert topk_margin(model, ids, mask) >= MARGIN
+    import parallm
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, attention_mask=mask,
+                             position_ids=parallm.default_position_ids(mask)).last_hidden_state
+        ref = (hidden @ state["score.weight"].T).squeeze(-1)
+    diffs = helpers.run_ranks(rank_value, 2, ckpt, ids, mask, ref, state, timeout=180)
+    assert max(diffs) < 2e-5, diffs
