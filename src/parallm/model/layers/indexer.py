@@ -141,15 +141,17 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ranges: KeyRa
     lo_all = torch.tensor(ranges.lo, dtype=torch.long, device=q.device)
     hi_all = torch.tensor(ranges.hi, dtype=torch.long, device=q.device)
     kf = k.float()
+    lo_list, hi_list = ranges.lo, ranges.hi
     a = 0
     while a < r:
-        # a block of queries whose causal window fits the budget
-        k0 = min(ranges.lo[row0 + a: row0 + a + 1])
-        e = a + 1
-        while e < r and (e - a + 1) * n * (max(ranges.hi[row0 + a: row0 + e + 1]) + 1 - k0) <= budget:
-            e += 1
-        k0 = min(ranges.lo[row0 + a: row0 + e])
-        k1 = max(ranges.hi[row0 + a: row0 + e]) + 1
+        # a block of queries [a, e) whose window of keys [k0, k1) fits the budget (at least one query)
+        k0, top, e = lo_list[row0 + a], hi_list[row0 + a], a + 1
+        while e < r:
+            nk0, ntop = min(k0, lo_list[row0 + e]), max(top, hi_list[row0 + e])
+            if (e - a + 1) * n * (ntop + 1 - nk0) > budget:
+                break
+            k0, top, e = nk0, ntop, e + 1
+        k1 = top + 1
         if k1 > k0:
             g = torch.arange(k0, k1, device=q.device)
             lo, hi = lo_all[row0 + a: row0 + e, None], hi_all[row0 + a: row0 + e, None]
