@@ -30,6 +30,8 @@ echo "== scripts/gpu_checks/gated_deltanet.py on $N2 process(es)"
 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$N2" scripts/gpu_checks/gated_deltanet.py "$@" || status=1
 echo "== scripts/gpu_checks/gpt_oss.py (gpt-oss: biased clamped experts on the device, parallm verify with sinks)"
 "$PY" scripts/gpu_checks/gpt_oss.py || status=1
+echo "== scripts/gpu_checks/dsa.py (DeepSeek Sparse Attention: indexer + sparse latent attention on the device)"
+"$PY" scripts/gpu_checks/dsa.py "$@" || status=1
 if "$PY" -c "import peft" 2>/dev/null; then
   echo "== scripts/gpu_checks/lora.py on $N process(es)"
   "$PY" -m torch.distributed.run --standalone --nproc-per-node "$N" scripts/gpu_checks/lora.py "$@" || status=1

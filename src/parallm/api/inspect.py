@@ -209,7 +209,8 @@ def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, ep=Non
                     carried_parameters=sum(math.prod(shape) for _, shape in spec.carried),
                     mtp_tensors=len(spec.carried_mtp),
                     mtp_parameters=sum(math.prod(shape) for _, shape in spec.carried_mtp),
-                    layer_pattern=_layer_pattern(spec), sinks=spec.attn_sinks),
+                    layer_pattern=_layer_pattern(spec), sinks=spec.attn_sinks,
+                    sparse_attention=dsa_facts(spec)),
         parameters=sum(dtypes.values()), tensors=len(tensors), dtypes=dtypes, dtype=main,
         dtype_bytes=itemsize.get(main, 4), files=files, problem=ck["problem"], notes=ck["notes"],
         valid_tp=[tp for tp in range(1, spec.num_heads + 1) if _splits(check_tp, spec, tp)],
@@ -257,3 +258,19 @@ def _linear_heads(spec) -> str | None:
         return None
     return (f"{la.num_key_heads} key heads x {la.key_head_dim}, {la.num_value_heads} value heads x "
             f"{la.value_head_dim}, conv {la.conv_kernel}")
+
+
+def dsa_facts(spec) -> dict | None:
+    """DeepSeek Sparse Attention's indexer (None without one): its heads, top-k, RoPE layout, the layers that
+    reuse another layer's selection, its parameters per layer (replicated on every TP rank, frozen; weights_proj
+    fp32), and the memory a batch's selection takes per token (int64 indices and their validity, per layer with an
+    indexer; the blocked scores are transient: no [S, S] tensor)."""
+    d = spec.dsa
+    if d is None:
+        return None
+    params = d.n_heads * d.head_dim * spec.mla.q_lora_rank + d.head_dim * spec.hidden_size + 2 * d.head_dim \
+        + d.n_heads * spec.hidden_size
+    return dict(heads=d.n_heads, head_dim=d.head_dim, topk=d.topk,
+                rope="interleaved" if d.rope_interleave else "half-split", shared_layers=list(d.shared),
+                indexer_layers=sum(spec.has_indexer(i) for i in range(spec.num_layers)),
+                params_per_layer=params, selection_bytes_per_token=d.topk * 9)

@@ -113,6 +113,7 @@ def render(report: dict) -> str:
                                           else [])),
         *([f"hybrid        Gated DeltaNet layers {c['linear_layers']} ({c['linear_heads']}); full attention "
            f"(output-gated) on the other {c['layers'] - len(c['linear_layers'])}"] if c.get("linear_layers") else []),
+        *([_dsa_line(c["sparse_attention"])] if c.get("sparse_attention") else []),
         *([f"carried       {c['carried']} tensors ({_count(c['carried_parameters'])} params: the vision tower) held "
            "on the first stage, loaded, saved and exported unchanged, never run nor trained"]
           if c.get("carried") else []),
@@ -175,3 +176,11 @@ def render(report: dict) -> str:
                      "Training adds 4 B/param fp32 gradients and 8 B/param Adam moments (last column), plus an "
                      "fp32 master copy (4 B/param) when training in bf16, plus activations.)")
     return "\n".join(lines)
+
+
+def _dsa_line(d: dict) -> str:
+    shared = f"; layers {d['shared_layers']} reuse the previous full layer's selection" if d["shared_layers"] else ""
+    return (f"sparse attn   DeepSeek Sparse Attention: indexer {d['heads']} heads x {d['head_dim']} ({d['rope']} "
+            f"RoPE), top-{d['topk']} keys per query on {d['indexer_layers']} layers{shared}; indexer "
+            f"{_count(d['params_per_layer'])} params per layer, replicated over TP, frozen; selection "
+            f"{d['selection_bytes_per_token']} bytes per token per indexer layer")

@@ -120,10 +120,13 @@ def _positive(config, key: str, *, optional: bool = False) -> int | None:
     return value
 
 
-def deepseek_v3_spec(config) -> DecoderSpec:
-    model_type = getattr(config, "model_type", "deepseek_v3")
-    if model_type not in MODEL_TYPES:
-        raise ValueError(f"model_type={model_type!r} is not a DeepSeek-V3 config ({', '.join(MODEL_TYPES)})")
+def deepseek_v3_spec(config, *, family: str = "deepseek_v3", model_types: tuple[str, ...] = MODEL_TYPES,
+                     defaults: dict = DEEPSEEK_DEFAULTS) -> DecoderSpec:
+    """The spec of a DeepSeek-V3 config; ``family`` / ``model_types`` / ``defaults``: those of a family built on
+    it (DeepSeek-V3.2, GLM-5: :mod:`parallm.families.dsa`)."""
+    model_type = getattr(config, "model_type", model_types[0])
+    if model_type not in model_types:
+        raise ValueError(f"model_type={model_type!r} is not a {family} config ({', '.join(model_types)})")
     for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
         got = getattr(config, key, None)
         if got is not None and got != want:
@@ -155,12 +158,12 @@ def deepseek_v3_spec(config) -> DecoderSpec:
     mla = MLASpec(kv_lora_rank=kv_lora, qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim, v_head_dim=v_dim,
                   q_lora_rank=q_lora, rope_interleave=True if interleave is None else bool(interleave),
                   softmax_scale=mla_softmax_scale(nope + rope_dim, yarn), down_proj_bias=bias)
-    kwargs = base_kwargs_without_rope(config, "deepseek_v3")
+    kwargs = base_kwargs_without_rope(config, family)
     kwargs.update(head_dim=mla.q_head_dim, num_kv_heads=heads,
                   rope=RopeSpec(dim=rope_dim, theta=float(params["rope_theta"]), kind="default",
                                 max_position_embeddings=max_pos))
-    return DecoderSpec(**kwargs, o_bias=bias, mla=mla, yarn=yarn, moe=grouped_moe_spec(config),
-                       mtp_layers=mtp_layers_of(config, DEEPSEEK_DEFAULTS["num_nextn_predict_layers"]))
+    return DecoderSpec(**kwargs, o_bias=bias, mla=mla, yarn=yarn, moe=grouped_moe_spec(config, defaults),
+                       mtp_layers=mtp_layers_of(config, defaults["num_nextn_predict_layers"]))
 
 
 # -- the weight table -----------------------------------------------------------------------------------------

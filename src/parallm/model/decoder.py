@@ -27,6 +27,7 @@ from .context_parallel import CP_KERNELS, ContextSplit, resolve_cp_attn
 from .layers.attention import (AttnBackend, Packing, PaddedRows, block_kernel, make_packing, pack_tokens,
                                resolve_attn_impl)
 from .layers.gated_deltanet import GatedDeltaNet, resolve_kernel as resolve_gdn_kernel
+from .layers.dsa import DSAttention, check_dsa_stages
 from .layers.mla import MLAttention
 from .layers.mlp import MLP, no_init
 from .layers.moe import MoEAux, MoEBlock
@@ -150,6 +151,9 @@ class DecoderLayer(nn.Module):
         self.linear = spec.is_linear_layer(layer_number)
         if self.linear:              # Gated DeltaNet (Qwen3-Next, Qwen3.5): model/layers/gated_deltanet.py
             self.self_attention = GatedDeltaNet(spec, config, tp, device, kernel=gdn_kernel, cp_group=cp_group)
+        elif spec.dsa is not None:     # MLA + DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): layers/dsa.py
+            self.self_attention = DSAttention(spec, config, tp, device, backend=backend, norm=RMSNorm,
+                                              cp_group=cp_group, cp_attn=cp_attn, layer_number=layer_number)
         elif spec.mla is not None:     # multi-head latent attention (DeepSeek-V3): model/layers/mla.py
             self.self_attention = MLAttention(spec, config, tp, device, backend=backend, norm=RMSNorm,
                                               cp_group=cp_group, cp_attn=cp_attn)
@@ -432,6 +436,8 @@ def prepare_config(spec: DecoderSpec, dims, *, task: str, dtype, sequence_parall
     check_ep(spec, dims.ep)
     # raises with the numbers if the layers do not split (evenly, or as dims.layer_split says)
     layer_numbers(spec.num_layers, dims.pp, dims.vpp, 0, 0, layers_per_stage=dims.layer_split)
+    check_dsa_stages(spec, [layer_numbers(spec.num_layers, dims.pp, dims.vpp, p, v, layers_per_stage=dims.layer_split)
+                            for p in range(dims.pp) for v in range(dims.vpp)])
     config = make_config(tp=dims.tp, pp=dims.pp, vpp=dims.vpp if dims.vpp > 1 else None, dtype=dtype,
                          sequence_parallel=sequence_parallel)
     # The TransformerConfig fields Megatron's schedules read from a model's config, set once here: the chunks of

@@ -146,6 +146,40 @@ class MLASpec:
 
 
 @dataclass(frozen=True)
+class DSASpec:
+    """DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2, GLM-5; :mod:`parallm.model.layers.indexer`):
+    per query, ``n_heads`` heads of width ``head_dim`` (their first ``rope_dim`` channels rotated, interleaved
+    pairs when ``rope_interleave`` (GLM-5) else rotate_half (DeepSeek-V3.2)) score every earlier key against one
+    shared key head; the ReLU'd scores weighted per head and summed pick the ``topk`` keys the multi-head latent
+    attention then sees. ``shared``: the layers that run no indexer of their own and reuse the selection of the
+    last ``full`` layer before them (GLM's ``indexer_types``); every other layer has its own."""
+    n_heads: int
+    head_dim: int
+    topk: int
+    rope_dim: int
+    rope_interleave: bool
+    shared: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        sizes = {"index_n_heads": self.n_heads, "index_head_dim": self.head_dim, "index_topk": self.topk}
+        bad = [f"{k}={v!r}" for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v <= 0]
+        if bad:
+            raise ValueError(f"invalid sparse-attention indexer sizes: {', '.join(bad)} (positive integers)")
+        if not 0 < self.rope_dim <= self.head_dim or self.rope_dim % 2:
+            raise ValueError(f"the indexer rotates qk_rope_head_dim={self.rope_dim} channels of index_head_dim="
+                             f"{self.head_dim} (an even number up to it is needed)")
+        if 0 in self.shared:
+            raise ValueError("layer 0 cannot reuse another layer's top-k selection (indexer_types[0] must be "
+                             "'full')")
+
+    def source(self, layer: int) -> int:
+        """The layer whose selection ``layer`` uses: itself, or for a shared layer the last full one before it."""
+        while layer in self.shared:
+            layer -= 1
+        return layer
+
+
+@dataclass(frozen=True)
 class GatedDeltaNetSpec:
     """The Gated DeltaNet (linear attention) layers of a hybrid model (Qwen3-Next, Qwen3.5:
     :mod:`parallm.model.layers.gated_deltanet`). ``layers``: the global indices of the layers that run it (the
@@ -238,6 +272,8 @@ class DecoderSpec:
     # never runs nor trains: multi-token-prediction tensors a family lists from the checkpoint's headers
     # (Qwen3.5 / Qwen3-Next ``mtp.*``: build_model(mtp=...)), (HF name, shape) pairs
     carried_mtp: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): the MLA layers' lightning indexer; None: dense attention
+    dsa: DSASpec | None = None
 
     def __post_init__(self):
         # only the fields that existing families never set are checked here (tests replace() sizes freely)
@@ -256,12 +292,32 @@ class DecoderSpec:
         if not 0 <= self.carried_mtp_layers <= self.mtp_layers:
             raise ValueError(f"carried_mtp_layers={self.carried_mtp_layers} must lie in [0, mtp_layers="
                              f"{self.mtp_layers}]")
+        if self.dsa is not None and (self.mla is None or self.mla.q_lora_rank is None):
+            raise ValueError("the sparse-attention indexer reads the q LoRA latent: it needs multi-head latent "
+                             "attention with q_lora_rank set")
         if self.mla is not None:
             if self.rotary_dim != self.mla.qk_rope_head_dim:
                 raise ValueError(f"rotary dim {self.rotary_dim} != qk_rope_head_dim={self.mla.qk_rope_head_dim}")
             if self.num_kv_heads != self.num_heads or self.head_dim != self.mla.q_head_dim:
                 raise ValueError("a multi-head latent attention spec has num_kv_heads == num_heads and head_dim == "
                                  f"q_head_dim (got {self.num_kv_heads}, {self.head_dim})")
+
+    def has_indexer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` runs a sparse-attention indexer of its own (MTP layers do)."""
+        return self.dsa is not None and layer not in self.dsa.shared
+
+    # shapes the indexer rows name (0 without one)
+    @property
+    def index_q_size(self) -> int:
+        return self.dsa.n_heads * self.dsa.head_dim if self.dsa else 0
+
+    @property
+    def index_head_dim(self) -> int:
+        return self.dsa.head_dim if self.dsa else 0
+
+    @property
+    def index_n_heads(self) -> int:
+        return self.dsa.n_heads if self.dsa else 0
 
     def is_linear_layer(self, layer: int) -> bool:
         """Whether global layer ``layer`` is a Gated DeltaNet layer (else attention; MTP layers are attention)."""

@@ -84,6 +84,8 @@ LAYER_CONDITIONS = {
     # hybrid models (Qwen3-Next, Qwen3.5): Gated DeltaNet layers and the attention layers between them
     "linear_layer": lambda spec, layer: spec.is_linear_layer(layer),
     "attention_layer": lambda spec, layer: not spec.is_linear_layer(layer),
+    # DeepSeek Sparse Attention: a layer with an indexer of its own (not one of GLM-5's shared layers)
+    "indexer_layer": lambda spec, layer: spec.has_indexer(layer),
 }
 
 

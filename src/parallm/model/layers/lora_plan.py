@@ -20,13 +20,15 @@ MLA_LINEAR = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 # families whose layers parallm can adapt (plain GQA or multi-head latent attention; experts as transformers 5
 # stacks them)
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3",
-                      "gpt_oss")
+                      "gpt_oss", "deepseek_v32", "glm_moe_dsa")
 # MoE families whose MLP target names PEFT 0.21 retargets to the stacked routed experts on transformers 5
 # (peft.utils.transformers_weight_conversion: a conversion pattern for the model type; deepseek_v3 shares
 # qwen2_moe's pattern in transformers' table, as qwen3_moe does). Their dense MLPs and shared experts then get no
 # adapter. Qwen2-MoE has no pattern there: PEFT adapts its nn.Linear MLPs (dense layers, shared expert) and not its
 # routed experts, and so does parallm.
-PEFT_EXPERT_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
+PEFT_EXPERT_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+# (DeepSeek-V3.2 and GLM-5 too: transformers maps both to qwen2_moe's pattern, as deepseek_v3. Their indexer is
+# never adapted: frozen, run without gradient; its wq_b / wk / weights_proj are no target name of parallm's)
 # parallm's MLA parameters (in a layer's self_attention) -> the kind of their adapter (see layer_slots)
 MLA_ADAPTED = {"linear_q_down_proj": "replicated", "linear_kv_down_proj": "replicated",
                "linear_q_up_proj": "column", "linear_q_proj": "column", "linear_kv_up_proj": "column",

@@ -257,7 +257,13 @@ class MLAttention(nn.Module):
         else:
             q, _ = self.linear_q_proj(x)
         latent, k_rope = self.linear_kv_down_proj(x).split([self.kv_lora, self.rope_dim], dim=-1)
-        kv, _ = self.linear_kv_up_proj(self.kv_layernorm(latent))                       # SP: gathered here
+        return self.dense_attention(q, self.kv_layernorm(latent), k_rope, cos, sin, ctx)
+
+    def dense_attention(self, q, latent, k_rope, cos, sin, ctx):
+        """The rest of :meth:`forward` from the queries ``q`` (every token's under sequence parallelism), this
+        rank's normed latent and rope key: keys and values expanded per head, attention over every visible key,
+        the output projection."""
+        kv, _ = self.linear_kv_up_proj(latent)                                          # SP: gathered here
         if self.sequence_parallel:
             k_rope = mtp.gather_from_sequence_parallel_region(k_rope.contiguous(), tensor_parallel_output_grad=True)
         elif self.tp > 1:

@@ -1,0 +1,293 @@
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): multi-head latent attention whose queries each see only the
+keys their layer's lightning indexer selected (:mod:`parallm.model.layers.indexer`), exact to transformers'
+masked dense attention (``DeepseekV32Attention`` / ``GlmMoeDsaAttention``) and with memory linear in S.
+
+**Sparse attention in the latent space.** With ``W_uk`` / ``W_uv`` a head's rows of ``kv_b_proj`` (``k_nope = W_uk
+c``, ``v = W_uv c`` for the normed latent ``c``), a query's score against key ``j`` is ``q_nope . W_uk c_j + q_rope
+. k_rope_j = [W_uk^T q_nope; q_rope] . [c_j; k_rope_j]`` and its output ``W_uv sum_j p_j c_j``. So the queries are
+taken into the latent space once (``[.., heads, kv_lora_rank + rope]``), every head shares one key row per token
+(``[c; k_rope]``, ``kv_lora_rank + rope`` wide), and attention runs over the selected rows only
+(:class:`SparseLatentAttention`): blocks of queries gather their selected rows, attend (fp32 softmax with its
+log-sum-exp), and the backward recomputes each block from the saved log-sum-exp. Kept for the backward: the
+latent-space queries and outputs and the key rows, linear in S; no ``[S, S]`` score or mask exists. The same
+products as the dense path, summed in another order: fp32 results agree to rounding.
+
+A layer whose batch has no query that sees more than ``topk`` keys selects every visible key: it runs MLA's dense
+path (:meth:`MLAttention.dense_attention`), the same result. GLM-5's ``shared`` layers run no indexer and reuse
+the selection of the last ``full`` layer before them, kept on the batch's layer context for the layers after it
+(recomputation replays the same selection); a shared layer and its source must therefore sit in the same
+pipeline stage (:func:`check_dsa_stages`).
+
+**Layouts.** TP: MLA's heads split as for DeepSeek-V3 (each rank's heads' ``W_uk`` / ``W_uv`` rows); the latent
+key rows enter the TP region as a copy (under sequence parallelism: all-gathered, gradients reduce-scattered).
+Context parallelism: the key rows (``kv_lora_rank + rope`` values a token) are all-gathered over the CP group and
+put in global order (backward: gradients reduce-scattered onto their owners), whichever ``cp_attn`` the model
+was built with; each rank's queries attend to their selected rows. Packed streams: the indexer selects within
+each document.
+
+**Kernels** (:data:`SPARSE_KERNELS`, chosen at build: :func:`resolve_sparse_kernel`, kept as ``kernel`` and
+compared across ranks like the other kernel choices): ``"torch"``, the blocked gather kernel above, on any device
+and dtype (fp32 accumulation); ``"flash-mla"`` on CUDA in bf16 where the ``flash_mla`` package is installed:
+FlashMLA's sparse prefill (``flash_mla_sparse_fwd``) for the forward when the shapes fit it (value width 512,
+64 / 128 heads per rank, top-k a multiple of 64; else the torch kernel), the torch kernel's blocked backward
+(FlashMLA has none). The FlashMLA path is written, not run on a GPU (scripts/gpu_checks/dsa.py checks the layer
+on a device).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...parallel.megatron_import import import_megatron
+from ..context_parallel import ContextSplit
+from .attention import PaddedRows
+from .indexer import Indexer, key_ranges
+from .mla import MLAttention
+
+mtp = import_megatron().tensor_parallel
+
+# fp32 elements of the gathered key rows of one block of queries in the sparse attention
+GATHER_BUDGET = 1 << 24
+
+
+def _block_rows(topk: int, width: int, budget: int | None) -> int:
+    return max(1, (GATHER_BUDGET if budget is None else budget) // max(1, topk * width))
+
+
+def _block_forward(q, kv, index, valid, scale: float, dv: int):
+    """One block: q ``[b, h, D]``, the key rows ``kv`` ``[N, D]``, index / valid ``[b, k]`` -> (out ``[b, h, dv]``
+    fp32, lse ``[b, h]`` fp32, the gathered rows, the masked scores)."""
+    rows = kv.index_select(0, index.reshape(-1)).view(index.shape + (kv.shape[-1],)).float()     # [b, k, D]
+    scores = torch.bmm(q.float(), rows.transpose(1, 2)) * scale                                 # [b, h, k]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    m = scores.amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(scores - m)
+    den = p.sum(-1, keepdim=True)
+    out = torch.bmm(p, rows[..., :dv]) / den.clamp_min(torch.finfo(torch.float32).tiny)
+    lse = (m + torch.log(den)).squeeze(-1)                                 # -inf for a query that sees nothing
+    return out, lse, rows, scores
+
+
+class SparseLatentAttention(torch.autograd.Function):
+    """``out[t, h] = softmax_j(scale * q[t, h] . kv[index[t, j]]) over valid j, of kv[index[t, j], :dv]``.
+
+    q ``[Q, h, D]``, kv ``[N, D]`` (one key row per token, shared by every head; its first ``dv`` channels are the
+    value), index / valid ``[Q, k]``. Returns ``[Q, h, dv]`` in q's dtype (fp32 softmax and accumulation); a query
+    without a valid key gets zeros. Blocks of queries: at most :data:`GATHER_BUDGET` gathered elements at a
+    time; the backward recomputes each block from the saved log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, kv, index, valid, scale, dv, budget):
+        n_q, h, _ = q.shape
+        out = torch.empty(n_q, h, dv, dtype=torch.float32, device=q.device)
+        lse = torch.empty(n_q, h, dtype=torch.float32, device=q.device)
+        step = _block_rows(index.shape[1], kv.shape[-1], budget)
+        for a in range(0, n_q, step):
+            o, s, _, _ = _block_forward(q[a:a + step], kv, index[a:a + step], valid[a:a + step], scale, dv)
+            out[a:a + step], lse[a:a + step] = o, s
+        ctx.save_for_backward(q, kv, index, valid, out, lse)
+        ctx.scale, ctx.dv, ctx.step = scale, dv, step
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.saved = ctx.saved_tensors
+        return _sparse_backward(ctx, grad)
+
+
+def _sparse_backward(ctx, grad):
+    """The blocked backward of the sparse latent attention from ``ctx.saved`` = (q, kv, index, valid, out fp32,
+    lse fp32): each block's gathered rows and probabilities recomputed."""
+    q, kv, index, valid, out, lse = ctx.saved
+    scale, dv, step = ctx.scale, ctx.dv, ctx.step
+    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    g_all = grad.float()
+    for a in range(0, q.shape[0], step):
+        idx, ok = index[a:a + step], valid[a:a + step]
+        rows = kv.index_select(0, idx.reshape(-1)).view(idx.shape + (kv.shape[-1],)).float()
+        qb = q[a:a + step].float()
+        scores = (torch.bmm(qb, rows.transpose(1, 2)) * scale).masked_fill(~ok[:, None, :], float("-inf"))
+        base = lse[a:a + step]
+        base = torch.where(torch.isinf(base), torch.zeros_like(base), base)
+        p = torch.exp(scores - base[..., None])                                  # [b, h, k]
+        g = g_all[a:a + step]
+        dp = torch.bmm(g, rows[..., :dv].transpose(1, 2))                       # [b, h, k]
+        delta = (g * out[a:a + step]).sum(-1, keepdim=True)
+        ds = p * (dp - delta) * scale
+        dq[a:a + step] = torch.bmm(ds, rows)
+        drows = torch.bmm(ds.transpose(1, 2), qb)                                # [b, k, D]
+        drows[..., :dv] += torch.bmm(p.transpose(1, 2), g)
+        dkv.index_add_(0, idx.reshape(-1), drows.reshape(-1, kv.shape[-1]))
+    return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None, None, None
+
+
+def sparse_latent_attention(q, kv, index, valid, *, scale: float, dv: int, budget: int | None = None):
+    """:class:`SparseLatentAttention` (the ``"torch"`` kernel)."""
+    return SparseLatentAttention.apply(q, kv, index, valid, scale, dv, budget)
+
+
+try:  # optional CUDA kernel: FlashMLA's sparse prefill (forward only)
+    from flash_mla import flash_mla_sparse_fwd as _flash_mla_sparse_fwd
+except Exception:  # noqa: BLE001 - not installed / no CUDA
+    _flash_mla_sparse_fwd = None
+
+
+def flash_mla_usable(q, kv, index, dv: int) -> bool:
+    """Whether FlashMLA's sparse prefill takes these shapes: CUDA bf16, value width 512, key rows 512 or 576 wide,
+    64 or 128 query heads, a top-k that is a multiple of 64."""
+    return (_flash_mla_sparse_fwd is not None and q.is_cuda and q.dtype == torch.bfloat16 and dv == 512
+            and kv.shape[-1] in (512, 576) and q.shape[1] in (64, 128) and index.shape[1] % 64 == 0)
+
+
+class FlashMLASparse(torch.autograd.Function):
+    """FlashMLA's sparse prefill for the forward (``flash_mla_sparse_fwd(q, kv[:, None], indices, scale,
+    d_v=512)``, invalid slots -1); the backward is :class:`SparseLatentAttention`'s blocked recomputation, its
+    log-sum-exp recomputed too (nothing taken from FlashMLA's base-2 lse). Written, not run on a GPU."""
+
+    @staticmethod
+    def forward(ctx, q, kv, index, valid, scale, dv, budget):
+        indices = torch.where(valid, index, -1).to(torch.int32)[:, None, :]
+        out = _flash_mla_sparse_fwd(q.contiguous(), kv[:, None].contiguous(), indices, scale, d_v=dv)[0]
+        ctx.save_for_backward(q, kv, index, valid, out)
+        ctx.scale, ctx.dv, ctx.step = scale, dv, _block_rows(index.shape[1], kv.shape[-1], budget)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, kv, index, valid, out = ctx.saved_tensors
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        for a in range(0, q.shape[0], ctx.step):
+            lse[a:a + ctx.step] = _block_forward(q[a:a + ctx.step], kv, index[a:a + ctx.step],
+                                                 valid[a:a + ctx.step], ctx.scale, ctx.dv)[1]
+        ctx.saved = (q, kv, index, valid, out.float(), lse)
+        return _sparse_backward(ctx, grad)
+
+
+def flash_mla_sparse(q, kv, index, valid, *, scale: float, dv: int, budget: int | None = None):
+    """FlashMLA's forward where :func:`flash_mla_usable`, else the torch kernel."""
+    if not flash_mla_usable(q, kv, index, dv):
+        return sparse_latent_attention(q, kv, index, valid, scale=scale, dv=dv, budget=budget)
+    return FlashMLASparse.apply(q, kv, index, valid, scale, dv, budget)
+
+
+# the sparse attention kernels: "torch" (any device, any dtype) and "flash-mla" (FlashMLA's sparse prefill forward
+# where installed and the shapes fit, else torch; CUDA, bf16)
+SPARSE_KERNELS = {"torch": sparse_latent_attention, "flash-mla": flash_mla_sparse}
+
+
+def resolve_sparse_kernel(device, dtype) -> str:
+    """"flash-mla" on CUDA in bf16 with FlashMLA installed, else "torch"."""
+    from ...parallel.state import as_device
+    cuda = as_device(device).type == "cuda"
+    return "flash-mla" if _flash_mla_sparse_fwd is not None and cuda and dtype == torch.bfloat16 else "torch"
+
+
+def check_dsa_stages(spec, stage_layers) -> None:
+    """ValueError unless every shared-indexer layer sits in the same pipeline stage as the layer whose selection
+    it reuses. ``stage_layers``: every (virtual) stage's layers (ranges), the same list on every rank, so every
+    rank raises alike."""
+    if spec.dsa is None or not spec.dsa.shared:
+        return
+    for layers in stage_layers:
+        for layer in layers:
+            source = spec.dsa.source(layer)
+            if layer in spec.dsa.shared and source not in layers:
+                raise ValueError(f"layer {layer} reuses the top-k selection of layer {source} (indexer_types: "
+                                 f"'shared'), which another pipeline stage holds (this stage: layers "
+                                 f"{layers.start}-{layers.stop - 1}); choose a split that starts every stage on "
+                                 "a 'full' layer (build_model(layers_per_stage=[...]))")
+
+
+class DSAttention(MLAttention):
+    """Multi-head latent attention with DeepSeek Sparse Attention (see the module docstring): MLA's parameters,
+    plus ``indexer`` (:class:`~parallm.model.layers.indexer.Indexer`) on layers that run their own (None on
+    GLM-5's shared layers). Called like :class:`MLAttention`; ``layer_number``: the global layer index."""
+
+    def __init__(self, spec, config, tp, device=None, *, backend, norm, cp_group=None, cp_attn="allgather",
+                 layer_number: int):
+        super().__init__(spec, config, tp, device, backend=backend, norm=norm, cp_group=cp_group,
+                         cp_attn=cp_attn)
+        self.layer_number = layer_number
+        self.source = spec.dsa.source(layer_number)
+        self.topk = spec.dsa.topk
+        self.indexer = Indexer(spec, config.params_dtype, device) if spec.has_indexer(layer_number) else None
+        self.kernel = resolve_sparse_kernel(device if device is not None else "cpu", config.params_dtype)
+        self.scale = spec.mla.scale          # the softmax scale, yarn's mscale^2 included
+
+    def forward(self, x, cos, sin, ctx):
+        """As :meth:`MLAttention.forward`; ctx: a :class:`PaddedRows` (None: a batch without padding), a
+        :class:`Packing` or a :class:`ContextSplit`."""
+        if ctx is None:
+            ctx = PaddedRows(torch.ones(x.shape[1], x.shape[0], dtype=torch.bool, device=x.device))
+        q_resid = self.q_layernorm(self.linear_q_down_proj(x))
+        q, _ = self.linear_q_up_proj(q_resid)                                            # SP: gathered here
+        latent, k_rope = self.linear_kv_down_proj(x).split([self.kv_lora, self.rope_dim], dim=-1)
+        latent = self.kv_layernorm(latent)
+        ranges = key_ranges(ctx)
+        if ranges.longest <= self.topk:          # every visible key is selected: the dense path is the same
+            return self.dense_attention(q, latent, k_rope, cos, sin, ctx)
+        index, valid = self._selection(x, q_resid, cos, sin, ctx, ranges)
+        return self._sparse(q, latent, k_rope, cos, sin, ctx, index, valid)
+
+    def _selection(self, x, q_resid, cos, sin, ctx, ranges):
+        """This layer's (or, shared, its source layer's) ``(index, valid)`` for every query row, kept on ``ctx``."""
+        chosen = ctx.__dict__.setdefault("_dsa_selected", {})
+        if self.indexer is None:
+            if self.source not in chosen:
+                raise RuntimeError(f"layer {self.layer_number} reuses layer {self.source}'s top-k selection, which "
+                                   "this batch has not computed (it must run first, in the same stage)")
+            return chosen[self.source]
+        cp = isinstance(ctx, ContextSplit)
+        sp_group = _tp_group() if self.sequence_parallel else None
+        chosen[self.layer_number] = self.indexer.select(
+            x, q_resid, cos, sin, ranges, sp_group=sp_group, cp_split=ctx if cp else None,
+            cp_group=self.cp_group if cp else None)
+        return chosen[self.layer_number]
+
+    def _kv_b_weight(self):
+        """``kv_b_proj``'s local rows as the layer uses them: with a LoRA adapter (enabled), plus its update."""
+        linear = self.linear_kv_up_proj
+        w = linear.weight
+        lora = getattr(linear, "lora", None)
+        if lora is not None and lora.state.enabled:
+            slot = lora.slots[0]
+            a, b = lora.lora_A[slot.part], lora.lora_B[slot.part]
+            if not self.sequence_parallel and self.tp > 1:
+                # A is replicated and each rank's rows of B use it: its gradient is the sum over TP of every
+                # rank's part (as the adapter's own path makes it; under sequence parallelism finalize_grads sums
+                # it, its placement saying tp_sum)
+                a = mtp.copy_to_tensor_model_parallel_region(a)
+            w = w + ((b.float() @ a.float()) * slot.scaling).to(w.dtype)
+        return w
+
+    def _sparse(self, q, latent, k_rope, cos, sin, ctx, index, valid):
+        from ...parallel.comm import gather_rows_sum_back
+        if self.sequence_parallel:
+            latent = mtp.gather_from_sequence_parallel_region(latent.contiguous(), tensor_parallel_output_grad=True)
+            k_rope = mtp.gather_from_sequence_parallel_region(k_rope.contiguous(), tensor_parallel_output_grad=True)
+        s, b = q.shape[:2]
+        h, dl = self.heads, self.kv_lora
+        q_nope, q_rope = q.view(s, b, h, self.q_head_dim).split([self.nope, self.rope_dim], dim=-1)
+        w_uk, w_uv = self._kv_b_weight().view(h, self.nope + self.v_dim, dl).split([self.nope, self.v_dim], dim=1)
+        q_lat = torch.einsum("sbhn,hnd->sbhd", q_nope, w_uk)
+        q = torch.cat([q_lat, self._rope(q_rope, cos, sin)], dim=-1).reshape(s * b, h, dl + self.rope_dim)
+        keys = torch.cat([latent, self._rope(k_rope.unsqueeze(-2), cos, sin).squeeze(-2)], dim=-1)   # [S, B, D]
+        if not self.sequence_parallel and self.tp > 1:
+            # into the TP region after the concatenation: the copy's backward all-reduces its gradient in place,
+            # which must be a whole tensor (the halves of a concatenation's gradient are strided views, and an
+            # in-place all-reduce of one leaves it unreduced)
+            keys = mtp.copy_to_tensor_model_parallel_region(keys)
+        if isinstance(ctx, ContextSplit):
+            keys = gather_rows_sum_back(keys, self.cp_group).index_select(0, ctx.order)
+        out = SPARSE_KERNELS[self.kernel](q, keys.reshape(-1, keys.shape[-1]), index, valid,
+                                                 scale=self.scale, dv=dl)
+        out = torch.einsum("thd,hvd->thv", out, w_uv).reshape(s, b, h * self.v_dim)
+        out, _ = self.linear_proj(out)
+        return out
+
+
+def _tp_group():
+    from megatron.core import parallel_state
+    return parallel_state.get_tensor_model_parallel_group()
