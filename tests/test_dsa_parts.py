@@ -74,6 +74,11 @@ def test_specs():
     assert spec_from_config(load_config(cfg))[0].dsa.shared == (1, 4, 5)
     cfg.update(mlp_layer_types=["dense", "sparse", "dense", "sparse", "sparse", "dense"])
     assert spec_from_config(load_config(cfg))[0].moe.layers == (1, 3, 4)
+    # mlp_layer_types alone (no first_k_dense_replace: GLM-5's default of 3 would leave a 2-layer model dense)
+    two = glm5_config(num_hidden_layers=2).to_dict()
+    two.pop("first_k_dense_replace", None)
+    two.update(mlp_layer_types=["dense", "sparse"])
+    assert spec_from_config(load_config(two))[0].moe.layers == (1,)
     cfg.update(index_topk_pattern="SFFFFF")
     with pytest.raises(ValueError, match="layer 0 cannot reuse"):
         spec_from_config(load_config(cfg))

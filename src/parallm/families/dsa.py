@@ -71,6 +71,10 @@ def _mlp_layers(config, moe, n: int):
 
 def dsa_spec(config, *, family: str, model_types: tuple[str, ...], defaults: dict, interleave: bool,
              shared: bool) -> DecoderSpec:
+    types = _get(config, "mlp_layer_types")
+    if types:   # the first routed layer is where mlp_layer_types says (first_k_dense_replace may be left out)
+        defaults = dict(defaults, first_k_dense_replace=next((i for i, t in enumerate(types) if t == "sparse"),
+                                                             len(types)))
     spec = deepseek_v3_spec(config, family=family, model_types=model_types, defaults=defaults)
     if spec.mla.q_lora_rank is None:
         raise ValueError(f"{family} needs q_lora_rank (the indexer reads the q LoRA latent)")
