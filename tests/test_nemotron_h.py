@@ -49,8 +49,9 @@ def nemotron_config(pattern: str, **overrides):
 
 def make_model(cfg, *, seed: int):
     """:func:`helpers.make_hf_model` (norms ~1 + 0.2 N, matrices ~0.08 N), then the Mamba-2 parameters as they
-    look in a trained model (``A_log`` about ``log(1..heads)``, ``D`` about 1) and a non-zero router selection
-    bias (a buffer the shared randomiser leaves at 0)."""
+    look in a trained model (``A_log`` about ``log(1..heads)``, ``D`` about 1), the final norm ``norm_f`` about 1
+    (the shared randomiser matches ``norm.weight``) and a non-zero router selection bias (a buffer it leaves at
+    0)."""
     model = helpers.make_hf_model(cfg, seed=seed)
     g = torch.Generator().manual_seed(seed + 1000)
     with torch.no_grad():
@@ -59,6 +60,8 @@ def make_model(cfg, *, seed: int):
                 p.copy_(torch.log(torch.arange(1, p.numel() + 1, dtype=torch.float32)) + 0.1 * torch.randn(
                     p.shape, generator=g))
             elif name.endswith(".D"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("norm_f.weight"):       # the final norm, around 1 like the others
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
@@ -181,13 +184,14 @@ def test_spec_and_table_cover_the_checkpoint(pattern, tmp_path):
         check_tp(spec, 4)
 
 
-def test_context_parallel_is_refused_with_the_numbers():
+def test_context_parallel_needs_heads_and_groups_divisible_by_tp_times_cp():
     from parallm.families import spec_from_config
     from parallm.model.layers.mamba2 import check_mamba_layout
-    spec, _ = spec_from_config(nemotron_config(DENSE_PATTERN))
-    with pytest.raises(ValueError, match="cp=2"):
-        check_mamba_layout(spec, cp=2)
-    check_mamba_layout(spec, cp=1)
+    spec, _ = spec_from_config(nemotron_config(DENSE_PATTERN))        # 8 heads, 2 groups
+    with pytest.raises(ValueError, match=r"n_groups=2 / tp=2 = 1 is not divisible by cp=2"):
+        check_mamba_layout(spec, tp=2, cp=2)
+    check_mamba_layout(spec, tp=1, cp=2)
+    check_mamba_layout(spec, tp=2, cp=1)
 
 
 # -- distributed: parity, round trip, one step -----------------------------------------------------------------
@@ -198,7 +202,8 @@ CASES = [
      dict(tp=2, pp=1, ep=1, nmb=1), {"recompute": "full"}, dict(seq=21, logprobs=True)),
     ("dense packed+SP tp2 dp2, docs of up to 30 tokens", DENSE_PATTERN, {}, dict(tp=2, pp=1, ep=1, nmb=2),
      {"packed": True, "sequence_parallel": True}, dict(seq=30, logprobs=True)),
-    ("moe tp2 ep2 padded", MOE_PATTERN, {}, dict(tp=2, pp=1, ep=2, nmb=1), {}, dict(seq=13)),
+    ("moe tp2 ep2 padded (and a bf16 build)", MOE_PATTERN, {}, dict(tp=2, pp=1, ep=2, nmb=1), {},
+     dict(seq=13, bf16=True)),
     ("moe packed+SP tp2 dp2", MOE_PATTERN, {}, dict(tp=2, pp=1, ep=1, nmb=1),
      {"packed": True, "sequence_parallel": True}, dict(seq=19, logprobs=True)),
     ("dense tp2 pp2 uneven [0] [1..5] mb2", DENSE_PATTERN, {}, dict(tp=2, pp=2, ep=1, nmb=2),
@@ -207,6 +212,11 @@ CASES = [
      {"num_layers_in_first_pipeline_stage": 3}, dict(seq=11, split=[[0, 1, 2], [3, 4]])),
     ("dense value tp2 dp2 packed", DENSE_PATTERN, {}, dict(tp=2, pp=1, ep=1, nmb=1),
      {"task": "value", "packed": True}, dict(seq=17)),
+    # context parallelism: Mamba-2 layers head-parallel over the CP group (all-to-all), attention as ever
+    ("dense cp2 dp2 packed, docs of up to 30 tokens", DENSE_PATTERN, {}, dict(tp=1, pp=1, cp=2, ep=1, nmb=1),
+     {"packed": True}, dict(seq=30, logprobs=True)),
+    ("moe tp2 cp2 padded, 4 groups", MOE_PATTERN, dict(n_groups=4), dict(tp=2, pp=1, cp=2, ep=1, nmb=1), {},
+     dict(seq=21)),
 ]
 
 
@@ -293,7 +303,7 @@ def make_cases(tmp_path, specs=CASES):
         ckpt = str(tmp_path / f"m{i}")
         ckpt_sd = write_checkpoint(model, ckpt)
         ids, mask = helpers.padded_batch(101, batch=8, seq=opts.get("seq", 9), seed=i)
-        dp = WORLD // (layout["tp"] * layout["pp"])
+        dp = WORLD // (layout["tp"] * layout["pp"] * layout.get("cp", 1))
         loss, new_sd, after, norm = reference_step(model, ids, mask, dp * layout["nmb"], task, str(tmp_path / f"s{i}"))
         with torch.no_grad():
             ref = hf_output(model, ids, mask, task=task)
@@ -328,20 +338,43 @@ def _save_and_export(chunks, case, rank):
     assert not dup and set(names) == set(case["ref_sd"]), (case["name"], dup)
 
 
+FP32_TENSORS = ("A_log", ".D", "dt_bias", "gate.weight", "e_score_correction_bias")
+
+
+def _check_bf16_keeps_fp32(case, rank):
+    """A bf16 model of the case's layout: ``A_log``, ``D``, ``dt_bias`` (and the router's tensors) are fp32
+    parameters bit-equal to the checkpoint, every other parameter bf16; a bf16 save writes them fp32, bit-exact."""
+    import parallm
+    chunks = parallm.build_model(case["ckpt"], dtype=torch.bfloat16, **case["build"])
+    _load(chunks, case["ckpt"], "slice")
+    kinds = collections.Counter()
+    for c in chunks:
+        for name, p in c.named_parameters():
+            fp32 = name.endswith(("A_log", ".D", "dt_bias", "router.weight", "e_score_correction_bias"))
+            assert p.dtype == (torch.float32 if fp32 else torch.bfloat16), (name, p.dtype)
+            kinds[fp32] += 1
+    assert kinds[True] and kinds[False]
+    sd = parallm.save_hf_weights(chunks, dtype=torch.bfloat16)
+    if rank == 0:
+        for name, t in case["ref_sd"].items():
+            if name.endswith(FP32_TENSORS):
+                assert sd[name].dtype == torch.float32 and torch.equal(sd[name], t), name
+            else:
+                assert sd[name].dtype == torch.bfloat16 and torch.equal(sd[name], t.bfloat16()), name
+
+
 def rank_cases(rank, world, cases):
     import parallm
     from parallm.parallel.state import current_dims
     out = []
     for case in cases:
-        parallm.init_parallel(tp=case["tp"], pp=case["pp"], ep=case["ep"])
+        parallm.init_parallel(tp=case["tp"], pp=case["pp"], cp=case.get("cp", 1), ep=case["ep"])
         lay = current_dims()
         opts, ids, mask = case["opts"], case["ids"], case["mask"]
         chunks = parallm.build_model(case["ckpt"], **case["build"])
         if "split" in opts:
             assert [list(c.layer_range) for c in chunks] == [opts["split"][lay.pp_rank]], case["name"]
         assert all(c.mamba_kernel == "torch" for c in chunks)
-        for c in chunks:           # A_log, D, dt_bias: fp32 parameters
-            assert all(p.dtype == torch.float32 for n, p in c.named_parameters() if n.endswith(("A_log", ".D")))
         _load(chunks, case["ckpt"], "slice")
         got = parallm.forward(chunks, ids, mask)
         res = dict(fwd=helpers.max_diff_real(got, case["ref"], mask))
@@ -377,6 +410,8 @@ def rank_cases(rank, world, cases):
             res["worst"] = max(ref_new, key=lambda k: (new_sd[k] - ref_new[k]).abs().max().item())
         res.update(loss=abs(loss.item() - case["ref_loss"]),
                    after=helpers.max_diff_real(after, case["ref_after"], mask))
+        if opts.get("bf16"):
+            _check_bf16_keeps_fp32(case, rank)
         out.append(res)
         parallm.destroy_parallel()
     return out

@@ -185,10 +185,10 @@ class DecoderLayer(nn.Module):
         attention; ``mlp``: the dense MLP or the routed block)."""
         self.norm = norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
         self.mlp = None
+        cp_group = dims.cp_group if dims is not None and dims.cp > 1 else None
         if self.block == "mamba":
-            self.self_attention = Mamba2Mixer(spec, config, tp, device, kernel=mamba_kernel)
+            self.self_attention = Mamba2Mixer(spec, config, tp, device, kernel=mamba_kernel, cp_group=cp_group)
         elif self.block == "attention":
-            cp_group = dims.cp_group if dims is not None and dims.cp > 1 else None
             self.self_attention = Attention(spec, config, tp, device, backend=backend, cp_group=cp_group,
                                             cp_attn=cp_attn, window=spec.window(self.layer_number))
         else:
@@ -593,7 +593,7 @@ def prepare_config(spec: DecoderSpec, dims, *, task: str, dtype, sequence_parall
         raise ValueError(f"hidden_act={spec.hidden_act!r} is not supported (parallm implements 'silu' and, "
                          "ungated, 'relu2')")
     check_tp(spec, dims.tp)
-    check_mamba_layout(spec, cp=dims.cp)
+    check_mamba_layout(spec, tp=dims.tp, cp=dims.cp)
     check_ep(spec, dims.ep)
     # raises with the numbers if the layers do not split (evenly, or as dims.layer_split says)
     layer_numbers(spec.num_layers, dims.pp, dims.vpp, 0, 0, layers_per_stage=dims.layer_split)

@@ -38,8 +38,14 @@ Kernels (:data:`KERNELS`; ``PARALLM_MAMBA_KERNEL`` = ``auto`` (default), ``torch
                ``causal_conv1d_fn`` (``seq_idx`` too) on packed streams; padded batches by the torch kernel.
                Needs the ``mamba_ssm`` and ``causal_conv1d`` packages and CUDA: written, not run on a GPU here.
 
-Context parallelism is not supported for Mamba-2 layers yet: :func:`check_mamba_layout` refuses it with the
-numbers.
+Context parallelism (cp > 1, :mod:`parallm.model.context_parallel`): a rank holds two zigzag chunks of every
+sequence, and the scan needs each sequence whole and in order. The layer goes head-parallel over the CP group, as
+the Gated DeltaNet layers do: after ``in_proj`` one all-to-all sends each CP rank every rank's tokens for its
+``1 / cp`` share of this TP rank's heads and groups (x, B, C, dt); the rank puts them in sequence order, runs the
+conv and the scan on whole sequences (padded rows: compacted, real tokens first; packed: every document from a
+zero state), and a second all-to-all brings each token's outputs of every head back to the rank that holds it
+(the gated norm and ``out_proj`` stay local). Needs the heads and the groups per TP rank divisible by cp
+(:func:`check_mamba_layout`, a clear error with the numbers).
 """
 
 from __future__ import annotations
@@ -55,7 +61,8 @@ from torch import nn
 from ...parallel.megatron_import import import_megatron
 from ...parallel.state import as_device
 from .attention import Packing, PaddedRows
-from .gated_deltanet import DepthwiseConv, chunk_layout, document_positions
+from .gated_deltanet import DepthwiseConv, _AllToAll, chunk_layout, document_positions
+from ..context_parallel import ContextSplit
 from .mlp import no_init
 
 mtp = import_megatron().tensor_parallel
@@ -230,12 +237,17 @@ def resolve_kernel(name: str | None = None, *, device, dtype) -> MambaKernel:
     return KERNELS[name]
 
 
-def check_mamba_layout(spec, *, cp: int) -> None:
-    """Raise ValueError for a layout the Mamba-2 layers do not run in (context parallelism, for now)."""
-    if spec.mamba is not None and cp > 1:
-        raise ValueError(f"{spec.architecture} has Mamba-2 layers, which parallm does not run under context "
-                         f"parallelism yet (cp={cp}); use cp=1 (tp / pp / dp / ep and packed sequences with "
-                         "sequence parallelism are supported)")
+def check_mamba_layout(spec, *, tp: int, cp: int) -> None:
+    """Raise ValueError when a TP rank's Mamba-2 heads or B / C groups do not split over ``cp`` ranks."""
+    mb = spec.mamba
+    if mb is None or cp == 1:
+        return
+    bad = [f"{name}={n} / tp={tp} = {n // tp}" for name, n in (("mamba_num_heads", mb.num_heads),
+                                                                ("n_groups", mb.n_groups)) if (n // tp) % cp]
+    if bad:
+        raise ValueError(f"{spec.architecture} cannot run its Mamba-2 layers with tp={tp} x cp={cp}: they split "
+                         f"each TP rank's heads and B / C groups over the CP ranks, and {'; '.join(bad)} is not "
+                         f"divisible by cp={cp} (mamba_num_heads and n_groups must be multiples of tp x cp)")
 
 
 # -- the layer ------------------------------------------------------------------------------------------------
@@ -264,10 +276,13 @@ class Mamba2Mixer(nn.Module):
     unused): ``ctx`` a :class:`Packing` (packed), a :class:`PaddedRows` / bool ``[B, S]`` real-token mask, or
     None (padded, no padding)."""
 
-    def __init__(self, spec, config, tp: int, device=None, *, kernel: MambaKernel):
+    def __init__(self, spec, config, tp: int, device=None, *, kernel: MambaKernel, cp_group=None):
         super().__init__()
         mb = spec.mamba
         self.kernel = kernel
+        self.cp_group = cp_group
+        self.cp = torch.distributed.get_world_size(cp_group) if cp_group is not None else 1
+        check_mamba_layout(spec, tp=tp, cp=self.cp)
         self.nh, self.ng, self.p, self.n = mb.num_heads // tp, mb.n_groups // tp, mb.head_dim, mb.state_size
         self.chunk = mb.chunk_size
         self.limit = tuple(float(v) for v in mb.time_step_limit)
@@ -293,7 +308,57 @@ class Mamba2Mixer(nn.Module):
         dt = F.softplus(dt.float() + self.dt_bias.float())
         return dt.clamp(min=self.limit[0], max=self.limit[1])
 
+    def _context_parallel(self, xs, bb, cc, dt, split: ContextSplit):
+        """The conv and the scan under context parallelism (module doc): this rank's slots ``[rows, width, ...]``
+        of every local head and group in, ``[rows, width, nh, p]`` (fp32) out."""
+        cp, rows, width = self.cp, split.rows, split.width
+        nhc, ngc, p, n = self.nh // cp, self.ng // cp, self.p, self.n
+        parts = (xs.reshape(rows, width, cp, nhc * p), bb.reshape(rows, width, cp, ngc * n),
+                 cc.reshape(rows, width, cp, ngc * n), dt.reshape(rows, width, cp, nhc))
+        sizes = [t.shape[-1] for t in parts]
+        send = torch.cat(parts, dim=-1).permute(2, 0, 1, 3)                  # [cp (head group), rows, width, F]
+        got = _AllToAll.apply(send, self.cp_group)                            # [cp (source rank), rows, width, F]
+        seq = got.reshape(cp * rows, width, -1).index_select(0, split.order)  # [G, width, F] in sequence order
+        xs, bb, cc, dt = seq.split(sizes, dim=-1)
+        g = torch.distributed.get_rank(self.cp_group)
+        heads = slice(g * nhc, (g + 1) * nhc)                                 # this rank's heads
+        inner, bc = self.nh * p, self.ng * n
+        dev = xs.device
+        channels = torch.cat([torch.arange(g * nhc * p, (g + 1) * nhc * p, device=dev),
+                              inner + torch.arange(g * ngc * n, (g + 1) * ngc * n, device=dev),
+                              inner + bc + torch.arange(g * ngc * n, (g + 1) * ngc * n, device=dev)])
+        weight = self.conv1d.weight.index_select(0, channels)
+        bias = self.conv1d.bias.index_select(0, channels) if self.conv1d.bias is not None else None
+        a = -torch.exp(self.A_log[heads].float())
+        d = self.D[heads]
+        dt = F.softplus(dt.float() + self.dt_bias[heads].float()).clamp(min=self.limit[0], max=self.limit[1])
+        xbc = torch.cat([xs, bb, cc], dim=-1)
+        split_sizes = [nhc * p, ngc * n, ngc * n]
+        total = seq.shape[0]
+        if split.packed:     # the documents in turn, each 2 cp c rows (real tokens first)
+            cu = split.documents_cu()
+            xbc = self.kernel.conv(xbc[:, 0], weight, bias, cu)
+            xs, bb, cc = xbc.split(split_sizes, dim=-1)
+            y = self.kernel.scan(xs.reshape(total, nhc, p), dt[:, 0], a, bb.reshape(total, ngc, n),
+                                 cc.reshape(total, ngc, n), d, cu, chunk=self.chunk)[:, None]
+        else:                # [G, B]: every row compacted, real tokens first
+            xbc = conv_padded(xbc.permute(1, 2, 0), weight, bias).permute(2, 0, 1)
+            xs, bb, cc = (t.transpose(0, 1) for t in xbc.split(split_sizes, dim=-1))
+            y = ssd_scan(xs.reshape(width, total, nhc, p), dt.transpose(0, 1), a, bb.reshape(width, total, ngc, n),
+                         cc.reshape(width, total, ngc, n), chunk=self.chunk, d=d).transpose(0, 1)
+        back = y.new_zeros((cp * rows, width) + tuple(y.shape[2:]))
+        back = back.index_copy(0, split.order, y)                             # rank-major slots
+        back = _AllToAll.apply(back.reshape(cp, rows, width, nhc * p), self.cp_group)   # [cp (head group), ...]
+        return back.permute(1, 2, 0, 3).reshape(rows, width, self.nh, p)
+
     def forward(self, x, cos=None, sin=None, ctx=None):
+        if isinstance(ctx, ContextSplit):
+            proj, _ = self.in_proj(x)
+            s, b = proj.shape[:2]
+            z, xs, bb, cc, dt = proj.split(self.sizes, dim=-1)
+            y = self._context_parallel(xs, bb, cc, dt, ctx)
+            out, _ = self.out_proj(self.norm(y.reshape(s, b, -1), z).to(x.dtype))
+            return out
         packed = isinstance(ctx, Packing)
         rows = None if packed or ctx is None else ctx if isinstance(ctx, PaddedRows) else PaddedRows(ctx)
         keep = None
