@@ -44,7 +44,7 @@ MOE_PATTERN = "ME*ME"
 def nemotron_config(pattern: str, **overrides):
     from transformers import NemotronHConfig
     extra = MOE if "E" in pattern else {}
-    return NemotronHConfig(hybrid_override_pattern=pattern, **dict(BASE, **extra, **overrides))
+    return NemotronHConfig(hybrid_override_pattern=pattern, **{**BASE, **extra, **overrides})
 
 
 def make_model(cfg, *, seed: int):
@@ -192,6 +192,47 @@ def test_context_parallel_needs_heads_and_groups_divisible_by_tp_times_cp():
         check_mamba_layout(spec, tp=2, cp=2)
     check_mamba_layout(spec, tp=1, cp=2)
     check_mamba_layout(spec, tp=2, cp=1)
+
+
+def test_balanced_split_costs_the_block_kinds():
+    """Nemotron-3-Nano-like shapes (hidden 2688, 64 Mamba-2 heads of 64 in 8 groups, state 128, 32 heads x 128
+    attention, 128 relu2 experts top-6, vocab 131072) over a 52-layer pattern of its kind (23 Mamba-2, 23 MoE, 6
+    attention): a Mamba-2 layer's mixing is its scan (independent of the length), an attention layer's its scores,
+    an MLP / MoE layer's nothing; the balanced split over 4 stages is the cheapest of every split (brute force),
+    and at 8k tokens it is not the split the weights alone give (whose dearest stage is dearer)."""
+    import itertools
+
+    from parallm.api import balanced_layers_per_stage
+    from parallm.families import spec_from_config
+    from parallm.model.table import balance_costs, forward_costs, mixing_costs
+    from parallm.parallel.stages import balanced_sizes
+    pattern = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+    cfg = nemotron_config(pattern, hidden_size=2688, mamba_num_heads=64, mamba_head_dim=64, n_groups=8,
+                          ssm_state_size=128, chunk_size=128, num_attention_heads=32, num_key_value_heads=2,
+                          head_dim=128, n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
+                          moe_shared_expert_intermediate_size=3712, moe_latent_size=None, n_group=1, topk_group=1,
+                          vocab_size=131072, max_position_embeddings=262144)
+    spec, family = spec_from_config(cfg)
+    mix = mixing_costs(spec, seq_len=8192)
+    scan = 64 * (128 * (128 + 64) + 2 * 64 * 128) + spec.mamba.conv_dim * 4
+    assert [mix[i] for i, ch in enumerate(pattern) if ch == "M"] == [scan] * pattern.count("M")
+    assert all(mix[i] == 0 for i, ch in enumerate(pattern) if ch == "E")
+    assert mix[5] == 32 * 256 * 8193 // 2 and mixing_costs(spec, seq_len=64)[0] == scan
+    costs, head = balance_costs(family.table, spec, task="causal_lm", seq_len=8192)
+
+    def dearest(sizes):
+        ends = list(itertools.accumulate(sizes))
+        stages = [sum(costs[a:b]) for a, b in zip([0] + ends, ends)]
+        stages[-1] += head
+        return max(stages)
+
+    n = len(pattern)
+    split = balanced_layers_per_stage(spec, task="causal_lm", pp=4, seq_len=8192)
+    best = min(dearest((a, b - a, c - b, n - c)) for a, b, c in itertools.combinations(range(1, n), 3))
+    assert dearest(split) == best
+    weights, _ = forward_costs(family.table, spec, task="causal_lm")
+    by_weights = list(balanced_sizes(weights, head, 4))
+    assert by_weights != list(split) and dearest(by_weights) > dearest(split), (split, by_weights)
 
 
 # -- distributed: parity, round trip, one step -----------------------------------------------------------------

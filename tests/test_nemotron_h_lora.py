@@ -26,8 +26,8 @@ def _reference(tmp):
     import parallm
     base = make_model(nemotron_config(MOE_PATTERN), seed=3)
     ckpt = helpers.save_checkpoint(base, str(tmp / "ckpt"))
-    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=list(TARGETS),
-                                                                      lora_dropout=0.0))
+    config = peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=list(TARGETS), lora_dropout=0.0)
+    model = peft.get_peft_model(copy.deepcopy(base), config)
     _randomize_adapter(model, 7)
     adapter = str(tmp / "adapter")
     model.save_pretrained(adapter)

@@ -97,6 +97,13 @@ def layer_blocks(raw: dict) -> tuple[str, ...]:
     return tuple(PATTERN[ch] for ch in pattern)
 
 
+def _float(value) -> float:
+    """A number of config.json: transformers 5 writes infinities as ``{"__float__": "Infinity"}``."""
+    if isinstance(value, dict) and "__float__" in value:
+        return float(value["__float__"])
+    return float(value)
+
+
 def _int(raw: dict, key: str) -> int:
     value = _get(raw, key)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -136,7 +143,7 @@ def nemotron_h_spec(config) -> DecoderSpec:
                              f"{want!r})")
     hidden, heads = _int(raw, "hidden_size"), _int(raw, "num_attention_heads")
     head_dim = _get(raw, "head_dim") or hidden // heads
-    limit = tuple(float(v) for v in _get(raw, "time_step_limit"))
+    limit = tuple(_float(v) for v in _get(raw, "time_step_limit"))
     eps = float(_get(raw, "layer_norm_epsilon"))
     mamba_layers = tuple(i for i, k in enumerate(blocks) if k == "mamba")
     mamba = Mamba2Spec(num_heads=_int(raw, "mamba_num_heads"), head_dim=_int(raw, "mamba_head_dim"),
@@ -153,7 +160,8 @@ def nemotron_h_spec(config) -> DecoderSpec:
         num_kv_heads=int(_get(raw, "num_key_value_heads") or heads), head_dim=int(head_dim),
         intermediate_size=_int(raw, "intermediate_size"), vocab_size=vocab, rms_norm_eps=eps,
         # no RoPE: a placeholder the attention layers never apply (nope)
-        rope=RopeSpec(dim=int(head_dim) + int(head_dim) % 2, theta=10000.0, kind="default"), nope=True,
+        rope=RopeSpec(dim=int(head_dim) + int(head_dim) % 2, theta=10000.0, kind="default",
+                      max_position_embeddings=raw.get("max_position_embeddings")), nope=True,
         mlp_bias=bool(_get(raw, "mlp_bias")),
         # transformers 5.25 never ties Nemotron-H's head (no tied weight keys; lm_head is its own tensor)
         tie_word_embeddings=False,

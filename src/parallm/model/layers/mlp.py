@@ -18,9 +18,10 @@ def no_init(_weight):  # parameters are filled by the loader (or by init_weights
 
 
 class MLP(nn.Module):
-    """``down(silu(gate x) * up x)`` (or, ``hidden_act="relu2"``, ``down(relu(up x)^2)``): gate and up fused in a column-parallel ``linear_fc1`` (``[gate_r; up_r]`` per
-    TP rank), down row-parallel. ``width`` (default: the spec's intermediate size) and ``bias`` (default: the
-    spec's ``mlp_bias``)."""
+    """``down(silu(gate x) * up x)``: gate and up fused in a column-parallel ``linear_fc1`` (``[gate_r; up_r]`` per
+    TP rank), down row-parallel; ``hidden_act="relu2"`` (Nemotron-H): ``down(relu(up x)^2)``, ungated,
+    ``linear_fc1`` up alone. ``width`` (default: the spec's intermediate size) and ``bias`` (default: the spec's
+    ``mlp_bias``)."""
 
     def __init__(self, spec: DecoderSpec, config, *, width: int | None = None, bias: bool | None = None):
         super().__init__()
