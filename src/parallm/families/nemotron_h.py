@@ -245,4 +245,5 @@ NEMOTRON_H = register(Family(
     # name (parallm loads it back; transformers cannot)
     value_architecture="NemotronHForSequenceClassification",
     mtp_tensors=mtp_tensors,
+    peft_renames=(("backbone.", "model."),),     # transformers' conversion mapping renames backbone. to model.
 ))
