@@ -421,6 +421,10 @@ def rank_cases(rank, world, cases):
         res = dict(fwd=helpers.max_diff_real(got, case["ref"], mask))
         if case["build"].get("packed"):
             assert torch.all(got[mask == 0] == 0)
+            holed = mask.clone()
+            holed[0, 3:5] = 0               # padding between real tokens: refused in the packed layout
+            with pytest.raises(ValueError, match=r"row 0 .*padding between its real tokens.*Mamba-2"):
+                parallm.forward(chunks, ids, holed)
         if opts.get("logprobs"):
             lp = parallm.forward(chunks, ids, mask, output="logprobs")
             keep = (mask[:, 1:] * mask[:, :-1]).bool()

@@ -63,7 +63,7 @@ def _check_holed_rows(chunk: DecoderChunk, attention_mask: torch.Tensor) -> None
     bad = (holed if linear else holed & (span > window)).nonzero().squeeze(-1).tolist()
     if bad:
         row = bad[0]
-        why = ("the model has recurrent (Gated DeltaNet / Mamba-2) layers, which transformers runs "
+        why = ("the model has linear-attention (Gated DeltaNet) or Mamba-2 layers, which transformers runs "
                "through the hole (its convolution reads across it, its state decays there) and the packed and "
                "context-parallel layouts remove it" if linear else
                f"the model has a sliding window of {window}: the packed and context-parallel layouts count the "
