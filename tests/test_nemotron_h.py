@@ -243,12 +243,15 @@ CASES = [
      dict(tp=2, pp=1, ep=1, nmb=1), {"recompute": "full"}, dict(seq=21, logprobs=True)),
     ("dense packed+SP tp2 dp2, docs of up to 30 tokens", DENSE_PATTERN, {}, dict(tp=2, pp=1, ep=1, nmb=2),
      {"packed": True, "sequence_parallel": True}, dict(seq=30, logprobs=True)),
-    ("moe tp2 ep2 padded (and a bf16 build)", MOE_PATTERN, {}, dict(tp=2, pp=1, ep=2, nmb=1), {},
-     dict(seq=13, bf16=True)),
-    ("moe packed+SP tp2 dp2", MOE_PATTERN, {}, dict(tp=2, pp=1, ep=1, nmb=1),
+    ("moe tp2 ep2 padded (bf16 build, router replay, checkpoint -> pp2 ep2)", MOE_PATTERN, {},
+     dict(tp=2, pp=1, ep=2, nmb=1), {}, dict(seq=13, bf16=True, replay=True, reshard=dict(tp=1, pp=2, ep=2),
+          reshard_build={"num_layers_in_first_pipeline_stage": 2})),
+    ("moe packed+SP tp2 ep2", MOE_PATTERN, {}, dict(tp=2, pp=1, ep=2, nmb=1),
      {"packed": True, "sequence_parallel": True}, dict(seq=19, logprobs=True)),
     ("dense tp2 pp2 uneven [0] [1..5] mb2", DENSE_PATTERN, {}, dict(tp=2, pp=2, ep=1, nmb=2),
      {"num_layers_in_first_pipeline_stage": 1}, dict(seq=11, split=[[0], [1, 2, 3, 4, 5]])),
+    ("dense pp2 vpp2 dp2 mb2, 8 layers M-*MM-*M", "M-*MM-*M", {}, dict(tp=1, pp=2, vpp=2, ep=1, nmb=2), {},
+     dict(seq=11)),
     ("moe pp2 ep2 uneven [0 1 2] [3 4]", MOE_PATTERN, {}, dict(tp=1, pp=2, ep=2, nmb=1),
      {"num_layers_in_first_pipeline_stage": 3}, dict(seq=11, split=[[0, 1, 2], [3, 4]])),
     ("dense value tp2 dp2 packed", DENSE_PATTERN, {}, dict(tp=2, pp=1, ep=1, nmb=1),
@@ -409,7 +412,7 @@ def rank_cases(rank, world, cases):
     from parallm.parallel.state import current_dims
     out = []
     for case in cases:
-        parallm.init_parallel(tp=case["tp"], pp=case["pp"], cp=case.get("cp", 1), ep=case["ep"])
+        parallm.init_parallel(tp=case["tp"], pp=case["pp"], vpp=case.get("vpp"), cp=case.get("cp", 1), ep=case["ep"])
         lay = current_dims()
         opts, ids, mask = case["opts"], case["ids"], case["mask"]
         chunks = parallm.build_model(case["ckpt"], **case["build"])
@@ -455,8 +458,22 @@ def rank_cases(rank, world, cases):
             res["worst"] = max(ref_new, key=lambda k: (new_sd[k] - ref_new[k]).abs().max().item())
         res.update(loss=abs(loss.item() - case["ref_loss"]),
                    after=helpers.max_diff_real(after, case["ref_after"], mask))
+        if opts.get("replay"):      # router replay: the experts the model chose give back the same output
+            own, routed = parallm.forward(chunks, ids, mask, return_routed_experts=True)
+            assert torch.equal(parallm.forward(chunks, ids, mask, routed_experts=routed), own), case["name"]
         if opts.get("bf16"):
             _check_bf16_keeps_fp32(case, rank)
+        if opts.get("reshard"):     # a training checkpoint of the stepped model, loaded at another layout
+            path = os.path.join(os.path.dirname(case["ckpt"]), "train_ckpt")
+            parallm.save_checkpoint(path, chunks, step=1, overwrite=True)
+            parallm.destroy_parallel()
+            parallm.init_parallel(**opts["reshard"])
+            other = parallm.build_model(case["ckpt"], **case["build"], **opts["reshard_build"])
+            helpers.nan_fill(other)
+            assert parallm.load_checkpoint(path, other)["step"] == 1
+            resharded = parallm.save_hf_weights(other)
+            if rank == 0:
+                helpers.assert_same_state(resharded, new_sd)
         out.append(res)
         parallm.destroy_parallel()
     return out
