@@ -184,6 +184,22 @@ def test_spec_and_table_cover_the_checkpoint(pattern, tmp_path):
         check_tp(spec, 4)
 
 
+def test_inspect_shows_the_blocks_and_counts_tp_by_the_mamba_groups(tmp_path, capsys):
+    import parallm
+    from parallm.cli import main
+    path = str(tmp_path / "m")
+    make_model(nemotron_config(MOE_PATTERN, n_groups=2, mamba_num_heads=8), seed=0).save_pretrained(path)
+    info = parallm.inspect_checkpoint(path, tp=2, ep=2)
+    assert info["config"]["blocks"].startswith("ME*ME (Mamba-2: 8 heads x 8, 2 groups of B / C x 16")
+    assert info["valid_tp"] == [1, 2] and info["problem"] is None      # 2 groups of B / C: not tp 4
+    wider = str(tmp_path / "g4")
+    make_model(nemotron_config(MOE_PATTERN, n_groups=4, mamba_num_heads=8), seed=0).save_pretrained(wider)
+    assert parallm.inspect_checkpoint(wider)["valid_tp"] == [1, 2, 4]
+    assert info["moe"]["activation"] == "relu2" and info["moe"]["tensors_per_layer"] == 8
+    assert main(["inspect", path]) == 0
+    assert "blocks        ME*ME (Mamba-2" in capsys.readouterr().out
+
+
 def test_context_parallel_needs_heads_and_groups_divisible_by_tp_times_cp():
     from parallm.families import spec_from_config
     from parallm.model.layers.mamba2 import check_mamba_layout
