@@ -264,8 +264,8 @@ CASES = [
           reshard_build={"num_layers_in_first_pipeline_stage": 2})),
     ("moe packed+SP tp2 ep2", MOE_PATTERN, {}, dict(tp=2, pp=1, ep=2, nmb=1),
      {"packed": True, "sequence_parallel": True}, dict(seq=19, logprobs=True)),
-    ("dense tp2 pp2 uneven [0] [1..5] mb2", DENSE_PATTERN, {}, dict(tp=2, pp=2, ep=1, nmb=2),
-     {"num_layers_in_first_pipeline_stage": 1}, dict(seq=11, split=[[0], [1, 2, 3, 4, 5]])),
+    ("dense tp2 pp2 uneven [0] [1..5] mb2, MTP tensors carried", DENSE_PATTERN, {}, dict(tp=2, pp=2, ep=1, nmb=2),
+     {"num_layers_in_first_pipeline_stage": 1, "mtp": True}, dict(seq=11, split=[[0], [1, 2, 3, 4, 5]], mtp=True)),
     ("dense pp2 vpp2 dp2 mb2, 8 layers M-*MM-*M", "M-*MM-*M", {}, dict(tp=1, pp=2, vpp=2, ep=1, nmb=2), {},
      dict(seq=11)),
     ("moe pp2 ep2 uneven [0 1 2] [3 4]", MOE_PATTERN, {}, dict(tp=1, pp=2, ep=2, nmb=1),
@@ -362,11 +362,14 @@ def make_cases(tmp_path, specs=CASES):
             model = ValueModel(model, seed=170 + i)
         ckpt = str(tmp_path / f"m{i}")
         ckpt_sd = write_checkpoint(model, ckpt)
+        mtp = add_mtp(ckpt, ckpt_sd, seed=i) if opts.get("mtp") else {}
+        ckpt_sd.update(mtp)
         ids, mask = helpers.padded_batch(101, batch=8, seq=opts.get("seq", 9), seed=i)
         dp = WORLD // (layout["tp"] * layout["pp"] * layout.get("cp", 1))
         loss, new_sd, after, norm = reference_step(model, ids, mask, dp * layout["nmb"], task, str(tmp_path / f"s{i}"))
         with torch.no_grad():
             ref = hf_output(model, ids, mask, task=task)
+        new_sd.update(mtp)              # carried, never trained: unchanged by the step
         case = dict(name=name, ckpt=ckpt, ids=ids, mask=mask, build=build, task=task, ref=ref, ref_sd=ckpt_sd,
                     spread=chunk_spread(model, ids, mask, task), ref_loss=loss, ref_new_sd=new_sd, ref_after=after,
                     ref_norm=norm, opts=opts, **layout)
@@ -375,6 +378,24 @@ def make_cases(tmp_path, specs=CASES):
             case["ref_logprobs"] = torch.cat([lp, torch.zeros(ids.shape[0], 1)], dim=1)
         cases.append(case)
     return cases
+
+
+def add_mtp(ckpt: str, hub: dict, *, seed: int) -> dict:
+    """Multi-token-prediction tensors written into ``ckpt``'s safetensors (``mtp.*``, as Nemotron-3 checkpoints
+    carry them and transformers drops them: an attention block and a MoE-shaped block after two norms and a
+    projection; names and shapes illustrative), random values; returns them."""
+    from safetensors.torch import load_file, save_file
+    g = torch.Generator().manual_seed(seed)
+    h = hub["backbone.norm_f.weight"].shape[0]
+    shapes = {"mtp.layers.0.enorm.weight": (h,), "mtp.layers.0.hnorm.weight": (h,),
+              "mtp.layers.0.eh_proj.weight": (h, 2 * h), "mtp.layers.0.norm.weight": (h,),
+              "mtp.layers.0.mixer.q_proj.weight": (h, h), "mtp.layers.0.mixer.o_proj.weight": (h, h),
+              "mtp.layers.1.norm.weight": (h,), "mtp.layers.1.final_layernorm.weight": (h,),
+              "mtp.layers.1.mixer.up_proj.weight": (2 * h, h), "mtp.layers.1.mixer.down_proj.weight": (h, 2 * h)}
+    tensors = {k: torch.randn(shape, generator=g) for k, shape in shapes.items()}
+    path = os.path.join(ckpt, "model.safetensors")
+    save_file({**load_file(path), **tensors}, path, metadata={"format": "pt"})
+    return tensors
 
 
 def _load(chunks, ckpt, mode):
@@ -462,9 +483,12 @@ def rank_cases(rank, world, cases):
         res["norm"] = abs(norm.item() - case["ref_norm"]) / case["ref_norm"]
         with torch.no_grad():
             for c in chunks:
-                for p in c.parameters():
+                for n, p in c.named_parameters():
                     if p.requires_grad:
                         p -= LR * p.grad
+                    else:       # the carried MTP tensors, the router's selection bias: no gradient, not stepped
+                        assert p.grad is None and (n.startswith("carried_mtp.") and opts.get("mtp")
+                                                   or n.endswith("e_score_correction_bias")), (case["name"], n)
         after = parallm.forward(chunks, ids, mask)
         new_sd = parallm.save_hf_weights(chunks)
         if rank == 0:
