@@ -277,6 +277,8 @@ CASES = [
      {"packed": True}, dict(seq=30, logprobs=True)),
     ("moe tp2 cp2 padded, 4 groups", MOE_PATTERN, dict(n_groups=4), dict(tp=2, pp=1, cp=2, ep=1, nmb=1), {},
      dict(seq=21)),
+    ("dense tp2 cp2 packed+SP ring, 4 groups", DENSE_PATTERN, dict(n_groups=4), dict(tp=2, pp=1, cp=2, ep=1, nmb=1),
+     {"packed": True, "sequence_parallel": True, "cp_attn": "ring"}, dict(seq=30)),
 ]
 
 
