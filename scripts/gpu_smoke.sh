@@ -28,6 +28,8 @@ echo "== scripts/gpu_checks/attention.py"
 N2=$(( N >= 2 ? 2 : 1 ))
 echo "== scripts/gpu_checks/gated_deltanet.py on $N2 process(es)"
 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$N2" scripts/gpu_checks/gated_deltanet.py "$@" || status=1
+echo "== scripts/gpu_checks/mamba2.py on $N2 process(es) (Nemotron-H: mamba-ssm / causal-conv1d against the torch scan)"
+"$PY" -m torch.distributed.run --standalone --nproc-per-node "$N2" scripts/gpu_checks/mamba2.py "$@" || status=1
 echo "== scripts/gpu_checks/gpt_oss.py (gpt-oss: biased clamped experts on the device, parallm verify with sinks)"
 "$PY" scripts/gpu_checks/gpt_oss.py || status=1
 echo "== scripts/gpu_checks/dsa.py (DeepSeek Sparse Attention: indexer + sparse latent attention on the device)"

@@ -46,11 +46,11 @@ def _check_holed_rows(chunk: DecoderChunk, attention_mask: torch.Tensor) -> None
     """Rows with padding between their real tokens (a hole), in the layouts that remove padding (packed, and
     context parallelism, which compacts rows): transformers runs a hole's positions, and two layer kinds see the
     difference. Sliding windows count keys by index in the padded row (the packed and context-parallel layouts
-    count real tokens: the same unless the row spans more than the window); linear attention (Gated DeltaNet)
-    convolves across the hole and decays its state there (the padded layout runs holes as transformers does).
+    count real tokens: the same unless the row spans more than the window); recurrent layers (Gated DeltaNet,
+    Mamba-2) convolve across the hole and decays its state there (the padded layout runs holes as transformers does).
     Such rows are refused there, naming the row and saying why (the padded layout takes them)."""
     spec = chunk.spec
-    window, linear = spec.sliding_window, spec.linear_attn is not None
+    window, linear = spec.sliding_window, spec.linear_attn is not None or spec.mamba is not None
     if (window is None and not linear) or not (chunk.packed or chunk.dims.cp > 1) or not attention_mask.numel():
         return
     mask = attention_mask.bool()
@@ -63,7 +63,7 @@ def _check_holed_rows(chunk: DecoderChunk, attention_mask: torch.Tensor) -> None
     bad = (holed if linear else holed & (span > window)).nonzero().squeeze(-1).tolist()
     if bad:
         row = bad[0]
-        why = ("the model has linear-attention (Gated DeltaNet) layers, which transformers runs "
+        why = ("the model has linear-attention (Gated DeltaNet) or Mamba-2 layers, which transformers runs "
                "through the hole (its convolution reads across it, its state decays there) and the packed and "
                "context-parallel layouts remove it" if linear else
                f"the model has a sliding window of {window}: the packed and context-parallel layouts count the "

@@ -163,14 +163,16 @@ def moe_facts(spec, *, dtype: str, tp: int) -> dict | None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch_dtype = getattr(torch, dtype, torch.float32)
     width = moe.expert_intermediate_size // tp if moe.expert_intermediate_size % tp == 0 else 0
-    sizes = (spec.hidden_size, 2 * width, width)
+    relu2 = moe.activation == "relu2"             # Nemotron-H: ungated, in the latent space when it has one
+    sizes = (moe.latent_size or spec.hidden_size, (1 if relu2 else 2) * width, width)
     kernel = expert_kernel(device, torch_dtype, sizes) if width else "loop"
-    activation = moe.activation if moe.activation == "silu" else \
+    activation = moe.activation if moe.activation in ("silu", "relu2") else \
         f"clamped SwiGLU (limit {moe.swiglu_limit:g}, alpha {moe.swiglu_alpha:g})"
     return dict(experts=moe.num_experts, top_k=moe.top_k, layers=len(moe.layers),
                 expert_width=moe.expert_intermediate_size, shared_width=moe.shared_expert_intermediate_size,
                 tensors_per_layer=3 + int(moe.score_bias) + int(moe.router_bias) + 2 * int(moe.expert_bias)
-                + (2 + int(moe.shared_expert_gate) if moe.shared_expert_intermediate_size else 0),
+                + (2 + int(moe.shared_expert_gate) if moe.shared_expert_intermediate_size else 0)
+                + (2 * (1 + int(moe.latent_bias)) if moe.latent_size else 0),
                 router=moe.router, router_bias=moe.router_bias, expert_bias=moe.expert_bias, activation=activation,
                 kernel=kernel, device=device,
                 kernel_note=(grouped_mm_support(device, torch_dtype, sizes) if width else
@@ -205,7 +207,7 @@ def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, ep=Non
                     rope="yarn" if spec.yarn is not None else spec.rope.kind, rope_theta=spec.rope.theta,
                     rms_norm_eps=spec.rms_norm_eps, latent_attention=spec.mla is not None,
                     mtp_layers=spec.carried_mtp_layers, linear_layers=list(_linear_layers(spec)),
-                    linear_heads=_linear_heads(spec), carried=len(spec.carried),
+                    linear_heads=_linear_heads(spec), blocks=_blocks(spec), carried=len(spec.carried),
                     carried_parameters=sum(math.prod(shape) for _, shape in spec.carried),
                     mtp_tensors=len(spec.carried_mtp),
                     mtp_parameters=sum(math.prod(shape) for _, shape in spec.carried_mtp),
@@ -245,6 +247,17 @@ def _layer_pattern(spec) -> str | None:
     if None in groups:
         parts.append(f"full attention on {layers(groups[None])}")
     return "; ".join(parts)
+
+
+def _blocks(spec) -> str | None:
+    """A one-block-per-layer model's pattern (Nemotron-H: ``M`` Mamba-2, ``*`` attention, ``-`` MLP, ``E`` MoE) and
+    its Mamba-2 sizes; None for the others."""
+    if not spec.layer_blocks:
+        return None
+    pattern = "".join({"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}[k] for k in spec.layer_blocks)
+    mb = spec.mamba
+    return pattern + (f" (Mamba-2: {mb.num_heads} heads x {mb.head_dim}, {mb.n_groups} groups of B / C x "
+                      f"{mb.state_size}, conv {mb.conv_kernel}, chunk {mb.chunk_size})" if mb is not None else "")
 
 
 def _linear_layers(spec) -> tuple[int, ...]:

@@ -22,6 +22,7 @@ import shutil
 import torch
 
 from ..errors import CheckpointError
+from ..families import family_of
 from ..model.layers.lora import (PEFT_EXPERT_FAMILIES, LoraConfig, add_lora, global_entries, chunk_lora_entries,
                                  lora_config_of)
 from ..model.placement import placement_of
@@ -39,6 +40,15 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 
 # -- names ----------------------------------------------------------------------------------------------------
 
+def _peft_module(spec, name: str) -> str:
+    """The module path PEFT names an adapter by, for HF checkpoint name ``name`` (the family's ``peft_renames``:
+    transformers may hold a module under another path than the checkpoint's name)."""
+    for old, new in family_of(spec).peft_renames:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 def _peft_layout(chunk, config):
     """The model's factors in PEFT's terms, in model order: ``[(peft_name, shape, [(ckpt_name, expert), ...],
     which, r)]``: a dense factor is one checkpoint tensor; an expert factor stacks every expert's."""
@@ -51,10 +61,10 @@ def _peft_layout(chunk, config):
     out, seen = [], {}
     for e, s, which in entries:
         if e.index is None:
-            out.append((PREFIX + e.hf[0], e.shape, [(e.hf[0], None)], which, s.r))
+            out.append((PREFIX + _peft_module(spec, e.hf[0]), e.shape, [(e.hf[0], None)], which, s.r))
             continue
         inner = s.part == "gate_up_proj" and len(by_layer_experts[e.layer]) == 2
-        name = f"{PREFIX}{s.module}.{'base_layer.' if inner else ''}lora_{which}.weight"
+        name = f"{PREFIX}{_peft_module(spec, s.module)}.{'base_layer.' if inner else ''}lora_{which}.weight"
         if name not in seen:
             seen[name] = len(out)
             out.append((name, None, [], which, s.r))

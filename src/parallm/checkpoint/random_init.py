@@ -41,7 +41,7 @@ def init_kind(name: str, ndim: int, *, zero_centered_norm: bool) -> str:
     if parts[-1] == "weight" and len(parts) > 1 and "norm" in parts[-2]:
         gated = "linear_attn" in parts      # the Gated DeltaNet's gated norm is not zero-centred
         return "zeros" if zero_centered_norm and not gated else "ones"
-    return "ones" if parts[-1] == "dt_bias" else "zeros"
+    return "ones" if parts[-1] in ("dt_bias", "D") else "zeros"     # D: Mamba-2's skip, 1 as mamba-ssm inits it
 
 
 class RandomSource(Source):

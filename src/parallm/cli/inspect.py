@@ -111,6 +111,7 @@ def render(report: dict) -> str:
         *([f"layers        {c['layer_pattern']}" + ("; a learned attention sink per head" if c.get("sinks") else "")]
           if c.get("layer_pattern") else (["layers        a learned attention sink per head"] if c.get("sinks")
                                           else [])),
+        *([f"blocks        {c['blocks']}"] if c.get("blocks") else []),
         *([f"hybrid        Gated DeltaNet layers {c['linear_layers']} ({c['linear_heads']}); full attention "
            f"(output-gated) on the other {c['layers'] - len(c['linear_layers'])}"] if c.get("linear_layers") else []),
         *([_dsa_line(c["sparse_attention"])] if c.get("sparse_attention") else []),
@@ -135,7 +136,9 @@ def render(report: dict) -> str:
     lines.append(f"valid tp      {', '.join(map(str, tps))}  (tp must divide the {c['heads']} query heads, the "
                  f"{c['kv_heads']} kv heads (or be a multiple of them: replicated) and intermediate "
                  f"{c['intermediate']}" + (", and the Gated DeltaNet key and value heads" if c.get("linear_layers")
-                                           else "") + ")")
+                                           else "")
+                 + (", and the Mamba-2 heads and groups" if c.get("blocks") and "Mamba-2" in c["blocks"] else "")
+                 + ")")
     pads = [f"tp {t}: {padded_vocab_size(c['vocab'], t)}" for t in tps
             if padded_vocab_size(c["vocab"], t) != c["vocab"]]
     if pads:

@@ -26,6 +26,9 @@ class Family:
     # (Qwen3.5 / Qwen3-Next: ``mtp.*``); the model holds them on its last stage (spec.carried_mtp). None: the
     # family has none, or describes them in its table (DeepSeek-V3's num_nextn_predict_layers).
     mtp_tensors: Callable[[dict], tuple] | None = None
+    # (checkpoint prefix, in-memory prefix) pairs where transformers holds a module under another path than the
+    # checkpoint names it (Nemotron-H: ``backbone.`` is ``model.``): PEFT names adapters by the in-memory path
+    peft_renames: tuple[tuple[str, str], ...] = ()
 
 
 FAMILIES: dict[str, Family] = {}

@@ -28,6 +28,7 @@ from .layers.attention import (AttnBackend, Packing, PaddedRows, block_kernel, m
                                resolve_attn_impl)
 from .layers.gated_deltanet import GatedDeltaNet, resolve_kernel as resolve_gdn_kernel
 from .layers.dsa import DSAttention, check_dsa_stages
+from .layers.mamba2 import Mamba2Mixer, check_mamba_layout, resolve_kernel as resolve_mamba_kernel
 from .layers.mla import MLAttention
 from .layers.mlp import MLP, no_init
 from .layers.moe import MoEAux, MoEBlock
@@ -73,8 +74,19 @@ class ZeroCenteredRMSNorm(RMSNorm):
         return (h * (1.0 + self.weight.float())).type_as(x)
 
 
+class FP32WeightRMSNorm(RMSNorm):
+    """Nemotron-H's RMSNorm: the weight multiplies the fp32 normed input, then the product is cast back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h).to(x.dtype)
+
+
 def norm_class(spec: DecoderSpec) -> type[RMSNorm]:
     """The RMSNorm every norm of ``spec``'s decoder uses (the Gated DeltaNet's gated norm aside)."""
+    if spec.norm_weight_fp32:
+        return FP32WeightRMSNorm
     return ZeroCenteredRMSNorm if spec.zero_centered_norm else RMSNorm
 
 
@@ -93,6 +105,7 @@ class Attention(nn.Module):
             self.q_norm = norm_class(spec)(spec.head_dim, spec.rms_norm_eps, config.params_dtype, device)
             self.k_norm = norm_class(spec)(spec.head_dim, spec.rms_norm_eps, config.params_dtype, device)
         self.head_dim = spec.head_dim
+        self.nope = spec.nope             # no positions at all (Nemotron-H's attention layers)
         self.num_heads_local = spec.num_heads // tp
         self.num_kv_local = max(1, spec.num_kv_heads // tp)
         # the output gate (Qwen3-Next, Qwen3.5): each query head's rows are [q_h; gate_h] (2 heads' worth)
@@ -121,8 +134,9 @@ class Attention(nn.Module):
         q, k = heads[:, :, :nq:nq // hq], heads[:, :, nq:nq + hkv]
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_partial_rope(q, cos, sin)     # the first rotary_dim channels (GLM-4.5); all of them otherwise
-        k = apply_partial_rope(k, cos, sin)
+        if not self.nope:
+            q = apply_partial_rope(q, cos, sin)     # the first rotary_dim channels (GLM-4.5); all otherwise
+            k = apply_partial_rope(k, cos, sin)
         v = heads[:, :, nq + hkv:]
         extra = {} if self.sinks is None else {"sink": self.sinks}
         if isinstance(ctx, ContextSplit):
@@ -143,9 +157,14 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int, layer_number: int, device, *,
-                 backend: AttnBackend, dims=None, cp_attn: str = "allgather", gdn_kernel=None):
+                 backend: AttnBackend, dims=None, cp_attn: str = "allgather", gdn_kernel=None, mamba_kernel=None):
         super().__init__()
         self.layer_number = layer_number  # global index in the full model
+        self.block = spec.block_kind(layer_number)
+        if self.block is not None:      # one block per layer (Nemotron-H): norm, then one mixer, residual
+            self._one_block(spec, config, tp, device, backend=backend, dims=dims, cp_attn=cp_attn,
+                            mamba_kernel=mamba_kernel)
+            return
         self.input_layernorm = norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
         cp_group = dims.cp_group if dims is not None and dims.cp > 1 else None
         self.linear = spec.is_linear_layer(layer_number)
@@ -165,9 +184,28 @@ class DecoderLayer(nn.Module):
         # The spec says which layers route over experts (model/layers/moe.py); the others keep the dense MLP.
         self.mlp = MoEBlock(spec, config, dims, device) if spec.is_moe_layer(layer_number) else MLP(spec, config)
 
+    def _one_block(self, spec, config, tp, device, *, backend, dims, cp_attn, mamba_kernel):
+        """Nemotron-H's layer: ``norm`` then the one mixer of ``spec.block_kind`` (``self_attention``: Mamba-2 or
+        attention; ``mlp``: the dense MLP or the routed block)."""
+        self.norm = norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
+        self.mlp = None
+        cp_group = dims.cp_group if dims is not None and dims.cp > 1 else None
+        if self.block == "mamba":
+            self.self_attention = Mamba2Mixer(spec, config, tp, device, kernel=mamba_kernel, cp_group=cp_group)
+        elif self.block == "attention":
+            self.self_attention = Attention(spec, config, tp, device, backend=backend, cp_group=cp_group,
+                                            cp_attn=cp_attn, window=spec.window(self.layer_number))
+        else:
+            self.mlp = MoEBlock(spec, config, dims, device) if self.block == "moe" else MLP(spec, config)
+
     def forward(self, x, cos, sin, ctx, tokens=None, routed=None):
         """``tokens``: real-row mask of ``x`` for a MoE layer's load-balancing loss (None: not computed / all
         real). ``routed``: a MoE layer's replayed experts for the rows of ``x`` (:meth:`MoEBlock.route`)."""
+        if self.block is not None:
+            h = self.norm(x)
+            if self.mlp is None:
+                return x + self.self_attention(h, cos, sin, ctx)
+            return x + (self.mlp(h, tokens, routed) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
         x = x + self.self_attention(self.input_layernorm(x), cos, sin, ctx)
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, tokens, routed) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
@@ -276,8 +314,12 @@ class DecoderChunk(ChunkIO, nn.Module):
         # Gated DeltaNet layers' kernel (model/layers/gated_deltanet.py; None without them), kept as chunk.gdn_kernel
         gdn = resolve_gdn_kernel(device=as_device(device), dtype=config.params_dtype) if spec.linear_attn else None
         self.gdn_kernel = gdn.name if gdn is not None else None
+        # Mamba-2 layers' kernel (model/layers/mamba2.py; None without them), kept as chunk.mamba_kernel
+        mamba = resolve_mamba_kernel(device=as_device(device), dtype=config.params_dtype) if spec.mamba else None
+        self.mamba_kernel = mamba.name if mamba is not None else None
         self.layers = nn.ModuleList(DecoderLayer(spec, config, tp, i, device, backend=backend, dims=dims,
-                                                 cp_attn=cp_kernel, gdn_kernel=gdn) for i in layers)
+                                                 cp_attn=cp_kernel, gdn_kernel=gdn, mamba_kernel=mamba)
+                                    for i in layers)
         self.moe_aux = MoEAux()  # load-balancing loss of this chunk's MoE layers (forward_backward turns it on)
         self.router_replay = RouterReplay()   # routed_experts / return_routed_experts (forward, forward_backward)
         moe_index = {layer: j for j, layer in enumerate(moe_layer_indices(spec))}
@@ -430,9 +472,11 @@ def prepare_config(spec: DecoderSpec, dims, *, task: str, dtype, sequence_parall
     chunks' shared config. Used by build_chunks and by the verl-compatible classes alike."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
-    if spec.hidden_act != "silu":
-        raise ValueError(f"hidden_act={spec.hidden_act!r} is not supported (parallm implements 'silu')")
+    if spec.hidden_act not in ("silu", "relu2"):
+        raise ValueError(f"hidden_act={spec.hidden_act!r} is not supported (parallm implements 'silu' and, "
+                         "ungated, 'relu2')")
     check_tp(spec, dims.tp)
+    check_mamba_layout(spec, tp=dims.tp, cp=dims.cp)
     check_ep(spec, dims.ep)
     # raises with the numbers if the layers do not split (evenly, or as dims.layer_split says)
     layer_numbers(spec.num_layers, dims.pp, dims.vpp, 0, 0, layers_per_stage=dims.layer_split)

@@ -365,6 +365,11 @@ KINDS = {
     # Gated DeltaNet: the conv's [q; k; v] channels split by heads, the fused input projection
     "gdn_conv": lambda spec, padded_vocab: PartsSplit((spec.gdn_key_dim, spec.gdn_key_dim, spec.gdn_value_dim)),
     "gdn_in": lambda spec, padded_vocab: _gdn_in(spec),
+    # Mamba-2: in_proj's [z; x; B; C; dt] and the conv's [x; B; C] channels, each part split by heads / groups
+    "mamba_in": lambda spec, padded_vocab: PartsSplit((spec.mamba.inner, spec.mamba.inner, spec.mamba.bc_size,
+                                                       spec.mamba.bc_size, spec.mamba.num_heads)),
+    "mamba_conv": lambda spec, padded_vocab: PartsSplit((spec.mamba.inner, spec.mamba.bc_size,
+                                                         spec.mamba.bc_size)),
 }
 
 

@@ -15,7 +15,7 @@ from .positions.yarn import YarnSpec
 TASKS = ("causal_lm", "value", "hidden")   # "hidden": headless (final-normed hidden states)
 ROUTERS = ("softmax", "sigmoid_grouped", "topk_softmax")
 # what the routed experts compute between their two projections (:mod:`parallm.model.layers.moe`)
-ACTIVATIONS = ("silu", "clamped_swiglu")
+ACTIVATIONS = ("silu", "clamped_swiglu", "relu2")   # relu2: relu(up x)^2, no gate (Nemotron-H)
 # how a routed expert's weights are held and named (one expert's slab of the stacked parameter)
 EXPERT_LAYOUTS = ("rows", "interleaved_columns")
 
@@ -68,6 +68,10 @@ class MoESpec:
     swiglu_limit: float | None = None
     swiglu_alpha: float | None = None
     expert_layout: str = "rows"
+    # Nemotron-3: the routed experts work in a latent space, fc1_latent_proj [latent, H] before them and
+    # fc2_latent_proj [H, latent] after (the router and the shared expert see the hidden states); None: no latent
+    latent_size: int | None = None
+    latent_bias: bool = False
 
     def __post_init__(self):
         if self.router not in ROUTERS:
@@ -216,6 +220,58 @@ class GatedDeltaNetSpec:
 
 
 @dataclass(frozen=True)
+class Mamba2Spec:
+    """The Mamba-2 layers of a hybrid model (Nemotron-H / Nemotron-3: :mod:`parallm.model.layers.mamba2`).
+    ``layers``: their global indices; ``num_heads`` heads of ``head_dim`` channels (``d_inner = num_heads *
+    head_dim``); ``n_groups`` groups of B / C of ``state_size`` each (head ``h`` reads group ``h // (num_heads /
+    n_groups)``); ``conv_kernel``: the depthwise conv's window over ``[x; B; C]``; ``chunk_size``: the SSD scan's
+    chunk; ``time_step_limit``: dt is clamped to it after softplus; ``conv_bias`` / ``proj_bias``: the conv's
+    bias, in_proj / out_proj biases (``use_conv_bias`` / ``use_bias``); ``norm_eps``: the gated norm's."""
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    state_size: int
+    conv_kernel: int
+    chunk_size: int
+    layers: tuple[int, ...]
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    conv_bias: bool = True
+    proj_bias: bool = False
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        sizes = {"mamba_num_heads": self.num_heads, "mamba_head_dim": self.head_dim, "n_groups": self.n_groups,
+                 "ssm_state_size": self.state_size, "conv_kernel": self.conv_kernel, "chunk_size": self.chunk_size}
+        bad = [f"{k}={v!r}" for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v <= 0]
+        if bad:
+            raise ValueError(f"invalid Mamba-2 sizes: {', '.join(bad)} (positive integers)")
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"mamba_num_heads={self.num_heads} is not a multiple of n_groups={self.n_groups}")
+
+    @property
+    def inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def bc_size(self) -> int:
+        """One of B / C: ``n_groups * state_size`` channels."""
+        return self.n_groups * self.state_size
+
+    @property
+    def conv_dim(self) -> int:
+        """The conv's channels ``[x; B; C]``."""
+        return self.inner + 2 * self.bc_size
+
+    @property
+    def in_proj_size(self) -> int:
+        """in_proj's rows ``[z; x; B; C; dt]``."""
+        return 2 * self.inner + 2 * self.bc_size + self.num_heads
+
+
+BLOCK_KINDS = ("mamba", "attention", "mlp", "moe")
+
+
+@dataclass(frozen=True)
 class DecoderSpec:
     family: str                 # registry key, e.g. "llama", "qwen2"
     architecture: str           # HF architecture of the checkpoint, e.g. "LlamaForCausalLM"
@@ -274,6 +330,16 @@ class DecoderSpec:
     carried_mtp: tuple[tuple[str, tuple[int, ...]], ...] = ()
     # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): the MLA layers' lightning indexer; None: dense attention
     dsa: DSASpec | None = None
+    # One block per layer (Nemotron-H): layer i is a pre-norm residual block of one kind, layer_blocks[i] in
+    # BLOCK_KINDS ("mamba": spec.mamba's mixer, "attention", "mlp": the dense MLP, "moe": the routed block);
+    # (): every layer is attention then MLP (every other family)
+    layer_blocks: tuple[str, ...] = ()
+    mamba: Mamba2Spec | None = None
+    # attention without positions (Nemotron-H's attention layers: no RoPE)
+    nope: bool = False
+    # RMSNorm multiplying its weight in fp32 before the cast back (Nemotron-H's NemotronHRMSNorm); False: the
+    # weight times the normed input cast back (LLaMA's)
+    norm_weight_fp32: bool = False
 
     def __post_init__(self):
         # only the fields that existing families never set are checked here (tests replace() sizes freely)
@@ -318,6 +384,45 @@ class DecoderSpec:
     @property
     def index_n_heads(self) -> int:
         return self.dsa.n_heads if self.dsa else 0
+    def block_kind(self, layer: int) -> str | None:
+        """The one block of global layer ``layer`` (:data:`BLOCK_KINDS`; a one-block-per-layer model, Nemotron-H),
+        or None: the layer is attention then MLP."""
+        if not self.layer_blocks:
+            return None
+        return self.layer_blocks[layer] if layer < len(self.layer_blocks) else "attention"
+
+    def is_mamba_layer(self, layer: int) -> bool:
+        return self.mamba is not None and layer in self.mamba.layers
+
+    # shapes the Mamba-2 rows name (0 without Mamba-2 layers)
+    @property
+    def mamba_in_proj_size(self) -> int:
+        return self.mamba.in_proj_size if self.mamba else 0
+
+    @property
+    def mamba_conv_dim(self) -> int:
+        return self.mamba.conv_dim if self.mamba else 0
+
+    @property
+    def mamba_inner(self) -> int:
+        return self.mamba.inner if self.mamba else 0
+
+    @property
+    def mamba_heads(self) -> int:
+        return self.mamba.num_heads if self.mamba else 0
+
+    @property
+    def mamba_conv_kernel(self) -> int:
+        return self.mamba.conv_kernel if self.mamba else 0
+
+    @property
+    def moe_latent_size(self) -> int:
+        return (self.moe.latent_size or 0) if self.moe else 0
+
+    @property
+    def expert_input_size(self) -> int:
+        """The routed experts' input width: the latent size (Nemotron-3's ``moe_latent_size``) or hidden."""
+        return self.moe_latent_size or self.hidden_size
 
     def is_linear_layer(self, layer: int) -> bool:
         """Whether global layer ``layer`` is a Gated DeltaNet layer (else attention; MTP layers are attention)."""
@@ -458,7 +563,16 @@ def check_tp(spec: DecoderSpec, tp: int) -> None:
         for name, n in (("linear_num_key_heads", la.num_key_heads), ("linear_num_value_heads", la.num_value_heads)):
             if n % tp:
                 problems.append(f"{name}={n} is not divisible by tp={tp} (Gated DeltaNet layers split by heads)")
-    dense = any(not spec.is_moe_layer(i) for i in range(spec.num_layers))
+    mb = spec.mamba
+    if mb is not None:
+        if mb.num_heads % tp:
+            problems.append(f"mamba_num_heads={mb.num_heads} is not divisible by tp={tp} (Mamba-2 layers split by "
+                            "heads)")
+        if mb.n_groups % tp:
+            problems.append(f"n_groups={mb.n_groups} is not divisible by tp={tp} (each TP rank holds whole B / C "
+                            "groups with the heads that read them, as megatron-core's Mamba layer; groups "
+                            "replicated over TP ranks are not supported: use tp dividing n_groups)")
+    dense = any(not spec.is_moe_layer(i) and spec.block_kind(i) in (None, "mlp") for i in range(spec.num_layers))
     if dense and spec.intermediate_size % tp:
         problems.append(f"intermediate_size={spec.intermediate_size} is not divisible by tp={tp}")
     if spec.moe is not None:

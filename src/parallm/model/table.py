@@ -16,6 +16,8 @@ see :mod:`parallm.model.placement`):
     gdn_conv a Gated DeltaNet's [q; k; v] channels (in one HF tensor) split by heads, per rank [q_r; k_r; v_r]
     gdn_in   a Gated DeltaNet's input projections fused per rank (Qwen3.5 [q_r; k_r; v_r; z_r; b_r; a_r],
              Qwen3-Next [qkvz_r; ba_r])
+    mamba_in   a Mamba-2 in_proj's [z; x; B; C; dt] rows, per rank [z_r; x_r; B_r; C_r; dt_r] (heads, groups)
+    mamba_conv a Mamba-2 conv's [x; B; C] channels, per rank [x_r; B_r; C_r]
 
 Mixture of experts: a row with ``per_expert=True`` is a template for every expert of a layer (``{e}`` in its HF
 names = global expert index). Its local name is one parameter that stacks the experts a rank holds along dim 0
@@ -37,7 +39,7 @@ import torch
 from .placement import placement_of
 from .spec import DecoderSpec
 
-KINDS = ("copy", "vocab", "column", "row", "qkv", "gate_up", "gdn_conv", "gdn_in")
+KINDS = ("copy", "vocab", "column", "row", "qkv", "gate_up", "gdn_conv", "gdn_in", "mamba_in", "mamba_conv")
 # "mtp": a multi-token-prediction layer's own tensors ({l}: its index j among them, {i}: its HF layer index
 # num_layers + j), held by the chunk with post_process; the decoder layer inside it takes the "layer" rows
 STAGES = ("first", "layer", "last", "mtp")
@@ -75,6 +77,10 @@ CONDITIONS = {
     "carried_mtp": lambda spec, task, pp: bool(spec.carried_mtp),
     # the model carries multi-token-prediction layers (build_model(mtp=...))
     "mtp": lambda spec, task, pp: spec.carried_mtp_layers > 0,
+    # Mamba-2 layers (Nemotron-H): in_proj / out_proj biases, the conv's bias; the MoE's latent projections
+    "mamba_proj_bias": lambda spec, task, pp: spec.mamba is not None and spec.mamba.proj_bias,
+    "mamba_conv_bias": lambda spec, task, pp: spec.mamba is not None and spec.mamba.conv_bias,
+    "moe_latent": lambda spec, task, pp: spec.moe is not None and bool(spec.moe.latent_size),
 }
 
 # Conditions on the global layer index (all must hold for the row to exist in that layer).
@@ -86,6 +92,10 @@ LAYER_CONDITIONS = {
     "attention_layer": lambda spec, layer: not spec.is_linear_layer(layer),
     # DeepSeek Sparse Attention: a layer with an indexer of its own (not one of GLM-5's shared layers)
     "indexer_layer": lambda spec, layer: spec.has_indexer(layer),
+    # one block per layer (Nemotron-H): the layer's one block
+    "mamba_block": lambda spec, layer: spec.block_kind(layer) == "mamba",
+    "attention_block": lambda spec, layer: spec.block_kind(layer) == "attention",
+    "mlp_block": lambda spec, layer: spec.block_kind(layer) == "mlp",
 }
 
 
@@ -390,6 +400,14 @@ def forward_costs(table, spec: DecoderSpec, *, task: str) -> tuple[list[int], in
 BALANCE_SEQ_LEN = 4096
 
 
+def mamba_mixing_cost(mb) -> int:
+    """Multiply-adds per token of a Mamba-2 layer's chunked SSD scan beyond its weights, per head: within the
+    chunk the ``C B^T`` scores and their weighted inputs, ``c (n + p)`` (chunk ``c``), the chunk state written and
+    read, ``2 p n``; plus the depthwise conv, ``conv_dim x kernel``. Independent of the length."""
+    c, n, p = mb.chunk_size, mb.state_size, mb.head_dim
+    return mb.num_heads * (c * (n + p) + 2 * p * n) + mb.conv_dim * mb.conv_kernel
+
+
 def mixing_costs(spec: DecoderSpec, *, seq_len: int) -> list[int]:
     """Multiply-adds per token of each layer's token mixing beyond its weights, for sequences of ``seq_len``
     tokens: an attention layer's scores and weighted values, ``heads x (qk_dim + v_dim) x keys``, ``keys`` the
@@ -398,7 +416,8 @@ def mixing_costs(spec: DecoderSpec, *, seq_len: int) -> list[int]:
     state) ``+ C (3 dk + 2 dv) + C^2 / 3`` (the within-chunk products and the triangular solve, chunk ``C`` =
     64), plus its depthwise conv, ``conv_dim x kernel``, independent of the length. At long sequences an
     attention layer costs far more than a Gated DeltaNet layer of the same weights, which is what a hybrid
-    model's pipeline split must know."""
+    model's pipeline split must know. One-block layers (Nemotron-H): a Mamba-2 layer :func:`mamba_mixing_cost`,
+    an MLP / MoE layer nothing."""
     from .layers.gated_deltanet import CHUNK
     lin = spec.linear_attn
     gdn_layers = set(lin.layers) if lin is not None else set()
@@ -413,6 +432,13 @@ def mixing_costs(spec: DecoderSpec, *, seq_len: int) -> list[int]:
     for i in range(spec.num_layers):
         if i in gdn_layers:
             out.append(gdn)
+            continue
+        kind = spec.block_kind(i)
+        if kind in ("mlp", "moe"):          # one-block layers (Nemotron-H): no token mixing
+            out.append(0)
+            continue
+        if kind == "mamba":
+            out.append(mamba_mixing_cost(spec.mamba))
             continue
         w = spec.layer_windows[i] if i < len(spec.layer_windows) else None
         n = seq_len

@@ -20,7 +20,10 @@ MLA_LINEAR = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 # families whose layers parallm can adapt (plain GQA or multi-head latent attention; experts as transformers 5
 # stacks them)
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3",
-                      "gpt_oss", "deepseek_v32", "glm_moe_dsa")
+                      "gpt_oss", "deepseek_v32", "glm_moe_dsa", "nemotron_h")
+# Mamba-2's input projection (Nemotron-H): adapted like a column-parallel linear whose rows are the in_proj's
+# [z; x; B; C; dt] parts, B's rows split over TP as the weight's (PEFT refuses out_proj / conv1d on Mamba models)
+MAMBA_LINEAR = ("in_proj",)
 # MoE families whose MLP target names PEFT 0.21 retargets to the stacked routed experts on transformers 5
 # (peft.utils.transformers_weight_conversion: a conversion pattern for the model type; deepseek_v3 shares
 # qwen2_moe's pattern in transformers' table, as qwen3_moe does). Their dense MLPs and shared experts then get no
@@ -75,7 +78,7 @@ class LoraConfig:
         """Whether HF module ``module`` (``model.layers.0.self_attn.q_proj``) is targeted (PEFT's rule)."""
         t = self.target_modules
         if t == "all-linear":
-            return module.rsplit(".", 1)[-1] in ALL_LINEAR + MLA_LINEAR
+            return module.rsplit(".", 1)[-1] in ALL_LINEAR + MLA_LINEAR + MAMBA_LINEAR
         if isinstance(t, str):
             return re.fullmatch(t, module) is not None
         return any(module == x or module.endswith("." + x) for x in t)
@@ -253,6 +256,17 @@ def layer_slots(spec, entry, config: LoraConfig, *, tp: int, sp: bool) -> tuple[
         layouts = (Split(0), kv, kv)
         return "column", [Slot(m, p, n, spec.hidden_size, *config.rank_alpha_scaled(m), Replicated(), lay, sp, False)
                           for (m, p), n, lay, h in zip(modules, rows, layouts, hit) if h]
+    if spec.mamba is not None and local in ("self_attention.in_proj.weight", "self_attention.out_proj.weight"):
+        if not hit[0]:
+            return None
+        (m, p), = modules
+        if p != "in_proj":
+            raise ValueError(f"LoRA on {m} is not supported: PEFT refuses out_proj and conv1d on Mamba models "
+                             "(nemotron_h), and so does parallm (adaptable: in_proj, q/k/v/o_proj, up/down_proj)")
+        rows, cols = resolve_shape(entry.row.shapes[0], spec)
+        mb = spec.mamba
+        parts = PartsSplit((mb.inner, mb.inner, mb.bc_size, mb.bc_size, mb.num_heads))
+        return "column", [Slot(m, p, rows, cols, *config.rank_alpha_scaled(m), Replicated(), parts, sp, False)]
     if local == "self_attention.linear_proj.weight":
         if not hit[0]:
             return None

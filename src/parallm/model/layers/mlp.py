@@ -3,6 +3,7 @@ expert (which adds a gate of its own in :mod:`parallm.model.layers.moe`)."""
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -18,20 +19,26 @@ def no_init(_weight):  # parameters are filled by the loader (or by init_weights
 
 class MLP(nn.Module):
     """``down(silu(gate x) * up x)``: gate and up fused in a column-parallel ``linear_fc1`` (``[gate_r; up_r]`` per
-    TP rank), down row-parallel. ``width`` (default: the spec's intermediate size) and ``bias`` (default: the
-    spec's ``mlp_bias``)."""
+    TP rank), down row-parallel; ``hidden_act="relu2"`` (Nemotron-H): ``down(relu(up x)^2)``, ungated,
+    ``linear_fc1`` up alone. ``width`` (default: the spec's intermediate size) and ``bias`` (default: the spec's
+    ``mlp_bias``)."""
 
     def __init__(self, spec: DecoderSpec, config, *, width: int | None = None, bias: bool | None = None):
         super().__init__()
         width = spec.intermediate_size if width is None else width
         bias = spec.mlp_bias if bias is None else bias
-        self.linear_fc1 = mtp.ColumnParallelLinear(spec.hidden_size, 2 * width, config=config, init_method=no_init,
-                                                   bias=bias, gather_output=False)
+        # relu2 (Nemotron-H): no gate, ``down(relu(up x)^2)``, linear_fc1 is up alone
+        self.gated = spec.hidden_act != "relu2"
+        self.linear_fc1 = mtp.ColumnParallelLinear(spec.hidden_size, (2 if self.gated else 1) * width, config=config,
+                                                   init_method=no_init, bias=bias, gather_output=False)
         self.linear_fc2 = mtp.RowParallelLinear(width, spec.hidden_size, config=config, init_method=no_init,
                                                 bias=bias, input_is_parallel=True, skip_bias_add=False)
 
     def forward(self, x):
         h, _ = self.linear_fc1(x)
+        if not self.gated:
+            h, _ = self.linear_fc2(torch.square(F.relu(h)))
+            return h
         gate, up = h.chunk(2, dim=-1)
         h, _ = self.linear_fc2(F.silu(gate) * up)
         return h

@@ -263,18 +263,21 @@ class Experts(nn.Module):
                  limit: float | None = None, alpha: float | None = None):
         super().__init__()
         self.columns = layout == "interleaved_columns"
-        fc1 = (n_local, hidden, 2 * width_local) if self.columns else (n_local, 2 * width_local, hidden)
+        up = width_local if activation == "relu2" else 2 * width_local     # relu2: no gate, fc1 is up alone
+        fc1 = (n_local, hidden, up) if self.columns else (n_local, up, hidden)
         fc2 = (n_local, width_local, hidden) if self.columns else (n_local, hidden, width_local)
-        self.linear_fc1 = _Weight(fc1, dtype, device, bias=(n_local, 2 * width_local) if bias else None)
+        self.linear_fc1 = _Weight(fc1, dtype, device, bias=(n_local, up) if bias else None)
         self.linear_fc2 = _Weight(fc2, dtype, device, bias=(n_local, hidden) if bias else None)
         self.add_down_bias = add_down_bias
         self.activation, self.limit, self.alpha = activation, limit, alpha
         device_type = as_device(device).type
-        self.kernel = expert_kernel(device_type, dtype, (hidden, 2 * width_local, width_local))
+        self.kernel = expert_kernel(device_type, dtype, (hidden, up, width_local))
 
     def act(self, h: torch.Tensor) -> torch.Tensor:
         """The activation of fc1's output ``h`` ``[m, 2 w]``: gate / up are its halves (``rows``) or its even /
         odd columns (``interleaved_columns``)."""
+        if self.activation == "relu2":         # Nemotron-H: relu(up x)^2
+            return torch.square(F.relu(h))
         if self.activation == "silu" and not self.columns:
             return swiglu(h)
         gate, up = (h[..., 0::2], h[..., 1::2]) if self.columns else h.chunk(2, dim=-1)
@@ -306,6 +309,19 @@ class Experts(nn.Module):
             return y if bias is None else y + onehot @ bias
         return torch.cat([xe @ mat[e] if bias is None else torch.addmm(bias[e], xe, mat[e])
                           for e, xe in enumerate(x.split(counts, dim=0))], dim=0)
+
+
+class Latent(_Weight):
+    """Nemotron-3's latent projection around the routed experts (``fc1_latent_proj [L, H]`` / ``fc2_latent_proj [H,
+    L]``), replicated over TP: applied to the rank's tokens outside the experts' TP region (under sequence
+    parallelism its gradient is a partial sum over TP: the table's ``tp_sum="sp"``)."""
+    parallm_param_kind = "replicated"
+
+    def __init__(self, n_in: int, n_out: int, bias: bool, dtype, device):
+        super().__init__((n_out, n_in), dtype, device, bias=(n_out,) if bias else None)
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
 
 
 class SharedExpert(MLP):
@@ -359,7 +375,13 @@ class MoEBlock(nn.Module):
             self.router = Router((moe.num_experts, spec.hidden_size), config.params_dtype, device,
                                  bias=(moe.num_experts,) if moe.router_bias else None)
         self.router_kind = moe.router
-        self.experts = Experts(len(self.experts_held), spec.hidden_size, moe.expert_intermediate_size // tp,
+        if moe.latent_size:     # Nemotron-3: the routed experts in a latent space, replicated projections
+            self.fc1_latent_proj = Latent(spec.hidden_size, moe.latent_size, moe.latent_bias, config.params_dtype,
+                                          device)
+            self.fc2_latent_proj = Latent(moe.latent_size, spec.hidden_size, moe.latent_bias, config.params_dtype,
+                                          device)
+        self.experts = Experts(len(self.experts_held), moe.latent_size or spec.hidden_size,
+                               moe.expert_intermediate_size // tp,
                                config.params_dtype, device, layout=moe.expert_layout, bias=moe.expert_bias,
                                add_down_bias=dims.tp_rank == 0, activation=moe.activation,
                                limit=moe.swiglu_limit, alpha=moe.swiglu_alpha)
@@ -447,6 +469,9 @@ class MoEBlock(nn.Module):
         if self.replay is not None and self.replay.recording:
             self.replay.rows[self.moe_index] = choices.detach()
         aux = pooled = None
+        latent = hasattr(self, "fc1_latent_proj")
+        if latent:        # the router saw the hidden states; the experts see the latent ones
+            h = self.fc1_latent_proj(h)
         if self.aux is not None and self.aux.scale is not None and torch.is_grad_enabled():
             real = tokens if tokens is not None else torch.ones(h.shape[0], device=h.device)
             if self.aux.mode == "pooled":     # transformers' convention: one loss over every MoE layer
@@ -467,6 +492,8 @@ class MoEBlock(nn.Module):
             out = gather_shares(out, rows=h.shape[0], **mine)
         else:
             out = self._out_of_tp_region(self._routed(*self._into_tp_region(h, weights, choices), tp_group=None))
+        if latent:
+            out = self.fc2_latent_proj(out)
         out = out.view(shape)
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(x)
