@@ -100,7 +100,7 @@ def _dense_rank(rank, world, s):
     pv.push._reload = failing if rank == 0 else original
     ve.attempt(out, "engine-fails", lambda: pv.push_weights(chunks, llm, rank=0, bucket_bytes="64KB"))
     pv.push._reload = original
-    from parallm.checkpoint import export as ex
+    from parallm.checkpoint import export_run as ex
     source, calls = ex._source, [0]
 
     def failing_source(params, p):                      # a sender (not the engine's rank) fails halfway
