@@ -1,0 +1,265 @@
+"""The parts of a :class:`~parallm.model.spec.DecoderSpec` that describe one layer kind: the mixture-of-experts
+block (:class:`MoESpec`), multi-head latent attention (:class:`MLASpec`) and its DeepSeek sparse-attention indexer
+(:class:`DSASpec`), and the two recurrent kinds, Gated DeltaNet (:class:`GatedDeltaNetSpec`) and Mamba-2
+(:class:`Mamba2Spec`). Frozen; read by the layers of :mod:`parallm.model.layers`. Re-exported by
+:mod:`parallm.model.spec`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .layers.routing import check_grouping
+
+ROUTERS = ("softmax", "sigmoid_grouped", "topk_softmax")
+# what the routed experts compute between their two projections (:mod:`parallm.model.layers.moe`)
+ACTIVATIONS = ("silu", "clamped_swiglu", "relu2")   # relu2: relu(up x)^2, no gate (Nemotron-H)
+# how a routed expert's weights are held and named (one expert's slab of the stacked parameter)
+EXPERT_LAYOUTS = ("rows", "interleaved_columns")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The mixture-of-experts part of a decoder (None on :class:`DecoderSpec` for dense models).
+
+    Layers listed in ``layers`` (global indices) replace the dense MLP by a routed block: an fp32 router
+    (``[num_experts, H]``, no bias) picks ``top_k`` experts per token from the softmax of its logits (weights
+    renormalised to sum to 1 when ``norm_topk_prob``), every expert is a gated SiLU MLP of width
+    ``expert_intermediate_size``, and the token's output is the weighted sum of its experts' outputs (dropless: no
+    capacity limit). ``shared_expert_intermediate_size`` > 0 adds an always-on MLP of that width, scaled by
+    ``sigmoid(shared_expert_gate(x))`` when ``shared_expert_gate`` (Qwen2-MoE). ``aux_loss_coef`` > 0 adds the
+    load-balancing loss to ``forward_backward``'s loss (HF ``output_router_logits=True``; docs/moe.md).
+
+    ``router``: ``"softmax"`` (the above: Qwen-MoE, Mixtral) or ``"sigmoid_grouped"`` (DeepSeek-V3, Kimi-K2,
+    Moonlight, GLM-4.5; :mod:`parallm.model.layers.routing`): sigmoid scores, plus the fp32 selection bias
+    ``e_score_correction_bias`` when ``score_bias``, choose the ``top_k`` experts among the ``topk_group`` best of
+    ``n_group`` groups; the weights are the unbiased scores (renormalised when ``norm_topk_prob``) times
+    ``routed_scaling_factor``. The shared expert of those families is one ungated MLP of ``n_shared_experts *
+    moe_intermediate_size`` (``shared_expert_intermediate_size``), as transformers builds it; their dense-first
+    layers (``first_k_dense_replace``) are the layers not in ``layers``. ``"topk_softmax"`` (gpt-oss): the
+    router's logits (``router_bias``: plus a trained bias ``[E]``) choose the ``top_k`` largest, and the weights
+    are the softmax over those ``k`` logits (they always sum to 1; ``norm_topk_prob`` is not read).
+
+    The experts (gpt-oss): ``expert_bias`` gives both projections a bias per expert; ``activation``
+    ``"clamped_swiglu"`` is ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate,
+    max=limit)`` (``swiglu_limit``, ``swiglu_alpha``), as transformers' ``GptOssExperts._apply_gate``;
+    ``expert_layout`` ``"interleaved_columns"`` holds an expert's ``gate_up`` as ``[H, 2 I]`` with gate / up in
+    the even / odd columns and ``down`` as ``[I, H]`` (transformers' gpt-oss layout: no transpose or de-interleave
+    on the way in or out), ``"rows"`` as ``[gate; up]`` ``[2 I, H]`` and ``[H, I]`` (every other family).
+    """
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool
+    layers: tuple[int, ...]
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    aux_loss_coef: float = 0.0
+    router: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    score_bias: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "silu"
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
+    expert_layout: str = "rows"
+    # Nemotron-3: the routed experts work in a latent space, fc1_latent_proj [latent, H] before them and
+    # fc2_latent_proj [H, latent] after (the router and the shared expert see the hidden states); None: no latent
+    latent_size: int | None = None
+    latent_bias: bool = False
+
+    def __post_init__(self):
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.expert_layout not in EXPERT_LAYOUTS:
+            raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {self.expert_layout!r}")
+        clamp = (self.swiglu_limit, self.swiglu_alpha)
+        if self.activation == "clamped_swiglu":
+            bad = [f"{k}={v!r}" for k, v in zip(("swiglu_limit", "swiglu_alpha"), clamp)
+                   if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0]
+            if bad:
+                raise ValueError(f"the clamped SwiGLU needs positive {', '.join(bad)}")
+        elif clamp != (None, None):
+            raise ValueError(f"swiglu_limit / swiglu_alpha apply to activation='clamped_swiglu' only (got "
+                             f"{self.activation!r})")
+        if self.router_bias and self.router != "topk_softmax":
+            raise ValueError(f"a trained router bias is the topk_softmax router's (got router={self.router!r})")
+        if self.router in ("softmax", "topk_softmax"):
+            extras = {k: v for k, v in (("n_group", self.n_group != 1), ("topk_group", self.topk_group != 1),
+                                        ("routed_scaling_factor", self.routed_scaling_factor != 1.0),
+                                        ("score_bias", self.score_bias)) if v}
+            if extras:
+                raise ValueError(f"the {self.router} router takes none of {sorted(extras)} (sigmoid_grouped "
+                                 "does)")
+        else:
+            check_grouping(self.num_experts, self.top_k, self.n_group, self.topk_group)
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, Moonlight; transformers' ``DeepseekV3Attention``).
+
+    Queries: ``q_b(norm(q_a(x)))`` with a ``q_lora_rank`` latent, or ``q_proj(x)`` when ``q_lora_rank`` is None
+    (Moonlight); keys and values: ``kv_a_proj_with_mqa(x)`` gives a ``kv_lora_rank`` latent, normed and expanded
+    per head by ``kv_b`` into ``[k_nope; v]``, plus one ``qk_rope_head_dim`` key part shared by every head. RoPE
+    rotates the rope part of queries and keys only (interleaved pairs when ``rope_interleave``). The latent norms
+    use ``latent_norm_eps`` (transformers builds them with the default 1e-6, whatever ``rms_norm_eps`` says).
+    ``down_proj_bias``: ``q_a_proj`` / ``kv_a_proj_with_mqa`` carry a bias (``attention_bias``; o_proj's bias is
+    :attr:`DecoderSpec.o_bias`). ``softmax_scale``: as ``DeepseekV3Attention.scaling`` (yarn's mscale squared
+    included, :func:`parallm.model.positions.yarn.mla_softmax_scale`); None: ``q_head_dim ** -0.5``.
+
+    Naming trap: :attr:`q_head_dim` (nope + rope) is transformers' ``qk_head_dim``; megatron-core's
+    ``qk_head_dim`` is the nope part alone (its rope part is ``qk_pos_emb_head_dim``).
+    """
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    rope_interleave: bool = True
+    softmax_scale: float | None = None
+    latent_norm_eps: float = 1e-6
+    down_proj_bias: bool = False
+
+    def __post_init__(self):
+        sizes = {"kv_lora_rank": self.kv_lora_rank, "qk_nope_head_dim": self.qk_nope_head_dim,
+                 "qk_rope_head_dim": self.qk_rope_head_dim, "v_head_dim": self.v_head_dim}
+        if self.q_lora_rank is not None:
+            sizes["q_lora_rank"] = self.q_lora_rank
+        bad = [f"{k}={v!r}" for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v <= 0]
+        if bad:
+            raise ValueError(f"invalid multi-head latent attention sizes: {', '.join(bad)} (positive integers)")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+
+    @property
+    def q_head_dim(self) -> int:
+        """nope + rope: transformers' ``qk_head_dim`` (megatron-core: ``qk_head_dim + qk_pos_emb_head_dim``)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def scale(self) -> float:
+        return self.softmax_scale if self.softmax_scale is not None else self.q_head_dim ** (-0.5)
+
+
+@dataclass(frozen=True)
+class DSASpec:
+    """DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2, GLM-5; :mod:`parallm.model.layers.indexer`):
+    per query, ``n_heads`` heads of width ``head_dim`` (their first ``rope_dim`` channels rotated, interleaved
+    pairs when ``rope_interleave`` (GLM-5) else rotate_half (DeepSeek-V3.2)) score every earlier key against one
+    shared key head; the ReLU'd scores weighted per head and summed pick the ``topk`` keys the multi-head latent
+    attention then sees. ``shared``: the layers that run no indexer of their own and reuse the selection of the
+    last ``full`` layer before them (GLM's ``indexer_types``); every other layer has its own."""
+    n_heads: int
+    head_dim: int
+    topk: int
+    rope_dim: int
+    rope_interleave: bool
+    shared: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        sizes = {"index_n_heads": self.n_heads, "index_head_dim": self.head_dim, "index_topk": self.topk}
+        bad = [f"{k}={v!r}" for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v <= 0]
+        if bad:
+            raise ValueError(f"invalid sparse-attention indexer sizes: {', '.join(bad)} (positive integers)")
+        if not 0 < self.rope_dim <= self.head_dim or self.rope_dim % 2:
+            raise ValueError(f"the indexer rotates qk_rope_head_dim={self.rope_dim} channels of index_head_dim="
+                             f"{self.head_dim} (an even number up to it is needed)")
+        if 0 in self.shared:
+            raise ValueError("layer 0 cannot reuse another layer's top-k selection (indexer_types[0] must be "
+                             "'full')")
+
+    def source(self, layer: int) -> int:
+        """The layer whose selection ``layer`` uses: itself, or for a shared layer the last full one before it."""
+        while layer in self.shared:
+            layer -= 1
+        return layer
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetSpec:
+    """The Gated DeltaNet (linear attention) layers of a hybrid model (Qwen3-Next, Qwen3.5:
+    :mod:`parallm.model.layers.gated_deltanet`). ``layers``: the global indices of the layers that run it (the
+    others run full attention); ``num_key_heads`` / ``num_value_heads`` of widths ``key_head_dim`` / ``value_head_dim``
+    (value heads a multiple of key heads); ``conv_kernel``: the depthwise conv's window. ``interleaved``: the
+    checkpoint's input projections are Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` (rows grouped by key
+    head) rather than Qwen3.5's ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``."""
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    layers: tuple[int, ...]
+    interleaved: bool = False
+
+    def __post_init__(self):
+        sizes = {"linear_num_key_heads": self.num_key_heads, "linear_num_value_heads": self.num_value_heads,
+                 "linear_key_head_dim": self.key_head_dim, "linear_value_head_dim": self.value_head_dim,
+                 "linear_conv_kernel_dim": self.conv_kernel}
+        bad = [f"{k}={v!r}" for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v <= 0]
+        if bad:
+            raise ValueError(f"invalid Gated DeltaNet sizes: {', '.join(bad)} (positive integers)")
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(f"linear_num_value_heads={self.num_value_heads} is not a multiple of "
+                             f"linear_num_key_heads={self.num_key_heads}")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+
+@dataclass(frozen=True)
+class Mamba2Spec:
+    """The Mamba-2 layers of a hybrid model (Nemotron-H / Nemotron-3: :mod:`parallm.model.layers.mamba2`).
+    ``layers``: their global indices; ``num_heads`` heads of ``head_dim`` channels (``d_inner = num_heads *
+    head_dim``); ``n_groups`` groups of B / C of ``state_size`` each (head ``h`` reads group ``h // (num_heads /
+    n_groups)``); ``conv_kernel``: the depthwise conv's window over ``[x; B; C]``; ``chunk_size``: the SSD scan's
+    chunk; ``time_step_limit``: dt is clamped to it after softplus; ``conv_bias`` / ``proj_bias``: the conv's
+    bias, in_proj / out_proj biases (``use_conv_bias`` / ``use_bias``); ``norm_eps``: the gated norm's."""
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    state_size: int
+    conv_kernel: int
+    chunk_size: int
+    layers: tuple[int, ...]
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    conv_bias: bool = True
+    proj_bias: bool = False
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        sizes = {"mamba_num_heads": self.num_heads, "mamba_head_dim": self.head_dim, "n_groups": self.n_groups,
+                 "ssm_state_size": self.state_size, "conv_kernel": self.conv_kernel, "chunk_size": self.chunk_size}
+        bad = [f"{k}={v!r}" for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v <= 0]
+        if bad:
+            raise ValueError(f"invalid Mamba-2 sizes: {', '.join(bad)} (positive integers)")
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"mamba_num_heads={self.num_heads} is not a multiple of n_groups={self.n_groups}")
+
+    @property
+    def inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def bc_size(self) -> int:
+        """One of B / C: ``n_groups * state_size`` channels."""
+        return self.n_groups * self.state_size
+
+    @property
+    def conv_dim(self) -> int:
+        """The conv's channels ``[x; B; C]``."""
+        return self.inner + 2 * self.bc_size
+
+    @property
+    def in_proj_size(self) -> int:
+        """in_proj's rows ``[z; x; B; C; dt]``."""
+        return 2 * self.inner + 2 * self.bc_size + self.num_heads
