@@ -100,6 +100,7 @@ def gpt_oss_moe(config) -> MoESpec:
 def gpt_oss_spec(config) -> DecoderSpec:
     bias = bool(getattr(config, "attention_bias", True))
     return DecoderSpec(**base_spec_kwargs(config, "gpt_oss"), qkv_bias=bias, o_bias=bias, attn_sinks=True,
+                       norm_weight_fp32=True,    # GptOssRMSNorm: the weight times the fp32 normed input, then cast
                        layer_windows=layer_windows(config, "gpt-oss", default_types=gpt_oss_window_types),
                        moe=gpt_oss_moe(config))
 
