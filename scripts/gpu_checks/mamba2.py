@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -133,26 +132,17 @@ def main() -> int:
     args = ap.parse_args()
     import importlib
 
+    from gpu_common import shared_tmp, start
+
     import parallm
     R = importlib.import_module("parallm.verify.reference")
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29541")
-    world = int(os.environ["WORLD_SIZE"])
-    if args.cpu:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    else:
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl")
-    if dist.get_rank() == 0:
+    world, rank, device = start(args.cpu, 29541)
+    dist.init_process_group("gloo" if args.cpu else "nccl")
+    if rank == 0:
         check_kernels(device)
     dist.barrier()
-    with tempfile.TemporaryDirectory() as tmp:
-        workdir = [tmp]
-        dist.broadcast_object_list(workdir, src=0)
-        check_model(parallm, R, device, world, workdir[0], cpu=args.cpu)
-    print(f"rank {dist.get_rank()}: {'all passed' if not FAILS else 'FAILED: ' + ', '.join(FAILS)}")
+    check_model(parallm, R, device, world, shared_tmp("parallm_mamba2_check_"), cpu=args.cpu)
+    print(f"rank {rank}: {'all passed' if not FAILS else 'FAILED: ' + ', '.join(FAILS)}")
     return 1 if FAILS else 0
 
 
