@@ -42,7 +42,8 @@ def write_checkpoint(path: str, *, vocab: int = VOCAB_SIZE, hidden: int = 128, l
     2 chosen per token (normalised), every layer sparse, no router auxiliary loss in the output.
     ``model_type="gpt_oss"``: a ``GptOssForCausalLM`` of the same size (attention sinks, a window of 8 tokens on
     the even layers, 4 biased experts of width ``2 * hidden``, 2 per token; transformers runs it with
-    ``attn_implementation="eager"``)."""
+    ``attn_implementation="eager"``). ``model_type="glm_moe_dsa"``: a GLM-5 (MLA with the DeepSeek sparse-attention
+    indexer keeping 4 keys per query, 16 indexer heads; the first layer dense, then 4 experts top-2)."""
     import torch
     import transformers
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -53,16 +54,22 @@ def write_checkpoint(path: str, *, vocab: int = VOCAB_SIZE, hidden: int = 128, l
         extra = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden // 2,
                  "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
                  "output_router_logits": False}
+    elif model_type == "glm_moe_dsa":
+        extra = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden // 2,
+                 "n_shared_experts": 1, "mlp_layer_types": ["dense"] + ["sparse"] * (layers - 1),
+                 "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16,
+                 "v_head_dim": 32, "index_topk": 4, "index_head_dim": 16, "index_n_heads": 16,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 5e4}, "num_key_value_heads": hidden // 32}
     elif model_type == "gpt_oss":
         extra = {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
                  "output_router_logits": False}
-    cfg = transformers.AutoConfig.for_model(
-        model_type, vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=hidden // 32, num_key_value_heads=max(1, hidden // 64), head_dim=32,
-        max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-6, bos_token_id=None,
-        eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype="float32", **extra)
+    fields = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=hidden // 32, num_key_value_heads=max(1, hidden // 64), head_dim=32,
+                  max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-6, bos_token_id=None,
+                  eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype="float32")
+    cfg = transformers.AutoConfig.for_model(model_type, **dict(fields, **extra))
     torch.manual_seed(seed)
-    attn = "eager" if model_type == "gpt_oss" else "sdpa"
+    attn = "eager" if model_type in ("gpt_oss", "glm_moe_dsa") else "sdpa"
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).float()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
