@@ -425,11 +425,10 @@ def test_engine_matches_fsdp2(tmp_path):
         _check_engine(rep["gpt_oss"], name="gpt_oss")
 
 
-def _dsa_rank(rank, world, path):
-    """A GLM-5 (DeepSeek sparse attention, 4 keys per query) through parallm's engine at dp2 x ep2 against parallm
-    called directly on the same rows: ``infer_batch``'s log-probs, then one ``train_batch`` (verl's ``ppo_loss``):
-    a finite loss, every trained weight moved (the router's selection bias has no gradient, as in DeepSeek-V3), the
-    frozen indexer's weights unchanged."""
+def _engine_vs_direct_rank(rank, world, path):
+    """A model through parallm's engine at dp2 x ep2 against parallm called directly on the same rows:
+    ``infer_batch``'s log-probs, then one ``train_batch`` (verl's ``ppo_loss``): a finite loss, every trained weight
+    moved (the router's selection bias has no gradient, as in DeepSeek-V3), a DSA indexer's weights unchanged."""
     os.environ.update(ENV)
     import torch
     import verl  # noqa: F401  (loads parallm.integrations.verl)
@@ -454,22 +453,51 @@ def _dsa_rank(rank, world, path):
     indexer = [k for k in before if ".indexer." in k]
     fixed = indexer + [k for k in before if k.endswith("e_score_correction_bias")]   # no gradient: never trained
     return {"lp": max((a[:-1] - b[:-1]).abs().max().item() for a, b in zip(lp, want)),
-            "loss": float(sum(tr["loss"])), "indexer": len(indexer),
+            "loss": float(sum(tr["loss"])), "indexer": len(indexer), "tensors": len(before),
             "indexer_moved": [k for k in indexer if not torch.equal(before[k], after[k])],
             "still": [k for k in before if k not in fixed and torch.equal(before[k], after[k])]}
 
 
-@pytest.mark.timeout(420)
-def test_engine_dsa_against_direct(tmp_path):
-    """GLM-5 through the engine (``_dsa_rank``). verl's own FSDP2 engine is no reference for these families here:
-    .venv-verl's transformers 5.10.4 computes GLM-5 about 1.9 away from 5.25, which parallm matches."""
+def _write_nemotron(rank, world, path):
+    """A tiny Nemotron-H MoE checkpoint (``M*ME``) at ``path``: its config.json in the ``hybrid_override_pattern``
+    form both transformers 5.10.4 (verl's model config) and parallm read, random weights from
+    ``build_model(init="random")`` in transformers 5.25's names, the toy tokenizer."""
+    import parallm
     from parallm.integrations.verl import toy
-    path = toy.write_checkpoint(str(tmp_path / "glm5"), model_type="glm_moe_dsa")
-    for rank, rep in enumerate(helpers.run_ranks(_dsa_rank, 2, path, timeout=360)):
-        print(rank, rep)
-        assert rep["lp"] < 1e-6, rep
-        assert math.isfinite(rep["loss"]) and rep["indexer"] > 0 and not rep["indexer_moved"], rep
-        assert not rep["still"], rep["still"]
+    tmp = toy.write_checkpoint(path + "_tok")
+    cfg = json.load(open(os.path.join(tmp, "config.json")))
+    cfg = dict({k: cfg[k] for k in ("vocab_size", "eos_token_id", "pad_token_id", "bos_token_id")},
+               model_type="nemotron_h", architectures=["NemotronHForCausalLM"], hybrid_override_pattern="M*ME",
+               hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+               mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=8,
+               layer_norm_epsilon=1e-5, max_position_embeddings=512, n_routed_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=1, topk_group=1,
+               routed_scaling_factor=1.5, norm_topk_prob=True, tie_word_embeddings=False, torch_dtype="float32")
+    os.remove(os.path.join(tmp, "model.safetensors"))
+    json.dump(cfg, open(os.path.join(tmp, "config.json"), "w"))
+    parallm.init_parallel(tp=1)
+    parallm.save_hf_weights(parallm.build_model(tmp, init="random"), path)
+    parallm.destroy_parallel()
+    return sorted(os.listdir(path))
+
+
+@pytest.mark.timeout(420)
+def test_engine_new_families_against_direct(tmp_path):
+    """GLM-5 (DeepSeek sparse attention, 4 keys per query) and a Nemotron-H MoE (Mamba-2 layers) through the
+    engine (``_engine_vs_direct_rank``). verl's own FSDP2 engine is no reference for these families here:
+    .venv-verl's transformers 5.10.4 computes both differently from 5.25 (GLM-5 logits 1.9 apart, Nemotron-H 3.8
+    on the same checkpoints), and parallm matches 5.25."""
+    from parallm.integrations.verl import toy
+    glm5 = toy.write_checkpoint(str(tmp_path / "glm5"), model_type="glm_moe_dsa")
+    nemotron = str(tmp_path / "nemotron")
+    assert "model.safetensors" in helpers.run_ranks(_write_nemotron, 1, nemotron, timeout=120)[0]
+    for name, path in (("glm5", glm5), ("nemotron_h", nemotron)):
+        for rank, rep in enumerate(helpers.run_ranks(_engine_vs_direct_rank, 2, path, timeout=300)):
+            print(name, rank, rep)
+            assert rep["lp"] < 1e-6, (name, rep)
+            assert math.isfinite(rep["loss"]) and not rep["indexer_moved"], (name, rep)
+            assert (rep["indexer"] > 0) == (name == "glm5"), (name, rep)
+            assert not rep["still"], (name, rep["still"])
 
 
 def _replay_rank(rank, world, moe):
