@@ -98,7 +98,6 @@ def _bytes(n: float) -> str:
 
 def render(report: dict) -> str:
     from ..model.spec import padded_vocab_size
-    from ..verify import render_table
     c, yes = report["config"], {True: "yes", False: "no"}
     lines = [
         f"checkpoint    {report['path']}",
@@ -150,6 +149,13 @@ def render(report: dict) -> str:
                                             for p, v in report["pipelines"].items()))
     lines.append(f"              ({c['layers']} layers split evenly: pp x vpp must divide {c['layers']}; other pp "
                  "with --layers-per-stage or --num-layers-in-first/last-pipeline-stage)")
+    lines += _moe_lines(report) + _memory_lines(report)
+    return "\n".join(lines)
+
+
+def _moe_lines(report: dict) -> list[str]:
+    """The experts' lines of :func:`render` (none for a dense model)."""
+    lines = []
     moe = report.get("moe")
     if moe:
         shared = f", shared expert {moe['shared_width']} wide" if moe["shared_width"] else ""
@@ -164,6 +170,13 @@ def render(report: dict) -> str:
         how = "torch._grouped_mm" if moe["kernel"] == "grouped_mm" else "a loop over the experts"
         lines.append(f"expert GEMMs  {how} on {moe['device']} in {report['dtype']}"
                      + (f" ({moe['kernel_note']})" if moe["kernel_note"] else ""))
+    return lines
+
+
+def _memory_lines(report: dict) -> list[str]:
+    """The per-rank parameter memory table of :func:`render` (when a layout was given)."""
+    from ..verify import render_table
+    lines = []
     if "layout" in report:
         lay, b, fp32 = report["layout"], report["dtype_bytes"], report["dtype"] == "float32"
         lines.append(f"\nparameter memory per rank, tp {lay['tp']} x pp {lay['pp']}"
@@ -178,7 +191,7 @@ def render(report: dict) -> str:
         lines.append("(every TP rank of a stage holds the same; data-parallel replicas hold a full copy each. "
                      "Training adds 4 B/param fp32 gradients and 8 B/param Adam moments (last column), plus an "
                      "fp32 master copy (4 B/param) when training in bf16, plus activations.)")
-    return "\n".join(lines)
+    return lines
 
 
 def _dsa_line(d: dict) -> str:
