@@ -290,6 +290,18 @@ def layer_slots(spec, entry, config: LoraConfig, *, tp: int, sp: bool) -> tuple[
         return None            # PEFT on transformers 5 retargets these families' MLP names to the routed experts
     if local.startswith("mlp.experts.") and spec.family not in PEFT_EXPERT_FAMILIES:
         return None            # PEFT leaves them: transformers 5's stacked experts are no nn.Linear
+    if local in ("mlp.experts.linear_fc1.weight", "mlp.experts.linear_fc2.weight"):
+        return _routed_expert_slots(spec, entry, config, modules, hit, local=local, tp=tp)
+    if entry.hf and entry.hf[0].endswith(".weight") and any(hit):
+        raise ValueError(f"LoRA on {', '.join(m for (m, _), h in zip(modules, hit) if h)} is not supported: parallm "
+                         "adapts q/k/v/o_proj, gate/up/down_proj, routed experts and multi-head latent attention's "
+                         "q_a/q_b/kv_a/kv_b projections only (not Gated DeltaNet or other projections)")
+    return None
+
+
+def _routed_expert_slots(spec, entry, config, modules, hit, *, local: str, tp: int):
+    """The routed experts' fc1 (``[gate; up]``, stacked as transformers' ``gate_up_proj``) or fc2 (``down_proj``)
+    as PEFT adapts them in the families of :data:`PEFT_EXPERT_FAMILIES`; None when not targeted."""
     if local == "mlp.experts.linear_fc1.weight":
         if not any(hit):
             return None
@@ -309,10 +321,6 @@ def layer_slots(spec, entry, config: LoraConfig, *, tp: int, sp: bool) -> tuple[
         r, alpha = _expert_rank_alpha(config, modules)
         return "experts_fc2", [Slot(fused, "down_proj", spec.hidden_size, spec.moe.expert_intermediate_size, r,
                                     alpha / r, Split(1), Replicated(), False, tp > 1)]
-    if entry.hf and entry.hf[0].endswith(".weight") and any(hit):
-        raise ValueError(f"LoRA on {', '.join(m for (m, _), h in zip(modules, hit) if h)} is not supported: parallm "
-                         "adapts q/k/v/o_proj, gate/up/down_proj, routed experts and multi-head latent attention's "
-                         "q_a/q_b/kv_a/kv_b projections only (not Gated DeltaNet or other projections)")
     return None
 
 
