@@ -147,7 +147,8 @@ def test_grouped_mm_check_passes_on_a_correct_kernel(dtype):
 def test_grouped_mm_check_catches_gradients_of_empty_groups_and_falls_back(monkeypatch, caplog):
     monkeypatch.setattr(torch, "_grouped_mm", _leaky)
     assert "no token chose got a non-zero weight gradient" in moe.empty_group_problem("cpu", torch.float32)
-    monkeypatch.setattr(moe, "PROBED_DEVICE_TYPES", ("cpu",))
+    from parallm.model.layers import moe_kernels
+    monkeypatch.setattr(moe_kernels, "PROBED_DEVICE_TYPES", ("cpu",))
     moe._choose_kernel.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="parallm"):
