@@ -32,7 +32,6 @@ if os.environ.get("PARALLM_REQUIRE_VLLM") != "1":
 
 import helpers  # noqa: E402
 import vllm_engines as ve  # noqa: E402
-from test_vllm_hybrid import _engine_state, _on_rank  # noqa: E402
 
 ENGINE = dict(dtype="bfloat16", max_model_len=64, kv_cache_memory_bytes=32 << 20, seed=0)
 # head_dim 64: vLLM-CPU's attention takes it (16 is refused); window 8 on the even layers
@@ -58,43 +57,13 @@ def _checkpoint(path: str, seed: int) -> str:
 
 def _rank(rank, world, s):
     import torch
-
-    import parallm
-    from parallm.integrations import vllm as pv
-    out = {}
-    parallm.init_parallel(tp=2)
-    chunks = parallm.build_model(s["ckpt"])
-    parallm.load_hf_weights(chunks, s["ckpt"])
-    llm = pv.launch(s["ckpt"], rank=0, **ENGINE)
-    initial = _on_rank(0, llm, _engine_state)
-    vocab = chunks[0].spec.vocab_size
-    batch = ve.prompts(vocab, 1)
-    out["before"] = ve.max_diff(chunks, batch, _on_rank(0, llm, lambda e: ve.sample_llm(e, batch, 1)))
-    opt = parallm.build_optimizer(chunks, lr=2e-2)
-    ve.train(chunks, opt, vocab, 2, seed=2)
-    stale = _on_rank(0, llm, lambda e: ve.sample_llm(e, batch, 5))
-    out["stale_diff"] = ve.max_diff(chunks, batch, stale)
-    out["push"] = pv.push_weights(chunks, llm)
-    pushed = _on_rank(0, llm, lambda e: ve.sample_llm(e, batch, 5))
-    out["after_diff"] = ve.max_diff(chunks, batch, pushed)
-    out["moved"] = stale != pushed
-    parallm.save_hf_weights(chunks, s["saved"])
-    fresh = pv.launch(s["saved"], rank=1, **ENGINE)      # a second engine, loading the saved directory
-    fresh_sample = _on_rank(1, fresh, lambda e: ve.sample_llm(e, batch, 5))
-    out["fresh_diff"] = ve.max_diff(chunks, batch, fresh_sample)
-    states = [_on_rank(r, e, _engine_state) for r, e in ((0, llm), (1, fresh))]
-    if rank == 0:
-        pushed_state, fresh_state = states
-        out["names"] = sorted(pushed_state) == sorted(fresh_state)
-        out["tensors"] = len(pushed_state)
-        out["differ"] = {k: (pushed_state[k].float() - fresh_state[k].float()).abs().max().item()
-                         for k in pushed_state if not torch.equal(pushed_state[k], fresh_state[k])}
-        out["same_samples"] = pushed == fresh_sample
+    out, states = ve.push_against_fresh_engine(s["ckpt"], s["saved"], ENGINE)
+    if states is not None:
+        initial, pushed_state, fresh_state = states["initial"], states["pushed"], states["fresh"]
         sinks = [k for k in pushed_state if k.endswith(".attn.sinks")]
         out["sinks"] = len(sinks)
         out["sinks_stale"] = all(torch.equal(pushed_state[k], initial[k]) for k in sinks)
         out["sinks_trained_in_fresh"] = all(not torch.equal(fresh_state[k], initial[k]) for k in sinks)
-    parallm.destroy_parallel()
     return out
 
 

@@ -36,58 +36,17 @@ NEXT = dict(num_hidden_layers=4, full_attention_interval=2, head_dim=32, hidden_
             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 
 
-def _on_rank(src, llm, fn):
-    """``fn(llm)`` on the rank holding the engine (``src``), its result broadcast to every rank."""
-    import torch.distributed as dist
-    obj = [fn(llm) if llm is not None else None]
-    dist.broadcast_object_list(obj, src=src)
-    return obj[0]
-
-
-def _engine_state(llm):
-    """The engine's parameters and buffers as its model holds them (prepacked linears included), copied."""
-    return llm.apply_model(lambda m: {k: v.detach().clone() for k, v in m.state_dict().items()})[0]
-
-
 def _rank(rank, world, s):
     import torch
-
-    import parallm
-    from parallm.integrations import vllm as pv
-    out = {}
-    parallm.init_parallel(tp=2)
-    chunks = parallm.build_model(s["ckpt"])
-    parallm.load_hf_weights(chunks, s["ckpt"])
-    llm = pv.launch(s["ckpt"], rank=0, **ENGINE)
-    vocab = chunks[0].spec.vocab_size
-    batch = ve.prompts(vocab, 1)
-    out["before"] = ve.max_diff(chunks, batch, _on_rank(0, llm, lambda e: ve.sample_llm(e, batch, 1)))
-    opt = parallm.build_optimizer(chunks, lr=2e-2)
-    ve.train(chunks, opt, vocab, 2, seed=2)
-    stale = _on_rank(0, llm, lambda e: ve.sample_llm(e, batch, 5))
-    out["stale_diff"] = ve.max_diff(chunks, batch, stale)
-    out["push"] = pv.push_weights(chunks, llm)
-    pushed = _on_rank(0, llm, lambda e: ve.sample_llm(e, batch, 5))
-    out["after_diff"] = ve.max_diff(chunks, batch, pushed)
-    out["moved"] = stale != pushed
-    parallm.save_hf_weights(chunks, s["saved"])
-    fresh = pv.launch(s["saved"], rank=1, **ENGINE)      # a second engine, loading the saved directory
-    fresh_sample = _on_rank(1, fresh, lambda e: ve.sample_llm(e, batch, 5))
-    out["fresh_diff"] = ve.max_diff(chunks, batch, fresh_sample)
-    states = [_on_rank(r, e, _engine_state) for r, e in ((0, llm), (1, fresh))]
-    if rank == 0:
-        pushed_state, fresh_state = states
-        out["names"] = sorted(pushed_state) == sorted(fresh_state)
-        out["differ"] = {k: (pushed_state[k].float() - fresh_state[k].float()).abs().max().item()
-                         for k in pushed_state if not torch.equal(pushed_state[k], fresh_state[k])}
+    out, states = ve.push_against_fresh_engine(s["ckpt"], s["saved"], ENGINE)
+    if states is not None:
+        pushed_state = states["pushed"]
         a_logs = [k for k in pushed_state if k.endswith("A_log")]
         out["a_logs"] = len(a_logs)
         out["a_log_fp32"] = all(pushed_state[k].dtype == torch.float32 for k in a_logs)
         # the pushed values are fp32 ones (a bf16 wire would have rounded them)
         out["a_log_not_bf16"] = all(not torch.equal(pushed_state[k], pushed_state[k].to(torch.bfloat16).float())
                                     for k in a_logs)
-        out["same_samples"] = pushed == fresh_sample
-    parallm.destroy_parallel()
     return out
 
 

@@ -32,51 +32,10 @@ CONFIG = dict(hidden_size=64, vocab_size=101, num_attention_heads=2, num_key_val
               conv_kernel=4, chunk_size=8, layer_norm_epsilon=1e-5, max_position_embeddings=128)
 
 
-def _on_rank(src, llm, fn):
-    import torch.distributed as dist
-    obj = [fn(llm) if llm is not None else None]
-    dist.broadcast_object_list(obj, src=src)
-    return obj[0]
-
-
-def _engine_state(llm):
-    return llm.apply_model(lambda m: {k: v.detach().clone() for k, v in m.state_dict().items()})[0]
-
-
 def _rank(rank, world, s):
-    import torch
-
-    import parallm
-    from parallm.integrations import vllm as pv
-    out = {}
-    parallm.init_parallel(tp=2)
-    chunks = parallm.build_model(s["ckpt"])
-    parallm.load_hf_weights(chunks, s["ckpt"])
-    llm = pv.launch(s["ckpt"], rank=0, **ENGINE)
-    vocab = chunks[0].spec.vocab_size
-    batch = ve.prompts(vocab, 1)
-    out["before"] = ve.max_diff(chunks, batch, _on_rank(0, llm, lambda e: ve.sample_llm(e, batch, 1)))
-    opt = parallm.build_optimizer(chunks, lr=2e-2)
-    ve.train(chunks, opt, vocab, 2, seed=2)
-    stale = _on_rank(0, llm, lambda e: ve.sample_llm(e, batch, 5))
-    out["stale_diff"] = ve.max_diff(chunks, batch, stale)
-    out["push"] = pv.push_weights(chunks, llm)
-    pushed = _on_rank(0, llm, lambda e: ve.sample_llm(e, batch, 5))
-    out["after_diff"] = ve.max_diff(chunks, batch, pushed)
-    out["moved"] = stale != pushed
-    parallm.save_hf_weights(chunks, s["saved"])
-    fresh = pv.launch(s["saved"], rank=1, **ENGINE)
-    fresh_sample = _on_rank(1, fresh, lambda e: ve.sample_llm(e, batch, 5))
-    out["fresh_diff"] = ve.max_diff(chunks, batch, fresh_sample)
-    states = [_on_rank(r, e, _engine_state) for r, e in ((0, llm), (1, fresh))]
-    if rank == 0:
-        pushed_state, fresh_state = states
-        out["names"] = sorted(pushed_state) == sorted(fresh_state)
-        out["mamba"] = sum(k.endswith(".mixer.A") for k in pushed_state)     # vLLM holds -exp(A_log) as A
-        out["differ"] = {k: (pushed_state[k].float() - fresh_state[k].float()).abs().max().item()
-                         for k in pushed_state if not torch.equal(pushed_state[k], fresh_state[k])}
-        out["same_samples"] = pushed == fresh_sample
-    parallm.destroy_parallel()
+    out, states = ve.push_against_fresh_engine(s["ckpt"], s["saved"], ENGINE)
+    if states is not None:
+        out["mamba"] = sum(k.endswith(".mixer.A") for k in states["pushed"])     # vLLM holds -exp(A_log) as A
     return out
 
 

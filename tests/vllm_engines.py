@@ -192,3 +192,60 @@ class StandIn:
     def reset_prefix_cache(self):
         self._call("reset")
         return self.reset_ok
+
+
+def on_rank(src, llm, fn):
+    """``fn(llm)`` on the rank holding the engine (``src``), its result broadcast to every rank."""
+    import torch.distributed as dist
+    obj = [fn(llm) if llm is not None else None]
+    dist.broadcast_object_list(obj, src=src)
+    return obj[0]
+
+
+def engine_state(llm):
+    """The engine's parameters and buffers as its model holds them (prepacked linears included), copied."""
+    return llm.apply_model(lambda m: {k: v.detach().clone() for k, v in m.state_dict().items()})[0]
+
+
+def push_against_fresh_engine(ckpt: str, saved: str, engine: dict) -> tuple[dict, dict | None]:
+    """The in-process push check shared by the family files (collective, trainer tp2 on 2 ranks): an engine on rank
+    0 loads ``ckpt``; parallm's log-probs against its samples before training (``before``), after two AdamW steps
+    (``stale_diff``) and after ``push_weights`` (``after_diff``, ``moved``); ``save_hf_weights`` into ``saved`` and a
+    second engine on rank 1 loading it (``fresh_diff``, ``same_samples``: the same tokens and log-probs); on rank 0
+    ``names`` (the same tensors) and ``differ`` (every engine tensor not bit-identical, with its largest
+    difference). Returns ``(out, states)``: ``states`` on rank 0 ``{"initial", "pushed", "fresh"}`` (the engine's
+    tensors before training, after the push, and the fresh engine's), None elsewhere."""
+    import parallm
+    from parallm.integrations import vllm as pv
+    out = {}
+    parallm.init_parallel(tp=2)
+    chunks = parallm.build_model(ckpt)
+    parallm.load_hf_weights(chunks, ckpt)
+    llm = pv.launch(ckpt, rank=0, **engine)
+    initial = on_rank(0, llm, engine_state)
+    vocab = chunks[0].spec.vocab_size
+    batch = prompts(vocab, 1)
+    out["before"] = max_diff(chunks, batch, on_rank(0, llm, lambda e: sample_llm(e, batch, 1)))
+    opt = parallm.build_optimizer(chunks, lr=2e-2)
+    train(chunks, opt, vocab, 2, seed=2)
+    stale = on_rank(0, llm, lambda e: sample_llm(e, batch, 5))
+    out["stale_diff"] = max_diff(chunks, batch, stale)
+    out["push"] = pv.push_weights(chunks, llm)
+    pushed = on_rank(0, llm, lambda e: sample_llm(e, batch, 5))
+    out["after_diff"] = max_diff(chunks, batch, pushed)
+    out["moved"] = stale != pushed
+    parallm.save_hf_weights(chunks, saved)
+    fresh = pv.launch(saved, rank=1, **engine)      # a second engine, loading the saved directory
+    fresh_sample = on_rank(1, fresh, lambda e: sample_llm(e, batch, 5))
+    out["fresh_diff"] = max_diff(chunks, batch, fresh_sample)
+    out["same_samples"] = pushed == fresh_sample
+    pushed_state, fresh_state = (on_rank(r, e, engine_state) for r, e in ((0, llm), (1, fresh)))
+    states = None
+    if llm is not None:                              # rank 0: the first engine's
+        states = {"initial": initial, "pushed": pushed_state, "fresh": fresh_state}
+        out["names"] = sorted(pushed_state) == sorted(fresh_state)
+        out["tensors"] = len(pushed_state)
+        out["differ"] = {k: (pushed_state[k].float() - fresh_state[k].float()).abs().max().item()
+                         for k in pushed_state if not torch.equal(pushed_state[k], fresh_state[k])}
+    parallm.destroy_parallel()
+    return out, states
