@@ -27,15 +27,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-FAILS = []
+from gpu_common import Checks  # noqa: E402 (this folder is first on sys.path when run as a script)
 
-
-def report(name, value, limit):
-    ok = value <= limit
-    if not ok:
-        FAILS.append(name)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"{'PASS' if ok else 'FAIL'} {name}: {value:.2e} (limit {limit:.0e})", flush=True)
+report = Checks(int(os.environ.get("RANK", "0")))      # one PASS / FAIL line per check, on rank 0
 
 
 def check_kernels(device):
@@ -142,8 +136,7 @@ def main() -> int:
         check_kernels(device)
     dist.barrier()
     check_model(parallm, R, device, world, shared_tmp("parallm_mamba2_check_"), cpu=args.cpu)
-    print(f"rank {rank}: {'all passed' if not FAILS else 'FAILED: ' + ', '.join(FAILS)}")
-    return 1 if FAILS else 0
+    return report.finish("Mamba-2")
 
 
 if __name__ == "__main__":
