@@ -112,6 +112,8 @@ def _rank(rank, world, ckpt):
     finally:
         os.posix_fallocate = fallocate
     out["enospc_left"] = sorted({n for n in os.listdir(directory) if n.startswith("parallm_wt_")} - files)
+    # every rank has looked before the next push, whose sender makes its file at once (a rank looking late saw it)
+    torch.distributed.barrier()
     pv.push_weights(chunks, conn, bucket_bytes="64KB")        # with room: the file, mode 0600
     if rank == 0:
         out["shm_mode"] = oct(os.stat(conn.path).st_mode & 0o777)
