@@ -1,8 +1,10 @@
 """Gated DeltaNet on padded batches (issue 45 item 3): a Qwen3.5-shaped training step on a padded batch of rows
-of unequal length, on the CPU's torch kernel, with the linear-attention layers run the way parallm runs them now
-(each row's span of real tokens a document of the varlen path), the way it ran them before (the whole padded
-rows through the chunked recurrence, padding included: re-implemented here as the reference), and the same batch
-in the packed layout. Peak memory and time of forward + backward. Not part of the test suite.
+of unequal length, on the CPU's torch kernel, four ways: the padded model as parallm runs it now (``padded``: the
+whole batch packed inside, every layer on the real tokens only), the padded layout with the packing inside turned
+off (``padded rows``: every layer on ``[S, B]``, the linear-attention layers on each row's span of real tokens
+through the varlen path: what parallm ran before), the padded rows whole through the chunked recurrence, padding
+included (``old padded``: the first implementation, re-implemented here), and the same batch in the packed layout
+(``packed``, the reference). Peak memory and time of forward + backward. Not part of the test suite.
 
     python bench/gdn_padded_bench.py             # hidden 1024, 8 layers (6 Gated DeltaNet), rows of
                                                  # 1024 / 768 / 512 / 256 tokens left-padded to 1024, fp32
@@ -11,7 +13,7 @@ in the packed layout. Peak memory and time of forward + backward. Not part of th
 Each side runs in a fresh process (this script with --one) started with glibc's ``MALLOC_MMAP_THRESHOLD_`` at
 1 MiB; the figure is the peak anonymous RSS during one step above the level before it (the gradients already
 allocated by a first step), and the best of ``--iters`` step times. Target (issue 45): the padded layout's peak
-within 1.1x of the packed one's. The three sides' losses are printed (the same batch: equal to ~1e-5).
+within 1.1x of the packed one's. The four sides' losses are printed (the same batch: equal to ~1e-5).
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ def one(side: str, args) -> dict:
     parallm.init_parallel(tp=1)
     chunks = parallm.build_model(ckpt, packed=side == "packed")
     parallm.load_hf_weights(chunks, ckpt)
+    if side in ("padded rows", "old padded"):
+        for c in chunks:
+            c.pack_inside = False
     if side == "old padded":
         gdn.GatedDeltaNet.forward = lambda self, x, cos=None, sin=None, ctx=None: old_padded_forward(self, x, ctx)
     b = len(args.lengths)
@@ -117,7 +122,7 @@ def main(argv=None):
     rest = ["--hidden", str(args.hidden), "--layers", str(args.layers), "--seq", str(args.seq), "--iters",
             str(args.iters), "--lengths", *map(str, args.lengths)]
     res = {}
-    for side in ("padded", "old padded", "packed"):
+    for side in ("padded", "padded rows", "old padded", "packed"):
         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", side] + rest, env=env,
                              capture_output=True, text=True, check=True)
         res[side] = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))[7:])

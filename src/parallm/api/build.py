@@ -37,8 +37,11 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     ``task``: ``"causal_lm"`` (logits), ``"value"`` (a ``score`` head ``[1, H]`` giving values ``[B, S]``),
     ``"hidden"`` (headless: final-normed hidden states ``[B, S, H]``, what verl's ``*Model`` classes return), or
     None to follow the config (``*ForSequenceClassification`` -> value). ``packed``: remove padding and run
-    the real tokens as one stream (varlen attention). ``sequence_parallel``: split that stream over the TP
-    ranks between the parallel linears (needs ``packed=True``).
+    the real tokens as one stream (varlen attention). A recurrent hybrid (Gated DeltaNet, Mamba-2) built
+    padded does that inside for every batch whose rows are padded only at their ends (outputs as the padded
+    layout gives them, zeros at padding; ``chunk.attn_impl`` names both attention kernels): docs/families.md.
+    ``sequence_parallel``: split that stream over the TP ranks between the parallel linears (needs
+    ``packed=True``).
     ``init="empty"`` (default): the parameters are allocated, not initialised, and the chunks are marked not
     loaded: fill them with :func:`parallm.load_hf_weights` (or :func:`parallm.load_checkpoint`); ``forward``,
     ``forward_backward`` and the saves refuse them until then (:mod:`parallm.model.loaded`; after filling

@@ -35,6 +35,26 @@ class ChunkIO:
         pos = position_ids[attention_mask.bool()] if self.packed else position_ids
         return int(pos.max()) + 1 if pos.numel() else None
 
+    def packs_inside(self, attention_mask: torch.Tensor) -> bool:
+        """Whether this chunk, built padded, runs the ``[B, S]`` batch through the packed path inside: a recurrent
+        hybrid (``pack_inside``: Gated DeltaNet or Mamba-2 layers, cp = 1) and a batch with padding, all of it at
+        the rows' ends. Such rows give what the padded layout gives at every real token (a row's leading padding
+        leaves a recurrent state at zero, as transformers' masked padding does), with neither compute nor
+        activations spent on padding; rows with a hole keep the padded layout (transformers runs the hole). The
+        answer depends on the mask alone, so every stage of a pipeline agrees on it; one host sync."""
+        if not getattr(self, "pack_inside", False) or not attention_mask.numel():
+            return False
+        return bool(self._packs_inside_flag(attention_mask).item())
+
+    @staticmethod
+    def _packs_inside_flag(attention_mask: torch.Tensor) -> torch.Tensor:
+        """:meth:`packs_inside`'s test of the mask, on the device (a 0-d bool tensor)."""
+        keep = attention_mask.bool()
+        if not keep.numel():
+            return torch.zeros((), dtype=torch.bool, device=keep.device)
+        runs = (keep[:, 1:] & ~keep[:, :-1]).sum(-1) + keep[:, 0]      # runs of real tokens in each row
+        return (runs <= 1).all() & ~keep.all()
+
     def context_split(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                       attention_mask: torch.Tensor) -> ContextSplit | None:
         """This rank's share of a ``[B, S]`` batch under context parallelism (None at cp = 1): see
@@ -49,13 +69,13 @@ class ChunkIO:
         """The last stage's output from the final-normed hidden states ``x``: log-probs (``stats``), logits,
         values or hidden states, as :meth:`compute` returns them."""
         if stats is not None and self.task == "causal_lm":
-            return token_stats_head(self, x, ctx if self.packed and split is None else None, input_ids,
+            return token_stats_head(self, x, ctx if isinstance(ctx, Packing) else None, input_ids,
                                     attention_mask, stats, split=split)
         if split is not None:
             return self._cp_output(x, split)
         if self.task == "causal_lm":
             weight = self.head_weight()
-            if self.packed:
+            if isinstance(ctx, Packing):
                 out, _ = self.output_layer(x, weight=weight)  # sequence parallel: input all-gathered inside
             else:
                 # The logits are the largest activation: compute them batch-first ([B, S, V], contiguous, what
@@ -64,14 +84,14 @@ class ChunkIO:
             if self.real_vocab_columns is not None:
                 pad = torch.arange(out.shape[-1], device=out.device) >= self.real_vocab_columns
                 out = out.masked_fill(pad, torch.finfo(out.dtype).min)
-            if not self.packed:
+            if not isinstance(ctx, Packing):
                 return out.transpose(0, 1)
         else:
             out = self.score(x).squeeze(-1) if self.task == "value" else x
             if self.sequence_parallel:
                 # Every TP rank computes the same loss on the gathered output: the backward keeps the local slice.
                 out = mtp.gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False)
-        if self.packed:
+        if isinstance(ctx, Packing):
             out = unpack_tokens(out[:, 0], ctx)                           # [S, B, ...], zeros at padding
         return out
 
@@ -108,10 +128,10 @@ class ChunkIO:
     def boundary_shapes(self, batches) -> list[tuple[int, int, int]]:
         """The shape of the activation (and of its gradient) that crosses a pipeline-stage boundary for each
         ``(input_ids, attention_mask)`` (or ``(input_ids, attention_mask, context_split)``) of ``batches``:
-        ``[S, B, H]`` padded; ``[T, 1, H]`` packed, ``T`` the real tokens rounded up as :func:`make_packing`
-        rounds them, divided by tp under sequence parallelism; under context parallelism this rank's share
+        ``[S, B, H]`` padded; ``[T, 1, H]`` packed (or packed inside: :meth:`packs_inside`), ``T`` the real
+        tokens rounded up as :func:`make_packing` rounds them, divided by tp under sequence parallelism; under context parallelism this rank's share
         (``[rows, width, H]`` of the split, rows / tp under sequence parallelism). Every rank of a pipeline
-        computes it from the batch it holds; one host sync for all of them when packed."""
+        computes it from the batch it holds; one host sync for all of them when packed or packing inside."""
         h = self.spec.hidden_size
         tp = self.config.tensor_model_parallel_size
         multiple = tp if self.sequence_parallel else 1
@@ -119,10 +139,15 @@ class ChunkIO:
         if any(sp is not None for sp in splits):     # context parallelism: this rank's share
             return [(sp.rows // multiple, sp.width, h) for sp in splits]
         batches = [batch[:2] for batch in batches]
-        if not self.packed:
+        if not self.packed and not getattr(self, "pack_inside", False):
             return [(ids.shape[1], ids.shape[0], h) for ids, _ in batches]
-        counts = torch.stack([mask.bool().sum() for _, mask in batches]).tolist() if batches else []
-        return [(-(-max(n, 1) // multiple), 1, h) for n in counts]     # total / tp: ceil(n / multiple)
+        if not batches:
+            return []
+        # [real tokens, packed?] of each batch, one host sync for all of them
+        facts = torch.stack([torch.stack([mask.bool().sum(), mask.new_ones((), dtype=torch.long) if self.packed
+                                          else self._packs_inside_flag(mask).long()]) for _, mask in batches])
+        return [(-(-max(n, 1) // multiple), 1, h) if packed else (ids.shape[1], ids.shape[0], h)
+                for (ids, _), (n, packed) in zip(batches, facts.tolist())]     # total / tp: ceil(n / multiple)
 
     def _no_grad_at_pad_tokens(self, x, ids):
         """transformers builds the embedding with ``padding_idx=config.pad_token_id``: positions holding that token

@@ -24,8 +24,8 @@ from ..parallel.stages import layer_numbers
 from ..parallel.state import as_device
 from .chunk_io import ChunkIO
 from .context_parallel import CP_KERNELS, ContextSplit, resolve_cp_attn
-from .layers.attention import (AttnBackend, Packing, PaddedRows, block_kernel, make_packing, pack_tokens,
-                               resolve_attn_impl)
+from .layers.attention import (AttnBackend, Packing, PaddedRows, block_kernel, both_layouts, make_packing,
+                               pack_tokens, resolve_attn_impl)
 from .layers.gated_deltanet import GatedDeltaNet, resolve_kernel as resolve_gdn_kernel
 from .layers.dsa import DSAttention, check_dsa_stages
 from .layers.mamba2 import Mamba2Mixer, check_mamba_layout, resolve_kernel as resolve_mamba_kernel
@@ -268,6 +268,12 @@ class DecoderChunk(ChunkIO, nn.Module):
                 self.padded_vocab_size, spec.hidden_size, init_method=no_init, config=config,
                 reduce_scatter_embeddings=self.sequence_parallel)
         backend = resolve_attn_impl(attn_impl, packed=packed, device=as_device(device), dtype=config.params_dtype)
+        # A recurrent hybrid (Gated DeltaNet, Mamba-2) built padded runs batches whose rows are padded only at
+        # their ends through the packed path inside (ChunkIO.packs_inside): its attention needs both kernels.
+        self.pack_inside = not packed and dims.cp == 1 and (spec.linear_attn is not None or spec.mamba is not None)
+        if self.pack_inside:
+            backend = both_layouts(backend, resolve_attn_impl("auto", packed=True, device=as_device(device),
+                                                              dtype=config.params_dtype))
         self.attn_impl = backend.name
         cp_kernel = resolve_cp_attn(cp_attn)
         self.cp_attn = cp_kernel if dims.cp > 1 else None
@@ -359,7 +365,9 @@ class DecoderChunk(ChunkIO, nn.Module):
             positions = split.positions.transpose(0, 1)                  # [rows, width]
             if rope_length is None:     # dynamic RoPE: the whole batch's length, not this rank's share
                 rope_length = self.rope_length(position_ids, attention_mask)
-        elif self.packed:
+        elif self.packed or self.packs_inside(attention_mask):
+            if not self.packed and rope_length is None:     # dynamic RoPE scales as the padded layout does
+                rope_length = self.rope_length(position_ids, attention_mask)
             ctx = make_packing(attention_mask, self.config.tensor_model_parallel_size if self.sequence_parallel
                                else 1)
             positions = pack_tokens(position_ids, ctx)[:, None]            # [T, 1]
@@ -372,7 +380,7 @@ class DecoderChunk(ChunkIO, nn.Module):
             if split is not None:
                 ids = split.ids                                           # [B, rows] / [1, rows]
             else:
-                ids = pack_tokens(input_ids, ctx)[None] if self.packed else input_ids
+                ids = pack_tokens(input_ids, ctx)[None] if isinstance(ctx, Packing) else input_ids
             x = self.embedding(ids)  # sequence parallel: reduce-scattered to [T/tp, 1, H] already
             if not self.sequence_parallel:
                 x = x.transpose(0, 1).contiguous()                       # [S, B, H] / [T, 1, H]

@@ -265,6 +265,14 @@ class AttnBackend:
     fn: Callable
     unavailable: Callable[[torch.device, torch.dtype], str | None] = lambda device, dtype: None
     block: BlockKernel | None = None
+    kernels: tuple = ()     # a :func:`both_layouts` backend: its (padded, packed) pair
+
+    def for_ctx(self, ctx) -> "AttnBackend":
+        """The backend whose kernel runs for ``ctx``: this one, or the half of a :func:`both_layouts` pair that
+        takes ``ctx``'s layout."""
+        if not self.kernels:
+            return self
+        return self.kernels[1] if isinstance(ctx, Packing) else self.kernels[0]
 
 
 def _flash_unavailable(device, dtype):
@@ -283,6 +291,16 @@ BACKENDS: dict[str, AttnBackend] = {b.name: b for b in (
     AttnBackend("flash-attn", packed=True, fn=flash_varlen, unavailable=_flash_unavailable),
 )}
 AUTO_ORDER = {False: ("sdpa",), True: ("flash-attn", "sdpa-loop")}
+
+
+def both_layouts(padded: AttnBackend, packed: AttnBackend) -> AttnBackend:
+    """One backend for a padded model that runs some batches through the packed path inside (the recurrent
+    hybrids: :meth:`parallm.model.decoder.DecoderChunk.packs_inside`): ``fn`` calls ``packed``'s kernel for a
+    :class:`Packing` and ``padded``'s otherwise; its ``name`` is ``"<padded>+<packed>"``."""
+    def fn(q, k, v, ctx, **kw):
+        return (packed if isinstance(ctx, Packing) else padded).fn(q, k, v, ctx, **kw)
+    return AttnBackend(f"{padded.name}+{packed.name}", packed=False, fn=fn, block=packed.block,
+                       kernels=(padded, packed))
 
 
 def resolve_attn_impl(attn_impl: str, *, packed: bool, device, dtype) -> AttnBackend:

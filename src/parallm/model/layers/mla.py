@@ -235,7 +235,7 @@ class MLAttention(nn.Module):
                                  f"({self.q_head_dim})")
             out = self.cp_fn(q, k, F.pad(v, (0, pad)) if pad else v, ctx, self.cp_group, self.cp_block)
             return out[..., :self.v_dim] if pad else out
-        pad = self.q_head_dim - self.v_dim if self.backend.name == "flash-attn" else 0
+        pad = self.q_head_dim - self.v_dim if self.backend.for_ctx(ctx).name == "flash-attn" else 0
         if pad > 0:
             v = F.pad(v, (0, pad))
         elif pad < 0:
