@@ -14,6 +14,8 @@ Runs in .venv-verl (``scripts/setup_verl.sh``; ``scripts/test.sh`` runs this fil
   fp32, equal within fp32 tolerance: dense at dp2, pp2, tp2 and cp2, a Qwen3-MoE and a gpt-oss at ep2; verl's offload
   flags (bit-equal);
   a checkpoint save / load (bit-equal continuation). See ``_engine_rank``.
+* ``test_engine_new_families_against_direct``: GLM-5, DeepSeek-V3.2 (sparse attention; V3.2 with an MTP layer) and
+  a Nemotron-H MoE through the engine against parallm called directly (``_engine_vs_direct``).
 * ``test_engine_router_replay``: verl's R2 / R3 through the engine, bit-identical to parallm called directly.
 * ``test_engine_options``: ``packed``, ``recompute``, ``vpp``, bf16 through the engine against the plain engine.
 * ``test_verl_engine_tests_ported``: verl's own ``test_actor_engine`` / ``test_per_tensor_generator`` on this engine.
