@@ -8,10 +8,14 @@ replica, ``aux_m`` the sum over MoE layers of transformers' ``load_balancing_los
 builds exactly that on the transformers model, backward, one SGD step; each layout must match its returned
 loss and every weight after ``finalize_grads`` + the same step.
 
-Models: Qwen3-MoE with the load-balancing loss on (coefficient 0.3), and a DeepSeek-V3 (MLA, sigmoid group-limited
+Models: Qwen3-MoE with the load-balancing loss on (coefficient 0.3), a DeepSeek-V3 (MLA, sigmoid group-limited
 router with a selection bias, shared experts; transformers trains it with no load-balancing loss, nor does
-parallm). Layouts: tp2.ep2, cp2.ep2 and pp2.ep2 (where each microbatch's token count reaches the first stage
-with its gradient), all dp2, on 4 ranks.
+parallm), and a DeepSeek-V3.2 (DeepSeek sparse attention: the DeepSeek-V3 model plus a lightning indexer keeping
+``index_topk`` = 8 keys per query, 16 indexer heads, rotate_half RoPE in the indexer, YaRN; a dense first layer; no
+load-balancing loss either) on rows of up to 32 tokens, so that most queries attend to a selection of their keys:
+the batch is one whose top-k boundary gaps are all >= 1e-5 relative (``test_dsa_parts.topk_margin``), and
+transformers with every key kept is shown to give another loss. Layouts: tp2.ep2, cp2.ep2 and pp2.ep2 (where each
+microbatch's token count reaches the first stage with its gradient), all dp2, on 4 ranks.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 import helpers
 from test_deepseek import set_selection_bias
 from test_deepseek_parts import deepseek_config
+from test_dsa_parts import topk_margin, v32_config
 from test_moe import per_layer_balance_loss
 
 LR = 0.5
@@ -40,11 +45,11 @@ def nll_sum(logits, ids, mask):
     return (nll * m).sum(), m.sum()
 
 
-def batch(vocab):
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, vocab, (len(LENGTHS), max(LENGTHS)), generator=g)
+def batch(vocab, lengths=LENGTHS, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (len(lengths), max(lengths)), generator=g)
     mask = torch.zeros_like(ids)
-    for i, n in enumerate(LENGTHS):
+    for i, n in enumerate(lengths):
         if i % 2:
             mask[i, -n:] = 1
         else:
@@ -86,15 +91,37 @@ def reference(model, ids, mask, coef, tmp):
 
 MODELS = {"qwen3-moe aux": lambda: helpers.tiny_config("qwen3_moe", num_hidden_layers=2, output_router_logits=True,
                                                        router_aux_loss_coef=COEF),
-          "deepseek-v3": lambda: deepseek_config(num_hidden_layers=2)}
+          "deepseek-v3": lambda: deepseek_config(num_hidden_layers=2),
+          "deepseek-v3.2 dsa": lambda: v32_config(num_hidden_layers=2, index_topk=8)}
 LAYOUTS = {"tp2.ep2": dict(tp=2), "cp2.ep2": dict(cp=2), "pp2.ep2": dict(pp=2)}
+# DeepSeek-V3.2's rows: longer than index_topk (8); as unequal as LENGTHS
+DSA_LENGTHS = [32, 4, 27, 9, 14, 32, 5, 21]
+MARGIN = 1e-5       # the smallest relative top-k boundary gap a DSA batch may have (see test_dsa.py)
 
 
-def rank_fn(rank, world, cases, ids, mask):
+def dsa_batch(model):
+    """(ids, mask, margin, dense loss): the first of a few seeded DSA_LENGTHS batches without a top-k near-tie
+    (every boundary gap >= MARGIN relative), and transformers' token-mean loss on it with every key kept."""
+    for seed in range(12):
+        ids, mask = batch(model.config.vocab_size, DSA_LENGTHS, seed=20 + seed)
+        margin = topk_margin(model, ids, mask)
+        if margin >= MARGIN:
+            dense = copy.deepcopy(model)
+            for m in dense.modules():
+                if hasattr(m, "index_topk"):
+                    m.index_topk = 10 * ids.shape[1]
+            with torch.no_grad():
+                parts = objective_parts(dense, ids, mask, 0.0)
+            return ids, mask, margin, (sum(t for t, _, _ in parts) / sum(c for _, c, _ in parts)).item()
+    raise AssertionError(f"no batch among 12 without a top-k near-tie (relative gap < {MARGIN})")
+
+
+def rank_fn(rank, world, cases, data):
     import parallm
     from parallm.parallel.state import current_dims
     out = {}
     for key, case in cases.items():
+        ids, mask = data[case["model"]]
         parallm.init_parallel(ep=2, **case["layout"])
         lay = current_dims()
         assert lay.dp == 2
@@ -115,29 +142,39 @@ def rank_fn(rank, world, cases, ids, mask):
 
 @pytest.mark.timeout(600)
 def test_moe_token_mean_with_load_balancing_matches_transformers(tmp_path):
-    cases, refs = {}, {}
+    cases, refs, data = {}, {}, {}
     for i, (model_name, make) in enumerate(MODELS.items()):
         cfg = make()
         model = helpers.make_hf_model(cfg, seed=60 + i)
         if "deepseek" in model_name:
             set_selection_bias(model, seed=7)
         ckpt = helpers.save_checkpoint(model, str(tmp_path / f"m{i}"))
-        ids, mask = batch(cfg.vocab_size)
+        if "dsa" in model_name:
+            ids, mask, margin, dense = dsa_batch(model)
+        else:
+            ids, mask = batch(cfg.vocab_size)
         coef = COEF if "aux" in model_name else 0.0
         ref_loss, plain, ref_state = reference(model, ids, mask, coef, str(tmp_path / f"r{i}"))
         if coef:
             assert abs(plain - ref_loss) > 100 * TOL, (plain, ref_loss)
+        if "dsa" in model_name:       # the selection matters
+            print(f"{model_name}: top-k margin {margin:.1e}, loss {ref_loss:.5f}, with every key kept {dense:.5f}")
+            assert abs(dense - ref_loss) > 1e-3, (dense, ref_loss)
         refs[model_name] = (ref_loss, ref_state)
+        data[model_name] = (ids, mask)
         for layout_name, layout in LAYOUTS.items():
             cases[f"{model_name} {layout_name}"] = dict(ckpt=ckpt, layout=layout, model=model_name)
-    res = helpers.run_ranks(rank_fn, 4, cases, ids, mask, timeout=580)
+    res = helpers.run_ranks(rank_fn, 4, cases, data, timeout=580)
     print()
+    errors = {}
     for key, case in cases.items():
         ref_loss, ref_state = refs[case["model"]]
         loss_err = max(abs(r[key]["loss"] - ref_loss) for r in res)
         state = res[0][key]["state"]
         assert state.keys() == ref_state.keys(), sorted(set(state) ^ set(ref_state))
         worst = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
-        print(f"{key:<24} loss {loss_err:.1e} weights {worst:.1e} (loss {ref_loss:.5f})")
+        print(f"{key:<28} loss {loss_err:.1e} weights {worst:.1e} (loss {ref_loss:.5f})")
+        errors[key] = (loss_err, worst)
+    for key, (loss_err, worst) in errors.items():
         assert loss_err < TOL, (key, loss_err)
         assert worst < TOL, (key, worst)

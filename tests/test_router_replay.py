@@ -2,7 +2,13 @@
 sequence parallelism, and padded), tp2.ep1 (packed, sequence parallel: the tokens enter the TP region),
 pp2.ep2 (with activation recompute), cp2.ep2 and, for DeepSeek-V3, pp2.vpp2.ep2 (all dp2, 4 ranks), for
 Qwen3-MoE (softmax router, norm_topk_prob, with the load-balancing loss on) and DeepSeek-V3 (sigmoid
-group-limited router with a selection bias, routed_scaling_factor, dense first layer, shared experts).
+group-limited router with a selection bias, routed_scaling_factor, dense first layer, shared experts); and GLM-5
+(DeepSeek sparse attention: the DeepSeek-V3 router and MLA plus a lightning indexer keeping ``index_topk`` = 8 keys
+per query, 16 indexer heads, shared indexer layers that reuse the previous full layer's selection) at tp2.ep2
+packed + SP and pp2.ep2 with recompute, on rows of up to 32 tokens: the forced routing changes the hidden states
+every later indexer scores, so the batch is one whose top-k boundary gaps are all >= 1e-5 relative under the
+replayed routing and under transformers' own (``test_dsa_parts.topk_margin``), and transformers' dense attention
+(every key kept) is shown to give other replayed logits: the comparison runs through the sparse selection.
 
 The reference is transformers' model whose every MoE router (``mlp.gate``, where transformers takes its top-k)
 is replaced for the call by one that returns the given experts at real tokens (its own top-k at padding) with
@@ -34,6 +40,7 @@ import torch.nn.functional as F
 import helpers
 from test_deepseek import set_selection_bias
 from test_deepseek_parts import deepseek_config
+from test_dsa_parts import glm5_config, topk_margin
 
 LR = 0.5
 TOL = 2e-5
@@ -49,11 +56,11 @@ def nll_sum(logits, ids, mask):
     return (nll * m).sum(), m.sum()
 
 
-def batch(vocab):
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, vocab, (len(LENGTHS), max(LENGTHS)), generator=g)
+def batch(vocab, lengths=LENGTHS, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (len(lengths), max(lengths)), generator=g)
     mask = torch.zeros_like(ids)
-    for i, n in enumerate(LENGTHS):
+    for i, n in enumerate(lengths):
         if i % 2:
             mask[i, -n:] = 1
         else:
@@ -165,13 +172,21 @@ def reference(model, ids, mask, given, coef, tmp):
 
 MODELS = {"qwen3-moe": lambda: helpers.tiny_config("qwen3_moe", num_hidden_layers=2, output_router_logits=True,
                                                    router_aux_loss_coef=COEF),
-          "deepseek-v3": lambda: deepseek_config(num_hidden_layers=4)}
+          "deepseek-v3": lambda: deepseek_config(num_hidden_layers=4),
+          # 4 layers: the first dense; indexer_types full, shared, full, shared
+          "glm5-dsa": lambda: glm5_config(num_hidden_layers=4, index_topk_freq=2, index_skip_topk_offset=1,
+                                          index_topk=8)}
 LAYOUTS = {"tp2.ep2 packed sp": dict(layout=dict(tp=2), build=dict(packed=True, sequence_parallel=True)),
            "tp2.ep2": dict(layout=dict(tp=2), build={}),
            "tp2.ep1 packed sp": dict(layout=dict(tp=2, ep=1), build=dict(packed=True, sequence_parallel=True)),
            "pp2.ep2 recompute": dict(layout=dict(pp=2), build=dict(recompute="full")),
            "cp2.ep2": dict(layout=dict(cp=2), build={})}
-DEEP_ONLY = {"pp2.vpp2.ep2": dict(layout=dict(pp=2, vpp=2), build={})}    # 4 layers: one per virtual stage
+MODEL_LAYOUTS = {"qwen3-moe": LAYOUTS,
+                 "deepseek-v3": dict(LAYOUTS, **{"pp2.vpp2.ep2": dict(layout=dict(pp=2, vpp=2), build={})}),
+                 "glm5-dsa": {k: LAYOUTS[k] for k in ("tp2.ep2 packed sp", "pp2.ep2 recompute")}}
+# GLM-5's rows: longer than index_topk (8), so that most queries attend to a selection of their keys
+DSA_LENGTHS = [32, 10, 27, 14, 21, 32, 12, 25]
+MARGIN = 1e-5       # the smallest relative top-k boundary gap a DSA batch may have (see test_dsa.py)
 
 
 def errors_of(call):
@@ -213,7 +228,8 @@ def rank_fn(rank, world, cases, data):
             # a token budget reorders the rows into bins: the experts travel with their rows, and come back in
             # the caller's order
             budget, budget_routed = parallm.forward(chunks, ids[mine], mask[mine], routed_experts=given[mine],
-                                                    max_tokens_per_microbatch=16, return_routed_experts=True)
+                                                    max_tokens_per_microbatch=max(16, 4 * ids.shape[1] // 3),
+                                                    return_routed_experts=True)
             res["budget"] = (budget - logits).abs()[mask[mine].bool()].max().item()
             res["budget_routed"] = torch.equal(budget_routed, routed)
         loss = parallm.forward_backward(chunks, {"input_ids": ids[mine], "attention_mask": mask[mine],
@@ -269,20 +285,53 @@ def rank_fn(rank, world, cases, data):
     return out
 
 
+def dsa_batch(model, layers, k, num_experts):
+    """(ids, mask, given experts, margin, dense): the first of a few seeded batches of DSA_LENGTHS rows whose
+    top-k boundary gaps are all at least MARGIN, under transformers' own routing and under the replayed experts
+    (which change the hidden states the later indexers score), and how far transformers' dense attention (every
+    key kept) moves the replayed logits."""
+    for seed in range(12):
+        ids, mask = batch(model.config.vocab_size, DSA_LENGTHS, seed=30 + seed)
+        given = random_experts(*ids.shape, layers, k, num_experts, seed=40 + seed)
+        given[~mask.bool()] = -5
+        margin = topk_margin(model, ids, mask)
+        if margin < MARGIN:
+            continue
+        with routing(model, given, mask):
+            margin = min(margin, topk_margin(model, ids, mask))
+        if margin < MARGIN:
+            continue
+        dense = copy.deepcopy(model)
+        for m in dense.modules():
+            if hasattr(m, "index_topk"):
+                m.index_topk = 10 * ids.shape[1]
+        with torch.no_grad(), routing(model, given, mask), routing(dense, given, mask):
+            sparse_logits = model(input_ids=ids, attention_mask=mask).logits
+            dense_logits = dense(input_ids=ids, attention_mask=mask).logits
+        return ids, mask, given, margin, (sparse_logits - dense_logits).abs()[mask.bool()].max().item()
+    raise AssertionError(f"no batch among 12 without a top-k near-tie (relative gap < {MARGIN})")
+
+
 @pytest.mark.timeout(900)
 def test_router_replay_matches_transformers(tmp_path):
     cases, refs, data = {}, {}, {}
     for i, (model_name, make) in enumerate(MODELS.items()):
         cfg = make()
         model = helpers.make_hf_model(cfg, seed=70 + i)
-        if "deepseek" in model_name:
+        if model_name != "qwen3-moe":
             set_selection_bias(model, seed=8)
         ckpt = helpers.save_checkpoint(model, str(tmp_path / f"m{i}"))
-        ids, mask = batch(cfg.vocab_size)
         layers, k = len(moe_gates(model)), cfg.num_experts_per_tok
         num_experts = getattr(cfg, "num_experts", None) or cfg.n_routed_experts
-        given = random_experts(*ids.shape, layers, k, num_experts, seed=11 + i)
-        given[~mask.bool()] = -5            # padding positions: ignored
+        if "dsa" in model_name:
+            ids, mask, given, margin, dense = dsa_batch(model, layers, k, num_experts)
+            print(f"{model_name}: top-k margin {margin:.1e}, dense attention moves the replayed logits by "
+                  f"{dense:.2f}")
+            assert dense > 1e-2, dense                   # the selection matters
+        else:
+            ids, mask = batch(cfg.vocab_size)
+            given = random_experts(*ids.shape, layers, k, num_experts, seed=11 + i)
+            given[~mask.bool()] = -5            # padding positions: ignored
         coef = COEF if model_name == "qwen3-moe" else 0.0
         ref = reference(model, ids, mask, given, coef, str(tmp_path / f"r{i}"))
         # the replayed experts differ from the router's own choice at most (token, layer) of the real tokens
@@ -292,8 +341,7 @@ def test_router_replay_matches_transformers(tmp_path):
         assert ref["moved"] > 1e-4, ref["moved"]        # the router is trained through the replayed weights
         refs[model_name] = ref
         data[model_name] = (ids, mask, given)
-        layouts = dict(LAYOUTS, **(DEEP_ONLY if "deepseek" in model_name else {}))
-        for j, (layout_name, layout) in enumerate(layouts.items()):
+        for j, (layout_name, layout) in enumerate(MODEL_LAYOUTS[model_name].items()):
             cases[f"{model_name} {layout_name}"] = dict(ckpt=ckpt, model=model_name, errors=i == 0 and j == 0,
                                                         **layout)
     res = helpers.run_ranks(rank_fn, 4, cases, data, timeout=880)

@@ -14,6 +14,8 @@ Runs in .venv-verl (``scripts/setup_verl.sh``; ``scripts/test.sh`` runs this fil
   fp32, equal within fp32 tolerance: dense at dp2, pp2, tp2 and cp2, a Qwen3-MoE and a gpt-oss at ep2; verl's offload
   flags (bit-equal);
   a checkpoint save / load (bit-equal continuation). See ``_engine_rank``.
+* ``test_engine_new_families_against_direct``: GLM-5, DeepSeek-V3.2 (sparse attention; V3.2 with an MTP layer) and
+  a Nemotron-H MoE through the engine against parallm called directly (``_engine_vs_direct``).
 * ``test_engine_router_replay``: verl's R2 / R3 through the engine, bit-identical to parallm called directly.
 * ``test_engine_options``: ``packed``, ``recompute``, ``vpp``, bf16 through the engine against the plain engine.
 * ``test_verl_engine_tests_ported``: verl's own ``test_actor_engine`` / ``test_per_tensor_generator`` on this engine.
@@ -425,13 +427,30 @@ def test_engine_matches_fsdp2(tmp_path):
         _check_engine(rep["gpt_oss"], name="gpt_oss")
 
 
-def _engine_vs_direct_rank(rank, world, path):
+def _register_deepseek_v32() -> None:
+    """Let transformers 5.10.4 (.venv-verl) read a ``deepseek_v32`` config.json: it has no such model type, so
+    verl 0.9.1's ``HFModelConfig`` fails on a DeepSeek-V3.2 checkpoint before any engine is built (its tokenizer
+    load falls back to a bare ``PreTrainedConfig``, which cannot standardise the yarn ``rope_scaling``; then
+    ``AutoConfig`` raises "does not recognize this architecture"). vLLM's config registry reads the type as
+    ``DeepseekV3Config``; this registers the same with ``AutoConfig``, as a verl user of V3.2 must today (parallm's
+    engine reads config.json itself and does not use verl's ``hf_config`` for the model)."""
+    from transformers import AutoConfig, DeepseekV3Config
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    if "deepseek_v32" in CONFIG_MAPPING:
+        return
+
+    class DeepseekV32AsV3Config(DeepseekV3Config):
+        model_type = "deepseek_v32"
+    AutoConfig.register("deepseek_v32", DeepseekV32AsV3Config)
+
+
+def _engine_vs_direct(rank, world, path):
     """A model through parallm's engine at dp2 x ep2 against parallm called directly on the same rows:
-    ``infer_batch``'s log-probs, then one ``train_batch`` (verl's ``ppo_loss``): a finite loss, every trained weight
-    moved (the router's selection bias has no gradient, as in DeepSeek-V3), a DSA indexer's weights unchanged."""
-    os.environ.update(ENV)
+    ``infer_batch``'s log-probs (within 1e-6 of one 4-row forward, bit-identical to forwards of the engine's
+    2-row micro-batches: a 4-row batch's GEMM shapes round the last bit differently), then one ``train_batch`` (verl's ``ppo_loss``): a finite loss, every trained weight
+    moved (the router's selection bias has no gradient, as in DeepSeek-V3), a DSA indexer's weights and the
+    carried multi-token-prediction layers (``model.layers.{num_hidden_layers}.*``) unchanged."""
     import torch
-    import verl  # noqa: F401  (loads parallm.integrations.verl)
     from verl.workers.config import ActorConfig
     from verl.workers.utils.losses import ppo_loss
 
@@ -443,6 +462,10 @@ def _engine_vs_direct_rank(rank, world, path):
     ids, mask, _, _ = _rows(rank)
     direct = parallm.forward(e.chunks, ids, mask, output="logprobs")
     want = [direct[i][mask[i].bool()] for i in range(B)]
+    # the same rows in the engine's micro-batches of 2: the same GEMM shapes, so the same bits
+    per_mb = torch.cat([parallm.forward(e.chunks, ids[i:i + 2], mask[i:i + 2], output="logprobs")
+                        for i in range(0, B, 2)])
+    same_mb = all(torch.equal(a[:-1], per_mb[i][mask[i].bool()][:-1]) for i, a in enumerate(lp))
     before = {k: v.detach().clone() for k, v in parallm.export_hf_tensors(e.chunks)}
     actor_cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, clip_ratio=0.2,
                             entropy_coeff=0.01, loss_agg_mode="token-mean")
@@ -450,15 +473,26 @@ def _engine_vs_direct_rank(rank, world, path):
         tr = e.train_batch(_verl_batch([rank], world), loss_function=lambda model_output, data, dp_group=None:
                            ppo_loss(actor_cfg, model_output, data, dp_group))
     after = {k: v.detach().clone() for k, v in parallm.export_hf_tensors(e.chunks)}
-    indexer = [k for k in before if ".indexer." in k]
-    fixed = indexer + [k for k in before if k.endswith("e_score_correction_bias")]   # no gradient: never trained
-    return {"lp": max((a[:-1] - b[:-1]).abs().max().item() for a, b in zip(lp, want)),
-            "loss": float(sum(tr["loss"])), "indexer": len(indexer), "tensors": len(before),
-            "indexer_moved": [k for k in indexer if not torch.equal(before[k], after[k])],
+    with open(os.path.join(path, "config.json")) as f:
+        layers = json.load(f).get("num_hidden_layers")          # Nemotron-H's config.json: a pattern instead
+    mtp = [k for k in before if layers is not None and k.startswith(f"model.layers.{layers}.")]
+    indexer = [k for k in before if ".indexer." in k and k not in mtp]
+    fixed = indexer + mtp + [k for k in before if k.endswith("e_score_correction_bias")]   # never trained
+    return {"lp": max((a[:-1] - b[:-1]).abs().max().item() for a, b in zip(lp, want)), "same_mb": same_mb,
+            "loss": float(sum(tr["loss"])), "indexer": len(indexer), "mtp": len(mtp), "tensors": len(before),
+            "fixed_moved": [k for k in fixed if not torch.equal(before[k], after[k])],
             "still": [k for k in before if k not in fixed and torch.equal(before[k], after[k])]}
 
 
-def _write_nemotron(rank, world, path):
+def _engines_vs_direct_rank(rank, world, paths):
+    """:func:`_engine_vs_direct` for each ``{name: checkpoint}`` in turn, in one spawn."""
+    os.environ.update(ENV)
+    import verl  # noqa: F401  (loads parallm.integrations.verl)
+    _register_deepseek_v32()
+    return {name: _engine_vs_direct(rank, world, path) for name, path in paths.items()}
+
+
+def _write_nemotron(path):
     """A tiny Nemotron-H MoE checkpoint (``M*ME``) at ``path``: its config.json in the ``hybrid_override_pattern``
     form both transformers 5.10.4 (verl's model config) and parallm read, random weights from
     ``build_model(init="random")`` in transformers 5.25's names, the toy tokenizer."""
@@ -481,22 +515,78 @@ def _write_nemotron(rank, world, path):
     return sorted(os.listdir(path))
 
 
+V32_LAYERS = 3
+
+
+def _write_v32(path):
+    """A tiny DeepSeek-V3.2 checkpoint at ``path`` with its config.json as the Hub's DeepSeek-V3.2 releases write it
+    (transformers 4.x keys: ``rope_theta`` + a yarn ``rope_scaling``, ``first_k_dense_replace`` = 1, no
+    ``layer_types``): 16 indexer heads keeping 4 keys per query, rotate_half RoPE in the indexer, 3 layers (the
+    first dense) and one multi-token-prediction layer ``model.layers.3.*`` (``num_nextn_predict_layers``), the
+    weights from ``build_model(init="random", mtp=True)`` redrawn so that none is trivial (norms 1 + 0.1 N(0, 1),
+    everything else 0.05 N(0, 1), the selection bias included), the toy tokenizer. transformers 5.10.4 has no
+    DeepSeek-V3.2: this is written with parallm's names (transformers 5.25's, checked in tests/test_dsa.py)."""
+    import shutil
+
+    import torch
+
+    import parallm
+    from parallm.integrations.verl import toy
+    tok = toy.write_checkpoint(path + "_tok")
+    cfg = {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "vocab_size": toy.VOCAB_SIZE,
+           "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": V32_LAYERS,
+           "num_nextn_predict_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+           "n_shared_experts": 1, "n_routed_experts": 4, "routed_scaling_factor": 2.5, "kv_lora_rank": 16,
+           "q_lora_rank": 24, "qk_rope_head_dim": 8, "v_head_dim": 10, "qk_nope_head_dim": 12,
+           "topk_method": "noaux_tc", "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2,
+           "first_k_dense_replace": 1, "norm_topk_prob": True, "scoring_func": "sigmoid", "hidden_act": "silu",
+           "max_position_embeddings": 32, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+           "attention_bias": False, "rope_theta": 10000.0,
+           "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+           "index_topk": 4, "index_head_dim": 16, "index_n_heads": 16, "torch_dtype": "float32",
+           "bos_token_id": None, "eos_token_id": toy.EOS_ID, "pad_token_id": toy.PAD_ID}
+    helpers.write_config(path, cfg)
+    parallm.init_parallel(tp=1)
+    sd = parallm.save_hf_weights(parallm.build_model(path, init="random", mtp=True))
+    parallm.destroy_parallel()
+    g = torch.Generator().manual_seed(3)
+    sd = {k: 1.0 + 0.1 * torch.randn(v.shape, generator=g) if k.endswith("norm.weight")
+          else 0.05 * torch.randn(v.shape, generator=g) for k, v in sd.items()}
+    helpers.write_ckpt(path, sd, cfg)
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(os.path.join(tok, f), path)
+    return sorted(os.listdir(path))
+
+
+def _write_checkpoints(rank, world, nemotron, v32):
+    return _write_nemotron(nemotron), _write_v32(v32)
+
+
 @pytest.mark.timeout(420)
 def test_engine_new_families_against_direct(tmp_path):
-    """GLM-5 (DeepSeek sparse attention, 4 keys per query) and a Nemotron-H MoE (Mamba-2 layers) through the
-    engine (``_engine_vs_direct_rank``). verl's own FSDP2 engine is no reference for these families here:
-    .venv-verl's transformers 5.10.4 computes both differently from 5.25 (GLM-5 logits 1.9 apart, Nemotron-H 3.8
-    on the same checkpoints), and parallm matches 5.25."""
+    """GLM-5 and DeepSeek-V3.2 (DeepSeek sparse attention, 4 keys per query; V3.2 with a dense first layer and an
+    MTP layer carried) and a Nemotron-H MoE (Mamba-2 layers) through the engine (``_engine_vs_direct``), one spawn.
+    verl's own FSDP2 engine is no reference for these families here: .venv-verl's transformers 5.10.4 computes
+    GLM-5 and Nemotron-H differently from 5.25 (GLM-5 logits 1.9 apart, Nemotron-H 3.8 on the same checkpoints)
+    and has no DeepSeek-V3.2 at all (``_register_deepseek_v32``); parallm matches 5.25."""
     from parallm.integrations.verl import toy
-    glm5 = toy.write_checkpoint(str(tmp_path / "glm5"), model_type="glm_moe_dsa")
-    nemotron = str(tmp_path / "nemotron")
-    assert "model.safetensors" in helpers.run_ranks(_write_nemotron, 1, nemotron, timeout=120)[0]
-    for name, path in (("glm5", glm5), ("nemotron_h", nemotron)):
-        for rank, rep in enumerate(helpers.run_ranks(_engine_vs_direct_rank, 2, path, timeout=300)):
+    paths = {"glm5": toy.write_checkpoint(str(tmp_path / "glm5"), model_type="glm_moe_dsa"),
+             "nemotron_h": str(tmp_path / "nemotron"), "v32": str(tmp_path / "v32")}
+    files = helpers.run_ranks(_write_checkpoints, 1, paths["nemotron_h"], paths["v32"], timeout=120)[0]
+    assert all("model.safetensors" in f for f in files), files
+    results = helpers.run_ranks(_engines_vs_direct_rank, 2, paths, timeout=380)
+    for rank, reps in enumerate(results):
+        for name, rep in reps.items():
             print(name, rank, rep)
-            assert rep["lp"] < 1e-6, (name, rep)
-            assert math.isfinite(rep["loss"]) and not rep["indexer_moved"], (name, rep)
-            assert (rep["indexer"] > 0) == (name == "glm5"), (name, rep)
+    for rank, reps in enumerate(results):
+        for name, rep in reps.items():
+            assert rep["lp"] < 1e-6 and rep["same_mb"], (name, rep)
+            assert math.isfinite(rep["loss"]) and not rep["fixed_moved"], (name, rep)
+            assert (rep["indexer"] > 0) == (name in ("glm5", "v32")), (name, rep)
+            assert (rep["mtp"] > 0) == (name == "v32"), (name, rep)
+            if name == "v32":     # 5 indexer tensors in each of the 3 layers; the MTP layer's own indexer too
+                assert rep["indexer"] == 5 * V32_LAYERS and rep["mtp"] > 5, (name, rep)
             assert not rep["still"], (name, rep["still"])
 
 
