@@ -427,23 +427,6 @@ def test_engine_matches_fsdp2(tmp_path):
         _check_engine(rep["gpt_oss"], name="gpt_oss")
 
 
-def _register_deepseek_v32() -> None:
-    """Let transformers 5.10.4 (.venv-verl) read a ``deepseek_v32`` config.json: it has no such model type, so
-    verl 0.9.1's ``HFModelConfig`` fails on a DeepSeek-V3.2 checkpoint before any engine is built (its tokenizer
-    load falls back to a bare ``PreTrainedConfig``, which cannot standardise the yarn ``rope_scaling``; then
-    ``AutoConfig`` raises "does not recognize this architecture"). vLLM's config registry reads the type as
-    ``DeepseekV3Config``; this registers the same with ``AutoConfig``, as a verl user of V3.2 must today (parallm's
-    engine reads config.json itself and does not use verl's ``hf_config`` for the model)."""
-    from transformers import AutoConfig, DeepseekV3Config
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    if "deepseek_v32" in CONFIG_MAPPING:
-        return
-
-    class DeepseekV32AsV3Config(DeepseekV3Config):
-        model_type = "deepseek_v32"
-    AutoConfig.register("deepseek_v32", DeepseekV32AsV3Config)
-
-
 def _engine_vs_direct(rank, world, path):
     """A model through parallm's engine at dp2 x ep2 against parallm called directly on the same rows:
     ``infer_batch``'s log-probs (within 1e-6 of one 4-row forward, bit-identical to forwards of the engine's
@@ -487,8 +470,7 @@ def _engine_vs_direct(rank, world, path):
 def _engines_vs_direct_rank(rank, world, paths):
     """:func:`_engine_vs_direct` for each ``{name: checkpoint}`` in turn, in one spawn."""
     os.environ.update(ENV)
-    import verl  # noqa: F401  (loads parallm.integrations.verl)
-    _register_deepseek_v32()
+    import verl  # noqa: F401  (loads parallm.integrations.verl: its fixes register deepseek_v32 for verl)
     return {name: _engine_vs_direct(rank, world, path) for name, path in paths.items()}
 
 
@@ -569,7 +551,7 @@ def test_engine_new_families_against_direct(tmp_path):
     MTP layer carried) and a Nemotron-H MoE (Mamba-2 layers) through the engine (``_engine_vs_direct``), one spawn.
     verl's own FSDP2 engine is no reference for these families here: .venv-verl's transformers 5.10.4 computes
     GLM-5 and Nemotron-H differently from 5.25 (GLM-5 logits 1.9 apart, Nemotron-H 3.8 on the same checkpoints)
-    and has no DeepSeek-V3.2 at all (``_register_deepseek_v32``); parallm matches 5.25."""
+    and has no DeepSeek-V3.2 at all (``parallm.integrations.verl.fixes.fix_deepseek_v32_config``); parallm matches 5.25."""
     from parallm.integrations.verl import toy
     paths = {"glm5": toy.write_checkpoint(str(tmp_path / "glm5"), model_type="glm_moe_dsa"),
              "nemotron_h": str(tmp_path / "nemotron"), "v32": str(tmp_path / "v32")}

