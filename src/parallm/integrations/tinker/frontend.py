@@ -61,9 +61,9 @@ def _make_handler(service, api_key: str | None):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "parallm-tinker"
-        # A response is written (headers, then body) into a buffered writer and sent at once, on a socket with
-        # TCP_NODELAY: with Nagle's algorithm on, the body's segment waited for the client's delayed ACK of the
-        # headers' segment (about 40 ms on Linux) on every response.
+        # Responses go through a buffered writer (headers and a small body in one send) on a socket with
+        # TCP_NODELAY: with Nagle's algorithm on, the last piece of a response written in two waited for the
+        # client's delayed ACK of the first (about 40 ms on Linux) on every response (issue 47's overhead).
         wbufsize = -1
         disable_nagle_algorithm = True
 
