@@ -16,6 +16,10 @@ server  ``parallm serve-tinker --tp 2 --sampler none`` and the SDK from this pro
         round seen by the client (HTTP, the SDK's protobuf, the dispatcher's broadcast, Tinker's per-datum loss,
         the result's way back).
 
+The two sides run one after the other (direct, then server): load from other jobs that changes between them
+moves the ratio, so take figures on a quiet machine. Where a round's fixed cost goes: docs/tinker.md
+("Benchmark").
+
 Models: ``tiny`` (the tests' Qwen3: hidden 128, 2 layers, vocab 112) and ``moe`` (a Qwen3-MoE shape: hidden
 512, 4 layers, 8 heads / 4 KV heads, 16 experts of width 256, top 4, vocab 32000). Target: server <= 1.2x
 direct. ``--quick``: the tiny model, 2 timed rounds (checks the script, not for figures).

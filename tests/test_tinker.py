@@ -9,7 +9,11 @@ Runs in .venv-tinker (scripts/setup_tinker.sh; scripts/test.sh's TINKER_TESTS)."
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 import os
+import time
+from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
@@ -294,3 +298,52 @@ def test_bad_clients_and_routes(server):
     with pytest.raises(tinker.AuthenticationError):
         tinker.ServiceClient(base_url=server.url, api_key="tml-wrong").create_lora_training_client(
             base_model=server.model, rank=RANK, train_unembed=False).result()
+
+
+
+def test_responses_leave_at_once(server):
+    """Every response leaves in full as soon as it is written: on a kept-alive connection (as the SDK holds them)
+    a request answers in milliseconds, small bodies and one larger than a write buffer (a forward's result of 8
+    datums of 400 tokens: 13 kB, fetched again with ``retrieve_future``). With Nagle's algorithm on the server's
+    socket, the response's last piece waited for the client's delayed ACK of the piece before it: about 40 ms
+    per response on Linux (issue 47's server overhead)."""
+    from tinker.proto import tinker_public_pb2 as pb
+    tc = _client(server, 91)
+    g = np.random.default_rng(91)
+    req = pb.ForwardBackwardRequest(model_id=tc.model_id, seq_id=1, loss_fn="cross_entropy", forward_only=True)
+    for _ in range(8):                       # the SDK's protobuf, written here: the future's id is needed
+        full = g.integers(3, 99, 401)
+        d = req.data.add()
+        d.model_input.add().encoded_text.tokens = full[:-1].astype(np.int32).tobytes()
+        for name, v, dtype in (("target_tokens", full[1:].astype(np.int64), pb.DTYPE_INT64),
+                               ("weights", np.ones(400, np.float32), pb.DTYPE_FLOAT32)):
+            t = d.loss_fn_inputs[name]
+            t.dtype, t.dense = dtype, v.tobytes()
+            t.shape.append(400)
+    u = urlsplit(server.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    head = {"X-API-Key": KEY, "Content-Type": "application/json"}
+    times = {}
+    try:
+        conn.request("POST", "/api/v1/forward_backward", body=req.SerializeToString(),
+                     headers=dict(head, **{"Content-Type": "application/x-protobuf"}))
+        r = conn.getresponse()
+        rid = json.loads(r.read())["request_id"]
+        for method, path, body in (("GET", "/api/v1/healthz", None), ("POST", "/api/v1/telemetry", b"{}"),
+                                   ("POST", "/api/v1/retrieve_future", json.dumps({"request_id": rid}).encode())):
+            times[path] = []
+            for _ in range(24):
+                t0 = time.perf_counter()
+                conn.request(method, path, body=body, headers=head)
+                r = conn.getresponse()
+                size = len(r.read())
+                assert r.status == 200 and size > 0
+                times[path].append(time.perf_counter() - t0)
+            if path.endswith("retrieve_future"):       # the forward's log-probs (the first call waited for it)
+                assert size > 4 * 400 * 8, size
+    finally:
+        conn.close()
+    for path, t in times.items():
+        median = sorted(t[4:])[len(t[4:]) // 2]          # the first few: Linux's quick-ACK mode of a new connection
+        assert median < 0.02, f"{path}: median response time {median * 1e3:.1f} ms over a kept-alive connection " \
+                              f"(all, ms: {[round(x * 1e3, 1) for x in t]})"

@@ -61,8 +61,9 @@ def _exchange(item, execute, group) -> list:
     if item["op"] == "stop":
         return None
     outcome = _run(execute, item) if item["op"] != "noop" else ("ok", None)
-    outcomes = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, outcome, group=group)
+    outcomes = [None] * dist.get_world_size()          # a value stays on its rank (rank 0's is the result):
+    dist.all_gather_object(outcomes, outcome if outcome[0] == "error" else ("ok", None), group=group)   # errors travel
+    outcomes[dist.get_rank()] = outcome
     return outcomes
 
 

@@ -61,6 +61,11 @@ def _make_handler(service, api_key: str | None):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "parallm-tinker"
+        # Responses go through a buffered writer (headers and a small body in one send) on a socket with
+        # TCP_NODELAY: with Nagle's algorithm on, the last piece of a response written in two waited for the
+        # client's delayed ACK of the first (about 40 ms on Linux) on every response (issue 47's overhead).
+        wbufsize = -1
+        disable_nagle_algorithm = True
 
         def log_message(self, fmt, *args):      # quiet: one line per error only
             pass
@@ -72,6 +77,7 @@ def _make_handler(service, api_key: str | None):
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
+            self.wfile.flush()
 
         def _auth(self):
             key = self.headers.get("X-API-Key")

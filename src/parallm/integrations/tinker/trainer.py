@@ -39,6 +39,7 @@ class Trainer:
         self.table = ClientTable(chunks, optimizer)
         self.max_rows = max_rows
         self.sampler_dir: str | None = None        # the adapter directory now in the model for a sampler op
+        self.scaled_rank: int | None = None        # the rank whose scaling the adapters run with (None: as built)
 
     def execute(self, item: dict):
         return getattr(self, "op_" + item["op"])(**item.get("args", {}))
@@ -47,7 +48,7 @@ class Trainer:
     def op_create_client(self, *, model_id, lora, base_model, init_dir):
         self.table.deactivate()
         parallm.load_hf_adapter(self.chunks, init_dir)
-        set_adapter_rank(self.chunks, lora["rank"])
+        self._set_rank(lora["rank"])
         self.table.reset_optimizer()
         self.table.zero_grads()
         self.table.add(ClientState(model_id=model_id, lora=dict(lora), base_model=base_model))
@@ -61,8 +62,15 @@ class Trainer:
     def _activate(self, model_id):
         self.sampler_dir = None
         st = self.table.activate(model_id)
-        set_adapter_rank(self.chunks, st.lora["rank"])       # its scaling, alpha / r (ranks.py)
+        self._set_rank(st.lora["rank"])       # its scaling, alpha / r (ranks.py)
         return st
+
+    def _set_rank(self, rank: int) -> None:
+        """The adapters' scaling for a rank-``rank`` client; nothing to do when they run at that rank already
+        (the common case: one client's requests in a row, or clients of one rank). Only this class sets it."""
+        if rank != self.scaled_rank:
+            set_adapter_rank(self.chunks, rank)
+            self.scaled_rank = rank
 
     # -- forward / forward_backward -----------------------------------------------------------------------------
     def op_forward(self, *, model_id, loss_fn, config, data, backward):
@@ -95,8 +103,12 @@ class Trainer:
         return {"outputs": outputs, "metrics": {"loss:sum": float(sum(rows[i][1] for i in range(len(data))))}}
 
     def _gather_rows(self, captured):
-        """Every replica's captured rows on rank 0 (from one rank per replica: tp rank 0 of the last stage)."""
+        """Every replica's captured rows on rank 0 (from one rank per replica: tp rank 0 of the last stage). With
+        one replica and one stage that rank is rank 0 itself: no collective (every rank knows it from the
+        layout)."""
         d = self.dims
+        if d.dp == 1 and d.pp == 1:
+            return {i: (tl, loss) for i, tl, loss in captured} if d.rank == 0 else None
         mine = captured if (d.tp_rank == 0 and d.pp_rank == d.pp - 1 and d.cp_rank == 0) else []
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine, group=self.group)
@@ -177,7 +189,7 @@ class Trainer:
             parallm.load_hf_adapter(self.chunks, padded)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        set_adapter_rank(self.chunks, rank)
+        self._set_rank(rank)
         self.table.active, self.sampler_dir = SAMPLER_PREFIX + adapter_dir, adapter_dir
 
     def op_sampler_forward(self, *, adapter_dir, input_ids, attention_mask, output):
