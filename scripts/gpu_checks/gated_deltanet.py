@@ -16,7 +16,10 @@ Checks, one line each (PASS / FAIL, value, limit):
       sequence parallel (q3), padded with left padding and a hole between real tokens (q4: fla runs each row's
       span as a document of its varlen path), cp2 padded (q5, 2 GPUs): fp32 logits against transformers (run
       with its torch fallback), with each kernel (fla asked for by name at fp32: limit 1e-3 for its TF32 dots)
-  q6. bf16 padded on fla (auto) against fp32 transformers, relative
+  q6. bf16 padded on fla (auto) against fp32 transformers, relative (rows padded at their ends: packed inside,
+      attention on the packed kernel, flash-attn where installed)
+  q7. fp32, rows padded only at their ends: the whole model runs packed inside (the first layer's input [T, 1, H])
+      and gives transformers' logits
 Exits 0 when all pass.
 """
 
@@ -122,14 +125,29 @@ def check_model(parallm, R, device, world, workdir, *, cpu: bool):
             report(f"{label} {layout} fp32 logits, kernel {chunks[0].gdn_kernel}", R.max_diff_real(out, want, m),
                    1e-3 if chunks[0].gdn_kernel == "fla" else 1e-4)
             parallm.destroy_parallel()
-    if fla_ok and not cpu:      # q6: bf16 on fla (auto), padded, against fp32 transformers (relative)
+    # q7: a padded batch whose rows are padded only at their ends runs packed inside (every layer on the real
+    # tokens; attention on the packed half of the model's "padded+packed" backend): fp32 logits vs transformers
+    parallm.init_parallel(tp=tp)
+    chunks = parallm.build_model(ckpt)
+    parallm.load_hf_weights(chunks, ckpt)
+    seen = []
+    hook = chunks[0].layers[0].register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape[1]))
+    out = parallm.forward(chunks, ids.to(device), mask.to(device)).cpu()
+    hook.remove()
+    report(f"q7 padded rows packed inside (attention {chunks[0].attn_impl}; layer input batch dim {seen[0]}, "
+           f"1 = packed) fp32 logits, kernel {chunks[0].gdn_kernel}",
+           R.max_diff_real(out, ref, mask) if seen == [1] and chunks[0].packs_inside(mask.to(device))
+           else float("inf"), 1e-3 if chunks[0].gdn_kernel == "fla" else 1e-4)
+    parallm.destroy_parallel()
+    if fla_ok and not cpu:      # q6: bf16 on fla (auto), padded (packed inside), against fp32 transformers
         os.environ[gdn.KERNEL_ENV] = "auto"
         parallm.init_parallel(tp=tp)
         chunks = parallm.build_model(ckpt, dtype=torch.bfloat16)
         parallm.load_hf_weights(chunks, ckpt)
         out = parallm.forward(chunks, ids.to(device), mask.to(device)).float().cpu()
         scale = ref[mask.bool()].abs().max().item()
-        report(f"q6 bf16 padded logits on {chunks[0].gdn_kernel} vs fp32 transformers (relative)",
+        report(f"q6 bf16 padded logits on {chunks[0].gdn_kernel}, attention {chunks[0].attn_impl}, vs fp32 "
+               "transformers (relative)",
                R.max_diff_real(out, ref, mask) / scale, 3e-2)
         parallm.destroy_parallel()
     os.environ.pop(gdn.KERNEL_ENV, None)
