@@ -6,6 +6,7 @@ against transformers' masked dense path (``GlmMoeDsaAttention`` with SDPA: the i
     python bench/dsa_bench.py                    # S = 4k, 8k, 16k for parallm; transformers at 4k and 8k
     python bench/dsa_bench.py --ref-max 16384    # transformers at 16k too (its indexer scores alone: 8 GiB)
     python bench/dsa_bench.py --quick            # tiny shapes: checks the script runs, measures nothing
+    python bench/dsa_bench.py --dtype bf16       # both paths in bf16 (default fp32)
 
 Shapes (GLM-5's scaled down): hidden 1024, 16 heads, q_lora_rank 512, kv_lora_rank 512, nope 128 + rope 64,
 v 128, indexer 8 heads x 64, index_topk 512; batch 1, fp32, one thread. Each (path, S) runs in a fresh process
@@ -60,11 +61,12 @@ def reference_layer(shapes: dict, s: int):
     return cfg, layer
 
 
-def hf_path(shapes: dict, s: int):
+def hf_path(shapes: dict, s: int, dtype):
     """(step inputs, fn(x) -> output) of transformers' layer."""
     import torch
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaRotaryEmbedding
     cfg, layer = reference_layer(shapes, s)
+    layer = layer.to(dtype)
     rope = GlmMoeDsaRotaryEmbedding(cfg)
     pos = torch.arange(s)[None]
     mask = torch.ones(s, s, dtype=torch.bool).tril()[None, None]
@@ -74,7 +76,7 @@ def hf_path(shapes: dict, s: int):
     return fn
 
 
-def parallm_path(shapes: dict, s: int):
+def parallm_path(shapes: dict, s: int, dtype):
     import torch
     import torch.distributed as dist
 
@@ -92,8 +94,8 @@ def parallm_path(shapes: dict, s: int):
     cfg, ref = reference_layer(shapes, s)
     cfg.architectures = ["GlmMoeDsaForCausalLM"]
     spec, _ = spec_from_config(cfg)
-    layer = DSAttention(spec, make_config(tp=1, pp=1, vpp=None, dtype=torch.float32, sequence_parallel=False), 1,
-                        backend=resolve_attn_impl("auto", packed=False, device="cpu", dtype=torch.float32),
+    layer = DSAttention(spec, make_config(tp=1, pp=1, vpp=None, dtype=dtype, sequence_parallel=False), 1,
+                        backend=resolve_attn_impl("auto", packed=False, device="cpu", dtype=dtype),
                         norm=RMSNorm, layer_number=0)
     names = {MLA_WEIGHTS[n][0]: n for n in MLA_WEIGHTS if n in ref.state_dict()}
     names.update({"indexer." + local: "indexer." + hf for hf, (local, _) in INDEXER_WEIGHTS.items()})
@@ -114,10 +116,11 @@ def one(path: str, s: int, args) -> dict:
     import torch
     torch.set_num_threads(1)
     shapes = QUICK if args.quick else SHAPES
-    fn = {"parallm": parallm_path, "transformers": hf_path}[path](shapes, s)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    fn = {"parallm": parallm_path, "transformers": hf_path}[path](shapes, s, dtype)
     g = torch.Generator().manual_seed(2)
-    x0 = torch.randn(1, s, shapes["hidden_size"], generator=g)
-    grad = torch.randn(x0.shape, generator=g)
+    x0 = torch.randn(1, s, shapes["hidden_size"], generator=g).to(dtype)
+    grad = torch.randn(x0.shape, generator=g).to(dtype)
 
     def step():
         x = x0.clone().requires_grad_()
@@ -129,7 +132,7 @@ def one(path: str, s: int, args) -> dict:
     out = {"path": path, "s": s, "peak_mib": peak, "s_best": best}
     if args.save:
         with torch.no_grad():
-            torch.save(fn(x0), args.save)
+            torch.save(fn(x0).float(), args.save)
     return out
 
 
@@ -138,6 +141,8 @@ def main(argv=None):
     ap.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--ref-max", type=int, default=8192, help="transformers runs at S up to this (default 8k)")
     ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="both paths' weights and activations (bf16: oneDNN's bf16 kernels where the CPU has them)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--one", nargs=2, metavar=("PATH", "S"), help=argparse.SUPPRESS)
     ap.add_argument("--save", help=argparse.SUPPRESS)
@@ -156,8 +161,8 @@ def main(argv=None):
     extra = ["--quick"] if args.quick else []
     for path, s in runs:
         save = ["--save", os.path.join(tmp, f"{path}.pt")] if s == seqs[0] else []
-        out = subprocess.run([sys.executable, __file__, "--one", path, str(s), "--iters", str(args.iters)]
-                             + extra + save, env=env, capture_output=True, text=True)
+        out = subprocess.run([sys.executable, __file__, "--one", path, str(s), "--iters", str(args.iters),
+                              "--dtype", args.dtype] + extra + save, env=env, capture_output=True, text=True)
         if out.returncode and path == "transformers" and s != seqs[0]:
             # the reference's dense path may not fit this machine at the largest S: say so, keep the rest
             why = "killed (out of memory?)" if out.returncode in (-9, 137) else f"exit {out.returncode}"
@@ -171,7 +176,7 @@ def main(argv=None):
     import torch
     diff = (torch.load(os.path.join(tmp, "parallm.pt")) - torch.load(os.path.join(tmp, "transformers.pt"))).abs()
     shapes = QUICK if args.quick else SHAPES
-    print(f"load average before: {load:.2f}; {shapes}; batch 1, fp32, one thread")
+    print(f"load average before: {load:.2f}; {shapes}; batch 1, {args.dtype}, one thread")
     print(f"max |parallm - transformers| of the outputs at S = {seqs[0]}: {float(diff.max()):.2e}")
     table_rows = []
     for s in seqs:
