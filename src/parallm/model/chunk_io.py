@@ -42,9 +42,7 @@ class ChunkIO:
         leaves a recurrent state at zero, as transformers' masked padding does), with neither compute nor
         activations spent on padding; rows with a hole keep the padded layout (transformers runs the hole). The
         answer depends on the mask alone, so every stage of a pipeline agrees on it; one host sync."""
-        if not getattr(self, "pack_inside", False) or not attention_mask.numel():
-            return False
-        return bool(self._packs_inside_flag(attention_mask).item())
+        return self.pack_inside and bool(self._packs_inside_flag(attention_mask).item())
 
     @staticmethod
     def _packs_inside_flag(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -131,8 +129,8 @@ class ChunkIO:
         ``[S, B, H]`` padded; ``[T, 1, H]`` packed (or packed inside: :meth:`packs_inside`), ``T`` the real
         tokens rounded up as :func:`make_packing` rounds them, divided by tp under sequence parallelism; under
         context parallelism this rank's share (``[rows, width, H]`` of the split, rows / tp under sequence
-        parallelism). Every rank of a pipeline
-        computes it from the batch it holds; one host sync for all of them when packed or packing inside."""
+        parallelism). Every rank of a pipeline computes it from the batch it holds; one host sync for all of them
+        when packed or packing inside."""
         h = self.spec.hidden_size
         tp = self.config.tensor_model_parallel_size
         multiple = tp if self.sequence_parallel else 1
@@ -140,7 +138,7 @@ class ChunkIO:
         if any(sp is not None for sp in splits):     # context parallelism: this rank's share
             return [(sp.rows // multiple, sp.width, h) for sp in splits]
         batches = [batch[:2] for batch in batches]
-        if not self.packed and not getattr(self, "pack_inside", False):
+        if not self.packed and not self.pack_inside:
             return [(ids.shape[1], ids.shape[0], h) for ids, _ in batches]
         if not batches:
             return []

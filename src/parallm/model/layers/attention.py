@@ -270,9 +270,7 @@ class AttnBackend:
     def for_ctx(self, ctx) -> "AttnBackend":
         """The backend whose kernel runs for ``ctx``: this one, or the half of a :func:`both_layouts` pair that
         takes ``ctx``'s layout."""
-        if not self.kernels:
-            return self
-        return self.kernels[1] if isinstance(ctx, Packing) else self.kernels[0]
+        return self.kernels[isinstance(ctx, Packing)] if self.kernels else self
 
 
 def _flash_unavailable(device, dtype):
@@ -298,9 +296,10 @@ def both_layouts(padded: AttnBackend, packed: AttnBackend) -> AttnBackend:
     hybrids: :meth:`parallm.model.decoder.DecoderChunk.packs_inside`): ``fn`` calls ``packed``'s kernel for a
     :class:`Packing` and ``padded``'s otherwise; its ``name`` is ``"<padded>+<packed>"``."""
     def fn(q, k, v, ctx, **kw):
-        return (packed if isinstance(ctx, Packing) else padded).fn(q, k, v, ctx, **kw)
-    return AttnBackend(f"{padded.name}+{packed.name}", packed=False, fn=fn, block=packed.block,
+        return pair.for_ctx(ctx).fn(q, k, v, ctx, **kw)
+    pair = AttnBackend(f"{padded.name}+{packed.name}", packed=False, fn=fn, block=packed.block,
                        kernels=(padded, packed))
+    return pair
 
 
 def resolve_attn_impl(attn_impl: str, *, packed: bool, device, dtype) -> AttnBackend:
