@@ -9,6 +9,10 @@ difference on every rank, naming the rank and the choice.
 
 from __future__ import annotations
 
+import os
+
+import torch
+
 from ..parallel.errors import gather_objects
 
 # A module attribute holding a kernel choice: a string, or an object with a ``name`` (AttnBackend, BlockKernel,
@@ -54,3 +58,21 @@ def agree_on_kernels(chunks, *, what: str = "build_model") -> dict[str, str]:
     if problem is not None:
         raise ValueError(f"{what}: {problem}")
     return mine
+
+
+def choose_kernel(kernels: dict, name: str | None, *, env: str, fast: str, what: str, device, dtype):
+    """A recurrent layer kind's kernel from its registry ``kernels`` (each entry with ``unavailable(device,
+    dtype)``): ``name``, default ``$env``, else "auto": ``fast`` where it can run on a bf16 / fp16 model (the GPU
+    kernels' Triton / CUDA dots run fp32 inputs at TF32, about 1e-3 relative, which an fp32 model does not ask
+    for; naming ``fast`` still runs it on fp32), else "torch". A named kernel that cannot run here is a ValueError
+    saying why."""
+    name = name or os.environ.get(env, "auto")
+    if name == "auto":
+        half = dtype in (torch.float16, torch.bfloat16)
+        return kernels[fast] if half and kernels[fast].unavailable(device, dtype) is None else kernels["torch"]
+    if name not in kernels:
+        raise ValueError(f"{env} must be 'auto' or one of {sorted(kernels)}, got {name!r}")
+    why = kernels[name].unavailable(device, dtype)
+    if why is not None:
+        raise ValueError(f"the {what} kernel {name!r} cannot run here: {why}")
+    return kernels[name]

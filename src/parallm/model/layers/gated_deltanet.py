@@ -53,7 +53,6 @@ clear error with the numbers).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -65,6 +64,7 @@ from ...parallel.megatron_import import import_megatron
 from ...parallel.state import as_device
 from .attention import Packing, PaddedRows
 from ..context_parallel import ContextSplit
+from ..kernels import choose_kernel
 from .mlp import no_init
 
 mtp = import_megatron().tensor_parallel
@@ -236,12 +236,6 @@ def _fla_unavailable(device, dtype):
     return None
 
 
-def _auto_picks_fla(device, dtype) -> bool:
-    """``auto`` takes fla for half-precision models only: its Triton dots run fp32 inputs at TF32 (about 1e-3
-    relative), which an fp32 model does not ask for; ``PARALLM_GDN_KERNEL=fla`` still runs it on fp32."""
-    return dtype in (torch.float16, torch.bfloat16) and KERNELS["fla"].unavailable(device, dtype) is None
-
-
 KERNELS: dict[str, GDNKernel] = {k.name: k for k in (
     GDNKernel("torch", conv=causal_conv_packed, rule=torch_packed_rule),
     GDNKernel("fla", conv=_fla_conv_packed, rule=_fla_rule_packed, unavailable=_fla_unavailable),
@@ -250,16 +244,9 @@ KERNELS: dict[str, GDNKernel] = {k.name: k for k in (
 
 def resolve_kernel(name: str | None = None, *, device, dtype) -> GDNKernel:
     """The kernel for ``name`` (default: ``$PARALLM_GDN_KERNEL``, else "auto": fla where it can run on a
-    bf16 / fp16 model, else torch); a named kernel that cannot run here is a ValueError saying why."""
-    name = name or os.environ.get(KERNEL_ENV, "auto")
-    if name == "auto":
-        return KERNELS["fla"] if _auto_picks_fla(device, dtype) else KERNELS["torch"]
-    if name not in KERNELS:
-        raise ValueError(f"{KERNEL_ENV} must be 'auto' or one of {sorted(KERNELS)}, got {name!r}")
-    why = KERNELS[name].unavailable(device, dtype)
-    if why is not None:
-        raise ValueError(f"the Gated DeltaNet kernel {name!r} cannot run here: {why}")
-    return KERNELS[name]
+    bf16 / fp16 model, else torch: :func:`parallm.model.kernels.choose_kernel`)."""
+    return choose_kernel(KERNELS, name, env=KERNEL_ENV, fast="fla", what="Gated DeltaNet", device=device,
+                         dtype=dtype)
 
 
 # -- the layer ------------------------------------------------------------------------------------------------

@@ -50,7 +50,6 @@ zero state), and a second all-to-all brings each token's outputs of every head b
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -63,6 +62,7 @@ from ...parallel.state import as_device
 from .attention import Packing, PaddedRows
 from .gated_deltanet import DepthwiseConv, _AllToAll, chunk_layout, document_positions
 from ..context_parallel import ContextSplit
+from ..kernels import choose_kernel
 from .mlp import no_init
 
 mtp = import_megatron().tensor_parallel
@@ -224,17 +224,9 @@ KERNELS: dict[str, MambaKernel] = {k.name: k for k in (
 
 def resolve_kernel(name: str | None = None, *, device, dtype) -> MambaKernel:
     """The kernel for ``name`` (default: ``$PARALLM_MAMBA_KERNEL``, else "auto": mamba_ssm where it can run on a
-    bf16 / fp16 model, else torch); a named kernel that cannot run here is a ValueError saying why."""
-    name = name or os.environ.get(KERNEL_ENV, "auto")
-    if name == "auto":
-        half = dtype in (torch.float16, torch.bfloat16)
-        return KERNELS["mamba_ssm"] if half and _ms_unavailable(device, dtype) is None else KERNELS["torch"]
-    if name not in KERNELS:
-        raise ValueError(f"{KERNEL_ENV} must be 'auto' or one of {sorted(KERNELS)}, got {name!r}")
-    why = KERNELS[name].unavailable(device, dtype)
-    if why is not None:
-        raise ValueError(f"the Mamba-2 kernel {name!r} cannot run here: {why}")
-    return KERNELS[name]
+    bf16 / fp16 model, else torch: :func:`parallm.model.kernels.choose_kernel`)."""
+    return choose_kernel(KERNELS, name, env=KERNEL_ENV, fast="mamba_ssm", what="Mamba-2", device=device,
+                         dtype=dtype)
 
 
 def check_mamba_layout(spec, *, tp: int, cp: int) -> None:
