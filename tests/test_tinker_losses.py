@@ -209,3 +209,82 @@ def test_loss_fn_scales_to_the_plain_sum():
     assert float(total) == 0.0 and [c[0] for c in captured] == [0]
     grad = out.grad[0, :3]
     assert torch.equal(grad, torch.full((3,), -1.0 * p.microbatches * 2, dtype=torch.float64))
+
+
+# -- mixed requests: a request is the sum of its datums sent alone (issue 54, items 1-2) -----------------------
+
+def _mixed_datum(loss_fn, i, n, *, int_inputs: bool, clip: bool):
+    """Datum i of a mixed request: its float inputs as int64 arrays (``int_inputs``, as a numpy array of 0/1
+    weights or integer advantages travels) or fractional float32; per-token clip thresholds only when ``clip``."""
+    g = np.random.default_rng(100 + i)
+    tokens = g.integers(0, 40, n)
+    inputs = {"target_tokens": np.concatenate([tokens[1:], [g.integers(0, 40)]]).astype(np.int64)}
+
+    def value(lo, hi):
+        return g.integers(lo, hi + 1, n).astype(np.int64) if int_inputs else \
+            (g.random(n) * (hi - lo) + lo).astype(np.float32)
+    if loss_fn == "cross_entropy":
+        inputs["weights"] = value(0, 1) if int_inputs else (g.random(n) * 0.9 + 0.05).astype(np.float32)
+    else:
+        inputs["logprobs"] = value(-3, -1)
+        inputs["advantages"] = value(-2, 2)
+        if loss_fn == "gspo":
+            inputs["sequence_ratio_mask"] = np.ones(n, np.int64 if int_inputs else np.float32)
+    if clip:
+        inputs["clip_low_threshold"] = np.full(n, 0.9, np.float32)
+        inputs["clip_high_threshold"] = np.full(n, 1.05, np.float32)
+    return Datum(tokens.astype(np.int64), inputs)
+
+
+def _request_total(data, loss_fn, config, out_of):
+    """(loss, d loss / d out per datum) of ``data`` as one packed request; ``out_of(tokens)`` gives a datum's
+    fake ``output="logprobs"`` row (a leaf), so the gradient per datum is comparable across packings."""
+    p = tb.pack(data, dp=1, dp_rank=0, pp=1)
+    leaves = [out_of(d.tokens) for d in data]
+    width = p.batch["input_ids"].shape[1]
+    out = torch.stack([torch.cat([x, x.new_zeros(width - len(x))]) for x in leaves])
+    captured = []
+    total = tb.make_loss_fn(p, loss_fn=loss_fn, config=config, dp=1, captured=captured)(out, p.batch)
+    grads = torch.autograd.grad(total, leaves)
+    return float(total), grads, {i: lp for i, lp, _ in captured}
+
+
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"])
+def test_mixed_request_equals_its_datums_alone(loss_fn):
+    """Datums with int-typed and float-typed inputs, with and without per-token clip thresholds, in one request:
+    its loss, log-probs and gradients equal the sum of each datum sent alone (before issue 54: the first datum's
+    int dtype truncated the others' floats, and datums without thresholds ran with bounds 0, 0)."""
+    clip_ok = loss_fn in ("ppo", "cispo", "gspo")
+    config = tl_mod.check_config(loss_fn, {"beta": 0.3} if loss_fn == "dro" else {})
+    data = [_mixed_datum(loss_fn, i, n, int_inputs=i % 2 == 0, clip=clip_ok and i in (1, 2))
+            for i, n in enumerate((5, 8, 3, 6))]
+    for i, d in enumerate(data):
+        tl_mod.check_inputs(loss_fn, config, d.inputs, length=len(d.tokens), vocab=40, index=i)
+    table = {}
+
+    def out_of(tokens):
+        key = tuple(int(t) for t in tokens)
+        if key not in table:
+            g = torch.Generator().manual_seed(len(table) + 7)
+            table[key] = -torch.rand(len(tokens) + 1, generator=g, dtype=torch.float64) * 2 - 0.5
+        return table[key].clone().requires_grad_(True)
+    total, grads, lps = _request_total(data, loss_fn, config, out_of)
+    alone = [_request_total([d], loss_fn, config, out_of) for d in data]
+    assert abs(total - sum(a[0] for a in alone)) <= 1e-9 * max(1.0, abs(total)), (total, [a[0] for a in alone])
+    for i, a in enumerate(alone):
+        torch.testing.assert_close(grads[i], a[1][0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(lps[i], a[2][0], rtol=0, atol=0)
+    if clip_ok:       # the datums without thresholds ran with the default bounds, not 0 / 0
+        assert any(abs(a[0]) > 1e-6 for j, a in enumerate(alone) if j in (0, 3))
+
+
+def test_column_types_do_not_follow_the_first_datum():
+    ints = Datum(np.array([1, 2, 3]), {"target_tokens": np.array([2, 3, 4]), "weights": np.array([1, 0, 1])})
+    floats = Datum(np.array([4, 5]), {"target_tokens": np.array([5, 6]),
+                                      "weights": np.array([0.5, -1.75], np.float32)})
+    p = tb.pack([ints, floats], dp=1, dp_rank=0, pp=1)
+    assert p.batch["in_weights"].dtype == torch.float32 and p.batch["in_target_tokens"].dtype == torch.long
+    assert p.batch["in_weights"][1, :2].tolist() == [0.5, -1.75]
+    with pytest.raises(tl_mod.LossInputError, match="target_tokens must be integers"):
+        tl_mod.check_inputs("cross_entropy", {}, {"target_tokens": np.array([2.0, 3.0], np.float32),
+                                                  "weights": np.ones(2, np.float32)}, length=2, vocab=9, index=0)

@@ -27,7 +27,7 @@ import torch
 
 from .losses import datum_loss
 
-__all__ = ["Packed", "make_loss_fn", "outputs_of", "pack"]
+__all__ = ["Packed", "column_dtype", "make_loss_fn", "outputs_of", "pack"]
 
 
 @dataclasses.dataclass
@@ -61,11 +61,12 @@ def pack(data, *, dp: int, dp_rank: int, pp: int, max_rows: int | None = None) -
     mask = torch.zeros(rows, length, dtype=torch.long)
     n = torch.ones(rows, dtype=torch.long)
     row = torch.full((rows,), -1, dtype=torch.long)
-    per_token = {}
+    per_token, present = {}, {}
     for k in names:
         sample = next(np.asarray(d.inputs[k]) for d in data if k in d.inputs)
         shape = (rows, length) + tuple(sample.shape[1:])
-        per_token[k] = torch.zeros(shape, dtype=torch.long if sample.dtype.kind in "iu" else torch.float32)
+        per_token[k] = torch.zeros(shape, dtype=column_dtype(k))
+        present[k] = torch.zeros(rows, dtype=torch.bool)
     mask[:, 0] = 1                                               # padding rows: one token, zero contribution
     for r, i in enumerate(mine):
         d = data[i]
@@ -76,9 +77,11 @@ def pack(data, *, dp: int, dp_rank: int, pp: int, max_rows: int | None = None) -
         mask[r, :len(tokens)] = 1
         n[r], row[r] = len(x), i
         for k, v in d.inputs.items():
-            per_token[k][r, :len(x)] = torch.as_tensor(np.asarray(v))
+            per_token[k][r, :len(x)] = torch.as_tensor(np.asarray(v)).to(per_token[k].dtype)
+            present[k][r] = True
     batch = {"input_ids": ids, "attention_mask": mask, "tinker_row": row, "tinker_len": n}
     batch.update({f"in_{k}": v for k, v in per_token.items()})
+    batch.update({f"has_{k}": v for k, v in present.items()})
     return Packed(batch, next_token, micro, names)
 
 
@@ -95,9 +98,20 @@ def target_logprobs(out: torch.Tensor, mb: dict, r: int, *, next_token: bool) ->
     return logp.gather(-1, targets)
 
 
+def column_dtype(name: str) -> torch.dtype:
+    """A per-token input's column type, whatever dtype its senders used: ``target_tokens`` int64 (a float
+    ``target_tokens`` is refused by :func:`.losses.check_inputs`, never cast), every other input float32 (an int
+    ``weights`` array in one datum must not truncate another datum's float weights)."""
+    return torch.long if name == "target_tokens" else torch.float32
+
+
 def row_inputs(mb: dict, r: int, names, device) -> dict:
+    """Row r's loss inputs: only those its own datum carried (``has_<name>``), so an optional input that other
+    datums of the request carry (per-token clip thresholds) never reaches this row as zeros: it falls back to
+    ``loss_fn_config`` or the default as when sent alone."""
     n = int(mb["tinker_len"][r])
-    return {k: mb[f"in_{k}"][r, :n].to(device) for k in names if k != "target_tokens"} | \
+    return {k: mb[f"in_{k}"][r, :n].to(device) for k in names
+            if k != "target_tokens" and bool(mb[f"has_{k}"][r])} | \
         {"target_tokens": mb["in_target_tokens"][r, :n].to(device)}
 
 
