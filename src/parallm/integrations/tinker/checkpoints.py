@@ -30,15 +30,40 @@ def _safe(part: str) -> str:
     return urllib.parse.quote(part, safe="")
 
 
+def _check_part(what: str, value) -> str:
+    """A model id or checkpoint name as one path component: non-empty, not ``.`` / ``..``, no separator, no NUL,
+    not parallm's own ``_parallm*`` folders."""
+    if not isinstance(value, str) or value in ("", ".", "..") or "/" in value or "\\" in value or "\0" in value \
+            or value.startswith("_parallm"):
+        raise ApiError(400, f"{what} {value!r}: use a non-empty name without '/', other than '.' and '..' (and "
+                            "not starting with '_parallm')")
+    return value
+
+
 class CheckpointStore:
+    """Every path it hands out or reads lies under ``root`` after ``realpath`` (symbolic links resolved): a model
+    id or name that would leave it, or a link inside it that points out, is refused (a 400), so nothing outside
+    the root is listed, read, loaded (a training checkpoint's DCP metadata is read with pickle) or deleted."""
+
     def __init__(self, root: str):
         self.root = os.path.abspath(root)
         os.makedirs(self.root, exist_ok=True)
+        self.real_root = os.path.realpath(self.root)
+
+    def inside(self, directory: str) -> str:
+        """``directory`` itself when its ``realpath`` lies under the root, else a 400."""
+        real = os.path.realpath(directory)
+        if not real.startswith(self.real_root + os.sep):
+            raise ApiError(400, f"{directory} resolves to {real}, outside this server's checkpoint directory "
+                                f"{self.real_root}: refused")
+        return directory
+
+    def run_dir(self, model_id: str) -> str:
+        return self.inside(os.path.join(self.root, _safe(_check_part("model id", model_id))))
 
     def path(self, model_id: str, segment: str, name: str) -> str:
-        if not name or "/" in name or name in (".", "..") or name.startswith("_parallm"):
-            raise ApiError(400, f"checkpoint name {name!r}: use a non-empty name without '/'")
-        return os.path.join(self.root, _safe(model_id), segment, name)
+        _check_part("checkpoint name", name)
+        return self.inside(os.path.join(self.run_dir(model_id), segment, name))
 
     def tinker_path(self, model_id: str, segment: str, name: str) -> str:
         return f"tinker://{model_id}/{segment}/{name}"
@@ -59,6 +84,7 @@ class CheckpointStore:
         directory = self.path(model_id, segment, name)
         if not os.path.isfile(os.path.join(directory, META)):
             raise ApiError(404, f"no checkpoint {tinker_path} on this server (looked in {directory})")
+        self.inside(os.path.join(directory, META))
         return model_id, segment, name, directory
 
     def write_meta(self, directory: str, meta: dict) -> None:
@@ -69,25 +95,33 @@ class CheckpointStore:
         os.replace(tmp, os.path.join(directory, META))
 
     def meta(self, directory: str) -> dict:
-        with open(os.path.join(directory, META)) as f:
+        with open(self.inside(os.path.join(directory, META))) as f:
             return json.load(f)
 
     def listing(self, model_id: str) -> list[dict]:
         """The SDK's ``Checkpoint`` records of one training run, oldest first."""
         out = []
+        run = self.run_dir(model_id)
         for segment, kind in KINDS.items():
-            base = os.path.join(self.root, _safe(model_id), segment)
-            if not os.path.isdir(base):
+            base = os.path.join(run, segment)
+            if not os.path.isdir(base) or not self._is_inside(base):
                 continue
             for name in sorted(os.listdir(base)):
                 d = os.path.join(base, name)
-                if not os.path.isfile(os.path.join(d, META)):
+                if not self._is_inside(d) or not os.path.isfile(os.path.join(d, META)):
                     continue
                 meta = self.meta(d)
                 out.append({"checkpoint_id": f"{segment}/{name}", "checkpoint_type": kind, "time": meta["time"],
                             "tinker_path": self.tinker_path(model_id, segment, name), "size_bytes": _size(d),
                             "public": False, "user_metadata": meta.get("user_metadata")})
         return sorted(out, key=lambda c: c["time"])
+
+    def _is_inside(self, directory: str) -> bool:
+        try:
+            self.inside(directory)
+            return True
+        except ApiError:
+            return False
 
     def delete(self, model_id: str, checkpoint_id: str) -> None:
         segment, _, name = checkpoint_id.partition("/")
