@@ -42,6 +42,7 @@ class ClientState:
     optim: dict | None = None
     grads: list | None = None
     steps: int = 0                   # optimizer steps taken
+    accumulated: int = 0             # forward_backward calls since the last optimizer step
 
 
 def clone_state_dict(sd):

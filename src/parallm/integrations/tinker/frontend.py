@@ -6,6 +6,12 @@ SDK's ``X-API-Key`` header, and when the server was given a key (``--api-key`` o
 it must be that key (constant-time comparison), else 401. Without a key any key is accepted: anyone who reaches
 the port can train and sample. There is no TLS: put a TLS proxy in front to serve beyond a trusted network.
 
+Size: the route and the key are checked before the body is read; a body above ``max_body`` bytes
+(``--max-body-mb``) is a 413 and a malformed ``Content-Length`` a 400, both without reading it.
+
+A refused request that carries a training client's ``model_id`` and ``seq_id`` consumes that seq id with its
+error (:meth:`.service.ServiceBase.refuse`): the client's later requests run at once instead of waiting for it.
+
 An unknown route is a 404 with the SDK's error body naming the method and path ("not offered by parallm's
 Tinker server"); a bug in a route is a 500 naming the exception (the SDK retries 5xx: routes raise
 :class:`.protocol.ApiError` for everything a client can cause).
@@ -20,7 +26,7 @@ import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from .protocol import PROTO, ApiError, check_sdk_version
+from .protocol import DEFAULT_MAX_BODY, PROTO, ApiError, check_sdk_version, json_body, request_ids
 
 __all__ = ["ROUTES", "start_http"]
 
@@ -57,7 +63,7 @@ ROUTES = [
 _COMPILED = [(m, re.compile(p + r"/?"), name) for m, p, name in ROUTES]
 
 
-def _make_handler(service, api_key: str | None):
+def _make_handler(service, api_key: str | None, max_body: int):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "parallm-tinker"
@@ -75,6 +81,8 @@ def _make_handler(service, api_key: str | None):
             self.send_response(status)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
             self.wfile.flush()
@@ -86,10 +94,29 @@ def _make_handler(service, api_key: str | None):
             if api_key is not None and not hmac.compare_digest(key.encode(), api_key.encode()):
                 raise ApiError(401, "invalid API key for this server")
 
+        def _body(self) -> bytes:
+            """The request body, read only after the route and the key were checked and only up to the cap: a
+            missing or malformed ``Content-Length`` is a 400 (411 for a chunked body), one above ``max_body`` a
+            413, both answered without reading the body (the connection is then closed)."""
+            if self.headers.get("Transfer-Encoding"):
+                raise ApiError(411, "a Content-Length is required (chunked request bodies are not accepted)")
+            value = self.headers.get("Content-Length")
+            if value is None:
+                return b""
+            if not value.strip().isdigit():
+                raise ApiError(400, f"bad Content-Length {value!r}")
+            length = int(value)
+            if length > max_body:
+                raise ApiError(413, f"the request body has {length} bytes; this server takes at most {max_body} "
+                                    "(parallm serve-tinker --max-body-mb)")
+            raw = self.rfile.read(length) if length else b""
+            if len(raw) != length:
+                raise ApiError(400, f"the body ended after {len(raw)} of {length} bytes")
+            return raw
+
         def _dispatch(self, method: str):
             path = self.path.split("?", 1)[0]
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length else b""
+            ids, read = None, False
             try:
                 check_sdk_version(self.headers.get("X-Stainless-Package-Version"))
                 for m, pattern, name in _COMPILED:
@@ -100,12 +127,13 @@ def _make_handler(service, api_key: str | None):
                     raise ApiError(404, f"{method} {path} is not offered by parallm's Tinker server")
                 if name != "route_healthz":
                     self._auth()
+                raw, read = self._body(), True
                 fn = getattr(service, name)
                 if name == "route_forward_backward":
                     result = fn(raw, self.headers.get("Content-Encoding"))
                 else:
-                    from .protocol import json_body
                     body = json_body(raw, route=path) if raw else {}
+                    ids = request_ids(body)
                     result = fn(body, *match.groups())
                 if isinstance(result, tuple):               # a future's result: ("json", dict) / ("proto", bytes)
                     kind, value = result
@@ -113,6 +141,11 @@ def _make_handler(service, api_key: str | None):
                 else:
                     self._send(200, result)
             except ApiError as e:
+                refused = e.ids or ids          # a refused ordered request consumes its seq id (no 60 s stall)
+                if refused is not None:
+                    service.refuse(*refused, e.message)
+                if not read:                    # the body is still in the socket: this connection is done
+                    self.close_connection = True
                 self._send(e.status, e.body())
             except Exception as e:  # noqa: BLE001 - a server bug: say which
                 log.exception("%s %s failed", method, path)
@@ -133,9 +166,10 @@ def _make_handler(service, api_key: str | None):
     return Handler
 
 
-def start_http(service, *, host: str, port: int, api_key: str | None) -> ThreadingHTTPServer:
+def start_http(service, *, host: str, port: int, api_key: str | None,
+               max_body: int = DEFAULT_MAX_BODY) -> ThreadingHTTPServer:
     """Serve on ``host:port`` from a daemon thread; returns the server (``shutdown()`` stops it)."""
     ThreadingHTTPServer.daemon_threads = True
-    server = ThreadingHTTPServer((host, port), _make_handler(service, api_key))
+    server = ThreadingHTTPServer((host, port), _make_handler(service, api_key, max_body))
     threading.Thread(target=server.serve_forever, name="tinker-http", daemon=True).start()
     return server

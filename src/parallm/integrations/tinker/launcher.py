@@ -17,7 +17,10 @@ import subprocess
 import sys
 import time
 
-__all__ = ["add_arguments", "main", "run"]
+from .preflight import preflight
+from .protocol import DEFAULT_MAX_BODY
+
+__all__ = ["add_arguments", "die_with_parent", "main", "run"]
 
 DESCRIPTION = """\
 Serve a Hugging Face decoder as a Tinker-API server: the `tinker` SDK (0.38.x) reaches it with
@@ -37,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: a free one, printed)")
     p.add_argument("--api-key", default=None,
-                   help="the only API key accepted (default: env PARALLM_TINKER_API_KEY, else any key)")
+                   help="the only API key accepted (default: env PARALLM_TINKER_API_KEY, else any key; the "
+                        "environment keeps it out of `ps`: the ranks get it from there either way)")
     p.add_argument("--lora-rank", type=int, default=32,
                    help="the rank R of the adapters the model holds: a client asks for any rank 1..R")
     p.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha (a rank-r client: scaling alpha / r)")
@@ -52,7 +56,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where checkpoints go (every rank must see it; default: ./tinker-checkpoints)")
     p.add_argument("--session-timeout", type=float, default=600.0, help="seconds without a heartbeat")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds any collective may wait")
-    p.add_argument("--ready-file", default=None, help="written (JSON: url, pid) once the server listens")
+    p.add_argument("--ready-file", default=None,
+                   help="written (JSON: url, pid, sampler_ready) once the server listens, again once the sampler "
+                        "is ready")
+    p.add_argument("--max-body-mb", type=int, default=DEFAULT_MAX_BODY >> 20,
+                   help="largest request body accepted, MiB (larger: 413, never read)")
+    p.add_argument("--max-sample-tokens", type=int, default=1 << 20,
+                   help="cap on num_samples x max_tokens of one sampling request")
+    p.add_argument("--keep-sampler-snapshots", type=int, default=8,
+                   help="sampler snapshots kept per training client, newest first (0: keep all); older ones are "
+                        "deleted with their engine-side adapters")
 
 
 def _free_port() -> int:
@@ -61,14 +74,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def die_with_parent(sig: int = signal.SIGTERM):
+    """A ``preexec_fn``: the child gets ``sig`` when the process that started it dies, even by ``kill -9``
+    (Linux's parent-death signal), so no rank or engine outlives the launcher and keeps the port. Elsewhere a
+    no-op."""
+    parent = os.getpid()
+
+    def set_signal():
+        try:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(sig), 0, 0, 0)            # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:                      # the parent died before the signal was armed
+            os.kill(os.getpid(), sig)
+    return set_signal if sys.platform.startswith("linux") else None
+
+
 def _spawn(args, argv) -> int:
     world = args.tp * args.pp * args.cp * args.dp
     env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               LOCAL_WORLD_SIZE=str(world), PARALLM_TIMEOUT_S=str(args.timeout))
+               LOCAL_WORLD_SIZE=str(world), PARALLM_TIMEOUT_S=str(args.timeout), PARALLM_TINKER_CHECKED="1")
+    if args.api_key:
+        env["PARALLM_TINKER_API_KEY"] = args.api_key          # the environment, not the ranks' command lines
     procs = []
     for rank in range(world):
         procs.append(subprocess.Popen([sys.executable, "-m", "parallm.integrations.tinker", *argv],
-                                      env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank))))
+                                      env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                                      preexec_fn=die_with_parent()))
 
     def stop(*_):              # rank 0 tells the others to stop; they are ended after it anyway
         if procs[0].poll() is None:
@@ -97,7 +131,7 @@ def _argv_of(args) -> list[str]:
     out = []
     for action in parser._actions:
         value = getattr(args, action.dest, None)
-        if action.option_strings and value is not None and action.dest != "help":
+        if action.option_strings and value is not None and action.dest not in ("help", "api_key"):
             out += [action.option_strings[0], str(value)]
     return out
 
@@ -122,11 +156,14 @@ def run(args) -> int:
     if args.checkpoint_dir is None:
         args.checkpoint_dir = os.path.abspath("tinker-checkpoints")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if os.environ["RANK"] == "0" and os.environ.get("PARALLM_TINKER_CHECKED") != "1":
+            preflight(args)         # under torchrun: rank 0 checks (the launcher below already did)
         import logging
         logging.basicConfig(level=logging.WARNING, format="[tinker %(process)d] %(levelname)s %(message)s")
         os.environ.setdefault("PARALLM_PROGRESS", "0")
         from .server import run_rank
         return run_rank(args)
+    preflight(args)
     return _spawn(args, _argv_of(args))
 
 

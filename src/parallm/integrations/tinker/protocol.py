@@ -22,9 +22,13 @@ import json
 
 import numpy as np
 
-__all__ = ["ApiError", "Datum", "FwdBwdRequest", "SDK_LINE", "check_sdk_version", "decode_forward_backward",
-           "encode_forward_backward_output", "encode_sample_response", "parse", "proto_module"]
+__all__ = ["DEFAULT_MAX_BODY", "ApiError", "Datum", "FwdBwdRequest", "SDK_LINE", "check_sdk_version", "decode_forward_backward",
+           "encode_forward_backward_output", "encode_sample_response", "json_body", "parse", "proto_module",
+           "request_ids", "unzstd"]
 
+DEFAULT_MAX_BODY = 128 << 20      # bytes of one request body (parallm serve-tinker --max-body-mb)
+ZSTD_RATIO = 1024                 # a zstd body may expand at most this many times (and never past the cap)
+SPARSE_WIDTH = 128                # a sparse tensor densifies to at most max(rows x this, 32 x what it stores)
 SDK_LINE = "0.38."          # the SDK minor line whose protocol this server speaks (pyproject: parallm[tinker])
 PROTO = "application/x-protobuf"
 
@@ -33,9 +37,10 @@ class ApiError(Exception):
     """A request refused with an HTTP status and the SDK's error body; ``category`` is Tinker's
     ``RequestErrorCategory`` (``"user"`` for bad input, ``"server"`` for a failure of the server)."""
 
-    def __init__(self, status: int, message: str, *, category: str = "user"):
+    def __init__(self, status: int, message: str, *, category: str = "user", ids: tuple | None = None):
         super().__init__(message)
         self.status, self.message, self.category = status, message, category
+        self.ids = ids          # (model_id, seq_id) of the ordered request it refuses, when known
 
     def body(self) -> dict:
         return {"error": self.message, "category": self.category}
@@ -69,6 +74,16 @@ def parse(model_cls, body, *, route: str):
                             f"({problems})") from None
 
 
+def request_ids(body) -> tuple | None:
+    """``(model_id, seq_id)`` of a JSON request that names both (an ordered training-client request), else
+    None; read from the raw body so that a request refused by validation still consumes its seq id."""
+    if isinstance(body, dict):
+        model_id, seq_id = body.get("model_id"), body.get("seq_id")
+        if isinstance(model_id, str) and isinstance(seq_id, int) and not isinstance(seq_id, bool):
+            return model_id, seq_id
+    return None
+
+
 def json_body(raw: bytes, *, route: str) -> dict:
     try:
         return json.loads(raw.decode() or "{}")
@@ -94,7 +109,10 @@ class FwdBwdRequest:
     data: list
 
 
-def _tensor(pb, msg, *, what: str) -> np.ndarray:
+def _tensor(pb, msg, *, what: str, rows: int) -> np.ndarray:
+    """One ``loss_fn_inputs`` tensor as numpy. A sparse CSR tensor's declared shape is checked before anything
+    is allocated: ``rows`` (the datum's tokens) rows, and at most ``max(rows * SPARSE_WIDTH, 32 * stored
+    entries)`` elements once dense, so a small body cannot make the server allocate a large array."""
     dtypes = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
     if msg.dtype not in dtypes:
         raise ApiError(400, f"{what}: unsupported tensor dtype {msg.dtype} (float32 / int64)")
@@ -103,11 +121,18 @@ def _tensor(pb, msg, *, what: str) -> np.ndarray:
     try:
         if msg.HasField("sparse_csr"):
             csr = msg.sparse_csr
+            if len(shape) != 2 or shape[0] != rows or shape[1] < 1:
+                raise ValueError(f"a sparse tensor must be [{rows}, K] (the datum's {rows} tokens)")
+            stored = len(csr.values) // dt.itemsize + len(csr.crow_indices) // 8
+            if shape[0] * shape[1] > max(rows * SPARSE_WIDTH, 32 * stored):
+                raise ValueError(f"{shape[0] * shape[1]} elements once dense from {stored} stored entries: too "
+                                 f"sparse to accept (at most {SPARSE_WIDTH} per token, or 32 per stored entry)")
             values = np.frombuffer(csr.values, dtype=dt)
             crow = np.frombuffer(csr.crow_indices, dtype=np.int64)
             col = np.frombuffer(csr.col_indices, dtype=np.int64)
-            if len(shape) != 2 or len(crow) != shape[0] + 1 or len(col) != len(values) or \
-                    (len(col) and (col.min() < 0 or col.max() >= shape[1])) or crow[-1] != len(values):
+            if len(crow) != shape[0] + 1 or len(col) != len(values) or \
+                    (len(col) and (col.min() < 0 or col.max() >= shape[1])) or crow[-1] != len(values) or \
+                    crow[0] != 0 or (np.diff(crow) < 0).any():
                 raise ValueError("inconsistent CSR indices")
             dense = np.zeros(shape, dtype=dt)
             rows = np.repeat(np.arange(shape[0]), np.diff(crow))
@@ -121,16 +146,37 @@ def _tensor(pb, msg, *, what: str) -> np.ndarray:
     return arr.astype(np.int64) if arr.dtype == np.int32 else arr.copy()
 
 
-def decode_forward_backward(raw: bytes, *, encoding: str | None) -> FwdBwdRequest:
+def unzstd(raw: bytes, *, limit: int) -> bytes:
+    """A zstd body decompressed as a stream, refused (413) once its output passes ``limit`` bytes or
+    ``ZSTD_RATIO`` times its own size: memory grows with what is read, never with what a frame header claims."""
+    import io
+
+    import zstandard
+    limit = min(limit, max(1 << 20, ZSTD_RATIO * len(raw)))
+    out, size = [], 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw)) as reader:
+            while True:
+                piece = reader.read(1 << 20)
+                if not piece:
+                    break
+                size += len(piece)
+                if size > limit:
+                    raise ApiError(413, f"forward_backward: the zstd body expands past {limit} bytes (from "
+                                        f"{len(raw)}): refused")
+                out.append(piece)
+    except zstandard.ZstdError as e:
+        raise ApiError(400, f"forward_backward: the zstd body does not decompress ({e})") from None
+    return b"".join(out)
+
+
+def decode_forward_backward(raw: bytes, *, encoding: str | None, max_body: int = DEFAULT_MAX_BODY) -> FwdBwdRequest:
     """The SDK's ``ForwardBackwardRequest`` protobuf -> :class:`FwdBwdRequest`. Only text chunks are supported
-    (image / audio chunks are a 400 saying so); sparse CSR tensors are densified with 0."""
+    (image / audio chunks are a 400 saying so); sparse CSR tensors are densified with 0 (bounded: :func:`_tensor`).
+    An error found once the message parsed carries its ``(model_id, seq_id)`` (``ApiError.ids``)."""
     pb = proto_module()
     if encoding == "zstd":
-        import zstandard
-        try:
-            raw = zstandard.ZstdDecompressor().decompress(raw, max_output_size=1 << 34)
-        except zstandard.ZstdError as e:
-            raise ApiError(400, f"forward_backward: the zstd body does not decompress ({e})") from None
+        raw = unzstd(raw, limit=max_body)
     elif encoding not in (None, "", "identity"):
         raise ApiError(400, f"forward_backward: unsupported Content-Encoding {encoding!r}")
     msg = pb.ForwardBackwardRequest()
@@ -138,6 +184,14 @@ def decode_forward_backward(raw: bytes, *, encoding: str | None) -> FwdBwdReques
         msg.ParseFromString(raw)
     except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and friends
         raise ApiError(400, f"forward_backward: the body is not the SDK's ForwardBackwardRequest ({e})") from None
+    try:
+        return _request_of(pb, msg)
+    except ApiError as e:
+        e.ids = (msg.model_id, int(msg.seq_id))
+        raise
+
+
+def _request_of(pb, msg) -> FwdBwdRequest:
     config = {}
     for k, v in msg.loss_fn_config.items():
         config[k] = float(v)
@@ -153,7 +207,7 @@ def decode_forward_backward(raw: bytes, *, encoding: str | None) -> FwdBwdReques
                                     "takes text (token) chunks only")
             tokens.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32))
         ids = np.concatenate(tokens).astype(np.int64) if tokens else np.zeros(0, np.int64)
-        inputs = {k: _tensor(pb, t, what=f"forward_backward: datum {i} loss_fn_inputs[{k!r}]")
+        inputs = {k: _tensor(pb, t, what=f"forward_backward: datum {i} loss_fn_inputs[{k!r}]", rows=len(ids))
                   for k, t in d.loss_fn_inputs.items()}
         data.append(Datum(ids, inputs))
     return FwdBwdRequest(model_id=msg.model_id, seq_id=int(msg.seq_id), loss_fn=msg.loss_fn,

@@ -27,6 +27,7 @@ import dataclasses
 import json
 import logging
 import math
+import secrets
 import threading
 import time
 import urllib.error
@@ -95,9 +96,11 @@ class VllmSampler:
         self.name = "base"
         args = ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", str(max_loras),
                 "--generation-config", "vllm", "--served-model-name", self.name]
+        self.key = secrets.token_urlsafe(32)       # this engine's own key: no unauthenticated side door
         env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-               "VLLM_LOGGING_LEVEL": "WARNING"}
-        self.server = serve(model_dir, max_model_len=max_model_len, args=args, env=env, python=python, wait=False)
+               "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_API_KEY": self.key}
+        self.server = serve(model_dir, max_model_len=max_model_len, args=args, env=env, python=python, wait=False,
+                            dev_mode=False)
         self.url = self.server.url
         self.loaded: dict[str, str] = {}
         self.lock = threading.RLock()
@@ -120,6 +123,16 @@ class VllmSampler:
             except Exception as e:  # noqa: BLE001 - the sampler is unusable: say why on every request
                 self.dead = f"the vLLM sampler did not start: {e}"
 
+    def state(self) -> str:
+        """``ready``, ``starting`` or ``failed: <why>`` (what ``healthz`` and the ready file report)."""
+        if self.dead is not None:
+            return f"failed: {self.dead.splitlines()[0]}"
+        return "ready" if self._ready else "starting"
+
+    def wait(self) -> str:
+        self._ensure_ready()
+        return self.state()
+
     def close(self) -> None:
         self.server.stop()
 
@@ -128,7 +141,8 @@ class VllmSampler:
         if self.dead is not None:
             raise SamplerDead(self.dead)
         req = urllib.request.Request(self.url + route, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {self.key}"})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as res:
                 raw = res.read()
@@ -152,15 +166,26 @@ class VllmSampler:
             return raw.decode(errors="replace")
 
     def _model(self, adapter_dir: str | None) -> str:
+        """The engine-side name of a snapshot's adapter, loaded on first use. Snapshot directories are immutable
+        (a save under a used name writes a new one: :mod:`.checkpoints`), so the directory identifies the
+        weights; a name is never reused."""
         if adapter_dir is None:
             return self.name
         with self.lock:
             name = self.loaded.get(adapter_dir)
             if name is None:
-                name = f"tinker-{len(self.loaded) + 1}"
+                self._count = getattr(self, "_count", 0) + 1
+                name = f"tinker-{self._count}"
                 self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": adapter_dir})
                 self.loaded[adapter_dir] = name
             return name
+
+    def release(self, adapter_dir: str) -> None:
+        """Unload a snapshot's adapter from the engine (its directory was removed)."""
+        with self.lock:
+            name = self.loaded.pop(adapter_dir, None)
+        if name is not None and self._ready and self.dead is None:
+            self._post("/v1/unload_lora_adapter", {"lora_name": name}, timeout=60.0)
 
     def sample(self, job: SampleJob):
         strings, ids, ignore_eos = stop_spec(job.params.get("stop"), [])
@@ -203,6 +228,9 @@ class ParallmSampler:
 
     def close(self) -> None:
         pass
+
+    def state(self) -> str:
+        return "ready"
 
     def _forward(self, adapter_dir, rows: list, output):
         width = max(len(r) for r in rows)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
+import os
 
 from . import protocol
 from .protocol import ApiError
@@ -61,6 +63,12 @@ class SamplingRoutes:
             s = self.samplers.get(req.sampling_session_id)
             if s is None:
                 raise ApiError(404, f"unknown sampling session {req.sampling_session_id!r}")
+            if s["adapter_dir"] is not None and not os.path.isdir(s["adapter_dir"]):
+                raise ApiError(404, f"the snapshot sampling session {req.sampling_session_id} was created from "
+                                    f"({s['model_path'] or 'an unnamed snapshot'}) is gone: saved again under the "
+                                    "same name, deleted, expired (ttl_seconds) or retired (--keep-sampler-snapshots "
+                                    "keeps the newest unnamed snapshots of a client); a sampling client never "
+                                    "samples other weights than it was created from: create a new one")
             return s["adapter_dir"]
         if req.model_path is not None:
             return self.checkpoints.resolve(req.model_path, want="sampler_weights")[3]
@@ -95,7 +103,31 @@ class SamplingRoutes:
         if len(tokens) >= self.config["max_context"]:
             raise ApiError(400, f"asample: the prompt has {len(tokens)} tokens; the context is "
                                 f"{self.config['max_context']}")
+        self._check_params(req, room=self.config["max_context"] - len(tokens))
         return tokens
+
+    def _check_params(self, req, *, room: int) -> None:
+        """Every field of the SDK's SamplingParams is honoured by both samplers; values they cannot honour are
+        refused here, never ignored; ``num_samples x max_tokens`` is capped (``--max-sample-tokens``)."""
+        p = req.sampling_params
+        bad = []
+        if not (math.isfinite(p.temperature) and p.temperature >= 0):
+            bad.append(f"temperature {p.temperature} (0 for greedy, or positive)")
+        if not (math.isfinite(p.top_p) and 0 < p.top_p <= 1):
+            bad.append(f"top_p {p.top_p} (in (0, 1])")
+        if p.top_k < -1:
+            bad.append(f"top_k {p.top_k} (-1 or 0 for all, or a positive count)")
+        if p.max_tokens is not None and p.max_tokens < 1:
+            bad.append(f"max_tokens {p.max_tokens} (at least 1, or None for the rest of the context)")
+        if bad:
+            raise ApiError(400, f"asample: sampling_params out of range: {'; '.join(bad)}")
+        tokens = req.num_samples * min(room, p.max_tokens or room)
+        cap = self.config.get("max_sample_tokens", 1 << 20)
+        if tokens > cap:
+            raise ApiError(400, f"asample: num_samples x max_tokens = {req.num_samples} x "
+                                f"{min(room, p.max_tokens or room)} = {tokens} tokens; this server samples at most "
+                                f"{cap} per request (parallm serve-tinker --max-sample-tokens): send fewer samples "
+                                "or a smaller max_tokens")
 
     def route_asample(self, body):
         req = protocol.parse(_types().SampleRequest, body, route="asample")

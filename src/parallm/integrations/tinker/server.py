@@ -18,6 +18,7 @@ import parallm
 from .checkpoints import CheckpointStore
 from .dispatch import Leader, follow, new_control_group
 from .frontend import start_http
+from .preflight import TOKENIZER_FILES
 from .sampling import ParallmSampler, SampleInputError
 from .sampling_routes import SamplingRoutes
 from .service import ServiceBase
@@ -27,7 +28,6 @@ from .training_routes import TrainingRoutes
 __all__ = ["Service", "run_rank"]
 
 log = logging.getLogger("parallm.tinker")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 class Service(TrainingRoutes, SamplingRoutes, ServiceBase):
@@ -56,7 +56,7 @@ def _build(args, directory):
 
 def _config(args, directory, facts, template, chunks) -> dict:
     names = {args.model, directory, args.model_name or args.model}
-    has_tok = any(os.path.exists(os.path.join(directory, f)) for f in _TOKENIZER_FILES)
+    has_tok = any(os.path.exists(os.path.join(directory, f)) for f in TOKENIZER_FILES)
     warn = None
     if args.lora_unembed == "skip":
         warn = ("parallm's Tinker server trains no LoRA adapter on the output head: train_unembed=True clients "
@@ -65,7 +65,8 @@ def _config(args, directory, facts, template, chunks) -> dict:
             "arch": facts["arch"], "max_context": min(facts["max_position"], args.max_context or 1 << 30),
             "tokenizer_id": directory if has_tok else (args.model_name or args.model), "lora_rank": args.lora_rank,
             "lora_alpha": args.lora_alpha, "lora_unembed": args.lora_unembed, "adapter_template": template,
-            "session_warning": warn,
+            "session_warning": warn, "max_body": args.max_body_mb << 20, "max_sample_tokens": args.max_sample_tokens,
+            "keep_sampler_snapshots": args.keep_sampler_snapshots,
             "num_experts": chunks[0].spec.moe.num_experts if chunks[0].spec.moe is not None else 1}
 
 
@@ -101,12 +102,43 @@ def _sampler(args, leader, directory, config, facts):
 
 
 def _janitor(service, stop: threading.Event):
+    ticks = 0
     while not stop.wait(5.0):
+        ticks += 1
         try:
             service.skip_gaps()
             service.expire_sessions()
+            if ticks % 6 == 0:
+                service.expire_checkpoints()
         except Exception:  # noqa: BLE001 - keep the janitor alive
             log.exception("janitor")
+
+
+def _write_ready(path: str, info: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(info, f)
+    os.replace(path + ".tmp", path)
+
+
+def _announce(args, url: str, sampler) -> None:
+    """The ready file: written once the server listens (``sampler_ready`` false while a vLLM engine starts),
+    written again once the sampler is ready or failed (``sampler``: its state, as ``healthz`` reports it)."""
+    info = {"url": url, "pid": os.getpid(), "time": time.time(),
+            "sampler_pid": sampler.pid() if hasattr(sampler, "pid") else None,
+            "sampler": sampler.state() if sampler is not None else "none"}
+    info["sampler_ready"] = info["sampler"] in ("ready", "none")
+    if args.ready_file:
+        _write_ready(args.ready_file, info)
+    if sampler is None or info["sampler_ready"]:
+        return
+
+    def wait():
+        state = sampler.wait()
+        print(f"parallm serve-tinker: sampler {state}", flush=True)
+        if args.ready_file:
+            _write_ready(args.ready_file, dict(info, sampler=state, sampler_ready=state == "ready",
+                                               time=time.time()))
+    threading.Thread(target=wait, name="tinker-sampler-ready", daemon=True).start()
 
 
 def run_rank(args) -> int:
@@ -128,7 +160,7 @@ def run_rank(args) -> int:
     service = Service(leader=leader, config=config, checkpoints=store, sampler=sampler,
                       session_timeout_s=args.session_timeout)
     api_key = args.api_key or os.environ.get("PARALLM_TINKER_API_KEY")
-    httpd = start_http(service, host=args.host, port=args.port, api_key=api_key)
+    httpd = start_http(service, host=args.host, port=args.port, api_key=api_key, max_body=config["max_body"])
     url = f"http://{args.host}:{httpd.server_address[1]}"
     stop = threading.Event()
     threading.Thread(target=_janitor, args=(service, stop), daemon=True).start()
@@ -136,11 +168,7 @@ def run_rank(args) -> int:
         signal.signal(sig, lambda *_: leader.stop())
     print(f"parallm serve-tinker: {config['model_name']} at tp={args.tp} pp={args.pp} on {url} "
           f"(sampler: {type(sampler).__name__ if sampler else 'none'})", flush=True)
-    if args.ready_file:
-        with open(args.ready_file + ".tmp", "w") as f:
-            json.dump({"url": url, "pid": os.getpid(), "time": time.time(),
-                       "sampler_pid": sampler.pid() if hasattr(sampler, "pid") else None}, f)
-        os.replace(args.ready_file + ".tmp", args.ready_file)
+    _announce(args, url, sampler)
     try:
         leader.run()
     finally:

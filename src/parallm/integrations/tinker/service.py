@@ -23,6 +23,7 @@ __all__ = ["ModelRecord", "ServiceBase"]
 
 log = logging.getLogger("parallm.tinker")
 GAP_S = 60.0            # a missing seq id older than this is skipped (a client that died mid-submission)
+SEEN_KEEP = 1024        # seq ids remembered per client for deduplicating retried submissions
 
 
 @dataclasses.dataclass
@@ -91,6 +92,20 @@ class ServiceBase:
                 self._pump(rec)
         return {"request_id": rid, "model_id": model_id}
 
+    def refuse(self, model_id, seq_id, message: str) -> None:
+        """A request of ``model_id`` numbered ``seq_id`` was refused before it ran (a bad name, a missing path, a
+        malformed body): its seq id is consumed with the error, so the client's next request runs at once
+        instead of waiting :data:`GAP_S` for it. A resubmission of that seq id gets the same error."""
+        with self.lock:
+            rec = self.models.get(model_id) if isinstance(model_id, str) else None
+            if rec is None or not isinstance(seq_id, int) or seq_id in rec.seen or seq_id < rec.next_seq:
+                return
+            rid = self.futures.create("refused", model_id=model_id)
+            self.futures.fail(rid, message, category="user")
+            rec.seen[seq_id] = rid
+            rec.pending[seq_id] = (None, message, lambda ok, value, category: None)
+            self._pump(rec)
+
     def _pump(self, rec: ModelRecord) -> None:
         if rec.pending and min(rec.pending) < rec.next_seq:          # a seq id behind the model's position
             for s in [s for s in rec.pending if s < rec.next_seq]:
@@ -105,6 +120,9 @@ class ServiceBase:
             else:
                 self.leader.submit(item, done)
         rec.gap_since = time.monotonic() if rec.pending else None
+        if len(rec.seen) > 2 * SEEN_KEEP:             # retries come within moments: keep the newest seq ids only
+            for s in [s for s in rec.seen if s < rec.next_seq - SEEN_KEEP]:
+                del rec.seen[s]
 
     def skip_gaps(self) -> None:
         """A seq id that never arrived (its client died mid-submission) holds its model for :data:`GAP_S`."""
@@ -162,14 +180,18 @@ class ServiceBase:
 
     # -- routes without a model ------------------------------------------------------------------------------------
     def route_healthz(self, body):
-        return {"status": "ok"}
+        """``status`` (the SDK reads only that) and the sampler's state: ``ready``, ``starting``, ``failed: why``
+        or ``none``."""
+        state = self.sampler.state() if self.sampler is not None and hasattr(self.sampler, "state") else \
+            ("ready" if self.sampler is not None else "none")
+        return {"status": "ok", "sampler": state}
 
     def route_client_config(self, body):
         req = protocol.parse(_types().ClientConfigRequest, body, route="client/config")
         protocol.check_sdk_version(req.sdk_version)
         return {"pjwt_auth_enabled": False, "credential_default_source": "api_key", "use_pyqwest_transport": False,
                 "proto_compress_fwdbwd": False, "parallel_fwdbwd_chunks": False, "fwdbwd_max_chunk_len": 4096,
-                "fwdbwd_max_chunk_bytes_count": 1 << 30, "sample_use_retrieve_futures": False,
+                "fwdbwd_max_chunk_bytes_count": self.config.get("max_body", protocol.DEFAULT_MAX_BODY) // 2, "sample_use_retrieve_futures": False,
                 "custom_loss_server_side": False, "sample_join_sampling_session": False,
                 "sample_no_retries": False}
 
@@ -236,8 +258,41 @@ class ServiceBase:
         return {"checkpoints": self.checkpoints.listing(model_id), "cursor": None}
 
     def route_delete_checkpoint(self, body, model_id, checkpoint_id):
-        self.checkpoints.delete(model_id, checkpoint_id)
+        self.release_snapshot(self.checkpoints.delete(model_id, checkpoint_id))
         return {}
+
+    # -- snapshots' lifetime ------------------------------------------------------------------------------------
+    def release_snapshot(self, directory: str | None) -> None:
+        """A snapshot directory is gone (overwritten, deleted, expired, retired): its engine-side adapter too."""
+        if directory is not None and self.sampler is not None and hasattr(self.sampler, "release"):
+            try:
+                self.sampler.release(directory)
+            except Exception:  # noqa: BLE001 - the engine may be gone; the files are what matters
+                log.exception("unloading the adapter of %s", directory)
+
+    def retain_snapshots(self, model_id: str) -> None:
+        """Keep the newest ``keep_sampler_snapshots`` ephemeral sampler snapshots of a client (those the SDK's
+        ``save_weights_and_get_sampling_client`` makes, with no name); named ones stay until deleted or their
+        ``ttl_seconds`` runs out. 0 keeps everything."""
+        keep = self.config.get("keep_sampler_snapshots", 0)
+        if not keep:
+            return
+        mine = sorted(((meta["time"], name) for segment, name, _, meta in self.checkpoints.entries(model_id)
+                       if segment == "sampler_weights" and meta.get("ephemeral")), reverse=True)
+        for _, name in mine[keep:]:
+            try:
+                self.release_snapshot(self.checkpoints.delete(model_id, f"sampler_weights/{name}"))
+            except ApiError:
+                pass
+
+    def expire_checkpoints(self) -> None:
+        """Delete every checkpoint past its ``ttl_seconds`` (the janitor calls this)."""
+        for model_id, checkpoint_id in self.checkpoints.expired():
+            try:
+                self.release_snapshot(self.checkpoints.delete(model_id, checkpoint_id))
+                log.info("checkpoint %s of %s expired: deleted", checkpoint_id, model_id)
+            except ApiError:
+                pass
 
     def route_weights_info(self, body):
         path = (body or {}).get("tinker_path")

@@ -88,6 +88,7 @@ class Trainer:
             except BaseException:
                 grads_restore(self.table.params, snap)
                 raise
+            self.table.clients[model_id].accumulated += 1
         else:
             with torch.no_grad():
                 out = parallm.forward(self.chunks, packed.batch, output=output,
@@ -123,6 +124,9 @@ class Trainer:
     # -- the optimizer -------------------------------------------------------------------------------------------
     def op_optim_step(self, *, model_id, adam):
         st = self._activate(model_id)
+        if st.accumulated == 0:
+            raise ValueError(f"optim_step: {model_id} has no gradients accumulated since its last optim_step (or "
+                             "load): run forward_backward first; nothing was changed")
         for group in self.optimizer.param_groups:
             group["lr"] = adam["learning_rate"]
             group["betas"] = (adam["beta1"], adam["beta2"])
@@ -135,6 +139,7 @@ class Trainer:
         self.optimizer.step()
         self.table.zero_grads()
         st.steps += 1
+        st.accumulated = 0
         return {"metrics": {"grad_norm:mean": float(norm)}}
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
@@ -155,6 +160,7 @@ class Trainer:
         if not optimizer:
             self.table.reset_optimizer()
         self.table.zero_grads()
+        st.accumulated = 0
         st.steps = int(info.get("step") or 0) if optimizer else 0
         return {"step": st.steps}
 

@@ -121,8 +121,12 @@ class TrainingRoutes:
         return None
 
     def route_forward_backward(self, raw: bytes, encoding: str | None):
-        req = protocol.decode_forward_backward(raw, encoding=encoding)
-        self.model(req.model_id)
+        req = protocol.decode_forward_backward(raw, encoding=encoding, max_body=self.config["max_body"])
+        try:
+            self.model(req.model_id)
+        except ApiError as e:
+            e.ids = (req.model_id, req.seq_id)
+            raise
         error = self._check_data(req)
         item = {"op": "forward", "args": {"model_id": req.model_id, "loss_fn": req.loss_fn,
                                           "config": req.loss_fn_config, "data": req.data,
@@ -162,7 +166,7 @@ class TrainingRoutes:
         rec = self.model(req.model_id)
         name = req.path or f"step-{int(time.time() * 1000)}"
         directory = self.checkpoints.path(rec.model_id, "weights", name)
-        error = None
+        error = _ttl_error(req.ttl_seconds)
         if os.path.exists(directory) and not req.overwrite:
             error = f"checkpoint {self.checkpoints.tinker_path(rec.model_id, 'weights', name)} exists (overwrite=True)"
         meta = self._meta(rec, user_metadata=req.user_metadata)
@@ -170,13 +174,16 @@ class TrainingRoutes:
                                              "extra": {"tinker": meta}}}
 
         def result(v):
-            self.checkpoints.write_meta(directory, meta)
+            self.checkpoints.write_meta(directory, meta, ttl_seconds=_ttl(req.ttl_seconds))
             return _json({"path": self.checkpoints.tinker_path(rec.model_id, "weights", name),
                           "type": "save_weights"})
         return self.job("save_weights", item, result, model_id=rec.model_id, seq_id=req.seq_id, error=error)
 
     def route_load_weights(self, body):
         req = protocol.parse(_types().LoadWeightsRequest, body, route="load_weights")
+        if req.weights_access_token is not None:
+            raise ApiError(400, "load_weights: weights_access_token is not offered by parallm's Tinker server (it "
+                                "loads checkpoints under its own --checkpoint-dir only)")
         _, _, _, directory = self.checkpoints.resolve(req.path, want="weights")
         meta = self.checkpoints.meta(directory)
         if meta["base_model"] not in self.config["model_names"]:
@@ -216,19 +223,31 @@ class TrainingRoutes:
         if req.kind != "snapshot":
             error = f"save_weights_for_sampler: kind={req.kind!r} is not offered (snapshot only)"
         name = req.path or f"sampler-{secrets.token_hex(6)}"
-        directory = self.checkpoints.path(rec.model_id, "sampler_weights", name)
+        version = self.checkpoints.new_version(rec.model_id, name)     # immutable: a new directory per save
         tinker_path = self.checkpoints.tinker_path(rec.model_id, "sampler_weights", name)
         meta = self._meta(rec, user_metadata=req.user_metadata, ephemeral=req.path is None)
-        item = {"op": "save_sampler", "args": {"model_id": rec.model_id, "path": directory}}
+        item = {"op": "save_sampler", "args": {"model_id": rec.model_id, "path": version}}
 
         def result(v):
-            self.checkpoints.write_meta(directory, meta)
+            self.checkpoints.write_meta(version, meta, ttl_seconds=_ttl(req.ttl_seconds))
+            self.release_snapshot(self.checkpoints.publish(rec.model_id, name, version))
+            self.retain_snapshots(rec.model_id)
             if req.path is not None:
                 return _json({"path": tinker_path, "type": "save_weights_for_sampler"})
-            sid = self.new_sampling_session(rec.session_id, req.sampling_session_seq_id, tinker_path, directory)
+            sid = self.new_sampling_session(rec.session_id, req.sampling_session_seq_id, tinker_path, version)
             return _json({"path": None, "sampling_session_id": sid, "type": "save_weights_for_sampler"})
         return self.job("save_weights_for_sampler", item, result, model_id=rec.model_id, seq_id=req.seq_id,
-                        error=error)
+                        error=error or _ttl_error(req.ttl_seconds))
+
+
+def _ttl(ttl_seconds) -> int | None:
+    return None if ttl_seconds is None else int(ttl_seconds)
+
+
+def _ttl_error(ttl_seconds) -> str | None:
+    if ttl_seconds is not None and ttl_seconds < 1:
+        return f"ttl_seconds must be at least 1 (None: never expires), got {ttl_seconds}"
+    return None
 
 
 def _json(d: dict) -> tuple:

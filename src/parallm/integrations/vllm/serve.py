@@ -163,7 +163,7 @@ def _in_use(path: str) -> bool:
 def serve(model_dir, *, tensor_parallel_size: int = 1, port: int | None = None, backend: str = "parallm",
           dtype: str = "float32", max_model_len: int | None = None, kv_cache_memory_bytes: int | None = 64 << 20,
           args=(), env: dict | None = None, python: str | None = None, log: str | None = None,
-          timeout: float = 600.0, wait: bool = True) -> Server:
+          timeout: float = 600.0, wait: bool = True, dev_mode: bool = True) -> Server:
     """Start ``python -m vllm.entrypoints.openai.api_server`` for ``model_dir`` on ``port`` (a free one by
     default) with ``tensor_parallel_size`` workers and parallm's weight-transfer ``backend``, and wait until it
     answers ``/health``. ``args``: more command-line arguments; ``env``: more environment variables (on CPU
@@ -172,7 +172,9 @@ def serve(model_dir, *, tensor_parallel_size: int = 1, port: int | None = None, 
     file of mode 0600 in the temporary directory). ``kv_cache_memory_bytes`` None leaves vLLM's own sizing (on
     CPU: most of the RAM). The server ends when this process does (see the module docstring). Raises with the
     log's tail when the server exits or is not ready within ``timeout`` seconds.
-    ``wait=False`` returns at once: call :meth:`Server.wait_ready` (several servers then start side by side)."""
+    ``wait=False`` returns at once: call :meth:`Server.wait_ready` (several servers then start side by side).
+    ``dev_mode=False`` leaves vLLM's development routes (``/collective_rpc``, ``/sleep``, the weight-transfer
+    routes: none of them behind vLLM's API key) off, for an engine that only serves requests."""
     port = port or _free_port()
     cmd = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", os.fspath(model_dir),
            "--port", str(port), "--host", "127.0.0.1", "--tensor-parallel-size", str(tensor_parallel_size),
@@ -185,7 +187,7 @@ def serve(model_dir, *, tensor_parallel_size: int = 1, port: int | None = None, 
     if kv_cache_memory_bytes is not None:
         cmd += ["--kv-cache-memory-bytes", str(kv_cache_memory_bytes)]
     cmd += list(args)
-    full_env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", **(env or {}))
+    full_env = dict(os.environ, VLLM_SERVER_DEV_MODE="1" if dev_mode else "0", **(env or {}))
     if log is None:
         fd, log = tempfile.mkstemp(prefix=f"parallm_vllm_serve_{port}_", suffix=".log")     # mode 0600
     else:
