@@ -52,7 +52,7 @@ class Server:
 
     def __init__(self, model: str, workdir: str, *, tp: int = 2, sampler: str = "parallm", lora_rank: int = 8,
                  extra=(), python: str | None = None, api_key: str | None = None, timeout: float = 420.0,
-                 cli: bool = False):
+                 cli: bool = False, env: dict | None = None):
         self.ready = os.path.join(workdir, "ready.json")
         self.log_path = os.path.join(workdir, "server.log")
         entry = ["-m", "parallm", "serve-tinker"] if cli else ["-m", "parallm.integrations.tinker"]
@@ -62,7 +62,8 @@ class Server:
         if api_key:
             cmd += ["--api-key", api_key]
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ, **SERVER_ENV),
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, **SERVER_ENV, **(env or {})),
                                      start_new_session=True)
         deadline = time.monotonic() + timeout
         while not os.path.exists(self.ready):

@@ -27,7 +27,7 @@ __all__ = ["DEFAULT_MAX_BODY", "ApiError", "Datum", "FwdBwdRequest", "SDK_LINE",
            "request_ids", "unzstd"]
 
 DEFAULT_MAX_BODY = 128 << 20      # bytes of one request body (parallm serve-tinker --max-body-mb)
-ZSTD_RATIO = 1024                 # a zstd body may expand at most this many times (and never past the cap)
+ZSTD_RATIO = 256                  # a zstd body may expand at most this many times (and never past the cap)
 SPARSE_WIDTH = 128                # a sparse tensor densifies to at most max(rows x this, 32 x what it stores)
 SDK_LINE = "0.38."          # the SDK minor line whose protocol this server speaks (pyproject: parallm[tinker])
 PROTO = "application/x-protobuf"
