@@ -5,6 +5,7 @@ vLLM). Main suite, no vLLM. One 2-rank spawn (the trainer at tp2), each case on 
 * an engine whose ``start_weight_update`` fails, one that cannot be reached at ``verify``, one whose prefix-cache
   reset is refused: ``EngineFailed`` on every rank naming it (the push used to return success), the other engine
   receives every tensor, the failed one is in ``needs_restart`` and the next push leaves it out (and says so);
+  one that was paused for the push is resumed (it used to stay paused, its callers' requests hanging);
 * every engine failing ``start_weight_update``: ``EngineFailed`` before the stream (used to return success with
   no engine);
 * ``/dev/shm`` without room for the two slots (``posix_fallocate`` raising ENOSPC): the same ``OSError`` on every
@@ -96,6 +97,7 @@ def _rank(rank, world, ckpt):
     conn = _connect(both, backend="parallm_shm", timeout=30)
     ve.attempt(out, "none_started", lambda: pv.push_weights(chunks, conn, bucket_bytes="64KB"))
     out["none_started_updates"] = sum(e.calls.count("update") for e in both) if rank == 0 else 0
+    out["none_started_resumed"] = [e.calls[-1] for e in both] if rank == 0 else []
     conn.close()
 
     # no room for the shared-memory file
@@ -160,7 +162,11 @@ def test_failed_engine_raises_on_every_rank(res, key, needle):
     sender = res[0][f"{key}_sender"]
     assert sender["needs_restart"] == ["b"] and sender["a_exact"], sender
     assert sender["a_calls"][-3:] == ["finish", "reset", "resume"], sender["a_calls"]
-    assert "resume" not in sender["b_calls"], sender["b_calls"]          # left paused: it serves nothing stale
+    calls = sender["b_calls"]
+    if "pause" in calls:          # paused, then failed: resumed, so its callers' requests do not hang (issue 54)
+        assert "resume" in calls[calls.index("pause"):], calls
+    else:
+        assert key == "unreachable" and "resume" not in calls, calls
 
 
 def test_no_engine_started(res):
@@ -168,6 +174,7 @@ def test_no_engine_started(res):
         kind, msg, _ = r["none_started"]
         assert kind == "EngineFailed" and "no engine could take the push" in msg and "a: start failed" in msg, msg
     assert res[0]["none_started_updates"] == 0
+    assert res[0]["none_started_resumed"] == ["resume", "resume"]      # paused, start failed: not left paused
 
 
 def test_no_room_for_the_shared_memory_file(res):

@@ -63,6 +63,7 @@ class Connection:
         self.count = len(handles) if handles is not None else 0
         self.failed: dict[int, str] = {}
         self.interrupted: dict[int, str] = {}
+        self.paused: set[int] = set()               # engines the push in progress paused (remote.py)
         self.master_address = master_address
         self.workers = [h.workers() for h in handles] if handles else []
         self.lanes = [Lane(f"parallm-engine-{i}") for i in range(self.count)]

@@ -22,7 +22,8 @@ and values of the old weights; vLLM refuses while blocks are in use) and ``resum
 Failures. A model that does not match raises on every rank and changes no engine. An engine that fails at any
 step of this call (cannot be reached, does not answer within the connection's timeout, ``pause`` /
 ``start_weight_update`` / an update / ``finish`` raising, the prefix-cache reset refused, killed) is marked as
-needing a restart (``conn.failed``) and dropped; the others receive every tensor and finish; then every rank
+needing a restart (``conn.failed``), resumed if this push paused it (never left holding its callers' requests),
+and dropped; the others receive every tensor and finish; then every rank
 raises :class:`~parallm.integrations.vllm.client.EngineFailed` naming each engine that failed in this call (when
 none could start, before the stream). Later pushes go to the other engines only. A failure of the trainer itself
 during the stream (a rank's copy, the sender) ends the stream on every rank with that error; the engines that had
@@ -212,12 +213,27 @@ def _before(conn: Connection, meta, wire: torch.dtype, slot_bytes: int) -> list[
         conn.fail(i, why)
     for i, why in conn.on_all(lambda h: h.pause(), what="pause").items():
         conn.fail(i, why)
+    conn.paused = set(conn.healthy())            # what this push paused (and the interrupted ones, paused before)
     interrupted = [i for i in conn.healthy() if i in conn.interrupted]   # their update is still open: close it
     for i, why in conn.on_all(lambda h: h.finish(), interrupted, what="finish_weight_update (interrupted)").items():
         conn.fail(i, why)
     for i, why in conn.on_all(lambda h: h.start(), what="start_weight_update").items():
         conn.fail(i, why)
+    _resume_failed(conn)
     return conn.healthy()
+
+
+def _resume_failed(conn: Connection) -> None:
+    """Resume every engine paused for this push that then failed: a paused ``vllm serve`` holds its callers'
+    requests until resumed, so one left paused would hang them. It stays in ``needs_restart`` (vLLM takes no
+    update after a failed one) and the push raises naming it: what it serves until restarted is its old weights
+    when it failed before the stream, otherwise not to be trusted (a partial update makes vLLM's next generate
+    fail; a refused prefix-cache reset leaves prefixes of the old weights cached). An interrupted engine (a
+    trainer failure mid-stream, not its own) stays paused until the next push completes it."""
+    failed = [i for i in sorted(getattr(conn, "paused", ())) if i in conn.failed]
+    if failed:
+        conn.on_all(lambda h: h.resume(), failed, what="resume (failed engine)")
+        conn.paused -= set(failed)
 
 
 def _reset_checked(handle) -> None:
@@ -282,6 +298,7 @@ def _send(conn: Connection, stream, state, fanout: _Fanout, engines: list[int], 
                 pass
     if error is None:
         finished = _after(conn, engines)
+        _resume_failed(conn)
         failed = [i for i in tried if i in conn.failed]
         if failed:
             error = EngineFailed("push_weights: engine(s) failed in this push and need a restart (vLLM takes no "
@@ -290,6 +307,7 @@ def _send(conn: Connection, stream, state, fanout: _Fanout, engines: list[int], 
     else:
         try:
             _interrupted(conn, fanout, engines, was, error)
+            _resume_failed(conn)
         except Exception:  # noqa: BLE001 - the trainer's error is the one reported
             pass
     return error, finished, nbytes, tensors
