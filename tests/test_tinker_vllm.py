@@ -103,6 +103,63 @@ def test_vllm_serves_a_lower_rank_client(server):
                                    atol=1e-4)
 
 
+def test_vllm_snapshot_saved_again_and_engine_locked(server):
+    """Issue 54: a sampler snapshot saved again under its name is sampled with the new weights by vLLM (each save
+    is a new immutable directory and a new engine-side adapter; the one it replaced is unloaded) and a sampling
+    client of the old one is refused, not served other weights; unnamed snapshots beyond the newest 8 are
+    unloaded from the engine with their files; the engine takes only its own key and has no development routes;
+    the ready file and healthz say the sampler is ready."""
+    import httpx
+    tc = server.client.create_lora_training_client(base_model=server.model, rank=RANK, seed=12).result()
+    g = np.random.default_rng(12)
+    prompt = g.integers(3, 99, 10).tolist()
+    path = tc.save_weights_for_sampler("latest").result().path
+    old = server.client.create_sampling_client(model_path=path).result()
+    lp0 = np.array(old.compute_logprobs(types.ModelInput.from_ints(prompt)).result()[1:])
+    for _ in range(2):
+        tc.forward_backward([_datum(g.integers(3, 99, 12).tolist()) for _ in range(4)], "cross_entropy").result()
+        tc.optim_step(ADAM).result()
+    assert tc.save_weights_for_sampler("latest").result().path == path
+    new = server.client.create_sampling_client(model_path=path).result()
+    lp1 = np.array(new.compute_logprobs(types.ModelInput.from_ints(prompt)).result()[1:])
+    np.testing.assert_allclose(lp1, _forward_lp(tc, prompt), atol=1e-4)           # the new weights
+    assert np.abs(lp1 - lp0).max() > 1e-3
+    with pytest.raises((tinker.NotFoundError, tinker.RequestFailedError), match="create a new one"):
+        old.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+    with open(server.ready) as f:
+        ready = json.load(f)
+    assert ready["sampler_ready"] is True and ready["sampler"] == "ready", ready
+    engine = ready["sampler_url"]
+    assert httpx.get(engine + "/v1/models").status_code == 401                   # the engine's own key only
+    assert httpx.post(engine + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"}).status_code == 401
+    assert httpx.post(engine + "/collective_rpc", json={"method": "x"}).status_code == 404     # no dev mode
+    assert httpx.get(server.url + "/api/v1/healthz").json()["sampler"] == "ready"
+    for _ in range(11):                                                            # 11 unnamed snapshots, sampled
+        sc = tc.save_weights_and_get_sampling_client().result()
+        sc.compute_logprobs(types.ModelInput.from_ints(prompt[:4])).result()
+    from parallm.integrations.tinker.checkpoints import CheckpointStore
+    run = CheckpointStore(os.path.join(server.work, "ckpt")).run_dir(tc.model_id)
+    key = _engine_key(server)
+    models = httpx.get(engine + "/v1/models", headers={"Authorization": f"Bearer {key}"}).json()["data"]
+    mine = [m for m in models if str(m.get("root", "")).startswith(os.path.realpath(run))]
+    print("adapters of this client loaded in vLLM:", len(mine), "of", len(models))
+    assert len(mine) <= 9, [m["id"] for m in mine]             # the 8 kept unnamed + "latest"
+
+
+def _engine_key(server) -> str:
+    """The vLLM engine's key, read from its environment (the test runs as the same user)."""
+    out = subprocess.run(["pgrep", "-f", "vllm.entrypoints.openai.api_server"], capture_output=True, text=True)
+    for pid in out.stdout.split():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
+        except OSError:
+            continue
+        if b"VLLM_API_KEY" in env:
+            return env[b"VLLM_API_KEY"].decode()
+    raise AssertionError("no vLLM engine with a key found")
+
+
 def _cookbook(server, kind, steps):
     log_dir = os.path.join(server.work, kind)
     env = dict(os.environ, TINKER_API_KEY="tml-any", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")

@@ -125,6 +125,7 @@ def _announce(args, url: str, sampler) -> None:
     written again once the sampler is ready or failed (``sampler``: its state, as ``healthz`` reports it)."""
     info = {"url": url, "pid": os.getpid(), "time": time.time(),
             "sampler_pid": sampler.pid() if hasattr(sampler, "pid") else None,
+            "sampler_url": getattr(sampler, "url", None),      # a vLLM engine's; it takes only its own key
             "sampler": sampler.state() if sampler is not None else "none"}
     info["sampler_ready"] = info["sampler"] in ("ready", "none")
     if args.ready_file:
