@@ -11,7 +11,7 @@ one adapter + optimizer + gradient copy per inactive client (LoRA-sized). Nothin
 between clients, so a client's results do not depend on what the others did (tested: two clients interleaved
 equal each alone).
 
-A client created with ``train_attn=False`` (or ``train_mlp=False``) gets zero A and B on those modules: their
+A client created with ``train_attn=False`` (or ``train_mlp`` / ``train_unembed`` False) gets zero A and B on those modules: their
 update is exactly zero, their gradients are exactly zero (the gradient of B is ``g (A x)^T = 0``, of A
 ``B^T g x^T = 0``), and AdamW leaves zeros at zero, so those modules stay the base model's.
 """
@@ -128,6 +128,8 @@ class ClientTable:
 
 
 def _module_kind(peft_name: str) -> str:
+    if ".lm_head." in peft_name or peft_name.startswith("lm_head."):
+        return "unembed"
     if ".self_attn." in peft_name:
         return "attn"
     if ".mlp." in peft_name or ".block_sparse_moe." in peft_name:
@@ -148,7 +150,7 @@ def initial_factor(name: str, shape, *, seed: int, kind_on: bool) -> torch.Tenso
 
 
 def write_initial_adapter(template_dir: str, out_dir: str, *, seed: int, train_mlp: bool, train_attn: bool,
-                          rank: int, big: int, num_experts: int) -> None:
+                          rank: int, big: int, num_experts: int, train_unembed: bool = False) -> None:
     """A PEFT directory with a new client's factors, in the layout of ``template_dir`` (the server's adapters as
     ``save_hf_adapter`` wrote them at start-up: rank ``big``); a client of rank ``rank`` gets zeros beyond it
     (:mod:`.ranks`). Written by rank 0; every rank then ``load_hf_adapter``s it."""
@@ -157,7 +159,7 @@ def write_initial_adapter(template_dir: str, out_dir: str, *, seed: int, train_m
 
     from .ranks import cut_factor, pad_factor
     kw = {"rank": rank, "big": big, "num_experts": num_experts}
-    on = {"attn": train_attn, "mlp": train_mlp, "other": train_attn or train_mlp}
+    on = {"attn": train_attn, "mlp": train_mlp, "unembed": train_unembed, "other": train_attn or train_mlp}
     os.makedirs(out_dir, exist_ok=True)
     tensors = {}
     with safe_open(os.path.join(template_dir, "adapter_model.safetensors"), "pt") as f:

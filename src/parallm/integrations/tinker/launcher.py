@@ -45,8 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-rank", type=int, default=32,
                    help="the rank R of the adapters the model holds: a client asks for any rank 1..R")
     p.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha (a rank-r client: scaling alpha / r)")
-    p.add_argument("--lora-unembed", choices=("refuse", "skip"), default="refuse",
-                   help="train_unembed=True clients: refused, or trained without a head adapter (said so)")
+    p.add_argument("--lora-unembed", choices=("train", "skip", "refuse"), default="train",
+                   help="the output head's adapter: train (the SDK's default train_unembed=True clients train it; "
+                        "False ones keep it zero), skip (no head adapter: train_unembed=True clients train the "
+                        "others, said so), refuse (train_unembed=True refused)")
     p.add_argument("--sampler", choices=("auto", "vllm", "parallm", "none"), default="auto",
                    help="vllm: a `vllm serve` engine; parallm: the trainer's forwards; auto: vllm if installed")
     p.add_argument("--sampler-timeout", type=float, default=600.0, help="seconds the vLLM engine may take to start")

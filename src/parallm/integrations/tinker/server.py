@@ -47,7 +47,8 @@ def _model_facts(model: str) -> tuple[str, dict]:
 
 def _build(args, directory):
     parallm.init_parallel(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, timeout_s=args.timeout)
-    lora = parallm.LoraConfig(args.lora_rank, args.lora_alpha, "all-linear")
+    targets = ("all-linear", "lm_head") if args.lora_unembed == "train" else "all-linear"
+    lora = parallm.LoraConfig(args.lora_rank, args.lora_alpha, targets)
     chunks = parallm.build_model(directory, lora=lora, dtype=getattr(torch, args.dtype))
     parallm.load_hf_weights(chunks, directory)
     opt = parallm.build_optimizer(chunks, lr=1e-4, betas=(0.9, 0.95), eps=1e-12)

@@ -5,9 +5,10 @@ client's ``seq_id`` order (:class:`.service.ServiceBase.job`).
 
 LoRA: the server holds adapters of rank ``--lora-rank`` (alpha ``--lora-alpha``) on every attention and MLP
 projection; a client asks for any rank up to it (:mod:`.ranks`) and chooses ``train_attn`` / ``train_mlp``.
-``train_unembed`` (an adapter on the output head) is not offered by parallm: refused, unless the server runs with
-``--lora-unembed skip`` (then trained without it, and every session is told so). Full fine-tuning (no LoRA
-config) is refused: the SDK's clients create LoRA models only.
+``train_unembed`` (an adapter on the output head, the SDK's default): the model holds one on the vocab-parallel head
+(``--lora-unembed train``, the default; a client with ``train_unembed=False`` keeps it zero); ``--lora-unembed
+skip`` builds none (``train_unembed=True`` clients train the other adapters, and every session is told so);
+``refuse`` refuses such clients. Full fine-tuning (no LoRA config) is refused.
 """
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ class TrainingRoutes:
                                 f"{c['lora_rank']} (parallm serve-tinker --lora-rank {c['lora_rank']}, the largest); "
                                 f"create the client with a rank <= {c['lora_rank']} or start the server with a "
                                 "larger --lora-rank")
-        if lora.train_unembed and c["lora_unembed"] != "skip":
-            raise ApiError(400, "train_unembed=True: parallm does not put a LoRA adapter on the output head; "
-                                "create the client with train_unembed=False, or start the server with "
-                                "--lora-unembed skip to train the other adapters without it")
-        if not (lora.train_attn or lora.train_mlp):
-            raise ApiError(400, "train_attn and train_mlp are both False: nothing to train (the head's adapter "
-                                "is not offered)")
+        if lora.train_unembed and c["lora_unembed"] == "refuse":
+            raise ApiError(400, "train_unembed=True: this server was started with --lora-unembed refuse; create "
+                                "the client with train_unembed=False (or restart the server with --lora-unembed "
+                                "train, the default)")
+        head = bool(lora.train_unembed) and c["lora_unembed"] == "train"
+        if not (lora.train_attn or lora.train_mlp or head):
+            raise ApiError(400, "train_attn, train_mlp and train_unembed are all False (or the head's adapter is "
+                                "off: --lora-unembed skip): nothing to train")
         seed = lora.seed if lora.seed is not None else secrets.randbits(62)
         return {"rank": lora.rank, "alpha": c["lora_alpha"], "seed": int(seed), "train_mlp": bool(lora.train_mlp),
                 "train_attn": bool(lora.train_attn), "train_unembed": bool(lora.train_unembed)}
@@ -69,7 +71,9 @@ class TrainingRoutes:
                                                 created=time.time(), user_metadata=user_metadata)
         init_dir = os.path.join(self.checkpoints.root, "_parallm_init", model_id.replace(":", "_"))
         write_initial_adapter(self.config["adapter_template"], init_dir, seed=lora["seed"],
-                              train_mlp=lora["train_mlp"], train_attn=lora["train_attn"], rank=lora["rank"],
+                              train_mlp=lora["train_mlp"], train_attn=lora["train_attn"],
+                              train_unembed=lora["train_unembed"] and self.config["lora_unembed"] == "train",
+                              rank=lora["rank"],
                               big=self.config["lora_rank"], num_experts=self.config["num_experts"])
         return model_id, {"op": "create_client", "args": {"model_id": model_id, "lora": lora, "init_dir": init_dir,
                                                           "base_model": self.config["model_name"]}}
@@ -159,7 +163,8 @@ class TrainingRoutes:
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def _meta(self, rec, **more) -> dict:
         return {"base_model": self.config["model_name"], "model_id": rec.model_id, "lora": rec.lora,
-                "held_rank": self.config["lora_rank"], **more}
+                "held_rank": self.config["lora_rank"], "head_adapter": self.config["lora_unembed"] == "train",
+                **more}
 
     def route_save_weights(self, body):
         req = protocol.parse(_types().SaveWeightsRequest, body, route="save_weights")
@@ -195,6 +200,13 @@ class TrainingRoutes:
                                 f"this server's hold rank {self.config['lora_rank']}: a training checkpoint loads "
                                 f"on a server with --lora-rank {held} (its sampler weights, a PEFT directory of "
                                 f"rank {meta['lora']['rank']}, load anywhere)")
+        head = self.config["lora_unembed"] == "train"
+        if meta.get("head_adapter", False) != head:
+            raise ApiError(400, f"{req.path} was saved by a server {'with' if meta.get('head_adapter') else 'without'}"
+                                f" an adapter on the output head; this one runs --lora-unembed "
+                                f"{self.config['lora_unembed']}: a training checkpoint loads on a server with "
+                                f"--lora-unembed {'train' if meta.get('head_adapter') else 'skip'} (its sampler "
+                                "weights, plain PEFT, load anywhere)")
         self._check_base(req.base_model)
         self._check_optimizer(req.optimizer_config)
         load = {"op": "load_state", "args": {"path": directory, "optimizer": bool(req.optimizer)}}
