@@ -54,10 +54,18 @@ def _block_rows(topk: int, width: int, budget: int | None) -> int:
     return max(1, (GATHER_BUDGET if budget is None else budget) // max(1, topk * width))
 
 
-def _block_forward(q, kv, index, valid, scale: float, dv: int):
-    """One block: q ``[b, h, D]``, the key rows ``kv`` ``[N, D]``, index / valid ``[b, k]`` -> (out ``[b, h, dv]``
-    fp32, lse ``[b, h]`` fp32, the gathered rows, the masked scores)."""
-    rows = kv.index_select(0, index.reshape(-1)).view(index.shape + (kv.shape[-1],)).float()     # [b, k, D]
+def _gather_rows(kv, index):
+    """The key rows ``[b, k, D]`` (fp32) of the selection ``index`` ``[b, k]`` (int32, -1: an empty slot, whose
+    row is row 0, masked by the caller) and the mask of the slots that hold a key."""
+    valid = index >= 0
+    rows = kv.index_select(0, index.clamp_min(0).reshape(-1)).view(index.shape + (kv.shape[-1],)).float()
+    return rows, valid
+
+
+def _block_forward(q, kv, index, scale: float, dv: int):
+    """One block: q ``[b, h, D]``, the key rows ``kv`` ``[N, D]``, index ``[b, k]`` (-1: empty) -> (out ``[b, h,
+    dv]`` fp32, lse ``[b, h]`` fp32)."""
+    rows, valid = _gather_rows(kv, index)                                                       # [b, k, D]
     scores = torch.bmm(q.float(), rows.transpose(1, 2)) * scale                                 # [b, h, k]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     m = scores.amax(-1, keepdim=True)
@@ -66,27 +74,26 @@ def _block_forward(q, kv, index, valid, scale: float, dv: int):
     den = p.sum(-1, keepdim=True)
     out = torch.bmm(p, rows[..., :dv]) / den.clamp_min(torch.finfo(torch.float32).tiny)
     lse = (m + torch.log(den)).squeeze(-1)                                 # -inf for a query that sees nothing
-    return out, lse, rows, scores
+    return out, lse
 
 
 class SparseLatentAttention(torch.autograd.Function):
     """``out[t, h] = softmax_j(scale * q[t, h] . kv[index[t, j]]) over valid j, of kv[index[t, j], :dv]``.
 
     q ``[Q, h, D]``, kv ``[N, D]`` (one key row per token, shared by every head; its first ``dv`` channels are the
-    value), index / valid ``[Q, k]``. Returns ``[Q, h, dv]`` in q's dtype (fp32 softmax and accumulation); a query
+    value), index ``[Q, k]`` int32 (-1: an empty slot, FlashMLA's form). Returns ``[Q, h, dv]`` in q's dtype (fp32 softmax and accumulation); a query
     without a valid key gets zeros. Blocks of queries: at most :data:`GATHER_BUDGET` gathered elements at a
     time; the backward recomputes each block from the saved log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, kv, index, valid, scale, dv, budget):
+    def forward(ctx, q, kv, index, scale, dv, budget):
         n_q, h, _ = q.shape
         out = torch.empty(n_q, h, dv, dtype=torch.float32, device=q.device)
         lse = torch.empty(n_q, h, dtype=torch.float32, device=q.device)
         step = _block_rows(index.shape[1], kv.shape[-1], budget)
         for a in range(0, n_q, step):
-            o, s, _, _ = _block_forward(q[a:a + step], kv, index[a:a + step], valid[a:a + step], scale, dv)
-            out[a:a + step], lse[a:a + step] = o, s
-        ctx.save_for_backward(q, kv, index, valid, out, lse)
+            out[a:a + step], lse[a:a + step] = _block_forward(q[a:a + step], kv, index[a:a + step], scale, dv)
+        ctx.save_for_backward(q, kv, index, out, lse)
         ctx.scale, ctx.dv, ctx.step = scale, dv, step
         return out.to(q.dtype)
 
@@ -97,16 +104,16 @@ class SparseLatentAttention(torch.autograd.Function):
 
 
 def _sparse_backward(ctx, grad):
-    """The blocked backward of the sparse latent attention from ``ctx.saved`` = (q, kv, index, valid, out fp32,
-    lse fp32): each block's gathered rows and probabilities recomputed."""
-    q, kv, index, valid, out, lse = ctx.saved
+    """The blocked backward of the sparse latent attention from ``ctx.saved`` = (q, kv, index, out fp32, lse fp32):
+    each block's gathered rows and probabilities recomputed."""
+    q, kv, index, out, lse = ctx.saved
     scale, dv, step = ctx.scale, ctx.dv, ctx.step
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     g_all = grad.float()
     for a in range(0, q.shape[0], step):
-        idx, ok = index[a:a + step], valid[a:a + step]
-        rows = kv.index_select(0, idx.reshape(-1)).view(idx.shape + (kv.shape[-1],)).float()
+        idx = index[a:a + step]
+        rows, ok = _gather_rows(kv, idx)
         qb = q[a:a + step].float()
         scores = (torch.bmm(qb, rows.transpose(1, 2)) * scale).masked_fill(~ok[:, None, :], float("-inf"))
         base = lse[a:a + step]
@@ -119,13 +126,13 @@ def _sparse_backward(ctx, grad):
         dq[a:a + step] = torch.bmm(ds, rows)
         drows = torch.bmm(ds.transpose(1, 2), qb)                                # [b, k, D]
         drows[..., :dv] += torch.bmm(p.transpose(1, 2), g)
-        dkv.index_add_(0, idx.reshape(-1), drows.reshape(-1, kv.shape[-1]))
-    return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None, None, None
+        dkv.index_add_(0, idx.clamp_min(0).reshape(-1), drows.reshape(-1, kv.shape[-1]))   # empty slots: ds = 0
+    return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None, None
 
 
-def sparse_latent_attention(q, kv, index, valid, *, scale: float, dv: int, budget: int | None = None):
+def sparse_latent_attention(q, kv, index, *, scale: float, dv: int, budget: int | None = None):
     """:class:`SparseLatentAttention` (the ``"torch"`` kernel)."""
-    return SparseLatentAttention.apply(q, kv, index, valid, scale, dv, budget)
+    return SparseLatentAttention.apply(q, kv, index, scale, dv, budget)
 
 
 try:  # optional CUDA kernel: FlashMLA's sparse prefill (forward only)
@@ -147,29 +154,28 @@ class FlashMLASparse(torch.autograd.Function):
     log-sum-exp recomputed too (nothing taken from FlashMLA's base-2 lse). Written, not run on a GPU."""
 
     @staticmethod
-    def forward(ctx, q, kv, index, valid, scale, dv, budget):
-        indices = torch.where(valid, index, -1).to(torch.int32)[:, None, :]
-        out = _flash_mla_sparse_fwd(q.contiguous(), kv[:, None].contiguous(), indices, scale, d_v=dv)[0]
-        ctx.save_for_backward(q, kv, index, valid, out)
+    def forward(ctx, q, kv, index, scale, dv, budget):
+        out = _flash_mla_sparse_fwd(q.contiguous(), kv[:, None].contiguous(), index[:, None, :].contiguous(), scale,
+                                    d_v=dv)[0]
+        ctx.save_for_backward(q, kv, index, out)
         ctx.scale, ctx.dv, ctx.step = scale, dv, _block_rows(index.shape[1], kv.shape[-1], budget)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, kv, index, valid, out = ctx.saved_tensors
+        q, kv, index, out = ctx.saved_tensors
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         for a in range(0, q.shape[0], ctx.step):
-            lse[a:a + ctx.step] = _block_forward(q[a:a + ctx.step], kv, index[a:a + ctx.step],
-                                                 valid[a:a + ctx.step], ctx.scale, ctx.dv)[1]
-        ctx.saved = (q, kv, index, valid, out.float(), lse)
+            lse[a:a + ctx.step] = _block_forward(q[a:a + ctx.step], kv, index[a:a + ctx.step], ctx.scale, ctx.dv)[1]
+        ctx.saved = (q, kv, index, out.float(), lse)
         return _sparse_backward(ctx, grad)
 
 
-def flash_mla_sparse(q, kv, index, valid, *, scale: float, dv: int, budget: int | None = None):
+def flash_mla_sparse(q, kv, index, *, scale: float, dv: int, budget: int | None = None):
     """FlashMLA's forward where :func:`flash_mla_usable`, else the torch kernel."""
     if not flash_mla_usable(q, kv, index, dv):
-        return sparse_latent_attention(q, kv, index, valid, scale=scale, dv=dv, budget=budget)
-    return FlashMLASparse.apply(q, kv, index, valid, scale, dv, budget)
+        return sparse_latent_attention(q, kv, index, scale=scale, dv=dv, budget=budget)
+    return FlashMLASparse.apply(q, kv, index, scale, dv, budget)
 
 
 # the sparse attention kernels: "torch" (any device, any dtype) and "flash-mla" (FlashMLA's sparse prefill forward
@@ -211,6 +217,9 @@ class DSAttention(MLAttention):
                          cp_attn=cp_attn)
         self.layer_number = layer_number
         self.source = spec.dsa.source(layer_number)
+        # the last shared layer that reads this layer's (a shared layer: its source's) selection; None: none
+        readers = [i for i in spec.dsa.shared if spec.dsa.source(i) == self.source]
+        self.last_reader = max(readers) if readers else None
         self.topk = spec.dsa.topk
         self.indexer = Indexer(spec, config.params_dtype, device) if spec.has_indexer(layer_number) else None
         self.kernel = resolve_sparse_kernel(device if device is not None else "cpu", config.params_dtype)
@@ -228,23 +237,33 @@ class DSAttention(MLAttention):
         ranges = key_ranges(ctx)
         if ranges.longest <= self.topk:          # every visible key is selected: the dense path is the same
             return self.dense_attention(q, latent, k_rope, cos, sin, ctx)
-        index, valid = self._selection(x, q_resid, cos, sin, ctx, ranges)
-        return self._sparse(q, latent, k_rope, cos, sin, ctx, index, valid)
+        index = self._selection(x, q_resid, cos, sin, ctx, ranges)
+        return self._sparse(q, latent, k_rope, cos, sin, ctx, index)
 
     def _selection(self, x, q_resid, cos, sin, ctx, ranges):
-        """This layer's (or, shared, its source layer's) ``(index, valid)`` for every query row, kept on ``ctx``."""
-        chosen = ctx.__dict__.setdefault("_dsa_selected", {})
+        """This layer's (or, shared, its source layer's) selection ``[rows * width, topk]`` int32 (-1: empty) for
+        every query row. Kept on ``ctx`` (``_dsa_selected``) only while a later shared layer needs it: without
+        recomputation the last reader drops it; under recomputation (``ctx.replays_layers``) the readers' replays
+        in the backward read it too, and the source's own replay, which comes after theirs, takes it back (no
+        second indexer run) and drops it."""
+        held = ctx.__dict__.setdefault("_dsa_selected", {})
         if self.indexer is None:
-            if self.source not in chosen:
+            if self.source not in held:
                 raise RuntimeError(f"layer {self.layer_number} reuses layer {self.source}'s top-k selection, which "
                                    "this batch has not computed (it must run first, in the same stage)")
-            return chosen[self.source]
+            index = held[self.source]
+            if self.layer_number == self.last_reader and not getattr(ctx, "replays_layers", False):
+                del held[self.source]
+            return index
+        if self.layer_number in held:        # this layer's replay under recomputation: its readers' came before
+            return held.pop(self.layer_number)
         cp = isinstance(ctx, ContextSplit)
         sp_group = _tp_group() if self.sequence_parallel else None
-        chosen[self.layer_number] = self.indexer.select(
-            x, q_resid, cos, sin, ranges, sp_group=sp_group, cp_split=ctx if cp else None,
-            cp_group=self.cp_group if cp else None)
-        return chosen[self.layer_number]
+        index = self.indexer.select(x, q_resid, cos, sin, ranges, sp_group=sp_group, cp_split=ctx if cp else None,
+                                    cp_group=self.cp_group if cp else None)
+        if self.last_reader is not None:
+            held[self.layer_number] = index
+        return index
 
     def _kv_b_weight(self):
         """``kv_b_proj``'s local rows as the layer uses them: with a LoRA adapter (enabled), plus its update."""
@@ -262,7 +281,7 @@ class DSAttention(MLAttention):
             w = w + ((b.float() @ a.float()) * slot.scaling).to(w.dtype)
         return w
 
-    def _sparse(self, q, latent, k_rope, cos, sin, ctx, index, valid):
+    def _sparse(self, q, latent, k_rope, cos, sin, ctx, index):
         from ...parallel.comm import gather_rows_sum_back
         if self.sequence_parallel:
             latent = mtp.gather_from_sequence_parallel_region(latent.contiguous(), tensor_parallel_output_grad=True)
@@ -281,8 +300,7 @@ class DSAttention(MLAttention):
             keys = mtp.copy_to_tensor_model_parallel_region(keys)
         if isinstance(ctx, ContextSplit):
             keys = gather_rows_sum_back(keys, self.cp_group).index_select(0, ctx.order)
-        out = SPARSE_KERNELS[self.kernel](q, keys.reshape(-1, keys.shape[-1]), index, valid,
-                                                 scale=self.scale, dv=dl)
+        out = SPARSE_KERNELS[self.kernel](q, keys.reshape(-1, keys.shape[-1]), index, scale=self.scale, dv=dl)
         out = torch.einsum("thd,hvd->thv", out, w_uv).reshape(s, b, h * self.v_dim)
         out, _ = self.linear_proj(out)
         return out

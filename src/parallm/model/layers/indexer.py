@@ -125,6 +125,27 @@ def rope_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interle
     return torch.cat([rot, x[..., n:]], dim=-1)
 
 
+# the order key of a masked score (-inf) shifted into the top half of an int64: see topk_lowest_first
+_EMPTY_KEY = ((-8388608 ^ 0x7FFFFFFF) + 1) << 32       # -inf's float32 bits (0xFF800000) as ordered, plus one
+
+
+def topk_lowest_first(scores: torch.Tensor, mask: torch.Tensor, k: int, k0: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest ``scores`` ``[.., keys]`` (fp32) among those ``mask`` allows, ties broken by the lower key
+    position (``k0 +`` the index along the last dim): one rule in every layout and on every rank, where
+    ``torch.topk``'s order among equal values depends on the device, the kernel and the tensor's extent (a
+    padded row and the same document in a packed stream scanned different windows and kept different keys among
+    tied scores: with few indexer heads, every head's ReLU zero makes exact ties common). Each score becomes one
+    int64, its float32 bits made order-preserving (negative values' low 31 bits flipped; -0.0 first made +0.0) in
+    the top half and ``2^32 - 1 - position`` in the bottom half, and ``topk`` runs on those. Returns (index along
+    the last dim ``[.., k]``, whether the slot holds an allowed key)."""
+    bits = (scores + 0.0).masked_fill(~mask, float("-inf")).view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long() << 32
+    pos = torch.arange(k0, k0 + scores.shape[-1], device=scores.device)
+    key = ordered + ((1 << 32) - 1 - pos)
+    vals, idx = key.topk(k, dim=-1)
+    return idx, vals >= _EMPTY_KEY
+
+
 def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ranges: KeyRanges, topk: int, *,
                 scale: float, row0: int = 0, budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The top-k keys of each query: q ``[r, width, n, d]`` (queries ``row0 .. row0 + r - 1`` of ``ranges``,
@@ -136,8 +157,7 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ranges: KeyRa
     scores at a time (None: :data:`SCORE_BUDGET`)."""
     budget = SCORE_BUDGET if budget is None else budget
     r, width, n, _ = q.shape
-    index = torch.zeros(r, width, topk, dtype=torch.long, device=q.device)
-    valid = torch.zeros(r, width, topk, dtype=torch.bool, device=q.device)
+    index = torch.full((r, width, topk), -1, dtype=torch.int32, device=q.device)
     lo_all = torch.tensor(ranges.lo, dtype=torch.long, device=q.device)
     hi_all = torch.tensor(ranges.hi, dtype=torch.long, device=q.device)
     kf = k.float()
@@ -162,12 +182,10 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ranges: KeyRa
                 scores = F.relu(scores * scale)
                 total = torch.matmul(w[a:e, col].unsqueeze(-2), scores).squeeze(-2)          # [blk, keys]
                 mask = sees if ranges.real is None else sees & ranges.real[k0:k1, col][None]
-                total = total.masked_fill(~mask, float("-inf"))
-                vals, idx = total.topk(kk, dim=-1)
-                index[a:e, col, :kk] = (idx + k0) * width + col
-                valid[a:e, col, :kk] = vals > float("-inf")
+                idx, ok = topk_lowest_first(total, mask, kk, k0)
+                index[a:e, col, :kk] = ((idx + k0) * width + col).masked_fill(~ok, -1).int()
         a = e
-    return index.view(r * width, topk), valid.view(r * width, topk)
+    return index.view(r * width, topk)
 
 
 class Indexer(nn.Module):
@@ -214,11 +232,8 @@ class Indexer(nn.Module):
         k = _gather(k.contiguous(), sp_group, all_gather_single)
         if cp_split is not None:
             k = _gather(k, cp_group, all_gather_single).index_select(0, cp_split.order)
-        index, valid = select_topk(q, k, w, ranges, self.topk, row0=row0, scale=self.head_dim ** -0.5)
-        if sp_group is not None:
-            index = _gather(index, sp_group, all_gather_single)
-            valid = _gather(valid.to(torch.uint8), sp_group, all_gather_single).bool()
-        return index, valid
+        index = select_topk(q, k, w, ranges, self.topk, row0=row0, scale=self.head_dim ** -0.5)
+        return _gather(index, sp_group, all_gather_single)
 
 
 def _gather(x: torch.Tensor, group, all_gather) -> torch.Tensor:
