@@ -417,5 +417,6 @@ def topk_margin(model, ids, mask) -> float:
     that differ in the last bits (TP reductions, another summation order) may select differently where it is
     tiny; end-to-end tests keep batches whose margin is not (the selection is a discrete choice: no tolerance
     covers a flipped key)."""
+    from parallm.verify.reference import hf_output
     from parallm.verify.ties import topk_margin as margin
-    return margin(model, ids, mask)[0]
+    return margin(model, ids, mask, lambda: hf_output(model, ids, mask))[0]

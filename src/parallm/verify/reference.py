@@ -266,7 +266,8 @@ def reference(ckpt: str, task: str, *, ids, mask, pre: dict, pieces: int, lr: fl
                 p.copy_(sgd_step(p, p.grad, lr))
         with lowest_first_topk(model):
             after = hf_output(model, ids, mask, task=task).cpu()
-        ties += near_tie_note(model, ids, mask, "after the step", task=task)
+        ties += near_tie_note(model, ids, mask, lambda: hf_output(model, ids, mask, task=task),
+                              "after the step")
     stepped = hf_state(model)
     del model
     gc.collect()
@@ -279,7 +280,8 @@ def _forward_and_loss(model, task, ids, mask, pieces: int, device):
     of the batch."""
     with torch.no_grad():
         out = hf_output(model, ids, mask, task=task).cpu()
-        ties = near_tie_note(model, ids, mask, "before the step", task=task)
+        ties = near_tie_note(model, ids, mask, lambda: hf_output(model, ids, mask, task=task),
+                             "before the step")
     size = ids.shape[0] // pieces
     model.zero_grad(set_to_none=True)
     losses = [loss_for(task)(hf_output(model, ids[i:i + size], mask[i:i + size], task=task),

@@ -93,12 +93,12 @@ def _margins(mod, hs, q_resid, cos, sin, am, mask, kk: int) -> tuple[float, int]
     return float(gap.flatten()[where]), where
 
 
-def topk_margin(model, ids, mask, *, task: str = "causal_lm") -> tuple[float, str]:
+def topk_margin(model, ids, mask, forward) -> tuple[float, str]:
     """The smallest relative gap ``(v[k-1] - v[k]) / max(|v[k-1]|, 1e-6)`` between the last score a transformers
     indexer keeps and the first it drops, over every real query that sees more than ``index_topk`` keys and
-    every layer with an indexer, on ``model``'s forward of ``ids`` / ``mask``; and where (``"layer L, row R,
+    every layer with an indexer, on ``model``'s forward of ``ids`` / ``mask`` (``forward()`` runs it, e.g.
+    :func:`parallm.verify.reference.hf_output`); and where (``"layer L, row R,
     position P"``). 0 at an exact tie; ``(inf, "")`` for a model without indexers."""
-    from .reference import hf_output
     caught = []
     hooks = [m.register_forward_pre_hook(lambda mod, args: caught.append((mod, args)))
              for m in model.modules() if _is_indexer(m)]
@@ -106,7 +106,7 @@ def topk_margin(model, ids, mask, *, task: str = "causal_lm") -> tuple[float, st
         if not hooks:
             return float("inf"), ""
         with torch.no_grad():
-            hf_output(model, ids, mask, task=task)
+            forward()
             best, where = float("inf"), ""
             for layer, (mod, (hs, q_resid, (cos, sin), am, *_)) in enumerate(caught):
                 gap, flat = _margins(mod, hs, q_resid, cos, sin, am, mask, mod.index_topk)
@@ -119,10 +119,10 @@ def topk_margin(model, ids, mask, *, task: str = "causal_lm") -> tuple[float, st
             h.remove()
 
 
-def near_tie_note(model, ids, mask, when: str, *, task: str = "causal_lm") -> list[str]:
+def near_tie_note(model, ids, mask, forward, when: str) -> list[str]:
     """A note for ``parallm verify`` when the indexer's top-k has a near-tie on this batch (gap < NEAR_TIE); []
     otherwise."""
-    gap, where = topk_margin(model, ids, mask, task=task)
+    gap, where = topk_margin(model, ids, mask, forward)
     if gap >= NEAR_TIE:
         return []
     how = "are equal (an exact tie)" if gap == 0 else f"differ by {gap:.1e} (relative)"
