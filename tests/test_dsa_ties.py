@@ -75,9 +75,8 @@ def _verify_rank(rank, world, checks, reversed_rule):
     if reversed_rule:          # a deliberate break: ties by the higher key position on parallm's side only
         original = indexer.topk_lowest_first
 
-        def highest_first(scores, mask, k, k0):
-            idx, ok = original(scores.flip(-1), mask.flip(-1), k, 0)
-            return scores.shape[-1] - 1 - idx, ok
+        def highest_first(scores, mask, k, rev):
+            return original(scores, mask, k, (1 << 32) - 1 - rev)
         indexer.topk_lowest_first = highest_first
         try:
             rows += [verify.check_layout(c) for c in checks]

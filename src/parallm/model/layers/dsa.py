@@ -14,9 +14,9 @@ products as the dense path, summed in another order: fp32 results agree to round
 
 A layer whose batch has no query that sees more than ``topk`` keys selects every visible key: it runs MLA's dense
 path (:meth:`MLAttention.dense_attention`), the same result. GLM-5's ``shared`` layers run no indexer and reuse
-the selection of the last ``full`` layer before them, kept on the batch's layer context for the layers after it
-(recomputation replays the same selection); a shared layer and its source must therefore sit in the same
-pipeline stage (:func:`check_dsa_stages`).
+the selection of the last ``full`` layer before them, kept on the batch's layer context until its last reader
+(under recomputation, until the source layer's replay, which reuses it); a shared layer and its source must
+therefore sit in the same pipeline stage (:func:`check_dsa_stages`).
 
 **Layouts.** TP: MLA's heads split as for DeepSeek-V3 (each rank's heads' ``W_uk`` / ``W_uv`` rows); the latent
 key rows enter the TP region as a copy (under sequence parallelism: all-gathered, gradients reduce-scattered).
@@ -28,13 +28,20 @@ each document.
 **Kernels** (:data:`SPARSE_KERNELS`, chosen at build: :func:`resolve_sparse_kernel`, kept as ``kernel`` and
 compared across ranks like the other kernel choices): ``"torch"``, the blocked gather kernel above, on any device
 and dtype (fp32 accumulation); ``"flash-mla"`` on CUDA in bf16 where the ``flash_mla`` package is installed:
-FlashMLA's sparse prefill (``flash_mla_sparse_fwd``) for the forward when the shapes fit it (value width 512,
-64 / 128 heads per rank, top-k a multiple of 64; else the torch kernel), the torch kernel's blocked backward
-(FlashMLA has none). The FlashMLA path is written, not run on a GPU (scripts/gpu_checks/dsa.py checks the layer
-on a device).
+FlashMLA's sparse prefill (``flash_mla_sparse_fwd``) for the forward when the shapes fit it (value width 512;
+the heads per rank padded with zero heads to 64 or 128, as tp 4 / 8 leave 8-32, and discarded; the top-k padded
+with empty slots to a multiple of 64; otherwise the torch kernel, with a warning naming why, once), the torch
+kernel's blocked backward (FlashMLA has none). ``kernel_ran``: what the layer's last sparse call ran. The
+FlashMLA path is written and tested on CPU with the kernel emulated, not run on a GPU (scripts/gpu_checks/dsa.py
+checks it on a device).
+
+**Selections** are int32 ``[queries, topk]`` with -1 in empty slots (FlashMLA's form). A layer's selection is
+kept on the layer context only while a later ``shared`` layer needs it (see :meth:`DSAttention._selection`).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -141,22 +148,55 @@ except Exception:  # noqa: BLE001 - not installed / no CUDA
     _flash_mla_sparse_fwd = None
 
 
-def flash_mla_usable(q, kv, index, dv: int) -> bool:
-    """Whether FlashMLA's sparse prefill takes these shapes: CUDA bf16, value width 512, key rows 512 or 576 wide,
-    64 or 128 query heads, a top-k that is a multiple of 64."""
-    return (_flash_mla_sparse_fwd is not None and q.is_cuda and q.dtype == torch.bfloat16 and dv == 512
-            and kv.shape[-1] in (512, 576) and q.shape[1] in (64, 128) and index.shape[1] % 64 == 0)
+FLASH_MLA_DEVICE = "cuda"       # where FlashMLA runs (tests emulate the kernel on "cpu")
+_warned: set[str] = set()
+
+
+def flash_mla_unusable(q, kv, index, dv: int) -> str | None:
+    """Why FlashMLA's sparse prefill cannot take these shapes (None: it can): it needs the package, a CUDA bf16
+    query, value width 512 and key rows 512 or 576 wide. The heads per rank are padded to 64 / 128 (any count)
+    and the top-k to a multiple of 64 (empty slots) by :func:`flash_mla_sparse`."""
+    if _flash_mla_sparse_fwd is None:
+        return "the flash_mla package is not installed"
+    if q.device.type != FLASH_MLA_DEVICE or q.dtype != torch.bfloat16:
+        return f"FlashMLA runs on CUDA in bf16 (the queries are {q.dtype} on {q.device.type})"
+    if dv != 512 or kv.shape[-1] not in (512, 576):
+        return (f"FlashMLA's sparse prefill needs kv_lora_rank 512 and key rows 512 / 576 wide (this layer: "
+                f"{dv}, {kv.shape[-1]})")
+    return None
+
+
+def _pad_heads(q: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """q ``[T, h, D]`` with zero heads appended up to 64 (h <= 64) or 128 (else, per slice of 128: see
+    :class:`FlashMLASparse`); returns (padded q, h)."""
+    h = q.shape[1]
+    want = 64 if h <= 64 else 128 * -(-h // 128)
+    return (q if want == h else torch.cat([q, q.new_zeros(q.shape[0], want - h, q.shape[2])], 1)), h
+
+
+def _flash_forward(q, kv, index, scale: float, dv: int) -> torch.Tensor:
+    """FlashMLA's sparse prefill on q ``[T, h, D]`` of any head count (zero heads up to 64 / 128, 128 at a time,
+    discarded) and a top-k padded with empty slots (-1) to a multiple of 64: out ``[T, h, dv]``."""
+    qp, h = _pad_heads(q)
+    k = index.shape[1]
+    if k % 64:
+        index = torch.cat([index, index.new_full((index.shape[0], 64 - k % 64), -1)], 1)
+    kv3, idx3 = kv[:, None].contiguous(), index[:, None, :].to(torch.int32).contiguous()
+    step = 64 if qp.shape[1] == 64 else 128
+    outs = [_flash_mla_sparse_fwd(qp[:, a:a + step].contiguous(), kv3, idx3, scale, d_v=dv)[0]
+            for a in range(0, qp.shape[1], step)]
+    return torch.cat(outs, 1)[:, :h] if len(outs) > 1 else outs[0][:, :h]
 
 
 class FlashMLASparse(torch.autograd.Function):
     """FlashMLA's sparse prefill for the forward (``flash_mla_sparse_fwd(q, kv[:, None], indices, scale,
-    d_v=512)``, invalid slots -1); the backward is :class:`SparseLatentAttention`'s blocked recomputation, its
-    log-sum-exp recomputed too (nothing taken from FlashMLA's base-2 lse). Written, not run on a GPU."""
+    d_v=512)``, empty slots -1; heads padded: :func:`_flash_forward`); the backward is
+    :class:`SparseLatentAttention`'s blocked recomputation, its log-sum-exp recomputed too (nothing taken from
+    FlashMLA's base-2 lse). Written, not run on a GPU (tested on CPU with the kernel emulated)."""
 
     @staticmethod
     def forward(ctx, q, kv, index, scale, dv, budget):
-        out = _flash_mla_sparse_fwd(q.contiguous(), kv[:, None].contiguous(), index[:, None, :].contiguous(), scale,
-                                    d_v=dv)[0]
+        out = _flash_forward(q, kv, index, scale, dv)
         ctx.save_for_backward(q, kv, index, out)
         ctx.scale, ctx.dv, ctx.step = scale, dv, _block_rows(index.shape[1], kv.shape[-1], budget)
         return out
@@ -172,8 +212,13 @@ class FlashMLASparse(torch.autograd.Function):
 
 
 def flash_mla_sparse(q, kv, index, *, scale: float, dv: int, budget: int | None = None):
-    """FlashMLA's forward where :func:`flash_mla_usable`, else the torch kernel."""
-    if not flash_mla_usable(q, kv, index, dv):
+    """FlashMLA's forward where it can run (:func:`flash_mla_unusable`), else the torch kernel, with a warning
+    naming why (once per reason)."""
+    why = flash_mla_unusable(q, kv, index, dv)
+    if why is not None:
+        if why not in _warned:
+            _warned.add(why)
+            warnings.warn(f"sparse attention: the 'flash-mla' kernel falls back to 'torch': {why}", stacklevel=2)
         return sparse_latent_attention(q, kv, index, scale=scale, dv=dv, budget=budget)
     return FlashMLASparse.apply(q, kv, index, scale, dv, budget)
 
@@ -223,6 +268,7 @@ class DSAttention(MLAttention):
         self.topk = spec.dsa.topk
         self.indexer = Indexer(spec, config.params_dtype, device) if spec.has_indexer(layer_number) else None
         self.kernel = resolve_sparse_kernel(device if device is not None else "cpu", config.params_dtype)
+        self.kernel_ran = None        # the kernel the last sparse call ran ("flash-mla" may fall back to "torch")
         self.scale = spec.mla.scale          # the softmax scale, yarn's mscale^2 included
 
     def forward(self, x, cos, sin, ctx):
@@ -300,7 +346,10 @@ class DSAttention(MLAttention):
             keys = mtp.copy_to_tensor_model_parallel_region(keys)
         if isinstance(ctx, ContextSplit):
             keys = gather_rows_sum_back(keys, self.cp_group).index_select(0, ctx.order)
-        out = SPARSE_KERNELS[self.kernel](q, keys.reshape(-1, keys.shape[-1]), index, scale=self.scale, dv=dl)
+        kv = keys.reshape(-1, keys.shape[-1])
+        self.kernel_ran = self.kernel if self.kernel != "flash-mla" or flash_mla_unusable(q, kv, index, dl) is None \
+            else "torch"
+        out = SPARSE_KERNELS[self.kernel](q, kv, index, scale=self.scale, dv=dl)
         out = torch.einsum("thd,hvd->thv", out, w_uv).reshape(s, b, h * self.v_dim)
         out, _ = self.linear_proj(out)
         return out
