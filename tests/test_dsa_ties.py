@@ -34,7 +34,7 @@ def test_packed_padded_and_reference_select_alike():
     from parallm.families import spec_from_config
     from parallm.model.layers.attention import PaddedRows, make_packing, pack_tokens
     from parallm.model.layers.indexer import Indexer, key_ranges
-    from parallm.verify.ties import lowest_first_topk, topk_margin  # noqa: F401 - the rule's home
+    from parallm.verify.ties import lowest_first_topk
     cfg = glm5_config(index_n_heads=HEADS)
     spec, _ = spec_from_config(cfg)
     hf_indexer, _, hf_rope = _hf_modules("glm_moe_dsa")

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..positions.rope import apply_rope
-from .indexer_plan import KeyRanges, key_ranges, pair_bytes, score_budget  # noqa: F401 - key_ranges re-exported
+from .indexer_plan import KeyRanges, key_ranges, pair_bytes  # noqa: F401 - key_ranges re-exported
 from .mla import apply_rope_interleaved
 
 # bytes one block of the indexer may take for its scores and their temporaries; None: sized by the device
@@ -95,10 +95,10 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ranges: KeyRa
     each query's selected keys as flat key rows (``g * width + w``), -1 in the slots of a query that sees fewer
     than ``topk`` keys (FlashMLA's form). Ties by the lower key position (:func:`topk_lowest_first`). Blocks of
     queries against their causal window (:meth:`KeyRanges.plan`, made once per batch), each at most ``budget``
-    bytes (None: :data:`SCORE_BUDGET`, else :func:`score_budget` of the device), every column of a padded
-    batch at once."""
+    bytes (None: :data:`SCORE_BUDGET`, else the device's :func:`~.indexer_plan.score_budget`, measured once per
+    batch), every column of a padded batch at once."""
     r, width, n, d = q.shape
-    budget = score_budget(q.device, SCORE_BUDGET if budget is None else budget)
+    budget = ranges.budget(q.device, SCORE_BUDGET if budget is None else budget)
     index = torch.full((r, width, topk), -1, dtype=torch.int32, device=q.device)
     lo_all, hi_all = ranges.bounds(q.device)
     unreal = ranges.unreal(q.device)                                     # [width, key_rows] or None

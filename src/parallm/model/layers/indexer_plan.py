@@ -68,6 +68,15 @@ class KeyRanges:
             self._on[key] = (self.lo.to(device), self.hi.to(device))
         return self._on[key]
 
+    def budget(self, device, fixed: int | None = None) -> int:
+        """:func:`score_budget` of ``device``, measured once per batch (every layer then plans alike)."""
+        if fixed is not None:
+            return score_budget(device, fixed)
+        key = ("budget", str(device))
+        if key not in self._on:
+            self._on[key] = score_budget(device)
+        return self._on[key]
+
     def plan(self, row0: int, rows: int, pair_bytes: int, budget: int) -> list[tuple[int, int, int, int]]:
         """:func:`plan_blocks` of queries ``row0 .. row0 + rows - 1``, made once per batch (every layer of the
         batch uses it)."""
