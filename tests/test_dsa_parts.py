@@ -133,14 +133,15 @@ def _load_indexer(indexer, hf_state, prefix=""):
             getattr(indexer, local).copy_(hf_state[prefix + hf])
 
 
-def _selections(index, valid, width):
-    """Flat [rows * width, k] selections -> {(b, s): set of key positions}."""
+def _selections(index, width):
+    """Flat [rows * width, k] selections (int32, -1: empty) -> {(b, s): set of key positions}."""
+    assert index.dtype == torch.int32
     out = {}
     rows = index.shape[0] // width
     for s in range(rows):
         for b in range(width):
             t = s * width + b
-            out[(b, s)] = {int(i) // width for i, ok in zip(index[t], valid[t]) if ok}
+            out[(b, s)] = {int(i) // width for i in index[t] if i >= 0}
     return out
 
 
@@ -163,8 +164,8 @@ def test_indexer_selects_what_transformers_selects(family):
     _load_indexer(ours, ref.state_dict())
     cos, sin = _parallm_rope(spec, pos.transpose(0, 1))
     ctx = PaddedRows(mask.bool())
-    index, valid = ours.select(x.transpose(0, 1), q_resid.transpose(0, 1), cos, sin, key_ranges(ctx))
-    got = _selections(index, valid, width=4)
+    index = ours.select(x.transpose(0, 1), q_resid.transpose(0, 1), cos, sin, key_ranges(ctx))
+    got = _selections(index, width=4)
     longer = 0
     for b in range(4):
         for s in range(mask.shape[1]):
@@ -180,7 +181,7 @@ def test_indexer_selects_what_transformers_selects(family):
     other = Indexer(spec, torch.float32)
     _load_indexer(other, ref.state_dict())
     other.interleave = not other.interleave
-    swapped = _selections(*other.select(x.transpose(0, 1), q_resid.transpose(0, 1), cos, sin, key_ranges(ctx)), 4)
+    swapped = _selections(other.select(x.transpose(0, 1), q_resid.transpose(0, 1), cos, sin, key_ranges(ctx)), 4)
     assert sum(swapped[k] != got[k] for k in got if mask[k[0], k[1]]) > 20
 
 
@@ -411,39 +412,11 @@ def test_dsa_attention_tp2_matches_transformers():
 # -- near-ties at the top-k boundary -------------------------------------------------------------------------
 
 def topk_margin(model, ids, mask) -> float:
-    """The smallest relative gap, over every real query that sees more than ``index_topk`` keys and every layer
-    with an indexer, between the last score transformers keeps and the first it drops: ``(v[k-1] - v[k]) /
-    max(|v[k-1]|, 1e-6)``. Two exact computations that differ in the last bits (TP reductions, another
-    summation order) may select differently where it is tiny; end-to-end tests keep batches whose margin is not
-    (the selection is a discrete choice: no tolerance covers a flipped key)."""
-    import torch.nn.functional as F
-    caught = []
-    hooks = [m.register_forward_pre_hook(lambda mod, args: caught.append((mod, args)))
-             for m in model.modules() if type(m).__name__.endswith("Indexer")]
-    try:
-        with torch.no_grad():
-            from parallm.verify.reference import hf_output
-            hf_output(model, ids, mask)
-            margin = float("inf")
-            for mod, (hs, q_resid, (cos, sin), am, *_) in caught:
-                from parallm.model.layers.indexer import rope_first
-                glm = "Glm" in type(mod).__name__
-                q = mod.wq_b(q_resid).unflatten(-1, (mod.n_heads, mod.head_dim))
-                k = mod.k_norm(mod.wk(hs))
-                q = rope_first(q, cos, sin, interleave=glm)
-                k = rope_first(k.unsqueeze(-2), cos, sin, interleave=glm).squeeze(-2)
-                scores = F.relu(torch.matmul(q.float(), k.float().transpose(-1, -2).unsqueeze(1)) * mod.softmax_scale)
-                w = mod.weights_proj(hs.float()).float() * mod.n_heads ** -0.5
-                total = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)                  # [B, S, S]
-                visible = am > -1e30 if am.dtype != torch.bool else am
-                kk = mod.index_topk
-                for b in range(total.shape[0]):
-                    for s in range(total.shape[1]):
-                        if not mask[b, s] or int(visible[b, s].sum()) <= kk:
-                            continue
-                        v = total[b, s][visible[b, s]].sort(descending=True).values
-                        margin = min(margin, float((v[kk - 1] - v[kk]) / max(abs(float(v[kk - 1])), 1e-6)))
-            return margin
-    finally:
-        for h in hooks:
-            h.remove()
+    """The smallest relative gap between the last score transformers' indexers keep and the first they drop
+    (:func:`parallm.verify.ties.topk_margin`, what ``parallm verify`` names as a near-tie). Two exact computations
+    that differ in the last bits (TP reductions, another summation order) may select differently where it is
+    tiny; end-to-end tests keep batches whose margin is not (the selection is a discrete choice: no tolerance
+    covers a flipped key)."""
+    from parallm.verify.reference import hf_output
+    from parallm.verify.ties import topk_margin as margin
+    return margin(model, ids, mask, lambda: hf_output(model, ids, mask))[0]

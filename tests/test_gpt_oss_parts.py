@@ -312,7 +312,8 @@ def test_inspect_shows_the_layer_pattern_and_the_experts_format(tmp_path, checkp
     """``parallm inspect`` on an MXFP4 gpt-oss checkpoint: no problem (the pairs read as the loader reads them),
     the parameters counted as the model holds them, the window / full pattern and the sinks, MXFP4 experts
     dequantised into the unquantised tensors' dtype; the same checkpoint stored unquantised: its dtype."""
-    from parallm.cli.inspect import inspect_checkpoint, render
+    from parallm import inspect_checkpoint
+    from parallm.cli.inspect import render          # the text the command prints (render is the CLI's)
     model, hub = checkpoint
     config = model.config.to_dict()
     mx = {}

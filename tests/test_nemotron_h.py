@@ -197,7 +197,11 @@ def test_inspect_shows_the_blocks_and_counts_tp_by_the_mamba_groups(tmp_path, ca
     assert parallm.inspect_checkpoint(wider)["valid_tp"] == [1, 2, 4]
     assert info["moe"]["activation"] == "relu2" and info["moe"]["tensors_per_layer"] == 8
     assert main(["inspect", path]) == 0
-    assert "blocks        ME*ME (Mamba-2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "blocks        ME*ME (Mamba-2" in out
+    # no RoPE: its attention layers have no positional embedding, and inspect says so (not "rope default")
+    assert info["config"]["rope"] == "none" and info["config"]["rope_theta"] is None
+    assert "no rope (no positional embedding)" in out and "theta" not in out
 
 
 def test_context_parallel_needs_heads_and_groups_divisible_by_tp_times_cp():

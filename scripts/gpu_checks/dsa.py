@@ -16,6 +16,10 @@ kv_lora_rank 128, index_topk 64, 8 indexer heads) built on CPU and moved to the 
      indexer's scores: near-ties select differently, as in transformers), output relative error < 3e-2
   D. memory linear in S (device only): peak allocated memory of forward + backward at S = 4096 and 8192 (batch 1);
      the growth for 2x the tokens below 2.6x (an [S, S] tensor would grow 4x)
+  E. (issue 55) FlashMLA at 8 / 16 / 32 / 64 / 160 heads per rank (padded to 64 / 128) against the torch kernel
+  F. (issue 55) the indexer's block budget (half the free memory) and plan: launches implied at S = 128k, 64
+     heads; the selection equal under two budgets
+  G. (issue 55) the selection is int32 and the layer context holds none after a layer without shared readers
 Exits 0 when all pass.
 """
 
@@ -74,11 +78,71 @@ def run(spec, make, x, keep, device, dtype):
     cos, sin = rope_cos_sin(spec.rope, pos)
     ctx = PaddedRows(keep.to(device))
     xs = x.transpose(0, 1).to(device=device, dtype=dtype).requires_grad_()
+    chosen = []
+    select = layer.indexer.select
+    layer.indexer.select = lambda *a, **kw: chosen.append(select(*a, **kw)) or chosen[-1]
     out = layer(xs, cos, sin, ctx)
     out.float().sum().backward()
-    sel = ctx._dsa_selected[0]
+    held = ctx.__dict__.get("_dsa_selected", {})
+    assert not held, f"the layer context holds selections no shared layer reads: {sorted(held)}"
     grads = {n: p.grad.float().cpu() for n, p in layer.named_parameters() if p.grad is not None}
-    return out.detach().float().cpu(), xs.grad.float().cpu(), grads, [t.cpu() for t in sel]
+    sel = chosen[0].cpu()                                  # int32 [queries, topk], -1: empty
+    return out.detach().float().cpu(), xs.grad.float().cpu(), grads, (sel, sel >= 0)
+
+
+def check_flash_mla(device, report):
+    """E (issue 55): FlashMLA's sparse prefill at the head counts tp 8 / 4 / 2 / 1 leave of GLM-5's 64 (8, 16, 32,
+    64 per rank: padded to 64 with zero heads) and 160 (two calls of 128), top-k 100 (padded to 128), against the
+    torch kernel in bf16 (relative 2e-2); the layer records what ran."""
+    from parallm.model.layers import dsa
+    why = dsa.flash_mla_unusable(torch.zeros(1, 64, 576, dtype=torch.bfloat16, device=device),
+                                 torch.zeros(1, 576, device=device), torch.zeros(1, 64, dtype=torch.int32), 512)
+    if why is not None:
+        print(f"SKIP  E FlashMLA: {why}")
+        return
+    g = torch.Generator().manual_seed(5)
+    for heads in (8, 16, 32, 64, 160):
+        q = torch.randn(2048, heads, 576, generator=g).to(device, torch.bfloat16)
+        kv = torch.randn(2048, 576, generator=g).to(device, torch.bfloat16)
+        index = torch.randint(0, 2048, (2048, 100), generator=g, dtype=torch.int32).to(device)
+        index[:, -5:] = -1
+        got = dsa.flash_mla_sparse(q, kv, index, scale=0.05, dv=512).float()
+        want = dsa.sparse_latent_attention(q, kv, index, scale=0.05, dv=512).float()
+        report(f"E FlashMLA {heads} heads per rank vs the torch kernel (bf16, relative)",
+               float((got - want).norm() / want.norm()), 2e-2)
+
+
+def check_plan(device, report):
+    """F (issue 55): the indexer's block budget on this device (half its free memory), the plan it implies for
+    S = 128k and 64 indexer heads (launches a layer, <= 2000 wanted where >= ~62 GB is free), and the selection
+    of S = 8192 (64 heads; 2048 on --cpu) equal under the device's budget and a small one, with the time of each."""
+    import time
+
+    import numpy as np
+
+    from parallm.model.layers import indexer
+    from parallm.model.layers.attention import PaddedRows
+    from parallm.model.layers.indexer_plan import key_ranges, pair_bytes, plan_blocks, plan_launches, score_budget
+    budget = score_budget(device)
+    s = 128 * 1024
+    blocks = plan_blocks(np.zeros(s, dtype=np.int64), np.arange(s), pair_bytes(64), budget)
+    print(f"     F budget {budget / 2**30:.1f} GiB a block: S = 128k, 64 heads -> {len(blocks)} blocks, "
+          f"{plan_launches(blocks)} launches a layer")
+    n = 8192 if device.type == "cuda" else 2048
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(n, 1, 64, 128, generator=g).to(device, torch.bfloat16)
+    k = torch.randn(n, 1, 128, generator=g).to(device, torch.bfloat16)
+    w = torch.randn(n, 1, 64, generator=g).to(device)
+    ranges = key_ranges(PaddedRows(torch.ones(1, n, dtype=torch.bool, device=device)))
+    outs = []
+    for b in (budget, 1 << 26):
+        t0 = time.perf_counter()
+        outs.append(indexer.select_topk(q, k, w, ranges, 2048, scale=128 ** -0.5, budget=b))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        print(f"     F S = {n}, budget {b / 2**20:.0f} MiB: {len(ranges.plan(0, n, pair_bytes(64), b))} blocks, "
+              f"{time.perf_counter() - t0:.3f} s")
+    report("F selections under two budgets differ (0 = same)", float(not torch.equal(outs[0], outs[1])), 0)
 
 
 def main() -> int:
@@ -109,6 +173,7 @@ def main() -> int:
     ref = run(spec, layer, x, keep, torch.device("cpu"), torch.float32)
     got = run(spec, layer, x, keep, device, torch.float32)
     real = keep.transpose(0, 1)
+    report("G selection dtype int32 (0 = yes)", float(got[3][0].dtype != torch.int32), 0)
     same = torch.tensor([set(a[v].tolist()) == set(b[w].tolist()) for a, v, b, w in
                          zip(got[3][0], got[3][1], ref[3][0], ref[3][1])]).view(real.shape)
     # a near-tie at the top-k boundary may select differently under another summation order: a few, not many
@@ -139,6 +204,8 @@ def main() -> int:
             run(spec, layer, xx, torch.ones(1, n, dtype=torch.bool), device, torch.float32)
             peaks.append(torch.cuda.max_memory_allocated(device) - base)
         report("D peak memory growth for 2x S", peaks[1] / peaks[0], 2.6)
+    check_flash_mla(device, report)
+    check_plan(device, report)
     print("all passed" if not failures else f"FAILED: {failures}")
     return 0 if not failures else 1
 

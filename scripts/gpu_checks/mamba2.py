@@ -15,6 +15,10 @@ Checks, one line each (PASS / FAIL, value, limit):
       and padded with left padding (m4, the torch path whatever the kernel): fp32 logits against transformers
       (run with its torch fallback), with each kernel (mamba_ssm asked for by name at fp32: limit 1e-3)
   m5. bf16 packed on mamba_ssm (auto) against fp32 transformers, relative
+  m6. the torch SSD scan passes the state chunk to chunk (issue 55): on the device, groups of 1 and 3 chunks
+      against one group of every chunk (fp32, 4 documents, relative 1e-5); peak allocated memory of forward +
+      backward at 4096 and 16384 tokens (128 heads of 64, state 128, chunk 256): x4 tokens -> <= x4.5 memory
+      (device only; the --cpu dry run checks the equality)
 Exits 0 when all pass.
 """
 
@@ -68,6 +72,43 @@ def check_kernels(device):
             worst = max((grads["mamba_ssm"][k] - grads["torch"][k]).abs().max().item()
                         / max(grads["torch"][k].abs().max().item(), 1.0) for k in base)
             report("m1 mamba_ssm gradients vs torch fp32 (relative)", worst, 5e-3)
+
+
+def check_scan(device, *, cpu: bool):
+    import torch.nn.functional as F
+
+    from parallm.model.layers import mamba2
+    g = torch.Generator().manual_seed(3)
+
+    def inputs(length, h, p, n, grp):
+        t = [torch.randn(1, length, h, p, generator=g), torch.randn(1, length, h, generator=g),
+             torch.randn(1, length, grp, n, generator=g), torch.randn(1, length, grp, n, generator=g)]
+        return [v.to(device).requires_grad_() for v in t] + [(-torch.rand(h, generator=g) - 0.1).to(device)]
+
+    x, dt, b, c, a = inputs(1000, 8, 16, 16, 2)
+    reset = torch.zeros(16, dtype=torch.bool, device=device)
+    reset[::4] = True
+    whole = mamba2.ssd_scan(x, F.softplus(dt), a, b, c, chunk=64, reset=reset, budget=1 << 40)
+    for chunks in (1, 3):
+        part = mamba2.ssd_scan(x, F.softplus(dt), a, b, c, chunk=64, reset=reset, budget=chunks * 8 * 64 * 64)
+        report(f"m6 torch scan in groups of {chunks} chunk(s) vs one group (relative)",
+               ((part - whole).abs().max() / whole.abs().max()).item(), 1e-5)
+    if cpu:
+        return
+    peaks = []
+    for length in (4096, 16384):
+        x, dt, b, c, a = inputs(length, 128, 64, 128, 8)
+        reset = torch.zeros(length // 256, dtype=torch.bool, device=device)
+        reset[::max(1, len(reset) // 4)] = True
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        mamba2.ssd_scan(x, F.softplus(dt), a, b, c, chunk=256, reset=reset).square().sum().backward()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated(device) - base)
+        del x, dt, b, c
+    print(f"     m6 peaks: {peaks[0] / 2**20:.0f} MiB at 4096 tokens, {peaks[1] / 2**20:.0f} MiB at 16384")
+    report("m6 torch scan peak memory growth for 4x the tokens", peaks[1] / peaks[0], 4.5)
 
 
 def check_model(parallm, R, device, world, workdir, *, cpu: bool):
@@ -134,6 +175,7 @@ def main() -> int:
     dist.init_process_group("gloo" if args.cpu else "nccl")
     if rank == 0:
         check_kernels(device)
+        check_scan(device, cpu=args.cpu)
     dist.barrier()
     check_model(parallm, R, device, world, shared_tmp("parallm_mamba2_check_"), cpu=args.cpu)
     return report.finish("Mamba-2")

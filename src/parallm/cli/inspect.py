@@ -96,6 +96,13 @@ def _bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
+def _rope(c: dict) -> str:
+    """"rope default (theta 10000)", or "no rope (no positional embedding)" (Nemotron-H's attention)."""
+    if c["rope"] == "none":
+        return "no rope (no positional embedding)"
+    return f"rope {c['rope']} (theta {c['rope_theta']:g})"
+
+
 def render(report: dict) -> str:
     from ..model.spec import padded_vocab_size
     c, yes = report["config"], {True: "yes", False: "no"}
@@ -106,7 +113,7 @@ def render(report: dict) -> str:
         f"shape         {c['layers']} layers, hidden {c['hidden']}, {c['heads']} heads x {c['head_dim']} "
         f"({c['kv_heads']} kv heads), intermediate {c['intermediate']}, vocab {c['vocab']}",
         f"details       tied embeddings {yes[c['tied']]}; bias qkv {yes[c['qkv_bias']]} / o {yes[c['o_bias']]} / "
-        f"mlp {yes[c['mlp_bias']]}; rope {c['rope']} (theta {c['rope_theta']:g}); rms eps {c['rms_norm_eps']:g}",
+        f"mlp {yes[c['mlp_bias']]}; {_rope(c)}; rms eps {c['rms_norm_eps']:g}",
         *([f"layers        {c['layer_pattern']}" + ("; a learned attention sink per head" if c.get("sinks") else "")]
           if c.get("layer_pattern") else (["layers        a learned attention sink per head"] if c.get("sinks")
                                           else [])),

@@ -395,6 +395,8 @@ class DecoderChunk(ChunkIO, nn.Module):
             cos, sin = rope_cos_sin(self.spec.rope, positions, rope_length)
         cos, sin = cos.to(x.device), sin.to(x.device)
         recompute = self.recompute == "full" and torch.is_grad_enabled()
+        if recompute:        # the layers' forwards run again in the backward (what a layer keeps on ctx for them)
+            ctx.replays_layers = True
         tokens = self._real_tokens(attention_mask, ctx) if self.moe_aux.scale is not None else None
         replay = self.router_replay
         given = replay.current() if replay.active else None      # router replay: [B, S, moe layers, top_k]

@@ -201,7 +201,7 @@ def _step_and_compare(check: Check, chunks, ids, mask, ref, mtp, row, rank0: boo
         d_weights, what = stepped_difference(new, ref["stepped"], dtype)
         row.update(d_loss=abs(loss.item() - ref["loss"]), d_after=max_diff_real(after, ref["after"], mask),
                    d_weights=d_weights, lr=ref["lr"], update=ref["update"], loss=ref["loss"],
-                   roundtrip=ref["roundtrip"],
+                   roundtrip=ref["roundtrip"], near_ties=ref["near_ties"],
                    notes=ref["notes"] + ([f"after the step: {what}"] if d_weights == float("inf") else []))
     return new
 
@@ -238,6 +238,8 @@ def _finish_row(check: Check, row: dict, reloaded, mtp, task: str, progress) -> 
     row["ok"] = bool(row["d_out"] <= atol and row["d_loss"] <= atol and row["d_after"] <= atol
                      and row["d_weights"] <= weights_atol and row["roundtrip"] and row["reload"]
                      and row["mtp_ok"])
+    if not row["ok"]:        # a top-k near-tie of the sparse-attention indexer: the likely reason, named
+        row["notes"] += row["near_ties"]
     progress(f"{row['layout']} ({row['model']}): {'ok' if row['ok'] else 'FAIL'}")
     return row
 

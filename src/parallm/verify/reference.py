@@ -13,6 +13,7 @@ import gc
 import torch
 
 from . import AUTO_UPDATE, VERIFY_DTYPES
+from .ties import lowest_first_topk, near_tie_note
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=101, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -236,7 +237,9 @@ def reference(ckpt: str, task: str, *, ids, mask, pre: dict, pieces: int, lr: fl
     after it. ``pre``: what parallm holds right after loading (HF names), compared bit for bit ("roundtrip");
     a value head that is not in the checkpoint is taken from it (parallm initialised it). ``lr=None``:
     ``AUTO_UPDATE / max|grad|``, so the largest weight moves by AUTO_UPDATE whatever the model's scale.
-    ``dtype``: transformers runs in it (the model's parameters' dtype on parallm's side)."""
+    ``dtype``: transformers runs in it (the model's parameters' dtype on parallm's side). Sparse-attention
+    indexers break top-k ties by the lower key position, as parallm does (:mod:`.ties`); ``near_ties``: notes
+    naming a top-k near-tie of the batch, before or after the step (shown when the layout differs)."""
     model, info = load_transformers(ckpt, task=task, device=device, dtype=dtype)
     notes = []
     missing = sorted(str(k) for k in info.get("missing_keys", []))
@@ -252,15 +255,8 @@ def reference(ckpt: str, task: str, *, ids, mask, pre: dict, pieces: int, lr: fl
     same, _, what = compare_states(pre, hf_state(model, clone=False))
     if not same:
         notes.append(f"round trip: {what}")
-    with torch.no_grad():
-        out = hf_output(model, ids, mask, task=task).cpu()
-    size = ids.shape[0] // pieces
-    model.zero_grad(set_to_none=True)
-    losses = [loss_for(task)(hf_output(model, ids[i:i + size], mask[i:i + size], task=task),
-                             ids[i:i + size].to(device), mask[i:i + size].to(device))
-              for i in range(0, ids.shape[0], size)]
-    loss = torch.stack(losses).mean()
-    loss.backward()
+    with lowest_first_topk(model):
+        out, loss, ties = _forward_and_loss(model, task, ids, mask, pieces, device)
     gmax = max((p.grad.abs().float().max().item() for p in model.parameters() if p.grad is not None), default=0.0)
     if lr is None:
         lr = AUTO_UPDATE / gmax if gmax > 0 else 1.0
@@ -268,12 +264,32 @@ def reference(ckpt: str, task: str, *, ids, mask, pre: dict, pieces: int, lr: fl
         for p in model.parameters():
             if p.grad is not None:
                 p.copy_(sgd_step(p, p.grad, lr))
-        after = hf_output(model, ids, mask, task=task).cpu()
+        with lowest_first_topk(model):
+            after = hf_output(model, ids, mask, task=task).cpu()
+        ties += near_tie_note(model, ids, mask, lambda: hf_output(model, ids, mask, task=task),
+                              "after the step")
     stepped = hf_state(model)
     del model
     gc.collect()
     return dict(out=out, loss=loss.item(), lr=float(lr), update=float(lr * gmax), after=after, stepped=stepped,
-                roundtrip=same, notes=notes)
+                roundtrip=same, notes=notes, near_ties=ties)
+
+
+def _forward_and_loss(model, task, ids, mask, pieces: int, device):
+    """transformers' output (no grad), the loss over ``pieces`` slices (its backward run) and the near-tie notes
+    of the batch."""
+    with torch.no_grad():
+        out = hf_output(model, ids, mask, task=task).cpu()
+        ties = near_tie_note(model, ids, mask, lambda: hf_output(model, ids, mask, task=task),
+                             "before the step")
+    size = ids.shape[0] // pieces
+    model.zero_grad(set_to_none=True)
+    losses = [loss_for(task)(hf_output(model, ids[i:i + size], mask[i:i + size], task=task),
+                             ids[i:i + size].to(device), mask[i:i + size].to(device))
+              for i in range(0, ids.shape[0], size)]
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    return out, loss, ties
 
 
 def reload_check(save_dir: str, task: str, *, saved: dict, dtype=torch.float32) -> tuple[bool, str]:

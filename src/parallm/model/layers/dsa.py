@@ -14,9 +14,9 @@ products as the dense path, summed in another order: fp32 results agree to round
 
 A layer whose batch has no query that sees more than ``topk`` keys selects every visible key: it runs MLA's dense
 path (:meth:`MLAttention.dense_attention`), the same result. GLM-5's ``shared`` layers run no indexer and reuse
-the selection of the last ``full`` layer before them, kept on the batch's layer context for the layers after it
-(recomputation replays the same selection); a shared layer and its source must therefore sit in the same
-pipeline stage (:func:`check_dsa_stages`).
+the selection of the last ``full`` layer before them, kept on the batch's layer context until its last reader
+(under recomputation, until the source layer's replay, which reuses it); a shared layer and its source must
+therefore sit in the same pipeline stage (:func:`check_dsa_stages`).
 
 **Layouts.** TP: MLA's heads split as for DeepSeek-V3 (each rank's heads' ``W_uk`` / ``W_uv`` rows); the latent
 key rows enter the TP region as a copy (under sequence parallelism: all-gathered, gradients reduce-scattered).
@@ -28,13 +28,20 @@ each document.
 **Kernels** (:data:`SPARSE_KERNELS`, chosen at build: :func:`resolve_sparse_kernel`, kept as ``kernel`` and
 compared across ranks like the other kernel choices): ``"torch"``, the blocked gather kernel above, on any device
 and dtype (fp32 accumulation); ``"flash-mla"`` on CUDA in bf16 where the ``flash_mla`` package is installed:
-FlashMLA's sparse prefill (``flash_mla_sparse_fwd``) for the forward when the shapes fit it (value width 512,
-64 / 128 heads per rank, top-k a multiple of 64; else the torch kernel), the torch kernel's blocked backward
-(FlashMLA has none). The FlashMLA path is written, not run on a GPU (scripts/gpu_checks/dsa.py checks the layer
-on a device).
+FlashMLA's sparse prefill (``flash_mla_sparse_fwd``) for the forward when the shapes fit it (value width 512;
+the heads per rank padded with zero heads to 64 or 128, as tp 4 / 8 leave 8-32, and discarded; the top-k padded
+with empty slots to a multiple of 64; otherwise the torch kernel, with a warning naming why, once), the torch
+kernel's blocked backward (FlashMLA has none). ``kernel_ran``: what the layer's last sparse call ran. The
+FlashMLA path is written and tested on CPU with the kernel emulated, not run on a GPU (scripts/gpu_checks/dsa.py
+checks it on a device).
+
+**Selections** are int32 ``[queries, topk]`` with -1 in empty slots (FlashMLA's form). A layer's selection is
+kept on the layer context only while a later ``shared`` layer needs it (see :meth:`DSAttention._selection`).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -54,10 +61,18 @@ def _block_rows(topk: int, width: int, budget: int | None) -> int:
     return max(1, (GATHER_BUDGET if budget is None else budget) // max(1, topk * width))
 
 
-def _block_forward(q, kv, index, valid, scale: float, dv: int):
-    """One block: q ``[b, h, D]``, the key rows ``kv`` ``[N, D]``, index / valid ``[b, k]`` -> (out ``[b, h, dv]``
-    fp32, lse ``[b, h]`` fp32, the gathered rows, the masked scores)."""
-    rows = kv.index_select(0, index.reshape(-1)).view(index.shape + (kv.shape[-1],)).float()     # [b, k, D]
+def _gather_rows(kv, index):
+    """The key rows ``[b, k, D]`` (fp32) of the selection ``index`` ``[b, k]`` (int32, -1: an empty slot, whose
+    row is row 0, masked by the caller) and the mask of the slots that hold a key."""
+    valid = index >= 0
+    rows = kv.index_select(0, index.clamp_min(0).reshape(-1)).view(index.shape + (kv.shape[-1],)).float()
+    return rows, valid
+
+
+def _block_forward(q, kv, index, scale: float, dv: int):
+    """One block: q ``[b, h, D]``, the key rows ``kv`` ``[N, D]``, index ``[b, k]`` (-1: empty) -> (out ``[b, h,
+    dv]`` fp32, lse ``[b, h]`` fp32)."""
+    rows, valid = _gather_rows(kv, index)                                                       # [b, k, D]
     scores = torch.bmm(q.float(), rows.transpose(1, 2)) * scale                                 # [b, h, k]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     m = scores.amax(-1, keepdim=True)
@@ -66,27 +81,26 @@ def _block_forward(q, kv, index, valid, scale: float, dv: int):
     den = p.sum(-1, keepdim=True)
     out = torch.bmm(p, rows[..., :dv]) / den.clamp_min(torch.finfo(torch.float32).tiny)
     lse = (m + torch.log(den)).squeeze(-1)                                 # -inf for a query that sees nothing
-    return out, lse, rows, scores
+    return out, lse
 
 
 class SparseLatentAttention(torch.autograd.Function):
     """``out[t, h] = softmax_j(scale * q[t, h] . kv[index[t, j]]) over valid j, of kv[index[t, j], :dv]``.
 
     q ``[Q, h, D]``, kv ``[N, D]`` (one key row per token, shared by every head; its first ``dv`` channels are the
-    value), index / valid ``[Q, k]``. Returns ``[Q, h, dv]`` in q's dtype (fp32 softmax and accumulation); a query
+    value), index ``[Q, k]`` int32 (-1: an empty slot, FlashMLA's form). Returns ``[Q, h, dv]`` in q's dtype (fp32 softmax and accumulation); a query
     without a valid key gets zeros. Blocks of queries: at most :data:`GATHER_BUDGET` gathered elements at a
     time; the backward recomputes each block from the saved log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, kv, index, valid, scale, dv, budget):
+    def forward(ctx, q, kv, index, scale, dv, budget):
         n_q, h, _ = q.shape
         out = torch.empty(n_q, h, dv, dtype=torch.float32, device=q.device)
         lse = torch.empty(n_q, h, dtype=torch.float32, device=q.device)
         step = _block_rows(index.shape[1], kv.shape[-1], budget)
         for a in range(0, n_q, step):
-            o, s, _, _ = _block_forward(q[a:a + step], kv, index[a:a + step], valid[a:a + step], scale, dv)
-            out[a:a + step], lse[a:a + step] = o, s
-        ctx.save_for_backward(q, kv, index, valid, out, lse)
+            out[a:a + step], lse[a:a + step] = _block_forward(q[a:a + step], kv, index[a:a + step], scale, dv)
+        ctx.save_for_backward(q, kv, index, out, lse)
         ctx.scale, ctx.dv, ctx.step = scale, dv, step
         return out.to(q.dtype)
 
@@ -97,16 +111,16 @@ class SparseLatentAttention(torch.autograd.Function):
 
 
 def _sparse_backward(ctx, grad):
-    """The blocked backward of the sparse latent attention from ``ctx.saved`` = (q, kv, index, valid, out fp32,
-    lse fp32): each block's gathered rows and probabilities recomputed."""
-    q, kv, index, valid, out, lse = ctx.saved
+    """The blocked backward of the sparse latent attention from ``ctx.saved`` = (q, kv, index, out fp32, lse fp32):
+    each block's gathered rows and probabilities recomputed."""
+    q, kv, index, out, lse = ctx.saved
     scale, dv, step = ctx.scale, ctx.dv, ctx.step
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     g_all = grad.float()
     for a in range(0, q.shape[0], step):
-        idx, ok = index[a:a + step], valid[a:a + step]
-        rows = kv.index_select(0, idx.reshape(-1)).view(idx.shape + (kv.shape[-1],)).float()
+        idx = index[a:a + step]
+        rows, ok = _gather_rows(kv, idx)
         qb = q[a:a + step].float()
         scores = (torch.bmm(qb, rows.transpose(1, 2)) * scale).masked_fill(~ok[:, None, :], float("-inf"))
         base = lse[a:a + step]
@@ -119,13 +133,13 @@ def _sparse_backward(ctx, grad):
         dq[a:a + step] = torch.bmm(ds, rows)
         drows = torch.bmm(ds.transpose(1, 2), qb)                                # [b, k, D]
         drows[..., :dv] += torch.bmm(p.transpose(1, 2), g)
-        dkv.index_add_(0, idx.reshape(-1), drows.reshape(-1, kv.shape[-1]))
-    return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None, None, None
+        dkv.index_add_(0, idx.clamp_min(0).reshape(-1), drows.reshape(-1, kv.shape[-1]))   # empty slots: ds = 0
+    return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None, None
 
 
-def sparse_latent_attention(q, kv, index, valid, *, scale: float, dv: int, budget: int | None = None):
+def sparse_latent_attention(q, kv, index, *, scale: float, dv: int, budget: int | None = None):
     """:class:`SparseLatentAttention` (the ``"torch"`` kernel)."""
-    return SparseLatentAttention.apply(q, kv, index, valid, scale, dv, budget)
+    return SparseLatentAttention.apply(q, kv, index, scale, dv, budget)
 
 
 try:  # optional CUDA kernel: FlashMLA's sparse prefill (forward only)
@@ -134,42 +148,79 @@ except Exception:  # noqa: BLE001 - not installed / no CUDA
     _flash_mla_sparse_fwd = None
 
 
-def flash_mla_usable(q, kv, index, dv: int) -> bool:
-    """Whether FlashMLA's sparse prefill takes these shapes: CUDA bf16, value width 512, key rows 512 or 576 wide,
-    64 or 128 query heads, a top-k that is a multiple of 64."""
-    return (_flash_mla_sparse_fwd is not None and q.is_cuda and q.dtype == torch.bfloat16 and dv == 512
-            and kv.shape[-1] in (512, 576) and q.shape[1] in (64, 128) and index.shape[1] % 64 == 0)
+FLASH_MLA_DEVICE = "cuda"       # where FlashMLA runs (tests emulate the kernel on "cpu")
+_warned: set[str] = set()
+
+
+def flash_mla_unusable(q, kv, index, dv: int) -> str | None:
+    """Why FlashMLA's sparse prefill cannot take these shapes (None: it can): it needs the package, a CUDA bf16
+    query, value width 512 and key rows 512 or 576 wide. The heads per rank are padded to 64 / 128 (any count)
+    and the top-k to a multiple of 64 (empty slots) by :func:`flash_mla_sparse`."""
+    if _flash_mla_sparse_fwd is None:
+        return "the flash_mla package is not installed"
+    if q.device.type != FLASH_MLA_DEVICE or q.dtype != torch.bfloat16:
+        return f"FlashMLA runs on CUDA in bf16 (the queries are {q.dtype} on {q.device.type})"
+    if dv != 512 or kv.shape[-1] not in (512, 576):
+        return (f"FlashMLA's sparse prefill needs kv_lora_rank 512 and key rows 512 / 576 wide (this layer: "
+                f"{dv}, {kv.shape[-1]})")
+    return None
+
+
+def _pad_heads(q: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """q ``[T, h, D]`` with zero heads appended up to 64 (h <= 64) or 128 (else, per slice of 128: see
+    :class:`FlashMLASparse`); returns (padded q, h)."""
+    h = q.shape[1]
+    want = 64 if h <= 64 else 128 * -(-h // 128)
+    return (q if want == h else torch.cat([q, q.new_zeros(q.shape[0], want - h, q.shape[2])], 1)), h
+
+
+def _flash_forward(q, kv, index, scale: float, dv: int) -> torch.Tensor:
+    """FlashMLA's sparse prefill on q ``[T, h, D]`` of any head count (zero heads up to 64 / 128, 128 at a time,
+    discarded) and a top-k padded with empty slots (-1) to a multiple of 64: out ``[T, h, dv]``."""
+    qp, h = _pad_heads(q)
+    k = index.shape[1]
+    if k % 64:
+        index = torch.cat([index, index.new_full((index.shape[0], 64 - k % 64), -1)], 1)
+    kv3, idx3 = kv[:, None].contiguous(), index[:, None, :].to(torch.int32).contiguous()
+    step = 64 if qp.shape[1] == 64 else 128
+    outs = [_flash_mla_sparse_fwd(qp[:, a:a + step].contiguous(), kv3, idx3, scale, d_v=dv)[0]
+            for a in range(0, qp.shape[1], step)]
+    return torch.cat(outs, 1)[:, :h] if len(outs) > 1 else outs[0][:, :h]
 
 
 class FlashMLASparse(torch.autograd.Function):
     """FlashMLA's sparse prefill for the forward (``flash_mla_sparse_fwd(q, kv[:, None], indices, scale,
-    d_v=512)``, invalid slots -1); the backward is :class:`SparseLatentAttention`'s blocked recomputation, its
-    log-sum-exp recomputed too (nothing taken from FlashMLA's base-2 lse). Written, not run on a GPU."""
+    d_v=512)``, empty slots -1; heads padded: :func:`_flash_forward`); the backward is
+    :class:`SparseLatentAttention`'s blocked recomputation, its log-sum-exp recomputed too (nothing taken from
+    FlashMLA's base-2 lse). Written, not run on a GPU (tested on CPU with the kernel emulated)."""
 
     @staticmethod
-    def forward(ctx, q, kv, index, valid, scale, dv, budget):
-        indices = torch.where(valid, index, -1).to(torch.int32)[:, None, :]
-        out = _flash_mla_sparse_fwd(q.contiguous(), kv[:, None].contiguous(), indices, scale, d_v=dv)[0]
-        ctx.save_for_backward(q, kv, index, valid, out)
+    def forward(ctx, q, kv, index, scale, dv, budget):
+        out = _flash_forward(q, kv, index, scale, dv)
+        ctx.save_for_backward(q, kv, index, out)
         ctx.scale, ctx.dv, ctx.step = scale, dv, _block_rows(index.shape[1], kv.shape[-1], budget)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, kv, index, valid, out = ctx.saved_tensors
+        q, kv, index, out = ctx.saved_tensors
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         for a in range(0, q.shape[0], ctx.step):
-            lse[a:a + ctx.step] = _block_forward(q[a:a + ctx.step], kv, index[a:a + ctx.step],
-                                                 valid[a:a + ctx.step], ctx.scale, ctx.dv)[1]
-        ctx.saved = (q, kv, index, valid, out.float(), lse)
+            lse[a:a + ctx.step] = _block_forward(q[a:a + ctx.step], kv, index[a:a + ctx.step], ctx.scale, ctx.dv)[1]
+        ctx.saved = (q, kv, index, out.float(), lse)
         return _sparse_backward(ctx, grad)
 
 
-def flash_mla_sparse(q, kv, index, valid, *, scale: float, dv: int, budget: int | None = None):
-    """FlashMLA's forward where :func:`flash_mla_usable`, else the torch kernel."""
-    if not flash_mla_usable(q, kv, index, dv):
-        return sparse_latent_attention(q, kv, index, valid, scale=scale, dv=dv, budget=budget)
-    return FlashMLASparse.apply(q, kv, index, valid, scale, dv, budget)
+def flash_mla_sparse(q, kv, index, *, scale: float, dv: int, budget: int | None = None):
+    """FlashMLA's forward where it can run (:func:`flash_mla_unusable`), else the torch kernel, with a warning
+    naming why (once per reason)."""
+    why = flash_mla_unusable(q, kv, index, dv)
+    if why is not None:
+        if why not in _warned:
+            _warned.add(why)
+            warnings.warn(f"sparse attention: the 'flash-mla' kernel falls back to 'torch': {why}", stacklevel=2)
+        return sparse_latent_attention(q, kv, index, scale=scale, dv=dv, budget=budget)
+    return FlashMLASparse.apply(q, kv, index, scale, dv, budget)
 
 
 # the sparse attention kernels: "torch" (any device, any dtype) and "flash-mla" (FlashMLA's sparse prefill forward
@@ -211,9 +262,13 @@ class DSAttention(MLAttention):
                          cp_attn=cp_attn)
         self.layer_number = layer_number
         self.source = spec.dsa.source(layer_number)
+        # the last shared layer that reads this layer's (a shared layer: its source's) selection; None: none
+        readers = [i for i in spec.dsa.shared if spec.dsa.source(i) == self.source]
+        self.last_reader = max(readers) if readers else None
         self.topk = spec.dsa.topk
         self.indexer = Indexer(spec, config.params_dtype, device) if spec.has_indexer(layer_number) else None
         self.kernel = resolve_sparse_kernel(device if device is not None else "cpu", config.params_dtype)
+        self.kernel_ran = None        # the kernel the last sparse call ran ("flash-mla" may fall back to "torch")
         self.scale = spec.mla.scale          # the softmax scale, yarn's mscale^2 included
 
     def forward(self, x, cos, sin, ctx):
@@ -228,23 +283,33 @@ class DSAttention(MLAttention):
         ranges = key_ranges(ctx)
         if ranges.longest <= self.topk:          # every visible key is selected: the dense path is the same
             return self.dense_attention(q, latent, k_rope, cos, sin, ctx)
-        index, valid = self._selection(x, q_resid, cos, sin, ctx, ranges)
-        return self._sparse(q, latent, k_rope, cos, sin, ctx, index, valid)
+        index = self._selection(x, q_resid, cos, sin, ctx, ranges)
+        return self._sparse(q, latent, k_rope, cos, sin, ctx, index)
 
     def _selection(self, x, q_resid, cos, sin, ctx, ranges):
-        """This layer's (or, shared, its source layer's) ``(index, valid)`` for every query row, kept on ``ctx``."""
-        chosen = ctx.__dict__.setdefault("_dsa_selected", {})
+        """This layer's (or, shared, its source layer's) selection ``[rows * width, topk]`` int32 (-1: empty) for
+        every query row. Kept on ``ctx`` (``_dsa_selected``) only while a later shared layer needs it: without
+        recomputation the last reader drops it; under recomputation (``ctx.replays_layers``) the readers' replays
+        in the backward read it too, and the source's own replay, which comes after theirs, takes it back (no
+        second indexer run) and drops it."""
+        held = ctx.__dict__.setdefault("_dsa_selected", {})
         if self.indexer is None:
-            if self.source not in chosen:
+            if self.source not in held:
                 raise RuntimeError(f"layer {self.layer_number} reuses layer {self.source}'s top-k selection, which "
                                    "this batch has not computed (it must run first, in the same stage)")
-            return chosen[self.source]
+            index = held[self.source]
+            if self.layer_number == self.last_reader and not getattr(ctx, "replays_layers", False):
+                del held[self.source]
+            return index
+        if self.layer_number in held:        # this layer's replay under recomputation: its readers' came before
+            return held.pop(self.layer_number)
         cp = isinstance(ctx, ContextSplit)
         sp_group = _tp_group() if self.sequence_parallel else None
-        chosen[self.layer_number] = self.indexer.select(
-            x, q_resid, cos, sin, ranges, sp_group=sp_group, cp_split=ctx if cp else None,
-            cp_group=self.cp_group if cp else None)
-        return chosen[self.layer_number]
+        index = self.indexer.select(x, q_resid, cos, sin, ranges, sp_group=sp_group, cp_split=ctx if cp else None,
+                                    cp_group=self.cp_group if cp else None)
+        if self.last_reader is not None:
+            held[self.layer_number] = index
+        return index
 
     def _kv_b_weight(self):
         """``kv_b_proj``'s local rows as the layer uses them: with a LoRA adapter (enabled), plus its update."""
@@ -262,7 +327,7 @@ class DSAttention(MLAttention):
             w = w + ((b.float() @ a.float()) * slot.scaling).to(w.dtype)
         return w
 
-    def _sparse(self, q, latent, k_rope, cos, sin, ctx, index, valid):
+    def _sparse(self, q, latent, k_rope, cos, sin, ctx, index):
         from ...parallel.comm import gather_rows_sum_back
         if self.sequence_parallel:
             latent = mtp.gather_from_sequence_parallel_region(latent.contiguous(), tensor_parallel_output_grad=True)
@@ -281,8 +346,10 @@ class DSAttention(MLAttention):
             keys = mtp.copy_to_tensor_model_parallel_region(keys)
         if isinstance(ctx, ContextSplit):
             keys = gather_rows_sum_back(keys, self.cp_group).index_select(0, ctx.order)
-        out = SPARSE_KERNELS[self.kernel](q, keys.reshape(-1, keys.shape[-1]), index, valid,
-                                                 scale=self.scale, dv=dl)
+        kv = keys.reshape(-1, keys.shape[-1])
+        self.kernel_ran = self.kernel if self.kernel != "flash-mla" or flash_mla_unusable(q, kv, index, dl) is None \
+            else "torch"
+        out = SPARSE_KERNELS[self.kernel](q, kv, index, scale=self.scale, dv=dl)
         out = torch.einsum("thd,hvd->thv", out, w_uv).reshape(s, b, h * self.v_dim)
         out, _ = self.linear_proj(out)
         return out

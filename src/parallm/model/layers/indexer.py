@@ -14,10 +14,16 @@ Frozen: transformers runs the indexer under ``no_grad``; so does parallm (its pa
 attention) is not implemented.
 
 **Memory linear in S.** The scores are made for a block of queries at a time against the keys the block can see
-(its causal window), at most :data:`SCORE_BUDGET` fp32 elements per block, and only the top-k survive: no ``[S,
-S]`` tensor. Which keys a query may see is a :class:`KeyRanges` (:func:`key_ranges`), made once per batch from
-the layer context: padded rows (causal, real keys only), packed documents, or this rank's chunks under context
-parallelism (the gathered sequence's keys before the query, in global order).
+(its causal window), every column of a padded batch at once, and only the top-k survive: no ``[S, S]`` tensor.
+Which keys a query may see is a :class:`KeyRanges` (:func:`key_ranges`), made once per batch from the layer
+context: padded rows (causal, real keys only), packed documents, or this rank's chunks under context parallelism
+(the gathered sequence's keys before the query, in global order). The blocks are planned once per batch
+(:mod:`parallm.model.layers.indexer_plan`), each at most a memory budget: half the device's free memory on CUDA
+(``PARALLM_INDEXER_MEMORY`` or :data:`SCORE_BUDGET` fix it), so that a 128k-token sequence with 64 indexer heads
+takes a few dozen blocks a layer on an 80 GB device, not tens of thousands.
+
+**Ties.** :func:`topk_lowest_first`: among equal scores the lower key position is kept, in every layout and on
+every rank (``torch.topk`` keeps whichever tied keys its kernel meets).
 
 **Parallel layouts.** The indexer's weights are replicated over TP (frozen and small: ``n d q_lora + d H + n H``;
 splitting its heads would need the ``[queries, keys]`` scores summed over TP before the top-k, communication
@@ -30,18 +36,17 @@ its own queries.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..positions.rope import apply_rope
-from .attention import Packing, PaddedRows
+from .indexer_plan import KeyRanges, key_ranges, pair_bytes  # noqa: F401 - key_ranges re-exported
 from .mla import apply_rope_interleaved
 
-# fp32 score elements (queries x heads x keys) of one block of the indexer
-SCORE_BUDGET = 1 << 24
+# bytes one block of the indexer may take for its scores and their temporaries; None: sized by the device
+# (indexer_plan.score_budget: half its free memory on CUDA, PARALLM_INDEXER_MEMORY overriding)
+SCORE_BUDGET: int | None = None
 
 # HF name (after "model.layers.{i}.self_attn.indexer.") -> (parameter of Indexer, DecoderSpec shape attributes)
 INDEXER_WEIGHTS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -54,69 +59,6 @@ INDEXER_WEIGHTS: dict[str, tuple[str, tuple[str, ...]]] = {
 K_NORM_EPS = 1e-6          # transformers builds the indexer's LayerNorm with eps 1e-6
 
 
-@dataclass
-class KeyRanges:
-    """Which keys each query may see. Queries are ``rows x width`` activation rows (``[rows, width, ..]``: padded
-    ``[S, B]``, packed ``[T, 1]``, a rank's ``[rows, width]`` under context parallelism), keys ``key_rows x width``
-    likewise (the whole sequence's under context parallelism, in global order). Query ``(r, w)`` sees key ``(g, w)``
-    iff ``lo[r] <= g <= hi[r]`` and ``real[g, w]`` (None: every key real). ``longest``: the most keys any query
-    can see, an upper bound (a batch with ``longest <= topk`` selects every visible key: dense attention)."""
-    width: int
-    lo: list[int]
-    hi: list[int]
-    key_rows: int
-    real: torch.Tensor | None
-    longest: int
-
-    @property
-    def rows(self) -> int:
-        return len(self.lo)
-
-
-def _ranges_of_pieces(split) -> tuple[list[int], list[int]]:
-    """Per local row of a :class:`ContextSplit`: the first and last key row (global order) it sees, from its
-    pieces (full pieces: every key; the causal diagonal: up to the query's own)."""
-    lo, hi = [0] * split.rows, [-1] * split.rows
-    seen = [False] * split.rows
-    for p in split.pieces:
-        for i in range(p.q1 - p.q0):
-            r = p.q0 + i
-            last = min(p.k1 - 1, p.k0 + i + p.diag)
-            if last < p.k0:
-                continue
-            lo[r] = p.k0 if not seen[r] else min(lo[r], p.k0)
-            hi[r] = last if not seen[r] else max(hi[r], last)
-            seen[r] = True
-    return lo, hi
-
-
-def key_ranges(ctx) -> KeyRanges:
-    """The :class:`KeyRanges` of a layer context (made once per batch and kept on it): a :class:`PaddedRows`
-    (causal within each row, real keys only), a :class:`Packing` (causal within each document of the stream) or
-    a :class:`parallm.model.context_parallel.ContextSplit`."""
-    cached = getattr(ctx, "_dsa_ranges", None)
-    if cached is not None:
-        return cached
-    if isinstance(ctx, PaddedRows):
-        b, s = ctx.keep.shape
-        real = None if ctx.full else ctx.keep.transpose(0, 1).contiguous()
-        out = KeyRanges(width=b, lo=[0] * s, hi=list(range(s)), key_rows=s, real=real, longest=s)
-    elif isinstance(ctx, Packing):
-        bounds = ctx.cu_seqlens.tolist()
-        lo = [a for a, e in zip(bounds[:-1], bounds[1:]) for _ in range(e - a)]
-        out = KeyRanges(width=1, lo=lo, hi=list(range(ctx.total)), key_rows=ctx.total, real=None,
-                        longest=ctx.max_seqlen)
-    elif hasattr(ctx, "pieces") and hasattr(ctx, "order"):        # a ContextSplit
-        lo, hi = _ranges_of_pieces(ctx)
-        longest = max((2 * ctx.cp * c for _, c in ctx.segments), default=0)
-        out = KeyRanges(width=ctx.width, lo=lo, hi=hi, key_rows=ctx.cp * ctx.rows, real=None, longest=longest)
-    else:
-        raise TypeError(f"sparse attention needs a PaddedRows, Packing or ContextSplit context, got "
-                        f"{type(ctx).__name__}")
-    ctx._dsa_ranges = out
-    return out
-
-
 def rope_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleave: bool) -> torch.Tensor:
     """RoPE on the first ``cos.shape[-1]`` channels of ``x`` ``[..., heads, d]`` (the indexer's layout: rotated
     part first, unlike MLA's nope-first heads), interleaved pairs or rotate_half."""
@@ -125,49 +67,62 @@ def rope_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interle
     return torch.cat([rot, x[..., n:]], dim=-1)
 
 
+# the order key of a masked score (-inf) shifted into the top half of an int64: see topk_lowest_first
+_EMPTY_KEY = ((-8388608 ^ 0x7FFFFFFF) + 1) << 32       # -inf's float32 bits (0xFF800000) as ordered, plus one
+
+
+def topk_lowest_first(scores: torch.Tensor, out: torch.Tensor, k: int,
+                      rev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest ``scores`` ``[.., keys]`` (fp32) but those ``out`` excludes, ties broken by the lower key
+    position: one rule in every layout and on every rank, where ``torch.topk``'s order among equal values depends
+    on the device, the kernel and the tensor's extent (a padded row and the same document in a packed stream
+    scanned different windows and kept different keys among tied scores: with few indexer heads, every head's
+    ReLU zero makes exact ties common). Each score becomes one int64, its float32 bits made order-preserving
+    (negative values' low 31 bits flipped; -0.0 first made +0.0; excluded ones -inf) in the top half and ``rev``
+    = ``2^32 - 1 - position`` (int64 ``[keys]``) in the bottom half, and ``topk`` runs on those. Returns (index
+    along the last dim ``[.., k]``, whether the slot is empty: fewer than ``k`` keys allowed)."""
+    bits = (scores + 0.0).masked_fill_(out, float("-inf")).view(torch.int32)
+    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long().bitwise_left_shift_(32).add_(rev)
+    vals, idx = key.topk(k, dim=-1)
+    return idx, vals < _EMPTY_KEY
+
+
 def select_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ranges: KeyRanges, topk: int, *,
-                scale: float, row0: int = 0, budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                scale: float, row0: int = 0, budget: int | None = None) -> torch.Tensor:
     """The top-k keys of each query: q ``[r, width, n, d]`` (queries ``row0 .. row0 + r - 1`` of ``ranges``,
     RoPE applied), k ``[key_rows, width, d]``, w ``[r, width, n]`` fp32 head weights; the products are taken in
-    fp32 and multiplied by ``scale`` before the ReLU, as transformers does. Returns ``(index, valid)`` ``[r *
-    width, topk]``: each query's selected keys as flat key rows
-    (``g * width + w``) and whether each is a key it may see (a query that sees fewer than ``topk`` keys has
-    invalid slots; their index is 0). Blocks of queries against their causal window: at most ``budget`` fp32
-    scores at a time (None: :data:`SCORE_BUDGET`)."""
-    budget = SCORE_BUDGET if budget is None else budget
-    r, width, n, _ = q.shape
-    index = torch.zeros(r, width, topk, dtype=torch.long, device=q.device)
-    valid = torch.zeros(r, width, topk, dtype=torch.bool, device=q.device)
-    lo_all = torch.tensor(ranges.lo, dtype=torch.long, device=q.device)
-    hi_all = torch.tensor(ranges.hi, dtype=torch.long, device=q.device)
-    kf = k.float()
-    lo_list, hi_list = ranges.lo, ranges.hi
-    a = 0
-    while a < r:
-        # a block of queries [a, e) whose window of keys [k0, k1) fits the budget (at least one query)
-        k0, top, e = lo_list[row0 + a], hi_list[row0 + a], a + 1
-        while e < r:
-            nk0, ntop = min(k0, lo_list[row0 + e]), max(top, hi_list[row0 + e])
-            if (e - a + 1) * n * (ntop + 1 - nk0) > budget:
-                break
-            k0, top, e = nk0, ntop, e + 1
-        k1 = top + 1
-        if k1 > k0:
-            g = torch.arange(k0, k1, device=q.device)
-            lo, hi = lo_all[row0 + a: row0 + e, None], hi_all[row0 + a: row0 + e, None]
-            sees = (g[None] >= lo) & (g[None] <= hi)                                   # [blk, keys]
-            kk = min(topk, k1 - k0)
-            for col in range(width):
-                scores = torch.matmul(q[a:e, col].float(), kf[k0:k1, col].transpose(0, 1))   # [blk, n, keys]
-                scores = F.relu(scores * scale)
-                total = torch.matmul(w[a:e, col].unsqueeze(-2), scores).squeeze(-2)          # [blk, keys]
-                mask = sees if ranges.real is None else sees & ranges.real[k0:k1, col][None]
-                total = total.masked_fill(~mask, float("-inf"))
-                vals, idx = total.topk(kk, dim=-1)
-                index[a:e, col, :kk] = (idx + k0) * width + col
-                valid[a:e, col, :kk] = vals > float("-inf")
-        a = e
-    return index.view(r * width, topk), valid.view(r * width, topk)
+    fp32 and multiplied by ``scale`` before the ReLU, as transformers does. Returns ``[r * width, topk]`` int32:
+    each query's selected keys as flat key rows (``g * width + w``), -1 in the slots of a query that sees fewer
+    than ``topk`` keys (FlashMLA's form). Ties by the lower key position (:func:`topk_lowest_first`). Blocks of
+    queries against their causal window (:meth:`KeyRanges.plan`, made once per batch), each at most ``budget``
+    bytes (None: :data:`SCORE_BUDGET`, else the device's :func:`~.indexer_plan.score_budget`, measured once per
+    batch), every column of a padded batch at once."""
+    r, width, n, d = q.shape
+    budget = ranges.budget(q.device, SCORE_BUDGET if budget is None else budget)
+    index = torch.full((r, width, topk), -1, dtype=torch.int32, device=q.device)
+    lo_all, hi_all = ranges.bounds(q.device)
+    unreal = ranges.unreal(q.device)                                     # [width, key_rows] or None
+    kf = k.float().permute(1, 2, 0)                                      # [width, d, key_rows]
+    pos = torch.arange(ranges.key_rows, device=q.device)
+    rev = (1 << 32) - 1 - pos                                            # tie keys: the lower position first
+    cols = torch.arange(width, device=q.device)[:, None, None] if width > 1 else None
+    for a, e, k0, k1 in ranges.plan(row0, r, pair_bytes(n), budget):
+        if k1 <= k0:
+            continue
+        blk, keys, kk = e - a, k1 - k0, min(topk, k1 - k0)
+        g = pos[k0:k1]
+        out = (g < lo_all[row0 + a: row0 + e, None]) | (g > hi_all[row0 + a: row0 + e, None])   # [blk, keys]
+        if unreal is not None:
+            out = out | unreal[:, None, k0:k1]                                               # [width, blk, keys]
+        qb = q[a:e].float().transpose(0, 1).reshape(width, blk * n, d)
+        scores = torch.bmm(qb, kf[:, :, k0:k1]).mul_(scale).relu_()                      # [width, blk n, keys]
+        wb = w[a:e].transpose(0, 1).reshape(width * blk, 1, n)
+        total = torch.bmm(wb, scores.view(width * blk, n, keys)).view(width, blk, keys)
+        del scores
+        idx, empty = topk_lowest_first(total, out, kk, rev[k0:k1])
+        idx = idx.add_(k0) if cols is None else idx.mul_(width).add_(k0 * width).add_(cols)  # flat key rows
+        index[a:e, :, :kk] = idx.masked_fill_(empty, -1).transpose(0, 1)
+    return index.view(r * width, topk)
 
 
 class Indexer(nn.Module):
@@ -214,11 +169,8 @@ class Indexer(nn.Module):
         k = _gather(k.contiguous(), sp_group, all_gather_single)
         if cp_split is not None:
             k = _gather(k, cp_group, all_gather_single).index_select(0, cp_split.order)
-        index, valid = select_topk(q, k, w, ranges, self.topk, row0=row0, scale=self.head_dim ** -0.5)
-        if sp_group is not None:
-            index = _gather(index, sp_group, all_gather_single)
-            valid = _gather(valid.to(torch.uint8), sp_group, all_gather_single).bool()
-        return index, valid
+        index = select_topk(q, k, w, ranges, self.topk, row0=row0, scale=self.head_dim ** -0.5)
+        return _gather(index, sp_group, all_gather_single)
 
 
 def _gather(x: torch.Tensor, group, all_gather) -> torch.Tensor:

@@ -31,8 +31,9 @@ document's first token (documents laid out chunk-aligned, the inter-chunk recurr
 Kernels (:data:`KERNELS`; ``PARALLM_MAMBA_KERNEL`` = ``auto`` (default), ``torch`` or ``mamba_ssm``):
 
     torch      the chunked SSD scan in torch (transformers' ``mamba2_chunk_scan`` math: intra-chunk by the
-               masked ``C B^T`` "attention", chunk states, then the inter-chunk recurrence as one decay matrix
-               over chunks, cut where a document starts), and the conv by ``conv1d`` (padded) or a K-tap
+               masked ``C B^T`` "attention", chunk states, then the state passed from chunk to chunk, zeroed
+               where a document starts; groups of chunks under a memory budget, linear in the length), and the
+               conv by ``conv1d`` (padded) or a K-tap
                shifted sum masked at document starts (packed). Any device, any dtype (the scan in fp32).
     mamba_ssm  mamba-ssm's ``mamba_chunk_scan_combined`` (``seq_idx`` marks the documents) and causal-conv1d's
                ``causal_conv1d_fn`` (``seq_idx`` too) on packed streams; padded batches by the torch kernel.
@@ -89,11 +90,24 @@ def segment_sum(x: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(~causal, float("-inf"))
 
 
-def ssd_scan(x, dt, a, b, c, *, chunk: int, d=None, reset: torch.Tensor | None = None) -> torch.Tensor:
+# fp32 elements of the largest per-group temporary of :func:`ssd_scan` (``[R, h, chunks, l, l]``)
+SCAN_BUDGET = 1 << 24
+
+
+def ssd_scan(x, dt, a, b, c, *, chunk: int, d=None, reset: torch.Tensor | None = None,
+             initial: torch.Tensor | None = None, budget: int | None = None) -> torch.Tensor:
     """The SSD scan over rows, by chunks: ``x [R, L, h, p]``, ``dt [R, L, h]`` (after softplus and clamp), ``a
-    [h]`` (negative), ``b`` / ``c`` ``[R, L, g, n]``, ``d [h]`` (the skip; None: none). Every row starts from a
-    zero state; ``reset``: bool ``[ceil(L / chunk)]``, the chunks at whose start the state is zeroed again (a
-    packed document's first chunk). Returns fp32 ``[R, L, h, p]`` (``y``, skip included)."""
+    [h]`` (negative), ``b`` / ``c`` ``[R, L, g, n]``, ``d [h]`` (the skip; None: none). Every row starts from
+    ``initial`` ``[R, h, p, n]`` (None: a zero state); ``reset``: bool ``[ceil(L / chunk)]``, the chunks at
+    whose start the state is zeroed again (a packed document's first chunk; chunk 0's entry is ignored, the row
+    starting from ``initial``). Returns fp32 ``[R, L, h, p]``
+    (``y``, skip included).
+
+    Linear in the number of chunks: groups of chunks whose ``[R, h, chunks, l, l]`` intra-chunk temporaries hold
+    at most ``budget`` elements (None: :data:`SCAN_BUDGET`) are taken one after the other, and the state passes
+    from chunk to chunk (``start_{t+1} = keep_{t+1} (exp(sum of chunk t's dt A) start_t + chunk t's own end
+    state)``). transformers' torch path builds one decay matrix over every pair of chunks instead; the same
+    products, summed in another order."""
     rows, length, heads, _ = x.shape
     groups = b.shape[2]
     x, dt = x.float(), dt.float()
@@ -109,28 +123,45 @@ def ssd_scan(x, dt, a, b, c, *, chunk: int, d=None, reset: torch.Tensor | None =
     n = (length + pad) // chunk
     xs, b, c = (t.reshape(rows, n, chunk, heads, -1) for t in (xs, b, c))   # [R, n, l, h, .]
     ad = ad.reshape(rows, n, chunk, heads).permute(0, 3, 1, 2)            # [R, h, n, l]
-    cum = torch.cumsum(ad, dim=-1)
-    # 1. within each chunk: the causal C B^T scores times the decay between the two positions
-    decay_in = torch.exp(segment_sum(ad))                                  # [R, h, n, l, s]
-    scores = torch.einsum("bclhn,bcshn->bclsh", c, b) * decay_in.permute(0, 2, 3, 4, 1)
-    y = torch.einsum("bclsh,bcshp->bclhp", scores, xs)
-    # 2. each chunk's own end state
-    to_end = torch.exp(cum[..., -1:] - cum)                                # [R, h, n, l]
-    states = torch.einsum("bclhn,bclhp->bchpn", b * to_end.permute(0, 2, 3, 1)[..., None], xs)
-    # 3. the state at each chunk's start: a decay matrix over chunks (target t, source s: the end state of chunk
-    # s - 1, s = 0 the zero initial state), cut where a document starts between source and target
-    states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)   # [R, n + 1, h, p, n]
-    over = torch.exp(segment_sum(F.pad(cum[..., -1], (1, 0))))             # [R, h, n + 1, n + 1]
-    if reset is not None and bool(reset[1:].any()):
-        doc = torch.cumsum(reset.to(device=x.device, dtype=torch.long), 0)
-        target = torch.cat([doc, doc[-1:]])                                # chunk t's document (t = n: the last)
-        source = torch.cat([doc[:1], doc])                                 # the document that wrote source s
-        over = over * (target[:, None] == source[None, :]).to(over.dtype)
-    start = torch.einsum("bhts,bshpn->bthpn", over, states)[:, :-1]        # [R, n, h, p, n]
-    # 4. the start state read by each position, decayed to it
-    y = y + torch.einsum("bclhn,bchpn->bclhp", c, start) * torch.exp(cum).permute(0, 2, 3, 1)[..., None]
+    keep = None if reset is None else (~reset.to(device=x.device, dtype=torch.bool)).float()
+    state = (x.new_zeros(rows, heads, xs.shape[-1], b.shape[-1]) if initial is None
+             else initial.float().clone())
+    step = max(1, (SCAN_BUDGET if budget is None else budget) // max(1, rows * heads * chunk * chunk))
+    y = x.new_empty(rows, n, chunk, heads, xs.shape[-1])
+    for g0 in range(0, n, step):
+        g1 = min(n, g0 + step)
+        y[:, g0:g1], state = _scan_group(xs[:, g0:g1], ad[:, :, g0:g1], b[:, g0:g1], c[:, g0:g1], state,
+                                         None if keep is None else keep[g0:g1], first=g0 == 0)
     y = y.reshape(rows, n * chunk, heads, -1)[:, :length]
     return y + skip if skip is not None else y
+
+
+def _scan_group(xs, ad, b, c, state, keep, *, first: bool):
+    """One group of chunks of :func:`ssd_scan`: ``xs [R, G, l, h, p]`` (x dt), ``ad [R, h, G, l]`` (dt A),
+    ``b`` / ``c`` ``[R, G, l, h, n]``, ``state [R, h, p, n]`` at the group's start, ``keep [G]`` (0: the state
+    is zeroed at that chunk's start; None: never). Returns (``y [R, G, l, h, p]``, the state after the group)."""
+    cum = torch.cumsum(ad, dim=-1)                                         # [R, h, G, l]
+    # 1. within each chunk: the causal C B^T scores times the decay between the two positions
+    decay_in = torch.exp(segment_sum(ad))                                  # [R, h, G, l, s]
+    scores = torch.einsum("bclhn,bcshn->bclsh", c, b) * decay_in.permute(0, 2, 3, 4, 1)
+    del decay_in
+    y = torch.einsum("bclsh,bcshp->bclhp", scores, xs)
+    del scores
+    # 2. each chunk's own end state (from a zero start)
+    to_end = torch.exp(cum[..., -1:] - cum)                                # [R, h, G, l]
+    own = torch.einsum("bclhn,bclhp->bchpn", b * to_end.permute(0, 2, 3, 1)[..., None], xs)   # [R, G, h, p, n]
+    # 3. the state at each chunk's start, passed from chunk to chunk
+    total = torch.exp(cum[..., -1]).permute(0, 2, 1)[..., None, None]      # [R, G, h, 1, 1]
+    starts = []
+    for t in range(own.shape[1]):
+        if keep is not None and not (first and t == 0):
+            state = state * keep[t]
+        starts.append(state)
+        state = state * total[:, t] + own[:, t]
+    start = torch.stack(starts, dim=1)                                     # [R, G, h, p, n]
+    # 4. the start state read by each position, decayed to it
+    y = y + torch.einsum("bclhn,bchpn->bclhp", c, start) * torch.exp(cum).permute(0, 2, 3, 1)[..., None]
+    return y, state
 
 
 def conv_padded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
