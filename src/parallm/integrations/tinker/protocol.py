@@ -253,17 +253,34 @@ def _encode_per_datum(pb, outputs, metrics) -> bytes:
     return out.SerializeToString()
 
 
-def encode_sample_response(sequences: list, prompt_logprobs: np.ndarray | None) -> bytes:
+TOPK_EMPTY = -99999.0        # the SDK's sentinel log-prob of an empty top-k cell (token id 0)
+
+
+def _topk(msg, topk) -> None:
+    """``topk``: ``(ids, logprobs)``, int / float arrays ``[N, K]`` (empty cells: id 0, :data:`TOPK_EMPTY`)."""
+    ids, lps = np.asarray(topk[0], np.int32), np.asarray(topk[1], np.float32)
+    msg.token_ids, msg.logprobs = ids.tobytes(), lps.tobytes()
+    msg.length, msg.k = int(ids.shape[0]), int(ids.shape[1])
+
+
+def encode_sample_response(sequences: list, prompt_logprobs: np.ndarray | None, *, topk_sampled=None,
+                           topk_prompt=None) -> bytes:
     """``sequences``: ``(tokens, logprobs, stop_reason)`` per sample (``stop_reason`` ``"stop"`` / ``"length"``);
-    ``prompt_logprobs``: float32 per prompt token, NaN where none (the first) -> the SDK's ``SampleResponse``."""
+    ``prompt_logprobs``: float32 per prompt token, NaN where none (the first); ``topk_sampled``: per sample the
+    top-k ``(ids, logprobs)`` of each sampled token's distribution, ``topk_prompt`` the prompt's (row 0 empty)
+    -> the SDK's ``SampleResponse``."""
     pb = proto_module()
     reasons = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
     out = pb.SampleResponse()
-    for tokens, logprobs, reason in sequences:
+    for i, (tokens, logprobs, reason) in enumerate(sequences):
         seq = out.sequences.add(stop_reason=reasons[reason],
                                 tokens=np.asarray(tokens, dtype=np.int32).tobytes())
         if logprobs is not None:
             seq.logprobs = np.asarray(logprobs, dtype=np.float32).tobytes()
+        if topk_sampled is not None:
+            _topk(seq.topk_sampled_logprobs, topk_sampled[i])
     if prompt_logprobs is not None:
         out.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    if topk_prompt is not None:
+        _topk(out.topk_prompt_logprobs, topk_prompt)
     return out.SerializeToString()

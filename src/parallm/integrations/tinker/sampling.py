@@ -57,6 +57,24 @@ class SampleJob:
     prompt_logprobs: bool
     adapter_dir: str | None      # a sampler snapshot's PEFT directory, None: the base model
     max_model_len: int
+    topk_prompt: int = 0         # top-k log-probs of every prompt position (0: none)
+    topk_sample: int = 0         # top-k log-probs of every sampled token's distribution (0: none)
+
+
+@dataclasses.dataclass
+class SampleResult:
+    sequences: list              # (tokens, logprobs, stop_reason) per sample
+    prompt_logprobs: np.ndarray | None = None
+    topk_sampled: list | None = None     # per sample (ids [n, k], logprobs [n, k])
+    topk_prompt: tuple | None = None     # (ids [P, k], logprobs [P, k]), row 0 empty
+
+
+TOPK_MAX = 64                    # top-k log-probs per position (vLLM's --max-logprobs for the engine)
+TOPK_EMPTY = -99999.0            # the SDK's empty cell (token id 0)
+
+
+def empty_topk(n: int, k: int) -> tuple:
+    return np.zeros((n, k), np.int32), np.full((n, k), TOPK_EMPTY, np.float32)
 
 
 def stop_spec(stop, eos: list) -> tuple[list, list, bool]:
@@ -95,7 +113,7 @@ class VllmSampler:
         self.max_model_len, self.timeout = max_model_len, timeout
         self.name = "base"
         args = ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", str(max_loras),
-                "--generation-config", "vllm", "--served-model-name", self.name]
+                "--generation-config", "vllm", "--served-model-name", self.name, "--max-logprobs", str(TOPK_MAX)]
         self.key = secrets.token_urlsafe(32)       # this engine's own key: no unauthenticated side door
         env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_API_KEY": self.key}
@@ -192,29 +210,49 @@ class VllmSampler:
         p = job.params
         body = {"model": self._model(job.adapter_dir), "prompt": list(job.prompt), "n": job.num_samples,
                 "max_tokens": max_new_tokens(job), "temperature": float(p.get("temperature", 1.0)),
-                "top_p": float(p.get("top_p", 1.0)), "top_k": int(p.get("top_k", -1)), "logprobs": 0,
+                "top_p": float(p.get("top_p", 1.0)), "top_k": int(p.get("top_k", -1)), "logprobs": job.topk_sample,
                 "return_token_ids": True, "return_tokens_as_token_ids": True, "stop": strings,
                 "stop_token_ids": ids, "ignore_eos": ignore_eos, "skip_special_tokens": False}
         if p.get("seed") is not None:
             body["seed"] = int(p["seed"]) % (2 ** 63 - 1)
-        if job.prompt_logprobs:
-            body["prompt_logprobs"] = 0
+        if job.prompt_logprobs or job.topk_prompt:
+            body["prompt_logprobs"] = job.topk_prompt
         res = self._post("/v1/completions", body)
         choices = sorted(res["choices"], key=lambda c: c["index"])
-        sequences = []
+        out = SampleResult([])
         for c in choices:
             lp = c.get("logprobs") or {}
-            sequences.append((list(c["token_ids"]), [float(x) for x in lp.get("token_logprobs") or []],
-                              "length" if c.get("finish_reason") == "length" else "stop"))
-        prompt_lp = None
+            out.sequences.append((list(c["token_ids"]), [float(x) for x in lp.get("token_logprobs") or []],
+                                  "length" if c.get("finish_reason") == "length" else "stop"))
+        if job.topk_sample:
+            out.topk_sampled = [_vllm_topk([{int(str(t).removeprefix("token_id:")): v for t, v in d.items()}
+                                            for d in (c.get("logprobs") or {}).get("top_logprobs") or []],
+                                           job.topk_sample) for c in choices]
+        raw = choices[0].get("prompt_logprobs") or []
         if job.prompt_logprobs:
-            raw = choices[0].get("prompt_logprobs") or []
-            prompt_lp = np.full(len(job.prompt), np.nan, dtype=np.float32)
+            out.prompt_logprobs = np.full(len(job.prompt), np.nan, dtype=np.float32)
             for i, entry in enumerate(raw[:len(job.prompt)]):
                 if entry:
                     got = entry.get(str(job.prompt[i]), entry.get(job.prompt[i]))
-                    prompt_lp[i] = float(got["logprob"]) if got is not None else np.nan
-        return sequences, prompt_lp
+                    out.prompt_logprobs[i] = float(got["logprob"]) if got is not None else np.nan
+        if job.topk_prompt:
+            rows = [{int(t): v["logprob"] for t, v in (e or {}).items() if int(v.get("rank") or 0) <= job.topk_prompt}
+                    for e in raw[:len(job.prompt)]]
+            out.topk_prompt = _vllm_topk(rows, job.topk_prompt, empty_first=True)
+        return out
+
+
+def _vllm_topk(rows: list, k: int, *, empty_first: bool = False) -> tuple:
+    """vLLM's per-position ``{token id: log-prob}`` (the top k, plus the chosen token when it ranks lower) -> the
+    top ``k`` by log-prob as ``(ids [n, k], logprobs [n, k])``."""
+    ids, lps = empty_topk(len(rows), k)
+    for i, row in enumerate(rows):
+        if empty_first and i == 0:
+            continue
+        best = sorted(row.items(), key=lambda kv: -float(kv[1]))[:k]
+        for j, (t, v) in enumerate(best):
+            ids[i, j], lps[i, j] = int(t), float(v)
+    return ids, lps
 
 
 # -- parallm's own forwards -----------------------------------------------------------------------------------------
@@ -249,6 +287,15 @@ class ParallmSampler:
             out[1:] = lp[:len(job.prompt) - 1].numpy()
         return out
 
+    def prompt_topk(self, job: SampleJob) -> tuple:
+        """The top-k of the distribution before every prompt token (row 0: empty), from one logits forward."""
+        n, k = len(job.prompt), job.topk_prompt
+        ids, lps = empty_topk(n, k)
+        if n > 1:
+            values, index = self._forward(job.adapter_dir, [job.prompt], f"topk:{k}")
+            ids[1:], lps[1:] = index[0, :n - 1].numpy(), values[0, :n - 1].numpy()
+        return ids, lps
+
     def sample(self, job: SampleJob):
         strings, stop_ids, ignore_eos = stop_spec(job.params.get("stop"), self.eos)
         if strings and self.tokenizer is None:
@@ -260,6 +307,7 @@ class ParallmSampler:
         limit = max_new_tokens(job)
         seqs = [[] for _ in range(job.num_samples)]
         lps = [[] for _ in range(job.num_samples)]
+        tops = [[] for _ in range(job.num_samples)]
         live = list(range(job.num_samples))
         reasons = ["length"] * job.num_samples
         for _ in range(limit):
@@ -270,11 +318,21 @@ class ParallmSampler:
                 tok, lp = _draw(logits[row], p, gen)
                 seqs[i].append(tok)
                 lps[i].append(lp)
+                if job.topk_sample:
+                    v, t = torch.log_softmax(logits[row].double(), -1).topk(job.topk_sample)
+                    tops[i].append((t.numpy(), v.numpy()))
                 if tok in stops or (strings and _has_stop(self.tokenizer, seqs[i], strings)):
                     reasons[i] = "stop"
                     live.remove(i)
-        sequences = [(seqs[i], lps[i], reasons[i]) for i in range(job.num_samples)]
-        return sequences, (self.prompt_logprobs(job) if job.prompt_logprobs else None)
+        out = SampleResult([(seqs[i], lps[i], reasons[i]) for i in range(job.num_samples)],
+                           self.prompt_logprobs(job) if job.prompt_logprobs else None)
+        if job.topk_sample:
+            out.topk_sampled = [(np.stack([t for t, _ in rows]).astype(np.int32) if rows else empty_topk(0, job.topk_sample)[0],
+                                 np.stack([v for _, v in rows]).astype(np.float32) if rows else empty_topk(0, job.topk_sample)[1])
+                                for rows in tops]
+        if job.topk_prompt:
+            out.topk_prompt = self.prompt_topk(job)
+        return out
 
 
 def _has_stop(tokenizer, tokens, strings) -> bool:

@@ -15,7 +15,7 @@ import os
 
 from . import protocol
 from .protocol import ApiError
-from .sampling import SampleInputError, SampleJob, SamplerDead
+from .sampling import TOPK_MAX, SampleInputError, SampleJob, SamplerDead
 from .service import _types
 
 __all__ = ["SamplingRoutes"]
@@ -78,9 +78,11 @@ class SamplingRoutes:
         raise ApiError(400, "asample: give sampling_session_id, model_path or base_model")
 
     def _check_sample(self, req) -> list:
-        unsupported = [name for name, on in (("topk_prompt_logprobs", req.topk_prompt_logprobs),
-                                             ("topk_sample_logprobs", req.topk_sample_logprobs),
-                                             ("target_prompt_logprobs", req.target_prompt_logprobs is not None),
+        for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+            k = getattr(req, name)
+            if not 0 <= k <= TOPK_MAX:
+                raise ApiError(400, f"asample: {name}={k}: this server returns 0 to {TOPK_MAX} log-probs per position")
+        unsupported = [name for name, on in (("target_prompt_logprobs", req.target_prompt_logprobs is not None),
                                              ("prompt_alt_tokens_k", req.prompt_alt_tokens_k),
                                              ("prompt_logprobs_last_n", req.prompt_logprobs_last_n is not None),
                                              ("record_stability_info", bool(req.record_stability_info))) if on]
@@ -138,7 +140,8 @@ class SamplingRoutes:
         params = req.sampling_params.model_dump()
         job = SampleJob(prompt=tokens, num_samples=req.num_samples, params=params,
                         prompt_logprobs=bool(req.prompt_logprobs), adapter_dir=adapter_dir,
-                        max_model_len=self.config["max_context"])
+                        max_model_len=self.config["max_context"], topk_prompt=req.topk_prompt_logprobs,
+                        topk_sample=req.topk_sample_logprobs)
         rid = self.futures.create("sample")
         self._pool().submit(self._run_sample, rid, job)
         return {"request_id": rid, "model_id": None,
@@ -146,8 +149,9 @@ class SamplingRoutes:
 
     def _run_sample(self, rid: str, job: SampleJob) -> None:
         try:
-            sequences, prompt_lp = self.sampler.sample(job)
-            self.futures.resolve(rid, ("proto", protocol.encode_sample_response(sequences, prompt_lp)))
+            res = self.sampler.sample(job)
+            self.futures.resolve(rid, ("proto", protocol.encode_sample_response(
+                res.sequences, res.prompt_logprobs, topk_sampled=res.topk_sampled, topk_prompt=res.topk_prompt)))
         except SamplerDead as e:
             self.futures.fail(rid, str(e), category="server")
         except SampleInputError as e:

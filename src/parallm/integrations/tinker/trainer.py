@@ -202,6 +202,8 @@ class Trainer:
         """Log-probs (``output="logprobs"``) or last-position logits (``None``) of a batch, on every rank."""
         self.use_sampler(adapter_dir)
         batch = {"input_ids": torch.as_tensor(input_ids), "attention_mask": torch.as_tensor(attention_mask)}
+        if isinstance(output, str) and output.startswith("topk:"):
+            return self._topk_forward(adapter_dir, batch, int(output[5:]))
         with torch.no_grad():
             if adapter_dir is None:
                 with parallm.adapters_disabled(self.chunks):
@@ -212,6 +214,19 @@ class Trainer:
             lengths = batch["attention_mask"].sum(-1) - 1
             out = out[torch.arange(out.shape[0]), lengths]
         return out.float().cpu() if self.dims.rank == 0 else None
+
+    def _topk_forward(self, adapter_dir, batch, k: int):
+        """Every position's top-k ``(log-probs, ids)`` of the unscaled distribution (full logits, rank 0)."""
+        with torch.no_grad():
+            if adapter_dir is None:
+                with parallm.adapters_disabled(self.chunks):
+                    logits = parallm.forward(self.chunks, batch)
+            else:
+                logits = parallm.forward(self.chunks, batch)
+        if self.dims.rank != 0:
+            return None
+        values, index = torch.log_softmax(logits.double(), -1).topk(k, dim=-1)
+        return values.float().cpu(), index.cpu()
 
     def op_noop(self):
         return None
