@@ -28,8 +28,9 @@ import helpers
 TARGETS = ("q_proj", "down_proj", "lm_head")
 R, ALPHA = 4, 8
 LR, EPS, WD = 1e-3, 1e-4, 0.1
-TOL = 1e-5          # logits / log-probs / entropy / gradients, fp32 (measured: see the report in docs/lora.md)
-STEP_TOL = 1e-6     # the AdamW update of the factors (lr 1e-3)
+TOL = 1e-5          # logits / log-probs / entropy, the loss and gradient norm (relative), fp32 (measured <= 3.3e-6)
+GRAD_TOL = 2e-6     # every factor's gradient (measured <= 1.9e-7)
+STEP_TOL = 2e-6     # the factors after one AdamW step (lr 1e-3; measured <= 6.1e-7)
 HEAD_PEFT = "base_model.model.lm_head."
 
 
@@ -66,6 +67,12 @@ def _peft_model(base):
                                                                          target_modules=list(TARGETS)))
 
 
+def _factors(model) -> dict:
+    """The adapter's factors as save_pretrained names them (without the head's base weight PEFT adds)."""
+    return {k: v.clone() for k, v in peft.get_peft_model_state_dict(model).items()
+            if not k.endswith("base_layer.weight")}
+
+
 def _reference(tmp, *, tied: bool):
     """(ckpt, PEFT's adapter dir, batch, reference, base)."""
     import parallm
@@ -88,7 +95,7 @@ def _reference(tmp, *, tied: bool):
     with torch.no_grad():
         ref = dict(logits=run(model), base_logits=run(base))
     ref["stats"], ref["base_stats"] = stats_of(ref["logits"], ids), stats_of(ref["base_logits"], ids)
-    ref["before"] = {k: v.clone() for k, v in peft.get_peft_model_state_dict(model).items()}
+    ref["before"] = _factors(model)
     for kind in ("stats", "logits"):
         stepped = copy.deepcopy(model)
         params = {n.replace(".default", ""): p for n, p in stepped.named_parameters() if p.requires_grad}
@@ -100,8 +107,8 @@ def _reference(tmp, *, tied: bool):
         grads = {n.removeprefix("base_model.model."): p.grad.clone() for n, p in params.items()}
         norm = torch.nn.utils.clip_grad_norm_(list(params.values()), 1e9).item()
         opt.step()
-        ref[kind] = dict(loss=(total / count).item(), norm=norm, grads=grads,
-                         after={k: v.clone() for k, v in peft.get_peft_model_state_dict(stepped).items()})
+        ref["step_" + kind] = dict(loss=(total / count).item(), norm=norm, grads=grads,
+                         after=_factors(stepped))
     return ckpt, adapter, (ids, mask), ref, base
 
 
@@ -137,11 +144,11 @@ def _run(rank, chunks, batch, loss):
     out = {}
     with torch.no_grad():
         out["logits"] = parallm.forward(chunks, ids, mask)
-        out["stats"] = Stats(*parallm.forward(chunks, ids, mask, output="logprobs+entropy"))
+        out["stats"] = tuple(parallm.forward(chunks, ids, mask, output="logprobs+entropy"))
         out["logprobs"] = parallm.forward(chunks, ids, mask, output="logprobs")
         with parallm.adapters_disabled(chunks):
             out["base_logits"] = parallm.forward(chunks, ids, mask)
-            out["base_stats"] = Stats(*parallm.forward(chunks, ids, mask, output="logprobs+entropy"))
+            out["base_stats"] = tuple(parallm.forward(chunks, ids, mask, output="logprobs+entropy"))
     out["before"] = dict(parallm.export_adapter_tensors(chunks))
     opt = parallm.build_optimizer(chunks, lr=LR, eps=EPS, weight_decay=WD)
     if loss == "stats":
@@ -246,8 +253,9 @@ def _check(out, ref, batch, name, loss) -> dict:
     err = {"logits": _diff_real(out["logits"], ref["logits"], mask),
            "base_logits": _diff_real(out["base_logits"], ref["base_logits"], mask)}
     for key, want in (("stats", ref["stats"]), ("base_stats", ref["base_stats"])):
-        err[key + ".logprobs"] = _diff_real(out[key].logprobs, want.logprobs, stat_mask)
-        err[key + ".entropy"] = _diff_real(out[key].entropy, want.entropy, mask)
+        got = Stats(*out[key])
+        err[key + ".logprobs"] = _diff_real(got.logprobs, want.logprobs, stat_mask)
+        err[key + ".entropy"] = _diff_real(got.entropy, want.entropy, mask)
     err["logprobs_only"] = _diff_real(out["logprobs"], ref["stats"].logprobs, stat_mask)
     for k, v in err.items():
         assert v < TOL, (name, k, v)
@@ -257,11 +265,11 @@ def _check(out, ref, batch, name, loss) -> dict:
     for k, v in ref["before"].items():          # PEFT's adapter read bit-exactly (the SP case: parallm's save)
         assert torch.equal(out["before"][k], v), (name, k)
     assert set(out["before"]) == set(ref["before"]) and HEAD_PEFT + "lora_B.weight" in out["before"]
-    step = ref[loss]
+    step = ref["step_" + loss]
     err["loss"] = abs(out["loss"] - step["loss"])
     err["norm"] = abs(out["norm"] - step["norm"]) / step["norm"]
     assert err["loss"] < TOL and err["norm"] < TOL, (name, err)
-    err["grads"] = _close(out["grads"], step["grads"], TOL, f"{name} gradients")
+    err["grads"] = _close(out["grads"], step["grads"], GRAD_TOL, f"{name} gradients")
     err["step"] = _close(out["after"], step["after"], STEP_TOL, f"{name} step")
     assert out["pad_zero"] and out["pad_zero_after"], f"{name}: the head B's padding rows are not 0"
     head_grad = step["grads"]["lm_head.lora_A.weight"].abs().max().item()
