@@ -9,7 +9,7 @@ model, one token-mean step (loss through the log-prob head or through the logits
 factor's gradient (the head's B without its padding rows, which get exactly 0) and AdamW update match PEFT's; the
 adapter saved by parallm loads into PEFT with the same logits; merged export (untied: PEFT's merge_and_unload;
 tied: refused); a PEFT file whose saved head base weight is not the model's is refused; a value model targeting
-lm_head is refused.
+lm_head is refused; tp2's training checkpoint resumes at tp1 x cp2 bit for bit.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def _run(rank, chunks, batch, loss):
     opt.step()
     out["after"] = dict(parallm.export_adapter_tensors(chunks))
     out["pad_zero_after"] = _gathered_grads(chunks)[1]
-    return out
+    return out, opt
 
 
 def _adapted(ckpt, adapter, build):
@@ -175,7 +175,7 @@ def _adapted(ckpt, adapter, build):
 
 def _untied_extras(chunks, untied, tmp, out):
     """After the tp2 step: merged export, parallm's save of the stepped adapter, a PEFT file whose head base weight
-    is another one refused."""
+    is another one refused (on every rank before any writes)."""
     import parallm
     from safetensors.torch import load_file, save_file
     out["merged"] = dict(parallm.export_hf_tensors(chunks, merged=True, copy=True))
@@ -193,6 +193,7 @@ def _untied_extras(chunks, untied, tmp, out):
         parallm.load_hf_adapter(chunks, bad)
     except parallm.CheckpointError as e:
         out["bad_head"] = str(e)
+    out["after_failed_load"] = dict(parallm.export_adapter_tensors(chunks))   # agreed before any rank wrote
 
 
 def _cases(rank, world, untied, tied, tmp):
@@ -209,9 +210,14 @@ def _cases(rank, world, untied, tied, tmp):
         chunks = _adapted(ckpt, adapter, build)
         if name == "tp2":                   # PEFT's adapter, saved by parallm before any step: the SP case's
             parallm.save_hf_adapter(chunks, rt, overwrite=True)
-        out = _run(rank, chunks, batch, loss)
+        out, opt = _run(rank, chunks, batch, loss)
         if name == "tp2":
             _untied_extras(chunks, untied, tmp, out)
+            parallm.save_checkpoint(os.path.join(tmp, "tp2_ckpt"), chunks, opt, step=1, overwrite=True)
+        if name == "cp2":               # tp2's training checkpoint (B padded over 2 ranks) at tp1 x cp2
+            parallm.load_checkpoint(os.path.join(tmp, "tp2_ckpt"), chunks,
+                                    parallm.build_optimizer(chunks, lr=LR, eps=EPS, weight_decay=WD))
+            out["resumed"] = dict(parallm.export_adapter_tensors(chunks))
         if name == "tied_tp2":
             try:
                 dict(parallm.export_hf_tensors(chunks, merged=True))
@@ -288,6 +294,10 @@ def test_lora_head_against_peft(tmp_path):
                              ("tied_tp2", tied, "logits"), ("tied_pp2", tied, "stats")):
         errors[name] = _check(res[name], case[3], case[2], name, loss)
     print({n: {k: f"{v:.2g}" for k, v in e.items()} for n, e in errors.items()})
+    # the adapters-only training checkpoint saved at tp2, resumed at tp1 x cp2: bit for bit
+    assert set(res["cp2"]["resumed"]) == set(res["tp2"]["after"])
+    for k, v in res["tp2"]["after"].items():
+        assert torch.equal(res["cp2"]["resumed"][k], v), k
     # PEFT's file holds the head's base weight too; parallm's save does not (PEFT then keeps its own base head)
     from safetensors.torch import load_file
     theirs = load_file(os.path.join(untied[1], "adapter_model.safetensors"))
@@ -320,6 +330,8 @@ def test_lora_head_against_peft(tmp_path):
     _close(merged, {k: v for k, v in merged_ref.items() if k in merged}, 1e-6, "merged export")
     assert "tied embeddings" in res["tied_tp2"]["merged_refused"], res["tied_tp2"].get("merged_refused")
     assert "differs from this model's lm_head" in res["tp2"]["bad_head"], res["tp2"].get("bad_head")
+    for k, v in res["tp2"]["after"].items():        # the refused load wrote nothing on any rank
+        assert torch.equal(res["tp2"]["after_failed_load"][k], v), k
     assert "value model has no lm_head" in res["value"], res.get("value")
 
 

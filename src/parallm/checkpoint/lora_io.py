@@ -370,8 +370,6 @@ def load_hf_adapter(chunks, peft_dir) -> LoraConfig:
                                           missing and "missing " + ", ".join(missing[:6]),
                                           unexpected and "unexpected " + ", ".join(unexpected[:6]),
                                           bad and "shapes differ: " + "; ".join(bad[:6])) if x))
-            if saved_head is not None:
-                _check_saved_head(f, saved_head, chunks, peft_dir)
             with torch.no_grad():
                 for entry, chunk in chunk_lora_entries(chunks):
                     param = chunk.get_parameter(entry.local)
@@ -382,5 +380,11 @@ def load_hf_adapter(chunks, peft_dir) -> LoraConfig:
                         lay, target = lay.inner, target[entry.index]
                     src = _PeftSource(f, name, which, expert, count)
                     target.copy_(lay.shard([src], chunk.dims.tp_rank, chunk.dims.tp))
+    def check_head():       # agreed on before any rank writes (each rank checks its own vocabulary rows)
+        with safe_open(os.path.join(peft_dir, WEIGHTS_NAME), framework="pt") as f:
+            name = PREFIX + HEAD + ".base_layer.weight"
+            if config.targets(HEAD) and name in f.keys():
+                _check_saved_head(f, name, chunks, peft_dir)
+    run_local(check_head, what="load_hf_adapter")
     run_local(fill, what="load_hf_adapter")
     return config
