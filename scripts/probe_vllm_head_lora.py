@@ -64,17 +64,21 @@ def main():
     else:
         no_head = copy.deepcopy(model)
         with torch.no_grad():
-            if "lm_head" in TARGETS: no_head.base_model.model.lm_head.lora_B["default"].weight.zero_()
-        print(family, sys.argv[2], "vLLM vs PEFT (with head LoRA): %.3g | vs PEFT without the head's delta: %.3g | vs base: %.3g"
-              % (ref_lp(model, out), ref_lp(no_head, out), ref_lp(base, out)))
+            if "lm_head" in TARGETS:
+                no_head.base_model.model.lm_head.lora_B["default"].weight.zero_()
+        print(family, sys.argv[2], "vLLM vs PEFT (with head LoRA): %.3g | vs PEFT without the head's delta: %.3g | "
+              "vs base: %.3g" % (ref_lp(model, out), ref_lp(no_head, out), ref_lp(base, out)))
     base_out = run(None)
     head_only = copy.deepcopy(model)
     with torch.no_grad():
         for n, p in head_only.named_parameters():
             if "lora_B" in n and "lm_head" not in n:
                 p.zero_()
-    print(family, sys.argv[2], "no LoRARequest after the adapter ran, vs base + the head's delta only: %.3g" % ref_lp(head_only, base_out))
-    print(family, sys.argv[2], "no LoRARequest after the adapter ran, vs base: %.3g, vs PEFT: %.3g, vs PEFT w/o head delta: %.3g" % (ref_lp(base, base_out), ref_lp(model, base_out), ref_lp(no_head, base_out) if not isinstance(out, str) else -1))
+    print(family, sys.argv[2], "no LoRARequest after the adapter ran, vs base + the head's delta only: %.3g"
+          % ref_lp(head_only, base_out))
+    print(family, sys.argv[2], "no LoRARequest after the adapter ran, vs base: %.3g, vs PEFT: %.3g, vs PEFT "
+          "w/o head delta: %.3g" % (ref_lp(base, base_out), ref_lp(model, base_out),
+                                    ref_lp(no_head, base_out) if not isinstance(out, str) else -1))
 
 if __name__ == '__main__':
     main()

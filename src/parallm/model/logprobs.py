@@ -22,9 +22,11 @@ head weight.
 A LoRA adapter on the head (``lm_head``: :mod:`parallm.model.layers.lora`) adds ``(u B^T) * scaling`` to every
 chunk's logits, with ``u = A x`` ``[N, r]`` computed before the TP region and entering it as the hidden states
 do (B: this rank's ``[Vp/tp, r]`` rows, its padding rows never used); the backward gives ``u`` and B their
-gradients from the same recomputed chunks (``g_u = s g_z B``, ``g_B = s g_z^T u``). The hidden states enter through megatron-core's TP mappings (identity forward, all-reduce of the
-partial input gradient backward; under sequence parallelism: all-gather forward, reduce-scatter backward), as
-a ColumnParallelLinear's input does.
+gradients from the same recomputed chunks (``g_u = s g_z B``, ``g_B = s g_z^T u``).
+
+The hidden states enter through megatron-core's TP mappings (identity forward, all-reduce of the partial input
+gradient backward; under sequence parallelism: all-gather forward, reduce-scatter backward), as a
+ColumnParallelLinear's input does.
 """
 
 from __future__ import annotations
@@ -103,8 +105,8 @@ class _VocabParallelStats(torch.autograd.Function):
     """hidden ``[N, H]`` (every TP rank the same tokens), weight ``[Vp/tp, H]`` (this rank's head rows, of which
     the first ``real`` are real vocabulary), targets ``[N]`` (global token ids) -> logprobs ``[N]``, entropy
     ``[N]`` (fp32; entropy all zeros unless requested). The gradient of the hidden states is this rank's partial
-    (its columns only): the caller's TP mapping sums it. ``lora``: None or ``(u [N, r], B [Vp/tp, r], scaling)``
-    of a head adapter (u's gradient is this rank's partial too)."""
+    (its columns only): the caller's TP mapping sums it. ``u`` ``[N, r]`` / ``lora_b`` ``[Vp/tp, r]``
+    / ``scaling``: a head adapter's (None, None, 1.0 without one); u's gradient is this rank's partial too."""
 
     @staticmethod
     def forward(ctx, hidden, weight, u, lora_b, scaling, targets, real, vocab_start, temperature, want_entropy, chunk,

@@ -48,8 +48,8 @@ class LoraConfig:
     ``target_modules``: HF module names as PEFT matches them (a name equals the module's last component or a
     dotted suffix of its path; a string is a regex the whole path must match; ``"all-linear"``: every projection
     of a layer, as PEFT's, not the output head; a tuple may hold ``"all-linear"`` beside names, e.g.
-    ``("all-linear", "lm_head")``: the layers' projections and the head); ``dropout``: 0 only (RL fine-tuning runs without it; anything else is a ValueError);
-    ``rank_pattern`` / ``alpha_pattern``: PEFT's per-module overrides (key: a regex matched against the end of
+    ``("all-linear", "lm_head")``: the layers' projections and the head); ``dropout``: 0 only (RL fine-tuning
+    runs without it; anything else is a ValueError); ``rank_pattern`` / ``alpha_pattern``: PEFT's per-module overrides (key: a regex matched against the end of
     the module path); ``seed``: A's initialisation."""
     r: int
     alpha: float
