@@ -5,7 +5,11 @@ PEFT names (``PeftModel.save_pretrained`` with peft 0.21 on transformers 5): ``b
 parameters, targeted through ``target_parameters``) ``base_model.model.model.layers.{i}.mlp.experts.lora_A.weight``
 for the outer wrapper (``down_proj``: A ``[E r, I]``, expert-major, B ``[H, r E]``, column ``k E + e`` = expert e's
 column k) and ``...experts.base_layer.lora_A.weight`` for the inner one (``gate_up_proj``, rank ``2 r``: A
-``[E 2r, H]``, B ``[2 I, 2r E]``); a layer with one of the two has only the outer names.
+``[E 2r, H]``, B ``[2 I, 2r E]``); a layer with one of the two has only the outer names. The output head
+(``lm_head`` targeted): ``base_model.model.lm_head.lora_A.weight`` ``[r, H]``, ``...lora_B.weight`` ``[V, r]``
+(the vocabulary padding stripped). PEFT's own save of such an adapter also holds the head's base weight
+(``base_model.model.lm_head.base_layer.weight``: its ``save_embedding_layers``); :func:`load_hf_adapter` checks
+it against the loaded base and reads nothing else from it; :func:`save_hf_adapter` does not write it.
 
 :func:`export_adapter_tensors` (collective) yields every factor whole on every rank; :func:`save_hf_adapter` writes
 ``adapter_config.json`` + ``adapter_model.safetensors`` (+ parallm's ``parallm_adapter.json``: the seed, kept out
@@ -23,8 +27,8 @@ import torch
 
 from ..errors import CheckpointError
 from ..families import family_of
-from ..model.layers.lora import (PEFT_EXPERT_FAMILIES, LoraConfig, add_lora, global_entries, chunk_lora_entries,
-                                 lora_config_of)
+from ..model.layers.lora import (HEAD, PEFT_EXPERT_FAMILIES, LoraConfig, add_lora, global_entries,
+                                 chunk_lora_entries, lora_config_of)
 from ..model.placement import placement_of
 from ..model.sharding import Source
 from ..parallel.comm import all_gather_single
@@ -53,7 +57,7 @@ def _peft_layout(chunk, config):
     """The model's factors in PEFT's terms, in model order: ``[(peft_name, shape, [(ckpt_name, expert), ...],
     which, r)]``: a dense factor is one checkpoint tensor; an expert factor stacks every expert's."""
     spec, dims = chunk.spec, chunk.dims
-    entries = global_entries(spec, chunk.table, chunk.task, dims, config)
+    entries = global_entries(spec, chunk.table, chunk.task, dims, config, padded_vocab=chunk.padded_vocab_size)
     by_layer_experts: dict = {}
     for e, s, which in entries:
         if e.index is not None:
@@ -293,6 +297,29 @@ class _PeftSource(Source):
         return block if dim == 0 else block[:, start:stop]
 
 
+def _check_saved_head(f, name: str, chunks, peft_dir: str) -> None:
+    """PEFT saves the head's base weight beside an lm_head adapter (``save_embedding_layers``) and loads it into the
+    model's head. parallm takes the base from ``load_hf_weights`` only: the saved copy must be the model's head
+    (its shape always; its values, this rank's vocabulary rows, when the base is loaded already)."""
+    spec = chunks[0].spec
+    shape = tuple(f.get_slice(name).get_shape())
+    if shape != (spec.vocab_size, spec.hidden_size):
+        raise CheckpointError(f"{peft_dir}: {name} is {shape}, the model's lm_head "
+                              f"({spec.vocab_size}, {spec.hidden_size})")
+    for chunk in chunks:
+        if not (chunk.post_process and getattr(chunk, "weights_loaded", False)):
+            continue
+        per = chunk.padded_vocab_size // chunk.dims.tp
+        start = chunk.dims.tp_rank * per
+        real = chunk.real_vocab_columns if chunk.real_vocab_columns is not None else per
+        weight = chunk.head_weight().detach()
+        theirs = f.get_slice(name)[start:start + real].to(device=weight.device, dtype=weight.dtype)
+        if not torch.equal(theirs, weight[:real]):
+            raise CheckpointError(f"{peft_dir}: {name} (PEFT's copy of the head's base weight) differs from this "
+                                  "model's lm_head: the adapter was saved on another base (parallm loads base "
+                                  "weights from load_hf_weights only)")
+
+
 def load_hf_adapter(chunks, peft_dir) -> LoraConfig:
     """Fill the adapters of ``chunks`` from a PEFT directory (``adapter_config.json`` +
     ``adapter_model.safetensors``), each rank reading only its slices (the directory must be visible on every
@@ -331,8 +358,10 @@ def load_hf_adapter(chunks, peft_dir) -> LoraConfig:
         with safe_open(os.path.join(peft_dir, WEIGHTS_NAME), framework="pt") as f:
             present = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
             expected = {name: tuple(shape) for name, shape, _, _, _ in layout}
+            saved_head = PREFIX + HEAD + ".base_layer.weight"     # PEFT's save_embedding_layers copy of the head
+            saved_head = saved_head if config.targets(HEAD) and saved_head in present else None
             missing = sorted(set(expected) - set(present))
-            unexpected = sorted(set(present) - set(expected))
+            unexpected = sorted(set(present) - set(expected) - {saved_head})
             bad = [f"{k}: file {present[k]} vs model {expected[k]}" for k in sorted(set(present) & set(expected))
                    if present[k] != expected[k]]
             if missing or unexpected or bad:
@@ -351,5 +380,11 @@ def load_hf_adapter(chunks, peft_dir) -> LoraConfig:
                         lay, target = lay.inner, target[entry.index]
                     src = _PeftSource(f, name, which, expert, count)
                     target.copy_(lay.shard([src], chunk.dims.tp_rank, chunk.dims.tp))
+    def check_head():       # agreed on before any rank writes (each rank checks its own vocabulary rows)
+        with safe_open(os.path.join(peft_dir, WEIGHTS_NAME), framework="pt") as f:
+            name = PREFIX + HEAD + ".base_layer.weight"
+            if config.targets(HEAD) and name in f.keys():
+                _check_saved_head(f, name, chunks, peft_dir)
+    run_local(check_head, what="load_hf_adapter")
     run_local(fill, what="load_hf_adapter")
     return config

@@ -17,9 +17,16 @@ instead of keeping them; per token it keeps only ``logZ`` and the entropy. The g
 scaled logits of token t is ``g_lp (onehot_t - p) - g_H p (log p + H)``.
 
 Vocabulary padding columns (``Vp > V``) are never part of the sums: each rank uses only its real rows of the
-head weight. The hidden states enter through megatron-core's TP mappings (identity forward, all-reduce of the
-partial input gradient backward; under sequence parallelism: all-gather forward, reduce-scatter backward), as
-a ColumnParallelLinear's input does.
+head weight.
+
+A LoRA adapter on the head (``lm_head``: :mod:`parallm.model.layers.lora`) adds ``(u B^T) * scaling`` to every
+chunk's logits, with ``u = A x`` ``[N, r]`` computed before the TP region and entering it as the hidden states
+do (B: this rank's ``[Vp/tp, r]`` rows, its padding rows never used); the backward gives ``u`` and B their
+gradients from the same recomputed chunks (``g_u = s g_z B``, ``g_B = s g_z^T u``).
+
+The hidden states enter through megatron-core's TP mappings (identity forward, all-reduce of the partial input
+gradient backward; under sequence parallelism: all-gather forward, reduce-scatter backward), as a
+ColumnParallelLinear's input does.
 """
 
 from __future__ import annotations
@@ -98,14 +105,16 @@ class _VocabParallelStats(torch.autograd.Function):
     """hidden ``[N, H]`` (every TP rank the same tokens), weight ``[Vp/tp, H]`` (this rank's head rows, of which
     the first ``real`` are real vocabulary), targets ``[N]`` (global token ids) -> logprobs ``[N]``, entropy
     ``[N]`` (fp32; entropy all zeros unless requested). The gradient of the hidden states is this rank's partial
-    (its columns only): the caller's TP mapping sums it."""
+    (its columns only): the caller's TP mapping sums it. ``u`` ``[N, r]`` / ``lora_b`` ``[Vp/tp, r]``
+    / ``scaling``: a head adapter's (None, None, 1.0 without one); u's gradient is this rank's partial too."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, real, vocab_start, temperature, want_entropy, chunk, group,
-                accumulate):
+    def forward(ctx, hidden, weight, u, lora_b, scaling, targets, real, vocab_start, temperature, want_entropy, chunk,
+                group, accumulate):
         n = hidden.shape[0]
         device = hidden.device
         w = weight[:real]
+        lora = (u, lora_b[:real], scaling) if u is not None else None
         m_loc = torch.full((n,), float("-inf"), dtype=torch.float32, device=device)
         sums = torch.zeros(3, n, dtype=torch.float32, device=device)   # S_r, A_r, t_r
         local = targets - vocab_start
@@ -114,7 +123,7 @@ class _VocabParallelStats(torch.autograd.Function):
         if real > 0:
             for a in range(0, n, chunk):
                 b = min(n, a + chunk)
-                z = _scaled_logits(hidden[a:b], w, temperature)
+                z = _scaled_logits(hidden[a:b], w, temperature, lora, a, b)
                 m = z.max(dim=1).values
                 z.sub_(m[:, None])                                        # z - m_r
                 sums[2, a:b] = z.gather(1, local[a:b, None]).squeeze(1).add_(m)
@@ -144,17 +153,22 @@ class _VocabParallelStats(torch.autograd.Function):
         logz = m + log_s
         logprobs = sums[2] - logz
         entropy = log_s - sums[1] / sums[0] if want_entropy else torch.zeros_like(logz)
-        ctx.save_for_backward(hidden, weight, local, in_range, logz, entropy)
-        ctx.args = (real, temperature, want_entropy, chunk, accumulate)
+        ctx.save_for_backward(hidden, weight, u, lora_b, local, in_range, logz, entropy)
+        ctx.args = (real, temperature, want_entropy, chunk, accumulate, scaling)
         ctx.mark_non_differentiable(*(() if want_entropy else (entropy,)))
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, g_lp, g_h):
-        hidden, weight, local, in_range, logz, entropy = ctx.saved_tensors
-        real, temperature, want_entropy, chunk, accumulate = ctx.args
+        hidden, weight, u, lora_b, local, in_range, logz, entropy = ctx.saved_tensors
+        real, temperature, want_entropy, chunk, accumulate, scaling = ctx.args
         n = hidden.shape[0]
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        lora = (u, lora_b[:real], scaling) if u is not None else None
+        # always a tensor where one is wanted: the TP mappings' backward collectives run on every rank
+        grad_u = torch.zeros_like(u) if ctx.needs_input_grad[2] else None
+        grad_b = torch.zeros(lora_b.shape, dtype=torch.float32, device=lora_b.device) \
+            if ctx.needs_input_grad[3] else None
         grad_weight, fused = None, False
         if ctx.needs_input_grad[1]:
             # Gradient accumulation fusion (as megatron-core's): when the weight already has an fp32 gradient
@@ -165,9 +179,13 @@ class _VocabParallelStats(torch.autograd.Function):
                 grad_weight, fused = existing, True
             else:
                 grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        nones = [None] * 8
+        nones = [None] * 9
+
+        def grads():
+            return (grad_hidden, None if fused else _as_param_grad(grad_weight, weight), grad_u,
+                    _as_param_grad(grad_b, lora_b), *nones)
         if real == 0 or (g_lp is None and g_h is None):
-            return grad_hidden, None if fused else _as_param_grad(grad_weight, weight), *nones
+            return grads()
         if g_lp is None:
             g_lp = torch.zeros_like(logz)
         use_h = want_entropy and g_h is not None
@@ -177,7 +195,7 @@ class _VocabParallelStats(torch.autograd.Function):
         gw = grad_weight[:real] if grad_weight is not None else None
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
-            z = _scaled_logits(hidden[a:b], w, temperature)
+            z = _scaled_logits(hidden[a:b], w, temperature, lora, a, b)
             z.sub_(logz[a:b, None])                                       # log p
             if use_h:
                 p = torch.exp(z)
@@ -194,13 +212,30 @@ class _VocabParallelStats(torch.autograd.Function):
             if grad_hidden is not None:
                 torch.mm(gz, w, out=grad_hidden[a:b])
             if gw is not None:
-                h = hidden[a:b]
-                if gw.dtype == gz.dtype and h.dtype == gz.dtype:
-                    gw.addmm_(gz.t(), h)
-                else:
-                    gw.add_((gz.t() @ h.to(gz.dtype)).float())
+                _add_outer(gw, gz, hidden[a:b])
+            if lora is not None:
+                _lora_grads(gz, lora, a, b, grad_u, grad_b)
             del grad_z, gz
-        return grad_hidden, None if fused else _as_param_grad(grad_weight, weight), *nones
+        return grads()
+
+
+def _add_outer(acc: torch.Tensor, gz: torch.Tensor, x: torch.Tensor) -> None:
+    """``acc += gz^T x`` (acc fp32; the product in gz's dtype)."""
+    if acc.dtype == gz.dtype and x.dtype == gz.dtype:
+        acc.addmm_(gz.t(), x)
+    else:
+        acc.add_((gz.t() @ x.to(gz.dtype)).float())
+
+
+def _lora_grads(gz, lora, a: int, b: int, grad_u, grad_b) -> None:
+    """The head adapter's share of one token chunk's gradient ``gz`` ``[chunk, real]`` (the logits' dtype): with
+    ``z += (u B^T) s``, ``g_u = (s g_z) B`` and ``g_B += (s g_z)^T u`` (B's real rows; its padding rows get 0)."""
+    u, lora_b, scaling = lora
+    gzs = gz * scaling
+    if grad_u is not None:
+        grad_u[a:b] = gzs @ lora_b
+    if grad_b is not None:
+        _add_outer(grad_b[:lora_b.shape[0]], gzs, u[a:b])
 
 
 def _existing_fp32_grad(weight: torch.Tensor) -> torch.Tensor | None:
@@ -212,9 +247,15 @@ def _existing_fp32_grad(weight: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp32 ``hidden @ weight.T / temperature`` (the matmul in the parameters' dtype, as transformers' head)."""
+def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, lora=None, a: int = 0,
+                   b: int = 0) -> torch.Tensor:
+    """fp32 ``hidden @ weight.T / temperature`` (the matmul in the parameters' dtype, as transformers' head), plus
+    a head adapter's ``(u[a:b] B^T) * scaling`` (``lora``: ``(u, B's real rows, scaling)``; added in the logits'
+    dtype, as PEFT adds it to the base layer's output)."""
     z = hidden @ weight.t()
+    if lora is not None:
+        u, lora_b, scaling = lora
+        z = z + (u[a:b] @ lora_b.t()) * scaling
     if z.dtype != torch.float32:
         z = z.float()
     if temperature != 1.0:
@@ -227,14 +268,17 @@ def _as_param_grad(grad: torch.Tensor | None, weight: torch.Tensor):
 
 
 def vocab_parallel_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, real: int,
-                         vocab_start: int, request: StatsRequest, group) -> tuple[torch.Tensor, torch.Tensor]:
+                         vocab_start: int, request: StatsRequest, group,
+                         lora=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (logprobs, entropy), fp32 ``[N]``; see the module docstring. ``group``: the TP group (None or a
-    group of one: no communication)."""
+    group of one: no communication). ``lora``: ``(u [N, r], B [Vp/tp, r], scaling)`` of a head adapter, or
+    None."""
     if group is not None and dist.get_world_size(group) == 1:
         group = None
     chunk = chunk_tokens(request, real, hidden.device)
-    return _VocabParallelStats.apply(hidden, weight, targets, real, vocab_start, request.temperature,
-                                     request.entropy, chunk, group, request.accumulate)
+    u, lora_b, scaling = lora if lora is not None else (None, None, 1.0)
+    return _VocabParallelStats.apply(hidden, weight, u, lora_b, scaling, targets, real, vocab_start,
+                                     request.temperature, request.entropy, chunk, group, request.accumulate)
 
 
 def token_stats_head(chunk, x: torch.Tensor, packing, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -254,8 +298,9 @@ def token_stats_head(chunk, x: torch.Tensor, packing, input_ids: torch.Tensor, a
     mtp = import_megatron().tensor_parallel
 
     group = chunk.dims.tp_group
+    factors = _head_adapter(chunk)
     if split is not None:
-        return _split_stats(chunk, x, split, request, mtp)
+        return _split_stats(chunk, x, split, request, mtp, factors)
     b, s = input_ids.shape
     # next-token targets in [B, S]; the last position has none (its log-prob is 0)
     targets = torch.zeros_like(input_ids)
@@ -263,20 +308,24 @@ def token_stats_head(chunk, x: torch.Tensor, packing, input_ids: torch.Tensor, a
     has_next = torch.ones_like(input_ids, dtype=torch.bool)
     has_next[:, -1] = False
     if packing is not None:
-        if chunk.sequence_parallel:
-            x = mtp.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=group)
-        else:
-            x = mtp.copy_to_tensor_model_parallel_region(x, group=group)
-        hidden = x[:packing.nnz, 0]
+        def enter(t):               # into the TP region: every rank all tokens, the backward sums over TP
+            if chunk.sequence_parallel:
+                t = mtp.gather_from_sequence_parallel_region(t, tensor_parallel_output_grad=True, group=group)
+            else:
+                t = mtp.copy_to_tensor_model_parallel_region(t, group=group)
+            return t[:packing.nnz, 0]
         flat = packing.indices                                 # real tokens, row by row, into [B*S]
         targets, has_next = targets.reshape(-1)[flat], has_next.reshape(-1)[flat]
     else:
         # [S, B, H]: the real tokens in [S, B] order
         flat = attention_mask.t().reshape(-1).nonzero(as_tuple=False).squeeze(-1)
-        hidden = x.reshape(s * b, x.shape[-1]).index_select(0, flat)
-        hidden = mtp.copy_to_tensor_model_parallel_region(hidden, group=group)
+        x = x.reshape(s * b, x.shape[-1]).index_select(0, flat)
+
+        def enter(t):
+            return mtp.copy_to_tensor_model_parallel_region(t, group=group)
         targets, has_next = targets.t().reshape(-1)[flat], has_next.t().reshape(-1)[flat]
-    logprobs, entropy = _head_stats(chunk, hidden, targets, has_next, request, group)
+    hidden, lora = enter(x), _lora_input(factors, x, enter)
+    logprobs, entropy = _head_stats(chunk, hidden, targets, has_next, request, group, lora)
 
     def place(values):
         out = values.new_zeros(b * s).index_put((flat,), values)
@@ -287,28 +336,48 @@ def token_stats_head(chunk, x: torch.Tensor, packing, input_ids: torch.Tensor, a
     return TokenStats(place(logprobs), place(entropy))
 
 
-def _head_stats(chunk, hidden, targets, has_next, request: StatsRequest, group):
+def _head_adapter(chunk):
+    """``(A, B, scaling)`` of the head's LoRA adapter while it runs (the output layer's ``lora``, an adapter of
+    :mod:`parallm.model.layers.lora`), else None."""
+    adapter = getattr(chunk.output_layer, "lora", None)
+    return adapter.head_factors() if adapter is not None else None
+
+
+def _lora_input(factors, x, enter):
+    """``(u, B, scaling)`` for :func:`vocab_parallel_stats`: ``u = A x`` of the tokens ``x`` before they enter the
+    TP region, entered by ``enter`` as the hidden states are (A's gradient then as a column-parallel adapter's:
+    whole on every rank, a partial sum under sequence parallelism); None without an adapter."""
+    if factors is None:
+        return None
+    a, b, scaling = factors
+    return enter(torch.nn.functional.linear(x, a)), b, scaling
+
+
+def _head_stats(chunk, hidden, targets, has_next, request: StatsRequest, group, lora=None):
     """Log-probs (0 where no next token) and entropy of ``hidden`` [N, H] (this rank's real tokens) against this
-    tp rank's vocabulary columns of the head."""
+    tp rank's vocabulary columns of the head (``lora``: the head adapter's inputs, :func:`_lora_input`)."""
     per = chunk.padded_vocab_size // chunk.dims.tp
     real = chunk.real_vocab_columns if chunk.real_vocab_columns is not None else per
     logprobs, entropy = vocab_parallel_stats(hidden, chunk.head_weight(), targets, real=real,
-                                             vocab_start=chunk.dims.tp_rank * per, request=request, group=group)
+                                             vocab_start=chunk.dims.tp_rank * per, request=request, group=group,
+                                             lora=lora)
     return logprobs.masked_fill(~has_next, 0.0), entropy
 
 
-def _split_stats(chunk, x, split, request: StatsRequest, mtp):
+def _split_stats(chunk, x, split, request: StatsRequest, mtp, factors=None):
     """:func:`token_stats_head` under context parallelism."""
     group = chunk.dims.tp_group
-    if chunk.sequence_parallel:
-        x = mtp.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=group)
     flat = split.slot_values(split.real).nonzero(as_tuple=False).squeeze(-1)     # this rank's real slots
-    hidden = x.reshape(split.slots, x.shape[-1]).index_select(0, flat)
-    if not chunk.sequence_parallel:
-        hidden = mtp.copy_to_tensor_model_parallel_region(hidden, group=group)
+
+    def enter(t):                   # [slots (/ tp), ..., width] -> this rank's real slots, in the TP region
+        if chunk.sequence_parallel:
+            t = mtp.gather_from_sequence_parallel_region(t, tensor_parallel_output_grad=True, group=group)
+        t = t.reshape(split.slots, t.shape[-1]).index_select(0, flat)
+        return t if chunk.sequence_parallel else mtp.copy_to_tensor_model_parallel_region(t, group=group)
     targets = split.slot_values(split.targets).index_select(0, flat)
     has_next = split.slot_values(split.has_next).index_select(0, flat)
-    logprobs, entropy = _head_stats(chunk, hidden, targets, has_next, request, group)
+    lora = _lora_input(factors, x, enter)
+    logprobs, entropy = _head_stats(chunk, enter(x), targets, has_next, request, group, lora)
     values = torch.stack([logprobs, entropy], dim=1) if request.entropy else logprobs[:, None]
     local = values.new_zeros((split.slots, values.shape[1])).index_put((flat,), values)
     out = split.place(local, chunk.dims.cp_group)                     # [B, S, 1 or 2]

@@ -63,8 +63,9 @@ from torch import nn
 
 from ...parallel.megatron_import import import_megatron
 from ...parallel.state import as_chunks
-from .lora_plan import (ALL_LINEAR, MLA_LINEAR, PEFT_EXPERT_FAMILIES, SUPPORTED_FAMILIES, KVRows, LoraConfig,
-                        LoraEntry, LoraRow, Slot, Stacked, _leaf, _local_rows, global_entries, layer_slots)
+from .lora_plan import (ALL_LINEAR, HEAD, MLA_LINEAR, PEFT_EXPERT_FAMILIES, SUPPORTED_FAMILIES, KVRows, LoraConfig,
+                        LoraEntry, LoraRow, Slot, Stacked, _leaf, _local_rows, global_entries, head_slot,
+                        layer_slots)
 from .mla import ReplicatedLinear
 from .moe import Experts
 from ..params import attach_main_grad_hooks
@@ -73,7 +74,7 @@ from ..table import chunk_entries
 
 mtp = import_megatron().tensor_parallel
 
-__all__ = ["ALL_LINEAR", "MLA_LINEAR", "PEFT_EXPERT_FAMILIES", "SUPPORTED_FAMILIES", "KVRows", "LoraConfig",
+__all__ = ["ALL_LINEAR", "HEAD", "MLA_LINEAR", "PEFT_EXPERT_FAMILIES", "SUPPORTED_FAMILIES", "KVRows", "LoraConfig",
            "LoraEntry", "LoraRow", "Slot", "Stacked", "add_lora", "adapters_disabled", "chunk_lora_entries",
            "global_entries", "layer_slots", "lora_config_of", "lora_state_of", "merged_weights", "set_adapter_rank"]
 
@@ -123,6 +124,14 @@ class Adapter(nn.Module):
             z = mtp.reduce_from_tensor_model_parallel_region(z, group=self.tp_group)
         s = slots[0]
         return F.linear(z, self.lora_B[s.part]) * s.scaling
+
+    def head_factors(self):
+        """``(A, B, scaling)`` of the output head's adapter (one slot) while adapters are enabled, else None: what
+        the log-prob head (:mod:`parallm.model.logprobs`) adds to its logits."""
+        if not self.state.enabled:
+            return None
+        s = self.slots[0]
+        return self.lora_A[s.part], self.lora_B[s.part], s.scaling
 
     def delta(self, part: str) -> torch.Tensor:
         """``B A * scaling`` of one slot in fp32: this rank's shard of the update of its weight rows (column) or
@@ -257,6 +266,7 @@ def add_lora(chunks, config: LoraConfig):
     if spec.family not in SUPPORTED_FAMILIES:
         raise ValueError(f"LoRA is not supported for the {spec.family} family yet (supported: "
                          f"{', '.join(SUPPORTED_FAMILIES)})")
+    head_slot(spec, chunks[0].task, config, padded_vocab=chunks[0].padded_vocab_size, sp=False)  # raises alike
     state = LoraState()
     found = 0
     for chunk in chunks:
@@ -266,7 +276,7 @@ def add_lora(chunks, config: LoraConfig):
     if found == 0 and _targets_nothing(spec, chunks[0], config):
         raise ValueError(f"LoRA target_modules {config.target_modules!r} match no module of this "
                          f"{spec.architecture} (adaptable: "
-                         f"{', '.join(ALL_LINEAR + (MLA_LINEAR if spec.mla is not None else ()))})")
+                         f"{', '.join(ALL_LINEAR + (MLA_LINEAR if spec.mla is not None else ()) + (HEAD,))})")
     for chunk in chunks:
         chunk.lora_config, chunk.lora_state = config, state
         chunk._parallm_norm_plan = None
@@ -275,7 +285,7 @@ def add_lora(chunks, config: LoraConfig):
 
 
 def _targets_nothing(spec, chunk, config) -> bool:
-    return not global_entries(spec, chunk.table, chunk.task, chunk.dims, config)
+    return not global_entries(spec, chunk.table, chunk.task, chunk.dims, config, padded_vocab=chunk.padded_vocab_size)
 
 
 def _add_to_chunk(chunk, config, state) -> int:
@@ -293,29 +303,12 @@ def _add_to_chunk(chunk, config, state) -> int:
             continue
         kind, slots = found
         module = chunk.get_submodule(entry.local.removesuffix(".weight"))
-        weight = module.weight
-        device = weight.device
+        device = module.weight.device
         if kind in ("column", "row", "replicated"):
+            local_rows = None
             if kind == "column":
                 local_rows = [(_leaf(h)[1], n) for h, n in zip(entry.hf, _local_rows(spec, entry, tp, rank))]
-                module.__class__ = LoraColumnParallelLinear
-            elif kind == "replicated":
-                local_rows = None
-                module.__class__ = LoraReplicatedLinear
-            else:
-                local_rows = None
-                module.__class__ = LoraRowParallelLinear
-            ad = Adapter(kind, slots, local_rows, state, dims, sp)
-            for s in slots:
-                a = _init_a(s.module, s.r, s.cols, config.seed)
-                b = torch.zeros(s.rows, s.r)
-                ad.lora_A[s.part] = _new_param([a], s.a_layout, rank, tp, dtype, device)
-                ad.lora_B[s.part] = _new_param([b], s.b_layout, rank, tp, dtype, device)
-                for p, lay, tp_sum in ((ad.lora_A[s.part], s.a_layout, s.a_tp_sum),
-                                       (ad.lora_B[s.part], s.b_layout, s.b_tp_sum)):
-                    place(p, Placement(layout=lay, tp_sum=tp_sum and tp > 1), module_kind="other",
-                          sequence_parallel=sp, expert_parallel=dims.ep > 1)
-            module.lora = ad
+            _attach(chunk, module, kind, slots, local_rows, state, config, device)
         else:
             experts_module = chunk.get_submodule(entry.local.rsplit(".", 2)[0])
             if not isinstance(experts_module, LoraExperts):
@@ -334,7 +327,33 @@ def _add_to_chunk(chunk, config, state) -> int:
                 place(p, Placement(layout=stacked, tp_sum=tp_sum and tp > 1, expert=experts), module_kind="other",
                       sequence_parallel=sp, expert_parallel=dims.ep > 1)
         added += 1
+    s = head_slot(spec, chunk.task, config, padded_vocab=chunk.padded_vocab_size, sp=sp) if chunk.post_process \
+        else None
+    if s is not None:       # the output head (tied at pp = 1: output_layer holds no weight; the embedding's device)
+        _attach(chunk, chunk.output_layer, "column", [s], [(HEAD, chunk.padded_vocab_size // tp)], state, config,
+                chunk.head_weight().device)
+        added += 1
     return added
+
+
+def _attach(chunk, module, kind, slots, local_rows, state, config, device) -> None:
+    """Give the dense linear ``module`` an :class:`Adapter` of ``kind`` with ``slots``' factors (A as PEFT
+    initialises it, B zero), each placed by its layout."""
+    dims, sp, tp, rank = chunk.dims, chunk.sequence_parallel, chunk.dims.tp, chunk.dims.tp_rank
+    dtype = chunk.config.params_dtype
+    module.__class__ = {"column": LoraColumnParallelLinear, "row": LoraRowParallelLinear,
+                        "replicated": LoraReplicatedLinear}[kind]
+    ad = Adapter(kind, slots, local_rows, state, dims, sp)
+    for s in slots:
+        a = _init_a(s.module, s.r, s.cols, config.seed)
+        b = torch.zeros(s.rows, s.r)
+        ad.lora_A[s.part] = _new_param([a], s.a_layout, rank, tp, dtype, device)
+        ad.lora_B[s.part] = _new_param([b], s.b_layout, rank, tp, dtype, device)
+        for p, lay, tp_sum in ((ad.lora_A[s.part], s.a_layout, s.a_tp_sum),
+                               (ad.lora_B[s.part], s.b_layout, s.b_tp_sum)):
+            place(p, Placement(layout=lay, tp_sum=tp_sum and tp > 1), module_kind="other",
+                  sequence_parallel=sp, expert_parallel=dims.ep > 1)
+    module.lora = ad
 
 
 def chunk_lora_entries(chunks) -> list[tuple[LoraEntry, object]]:
@@ -349,7 +368,8 @@ def chunk_lora_entries(chunks) -> list[tuple[LoraEntry, object]]:
         spec, dims = chunk.spec, chunk.dims
         experts = dims.expert_range(spec.moe.num_experts) if spec.moe is not None else None
         for e, _, _ in global_entries(spec, chunk.table, chunk.task, dims, config, experts=experts,
-                                      layers=chunk.layer_range):
+                                      layers=chunk.layer_range, head=chunk.post_process,
+                                      padded_vocab=chunk.padded_vocab_size):
             out.append((e, chunk))
     return out
 
@@ -457,6 +477,11 @@ def merged_weights(chunks):
     weight is copied aside first, to host memory (on a GPU the merge then costs no device memory beyond one
     weight's fp32 delta at a time: with expert LoRA the adapted weights are most of the model, and this is when a
     colocated engine needs the room). No collectives: each rank merges its own shards."""
+    config, chunk = lora_config_of(chunks), as_chunks(chunks)[0]
+    if config is not None and config.targets(HEAD) and chunk.share_embeddings_and_output_weights:
+        raise ValueError("merged export with an lm_head adapter on a model with tied embeddings: lm_head.weight is "
+                         "embed_tokens.weight, so merging B A into it would change the input embedding too. Export "
+                         "the adapter (save_hf_adapter), or train on an untied copy of the base")
     saved = []
     try:
         with torch.no_grad():

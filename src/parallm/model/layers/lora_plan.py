@@ -11,12 +11,16 @@ from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 
-from ..sharding import Block, PartsSplit, Replicated, Split, TPLayout, _as_source, kv_heads_of_rank
+from ..sharding import Block, PartsSplit, Replicated, Split, TPLayout, VocabSplit, _as_source, kv_heads_of_rank
+from ..spec import padded_vocab_size
 from ..table import chunk_entries, resolve_shape
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # multi-head latent attention's own projections (transformers' DeepseekV3Attention; q_proj and o_proj are above)
 MLA_LINEAR = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+# PEFT's name of the output head. Not part of "all-linear" (PEFT's "all-linear" leaves the output layer out): name
+# it, alone or beside "all-linear" in a tuple (("all-linear", "lm_head")). Its adapter: head_slot
+HEAD = "lm_head"
 # families whose layers parallm can adapt (plain GQA or multi-head latent attention; experts as transformers 5
 # stacks them)
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3",
@@ -43,8 +47,9 @@ class LoraConfig:
     """``r``: rank; ``alpha``: scaling numerator (PEFT's ``lora_alpha``: the update is ``B A x * alpha / r``);
     ``target_modules``: HF module names as PEFT matches them (a name equals the module's last component or a
     dotted suffix of its path; a string is a regex the whole path must match; ``"all-linear"``: every projection
-    of a layer); ``dropout``: 0 only (RL fine-tuning runs without it; anything else is a ValueError);
-    ``rank_pattern`` / ``alpha_pattern``: PEFT's per-module overrides (key: a regex matched against the end of
+    of a layer, as PEFT's, not the output head; a tuple may hold ``"all-linear"`` beside names, e.g.
+    ``("all-linear", "lm_head")``: the layers' projections and the head); ``dropout``: 0 only (RL fine-tuning
+    runs without it; anything else is a ValueError); ``rank_pattern`` / ``alpha_pattern``: PEFT's per-module overrides (key: a regex matched against the end of
     the module path); ``seed``: A's initialisation."""
     r: int
     alpha: float
@@ -77,11 +82,12 @@ class LoraConfig:
     def targets(self, module: str) -> bool:
         """Whether HF module ``module`` (``model.layers.0.self_attn.q_proj``) is targeted (PEFT's rule)."""
         t = self.target_modules
+        linear = module.rsplit(".", 1)[-1] in ALL_LINEAR + MLA_LINEAR + MAMBA_LINEAR
         if t == "all-linear":
-            return module.rsplit(".", 1)[-1] in ALL_LINEAR + MLA_LINEAR + MAMBA_LINEAR
+            return linear
         if isinstance(t, str):
             return re.fullmatch(t, module) is not None
-        return any(module == x or module.endswith("." + x) for x in t)
+        return any(module == x or module.endswith("." + x) or (x == "all-linear" and linear) for x in t)
 
     def rank_alpha(self, module: str) -> tuple[int, float]:
         """``(r, alpha)`` of ``module`` after the patterns (PEFT's: the first key matching the path's end)."""
@@ -227,6 +233,23 @@ def _expert_rank_alpha(config: LoraConfig, modules) -> tuple[int, float]:
     return config.r, float(config.alpha)
 
 
+def head_slot(spec, task: str, config: LoraConfig, *, padded_vocab: int, sp: bool) -> Slot | None:
+    """The output head's adapter when ``config`` targets ``lm_head`` (None otherwise): A ``[r, H]`` replicated over
+    TP, B ``[V, r]`` laid out as the head's rows (:class:`VocabSplit`: padded with zero rows to ``padded_vocab``,
+    split over TP by vocabulary, the padding stripped on save). Like a column-parallel linear's: A's gradient is a
+    partial sum over TP under sequence parallelism only (``A x`` enters the TP region as the head's input does).
+    A model without an lm_head (task ``value`` / ``hidden``) targeting it is a ValueError."""
+    if not config.targets(HEAD):
+        return None
+    if task != "causal_lm":
+        raise ValueError(f"LoRA on lm_head: a {task} model has no lm_head (its output is "
+                         f"{'the value head, score' if task == 'value' else 'the hidden states'}); drop 'lm_head' "
+                         "from target_modules")
+    r, scaling = config.rank_alpha_scaled(HEAD)
+    return Slot(HEAD, HEAD, spec.vocab_size, spec.hidden_size, r, scaling, Replicated(),
+                VocabSplit(spec.vocab_size, padded_vocab), sp, False)
+
+
 def layer_slots(spec, entry, config: LoraConfig, *, tp: int, sp: bool) -> tuple[str, list[Slot]] | None:
     """``(kind, slots)`` of the table entry's linear (``"column"``, ``"row"``, ``"replicated"``: MLA's
     down-projections, ``"experts_fc1"``, ``"experts_fc2"``), None when nothing of it is targeted. Raises for
@@ -350,12 +373,13 @@ def _local_rows(spec, entry, tp, rank) -> list[int]:
     return [resolve_shape(sh, spec)[0] // tp for sh in entry.row.shapes]
 
 
-def global_entries(spec, table, task, dims, config: LoraConfig, *, experts=None, layers=None,
-                   holder=None) -> list[tuple[LoraEntry, Slot, str]]:
+def global_entries(spec, table, task, dims, config: LoraConfig, *, experts=None, layers=None, head=None,
+                   padded_vocab=None) -> list[tuple[LoraEntry, Slot, str]]:
     """Every factor of the model (``layers``: those layers only; ``experts``: those experts only), in model order:
-    ``(entry, slot, "A" | "B")``. The entries' ``local`` names are chunk-local when ``holder`` (a chunk) is
-    given (its layers), else use the global layer index."""
+    ``(entry, slot, "A" | "B")``, the output head's last (``head``: whether to include it; default: when
+    ``layers`` is None; ``padded_vocab``: the head's padded rows, default ``padded_vocab_size(V, tp)``)."""
     out = []
+    head = layers is None if head is None else head
     layers = range(spec.num_layers) if layers is None else layers
     for entry in chunk_entries(table, spec, task=task, pp=dims.pp, pre_process=False, post_process=False,
                                layers=layers, experts=experts):
@@ -379,4 +403,11 @@ def global_entries(spec, table, task, dims, config: LoraConfig, *, experts=None,
                         f"{s.module}.{e}.{s.part}.lora_{which}.weight"
                     out.append((LoraEntry(LoraRow(hf), local, (hf,), entry.layer, None if e is None else x, shape),
                                 s, which))
+    s = head_slot(spec, task, config, sp=False,
+                  padded_vocab=padded_vocab or padded_vocab_size(spec.vocab_size, dims.tp)) if head else None
+    for which in ("A", "B") if s is not None else ():
+        hf = f"{HEAD}.lora_{which}.weight"
+        shape = (s.r, s.cols) if which == "A" else (s.rows, s.r)
+        out.append((LoraEntry(LoraRow(hf), f"output_layer.lora.lora_{which}.{HEAD}", (hf,), spec.num_layers,
+                              None, shape), s, which))
     return out
