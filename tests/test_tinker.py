@@ -98,7 +98,31 @@ def test_loss_step_equals_peft_and_adamw(server, loss_fn, config):
     """forward_backward's loss:sum and log-probs, and the adapters after optim_step, against transformers + PEFT
     on the same adapter with the documented loss and torch.optim.AdamW."""
     seed = 10 + LOSSES.index((loss_fn, config))
-    tc = _client(server, seed)
+    _check_step(server, _client(server, seed), loss_fn, config, seed)
+
+
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "ppo"])
+def test_default_client_trains_the_output_head(server, loss_fn):
+    """The SDK's default client (train_unembed=True: LoRA on the output head too, issue 54) against PEFT with
+    lm_head among its target modules: loss, log-probs, gradient norm, every factor after the step (the head's
+    included, which moves), and the parallm sampler's log-probs of the snapshot equal to the training forward."""
+    seed = 40 + len(loss_fn)
+    tc = server.client.create_lora_training_client(base_model=server.model, rank=RANK, seed=seed).result()
+    assert tc.get_info().lora_rank == RANK
+    _check_step(server, tc, loss_fn, None, seed)
+    after = th.adapter_tensors(_snapshot(server, tc, "head-after"))
+    heads = {k: v for k, v in after.items() if ".lm_head." in k}
+    assert len(heads) == 2 and float(heads[next(k for k in heads if "lora_B" in k)].abs().max()) > 0
+    sc = tc.save_weights_and_get_sampling_client().result()
+    prompt = [5, 9, 12, 7, 3, 40, 41]
+    lp = sc.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+    want = tc.forward(_datums([(prompt[:-1], {"target_tokens": np.array(prompt[1:]),
+                                              "weights": np.ones(len(prompt) - 1, np.float32)})]),
+                      "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    np.testing.assert_allclose(np.array(lp[1:]), want, atol=1e-5)
+
+
+def _check_step(server, tc, loss_fn, config, seed):
     ref = th.peft_model(server.model, _snapshot(server, tc, "init"))
     probe = _data(seed, loss="cross_entropy")
     lps = [th.target_logprobs(ref, x, inp["target_tokens"]).detach().numpy() for x, inp in probe]
@@ -278,8 +302,6 @@ def test_bad_requests_fail_with_the_sdk_error(server, loss_fn, data, config, mes
 def test_bad_clients_and_routes(server):
     with pytest.raises(tinker.BadRequestError, match="--lora-rank 8"):
         server.client.create_lora_training_client(base_model=server.model, rank=16, train_unembed=False).result()
-    with pytest.raises(tinker.BadRequestError, match="train_unembed"):
-        server.client.create_lora_training_client(base_model=server.model, rank=RANK).result()
     with pytest.raises(tinker.BadRequestError, match="serves"):
         server.client.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=RANK,
                                                   train_unembed=False).result()

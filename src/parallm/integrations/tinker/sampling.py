@@ -36,6 +36,8 @@ import urllib.request
 import numpy as np
 import torch
 
+from .engine_adapters import HeadSupport, head_factors_zero, stripped_copy
+
 __all__ = ["ParallmSampler", "SampleInputError", "SampleJob", "SamplerDead", "VllmSampler", "stop_spec"]
 
 log = logging.getLogger("parallm.tinker")
@@ -108,7 +110,7 @@ class VllmSampler:
     """A ``vllm serve`` engine for the base model with runtime LoRA loading."""
 
     def __init__(self, model_dir: str, *, lora_rank: int, max_model_len: int, max_loras: int = 4,
-                 timeout: float = 600.0, python: str | None = None):
+                 timeout: float = 600.0, python: str | None = None, head: dict | None = None):
         from ..vllm import serve
         self.max_model_len, self.timeout = max_model_len, timeout
         self.name = "base"
@@ -120,6 +122,9 @@ class VllmSampler:
         self.server = serve(model_dir, max_model_len=max_model_len, args=args, env=env, python=python, wait=False,
                             dev_mode=False)
         self.url = self.server.url
+        # the model holds head adapters: {"arch", "zero_adapter"} (engine_adapters.py: what the engine is given)
+        self.head = head
+        self.head_support = HeadSupport(head["arch"], python) if head else None
         self.loaded: dict[str, str] = {}
         self.lock = threading.RLock()
         self.dead: str | None = None
@@ -188,15 +193,34 @@ class VllmSampler:
         (a save under a used name writes a new one: :mod:`.checkpoints`), so the directory identifies the
         weights; a name is never reused."""
         if adapter_dir is None:
-            return self.name
+            if self.head is None:
+                return self.name
+            adapter_dir = self.head["zero_adapter"]        # never "no adapter" beside head adapters (above)
         with self.lock:
             name = self.loaded.get(adapter_dir)
             if name is None:
+                path = self._engine_dir(adapter_dir)
                 self._count = getattr(self, "_count", 0) + 1
                 name = f"tinker-{self._count}"
-                self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": adapter_dir})
+                self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
                 self.loaded[adapter_dir] = name
             return name
+
+    def _engine_dir(self, adapter_dir: str) -> str:
+        """The directory the engine loads for a snapshot (engine_adapters.py)."""
+        if self.head is None:
+            return adapter_dir
+        zero = head_factors_zero(adapter_dir)
+        if zero is None:
+            return adapter_dir
+        if zero:
+            return stripped_copy(adapter_dir, adapter_dir.rstrip("/") + "-engine")
+        if not self.head_support.get():
+            why = self.head_support.error or f"vLLM's {self.head['arch']} lists no lm_head embedding module"
+            raise SampleInputError(f"this snapshot trains the output head (train_unembed=True) and vLLM does not "
+                                   f"apply LoRA on {self.head['arch']}'s head ({why}): sample it with "
+                                   "--sampler parallm, or train with train_unembed=False (or --lora-unembed skip)")
+        return adapter_dir
 
     def release(self, adapter_dir: str) -> None:
         """Unload a snapshot's adapter from the engine (its directory was removed)."""

@@ -83,8 +83,13 @@ def _sampler(args, leader, directory, config, facts):
         return None
     if kind == "vllm":
         from .sampling import VllmSampler
+        head = None
+        if args.lora_unembed == "train":
+            from .engine_adapters import zero_adapter
+            head = {"arch": facts["arch"], "zero_adapter": zero_adapter(
+                config["adapter_template"], os.path.join(os.path.dirname(config["adapter_template"]), "zero-engine"))}
         return VllmSampler(directory, lora_rank=args.lora_rank, max_model_len=config["max_context"],
-                           timeout=args.sampler_timeout)
+                           timeout=args.sampler_timeout, head=head)
     eos = facts["eos"]
     eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     tokenizer = None
