@@ -7,7 +7,14 @@ Runs in .venv-verl (``scripts/test.sh`` runs it there with ``PARALLM_REQUIRE_VER
   line (parallm's Hydra plugin puts the groups on the search path), and verl's ``omega_conf_to_dataclass`` turns
   them into parallm's dataclasses: the actor, the reference policy (``forward_only``, the actor's layout) and the
   critic (the actor's layout) carry the layout verl's keys gave, the engine's options are those keys; ``optim=
-  parallm`` is verl's FSDP optimizer config, field for field; bad values are refused when verl builds the config.
+  parallm`` is verl's FSDP optimizer config, field for field, plus verl's Megatron schedule keys (unset); bad
+  values are refused when verl builds the config.
+* ``test_optim_megatron_keys``: ``engine=parallm optim=parallm`` with verl's Megatron optimizer keys on the command
+  line (``optim.lr_decay_style=cosine optim.lr_warmup_init=... optim.min_lr=...``): every step's LR and weight
+  decay of parallm's AdamW over the toy model equal verl's Megatron engine's schedule (verl's
+  ``get_megatron_optimizer_param_scheduler``, megatron-core's ``OptimizerParamScheduler``, on a plain torch AdamW,
+  from ``optim=megatron`` with the same keys) for 8 cases over every decay style; keys that cannot be honoured
+  are refused naming them.
 * ``test_search_path_plugin``: without the plugin ``engine=parallm`` is unknown and
   ``hydra.searchpath=[pkg://parallm.integrations.verl.config]`` is the documented fallback; the plugin leaves
   other Hydra apps' search paths alone.
