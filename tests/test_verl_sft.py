@@ -15,6 +15,10 @@ dp2, tp2 and pp2 (pp2 with verl's dynamic batch size, so its micro-batches diffe
 ones). Step-1 and step-2 ``train/loss`` and ``train/grad_norm`` must agree within 1e-5 relative (seen: 1e-7), and
 parallm's engine must report the layout verl's config asked for.
 
+``test_sft_trainer_megatron_optim_keys``: one more parallm run, with verl's Megatron optimizer keys
+(``optim.lr_decay_style=cosine`` ...; docs/verl.md, "The optimizer"): verl's logged ``train/lr`` per step is
+megatron-core's ``OptimizerParamScheduler``'s.
+
 Before the fix of ``fixes._fix_torchrun_backend_string`` no run starts: verl's ``initialize_global_process_group``
 passes ``"cpu:gloo,cpu:gloo"`` to torch ("Duplicate device type cpu"); without parallm's config groups on Hydra's
 search path ``engine=parallm`` is an unknown option; with the groups but without ``parallm_options`` reading the
@@ -88,3 +92,29 @@ def test_sft_trainer_parallm_matches_fsdp(reference, layout):
         for key in ("train/loss", "train/grad_norm"):
             got, want = steps[step][key], ref[step][key]
             assert abs(got - want) <= RTOL * abs(want), (layout, step, key, got, want)
+
+
+@pytest.mark.timeout(900)
+def test_sft_trainer_megatron_optim_keys(reference):
+    """verl's Megatron optimizer keys on the SFT trainer's command line with ``optim=parallm`` (docs/verl.md, "The
+    optimizer"): cosine decay to ``min_lr`` over the trainer's total steps (``lr_decay_steps`` unset: verl's SFT
+    trainer fills in ``total_training_steps``), one warm-up step from ``lr_warmup_init``. The ``train/lr`` verl
+    logs after each step is megatron-core's ``OptimizerParamScheduler`` at that step count, and step 1 (before any
+    update) equals the FSDP2 reference."""
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    work, ref = reference
+    steps, log = sft(work, "parallm_megatron_optim",
+                     ["optim.lr_decay_style=cosine", "optim.lr_warmup_steps=1", "optim.lr_warmup_init=1e-4",
+                      "optim.min_lr=1e-5"], env={"STEPS": "3"})
+    assert sorted(steps) == [1, 2, 3], (steps, log[-4000:])
+    plain = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+    sched = OptimizerParamScheduler(plain, init_lr=1e-4, max_lr=1e-3, min_lr=1e-5, lr_warmup_steps=1,
+                                    lr_decay_steps=3, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
+                                    wd_incr_steps=3, wd_incr_style="constant")
+    for step in (1, 2, 3):
+        sched.step(1)
+        assert steps[step]["train/lr"] == pytest.approx(plain.param_groups[0]["lr"], rel=1e-12), \
+            (step, steps[step]["train/lr"], plain.param_groups[0]["lr"])
+    for key in ("train/loss", "train/grad_norm"):
+        assert abs(steps[1][key] - ref[1][key]) <= RTOL * abs(ref[1][key]), (key, steps[1][key], ref[1][key])

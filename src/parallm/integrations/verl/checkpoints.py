@@ -107,7 +107,13 @@ class Checkpoints:
         rng = None
         if "extra" in contents:
             if self.lr_scheduler is not None and "lr_scheduler" in extra:
-                self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+                state = extra["lr_scheduler"]
+                if "num_steps" in state and not hasattr(self.lr_scheduler, "wd_incr_style"):
+                    raise ValueError("parallm engine: the checkpoint's LR-schedule state is megatron-core's (saved "
+                                     "with verl's Megatron schedule keys, e.g. optim.lr_decay_style); this engine "
+                                     "runs verl's FSDP schedule: resume with the same optim keys, or leave 'extra' "
+                                     "out of checkpoint.load_contents")
+                self.lr_scheduler.load_state_dict(state)
             path = self._rng_path(local_path)
             rng = os.path.exists(path)
             if rng:

@@ -21,7 +21,9 @@ What each verl call becomes:
   / ``weight_decay`` / ``override_optimizer_config["eps"]``, every parameter decayed as verl's FSDP engine's
   ``torch.optim.AdamW`` over ``module.parameters()`` does) and verl's own LR schedule functions
   (``get_constant_schedule_with_warmup`` / ``get_cosine_schedule_with_warmup``, torch ``LambdaLR``\\ s) on that
-  optimizer, with the warm-up step count verl's FSDP engine computes. Then offloaded when verl's flags say so.
+  optimizer, with the warm-up step count verl's FSDP engine computes; with verl's Megatron schedule keys
+  (``lr_decay_style``, ``min_lr``, ...) megatron-core's ``OptimizerParamScheduler`` as verl's Megatron engine builds
+  it, biases and norms not decayed (:mod:`.optim`). Then offloaded when verl's flags say so.
   ``model.override_config`` entries that would change the model are refused (:mod:`.overrides`).
 * ``forward_backward_batch`` (training): verl's global token count (``loss_mask`` summed over the data-parallel
   group) and ``dp_size`` go into the batch as verl's FSDP engine puts them; the mini-batch (verl's nested

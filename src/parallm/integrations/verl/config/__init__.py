@@ -11,8 +11,9 @@ installed) or ``hydra.searchpath=[pkg://parallm.integrations.verl.config]``.
 verl turns each block into a dataclass by its ``_target_`` (``omega_conf_to_dataclass``), and verl's dataclasses
 refuse keys they do not declare; hence parallm's own: :class:`ParallmEngineConfig` (verl's ``EngineConfig`` plus
 parallm's layout and model options, under Megatron's names where verl has them), :class:`ParallmActorConfig`
-(actor and reference policy: verl's ``ActorConfig`` whose engine is the ``parallm`` block) and
-:class:`ParallmCriticConfig`.
+(actor and reference policy: verl's ``ActorConfig`` whose engine is the ``parallm`` block),
+:class:`ParallmCriticConfig` and :class:`ParallmOptimizerConfig` (verl's FSDP optimizer keys plus its Megatron
+LR-schedule keys).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from verl.workers.config import ActorConfig, CriticConfig, EngineConfig
+from verl.workers.config import ActorConfig, CriticConfig, EngineConfig, FSDPOptimizerConfig
 
-__all__ = ["ParallmEngineConfig", "ParallmActorConfig", "ParallmCriticConfig", "LAYOUT_KEYS"]
+__all__ = ["ParallmEngineConfig", "ParallmActorConfig", "ParallmCriticConfig", "ParallmOptimizerConfig",
+           "LAYOUT_KEYS"]
 
 # verl's key (Megatron's name where verl's Megatron engine has one) -> parallm's option (engine's parallm_options)
 LAYOUT_KEYS = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp",
@@ -119,3 +121,33 @@ class ParallmCriticConfig(CriticConfig):
             raise ValueError(f"ParallmCriticConfig: strategy must be 'parallm', got {self.strategy!r} (with "
                              "model_engine=parallm the critic is parallm's engine)")
         self.engine = self.parallm
+
+
+@dataclass
+class ParallmOptimizerConfig(FSDPOptimizerConfig):
+    """``optim=parallm``: verl's ``FSDPOptimizerConfig`` (every FSDP key, same defaults) plus the LR-schedule keys
+    of verl's ``McoreOptimizerConfig`` (``optim/megatron.yaml``), so a command line written for ``optim=megatron``
+    composes too. The Megatron keys default to ``None`` (unset): with none set the engine builds verl's FSDP
+    schedule (``lr_scheduler_type``), with any set megatron-core's ``OptimizerParamScheduler`` as verl's Megatron
+    engine builds it (:func:`parallm.integrations.verl.optim.megatron_schedule`), the unset ones taking
+    ``optim/megatron.yaml``'s defaults. Checked here, when verl builds the config: values parallm cannot honour
+    and FSDP schedule keys that contradict the Megatron ones are refused naming the key (the checks that need
+    ``total_training_steps`` run when the engine builds the schedule)."""
+
+    lr_warmup_init: Optional[float] = None
+    lr_decay_steps: Optional[int] = None
+    lr_decay_style: Optional[str] = None
+    min_lr: Optional[float] = None
+    weight_decay_incr_style: Optional[str] = None
+    lr_wsd_decay_style: Optional[str] = None
+    lr_wsd_decay_steps: Optional[int] = None
+    use_checkpoint_opt_param_scheduler: Optional[bool] = None
+    use_precision_aware_optimizer: bool = False
+    main_grads_dtype: str = "fp32"
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
+
+    def __post_init__(self):
+        super().__post_init__()
+        from ..optim import check_optimizer_config
+        check_optimizer_config(self)
