@@ -122,6 +122,24 @@ def test_default_client_trains_the_output_head(server, loss_fn):
     np.testing.assert_allclose(np.array(lp[1:]), want, atol=1e-5)
 
 
+def test_topk_logprobs_equal_transformers(server):
+    """Top-k log-probs (issue 58) of a trained snapshot and of the base model, from the parallm sampler, against
+    transformers + PEFT's top-k of the same logits."""
+    tc = _client(server, 71)
+    tc.forward_backward(_datums(_data(71)), "cross_entropy").result()
+    tc.optim_step(types.AdamParams(**dict(ADAM, learning_rate=1e-2))).result()
+    path = tc.save_weights_for_sampler("topk").result().path
+    prompt = [5, 9, 12, 7, 3, 40, 41, 22]
+    th.check_topk(server.client.create_sampling_client(model_path=path).result(), server.model,
+                  th.adapter_dir(server.work, path), prompt)
+    th.check_topk(server.client.create_sampling_client(base_model=server.model).result(), server.model, None,
+                  prompt)
+    with pytest.raises(tinker.BadRequestError, match="0 to 64"):
+        server.client.create_sampling_client(base_model=server.model).result().sample(
+            types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=2),
+            topk_prompt_logprobs=65).result()
+
+
 def _check_step(server, tc, loss_fn, config, seed):
     ref = th.peft_model(server.model, _snapshot(server, tc, "init"))
     probe = _data(seed, loss="cross_entropy")

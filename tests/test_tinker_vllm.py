@@ -86,6 +86,21 @@ def test_vllm_logprobs_match_the_training_forward(server):
     assert np.abs(np.array(blp[1:]) - np.array(lp[1:])).max() > 1e-3
 
 
+def test_vllm_topk_logprobs_equal_transformers(server):
+    """Top-k log-probs (issue 58) from vLLM, of a trained snapshot (head adapter included) and of the base model,
+    against transformers + PEFT's top-k of the same logits."""
+    tc = server.client.create_lora_training_client(base_model=server.model, rank=RANK, seed=17).result()
+    g = np.random.default_rng(17)
+    tc.forward_backward([_datum(g.integers(3, 99, 12).tolist()) for _ in range(4)], "cross_entropy").result()
+    tc.optim_step(ADAM).result()
+    path = tc.save_weights_for_sampler("topk").result().path
+    prompt = g.integers(3, 99, 9).tolist()
+    th.check_topk(server.client.create_sampling_client(model_path=path).result(), server.model,
+                  th.adapter_dir(server.work, path), prompt)
+    th.check_topk(server.client.create_sampling_client(base_model=server.model).result(), server.model, None,
+                  prompt)
+
+
 def test_vllm_serves_a_lower_rank_client(server):
     """A rank-3 client on the rank-8 server: vLLM loads its rank-3 PEFT snapshot (scaling alpha / 3) and its
     log-probs (prompt and sampled) are the training forward's within 1e-4."""

@@ -232,3 +232,45 @@ def check_peft_rank(directory: str, rank: int, alpha: float, *, experts: bool = 
         else:
             assert k == rank, (name, tuple(t.shape))
     assert seen_experts == experts
+
+
+def check_topk(sc, model_dir: str, adapter: str | None, prompt: list, *, atol: float = 1e-4) -> None:
+    """Top-k log-probs of a sampling client (prompt k = 5, sampled k = 3) against transformers' (+ PEFT's)
+    top-k of the same logits: at every prompt position (the first empty) and before every sampled token, the
+    same token ids in order (where their log-probs are not within ``atol`` of each other) and log-probs within
+    ``atol``."""
+    import numpy as np
+    import torch
+    from tinker import types
+    from transformers import AutoModelForCausalLM
+    model = peft_model(model_dir, adapter) if adapter else AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32)
+    res = sc.sample(types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=4, seed=5, stop=[]),
+                    include_prompt_logprobs=True, topk_prompt_logprobs=5, topk_sample_logprobs=3).result()
+
+    def want(tokens, k):
+        with torch.no_grad():
+            lsm = model(input_ids=torch.as_tensor([tokens])).logits[0].double().log_softmax(-1)
+        v, i = lsm.topk(k, -1)
+        return v.numpy(), i.numpy()
+
+    def same(got, ref_v, ref_i):
+        ids, lps = zip(*got)
+        np.testing.assert_allclose(np.array(lps), ref_v, atol=atol, rtol=0)
+        for j, (a, b) in enumerate(zip(ids, ref_i)):
+            if a != b:      # only where two log-probs tie within the tolerance
+                assert abs(ref_v[j] - lps[j]) <= atol, (ids, ref_i, lps, ref_v)
+    top = res.topk_prompt_logprobs
+    assert len(top) == len(prompt) and top[0] is None
+    v, i = want(prompt, 5)
+    for t in range(1, len(prompt)):
+        assert len(top[t]) == 5
+        same(top[t], v[t - 1], i[t - 1])
+    for s in res.sequences:
+        assert len(s.topk_logprobs) == len(s.tokens) == 4
+        v, i = want(prompt + s.tokens, 3)
+        for t, row in enumerate(s.topk_logprobs):
+            assert len(row) == 3
+            same(row, v[len(prompt) - 1 + t], i[len(prompt) - 1 + t])
+            assert s.tokens[t] not in [x for x, _ in row] or \
+                abs(dict(row)[s.tokens[t]] - s.logprobs[t]) <= atol      # the sampled token's own log-prob agrees
