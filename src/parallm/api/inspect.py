@@ -61,6 +61,10 @@ def read_checkpoint(path: str, *, task: str | None, pp: int = 1) -> dict:
         if packed:
             notes.append(f"{len(packed)} expert tensors are MXFP4 (*_blocks / *_scales): dequantised on load, each "
                          "rank only its own experts' slice; saves write the model's dtype")
+        shapes = _int4_shapes(shapes, types, config, tensors, notes, os.path.abspath(path))
+        if spec.carried:
+            notes.append(f"{len(spec.carried)} tensors outside the language model (a vision tower, its projector) "
+                         "are carried: loaded, saved and exported unchanged, never run")
         expected = expected_hf_shapes(family.table, spec, task=task, pp=pp)
         aliases, init, fused = check_checkpoint(shapes, spec, task, expected,
                                                 strict=True, where=os.path.abspath(path),
@@ -93,6 +97,28 @@ def _mxfp4_shapes(shapes: dict, types: dict, config, tensors: dict, where: str):
         tensors[blocks].update(dtype="mxfp4", itemsize=4.25 / 8, shape=out[name], packed=True)
         tensors[scales].update(dtype="mxfp4", shape=(0,), packed=True)
     return out, packed
+
+
+def _int4_shapes(shapes: dict, types: dict, config, tensors: dict, notes: list, where: str) -> dict:
+    """``shapes`` with each compressed-tensors pack-quantized module's tensors replaced by its weight (as the
+    loader reads it: :func:`parallm.checkpoint.int4.int4_view`); ``tensors``' entries of the packed words marked
+    ``int4`` (half a byte per weight), its scales / zero points / shape counted in them; a note on the scheme."""
+    from ..checkpoint.int4 import PACKED, int4_config, int4_view
+    qconfig = int4_config(config)
+    out, _, _ = int4_view(shapes, types, None, qconfig, where=where)
+    modules = [k for k in shapes if k.endswith("." + PACKED)]
+    for name in shapes:
+        if name not in out:
+            packed = name.endswith("." + PACKED)
+            weight = name.rpartition(".")[0] + ".weight"
+            tensors[name].update(dtype="int4", itemsize=0.5, shape=out[weight] if packed else (0,), packed=True)
+    if modules:
+        schemes = ", ".join(f"group size {s.group_size}, " + ("symmetric" if s.symmetric else "with zero points")
+                            for s in qconfig.schemes)
+        notes.append(f"{len(modules)} linear weights are compressed-tensors INT4 pack-quantized ({schemes}): "
+                     "dequantised on load into the model dtype, each rank only its own slice; saves write the "
+                     "model's dtype and no quantization_config")
+    return out
 
 
 def check_split(spec, *, tp: int, pp: int, vpp: int | None, split: dict | None = None,
@@ -196,7 +222,7 @@ def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, ep=Non
         dtypes[t["dtype"]] = dtypes.get(t["dtype"], 0) + n
         itemsize[t["dtype"]] = t["itemsize"]
     # the dtype the model loads into: the unquantised tensors' (MXFP4 experts are dequantised into it)
-    plain = {k: v for k, v in dtypes.items() if k != "mxfp4"}
+    plain = {k: v for k, v in dtypes.items() if k not in ("mxfp4", "int4")}
     main = max(plain, key=plain.get) if plain else "float32"
     report = dict(
         path=os.path.abspath(path), architecture=spec.architecture, family=ck["family"].name,

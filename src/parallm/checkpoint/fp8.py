@@ -51,7 +51,8 @@ def scale_name(weight_name: str) -> str:
 
 def block_size_of(config) -> tuple[int, int] | None:
     """The block of an FP8 block-quantised checkpoint's config (``quantization_config.weight_block_size``), None
-    when the config has no quantization or MXFP4 experts (:mod:`parallm.checkpoint.mxfp4`). Another method, a per-tensor FP8 config without a block,
+    when the config has no quantization, MXFP4 experts (:mod:`parallm.checkpoint.mxfp4`) or compressed-tensors INT4
+    weights (:mod:`parallm.checkpoint.int4`). Another method, a per-tensor FP8 config without a block,
     or activation scales are refused by name (a cast would silently load wrong weights)."""
     q = config.get("quantization_config") if isinstance(config, Mapping) else getattr(config, "quantization_config",
                                                                                       None)
@@ -60,11 +61,12 @@ def block_size_of(config) -> tuple[int, int] | None:
     if not isinstance(q, Mapping):
         q = q.to_dict() if hasattr(q, "to_dict") else vars(q)
     method = q.get("quant_method")
-    if method == "mxfp4":           # gpt-oss's experts: parallm.checkpoint.mxfp4
+    if method in ("mxfp4", "compressed-tensors"):   # gpt-oss's experts: .mxfp4; Kimi-K2.5's INT4 experts: .int4
         return None
     if method != "fp8":
         raise CheckpointError(f"quantization_config.quant_method={method!r} is not supported (parallm dequantises "
-                              "FP8 block checkpoints, quant_method 'fp8', and MXFP4 experts, 'mxfp4')")
+                              "FP8 block checkpoints, quant_method 'fp8', MXFP4 experts, 'mxfp4', and INT4 "
+                              "pack-quantized weights, 'compressed-tensors')")
     block = q.get("weight_block_size")
     if not block or len(block) != 2 or any(not isinstance(b, int) or b <= 0 for b in block):
         raise CheckpointError(f"an FP8 checkpoint without a valid weight_block_size (got {block!r}): parallm "

@@ -37,6 +37,7 @@ from ..parallel.state import ParallelDims, as_chunks, dims_of, require_initializ
 from ..progress import bar
 from .cast import WIRE_DTYPES, check_cast, copy_cast_
 from .fp8 import DequantizedSource, block_size_of, fp8_plan
+from .int4 import int4_config, int4_view
 from .mxfp4 import is_mxfp4, mxfp4_view
 from .hf_dir import HFCheckpoint, MissingCheckpointError, check_floating, resolve_checkpoint, tensor_shapes
 from .load_checks import VALUE_HEAD, VALUE_HEAD_INIT_SEED, check_checkpoint, init_value_head
@@ -225,7 +226,8 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
         try:
             block = block_size_of(chunks[0].hf_config)     # FP8 block checkpoints: dequantised while read
             get, init = _open_and_check(source, spec, task, layout, strict=strict, allow_pickle=allow_pickle,
-                                        fp8_block=block, mxfp4=is_mxfp4(chunks[0].hf_config))
+                                        fp8_block=block, mxfp4=is_mxfp4(chunks[0].hf_config),
+                                        int4=int4_config(chunks[0].hf_config))
             own = [(e, c) for e, c in mine if not set(e.hf) & set(init)]
             mark_loaded(chunks, False)      # from here on a failure leaves a partial load
             _fill_all(own, get, layout, progress)
@@ -269,7 +271,7 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
 
 
 def _open_and_check(source, spec, task, layout: ParallelDims, *, strict: bool, allow_pickle: bool,
-                    fp8_block: tuple[int, int] | None = None, mxfp4: bool = False):
+                    fp8_block: tuple[int, int] | None = None, mxfp4: bool = False, int4=None):
     """Open this rank's source and check every tensor's name, shape and dtype at once. Returns
     ``(get, initialised)``: ``get(hf_name)`` gives the :class:`Source` to read (value-head aliases applied).
 
@@ -277,7 +279,9 @@ def _open_and_check(source, spec, task, layout: ParallelDims, *, strict: bool, a
     read through their ``*_scale_inv`` block scales (:class:`~parallm.checkpoint.fp8.DequantizedSource`, fp32,
     rounded once into the model dtype by the filling copy) and the scales are not weights of their own. Without
     it a float8 tensor or a scale is an error naming it. ``mxfp4``: the config declares MXFP4 experts: each
-    ``X_blocks`` / ``X_scales`` pair is read as X (:class:`~parallm.checkpoint.mxfp4.Mxfp4Source`)."""
+    ``X_blocks`` / ``X_scales`` pair is read as X (:class:`~parallm.checkpoint.mxfp4.Mxfp4Source`). ``int4``: the
+    config's compressed-tensors INT4 settings (:func:`~parallm.checkpoint.int4.int4_config`): each pack-quantized
+    module is read as its weight (:class:`~parallm.checkpoint.int4.Int4Source`)."""
     table = family_of(spec).table
     expected = expected_hf_shapes(table, spec, task=task, pp=layout.pp)
     if isinstance(source, dict):
@@ -290,6 +294,7 @@ def _open_and_check(source, spec, task, layout: ParallelDims, *, strict: bool, a
         present = {k: raw(k).shape for k in ckpt.keys()}
     present, dtypes, raw = mxfp4_view(present, {k: getattr(raw(k), "dtype", None) for k in present}, raw,
                                       declared=mxfp4, where=where)
+    present, dtypes, raw = int4_view(present, dtypes, raw, int4, where=where)
     scales = fp8_plan(present, dtypes, fp8_block, where=where)
     if scales:
         stored = raw

@@ -451,6 +451,9 @@ def hf_config_dict(chunk, dtype=None) -> dict:
     # the weights are written dequantised, in the model's (or the requested) dtype: an FP8 checkpoint's
     # quantization_config would make readers look for block scales that are not there
     d.pop("quantization_config", None)
+    text = d.get("text_config")
+    if isinstance(text, dict) and "quantization_config" in text:     # Kimi-K2.5's INT4 settings sit there
+        d["text_config"] = {k: v for k, v in text.items() if k != "quantization_config"}
     family = family_of(chunk.spec)
     if chunk.task == "value":
         d["architectures"] = [family.value_architecture]

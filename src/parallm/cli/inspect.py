@@ -170,7 +170,9 @@ def _moe_lines(report: dict) -> list[str]:
                      f"{moe['expert_width']} wide{shared}; {moe['tensors_per_layer']} parameter tensors per MoE "
                      "layer (each rank's experts stacked per projection)")
         fmt = ("MXFP4 in the checkpoint (FP4 values, a power-of-two scale per 32; dequantised on load into "
-               f"{report['dtype']})" if "mxfp4" in report["dtypes"] else report["dtype"])
+               f"{report['dtype']})" if "mxfp4" in report["dtypes"] else
+               "compressed-tensors INT4 pack-quantized in the checkpoint (8 int4 values per int32 word, a scale per "
+               f"group; dequantised on load into {report['dtype']})" if "int4" in report["dtypes"] else report["dtype"])
         extras = [x for x, on in (("router bias", moe.get("router_bias")), ("expert biases", moe.get("expert_bias")),
                                   (moe.get("activation"), moe.get("activation") not in (None, "silu"))) if on]
         lines.append(f"expert format {fmt}" + (f"; {', '.join(extras)}" if extras else ""))
