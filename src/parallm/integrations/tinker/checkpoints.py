@@ -106,7 +106,10 @@ class CheckpointStore:
         now = time.time()
         meta = dict(meta, time=datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(),
                     expires=None if ttl_seconds is None else now + ttl_seconds)
-        tmp = os.path.join(directory, META + ".tmp")
+        self.write_meta_raw(directory, meta)
+
+    def write_meta_raw(self, directory: str, meta: dict) -> None:
+        tmp = self.inside(os.path.join(directory, META + ".tmp"))
         with open(tmp, "w") as f:
             json.dump(meta, f)
         os.replace(tmp, os.path.join(directory, META))

@@ -59,6 +59,12 @@ ROUTES = [
     ("GET", r"/api/v1/training_runs/([^/]+)", "route_training_run"),
     ("GET", r"/api/v1/training_runs/([^/]+)/checkpoints", "route_list_checkpoints"),
     ("DELETE", r"/api/v1/training_runs/([^/]+)/checkpoints/(.+)", "route_delete_checkpoint"),
+    ("PUT", r"/api/v1/training_runs/([^/]+)/checkpoints/(.+)/ttl", "route_checkpoint_ttl"),
+    ("GET", r"/api/v1/training_runs/([^/]+)/checkpoints/(.+)/archive", "route_checkpoint_archive"),
+    ("GET", r"/api/v1/checkpoints", "route_all_checkpoints"),
+    ("GET", r"/api/v1/sessions", "route_list_sessions"),
+    ("GET", r"/api/v1/sessions/([^/]+)", "route_get_session"),
+    ("POST", r"/api/v1/unload_model", "route_unload_model"),
 ]
 _COMPILED = [(m, re.compile(p + r"/?"), name) for m, p, name in ROUTES]
 
@@ -135,9 +141,9 @@ def _make_handler(service, api_key: str | None, max_body: int):
                     body = json_body(raw, route=path) if raw else {}
                     ids = request_ids(body)
                     result = fn(body, *match.groups())
-                if isinstance(result, tuple):               # a future's result: ("json", dict) / ("proto", bytes)
+                if isinstance(result, tuple):     # ("json", dict) / ("proto", bytes) / ("bytes", a gzipped tar)
                     kind, value = result
-                    self._send(200, value, PROTO if kind == "proto" else "application/json")
+                    self._send(200, value, {"proto": PROTO, "bytes": "application/gzip"}.get(kind, "application/json"))
                 else:
                     self._send(200, result)
             except ApiError as e:

@@ -18,6 +18,7 @@ import parallm
 from .checkpoints import CheckpointStore
 from .dispatch import Leader, follow, new_control_group
 from .frontend import start_http
+from .operations import OperationsRoutes
 from .preflight import TOKENIZER_FILES
 from .sampling import ParallmSampler, SampleInputError
 from .sampling_routes import SamplingRoutes
@@ -30,8 +31,8 @@ __all__ = ["Service", "run_rank"]
 log = logging.getLogger("parallm.tinker")
 
 
-class Service(TrainingRoutes, SamplingRoutes, ServiceBase):
-    """Everything rank 0 answers (the route methods of its three parts)."""
+class Service(TrainingRoutes, SamplingRoutes, OperationsRoutes, ServiceBase):
+    """Everything rank 0 answers (the route methods of its four parts)."""
 
 
 def _model_facts(model: str) -> tuple[str, dict]:

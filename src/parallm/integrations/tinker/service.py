@@ -55,6 +55,8 @@ class ServiceBase:
         self._ids = itertools.count(1)
         self._run = secrets.token_hex(3)        # session ids (and the model ids and checkpoint paths made from
         #                                         them) differ from one server start to the next
+        from .operations import RunRecords
+        self.records = RunRecords(checkpoints)   # runs and sessions on disk (operations.py)
 
     # -- futures and ordering ------------------------------------------------------------------------------------
     def job(self, kind: str, item: dict, to_result, *, model_id: str | None = None, seq_id: int | None = None,
@@ -216,6 +218,8 @@ class ServiceBase:
             sid = f"session-{self._run}-{next(self._ids)}"
             self.sessions[sid] = {"created": time.time(), "heartbeat": time.monotonic(), "finished": False,
                                   "user_metadata": req.user_metadata, "display_name": req.display_name}
+        self.records.save_session(sid, {"session_id": sid, "created": time.time(),
+                                        "user_metadata": req.user_metadata, "display_name": req.display_name})
         warn = self.config.get("session_warning")
         return {"type": "create_session", "session_id": sid, "warning_message": warn}
 
@@ -242,16 +246,18 @@ class ServiceBase:
         return e.result
 
     def route_training_run(self, body, model_id):
-        rec = self.model(model_id)
-        ckpts = self.checkpoints.listing(model_id)
-        last = lambda kind: next((c for c in reversed(ckpts) if c["checkpoint_type"] == kind), None)  # noqa: E731
-        return {"training_run_id": model_id, "base_model": self.config["model_name"], "model_owner": rec.session_id,
-                "is_lora": True, "lora_rank": rec.lora["rank"],
-                "last_request_time": _iso(rec.last_request or rec.created), "last_checkpoint": last("training"),
-                "last_sampler_checkpoint": last("sampler"), "user_metadata": rec.user_metadata}
+        rec = self.models.get(model_id)
+        if rec is None:
+            saved = self.records.run(model_id)
+            if saved is None:
+                self.model(model_id)                 # the 404
+            return self.run_response(model_id, saved, loaded=False)
+        return self.run_response(model_id, {"session_id": rec.session_id, "lora": rec.lora, "created": rec.created,
+                                            "last_request": rec.last_request, "user_metadata": rec.user_metadata},
+                                 loaded=True)
 
     def route_training_runs(self, body):
-        runs = [self.route_training_run(None, m) for m in list(self.models)]
+        runs = [self.route_training_run(None, m) for m in list(self.models)] + self.training_runs_on_disk()
         return {"training_runs": runs, "cursor": {"offset": 0, "limit": len(runs), "total_count": len(runs)}}
 
     def route_list_checkpoints(self, body, model_id):

@@ -58,6 +58,12 @@ class TrainingRoutes:
 
     def _check_optimizer(self, cfg):
         kind = getattr(cfg, "type", "adamw") if cfg is not None else "adamw"
+        if kind == "dimuon":
+            raise ApiError(400, "optimizer 'dimuon' is not offered by parallm's Tinker server: the tinker SDK 0.38 "
+                                "names it (DimuonOptimizerConfig version 1, DimuonParams: learning_rate, beta1, "
+                                "grad_clip_norm) but neither the SDK, Tinker's documentation nor tinker-cookbook "
+                                "0.6.1 defines its update, so no implementation could be checked against it; use "
+                                "AdamW (the default)")
         if kind != "adamw":
             raise ApiError(400, f"optimizer {kind!r} is not offered by parallm's Tinker server (AdamW only)")
 
@@ -69,6 +75,8 @@ class TrainingRoutes:
                 raise ApiError(409, f"model {model_id} exists already")
             self.models[model_id] = ModelRecord(model_id=model_id, session_id=session_id, lora=lora,
                                                 created=time.time(), user_metadata=user_metadata)
+        self.records.save_run(model_id, {"session_id": session_id, "lora": lora, "created": time.time(),
+                                         "base_model": self.config["model_name"], "user_metadata": user_metadata})
         init_dir = os.path.join(self.checkpoints.root, "_parallm_init", model_id.replace(":", "_"))
         write_initial_adapter(self.config["adapter_template"], init_dir, seed=lora["seed"],
                               train_mlp=lora["train_mlp"], train_attn=lora["train_attn"],

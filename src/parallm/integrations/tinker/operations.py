@@ -1,0 +1,168 @@
+"""Operations routes (issue 58): unloading a client, sessions and training runs that outlive a restart, every
+checkpoint of the server, a checkpoint's TTL changed, a checkpoint downloaded as one archive.
+
+Persistent record: each training run writes ``<root>/<model id>/run.json`` when it is created (its session, LoRA
+settings, base model, creation time, user metadata) and each session ``<root>/_parallm_sessions/<id>.json``; a
+restarted server lists and describes those runs (``loaded: false`` until a client is created from one of their
+checkpoints) and sessions, and loads their checkpoints (they were always on disk).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+import time
+
+from . import protocol
+from .protocol import ApiError
+from .service import _iso, _types
+
+__all__ = ["OperationsRoutes", "RunRecords"]
+
+SESSIONS = "_parallm_sessions"
+RUN = "run.json"
+ARCHIVE_LIMIT = 4 << 30           # bytes of files one archive may hold (built in memory)
+
+
+class RunRecords:
+    """``run.json`` per training run and one file per session, under the checkpoint root."""
+
+    def __init__(self, store):
+        self.store = store
+        self.sessions_dir = os.path.join(store.root, SESSIONS)
+        os.makedirs(self.sessions_dir, exist_ok=True)
+
+    @staticmethod
+    def _write(path: str, record: dict) -> None:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, path)
+
+    def save_run(self, model_id: str, record: dict) -> None:
+        run = self.store.run_dir(model_id)
+        os.makedirs(run, exist_ok=True)
+        self._write(os.path.join(run, RUN), record)
+
+    def run(self, model_id: str) -> dict | None:
+        try:
+            with open(self.store.inside(os.path.join(self.store.run_dir(model_id), RUN))) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def runs(self) -> dict:
+        out = {}
+        for model_id in self.store.run_ids():
+            rec = self.run(model_id)
+            if rec is not None:
+                out[model_id] = rec
+        return out
+
+    def save_session(self, sid: str, record: dict) -> None:
+        self._write(os.path.join(self.sessions_dir, protocol_safe(sid) + ".json"), record)
+
+    def sessions(self) -> dict:
+        out = {}
+        for name in sorted(os.listdir(self.sessions_dir)):
+            if name.endswith(".json"):
+                try:
+                    with open(os.path.join(self.sessions_dir, name)) as f:
+                        rec = json.load(f)
+                    out[rec["session_id"]] = rec
+                except (OSError, ValueError, KeyError):
+                    continue
+        return out
+
+
+def protocol_safe(name: str) -> str:
+    import urllib.parse
+    return urllib.parse.quote(name, safe="")
+
+
+class OperationsRoutes:
+    def route_unload_model(self, body):
+        """The SDK's ``UnloadModelRequest``: the client's adapters, AdamW state and gradients are dropped on every
+        rank; its checkpoints stay (a new client loads them)."""
+        req = protocol.parse(_types().UnloadModelRequest, body, route="unload_model")
+        self.model(req.model_id)
+        with self.lock:
+            self.models.pop(req.model_id, None)
+        return self.job("unload_model", {"op": "drop_client", "args": {"model_id": req.model_id}},
+                        lambda v: ("json", {"model_id": req.model_id, "type": "unload_model"}))
+
+    def route_list_sessions(self, body):
+        ids = sorted(set(self.records.sessions()) | set(self.sessions))
+        return {"sessions": ids}
+
+    def route_get_session(self, body, sid):
+        rec = self.sessions.get(sid) or self.records.sessions().get(sid)
+        if rec is None:
+            raise ApiError(404, f"unknown session {sid!r}")
+        runs = sorted(m for m, r in self.records.runs().items() if r.get("session_id") == sid)
+        samplers = sorted(s for s in self.samplers if s.startswith(f"{sid}:"))
+        return {"training_run_ids": runs, "sampler_ids": samplers, "user_metadata": rec.get("user_metadata"),
+                "display_name": rec.get("display_name")}
+
+    def route_all_checkpoints(self, body):
+        out = []
+        for model_id in self.checkpoints.run_ids():
+            try:
+                out.extend(self.checkpoints.listing(model_id))
+            except ApiError:
+                continue
+        out.sort(key=lambda c: c["time"])
+        return {"checkpoints": out, "cursor": {"offset": 0, "limit": len(out), "total_count": len(out)}}
+
+    def route_checkpoint_ttl(self, body, model_id, checkpoint_id):
+        ttl = (body or {}).get("ttl_seconds")
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1):
+            raise ApiError(400, f"ttl_seconds must be a positive integer or null, got {ttl!r}")
+        segment, _, name = checkpoint_id.partition("/")
+        if segment not in ("weights", "sampler_weights"):
+            raise ApiError(400, f"checkpoint id {checkpoint_id!r}: expected weights/<name> or sampler_weights/<name>")
+        _, _, _, directory = self.checkpoints.resolve(self.checkpoints.tinker_path(model_id, segment, name))
+        meta = self.checkpoints.meta(directory)
+        meta["expires"] = None if ttl is None else time.time() + ttl
+        self.checkpoints.write_meta_raw(directory, meta)
+        return {}
+
+    def route_checkpoint_archive(self, body, model_id, checkpoint_id):
+        """One checkpoint as a gzipped tar (``<name>/...``), its links resolved inside the root."""
+        segment, _, name = checkpoint_id.partition("/")
+        if segment not in ("weights", "sampler_weights"):
+            raise ApiError(400, f"checkpoint id {checkpoint_id!r}: expected weights/<name> or sampler_weights/<name>")
+        _, _, _, directory = self.checkpoints.resolve(self.checkpoints.tinker_path(model_id, segment, name))
+        total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(directory) for f in fs)
+        if total > ARCHIVE_LIMIT:
+            raise ApiError(413, f"{checkpoint_id} holds {total} bytes; archives are built up to {ARCHIVE_LIMIT}: "
+                                f"copy it from {directory} instead")
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+            for d, _, files in os.walk(directory):
+                for f in sorted(files):
+                    path = os.path.join(d, f)
+                    if os.path.islink(path):
+                        continue
+                    tar.add(path, arcname=os.path.join(name, os.path.relpath(path, directory)))
+        return ("bytes", buf.getvalue())
+
+    def training_runs_on_disk(self) -> list[dict]:
+        """Runs recorded on disk whose clients are not in this server's memory (an earlier start's)."""
+        out = []
+        for model_id, rec in self.records.runs().items():
+            if model_id in self.models:
+                continue
+            out.append(self.run_response(model_id, rec, loaded=False))
+        return out
+
+    def run_response(self, model_id: str, rec: dict, *, loaded: bool) -> dict:
+        ckpts = self.checkpoints.listing(model_id)
+        last = lambda kind: next((c for c in reversed(ckpts) if c["checkpoint_type"] == kind), None)  # noqa: E731
+        return {"training_run_id": model_id, "base_model": rec.get("base_model", self.config["model_name"]),
+                "model_owner": rec.get("session_id"), "is_lora": True, "lora_rank": rec["lora"]["rank"],
+                "last_request_time": _iso(rec.get("last_request") or rec.get("created") or 0.0),
+                "last_checkpoint": last("training"), "last_sampler_checkpoint": last("sampler"),
+                "user_metadata": rec.get("user_metadata"), "loaded": loaded}
