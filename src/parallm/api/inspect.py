@@ -232,6 +232,8 @@ def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, ep=Non
                     tied=spec.tie_word_embeddings, qkv_bias=spec.qkv_bias, o_bias=spec.o_bias, mlp_bias=spec.mlp_bias,
                     rope="none" if spec.nope else "yarn" if spec.yarn is not None else spec.rope.kind,
                     rope_theta=None if spec.nope else spec.rope.theta,
+                    rotary_dim=None if spec.nope else spec.rotary_dim,
+                    qk_norm="whole projection" if spec.qk_norm_whole else "per head" if spec.qk_norm else None,
                     rms_norm_eps=spec.rms_norm_eps, latent_attention=spec.mla is not None,
                     mtp_layers=spec.carried_mtp_layers, linear_layers=list(_linear_layers(spec)),
                     linear_heads=_linear_heads(spec), blocks=_blocks(spec), carried=len(spec.carried),

@@ -97,10 +97,14 @@ def _bytes(n: float) -> str:
 
 
 def _rope(c: dict) -> str:
-    """"rope default (theta 10000)", or "no rope (no positional embedding)" (Nemotron-H's attention)."""
+    """"rope default (theta 10000)", with "rotary 8 of 16 channels" when partial; "no rope (no positional
+    embedding)" (Nemotron-H's attention); then the q / k norm when there is one."""
     if c["rope"] == "none":
         return "no rope (no positional embedding)"
-    return f"rope {c['rope']} (theta {c['rope_theta']:g})"
+    rot = c.get("rotary_dim")
+    partial = f", rotary {rot} of {c['head_dim']} channels" if rot is not None and rot != c["head_dim"] else ""
+    norm = {"per head": "; qk norm per head", "whole projection": "; qk norm over the whole projection (all heads)"}
+    return f"rope {c['rope']} (theta {c['rope_theta']:g}{partial})" + norm.get(c.get("qk_norm"), "")
 
 
 def render(report: dict) -> str:

@@ -32,6 +32,7 @@ from .layers.mamba2 import Mamba2Mixer, check_mamba_layout, resolve_kernel as re
 from .layers.mla import MLAttention
 from .layers.mlp import MLP, no_init
 from .layers.norms import FP32WeightRMSNorm, RMSNorm, ZeroCenteredRMSNorm, norm_class  # noqa: F401
+from .layers.qk_norm import WholeProjectionNorm, whole_projection_qk_norm
 from .layers.moe import MoEAux, MoEBlock
 from .layers.routing import RouterReplay, moe_layer_indices, rows_of_tokens
 from .placement import attach_placements
@@ -52,7 +53,8 @@ RECOMPUTE = (None, "full")
 
 class Attention(nn.Module):
     def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int, device=None, *,
-                 backend: AttnBackend, cp_group=None, cp_attn: str = "allgather", window: int | None = None):
+                 backend: AttnBackend, cp_group=None, cp_attn: str = "allgather", window: int | None = None,
+                 tp_group=None):
         super().__init__()
         self.backend = backend
         self.window = window              # sliding window (spec.window(layer)); None: full causal attention
@@ -64,6 +66,15 @@ class Attention(nn.Module):
             # a partial sum over TP (the table row says tp_sum="always").
             self.q_norm = norm_class(spec)(spec.head_dim, spec.rms_norm_eps, config.params_dtype, device)
             self.k_norm = norm_class(spec)(spec.head_dim, spec.rms_norm_eps, config.params_dtype, device)
+        # MiniMax-M2: one RMS over the whole q / k projection; the TP group joins the ranks' heads (qk_norm.py)
+        self.whole_qk, self.whole_qk_group = spec.qk_norm_whole, tp_group
+        if spec.qk_norm_whole:
+            if tp > 1 and tp_group is None:
+                raise ValueError("a projection-wide q / k norm at tp > 1 needs the TP group (its mean spans ranks)")
+            self.q_norm = WholeProjectionNorm(spec.num_heads // tp, spec.head_dim, spec.rms_norm_eps,
+                                              config.params_dtype, device)
+            self.k_norm = WholeProjectionNorm(max(1, spec.num_kv_heads // tp), spec.head_dim, spec.rms_norm_eps,
+                                              config.params_dtype, device)
         self.head_dim = spec.head_dim
         self.nope = spec.nope             # no positions at all (Nemotron-H's attention layers)
         self.num_heads_local = spec.num_heads // tp
@@ -92,7 +103,9 @@ class Attention(nn.Module):
         nq = 2 * hq if self.gated else hq                   # gated: query heads interleaved with their gates
         heads = qkv.view(s, b, nq + 2 * hkv, d)            # [q_r; k_r; v_r] as heads: views, no copies
         q, k = heads[:, :, :nq:nq // hq], heads[:, :, nq:nq + hkv]
-        if hasattr(self, "q_norm"):
+        if self.whole_qk:
+            q, k = whole_projection_qk_norm(q, k, self.q_norm, self.k_norm, self.whole_qk_group)
+        elif hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         if not self.nope:
             q = apply_partial_rope(q, cos, sin)     # the first rotary_dim channels (GLM-4.5); all otherwise
@@ -127,6 +140,7 @@ class DecoderLayer(nn.Module):
             return
         self.input_layernorm = norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
         cp_group = dims.cp_group if dims is not None and dims.cp > 1 else None
+        tp_group = dims.tp_group if dims is not None and dims.tp > 1 else None
         self.linear = spec.is_linear_layer(layer_number)
         if self.linear:              # Gated DeltaNet (Qwen3-Next, Qwen3.5): model/layers/gated_deltanet.py
             self.self_attention = GatedDeltaNet(spec, config, tp, device, kernel=gdn_kernel, cp_group=cp_group)
@@ -138,7 +152,7 @@ class DecoderLayer(nn.Module):
                                               cp_group=cp_group, cp_attn=cp_attn)
         else:
             self.self_attention = Attention(spec, config, tp, device, backend=backend, cp_group=cp_group,
-                                            cp_attn=cp_attn, window=spec.window(layer_number))
+                                            cp_attn=cp_attn, window=spec.window(layer_number), tp_group=tp_group)
         self.post_attention_layernorm = norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype,
                                                          device)
         # The spec says which layers route over experts (model/layers/moe.py); the others keep the dense MLP.

@@ -207,6 +207,47 @@ class QKVSplit(TPLayout):
         return f"QKVSplit(heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}{gate})"
 
 
+class KVHeadSplit(TPLayout):
+    """One HF tensor whose rows are the KV heads (``[num_kv_heads * head_dim, ...]``), split as the fused QKV's k
+    rows: rank r holds the KV heads its query heads use; with fewer KV heads than ranks each rank holds one,
+    replicated over ``tp / nkv`` ranks (the first of them its primary holder; the others' gradient is a partial
+    sum: ``replica_rows``). MiniMax-M2's projection-wide ``k_norm.weight``."""
+    name = "kv_heads"
+    tp_dim = 0
+
+    def __init__(self, num_kv_heads: int, head_dim: int):
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+
+    def _first(self, rank, tp):
+        return self.num_kv_heads >= tp or rank % (tp // self.num_kv_heads) == 0
+
+    def shard(self, sources, rank, tp):
+        kv, d = kv_heads_of_rank(rank, tp, self.num_kv_heads), self.head_dim
+        return _as_source(sources[0]).read(0, kv.start * d, kv.stop * d)
+
+    def merge(self, shards):
+        tp, out, seen = len(shards), [], set()
+        for rank, s in enumerate(shards):
+            heads = kv_heads_of_rank(rank, tp, self.num_kv_heads)
+            if heads.start not in seen:
+                seen.add(heads.start)
+                out.append(s)
+        return [torch.cat(out, 0)]
+
+    def blocks(self, rank, tp, hf_shapes):
+        kv, d = kv_heads_of_rank(rank, tp, self.num_kv_heads), self.head_dim
+        return [Block(0, 0, kv.start * d, kv.stop * d, 0, len(kv) * d, primary=self._first(rank, tp))]
+
+    def primary_slices(self, rank, tp, local_shape):
+        return [(0, 0, local_shape[0])] if self._first(rank, tp) and local_shape else []
+
+    def replica_rows(self, rank, tp):
+        return None if self.num_kv_heads >= tp else (0, self.head_dim)
+
+    def __repr__(self):
+        return f"KVHeadSplit(kv_heads={self.num_kv_heads}, head_dim={self.head_dim})"
+
+
 class GateUpSplit(TPLayout):
     """Two HF tensors (gate, up) fused per rank as ``[gate_r; up_r]`` along dim 0 (megatron-core's stride 2)."""
     name = "gate_up"
@@ -362,6 +403,7 @@ KINDS = {
                                                spec.head_dim * (2 if getattr(spec, "attn_output_gate", False)
                                                                 else 1)),
     "gate_up": lambda spec, padded_vocab: GateUpSplit(),
+    "kv_heads": lambda spec, padded_vocab: KVHeadSplit(spec.num_kv_heads, spec.head_dim),
     # Gated DeltaNet: the conv's [q; k; v] channels split by heads, the fused input projection
     "gdn_conv": lambda spec, padded_vocab: PartsSplit((spec.gdn_key_dim, spec.gdn_key_dim, spec.gdn_value_dim)),
     "gdn_in": lambda spec, padded_vocab: _gdn_in(spec),

@@ -38,6 +38,10 @@ class DecoderSpec:
     pad_token_id: int | None = None   # transformers' nn.Embedding(padding_idx=...): lookups of it get no gradient
     hidden_act: str = "silu"
     qk_norm: bool = False       # Qwen3: RMSNorm over head_dim on every query / key head, before RoPE
+    # MiniMax-M2: one RMSNorm over the whole q / k projection of a token (all heads at once, weights
+    # [num_heads * head_dim] / [num_kv_heads * head_dim]), before RoPE; its mean spans the TP ranks
+    # (model/layers/qk_norm.py). Exclusive with qk_norm.
+    qk_norm_whole: bool = False
     # Sliding-window attention per layer: layer i's queries see the layer_windows[i] keys up to their own
     # (transformers' sliding_window: i - w < j <= i), None: full causal attention; () (or a layer past the end):
     # no window anywhere. Families build it from the config (Mistral: every layer; Qwen2 / Qwen3:
@@ -96,6 +100,8 @@ class DecoderSpec:
         if bad:
             raise ValueError(f"layer_windows holds a window (a positive integer) or None per layer; got "
                              f"{self.layer_windows}")
+        if self.qk_norm and self.qk_norm_whole:
+            raise ValueError("qk_norm (per head) and qk_norm_whole (over the whole projection) exclude each other")
         if self.attn_sinks and (self.mla is not None or self.linear_attn is not None):
             raise ValueError("attention sinks are implemented for grouped-query attention layers only (not with "
                              "multi-head latent attention or Gated DeltaNet layers)")

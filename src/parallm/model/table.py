@@ -18,6 +18,7 @@ see :mod:`parallm.model.placement`):
              Qwen3-Next [qkvz_r; ba_r])
     mamba_in   a Mamba-2 in_proj's [z; x; B; C; dt] rows, per rank [z_r; x_r; B_r; C_r; dt_r] (heads, groups)
     mamba_conv a Mamba-2 conv's [x; B; C] channels, per rank [x_r; B_r; C_r]
+    kv_heads   rows of the KV heads split as the fused QKV's k rows (replicated when nkv < tp): MiniMax-M2's k_norm
 
 Mixture of experts: a row with ``per_expert=True`` is a template for every expert of a layer (``{e}`` in its HF
 names = global expert index). Its local name is one parameter that stacks the experts a rank holds along dim 0
@@ -39,7 +40,8 @@ import torch
 from .placement import placement_of
 from .spec import DecoderSpec
 
-KINDS = ("copy", "vocab", "column", "row", "qkv", "gate_up", "gdn_conv", "gdn_in", "mamba_in", "mamba_conv")
+KINDS = ("copy", "vocab", "column", "row", "qkv", "gate_up", "gdn_conv", "gdn_in", "mamba_in", "mamba_conv",
+         "kv_heads")
 # "mtp": a multi-token-prediction layer's own tensors ({l}: its index j among them, {i}: its HF layer index
 # num_layers + j), held by the chunk with post_process; the decoder layer inside it takes the "layer" rows
 STAGES = ("first", "layer", "last", "mtp")
@@ -55,6 +57,7 @@ CONDITIONS = {
     "o_bias": lambda spec, task, pp: spec.o_bias,
     "mlp_bias": lambda spec, task, pp: spec.mlp_bias,
     "qk_norm": lambda spec, task, pp: spec.qk_norm,
+    "qk_norm_whole": lambda spec, task, pp: spec.qk_norm_whole,
     "causal_lm": lambda spec, task, pp: task == "causal_lm",
     "value": lambda spec, task, pp: task == "value",
     "untied": lambda spec, task, pp: not spec.tie_word_embeddings,

@@ -17,6 +17,7 @@ import time
 
 from . import protocol
 from .futures import FutureStore
+from .records import RunRecords
 from .protocol import ApiError
 
 __all__ = ["ModelRecord", "ServiceBase"]
@@ -55,7 +56,6 @@ class ServiceBase:
         self._ids = itertools.count(1)
         self._run = secrets.token_hex(3)        # session ids (and the model ids and checkpoint paths made from
         #                                         them) differ from one server start to the next
-        from .operations import RunRecords
         self.records = RunRecords(checkpoints)   # runs and sessions on disk (operations.py)
 
     # -- futures and ordering ------------------------------------------------------------------------------------

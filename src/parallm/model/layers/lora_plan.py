@@ -24,7 +24,7 @@ HEAD = "lm_head"
 # families whose layers parallm can adapt (plain GQA or multi-head latent attention; experts as transformers 5
 # stacks them)
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3",
-                      "gpt_oss", "deepseek_v32", "glm_moe_dsa", "nemotron_h")
+                      "gpt_oss", "deepseek_v32", "glm_moe_dsa", "nemotron_h", "minimax_m2")
 # Mamba-2's input projection (Nemotron-H): adapted like a column-parallel linear whose rows are the in_proj's
 # [z; x; B; C; dt] parts, B's rows split over TP as the weight's (PEFT refuses out_proj / conv1d on Mamba models)
 MAMBA_LINEAR = ("in_proj",)
@@ -33,7 +33,8 @@ MAMBA_LINEAR = ("in_proj",)
 # qwen2_moe's pattern in transformers' table, as qwen3_moe does). Their dense MLPs and shared experts then get no
 # adapter. Qwen2-MoE has no pattern there: PEFT adapts its nn.Linear MLPs (dense layers, shared expert) and not its
 # routed experts, and so does parallm.
-PEFT_EXPERT_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+PEFT_EXPERT_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "minimax_m2")
+# (MiniMax-M2: transformers maps minimax_m2 to mixtral's pattern, w1 / w3 / w2 -> gate_up_proj / down_proj)
 # (DeepSeek-V3.2 and GLM-5 too: transformers maps both to qwen2_moe's pattern, as deepseek_v3. Their indexer is
 # never adapted: frozen, run without gradient; its wq_b / wk / weights_proj are no target name of parallm's)
 # parallm's MLA parameters (in a layer's self_attention) -> the kind of their adapter (see layer_slots)
