@@ -97,7 +97,7 @@ def test_operations_and_a_restart(tmp_path):
             tc.forward(_datums(2), "cross_entropy").result()
         with pytest.raises(tinker.BadRequestError, match="dimuon.*not offered"):
             client.create_lora_training_client(base_model=model, rank=RANK,
-                                               optimizer_config=types.DimuonOptimizerConfig()).result()
+                                               optimizer=types.DimuonOptimizerConfig()).result()
         old_model = tc.model_id
     finally:
         srv.stop()

@@ -68,8 +68,9 @@ class Server:
         deadline = time.monotonic() + timeout
         while not os.path.exists(self.ready):
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = self.tail()
                 self.stop()
-                raise RuntimeError(f"the server did not start; its log:\n{self.tail()}")
+                raise RuntimeError(f"the server did not start; its log:\n{tail}")
             time.sleep(0.5)
         with open(self.ready) as f:
             info = json.load(f)
