@@ -12,6 +12,10 @@ Runs in .venv-tinker (scripts/test.sh's TINKER_TESTS)."""
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -46,17 +50,43 @@ def _data(seed):
     return out
 
 
+def _second_node(model, work, extra, port):
+    """Node 1 of a two-node server (issue 58: ranks 2 and 3 of a tp2 x dp2 world), a launch of its own."""
+    cmd = [sys.executable, "-m", "parallm", "serve-tinker", "--model", model, "--port", "0", "--sampler", "none",
+           "--lora-rank", "8", "--checkpoint-dir", os.path.join(work, "ckpt"), "--timeout", "120", *extra,
+           "--nnodes", "2", "--node-rank", "1", "--master-port", str(port)]
+    log = open(os.path.join(work, "node1.log"), "w")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, **th.SERVER_ENV),
+                            start_new_session=True)
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", [("qwen3", ("--pp", "2"), 8), ("qwen3_moe", ("--dp", "2", "--ep", "2"), 4),
-                                    ("qwen3", ("--cp", "2"), 8)],
-                         ids=["pp2", "dp2-ep2-rank4", "cp2"])
+                                    ("qwen3", ("--cp", "2"), 8), ("qwen3", ("--tp", "2", "--dp", "2"), 8, "2 nodes")],
+                         ids=["pp2", "dp2-ep2-rank4", "cp2", "tp2-dp2-two-nodes"])
 def test_layout_against_peft(tmp_path, layout):
-    family, extra, rank = layout
+    """The server's own code for other layouts (and, last, its ranks spread over two launches as two nodes of
+    this machine, one rendezvous: node 0 ranks 0-1 with HTTP, node 1 ranks 2-3) against transformers + PEFT."""
+    family, extra, rank = layout[:3]
     work = str(tmp_path)
     model = th.tiny_model(os.path.join(work, "model"), seed=6) if family == "qwen3" else \
         _moe_model(os.path.join(work, "model"))
-    server = th.Server(model, work, tp=1, sampler="none", lora_rank=8, extra=extra)
+    node1 = None
+    if len(layout) > 3:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        node1 = _second_node(model, work, extra, port)
+        extra = (*extra, "--nnodes", "2", "--node-rank", "0", "--master-port", str(port))
     try:
+        server = th.Server(model, work, tp=1, sampler="none", lora_rank=8, extra=extra)
+    except BaseException:
+        if node1 is not None:
+            os.killpg(node1.pid, signal.SIGKILL)
+        raise
+    try:
+        if node1 is not None:
+            assert len(th.rank_pids(server)) == 2 and node1.poll() is None       # two ranks here, two there
         client = tinker.ServiceClient(base_url=server.url, api_key="tml-any")
         tc = client.create_lora_training_client(base_model=model, rank=rank, seed=3, train_unembed=False).result()
         init = th.adapter_dir(work, tc.save_weights_for_sampler("init").result().path)
@@ -85,3 +115,9 @@ def test_layout_against_peft(tmp_path, layout):
         assert worst <= 2e-5
     finally:
         server.stop()
+        if node1 is not None:
+            try:
+                node1.wait(60)                 # its ranks follow rank 0's stop
+            except subprocess.TimeoutExpired:
+                os.killpg(node1.pid, signal.SIGKILL)
+                raise AssertionError("node 1 outlived node 0's stop by 60 s")

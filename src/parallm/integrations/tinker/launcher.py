@@ -37,6 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides dp * cp)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="nodes the ranks span (one launch per node, each starting world / nnodes local ranks)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's index (node 0 holds rank 0: HTTP)")
+    p.add_argument("--master-addr", default="127.0.0.1",
+                   help="node 0's address every rank reaches (with --nnodes > 1: not 127.0.0.1 across machines)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="the rendezvous port on node 0 (required with --nnodes > 1; default: a free one)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: a free one, printed)")
     p.add_argument("--api-key", default=None,
@@ -95,23 +102,31 @@ def die_with_parent(sig: int = signal.SIGTERM):
 
 
 def _spawn(args, argv) -> int:
+    """This node's ranks: ``world / nnodes`` of them, global ranks from ``node_rank * local`` (node 0 holds rank
+    0, the HTTP front end). Node 0's launcher lives as long as rank 0; another node's as long as any of its
+    ranks (they stop when rank 0 says so or goes silent)."""
     world = args.tp * args.pp * args.cp * args.dp
-    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               LOCAL_WORLD_SIZE=str(world), PARALLM_TIMEOUT_S=str(args.timeout), PARALLM_TINKER_CHECKED="1")
+    local = world // args.nnodes
+    first = args.node_rank * local
+    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR=args.master_addr,
+               MASTER_PORT=str(args.master_port or _free_port()), LOCAL_WORLD_SIZE=str(local),
+               PARALLM_TIMEOUT_S=str(args.timeout), PARALLM_TINKER_CHECKED="1")
     if args.api_key:
         env["PARALLM_TINKER_API_KEY"] = args.api_key          # the environment, not the ranks' command lines
     procs = []
-    for rank in range(world):
+    for i in range(local):
         procs.append(subprocess.Popen([sys.executable, "-m", "parallm.integrations.tinker", *argv],
-                                      env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                                      env=dict(env, RANK=str(first + i), LOCAL_RANK=str(i)),
                                       preexec_fn=die_with_parent()))
+    leader = args.node_rank == 0
 
     def stop(*_):              # rank 0 tells the others to stop; they are ended after it anyway
-        if procs[0].poll() is None:
-            procs[0].send_signal(signal.SIGTERM)
+        for p in procs[:1] if leader else procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    while procs[0].poll() is None:
+    while (procs[0].poll() is None) if leader else any(p.poll() is None for p in procs):
         time.sleep(0.5)
     code = procs[0].returncode
     deadline = time.monotonic() + 30

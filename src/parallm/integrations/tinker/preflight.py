@@ -89,6 +89,7 @@ def preflight(args) -> str:
             _fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if getattr(args, "keep_sampler_snapshots", 0) < 0:
         _fail(f"--keep-sampler-snapshots must be 0 (keep all) or more, got {args.keep_sampler_snapshots}")
+    _nodes(args)
     directory, found = _model(args)
     _experts(args, found["spec"])
     _tokenizer(directory)
@@ -105,5 +106,17 @@ def preflight(args) -> str:
         _fail(f"--checkpoint-dir {root} cannot be created ({e.strerror})")
     if not os.access(root, os.W_OK | os.X_OK):
         _fail(f"--checkpoint-dir {root} is not writable by this user")
-    _port(args.host, args.port)
+    if getattr(args, "node_rank", 0) == 0:
+        _port(args.host, args.port)
     return directory
+
+
+def _nodes(args) -> None:
+    nnodes, node = getattr(args, "nnodes", 1), getattr(args, "node_rank", 0)
+    world = args.tp * args.pp * args.cp * args.dp
+    if nnodes < 1 or not 0 <= node < nnodes:
+        _fail(f"--node-rank {node} must be in [0, --nnodes {nnodes})")
+    if world % nnodes:
+        _fail(f"world = tp x pp x cp x dp = {world} ranks do not split evenly over --nnodes {nnodes}")
+    if nnodes > 1 and not getattr(args, "master_port", None):
+        _fail(f"--nnodes {nnodes}: give --master-port (and --master-addr, node 0's address) to every node's launch")
