@@ -69,6 +69,27 @@ ROUTES = [
 _COMPILED = [(m, re.compile(p + r"/?"), name) for m, p, name in ROUTES]
 
 
+def read_body(handler, max_body: int) -> bytes:
+    """The request body, read only after the route and the key were checked and only up to the cap: a missing
+    or malformed ``Content-Length`` is a 400 (411 for a chunked body), one above ``max_body`` a 413, both answered
+    without reading the body (the connection is then closed)."""
+    if handler.headers.get("Transfer-Encoding"):
+        raise ApiError(411, "a Content-Length is required (chunked request bodies are not accepted)")
+    value = handler.headers.get("Content-Length")
+    if value is None:
+        return b""
+    if not value.strip().isdigit():
+        raise ApiError(400, f"bad Content-Length {value!r}")
+    length = int(value)
+    if length > max_body:
+        raise ApiError(413, f"the request body has {length} bytes; this server takes at most {max_body} "
+                            "(parallm serve-tinker --max-body-mb)")
+    raw = handler.rfile.read(length) if length else b""
+    if len(raw) != length:
+        raise ApiError(400, f"the body ended after {len(raw)} of {length} bytes")
+    return raw
+
+
 def _make_handler(service, api_key: str | None, max_body: int):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -100,26 +121,6 @@ def _make_handler(service, api_key: str | None, max_body: int):
             if api_key is not None and not hmac.compare_digest(key.encode(), api_key.encode()):
                 raise ApiError(401, "invalid API key for this server")
 
-        def _body(self) -> bytes:
-            """The request body, read only after the route and the key were checked and only up to the cap: a
-            missing or malformed ``Content-Length`` is a 400 (411 for a chunked body), one above ``max_body`` a
-            413, both answered without reading the body (the connection is then closed)."""
-            if self.headers.get("Transfer-Encoding"):
-                raise ApiError(411, "a Content-Length is required (chunked request bodies are not accepted)")
-            value = self.headers.get("Content-Length")
-            if value is None:
-                return b""
-            if not value.strip().isdigit():
-                raise ApiError(400, f"bad Content-Length {value!r}")
-            length = int(value)
-            if length > max_body:
-                raise ApiError(413, f"the request body has {length} bytes; this server takes at most {max_body} "
-                                    "(parallm serve-tinker --max-body-mb)")
-            raw = self.rfile.read(length) if length else b""
-            if len(raw) != length:
-                raise ApiError(400, f"the body ended after {len(raw)} of {length} bytes")
-            return raw
-
         def _dispatch(self, method: str):
             path = self.path.split("?", 1)[0]
             ids, read = None, False
@@ -133,7 +134,7 @@ def _make_handler(service, api_key: str | None, max_body: int):
                     raise ApiError(404, f"{method} {path} is not offered by parallm's Tinker server")
                 if name != "route_healthz":
                     self._auth()
-                raw, read = self._body(), True
+                raw, read = read_body(self, max_body), True
                 fn = getattr(service, name)
                 if name == "route_forward_backward":
                     result = fn(raw, self.headers.get("Content-Encoding"))
