@@ -8,7 +8,11 @@
 #      (verl's own trainer runs 3 PPO steps with parallm's actor and critic there).
 #   4. the Tinker-server tests (TINKER_TESTS: the tinker SDK and tinker-cookbook against `parallm serve-tinker`) in
 #      .venv-tinker, made by scripts/setup_tinker.sh, with PARALLM_REQUIRE_TINKER=1.
-# PARALLM_TEST_VLLM=0 leaves step 2 and its setup out, PARALLM_TEST_VERL=0 step 3, PARALLM_TEST_TINKER=0 step 4
+#   5. the kernel libraries parallm calls on GPUs (flash-linear-attention, mamba-ssm's SSD scan) under Triton's
+#      interpreter against parallm's torch kernels (KERNEL_TESTS) in .venv-kernels, made by
+#      scripts/setup_kernels_cpu.sh, with PARALLM_REQUIRE_KERNELS=1.
+# PARALLM_TEST_VLLM=0 leaves step 2 and its setup out, PARALLM_TEST_VERL=0 step 3, PARALLM_TEST_TINKER=0 step 4,
+# PARALLM_TEST_KERNELS=0 step 5
 # (for quick local runs; CI runs all). Every step runs; the exit status is non-zero when any failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +29,9 @@ TINKER_TESTS=(tests/test_tinker.py tests/test_tinker_layouts.py tests/test_tinke
               tests/test_tinker_hostile.py tests/test_tinker_operations.py)
 TINKER_VENV=${PARALLM_TINKER_VENV:-.venv-tinker}  # where scripts/setup_tinker.sh puts it
 with_tinker=${PARALLM_TEST_TINKER:-1}
+KERNEL_TESTS=(tests/test_kernels_interpreted.py)
+KERNELS_VENV=${PARALLM_KERNELS_VENV:-.venv-kernels}  # where scripts/setup_kernels_cpu.sh puts it
+with_kernels=${PARALLM_TEST_KERNELS:-1}
 bash scripts/setup.sh
 if [ "$with_vllm" != 0 ]; then
   bash scripts/setup_vllm.sh
@@ -35,6 +42,9 @@ fi
 if [ "$with_tinker" != 0 ]; then
   bash scripts/setup_tinker.sh
 fi
+if [ "$with_kernels" != 0 ]; then
+  bash scripts/setup_kernels_cpu.sh
+fi
 export OMP_NUM_THREADS=1
 
 paths=(tests)
@@ -44,7 +54,7 @@ done
 status=0
 echo "== main suite (.venv)"
 ignore=()
-for t in "${VLLM_TESTS[@]}" "${VERL_TESTS[@]}" "${TINKER_TESTS[@]}"; do ignore+=("--ignore=$t"); done
+for t in "${VLLM_TESTS[@]}" "${VERL_TESTS[@]}" "${TINKER_TESTS[@]}" "${KERNEL_TESTS[@]}"; do ignore+=("--ignore=$t"); done
 .venv/bin/python -m pytest "${paths[@]}" "${ignore[@]}" -q --durations=15 "$@" || status=$?
 if [ "$with_vllm" != 0 ]; then
   echo "== vLLM tests ($VLLM_VENV)"
@@ -66,5 +76,12 @@ if [ "$with_tinker" != 0 ]; then
     --durations=15 || status=$?
 else
   echo "== Tinker-server tests left out (PARALLM_TEST_TINKER=0)"
+fi
+if [ "$with_kernels" != 0 ]; then
+  echo "== kernel libraries under Triton's interpreter ($KERNELS_VENV)"
+  PARALLM_REQUIRE_KERNELS=1 TRITON_INTERPRET=1 "$KERNELS_VENV/bin/python" -m pytest "${KERNEL_TESTS[@]}" -q \
+    --durations=5 || status=$?
+else
+  echo "== kernel-library tests left out (PARALLM_TEST_KERNELS=0)"
 fi
 exit "$status"

@@ -91,6 +91,11 @@ def _mamba_scan():
 FLA_CONV, NO_FLA_CONV = _import("fla.modules.convolution", "causal_conv1d")
 FLA_RULE, NO_FLA_RULE = _import("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
 MS_SCAN, NO_MS_SCAN = _mamba_scan()
+if os.environ.get("PARALLM_REQUIRE_KERNELS") == "1":      # scripts/test.sh in .venv-kernels: a missing library fails
+    missing = [str(why) for lib, why in ((FLA_CONV, NO_FLA_CONV), (FLA_RULE, NO_FLA_RULE), (MS_SCAN, NO_MS_SCAN))
+               if lib is None]
+    if missing:
+        raise ImportError("PARALLM_REQUIRE_KERNELS=1 but: " + "; ".join(missing))
 
 CU = torch.tensor([0, 23, 24, 90])      # three documents: one longer than a chunk, one of a single token
 TOTAL = int(CU[-1])
