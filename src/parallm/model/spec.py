@@ -90,6 +90,10 @@ class DecoderSpec:
     # RMSNorm multiplying its weight in fp32 before the cast back (Nemotron-H's NemotronHRMSNorm); False: the
     # weight times the normed input cast back (LLaMA's)
     norm_weight_fp32: bool = False
+    # final logit soft-capping (Gemma 2 / 3 / 4's ``final_logit_softcapping``): the head's logits become
+    # ``cap * tanh(logits / cap)`` before anything reads them (the logits output, the vocab-parallel log-prob /
+    # entropy head, the loss); None: raw logits
+    final_logit_softcap: float | None = None
 
     def __post_init__(self):
         # only the fields that existing families never set are checked here (tests replace() sizes freely)
@@ -100,6 +104,9 @@ class DecoderSpec:
         if bad:
             raise ValueError(f"layer_windows holds a window (a positive integer) or None per layer; got "
                              f"{self.layer_windows}")
+        cap = self.final_logit_softcap
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+            raise ValueError(f"final_logit_softcap={cap!r} must be a positive number (None: no soft-capping)")
         if self.qk_norm and self.qk_norm_whole:
             raise ValueError("qk_norm (per head) and qk_norm_whole (over the whole projection) exclude each other")
         if self.attn_sinks and (self.mla is not None or self.linear_attn is not None):
