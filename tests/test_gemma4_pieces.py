@@ -1,19 +1,22 @@
-"""Final logit soft-capping (``DecoderSpec.final_logit_softcap``: Gemma 2 / 3 / 4's ``final_logit_softcapping``,
-issue 57 item 2's first piece) against transformers 5.25 in fp32.
+"""Two pieces of Gemma 4 (issue 57 item 2) against transformers 5.25 in fp32: final logit soft-capping
+(``DecoderSpec.final_logit_softcap``: Gemma 2 / 3 / 4's ``final_logit_softcapping``) and proportional RoPE
+(``rope_type: "proportional"``, Gemma 4's global layers: RopeSpec kind ``proportional``).
 
-No family parallm runs reads ``final_logit_softcapping`` yet (Gemma 4 is not built: docs/families.md), so the
-reference is transformers' LLaMA with its ``lm_head`` output capped by a forward hook, ``cap * tanh(logits / cap)``
-(what ``Gemma4ForCausalLM.forward`` does to its logits, in that order), and parallm's LLaMA runs with the spec's
-cap set (``spec_from_config`` wrapped in the spawned ranks). Cap 0.5 against logits of std ~0.6: the tanh is far
-from linear. Tied embeddings (Gemma ties them).
+No family parallm runs reads ``final_logit_softcapping`` yet (the Gemma 4 model is not built: docs/families.md),
+so the reference is transformers' LLaMA with its ``lm_head`` output capped by a forward hook, ``cap * tanh(logits /
+cap)`` (what ``Gemma4ForCausalLM.forward`` does to its logits, in that order), and parallm's LLaMA runs with the
+spec's cap set (``spec_from_config`` wrapped in the spawned ranks). Cap 0.5 against logits of std ~0.6: the tanh
+is far from linear. Tied embeddings (Gemma ties them). transformers' LLaMA takes any ``ROPE_INIT_FUNCTIONS``
+kind, so the same model runs proportional RoPE (factor 0.25 of head_dim 16: 2 of 8 frequencies rotate) in both.
 
 Without a process group: the vocab-parallel log-prob / entropy head against autograd through the capped logits
 (values and the hidden / weight gradients, at temperature 1 and 0.7, token chunks of 3), and the spec's check.
 
 One spawn of 2 ranks: tp2 padded (logits, log-probs, loss, gradient norm, every weight after one SGD step,
 output after, ``save_hf_weights`` bit-exact) and tp2 packed + SP (log-probs and entropy, then one SGD step whose
-loss reads them: the head's backward through the cap, split over TP and SP). The break on purpose, the cap left
-off, must move the logits and the log-probs far past the tolerance.
+loss reads them: the head's backward through the cap, split over TP and SP). The breaks on purpose, the cap left
+off and the RoPE proportion taken as 1 (every frequency rotating), must move the output far past the tolerance.
+Proportional inverse frequencies equal transformers' ``_compute_proportional_rope_parameters`` bit for bit.
 """
 
 from __future__ import annotations
@@ -38,8 +41,12 @@ def cap_hook(module, args, out):
     return torch.tanh(out / CAP) * CAP
 
 
+ROPE = {"rope_type": "proportional", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+
+
 def make_model(seed: int):
-    cfg = helpers.tiny_config("llama", tie_word_embeddings=True)
+    cfg = helpers.tiny_config("llama", tie_word_embeddings=True, head_dim=16, rope_parameters=dict(ROPE))
+    assert cfg.rope_parameters["rope_type"] == "proportional"
     model = helpers.make_hf_model(cfg, seed=seed)
     model.lm_head.register_forward_hook(cap_hook)
     return cfg, model
@@ -83,6 +90,39 @@ def test_vocab_parallel_head_through_the_cap(temperature):
     # without the cap the head computes another distribution (the break the spawn also tries)
     off, _ = vocab_parallel_stats(hidden, weight, targets, real=v, vocab_start=0, request=req, group=None)
     assert (off.detach() - ref[0]).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("prf,factor,dim,theta", [(0.25, None, 16, 1e4), (0.25, None, 512, 1e6),
+                                                 (0.5, 2.0, 64, 1e4), (1.0, None, 16, 1e4), (0.3, None, 20, 1e4)])
+def test_proportional_rope_frequencies(prf, factor, dim, theta):
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from parallm.model.positions.rope import apply_rope, rope_cos_sin, rope_inv_freq, rope_spec_from_hf_config
+    params = dict(rope_type="proportional", rope_theta=theta, partial_rotary_factor=prf)
+    if factor is not None:
+        params["factor"] = factor
+    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=dim, rope_parameters=params)
+    ref, scaling = ROPE_INIT_FUNCTIONS["proportional"](cfg)
+    spec = rope_spec_from_hf_config(cfg, dim)
+    assert spec.kind == "proportional" and spec.dim == dim and scaling == 1.0
+    assert torch.equal(rope_inv_freq(spec), ref)
+    # the non-rotating channels pass unchanged; the rotating ones pair j with j + dim / 2 (not GLM's partial RoPE)
+    x = torch.randn(5, 2, dim)
+    cos, sin = rope_cos_sin(spec, torch.arange(5))
+    y = apply_rope(x, cos, sin)
+    angles = int(prf * dim // 2)
+    still = torch.ones(dim, dtype=torch.bool)
+    still[:angles] = still[dim // 2:dim // 2 + angles] = False
+    assert torch.equal(y[..., still], x[..., still]) and (y[1:, :, ~still] - x[1:, :, ~still]).abs().max() > 1e-3
+
+
+def test_proportional_rope_refusals():
+    from parallm.model.positions.rope import RopeSpec
+    with pytest.raises(ValueError, match="proportion"):
+        RopeSpec(dim=16, theta=1e4, kind="default", proportion=0.5)
+    with pytest.raises(ValueError, match="proportion"):
+        RopeSpec(dim=16, theta=1e4, kind="proportional", proportion=0.0)
 
 
 # -- distributed -----------------------------------------------------------------------------------------------
@@ -161,18 +201,23 @@ def _stats_diffs(chunks, case) -> dict:
 
 
 def _break(chunks, case) -> dict:
-    """The cap left off: the logits and the log-probs of the uncapped model."""
+    """The cap left off (the logits and the log-probs of the uncapped model), and every RoPE frequency rotating."""
     import parallm
     spec = chunks[0].spec
-    for c in chunks:
-        c.spec = dataclasses.replace(spec, final_logit_softcap=None)
-    try:
-        fwd = helpers.max_diff_real(parallm.forward(chunks, case["ids"], case["mask"]), case["ref"], case["mask"])
-        lp = _stats_diffs(chunks, case)["logprobs"]
-    finally:
+    out = {}
+    for key, broken in (("cap", dataclasses.replace(spec, final_logit_softcap=None)),
+                        ("rope", dataclasses.replace(spec, rope=dataclasses.replace(spec.rope, proportion=1.0)))):
         for c in chunks:
-            c.spec = spec
-    return dict(break_fwd=fwd, break_lp=lp)
+            c.spec = broken
+        try:
+            out[f"break_{key}"] = helpers.max_diff_real(parallm.forward(chunks, case["ids"], case["mask"]),
+                                                       case["ref"], case["mask"])
+            if key == "cap":
+                out["break_cap_lp"] = _stats_diffs(chunks, case)["logprobs"]
+        finally:
+            for c in chunks:
+                c.spec = spec
+    return out
 
 
 def rank_cases(rank, world, cases):
@@ -183,7 +228,7 @@ def rank_cases(rank, world, cases):
         parallm.init_parallel(tp=2)
         ids, mask = case["ids"], case["mask"]
         chunks = parallm.build_model(case["ckpt"], **case["build"])
-        assert chunks[0].spec.final_logit_softcap == CAP
+        assert chunks[0].spec.final_logit_softcap == CAP and chunks[0].spec.rope.kind == "proportional"
         helpers.nan_fill(chunks)
         parallm.load_hf_weights(chunks, case["ckpt"])
         res = dict(fwd=helpers.max_diff_real(parallm.forward(chunks, ids, mask), case["ref"], mask))
@@ -218,7 +263,7 @@ def rank_cases(rank, world, cases):
 
 
 @pytest.mark.timeout(600)
-def test_softcap_tp2_against_transformers(tmp_path):
+def test_softcap_and_proportional_rope_tp2_against_transformers(tmp_path):
     cases = make_cases(tmp_path)
     results = helpers.run_ranks(rank_cases, 2, cases)
     print()
@@ -227,11 +272,11 @@ def test_softcap_tp2_against_transformers(tmp_path):
         worst = {k: max(r[k] for r in per_rank) for k in ("fwd", "logprobs", "entropy", "loss", "norm", "after")}
         print(f"{case['name']:<48} " + " ".join(f"{k} {v:.1e}" for k, v in worst.items())
               + f" weights {per_rank[0]['weights']:.1e}"
-              + (f" break (cap off): logits {per_rank[0]['break_fwd']:.1e} logprobs {per_rank[0]['break_lp']:.1e}"
-                 if "break_fwd" in per_rank[0] else ""))
+              + (f" breaks: cap off logits {per_rank[0]['break_cap']:.1e} logprobs {per_rank[0]['break_cap_lp']:.1e},"
+                 f" every frequency rotating {per_rank[0]['break_rope']:.1e}" if "break_cap" in per_rank[0] else ""))
         assert worst["fwd"] < TOL and worst["logprobs"] < TOL and worst["entropy"] < TOL, case["name"]
         assert worst["loss"] < TOL and worst["norm"] < 1e-5 and per_rank[0]["weights"] < TOL, case["name"]
         assert worst["after"] < 1e-4, case["name"]
-        if "break_fwd" in per_rank[0]:
-            assert min(r["break_fwd"] for r in per_rank) > 1e-2, case["name"]
-            assert min(r["break_lp"] for r in per_rank) > 1e-2, case["name"]
+        if "break_cap" in per_rank[0]:
+            for key in ("break_cap", "break_cap_lp", "break_rope"):
+                assert min(r[key] for r in per_rank) > 1e-2, (case["name"], key)
