@@ -1,11 +1,13 @@
-"""Two pieces of Gemma 4 (issue 57 item 2) against transformers 5.25 in fp32: final logit soft-capping
-(``DecoderSpec.final_logit_softcap``: Gemma 2 / 3 / 4's ``final_logit_softcapping``) and proportional RoPE
-(``rope_type: "proportional"``, Gemma 4's global layers: RopeSpec kind ``proportional``).
+"""Four pieces of Gemma 4 (issue 57 item 2) against transformers 5.25 in fp32: final logit soft-capping
+(``DecoderSpec.final_logit_softcap``: Gemma 2 / 3 / 4's ``final_logit_softcapping``), proportional RoPE
+(``rope_type: "proportional"``, Gemma 4's global layers: RopeSpec kind ``proportional``), scaled embeddings
+(``DecoderSpec.embed_scale``, Gemma's ``sqrt(hidden_size)``) and the ``gelu_pytorch_tanh`` gated MLP.
 
 No family parallm runs reads ``final_logit_softcapping`` yet (the Gemma 4 model is not built: docs/families.md),
 so the reference is transformers' LLaMA with its ``lm_head`` output capped by a forward hook, ``cap * tanh(logits /
 cap)`` (what ``Gemma4ForCausalLM.forward`` does to its logits, in that order), and parallm's LLaMA runs with the
-spec's cap set (``spec_from_config`` wrapped in the spawned ranks). Cap 0.5 against logits of std ~0.6: the tanh
+spec's cap (and embed scale: transformers' side multiplies the embedding's output by a hook) set
+(``spec_from_config`` wrapped in the spawned ranks); LLaMA takes ``hidden_act="gelu_pytorch_tanh"`` as it is. Cap 0.5 against logits of std ~0.6: the tanh
 is far from linear. Tied embeddings (Gemma ties them). transformers' LLaMA takes any ``ROPE_INIT_FUNCTIONS``
 kind, so the same model runs proportional RoPE (factor 0.25 of head_dim 16: 2 of 8 frequencies rotate) in both.
 
@@ -15,7 +17,9 @@ Without a process group: the vocab-parallel log-prob / entropy head against auto
 One spawn of 2 ranks: tp2 padded (logits, log-probs, loss, gradient norm, every weight after one SGD step,
 output after, ``save_hf_weights`` bit-exact) and tp2 packed + SP (log-probs and entropy, then one SGD step whose
 loss reads them: the head's backward through the cap, split over TP and SP). The breaks on purpose, the cap left
-off and the RoPE proportion taken as 1 (every frequency rotating), must move the output far past the tolerance.
+off, the RoPE proportion taken as 1 (every frequency rotating), the embeddings unscaled and silu in place of the
+tanh GELU, must each move the output far past the tolerance (and the head's backward without the ``1 - tanh^2``
+factor fails the head test and the packed + SP step: tried by hand).
 Proportional inverse frequencies equal transformers' ``_compute_proportional_rope_parameters`` bit for bit.
 """
 
@@ -44,17 +48,27 @@ def cap_hook(module, args, out):
 ROPE = {"rope_type": "proportional", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
 
 
+SCALE = 64 ** 0.5       # Gemma's embed scale, sqrt(hidden_size)
+
+
+def scale_hook(module, args, out):
+    """``Gemma4TextScaledWordEmbedding``: the lookup times its fp32 scalar buffer cast to the weight's dtype."""
+    return out * torch.tensor(SCALE).to(module.weight.dtype)
+
+
 def make_model(seed: int):
-    cfg = helpers.tiny_config("llama", tie_word_embeddings=True, head_dim=16, rope_parameters=dict(ROPE))
+    cfg = helpers.tiny_config("llama", tie_word_embeddings=True, head_dim=16, rope_parameters=dict(ROPE),
+                              hidden_act="gelu_pytorch_tanh")
     assert cfg.rope_parameters["rope_type"] == "proportional"
     model = helpers.make_hf_model(cfg, seed=seed)
     model.lm_head.register_forward_hook(cap_hook)
+    model.model.embed_tokens.register_forward_hook(scale_hook)
     return cfg, model
 
 
 # -- no process group ----------------------------------------------------------------------------------------
 
-def test_spec_checks_the_cap():
+def test_spec_checks_the_new_fields():
     from parallm.families import spec_from_config
     spec, _ = spec_from_config(helpers.tiny_config("llama"))
     assert spec.final_logit_softcap is None
@@ -62,6 +76,18 @@ def test_spec_checks_the_cap():
     for bad in (0, -1.0, True, "30"):
         with pytest.raises(ValueError, match="final_logit_softcap"):
             dataclasses.replace(spec, final_logit_softcap=bad)
+    assert spec.embed_scale is None
+    for bad in (0, float("inf"), True, "8"):
+        with pytest.raises(ValueError, match="embed_scale"):
+            dataclasses.replace(spec, embed_scale=bad)
+    # gelu_pytorch_tanh is the dense MLP's: a MoE model with it is refused, not run with silu experts
+    moe, _ = spec_from_config(helpers.tiny_config("qwen3_moe"))
+    with pytest.raises(ValueError, match="gelu_pytorch_tanh"):
+        dataclasses.replace(moe, hidden_act="gelu_pytorch_tanh")
+    with pytest.raises(ValueError, match="gelu_pytorch_tanh"):
+        spec_from_config(helpers.tiny_config("qwen3_moe", hidden_act="gelu_pytorch_tanh"))
+    assert spec_from_config(helpers.tiny_config("qwen3", hidden_act="gelu_pytorch_tanh"))[0].hidden_act == \
+        "gelu_pytorch_tanh"
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -187,7 +213,7 @@ def _with_cap(cap):
 
     def capped(config):
         spec, family = spec_from_config(config)
-        return dataclasses.replace(spec, final_logit_softcap=cap), family
+        return dataclasses.replace(spec, final_logit_softcap=cap, embed_scale=SCALE), family
     build.spec_from_config = capped
 
 
@@ -206,7 +232,8 @@ def _break(chunks, case) -> dict:
     spec = chunks[0].spec
     out = {}
     for key, broken in (("cap", dataclasses.replace(spec, final_logit_softcap=None)),
-                        ("rope", dataclasses.replace(spec, rope=dataclasses.replace(spec.rope, proportion=1.0)))):
+                        ("rope", dataclasses.replace(spec, rope=dataclasses.replace(spec.rope, proportion=1.0))),
+                        ("scale", dataclasses.replace(spec, embed_scale=None))):
         for c in chunks:
             c.spec = broken
         try:
@@ -217,6 +244,18 @@ def _break(chunks, case) -> dict:
         finally:
             for c in chunks:
                 c.spec = spec
+    from parallm.model.layers.mlp import MLP
+    mlps = [m for c in chunks for m in c.modules() if isinstance(m, MLP)]
+    assert mlps and all(m.act is not torch.nn.functional.silu for m in mlps)
+    gelu = mlps[0].act
+    for m in mlps:
+        m.act = torch.nn.functional.silu
+    try:
+        out["break_act"] = helpers.max_diff_real(parallm.forward(chunks, case["ids"], case["mask"]), case["ref"],
+                                                 case["mask"])
+    finally:
+        for m in mlps:
+            m.act = gelu
     return out
 
 
@@ -273,10 +312,12 @@ def test_softcap_and_proportional_rope_tp2_against_transformers(tmp_path):
         print(f"{case['name']:<48} " + " ".join(f"{k} {v:.1e}" for k, v in worst.items())
               + f" weights {per_rank[0]['weights']:.1e}"
               + (f" breaks: cap off logits {per_rank[0]['break_cap']:.1e} logprobs {per_rank[0]['break_cap_lp']:.1e},"
-                 f" every frequency rotating {per_rank[0]['break_rope']:.1e}" if "break_cap" in per_rank[0] else ""))
+                 f" every frequency rotating {per_rank[0]['break_rope']:.1e}, embeddings unscaled "
+                 f"{per_rank[0]['break_scale']:.1e}, silu for gelu_tanh {per_rank[0]['break_act']:.1e}"
+                 if "break_cap" in per_rank[0] else ""))
         assert worst["fwd"] < TOL and worst["logprobs"] < TOL and worst["entropy"] < TOL, case["name"]
         assert worst["loss"] < TOL and worst["norm"] < 1e-5 and per_rank[0]["weights"] < TOL, case["name"]
         assert worst["after"] < 1e-4, case["name"]
         if "break_cap" in per_rank[0]:
-            for key in ("break_cap", "break_cap_lp", "break_rope"):
+            for key in ("break_cap", "break_cap_lp", "break_rope", "break_scale", "break_act"):
                 assert min(r[key] for r in per_rank) > 1e-2, (case["name"], key)

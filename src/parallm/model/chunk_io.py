@@ -94,6 +94,14 @@ class ChunkIO:
             out = unpack_tokens(out[:, 0], ctx)                           # [S, B, ...], zeros at padding
         return out
 
+    def _scale_embeddings(self, x):
+        """The embeddings times the spec's embed_scale (Gemma's ``sqrt(hidden_size)``), a scalar tensor cast to the
+        activations' dtype first as transformers' ``Gemma4TextScaledWordEmbedding`` casts its buffer), or ``x``."""
+        scale = self.spec.embed_scale
+        if scale is None:
+            return x
+        return x * torch.tensor(scale, dtype=torch.float32, device=x.device).to(x.dtype)
+
     def _softcap(self, logits):
         """``cap * tanh(logits / cap)`` (the spec's final_logit_softcap, in the logits' dtype, as transformers'
         Gemma heads), or the logits unchanged without a cap."""

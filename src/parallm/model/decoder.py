@@ -398,7 +398,7 @@ class DecoderChunk(ChunkIO, nn.Module):
             x = self.embedding(ids)  # sequence parallel: reduce-scattered to [T/tp, 1, H] already
             if not self.sequence_parallel:
                 x = x.transpose(0, 1).contiguous()                       # [S, B, H] / [T, 1, H]
-            x = self._no_grad_at_pad_tokens(x, ids)
+            x = self._scale_embeddings(self._no_grad_at_pad_tokens(x, ids))
         else:
             if self.input_tensor is None:
                 raise RuntimeError("DecoderChunk without pre_process needs set_input_tensor() before forward")
@@ -456,9 +456,9 @@ def prepare_config(spec: DecoderSpec, dims, *, task: str, dtype, sequence_parall
     chunks' shared config. Used by build_chunks and by the verl-compatible classes alike."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
-    if spec.hidden_act not in ("silu", "relu2"):
-        raise ValueError(f"hidden_act={spec.hidden_act!r} is not supported (parallm implements 'silu' and, "
-                         "ungated, 'relu2')")
+    if spec.hidden_act not in ("silu", "gelu_pytorch_tanh", "relu2"):
+        raise ValueError(f"hidden_act={spec.hidden_act!r} is not supported (parallm implements 'silu', "
+                         "'gelu_pytorch_tanh' and, ungated, 'relu2')")
     check_tp(spec, dims.tp)
     check_mamba_layout(spec, tp=dims.tp, cp=dims.cp)
     check_ep(spec, dims.ep)

@@ -6,6 +6,7 @@ only the spec, never the architecture name.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .layer_specs import (ACTIVATIONS, EXPERT_LAYOUTS, ROUTERS, DSASpec, GatedDeltaNetSpec,  # noqa: F401
@@ -94,6 +95,8 @@ class DecoderSpec:
     # ``cap * tanh(logits / cap)`` before anything reads them (the logits output, the vocab-parallel log-prob /
     # entropy head, the loss); None: raw logits
     final_logit_softcap: float | None = None
+    # the token embeddings times this scalar before the first layer (Gemma: ``sqrt(hidden_size)``); None: unscaled
+    embed_scale: float | None = None
 
     def __post_init__(self):
         # only the fields that existing families never set are checked here (tests replace() sizes freely)
@@ -107,6 +110,14 @@ class DecoderSpec:
         cap = self.final_logit_softcap
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
             raise ValueError(f"final_logit_softcap={cap!r} must be a positive number (None: no soft-capping)")
+        scale = self.embed_scale
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not math.isfinite(scale) or scale == 0):
+            raise ValueError(f"embed_scale={scale!r} must be a finite non-zero number (None: unscaled)")
+        if self.hidden_act == "gelu_pytorch_tanh" and self.moe is not None:
+            raise ValueError("hidden_act='gelu_pytorch_tanh' is implemented for the dense MLP only (the routed "
+                             "experts run silu / clamped SwiGLU / relu2); a mixture-of-experts model with it is "
+                             "not supported")
         if self.qk_norm and self.qk_norm_whole:
             raise ValueError("qk_norm (per head) and qk_norm_whole (over the whole projection) exclude each other")
         if self.attn_sinks and (self.mla is not None or self.linear_attn is not None):
