@@ -56,6 +56,18 @@ def scale_hook(module, args, out):
     return out * torch.tensor(SCALE).to(module.weight.dtype)
 
 
+ATTN_SCALE = 1.0        # Gemma 4's softmax scale of q . k
+
+
+def v_norm_hook(cfg):
+    """``Gemma4RMSNorm(head_dim, with_scale=False)`` over each value head of v_proj's output."""
+    def hook(module, args, out):
+        x = out.view(*out.shape[:-1], -1, cfg.head_dim).float()
+        x = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps, -0.5)
+        return x.type_as(out).view(out.shape)
+    return hook
+
+
 def make_model(seed: int):
     cfg = helpers.tiny_config("llama", tie_word_embeddings=True, head_dim=16, rope_parameters=dict(ROPE),
                               hidden_act="gelu_pytorch_tanh")
@@ -63,6 +75,9 @@ def make_model(seed: int):
     model = helpers.make_hf_model(cfg, seed=seed)
     model.lm_head.register_forward_hook(cap_hook)
     model.model.embed_tokens.register_forward_hook(scale_hook)
+    for layer in model.model.layers:
+        layer.self_attn.scaling = ATTN_SCALE            # Gemma4TextAttention.scaling
+        layer.self_attn.v_proj.register_forward_hook(v_norm_hook(cfg))
     return cfg, model
 
 
@@ -80,6 +95,13 @@ def test_spec_checks_the_new_fields():
     for bad in (0, float("inf"), True, "8"):
         with pytest.raises(ValueError, match="embed_scale"):
             dataclasses.replace(spec, embed_scale=bad)
+    for bad in (0, -1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="attn_scale"):
+            dataclasses.replace(spec, attn_scale=bad)
+    from test_lora import MLA_CONFIG
+    mla, _ = spec_from_config(helpers.tiny_config("deepseek_v3", **MLA_CONFIG))
+    with pytest.raises(ValueError, match="grouped-query"):
+        dataclasses.replace(mla, v_norm=True)
     # gelu_pytorch_tanh is the dense MLP's: a MoE model with it is refused, not run with silu experts
     moe, _ = spec_from_config(helpers.tiny_config("qwen3_moe"))
     with pytest.raises(ValueError, match="gelu_pytorch_tanh"):
@@ -168,15 +190,18 @@ def stats_of(logits, ids):
     return lp, -(lsm.exp() * lsm).sum(-1)
 
 
+# name, layout, build kwargs, the step's loss on logits or on log-probs + entropy
 CASES = [
-    ("tp2 padded, step on logits, break", dict(), "logits"),
-    ("tp2 packed+SP, logprobs+entropy, step on them", dict(packed=True, sequence_parallel=True), "stats"),
+    ("tp2 padded, step on logits, break", dict(tp=2), dict(), "logits"),
+    ("tp2 packed+SP, logprobs+entropy, step on them", dict(tp=2), dict(packed=True, sequence_parallel=True), "stats"),
+    ("pp2 padded mb2, step on logits", dict(pp=2, nmb=2), dict(), "logits"),
+    ("cp2 packed, logprobs+entropy, step on them", dict(cp=2), dict(packed=True), "stats"),
 ]
 
 
 def make_cases(tmp_path):
     cases = []
-    for i, (name, build, loss_on) in enumerate(CASES):
+    for i, (name, layout, build, loss_on) in enumerate(CASES):
         _, model = make_model(seed=40 + i)
         ckpt = str(tmp_path / f"m{i}")
         ckpt_sd = helpers.hub_state_dict(model, ckpt)
@@ -185,8 +210,14 @@ def make_cases(tmp_path):
             ref = hf_output(model, ids, mask)
         lp, ent = stats_of(ref, ids)
         stepped = copy.deepcopy(model)
-        out = hf_output(stepped, ids, mask)
-        loss = causal_lm_loss(out, ids, mask) if loss_on == "logits" else rl_loss(stats_of_grad(out, ids), ids, mask)
+        nmb = layout.pop("nmb", 1)
+        size = ids.shape[0] // nmb
+        losses = []
+        for a in range(0, ids.shape[0], size):
+            out = hf_output(stepped, ids[a:a + size], mask[a:a + size])
+            losses.append(causal_lm_loss(out, ids[a:a + size], mask[a:a + size]) if loss_on == "logits"
+                          else rl_loss(stats_of_grad(out, ids[a:a + size]), ids[a:a + size], mask[a:a + size]))
+        loss = torch.stack(losses).mean()
         loss.backward()
         with torch.no_grad():
             norm = torch.stack([p.grad.pow(2).sum() for p in stepped.parameters() if p.grad is not None]).sum().sqrt()
@@ -195,7 +226,7 @@ def make_cases(tmp_path):
                     p -= LR * p.grad
             after = hf_output(stepped, ids, mask)
         new_sd = helpers.hub_state_dict(stepped, str(tmp_path / f"s{i}"))
-        cases.append(dict(name=name, ckpt=ckpt, ids=ids, mask=mask, build=build, loss_on=loss_on, ref=ref,
+        cases.append(dict(name=name, layout=layout, nmb=nmb, ckpt=ckpt, ids=ids, mask=mask, build=build, loss_on=loss_on, ref=ref,
                           ref_sd=ckpt_sd, ref_lp=lp, ref_ent=ent, ref_loss=loss.item(), ref_norm=norm.item(),
                           ref_after=after, ref_new_sd=new_sd))
     return cases
@@ -213,7 +244,8 @@ def _with_cap(cap):
 
     def capped(config):
         spec, family = spec_from_config(config)
-        return dataclasses.replace(spec, final_logit_softcap=cap, embed_scale=SCALE), family
+        return dataclasses.replace(spec, final_logit_softcap=cap, embed_scale=SCALE, attn_scale=ATTN_SCALE,
+                                   v_norm=True), family
     build.spec_from_config = capped
 
 
@@ -244,18 +276,24 @@ def _break(chunks, case) -> dict:
         finally:
             for c in chunks:
                 c.spec = spec
+    from parallm.model.layers.gqa import Attention
     from parallm.model.layers.mlp import MLP
     mlps = [m for c in chunks for m in c.modules() if isinstance(m, MLP)]
+    attns = [m for c in chunks for m in c.modules() if isinstance(m, Attention)]
     assert mlps and all(m.act is not torch.nn.functional.silu for m in mlps)
-    gelu = mlps[0].act
-    for m in mlps:
-        m.act = torch.nn.functional.silu
-    try:
-        out["break_act"] = helpers.max_diff_real(parallm.forward(chunks, case["ids"], case["mask"]), case["ref"],
-                                                 case["mask"])
-    finally:
-        for m in mlps:
-            m.act = gelu
+    assert attns and all(a.q_factor == 4.0 and a.v_norm_eps is not None for a in attns)
+    # attributes the layers read at build time: silu for the tanh GELU, the default softmax scale, no v_norm
+    for key, mods, attr, value in (("act", mlps, "act", torch.nn.functional.silu), ("attn_scale", attns, "q_factor", None),
+                                   ("v_norm", attns, "v_norm_eps", None)):
+        kept = getattr(mods[0], attr)
+        for m in mods:
+            setattr(m, attr, value)
+        try:
+            out[f"break_{key}"] = helpers.max_diff_real(parallm.forward(chunks, case["ids"], case["mask"]),
+                                                        case["ref"], case["mask"])
+        finally:
+            for m in mods:
+                setattr(m, attr, kept)
     return out
 
 
@@ -264,7 +302,7 @@ def rank_cases(rank, world, cases):
     _with_cap(CAP)
     out = []
     for case in cases:
-        parallm.init_parallel(tp=2)
+        parallm.init_parallel(**case["layout"])
         ids, mask = case["ids"], case["mask"]
         chunks = parallm.build_model(case["ckpt"], **case["build"])
         assert chunks[0].spec.final_logit_softcap == CAP and chunks[0].spec.rope.kind == "proportional"
@@ -278,9 +316,10 @@ def rank_cases(rank, world, cases):
         if rank == 0:
             helpers.assert_same_state(sd, case["ref_sd"])
         if case["loss_on"] == "logits":
-            loss = parallm.forward_backward(chunks, ids, mask, loss_fn=causal_lm_loss)
+            loss = parallm.forward_backward(chunks, ids, mask, loss_fn=causal_lm_loss, num_microbatches=case["nmb"])
         else:
-            loss = parallm.forward_backward(chunks, ids, mask, loss_fn=rl_loss, output="logprobs+entropy")
+            loss = parallm.forward_backward(chunks, ids, mask, loss_fn=rl_loss, output="logprobs+entropy",
+                                            num_microbatches=case["nmb"])
         parallm.finalize_grads(chunks)
         norm = parallm.clip_grad_norm_(chunks, float("inf"))
         with torch.no_grad():
@@ -313,11 +352,13 @@ def test_softcap_and_proportional_rope_tp2_against_transformers(tmp_path):
               + f" weights {per_rank[0]['weights']:.1e}"
               + (f" breaks: cap off logits {per_rank[0]['break_cap']:.1e} logprobs {per_rank[0]['break_cap_lp']:.1e},"
                  f" every frequency rotating {per_rank[0]['break_rope']:.1e}, embeddings unscaled "
-                 f"{per_rank[0]['break_scale']:.1e}, silu for gelu_tanh {per_rank[0]['break_act']:.1e}"
+                 f"{per_rank[0]['break_scale']:.1e}, silu for gelu_tanh {per_rank[0]['break_act']:.1e}, "
+                 f"default softmax scale {per_rank[0]['break_attn_scale']:.1e}, no v_norm {per_rank[0]['break_v_norm']:.1e}"
                  if "break_cap" in per_rank[0] else ""))
         assert worst["fwd"] < TOL and worst["logprobs"] < TOL and worst["entropy"] < TOL, case["name"]
         assert worst["loss"] < TOL and worst["norm"] < 1e-5 and per_rank[0]["weights"] < TOL, case["name"]
         assert worst["after"] < 1e-4, case["name"]
         if "break_cap" in per_rank[0]:
-            for key in ("break_cap", "break_cap_lp", "break_rope", "break_scale", "break_act"):
+            for key in ("break_cap", "break_cap_lp", "break_rope", "break_scale", "break_act", "break_attn_scale",
+                        "break_v_norm"):
                 assert min(r[key] for r in per_rank) > 1e-2, (case["name"], key)

@@ -97,6 +97,10 @@ class DecoderSpec:
     final_logit_softcap: float | None = None
     # the token embeddings times this scalar before the first layer (Gemma: ``sqrt(hidden_size)``); None: unscaled
     embed_scale: float | None = None
+    # the attention softmax scale of q . k (Gemma 4: 1.0); None: head_dim ** -0.5 (grouped-query attention only)
+    attn_scale: float | None = None
+    # a weightless RMSNorm over each value head (Gemma 4's ``v_norm``), in fp32 (grouped-query attention only)
+    v_norm: bool = False
 
     def __post_init__(self):
         # only the fields that existing families never set are checked here (tests replace() sizes freely)
@@ -114,6 +118,13 @@ class DecoderSpec:
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                                   or not math.isfinite(scale) or scale == 0):
             raise ValueError(f"embed_scale={scale!r} must be a finite non-zero number (None: unscaled)")
+        att = self.attn_scale
+        if att is not None and (isinstance(att, bool) or not isinstance(att, (int, float)) or not math.isfinite(att)
+                                or att <= 0):
+            raise ValueError(f"attn_scale={att!r} must be a finite positive number (None: head_dim ** -0.5)")
+        if (att is not None or self.v_norm) and (self.mla is not None or self.dsa is not None):
+            raise ValueError("attn_scale / v_norm are implemented for grouped-query attention layers only (not "
+                             "with multi-head latent attention)")
         if self.hidden_act == "gelu_pytorch_tanh" and self.moe is not None:
             raise ValueError("hidden_act='gelu_pytorch_tanh' is implemented for the dense MLP only (the routed "
                              "experts run silu / clamped SwiGLU / relu2); a mixture-of-experts model with it is "
