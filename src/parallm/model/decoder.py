@@ -78,6 +78,10 @@ class DecoderLayer(nn.Module):
                                             cp_attn=cp_attn, window=spec.window(layer_number), tp_group=tp_group)
         self.post_attention_layernorm = norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype,
                                                          device)
+        if spec.sandwich_norms:        # Gemma: the attention's and the MLP's outputs normed before the residual
+            self.attn_out_norm, self.mlp_out_norm = (
+                norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device) for _ in range(2))
+        self.rope = spec.layer_rope(layer_number)      # this layer's RoPE (cos / sin per RoPE: compute)
         # The spec says which layers route over experts (model/layers/moe.py); the others keep the dense MLP.
         self.mlp = MoEBlock(spec, config, dims, device) if spec.is_moe_layer(layer_number) else MLP(spec, config)
 
@@ -103,9 +107,13 @@ class DecoderLayer(nn.Module):
             if self.mlp is None:
                 return x + self.self_attention(h, cos, sin, ctx)
             return x + (self.mlp(h, tokens, routed) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
-        x = x + self.self_attention(self.input_layernorm(x), cos, sin, ctx)
+        if isinstance(cos, dict):          # RoPE per layer type (Gemma): this layer's tables
+            cos, sin = cos[self.rope], sin[self.rope]
+        a = self.self_attention(self.input_layernorm(x), cos, sin, ctx)
+        x = x + (self.attn_out_norm(a) if hasattr(self, "attn_out_norm") else a)
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, tokens, routed) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
+        m = self.mlp(h, tokens, routed) if isinstance(self.mlp, MoEBlock) else self.mlp(h)
+        return x + (self.mlp_out_norm(m) if hasattr(self, "mlp_out_norm") else m)
 
 
 class CarriedTensors(nn.ParameterList):
@@ -331,6 +339,10 @@ class DecoderChunk(ChunkIO, nn.Module):
         else:
             cos, sin = rope_cos_sin(self.spec.rope, positions, rope_length)
         cos, sin = cos.to(x.device), sin.to(x.device)
+        if self.spec.layer_ropes:       # RoPE per layer type: each RoPE's tables, keyed by its spec
+            tables = {r: rope_cos_sin(r, positions, rope_length) for r in set(map(self.spec.layer_rope,
+                                                                                  range(self.spec.num_layers)))}
+            cos, sin = ({r: t[i].to(x.device) for r, t in tables.items()} for i in (0, 1))
         recompute = self.recompute == "full" and torch.is_grad_enabled()
         if recompute:        # the layers' forwards run again in the backward (what a layer keeps on ctx for them)
             ctx.replays_layers = True

@@ -101,6 +101,12 @@ class DecoderSpec:
     attn_scale: float | None = None
     # a weightless RMSNorm over each value head (Gemma 4's ``v_norm``), in fp32 (grouped-query attention only)
     v_norm: bool = False
+    # Gemma's sandwich norms: the attention's and the MLP's outputs each RMS-normed before their residual add
+    # (``attn_out_norm`` / ``mlp_out_norm``; the pre-MLP norm stays ``post_attention_layernorm``)
+    sandwich_norms: bool = False
+    # RoPE per layer (Gemma: one per layer type, e.g. sliding theta 1e4, full 1e6): layer i rotates by
+    # layer_ropes[i] (None, or a layer past the end: ``rope``); (): every layer ``rope``. Not with yarn / MLA.
+    layer_ropes: tuple[RopeSpec | None, ...] = ()
 
     def __post_init__(self):
         # only the fields that existing families never set are checked here (tests replace() sizes freely)
@@ -125,6 +131,10 @@ class DecoderSpec:
         if (att is not None or self.v_norm) and (self.mla is not None or self.dsa is not None):
             raise ValueError("attn_scale / v_norm are implemented for grouped-query attention layers only (not "
                              "with multi-head latent attention)")
+        if self.layer_ropes and (self.yarn is not None or self.mla is not None
+                                 or any(r is not None and (r.dim != self.rope.dim or r.kind == "dynamic")
+                                        for r in self.layer_ropes)):
+            raise ValueError("RoPE per layer needs plain RoPE of one rotary dim (not yarn, dynamic NTK or MLA)")
         if self.hidden_act == "gelu_pytorch_tanh" and self.moe is not None:
             raise ValueError("hidden_act='gelu_pytorch_tanh' is implemented for the dense MLP only (the routed "
                              "experts run silu / clamped SwiGLU / relu2); a mixture-of-experts model with it is "
@@ -247,6 +257,11 @@ class DecoderSpec:
     @property
     def gdn_conv_kernel(self) -> int:
         return self.linear_attn.conv_kernel if self.linear_attn else 0
+
+    def layer_rope(self, layer: int) -> RopeSpec:
+        """Global layer ``layer``'s RoPE (``layer_ropes[layer]``, else ``rope``)."""
+        r = self.layer_ropes[layer] if layer < len(self.layer_ropes) else None
+        return self.rope if r is None else r
 
     def window(self, layer: int) -> int | None:
         """Global layer ``layer``'s sliding window (None: full causal attention)."""
