@@ -1,9 +1,10 @@
-"""Four pieces of Gemma 4 (issue 57 item 2) against transformers 5.25 in fp32: final logit soft-capping
+"""Six pieces of Gemma 4 (issue 57 item 2) against transformers 5.25 in fp32: final logit soft-capping
 (``DecoderSpec.final_logit_softcap``: Gemma 2 / 3 / 4's ``final_logit_softcapping``), proportional RoPE
 (``rope_type: "proportional"``, Gemma 4's global layers: RopeSpec kind ``proportional``), scaled embeddings
-(``DecoderSpec.embed_scale``, Gemma's ``sqrt(hidden_size)``) and the ``gelu_pytorch_tanh`` gated MLP.
+(``DecoderSpec.embed_scale``, Gemma's ``sqrt(hidden_size)``), the ``gelu_pytorch_tanh`` gated MLP, the softmax scale
+(``attn_scale``) and the values' weightless RMSNorm (``v_norm``).
 
-No family parallm runs reads ``final_logit_softcapping`` yet (the Gemma 4 model is not built: docs/families.md),
+Each piece alone, on a model parallm ran before them (test_gemma3.py / test_gemma4.py run them in their families),
 so the reference is transformers' LLaMA with its ``lm_head`` output capped by a forward hook, ``cap * tanh(logits /
 cap)`` (what ``Gemma4ForCausalLM.forward`` does to its logits, in that order), and parallm's LLaMA runs with the
 spec's cap (and embed scale: transformers' side multiplies the embedding's output by a hook) set

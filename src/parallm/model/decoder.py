@@ -82,6 +82,9 @@ class DecoderLayer(nn.Module):
             self.attn_out_norm, self.mlp_out_norm = (
                 norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device) for _ in range(2))
         self.rope = spec.layer_rope(layer_number)      # this layer's RoPE (cos / sin per RoPE: compute)
+        if spec.layer_scalar:          # Gemma 4: the layer's output times a checkpoint scalar (a buffer there)
+            self.layer_scalar = nn.Parameter(torch.empty(1, dtype=config.params_dtype, device=device),
+                                             requires_grad=False)
         # The spec says which layers route over experts (model/layers/moe.py); the others keep the dense MLP.
         self.mlp = MoEBlock(spec, config, dims, device) if spec.is_moe_layer(layer_number) else MLP(spec, config)
 
@@ -113,7 +116,8 @@ class DecoderLayer(nn.Module):
         x = x + (self.attn_out_norm(a) if hasattr(self, "attn_out_norm") else a)
         h = self.post_attention_layernorm(x)
         m = self.mlp(h, tokens, routed) if isinstance(self.mlp, MoEBlock) else self.mlp(h)
-        return x + (self.mlp_out_norm(m) if hasattr(self, "mlp_out_norm") else m)
+        x = x + (self.mlp_out_norm(m) if hasattr(self, "mlp_out_norm") else m)
+        return x * self.layer_scalar if hasattr(self, "layer_scalar") else x
 
 
 class CarriedTensors(nn.ParameterList):

@@ -107,6 +107,11 @@ class DecoderSpec:
     # RoPE per layer (Gemma: one per layer type, e.g. sliding theta 1e4, full 1e6): layer i rotates by
     # layer_ropes[i] (None, or a layer past the end: ``rope``); (): every layer ``rope``. Not with yarn / MLA.
     layer_ropes: tuple[RopeSpec | None, ...] = ()
+    # Gemma 4: each layer's output times its checkpoint scalar ``layer_scalar [1]`` (held, loaded, saved, never
+    # trained: transformers keeps it as a buffer)
+    layer_scalar: bool = False
+    # Gemma 4's RMSNorm: ``pow(mean + eps, -0.5)`` and the fp32 weight (layers/norms.py PowRMSNorm)
+    norm_pow: bool = False
 
     def __post_init__(self):
         # only the fields that existing families never set are checked here (tests replace() sizes freely)
