@@ -135,11 +135,7 @@ def rope_spec_from_hf_config(config: Any, head_dim: int) -> RopeSpec:
     if prf is None:
         prf = _cfg_get(config, "partial_rotary_factor", None)
     if kind == "proportional":      # the factor picks the rotating frequencies over the whole head
-        return RopeSpec(dim=int(head_dim), theta=float(params.get("rope_theta") or _cfg_get(config, "rope_theta")
-                                                       or _DEFAULT_THETA),
-                        kind=kind, factor=float(params.get("factor") or 1.0),
-                        proportion=float(1.0 if prf is None else prf),
-                        max_position_embeddings=_cfg_get(config, "max_position_embeddings", None))
+        return _proportional(config, params, prf, head_dim)
     if prf is not None and float(prf) != 1.0:
         raise ValueError(
             f"partial_rotary_factor={prf} is not supported (RoPE kind {kind!r}); only full "
@@ -187,6 +183,13 @@ def rope_spec_from_hf_config(config: Any, head_dim: int) -> RopeSpec:
         max_position_embeddings=max_pos,
         **kwargs,
     )
+
+
+def _proportional(config: Any, params: dict, prf, head_dim: int) -> RopeSpec:
+    theta = params.get("rope_theta") or _cfg_get(config, "rope_theta") or _DEFAULT_THETA
+    return RopeSpec(dim=int(head_dim), theta=float(theta), kind="proportional", factor=float(params.get("factor") or 1.0),
+                    proportion=float(1.0 if prf is None else prf),
+                    max_position_embeddings=_cfg_get(config, "max_position_embeddings", None))
 
 
 # -- frequencies ----------------------------------------------------------------------------------------------
