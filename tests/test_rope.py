@@ -44,6 +44,8 @@ SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 3.0},  # 1/3 is inexact: catches x*(1/f) vs x/f
     "dynamic": {"rope_type": "dynamic", "factor": 2.5},
     "llama3": LLAMA3,
+    # Gemma 4's global layers: 3 of the 12 frequencies rotate (over the whole head)
+    "proportional": {"rope_type": "proportional", "partial_rotary_factor": 0.25},
 }
 
 

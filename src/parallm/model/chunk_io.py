@@ -79,6 +79,7 @@ class ChunkIO:
                 # The logits are the largest activation: compute them batch-first ([B, S, V], contiguous, what
                 # a loss over [B, S, V] wants) and hand back the [S, B, V] view Megatron's convention expects.
                 out, _ = self.output_layer(x.transpose(0, 1), weight=weight)
+            out = self._softcap(out)
             if self.real_vocab_columns is not None:
                 pad = torch.arange(out.shape[-1], device=out.device) >= self.real_vocab_columns
                 out = out.masked_fill(pad, torch.finfo(out.dtype).min)
@@ -92,6 +93,22 @@ class ChunkIO:
         if isinstance(ctx, Packing):
             out = unpack_tokens(out[:, 0], ctx)                           # [S, B, ...], zeros at padding
         return out
+
+    def _scale_embeddings(self, x):
+        """The embeddings times the spec's embed_scale (Gemma's ``sqrt(hidden_size)``), a scalar tensor cast to the
+        activations' dtype first as transformers' ``Gemma4TextScaledWordEmbedding`` casts its buffer), or ``x``."""
+        scale = self.spec.embed_scale
+        if scale is None:
+            return x
+        return x * torch.tensor(scale, dtype=torch.float32, device=x.device).to(x.dtype)
+
+    def _softcap(self, logits):
+        """``cap * tanh(logits / cap)`` (the spec's final_logit_softcap, in the logits' dtype, as transformers'
+        Gemma heads), or the logits unchanged without a cap."""
+        cap = self.spec.final_logit_softcap
+        if cap is None:
+            return logits
+        return torch.tanh(logits / cap) * cap
 
     def _record_routing(self, attention_mask, ctx) -> None:
         """Router replay's recording: the experts this chunk's MoE layers routed the running microbatch with, as
@@ -113,6 +130,7 @@ class ChunkIO:
         CP group and placed into ``[S, B, ...]`` as at cp = 1 (zeros at padded positions)."""
         if self.task == "causal_lm":
             out, _ = self.output_layer(x, weight=self.head_weight())    # sequence parallel: all-gathered inside
+            out = self._softcap(out)
             if self.real_vocab_columns is not None:
                 pad = torch.arange(out.shape[-1], device=out.device) >= self.real_vocab_columns
                 out = out.masked_fill(pad, torch.finfo(out.dtype).min)

@@ -23,21 +23,21 @@ from ..parallel.megatron_import import import_megatron
 from ..parallel.stages import layer_numbers
 from ..parallel.state import as_device
 from .chunk_io import ChunkIO
-from .context_parallel import CP_KERNELS, ContextSplit, resolve_cp_attn
-from .layers.attention import (AttnBackend, Packing, PaddedRows, block_kernel, both_layouts, make_packing,
-                               pack_tokens, resolve_attn_impl)
+from .context_parallel import ContextSplit, resolve_cp_attn
+from .layers.attention import (AttnBackend, Packing, PaddedRows, both_layouts, make_packing, pack_tokens,
+                               resolve_attn_impl)
+from .layers.gqa import Attention
 from .layers.gated_deltanet import GatedDeltaNet, resolve_kernel as resolve_gdn_kernel
 from .layers.dsa import DSAttention, check_dsa_stages
 from .layers.mamba2 import Mamba2Mixer, check_mamba_layout, resolve_kernel as resolve_mamba_kernel
 from .layers.mla import MLAttention
 from .layers.mlp import MLP, no_init
 from .layers.norms import FP32WeightRMSNorm, RMSNorm, ZeroCenteredRMSNorm, norm_class  # noqa: F401
-from .layers.qk_norm import WholeProjectionNorm, whole_projection_qk_norm
 from .layers.moe import MoEAux, MoEBlock
 from .layers.routing import RouterReplay, moe_layer_indices, rows_of_tokens
 from .placement import attach_placements
 from .positions.rope import rope_cos_sin
-from .positions.yarn import apply_partial_rope, yarn_cos_sin
+from .positions.yarn import yarn_cos_sin
 from .spec import TASKS, DecoderSpec, check_ep, check_tp, padded_vocab_size
 from .table import chunk_entries
 
@@ -49,83 +49,6 @@ mtp = _megatron.tensor_parallel
 RECOMPUTE = (None, "full")
 
 
-
-
-class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int, device=None, *,
-                 backend: AttnBackend, cp_group=None, cp_attn: str = "allgather", window: int | None = None,
-                 tp_group=None):
-        super().__init__()
-        self.backend = backend
-        self.window = window              # sliding window (spec.window(layer)); None: full causal attention
-        self.cp_group = cp_group          # context parallelism: keys and values gathered over it
-        self.cp_fn = CP_KERNELS[cp_attn]
-        self.cp_block = block_kernel(backend, as_device(device))     # the ring's block kernel
-        if spec.qk_norm:
-            # One weight over head_dim shared by all heads; each TP rank sees only its heads, so its gradient is
-            # a partial sum over TP (the table row says tp_sum="always").
-            self.q_norm = norm_class(spec)(spec.head_dim, spec.rms_norm_eps, config.params_dtype, device)
-            self.k_norm = norm_class(spec)(spec.head_dim, spec.rms_norm_eps, config.params_dtype, device)
-        # MiniMax-M2: one RMS over the whole q / k projection; the TP group joins the ranks' heads (qk_norm.py)
-        self.whole_qk, self.whole_qk_group = spec.qk_norm_whole, tp_group
-        if spec.qk_norm_whole:
-            if tp > 1 and tp_group is None:
-                raise ValueError("a projection-wide q / k norm at tp > 1 needs the TP group (its mean spans ranks)")
-            self.q_norm = WholeProjectionNorm(spec.num_heads // tp, spec.head_dim, spec.rms_norm_eps,
-                                              config.params_dtype, device)
-            self.k_norm = WholeProjectionNorm(max(1, spec.num_kv_heads // tp), spec.head_dim, spec.rms_norm_eps,
-                                              config.params_dtype, device)
-        self.head_dim = spec.head_dim
-        self.nope = spec.nope             # no positions at all (Nemotron-H's attention layers)
-        self.num_heads_local = spec.num_heads // tp
-        self.num_kv_local = max(1, spec.num_kv_heads // tp)
-        # the output gate (Qwen3-Next, Qwen3.5): each query head's rows are [q_h; gate_h] (2 heads' worth)
-        self.gated = spec.attn_output_gate
-        local_out = ((2 if self.gated else 1) * self.num_heads_local + 2 * self.num_kv_local) * spec.head_dim
-        self.linear_qkv = mtp.ColumnParallelLinear(
-            spec.hidden_size, local_out * tp, config=config, init_method=no_init, bias=spec.qkv_bias,
-            gather_output=False)
-        self.linear_proj = mtp.RowParallelLinear(
-            spec.q_size, spec.hidden_size, config=config, init_method=no_init, bias=spec.o_bias,
-            input_is_parallel=True, skip_bias_add=False)
-        # gpt-oss: this TP rank's query heads' attention-sink logits (split with the heads), entering each
-        # softmax's denominator once (every attention kernel takes ``sink=``)
-        self.sinks = nn.Parameter(torch.empty(self.num_heads_local, dtype=config.params_dtype, device=device)) \
-            if spec.attn_sinks else None
-
-    def forward(self, x, cos, sin, ctx):
-        """x: [S, B, H] (or [T/tp, 1, H] under sequence parallelism); ctx: a boolean mask [B, 1, S, S] (padded),
-        a :class:`Packing` (packed, causal within each sequence), or a :class:`ContextSplit` (context
-        parallelism, either layout: this rank's tokens attend to the whole sequence's keys)."""
-        qkv, _ = self.linear_qkv(x)  # sequence parallel: all-gathered to [T, 1, ...] here
-        s, b, _ = qkv.shape
-        hq, hkv, d = self.num_heads_local, self.num_kv_local, self.head_dim
-        nq = 2 * hq if self.gated else hq                   # gated: query heads interleaved with their gates
-        heads = qkv.view(s, b, nq + 2 * hkv, d)            # [q_r; k_r; v_r] as heads: views, no copies
-        q, k = heads[:, :, :nq:nq // hq], heads[:, :, nq:nq + hkv]
-        if self.whole_qk:
-            q, k = whole_projection_qk_norm(q, k, self.q_norm, self.k_norm, self.whole_qk_group)
-        elif hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        if not self.nope:
-            q = apply_partial_rope(q, cos, sin)     # the first rotary_dim channels (GLM-4.5); all otherwise
-            k = apply_partial_rope(k, cos, sin)
-        v = heads[:, :, nq + hkv:]
-        extra = {} if self.sinks is None else {"sink": self.sinks}
-        if isinstance(ctx, ContextSplit):
-            out = self.cp_fn(q, k, v, ctx, self.cp_group, self.cp_block, window=self.window,
-                             **extra)                                                      # [rows, width, hq, d]
-        elif isinstance(ctx, Packing):
-            out = self.backend.fn(q[:, 0], k[:, 0], v[:, 0], ctx, window=self.window,
-                                  **extra).unsqueeze(1)                                    # [T, 1, hq, d]
-        else:
-            # [S, B, h, d] -> [B, h, S, d]
-            q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-            out = self.backend.fn(q, k, v, ctx, window=self.window, **extra).permute(2, 0, 1, 3)
-        if self.gated:
-            out = out * torch.sigmoid(heads[:, :, 1:nq:2])
-        out, _ = self.linear_proj(out.reshape(s, b, hq * d))
-        return out
 
 
 class DecoderLayer(nn.Module):
@@ -155,6 +78,13 @@ class DecoderLayer(nn.Module):
                                             cp_attn=cp_attn, window=spec.window(layer_number), tp_group=tp_group)
         self.post_attention_layernorm = norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype,
                                                          device)
+        if spec.sandwich_norms:        # Gemma: the attention's and the MLP's outputs normed before the residual
+            self.attn_out_norm, self.mlp_out_norm = (
+                norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device) for _ in range(2))
+        self.rope = spec.layer_rope(layer_number)      # this layer's RoPE (cos / sin per RoPE: compute)
+        if spec.layer_scalar:          # Gemma 4: the layer's output times a checkpoint scalar (a buffer there)
+            self.layer_scalar = nn.Parameter(torch.empty(1, dtype=config.params_dtype, device=device),
+                                             requires_grad=False)
         # The spec says which layers route over experts (model/layers/moe.py); the others keep the dense MLP.
         self.mlp = MoEBlock(spec, config, dims, device) if spec.is_moe_layer(layer_number) else MLP(spec, config)
 
@@ -180,9 +110,14 @@ class DecoderLayer(nn.Module):
             if self.mlp is None:
                 return x + self.self_attention(h, cos, sin, ctx)
             return x + (self.mlp(h, tokens, routed) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
-        x = x + self.self_attention(self.input_layernorm(x), cos, sin, ctx)
+        if isinstance(cos, dict):          # RoPE per layer type (Gemma): this layer's tables
+            cos, sin = cos[self.rope], sin[self.rope]
+        a = self.self_attention(self.input_layernorm(x), cos, sin, ctx)
+        x = x + (self.attn_out_norm(a) if hasattr(self, "attn_out_norm") else a)
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, tokens, routed) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
+        m = self.mlp(h, tokens, routed) if isinstance(self.mlp, MoEBlock) else self.mlp(h)
+        x = x + (self.mlp_out_norm(m) if hasattr(self, "mlp_out_norm") else m)
+        return x * self.layer_scalar if hasattr(self, "layer_scalar") else x
 
 
 class CarriedTensors(nn.ParameterList):
@@ -398,7 +333,7 @@ class DecoderChunk(ChunkIO, nn.Module):
             x = self.embedding(ids)  # sequence parallel: reduce-scattered to [T/tp, 1, H] already
             if not self.sequence_parallel:
                 x = x.transpose(0, 1).contiguous()                       # [S, B, H] / [T, 1, H]
-            x = self._no_grad_at_pad_tokens(x, ids)
+            x = self._scale_embeddings(self._no_grad_at_pad_tokens(x, ids))
         else:
             if self.input_tensor is None:
                 raise RuntimeError("DecoderChunk without pre_process needs set_input_tensor() before forward")
@@ -408,6 +343,10 @@ class DecoderChunk(ChunkIO, nn.Module):
         else:
             cos, sin = rope_cos_sin(self.spec.rope, positions, rope_length)
         cos, sin = cos.to(x.device), sin.to(x.device)
+        if self.spec.layer_ropes:       # RoPE per layer type: each RoPE's tables, keyed by its spec
+            tables = {r: rope_cos_sin(r, positions, rope_length) for r in set(map(self.spec.layer_rope,
+                                                                                  range(self.spec.num_layers)))}
+            cos, sin = ({r: t[i].to(x.device) for r, t in tables.items()} for i in (0, 1))
         recompute = self.recompute == "full" and torch.is_grad_enabled()
         if recompute:        # the layers' forwards run again in the backward (what a layer keeps on ctx for them)
             ctx.replays_layers = True
@@ -456,9 +395,9 @@ def prepare_config(spec: DecoderSpec, dims, *, task: str, dtype, sequence_parall
     chunks' shared config. Used by build_chunks and by the verl-compatible classes alike."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
-    if spec.hidden_act not in ("silu", "relu2"):
-        raise ValueError(f"hidden_act={spec.hidden_act!r} is not supported (parallm implements 'silu' and, "
-                         "ungated, 'relu2')")
+    if spec.hidden_act not in ("silu", "gelu_pytorch_tanh", "relu2"):
+        raise ValueError(f"hidden_act={spec.hidden_act!r} is not supported (parallm implements 'silu', "
+                         "'gelu_pytorch_tanh' and, ungated, 'relu2')")
     check_tp(spec, dims.tp)
     check_mamba_layout(spec, tp=dims.tp, cp=dims.cp)
     check_ep(spec, dims.ep)

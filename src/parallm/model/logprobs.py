@@ -19,6 +19,10 @@ scaled logits of token t is ``g_lp (onehot_t - p) - g_H p (log p + H)``.
 Vocabulary padding columns (``Vp > V``) are never part of the sums: each rank uses only its real rows of the
 head weight.
 
+Final logit soft-capping (``DecoderSpec.final_logit_softcap``, Gemma's ``final_logit_softcapping``): each chunk's
+logits are capped, ``cap * tanh(logits / cap)``, before the temperature and everything above reads them (as
+transformers caps its ``logits``); the backward multiplies the capped logits' gradient by ``1 - tanh^2``.
+
 A LoRA adapter on the head (``lm_head``: :mod:`parallm.model.layers.lora`) adds ``(u B^T) * scaling`` to every
 chunk's logits, with ``u = A x`` ``[N, r]`` computed before the TP region and entering it as the hidden states
 do (B: this rank's ``[Vp/tp, r]`` rows, its padding rows never used); the backward gives ``u`` and B their
@@ -110,7 +114,7 @@ class _VocabParallelStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, u, lora_b, scaling, targets, real, vocab_start, temperature, want_entropy, chunk,
-                group, accumulate):
+                group, accumulate, softcap):
         n = hidden.shape[0]
         device = hidden.device
         w = weight[:real]
@@ -123,7 +127,7 @@ class _VocabParallelStats(torch.autograd.Function):
         if real > 0:
             for a in range(0, n, chunk):
                 b = min(n, a + chunk)
-                z = _scaled_logits(hidden[a:b], w, temperature, lora, a, b)
+                z, _ = _scaled_logits(hidden[a:b], w, temperature, lora, a, b, softcap=softcap)
                 m = z.max(dim=1).values
                 z.sub_(m[:, None])                                        # z - m_r
                 sums[2, a:b] = z.gather(1, local[a:b, None]).squeeze(1).add_(m)
@@ -154,14 +158,14 @@ class _VocabParallelStats(torch.autograd.Function):
         logprobs = sums[2] - logz
         entropy = log_s - sums[1] / sums[0] if want_entropy else torch.zeros_like(logz)
         ctx.save_for_backward(hidden, weight, u, lora_b, local, in_range, logz, entropy)
-        ctx.args = (real, temperature, want_entropy, chunk, accumulate, scaling)
+        ctx.args = (real, temperature, want_entropy, chunk, accumulate, scaling, softcap)
         ctx.mark_non_differentiable(*(() if want_entropy else (entropy,)))
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, g_lp, g_h):
         hidden, weight, u, lora_b, local, in_range, logz, entropy = ctx.saved_tensors
-        real, temperature, want_entropy, chunk, accumulate, scaling = ctx.args
+        real, temperature, want_entropy, chunk, accumulate, scaling, softcap = ctx.args
         n = hidden.shape[0]
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         lora = (u, lora_b[:real], scaling) if u is not None else None
@@ -179,7 +183,7 @@ class _VocabParallelStats(torch.autograd.Function):
                 grad_weight, fused = existing, True
             else:
                 grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        nones = [None] * 9
+        nones = [None] * 10
 
         def grads():
             return (grad_hidden, None if fused else _as_param_grad(grad_weight, weight), grad_u,
@@ -195,7 +199,7 @@ class _VocabParallelStats(torch.autograd.Function):
         gw = grad_weight[:real] if grad_weight is not None else None
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
-            z = _scaled_logits(hidden[a:b], w, temperature, lora, a, b)
+            z, slope = _scaled_logits(hidden[a:b], w, temperature, lora, a, b, softcap=softcap, slope=True)
             z.sub_(logz[a:b, None])                                       # log p
             if use_h:
                 p = torch.exp(z)
@@ -208,6 +212,9 @@ class _VocabParallelStats(torch.autograd.Function):
             grad_z.scatter_add_(1, local[a:b, None], g_target[a:b, None])
             if temperature != 1.0:
                 grad_z.div_(temperature)
+            if slope is not None:                                         # through cap * tanh(z / cap)
+                grad_z.mul_(slope)
+                del slope
             gz = grad_z.to(weight.dtype)
             if grad_hidden is not None:
                 torch.mm(gz, w, out=grad_hidden[a:b])
@@ -248,19 +255,27 @@ def _existing_fp32_grad(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, lora=None, a: int = 0,
-                   b: int = 0) -> torch.Tensor:
+                   b: int = 0, *, softcap: float | None = None, slope: bool = False):
     """fp32 ``hidden @ weight.T / temperature`` (the matmul in the parameters' dtype, as transformers' head), plus
     a head adapter's ``(u[a:b] B^T) * scaling`` (``lora``: ``(u, B's real rows, scaling)``; added in the logits'
-    dtype, as PEFT adds it to the base layer's output)."""
+    dtype, as PEFT adds it to the base layer's output), soft-capped to ``softcap * tanh(z / softcap)`` before the
+    temperature when ``softcap`` is set. Returns ``(z, d capped / d z)``: the slope ``1 - tanh^2`` when
+    ``slope`` and ``softcap`` are set, else None."""
     z = hidden @ weight.t()
     if lora is not None:
         u, lora_b, scaling = lora
         z = z + (u[a:b] @ lora_b.t()) * scaling
     if z.dtype != torch.float32:
         z = z.float()
+    grad = None
+    if softcap is not None:
+        z = z.div(softcap).tanh_()
+        if slope:
+            grad = 1.0 - z * z
+        z.mul_(softcap)
     if temperature != 1.0:
         z.div_(temperature)
-    return z
+    return z, grad
 
 
 def _as_param_grad(grad: torch.Tensor | None, weight: torch.Tensor):
@@ -268,17 +283,18 @@ def _as_param_grad(grad: torch.Tensor | None, weight: torch.Tensor):
 
 
 def vocab_parallel_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, real: int,
-                         vocab_start: int, request: StatsRequest, group,
-                         lora=None) -> tuple[torch.Tensor, torch.Tensor]:
+                         vocab_start: int, request: StatsRequest, group, lora=None,
+                         softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (logprobs, entropy), fp32 ``[N]``; see the module docstring. ``group``: the TP group (None or a
     group of one: no communication). ``lora``: ``(u [N, r], B [Vp/tp, r], scaling)`` of a head adapter, or
-    None."""
+    None. ``softcap``: the final logit soft-cap (None: raw logits)."""
     if group is not None and dist.get_world_size(group) == 1:
         group = None
     chunk = chunk_tokens(request, real, hidden.device)
     u, lora_b, scaling = lora if lora is not None else (None, None, 1.0)
     return _VocabParallelStats.apply(hidden, weight, u, lora_b, scaling, targets, real, vocab_start,
-                                     request.temperature, request.entropy, chunk, group, request.accumulate)
+                                     request.temperature, request.entropy, chunk, group, request.accumulate,
+                                     softcap)
 
 
 def token_stats_head(chunk, x: torch.Tensor, packing, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -360,7 +376,7 @@ def _head_stats(chunk, hidden, targets, has_next, request: StatsRequest, group, 
     real = chunk.real_vocab_columns if chunk.real_vocab_columns is not None else per
     logprobs, entropy = vocab_parallel_stats(hidden, chunk.head_weight(), targets, real=real,
                                              vocab_start=chunk.dims.tp_rank * per, request=request, group=group,
-                                             lora=lora)
+                                             lora=lora, softcap=chunk.spec.final_logit_softcap)
     return logprobs.masked_fill(~has_next, 0.0), entropy
 
 

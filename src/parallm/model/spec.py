@@ -6,6 +6,7 @@ only the spec, never the architecture name.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .layer_specs import (ACTIVATIONS, EXPERT_LAYOUTS, ROUTERS, DSASpec, GatedDeltaNetSpec,  # noqa: F401
@@ -90,6 +91,27 @@ class DecoderSpec:
     # RMSNorm multiplying its weight in fp32 before the cast back (Nemotron-H's NemotronHRMSNorm); False: the
     # weight times the normed input cast back (LLaMA's)
     norm_weight_fp32: bool = False
+    # final logit soft-capping (Gemma 2 / 3 / 4's ``final_logit_softcapping``): the head's logits become
+    # ``cap * tanh(logits / cap)`` before anything reads them (the logits output, the vocab-parallel log-prob /
+    # entropy head, the loss); None: raw logits
+    final_logit_softcap: float | None = None
+    # the token embeddings times this scalar before the first layer (Gemma: ``sqrt(hidden_size)``); None: unscaled
+    embed_scale: float | None = None
+    # the attention softmax scale of q . k (Gemma 4: 1.0); None: head_dim ** -0.5 (grouped-query attention only)
+    attn_scale: float | None = None
+    # a weightless RMSNorm over each value head (Gemma 4's ``v_norm``), in fp32 (grouped-query attention only)
+    v_norm: bool = False
+    # Gemma's sandwich norms: the attention's and the MLP's outputs each RMS-normed before their residual add
+    # (``attn_out_norm`` / ``mlp_out_norm``; the pre-MLP norm stays ``post_attention_layernorm``)
+    sandwich_norms: bool = False
+    # RoPE per layer (Gemma: one per layer type, e.g. sliding theta 1e4, full 1e6): layer i rotates by
+    # layer_ropes[i] (None, or a layer past the end: ``rope``); (): every layer ``rope``. Not with yarn / MLA.
+    layer_ropes: tuple[RopeSpec | None, ...] = ()
+    # Gemma 4: each layer's output times its checkpoint scalar ``layer_scalar [1]`` (held, loaded, saved, never
+    # trained: transformers keeps it as a buffer)
+    layer_scalar: bool = False
+    # Gemma 4's RMSNorm: ``pow(mean + eps, -0.5)`` and the fp32 weight (layers/norms.py PowRMSNorm)
+    norm_pow: bool = False
 
     def __post_init__(self):
         # only the fields that existing families never set are checked here (tests replace() sizes freely)
@@ -100,6 +122,28 @@ class DecoderSpec:
         if bad:
             raise ValueError(f"layer_windows holds a window (a positive integer) or None per layer; got "
                              f"{self.layer_windows}")
+        cap = self.final_logit_softcap
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+            raise ValueError(f"final_logit_softcap={cap!r} must be a positive number (None: no soft-capping)")
+        scale = self.embed_scale
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not math.isfinite(scale) or scale == 0):
+            raise ValueError(f"embed_scale={scale!r} must be a finite non-zero number (None: unscaled)")
+        att = self.attn_scale
+        if att is not None and (isinstance(att, bool) or not isinstance(att, (int, float)) or not math.isfinite(att)
+                                or att <= 0):
+            raise ValueError(f"attn_scale={att!r} must be a finite positive number (None: head_dim ** -0.5)")
+        if (att is not None or self.v_norm) and (self.mla is not None or self.dsa is not None):
+            raise ValueError("attn_scale / v_norm are implemented for grouped-query attention layers only (not "
+                             "with multi-head latent attention)")
+        if self.layer_ropes and (self.yarn is not None or self.mla is not None
+                                 or any(r is not None and (r.dim != self.rope.dim or r.kind == "dynamic")
+                                        for r in self.layer_ropes)):
+            raise ValueError("RoPE per layer needs plain RoPE of one rotary dim (not yarn, dynamic NTK or MLA)")
+        if self.hidden_act == "gelu_pytorch_tanh" and self.moe is not None:
+            raise ValueError("hidden_act='gelu_pytorch_tanh' is implemented for the dense MLP only (the routed "
+                             "experts run silu / clamped SwiGLU / relu2); a mixture-of-experts model with it is "
+                             "not supported")
         if self.qk_norm and self.qk_norm_whole:
             raise ValueError("qk_norm (per head) and qk_norm_whole (over the whole projection) exclude each other")
         if self.attn_sinks and (self.mla is not None or self.linear_attn is not None):
@@ -218,6 +262,11 @@ class DecoderSpec:
     @property
     def gdn_conv_kernel(self) -> int:
         return self.linear_attn.conv_kernel if self.linear_attn else 0
+
+    def layer_rope(self, layer: int) -> RopeSpec:
+        """Global layer ``layer``'s RoPE (``layer_ropes[layer]``, else ``rope``)."""
+        r = self.layer_ropes[layer] if layer < len(self.layer_ropes) else None
+        return self.rope if r is None else r
 
     def window(self, layer: int) -> int | None:
         """Global layer ``layer``'s sliding window (None: full causal attention)."""

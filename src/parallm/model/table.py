@@ -71,6 +71,7 @@ CONDITIONS = {
     "router_bias": lambda spec, task, pp: spec.moe is not None and spec.moe.router_bias,
     "expert_bias": lambda spec, task, pp: spec.moe is not None and spec.moe.expert_bias,
     "attn_sinks": lambda spec, task, pp: spec.attn_sinks,
+    "layer_scalar": lambda spec, task, pp: spec.layer_scalar,
     # multi-head latent attention (DeepSeek-V3): with / without a q LoRA, the down-projections' bias
     "q_lora": lambda spec, task, pp: spec.mla is not None and spec.mla.q_lora_rank is not None,
     "no_q_lora": lambda spec, task, pp: spec.mla is not None and spec.mla.q_lora_rank is None,

@@ -3,6 +3,8 @@ expert (which adds a gate of its own in :mod:`parallm.model.layers.moe`)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,6 +15,10 @@ from ..spec import DecoderSpec
 mtp = import_megatron().tensor_parallel
 
 
+# the gate's activation of the gated MLP, by the config's hidden_act
+GATE_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
 def no_init(_weight):  # parameters are filled by the loader (or by init_weights)
     return None
 
@@ -20,7 +26,8 @@ def no_init(_weight):  # parameters are filled by the loader (or by init_weights
 class MLP(nn.Module):
     """``down(silu(gate x) * up x)``: gate and up fused in a column-parallel ``linear_fc1`` (``[gate_r; up_r]`` per
     TP rank), down row-parallel; ``hidden_act="relu2"`` (Nemotron-H): ``down(relu(up x)^2)``, ungated,
-    ``linear_fc1`` up alone. ``width`` (default: the spec's intermediate size) and ``bias`` (default: the spec's
+    ``linear_fc1`` up alone; ``hidden_act="gelu_pytorch_tanh"`` (Gemma): ``down(gelu_tanh(gate x) * up x)``,
+torch's tanh-approximated GELU as transformers' ``GELUTanh``. ``width`` (default: the spec's intermediate size) and ``bias`` (default: the spec's
     ``mlp_bias``)."""
 
     def __init__(self, spec: DecoderSpec, config, *, width: int | None = None, bias: bool | None = None):
@@ -29,6 +36,7 @@ class MLP(nn.Module):
         bias = spec.mlp_bias if bias is None else bias
         # relu2 (Nemotron-H): no gate, ``down(relu(up x)^2)``, linear_fc1 is up alone
         self.gated = spec.hidden_act != "relu2"
+        self.act = GATE_ACTIVATIONS.get(spec.hidden_act, F.silu)
         self.linear_fc1 = mtp.ColumnParallelLinear(spec.hidden_size, (2 if self.gated else 1) * width, config=config,
                                                    init_method=no_init, bias=bias, gather_output=False)
         self.linear_fc2 = mtp.RowParallelLinear(width, spec.hidden_size, config=config, init_method=no_init,
@@ -40,5 +48,5 @@ class MLP(nn.Module):
             h, _ = self.linear_fc2(torch.square(F.relu(h)))
             return h
         gate, up = h.chunk(2, dim=-1)
-        h, _ = self.linear_fc2(F.silu(gate) * up)
+        h, _ = self.linear_fc2(self.act(gate) * up)
         return h

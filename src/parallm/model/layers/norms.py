@@ -42,8 +42,19 @@ class FP32WeightRMSNorm(RMSNorm):
         return (self.weight.float() * h).to(x.dtype)
 
 
+class PowRMSNorm(RMSNorm):
+    """Gemma 4's RMSNorm: ``x * pow(mean(x^2) + eps, -0.5)`` in fp32 (not ``rsqrt``), times the fp32 weight, cast."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        return (h * self.weight.float()).type_as(x)
+
+
 def norm_class(spec: DecoderSpec) -> type[RMSNorm]:
     """The RMSNorm every norm of ``spec``'s decoder uses (the Gated DeltaNet's gated norm aside)."""
+    if spec.norm_pow:
+        return PowRMSNorm
     if spec.norm_weight_fp32:
         return FP32WeightRMSNorm
     return ZeroCenteredRMSNorm if spec.zero_centered_norm else RMSNorm

@@ -11,9 +11,13 @@ Conventions:
   activation dtype only inside :func:`apply_rope`.
 * The rotary dimension always equals ``head_dim``; partial rotary embeddings are
   rejected.
-* Supported scaling kinds: ``default``, ``linear``, ``dynamic`` (dynamic NTK) and
-  ``llama3``. For all four, ``transformers`` uses an attention scaling (cos/sin
-  multiplier) of exactly 1.0, so none is applied here.
+* Supported scaling kinds: ``default``, ``linear``, ``dynamic`` (dynamic NTK), ``llama3`` and
+  ``proportional`` (Gemma 4's global layers: the first ``int(proportion * dim // 2)`` frequencies of the
+  default ones over the *whole* head, ``1 / theta^(2j / dim)``, the rest 0, all divided by ``factor``; the
+  rotation pairs channel ``j`` with ``j + dim / 2`` as the full-head RoPE does, and the zero frequencies leave
+  their channels unchanged: cos 1, sin 0. Not GLM's partial RoPE, which rotates the first channels only).
+  For all five, ``transformers`` uses an attention scaling (cos/sin multiplier) of exactly 1.0, so none is
+  applied here.
 
 Dynamic NTK: ``transformers`` keeps ``inv_freq`` as mutable module state: on each forward it takes
 ``seq_len = max(position_ids) + 1`` over the *whole* position tensor; if it exceeds the
@@ -35,7 +39,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_KINDS = ("default", "linear", "dynamic", "llama3")
+SUPPORTED_ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "proportional")
 
 _DEFAULT_THETA = 10000.0
 
@@ -56,6 +60,7 @@ class RopeSpec:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
     max_position_embeddings: int | None = None
+    proportion: float = 1.0     # proportional: the share of the head's frequencies that rotate (its partial factor)
 
     def __post_init__(self) -> None:
         if self.kind not in SUPPORTED_ROPE_KINDS:
@@ -69,6 +74,9 @@ class RopeSpec:
                 raise ValueError("dynamic RoPE needs max_position_embeddings")
             if self.dim <= 2:
                 raise ValueError(f"dynamic RoPE needs dim > 2, got {self.dim}")
+        if not 0.0 < self.proportion <= 1.0 or (self.proportion != 1.0 and self.kind != "proportional"):
+            raise ValueError(f"RoPE proportion {self.proportion} must lie in (0, 1], and differ from 1 only for the "
+                             "proportional kind")
         if self.kind == "llama3" and self.original_max_position_embeddings is None:
             raise ValueError("llama3 RoPE needs original_max_position_embeddings")
 
@@ -126,6 +134,8 @@ def rope_spec_from_hf_config(config: Any, head_dim: int) -> RopeSpec:
     prf = params.get("partial_rotary_factor", None)
     if prf is None:
         prf = _cfg_get(config, "partial_rotary_factor", None)
+    if kind == "proportional":      # the factor picks the rotating frequencies over the whole head
+        return _proportional(config, params, prf, head_dim)
     if prf is not None and float(prf) != 1.0:
         raise ValueError(
             f"partial_rotary_factor={prf} is not supported (RoPE kind {kind!r}); only full "
@@ -175,6 +185,13 @@ def rope_spec_from_hf_config(config: Any, head_dim: int) -> RopeSpec:
     )
 
 
+def _proportional(config: Any, params: dict, prf, head_dim: int) -> RopeSpec:
+    theta = params.get("rope_theta") or _cfg_get(config, "rope_theta") or _DEFAULT_THETA
+    return RopeSpec(dim=int(head_dim), theta=float(theta), kind="proportional", factor=float(params.get("factor") or 1.0),
+                    proportion=float(1.0 if prf is None else prf),
+                    max_position_embeddings=_cfg_get(config, "max_position_embeddings", None))
+
+
 # -- frequencies ----------------------------------------------------------------------------------------------
 
 def _exponents(dim: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -195,7 +212,11 @@ def _static_inv_freq(spec: RopeSpec) -> torch.Tensor:
         base = spec.theta
     inv_freq = 1.0 / (base ** _exponents(dim))
 
-    if spec.kind == "linear":
+    if spec.kind == "proportional":     # transformers' _compute_proportional_rope_parameters
+        angles = int(spec.proportion * dim // 2)
+        inv_freq[angles:] = 0.0
+        inv_freq /= spec.factor
+    elif spec.kind == "linear":
         inv_freq = inv_freq / spec.factor
     elif spec.kind == "llama3":
         f = spec.factor
