@@ -380,9 +380,14 @@ def test_kill_9_of_the_launcher_takes_the_ranks(server):
     while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") and _alive(p) for p in ranks):
         time.sleep(0.2)
     assert not any(_alive(p) for p in ranks), "ranks outlived the launcher"
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", port))                     # the port is free again
+    for _ in range(50):                                 # nothing listens on the port any more (connections of
+        try:                                            # the dead server may linger in TIME_WAIT / FIN_WAIT)
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        except ConnectionRefusedError:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"something still listens on port {port} after the launcher was killed")
 
 
 def _alive(pid: int) -> bool:
