@@ -69,6 +69,15 @@ ROUTES = [
 _COMPILED = [(m, re.compile(p + r"/?"), name) for m, p, name in ROUTES]
 
 
+def match_route(method: str, path: str):
+    """``(service method name, regex match)`` of a request; a 404 naming it when no route takes it."""
+    for m, pattern, name in _COMPILED:
+        match = pattern.fullmatch(path)
+        if match and m == method:
+            return name, match
+    raise ApiError(404, f"{method} {path} is not offered by parallm's Tinker server")
+
+
 def read_body(handler, max_body: int) -> bytes:
     """The request body, read only after the route and the key were checked and only up to the cap: a missing
     or malformed ``Content-Length`` is a 400 (411 for a chunked body), one above ``max_body`` a 413, both answered
@@ -126,12 +135,7 @@ def _make_handler(service, api_key: str | None, max_body: int):
             ids, read = None, False
             try:
                 check_sdk_version(self.headers.get("X-Stainless-Package-Version"))
-                for m, pattern, name in _COMPILED:
-                    match = pattern.fullmatch(path)
-                    if match and m == method:
-                        break
-                else:
-                    raise ApiError(404, f"{method} {path} is not offered by parallm's Tinker server")
+                name, match = match_route(method, path)
                 if name != "route_healthz":
                     self._auth()
                 raw, read = read_body(self, max_body), True
