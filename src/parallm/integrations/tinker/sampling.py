@@ -127,6 +127,7 @@ class VllmSampler:
         self.head = head
         self.head_support = HeadSupport(head["arch"], python) if head else None
         self.loaded: dict[str, str] = {}
+        self._count = 0                          # engine-side adapter names handed out (never reused)
         self.gate = _Gate()
         self.lock = threading.RLock()
         self.dead: str | None = None
@@ -202,7 +203,7 @@ class VllmSampler:
             name = self.loaded.get(adapter_dir)
             if name is None:
                 path = self._engine_dir(adapter_dir)
-                self._count = getattr(self, "_count", 0) + 1
+                self._count += 1
                 name = f"tinker-{self._count}"
                 self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
                 self.loaded[adapter_dir] = name
