@@ -46,7 +46,7 @@ def one(args) -> dict:
 
     import parallm
     from parallm.model.layers.dsa import DSAttention
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                       PARALLM_PROGRESS="0")
     if args.variant == "former":
@@ -94,6 +94,7 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--shared", action="store_true", help="indexer_types full / shared alternating")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per variant (2 on a quiet 2-core machine)")
     ap.add_argument("--variant", choices=("now", "former"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick:
@@ -114,7 +115,7 @@ def main(argv=None):
             ("step peak RSS above start", f"{now['peak_mib']:.0f} MiB", f"{former['peak_mib']:.0f} MiB",
              "now <= former")]
     print(f"GLM-5-shaped, {args.layers} layers ({'full / shared' if args.shared else 'all full'}), S = {args.seq}, "
-          "recompute full, fp32, one thread" + ("  (--quick: not a measurement)" if args.quick else ""))
+          f"recompute full, fp32, {args.threads} thread(s)" + ("  (--quick: not a measurement)" if args.quick else ""))
     print(table(rows, ["metric", "now (int32, shared readers only)", "former (int64 + bool, every layer)",
                        "target"]))
 

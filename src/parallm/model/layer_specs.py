@@ -263,3 +263,63 @@ class Mamba2Spec:
     def in_proj_size(self) -> int:
         """in_proj's rows ``[z; x; B; C; dt]``."""
         return 2 * self.inner + 2 * self.bc_size + self.num_heads
+
+
+V4_LAYER_KINDS = ("sliding", "csa", "hca")
+
+
+@dataclass(frozen=True)
+class V4Spec:
+    """DeepSeek-V4's attention and residual streams (``families/deepseek_v4.py``; transformers'
+    ``DeepseekV4Attention`` / ``DeepseekV4HyperConnection``).
+
+    Attention, every layer: multi-query attention with one key = value head of ``head_dim`` (the decoder spec's),
+    queries through a low-rank ``q_lora_rank`` bottleneck (``q_a_proj``, weighted RMSNorm, ``q_b_proj``, then a
+    weightless RMSNorm per head), a learned sink logit per head, a sliding window of ``sliding_window`` raw keys
+    (the query's own included) and the grouped low-rank output projection (``o_groups`` groups of heads, each to
+    ``o_lora_rank``, then ``o_b_proj``). RoPE is interleaved (pairs of adjacent channels) on the trailing
+    ``rope_dim`` channels of each head, and undone (``-sin``) on the attention output. ``layer_kinds[i]``:
+    ``"sliding"`` (that only; RoPE ``main_rope``), ``"csa"`` (compressed sparse attention: every ``csa_rate``
+    tokens pooled into one compressed key over an overlapping window of ``2 * csa_rate``, of which the lightning
+    indexer's ``index_topk`` per query are attended, ``index_heads`` x ``index_head_dim``), ``"hca"`` (heavily
+    compressed: every ``hca_rate`` tokens pooled into one compressed key, all visible ones attended); compressed
+    layers rotate queries, keys and compressed keys by ``compress_rope`` (a RopeSpec, or a YarnSpec with
+    ``attention_factor`` 1).
+
+    Hyper-connections: the residual is ``hc_mult`` streams of ``H`` (``[.., hc_mult, H]`` between layers, flattened
+    to ``hc_mult * H`` where a tensor of fixed width is needed: the pipeline's send / receive), mixed before and
+    after attention and the MLP by weights from a learned projection, the mixing matrix made doubly stochastic by
+    ``hc_sinkhorn_iters`` Sinkhorn steps (``hc_eps``); the last stage collapses the streams (``hc_head``) before
+    the final norm."""
+    layer_kinds: tuple[str, ...]
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    rope_dim: int
+    main_rope: object          # RopeSpec (model.positions.rope)
+    compress_rope: object      # RopeSpec or YarnSpec (model.positions.yarn)
+    csa_rate: int
+    hca_rate: int
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+
+    def __post_init__(self):
+        bad = [k for k in self.layer_kinds if k not in V4_LAYER_KINDS]
+        if bad:
+            raise ValueError(f"DeepSeek-V4 layer kinds must be among {V4_LAYER_KINDS}, got {bad}")
+        sizes = {k: getattr(self, k) for k in ("q_lora_rank", "o_groups", "o_lora_rank", "sliding_window",
+                                               "rope_dim", "csa_rate", "hca_rate", "index_heads",
+                                               "index_head_dim", "index_topk", "hc_mult", "hc_sinkhorn_iters")}
+        wrong = [f"{k}={v!r}" for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v <= 0]
+        if wrong:
+            raise ValueError(f"invalid DeepSeek-V4 config: {', '.join(wrong)} (positive integers expected)")
+        if self.rope_dim % 2:
+            raise ValueError(f"DeepSeek-V4 rotates rope_dim={self.rope_dim} channels (an even number is needed)")
+
+    def kind(self, layer: int) -> str:
+        return self.layer_kinds[layer]

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from .layer_specs import (ACTIVATIONS, EXPERT_LAYOUTS, ROUTERS, DSASpec, GatedDeltaNetSpec,  # noqa: F401
-                          Mamba2Spec, MLASpec, MoESpec)
+                          Mamba2Spec, MLASpec, MoESpec, V4Spec)
 from .positions.rope import RopeSpec
 from .positions.yarn import YarnSpec
 
@@ -112,6 +112,8 @@ class DecoderSpec:
     layer_scalar: bool = False
     # Gemma 4's RMSNorm: ``pow(mean + eps, -0.5)`` and the fp32 weight (layers/norms.py PowRMSNorm)
     norm_pow: bool = False
+    # DeepSeek-V4 (families/deepseek_v4.py): its attention kinds and hyper-connection streams; None: other families
+    v4: V4Spec | None = None
 
     def __post_init__(self):
         # only the fields that existing families never set are checked here (tests replace() sizes freely)
