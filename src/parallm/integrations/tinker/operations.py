@@ -26,7 +26,8 @@ ARCHIVE_LIMIT = 4 << 30           # bytes of files one archive may hold (built i
 class OperationsRoutes:
     def route_unload_model(self, body):
         """The SDK's ``UnloadModelRequest``: the client's adapters, AdamW state and gradients are dropped on every
-        rank; its checkpoints stay (a new client loads them)."""
+        rank (a full-fine-tuning client's whole model and optimizer are freed); its checkpoints stay (a new client
+        loads them)."""
         req = protocol.parse(_types().UnloadModelRequest, body, route="unload_model")
         self.model(req.model_id)
         with self.lock:
@@ -101,9 +102,11 @@ class OperationsRoutes:
 
     def run_response(self, model_id: str, rec: dict, *, loaded: bool) -> dict:
         ckpts = self.checkpoints.listing(model_id)
+        full = bool(rec["lora"].get("full"))          # a full-fine-tuning run (LoRA rank 0)
         last = lambda kind: next((c for c in reversed(ckpts) if c["checkpoint_type"] == kind), None)  # noqa: E731
         return {"training_run_id": model_id, "base_model": rec.get("base_model", self.config["model_name"]),
-                "model_owner": rec.get("session_id"), "is_lora": True, "lora_rank": rec["lora"]["rank"],
+                "model_owner": rec.get("session_id"), "is_lora": not full,
+                "lora_rank": None if full else rec["lora"]["rank"],
                 "last_request_time": _iso(rec.get("last_request") or rec.get("created") or 0.0),
                 "last_checkpoint": last("training"), "last_sampler_checkpoint": last("sampler"),
                 "user_metadata": rec.get("user_metadata"), "loaded": loaded}

@@ -349,6 +349,8 @@ class ParallmSampler:
     """Samples and prompt log-probs from the trainer ranks (``run(op_args)`` hands a ``sampler_forward`` item to
     the dispatcher and returns rank 0's result). ``tokenizer``: for stop strings (None: stop strings refused)."""
 
+    serves_full = True          # full-fine-tuning snapshots (Hugging Face checkpoints): the trainer runs them
+
     def __init__(self, run, *, max_model_len: int, eos: list, tokenizer=None):
         self.run, self.max_model_len, self.eos, self.tokenizer = run, max_model_len, list(eos), tokenizer
 

@@ -16,6 +16,7 @@ import os
 from . import protocol
 from .protocol import ApiError
 from .sampling import TOPK_MAX, SampleInputError, SampleJob, SamplerDead
+from .full import is_full_snapshot
 from .service import _types
 
 __all__ = ["SamplingRoutes"]
@@ -45,12 +46,21 @@ class SamplingRoutes:
         adapter_dir = None
         if req.model_path is not None:
             _, _, _, adapter_dir = self.checkpoints.resolve(req.model_path, want="sampler_weights")
+            self._check_full_snapshot(adapter_dir, req.model_path)
         elif req.base_model is not None:
             self._check_base(req.base_model)
         else:
             raise ApiError(400, "create_sampling_session: give model_path or base_model")
         sid = self.new_sampling_session(req.session_id, req.sampling_session_seq_id, req.model_path, adapter_dir)
         return {"type": "create_sampling_session", "sampling_session_id": sid}
+
+    def _check_full_snapshot(self, directory, name) -> None:
+        """A full-fine-tuning snapshot (a Hugging Face checkpoint) is sampled by the parallm sampler only."""
+        if is_full_snapshot(directory) and not getattr(self.sampler, "serves_full", False):
+            raise ApiError(400, f"{name or 'this snapshot'} holds a full-fine-tuning client's weights (a Hugging "
+                                f"Face checkpoint at {directory}); this server's {type(self.sampler).__name__} "
+                                "samples LoRA snapshots and the base only: start the server with --sampler parallm, "
+                                "or serve the directory with vLLM (vllm serve <directory>)")
 
     def route_get_sampler(self, body, sampler_id):
         s = self.samplers.get(sampler_id)
@@ -69,9 +79,12 @@ class SamplingRoutes:
                                     "same name, deleted, expired (ttl_seconds) or retired (--keep-sampler-snapshots "
                                     "keeps the newest unnamed snapshots of a client); a sampling client never "
                                     "samples other weights than it was created from: create a new one")
+            self._check_full_snapshot(s["adapter_dir"], s["model_path"])
             return s["adapter_dir"]
         if req.model_path is not None:
-            return self.checkpoints.resolve(req.model_path, want="sampler_weights")[3]
+            directory = self.checkpoints.resolve(req.model_path, want="sampler_weights")[3]
+            self._check_full_snapshot(directory, req.model_path)
+            return directory
         if req.base_model is not None:
             self._check_base(req.base_model)
             return None

@@ -157,7 +157,8 @@ def run_rank(args) -> int:
     template = os.path.join(store.root, "_parallm_init", "template")
     parallm.save_hf_adapter(chunks, template, overwrite=True)
     group = new_control_group(args.timeout)
-    trainer = Trainer(chunks, opt, group=group, max_rows=args.microbatch_rows)
+    trainer = Trainer(chunks, opt, group=group, max_rows=args.microbatch_rows, model_dir=directory,
+                      dtype=getattr(torch, args.dtype))
     if torch.distributed.get_rank() != 0:
         follow(trainer.execute, group)
         parallm.destroy_parallel()

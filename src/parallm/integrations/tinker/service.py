@@ -305,6 +305,8 @@ class ServiceBase:
         _, segment, _, directory = self.checkpoints.resolve(path)
         meta = self.checkpoints.meta(directory)
         lora = meta["lora"]
+        if lora.get("full"):
+            return {"base_model": meta["base_model"], "is_lora": False, "lora_rank": None}
         return {"base_model": meta["base_model"], "is_lora": True, "lora_rank": lora["rank"],
                 "train_unembed": lora["train_unembed"], "train_mlp": lora["train_mlp"],
                 "train_attn": lora["train_attn"]}

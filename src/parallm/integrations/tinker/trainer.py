@@ -2,7 +2,8 @@
 forward and forward_backward with Tinker's losses, the AdamW step, training and sampler checkpoints, and the
 parallm sampler's forwards (:mod:`.sampling`).
 
-Each op switches the model to its client first (:class:`.clients.ClientTable`). Rollback: a ``forward_backward``
+Each op switches the model to its client first (:class:`.clients.ClientTable`); a full-fine-tuning client (LoRA
+rank 0) runs on a model of its own instead (:mod:`.full`). Rollback: a ``forward_backward``
 that fails restores the client's gradients as they were before it (every rank, so an input that only parallm's
 checks catch leaves the client as it was); a failed checkpoint load restores the client's adapters and
 optimizer state. Values come back on rank 0 only (``None`` elsewhere).
@@ -10,6 +11,7 @@ optimizer state. Values come back on rank 0 only (``None`` elsewhere).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -22,6 +24,7 @@ from parallm.model.layers.lora import lora_config_of, set_adapter_rank
 
 from .batch import make_loss_fn, outputs_of, pack
 from .clients import SAMPLER_PREFIX, ClientState, ClientTable, clone_state_dict, grads_restore, grads_snapshot
+from .full import FullClient, SnapshotModel, is_full_snapshot
 from .ranks import pad_peft_dir, shrink_peft_dir
 
 __all__ = ["Trainer"]
@@ -30,8 +33,12 @@ __all__ = ["Trainer"]
 class Trainer:
     """This rank's model, optimizer and clients. ``execute(item)`` runs one work item."""
 
-    def __init__(self, chunks, optimizer, *, group, max_rows: int | None = None):
+    def __init__(self, chunks, optimizer, *, group, max_rows: int | None = None, model_dir: str | None = None,
+                 dtype=torch.float32):
         self.chunks, self.optimizer, self.group = chunks, optimizer, group
+        self.model_dir, self.dtype = model_dir, dtype
+        self.full: FullClient | None = None        # the full-fine-tuning client (at most one: training_routes)
+        self.full_snapshots = SnapshotModel(model_dir=model_dir, dtype=dtype)
         self.dims = chunks[0].dims
         spec = chunks[0].spec
         self.num_experts = spec.moe.num_experts if spec.moe is not None else 1
@@ -45,7 +52,16 @@ class Trainer:
         return getattr(self, "op_" + item["op"])(**item.get("args", {}))
 
     # -- clients ---------------------------------------------------------------------------------------------
-    def op_create_client(self, *, model_id, lora, base_model, init_dir):
+    def op_create_client(self, *, model_id, lora, base_model, init_dir=None):
+        if lora.get("full"):
+            if self.full is not None:
+                raise ValueError(f"a full-fine-tuning client ({self.full.model_id}) exists already (internal error: "
+                                 "the server refuses a second one)")
+            if self.model_dir is None:
+                raise ValueError("this trainer was built without the model directory: no full fine-tuning")
+            self.full = FullClient(ClientState(model_id=model_id, lora=dict(lora), base_model=base_model),
+                                   model_dir=self.model_dir, dtype=self.dtype)
+            return {"model_id": model_id}
         self.table.deactivate()
         parallm.load_hf_adapter(self.chunks, init_dir)
         self._set_rank(lora["rank"])
@@ -56,8 +72,15 @@ class Trainer:
         return {"model_id": model_id}
 
     def op_drop_client(self, *, model_id):
+        if self.full is not None and self.full.model_id == model_id:
+            self.full.close()
+            self.full = None
+            self.full_snapshots.close()
         self.table.drop(model_id)
         return {"model_id": model_id}
+
+    def _full(self, model_id) -> FullClient | None:
+        return self.full if self.full is not None and self.full.model_id == model_id else None
 
     def _activate(self, model_id):
         self.sampler_dir = None
@@ -74,24 +97,31 @@ class Trainer:
 
     # -- forward / forward_backward -----------------------------------------------------------------------------
     def op_forward(self, *, model_id, loss_fn, config, data, backward):
-        self._activate(model_id)
+        full = self._full(model_id)
+        if full is None:
+            self._activate(model_id)
+            chunks, state = self.chunks, self.table.clients[model_id]
+            guard, undo = grads_snapshot(self.table.params) if backward else None, \
+                lambda g: grads_restore(self.table.params, g)
+        else:
+            chunks, state = full.chunks, full.state
+            guard, undo = full.grads_guard() if backward else None, full.restore_grads
         d = self.dims
         packed = pack(data, dp=d.dp, dp_rank=d.dp_rank, pp=d.pp, max_rows=self.max_rows)
         output = "logprobs" if packed.next_token else None
         captured: list = []
         if backward:
-            snap = grads_snapshot(self.table.params)
             try:
-                parallm.forward_backward(self.chunks, packed.batch, output=output, num_microbatches=packed.microbatches,
+                parallm.forward_backward(chunks, packed.batch, output=output, num_microbatches=packed.microbatches,
                                          loss_fn=make_loss_fn(packed, loss_fn=loss_fn, config=config, dp=d.dp,
                                                               captured=captured))
             except BaseException:
-                grads_restore(self.table.params, snap)
+                undo(guard)
                 raise
-            self.table.clients[model_id].accumulated += 1
+            state.accumulated += 1
         else:
             with torch.no_grad():
-                out = parallm.forward(self.chunks, packed.batch, output=output,
+                out = parallm.forward(chunks, packed.batch, output=output,
                                       num_microbatches=packed.microbatches if d.pp > 1 else None)
             outputs_of(out, packed, loss_fn=loss_fn, config=config, captured=captured)
         rows = self._gather_rows(captured)
@@ -123,10 +153,16 @@ class Trainer:
 
     # -- the optimizer -------------------------------------------------------------------------------------------
     def op_optim_step(self, *, model_id, adam):
-        st = self._activate(model_id)
+        full = self._full(model_id)
+        st = self._activate(model_id) if full is None else full.state
         if st.accumulated == 0:
             raise ValueError(f"optim_step: {model_id} has no gradients accumulated since its last optim_step (or "
                              "load): run forward_backward first; nothing was changed")
+        if full is not None:
+            metrics = full.step(adam)
+            st.steps += 1
+            st.accumulated = 0
+            return {"metrics": metrics}
         for group in self.optimizer.param_groups:
             group["lr"] = adam["learning_rate"]
             group["betas"] = (adam["beta1"], adam["beta2"])
@@ -144,11 +180,20 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def op_save_state(self, *, model_id, path, extra, overwrite):
+        full = self._full(model_id)
+        if full is not None:
+            full.save_state(path, extra=extra, overwrite=overwrite)
+            return {"path": path}
         st = self._activate(model_id)
         parallm.save_checkpoint(path, self.chunks, self.optimizer, step=st.steps, extra=extra, overwrite=overwrite)
         return {"path": path}
 
     def op_load_state(self, *, model_id, path, optimizer):
+        full = self._full(model_id)
+        if full is not None:
+            full.state.steps = full.load_state(path, optimizer=optimizer)
+            full.state.accumulated = 0
+            return {"step": full.state.steps}
         st = self._activate(model_id)
         before = ([p.detach().clone() for p in self.table.params], clone_state_dict(self.optimizer.state_dict()),
                   grads_snapshot(self.table.params))
@@ -174,7 +219,13 @@ class Trainer:
         grads_restore(self.table.params, grads)
 
     def op_save_sampler(self, *, model_id, path):
-        """A PEFT directory of the client's adapter at its own rank (the model's written, then cut by rank 0)."""
+        """A PEFT directory of the client's adapter at its own rank (the model's written, then cut by rank 0); a
+        full-fine-tuning client's: a Hugging Face checkpoint of its weights."""
+        full = self._full(model_id)
+        if full is not None:
+            full.save_sampler(path)
+            self.full_snapshots.note(path, full)
+            return {"path": path}
         st = self._activate(model_id)
         parallm.save_hf_adapter(self.chunks, path, overwrite=True)
         if self.dims.rank == 0:
@@ -198,31 +249,32 @@ class Trainer:
         self._set_rank(rank)
         self.table.active, self.sampler_dir = SAMPLER_PREFIX + adapter_dir, adapter_dir
 
+    def _sampler_model(self, adapter_dir):
+        """``(chunks, context)`` the parallm sampler runs a forward of ``adapter_dir`` with: a full snapshot's
+        model (:mod:`.full`), or the served model with the snapshot's adapter (or none: the base)."""
+        if is_full_snapshot(adapter_dir):
+            return self.full_snapshots.chunks_for(adapter_dir, self.full), contextlib.nullcontext()
+        self.use_sampler(adapter_dir)
+        return self.chunks, (parallm.adapters_disabled(self.chunks) if adapter_dir is None else
+                             contextlib.nullcontext())
+
     def op_sampler_forward(self, *, adapter_dir, input_ids, attention_mask, output):
         """Log-probs (``output="logprobs"``) or last-position logits (``None``) of a batch, on every rank."""
-        self.use_sampler(adapter_dir)
+        chunks, context = self._sampler_model(adapter_dir)
         batch = {"input_ids": torch.as_tensor(input_ids), "attention_mask": torch.as_tensor(attention_mask)}
         if isinstance(output, str) and output.startswith("topk:"):
-            return self._topk_forward(adapter_dir, batch, int(output[5:]))
-        with torch.no_grad():
-            if adapter_dir is None:
-                with parallm.adapters_disabled(self.chunks):
-                    out = parallm.forward(self.chunks, batch, output=output)
-            else:
-                out = parallm.forward(self.chunks, batch, output=output)
+            return self._topk_forward(chunks, context, batch, int(output[5:]))
+        with torch.no_grad(), context:
+            out = parallm.forward(chunks, batch, output=output)
         if output is None:
             lengths = batch["attention_mask"].sum(-1) - 1
             out = out[torch.arange(out.shape[0]), lengths]
         return out.float().cpu() if self.dims.rank == 0 else None
 
-    def _topk_forward(self, adapter_dir, batch, k: int):
+    def _topk_forward(self, chunks, context, batch, k: int):
         """Every position's top-k ``(log-probs, ids)`` of the unscaled distribution (full logits, rank 0)."""
-        with torch.no_grad():
-            if adapter_dir is None:
-                with parallm.adapters_disabled(self.chunks):
-                    logits = parallm.forward(self.chunks, batch)
-            else:
-                logits = parallm.forward(self.chunks, batch)
+        with torch.no_grad(), context:
+            logits = parallm.forward(chunks, batch)
         if self.dims.rank != 0:
             return None
         values, index = torch.log_softmax(logits.double(), -1).topk(k, dim=-1)

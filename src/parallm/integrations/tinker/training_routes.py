@@ -8,7 +8,12 @@ projection; a client asks for any rank up to it (:mod:`.ranks`) and chooses ``tr
 ``train_unembed`` (an adapter on the output head, the SDK's default): the model holds one on the vocab-parallel head
 (``--lora-unembed train``, the default; a client with ``train_unembed=False`` keeps it zero); ``--lora-unembed
 skip`` builds none (``train_unembed=True`` clients train the other adapters, and every session is told so);
-``refuse`` refuses such clients. Full fine-tuning (no LoRA config) is refused.
+``refuse`` refuses such clients.
+
+Full fine-tuning: a LoRA rank of 0 (``create_lora_training_client(base_model, rank=0)``, SkyRL-tx's and Arctic's
+convention) makes a client that trains every parameter with AdamW on a model of its own (:mod:`.full`). One per
+server, and never beside LoRA clients: a second full client, a LoRA client while a full one lives, and a full
+client while LoRA clients live are refused (a 400: the SDK retries a 409), naming the clients in the way.
 """
 
 from __future__ import annotations
@@ -33,8 +38,10 @@ class TrainingRoutes:
     def _check_lora(self, lora) -> dict:
         c = self.config
         if lora is None:
-            raise ApiError(400, "full fine-tuning is not offered by parallm's Tinker server: create a LoRA client "
-                                "(create_lora_training_client)")
+            raise ApiError(400, "create_model without a LoRA config: full fine-tuning is a client of LoRA rank 0 "
+                                "(create_lora_training_client(base_model, rank=0))")
+        if lora.rank == 0 and not isinstance(lora.rank, bool):
+            return self._check_full(lora)
         if isinstance(lora.rank, bool) or not isinstance(lora.rank, int) or not 1 <= lora.rank <= c["lora_rank"]:
             raise ApiError(400, f"LoRA rank {lora.rank}: this server trains LoRA adapters of rank 1 to "
                                 f"{c['lora_rank']} (parallm serve-tinker --lora-rank {c['lora_rank']}, the largest); "
@@ -51,6 +58,28 @@ class TrainingRoutes:
         seed = lora.seed if lora.seed is not None else secrets.randbits(62)
         return {"rank": lora.rank, "alpha": c["lora_alpha"], "seed": int(seed), "train_mlp": bool(lora.train_mlp),
                 "train_attn": bool(lora.train_attn), "train_unembed": bool(lora.train_unembed)}
+
+    def _check_full(self, lora) -> dict:
+        off = [k for k in ("train_attn", "train_mlp", "train_unembed") if not getattr(lora, k)]
+        if off:
+            raise ApiError(400, f"LoRA rank 0 (full fine-tuning) trains every parameter of the model; {off} = False "
+                                "would freeze some: not offered (use a LoRA client for that)")
+        return {"rank": 0, "full": True, "alpha": None, "seed": None, "train_mlp": True, "train_attn": True,
+                "train_unembed": True}
+
+    def _check_exclusive(self, lora) -> None:
+        """One full-fine-tuning client per server, alone: called under the lock."""
+        full = sorted(m for m, r in self.models.items() if r.lora.get("full"))
+        if full:
+            kind = "a second full-fine-tuning client" if lora.get("full") else "a LoRA client"
+            raise ApiError(400, f"{kind} is refused: the full-fine-tuning client {full[0]} lives on this server "
+                                "(one per server; it changes the base model, so LoRA clients cannot share it): "
+                                "unload it first (TrainingClient.unload_model / its session's end)")
+        if lora.get("full") and self.models:
+            names = sorted(self.models)
+            raise ApiError(400, f"a full-fine-tuning client (rank 0) is refused: {len(names)} LoRA client(s) live "
+                                f"on this server's base model ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); "
+                                "a full client changes every weight of the base they share: unload them first")
 
     def _check_base(self, base_model):
         if base_model is not None and base_model not in self.config["model_names"]:
@@ -73,10 +102,14 @@ class TrainingRoutes:
         with self.lock:
             if model_id in self.models:
                 raise ApiError(409, f"model {model_id} exists already")
+            self._check_exclusive(lora)
             self.models[model_id] = ModelRecord(model_id=model_id, session_id=session_id, lora=lora,
                                                 created=time.time(), user_metadata=user_metadata)
         self.records.save_run(model_id, {"session_id": session_id, "lora": lora, "created": time.time(),
                                          "base_model": self.config["model_name"], "user_metadata": user_metadata})
+        if lora.get("full"):
+            return model_id, {"op": "create_client", "args": {"model_id": model_id, "lora": lora,
+                                                              "base_model": self.config["model_name"]}}
         init_dir = os.path.join(self.checkpoints.root, "_parallm_init", model_id.replace(":", "_"))
         write_initial_adapter(self.config["adapter_template"], init_dir, seed=lora["seed"],
                               train_mlp=lora["train_mlp"], train_attn=lora["train_attn"],
@@ -101,7 +134,9 @@ class TrainingRoutes:
         req = protocol.parse(_types().GetInfoRequest, body, route="get_info")
         rec = self.model(req.model_id)
         c = self.config
-        return {"type": "get_info", "model_id": rec.model_id, "is_lora": True, "lora_rank": rec.lora["rank"],
+        full = bool(rec.lora.get("full"))
+        return {"type": "get_info", "model_id": rec.model_id, "is_lora": not full,
+                "lora_rank": None if full else rec.lora["rank"],
                 "model_name": c["model_name"], "optimizer_config": {"type": "adamw"},
                 "model_data": {"arch": c["arch"], "model_name": c["model_name"], "tokenizer_id": c["tokenizer_id"]}}
 
@@ -202,6 +237,10 @@ class TrainingRoutes:
         if meta["base_model"] not in self.config["model_names"]:
             raise ApiError(400, f"{req.path} was trained on {meta['base_model']!r}; this server serves "
                                 f"{self.config['model_name']!r}")
+        self._check_base(req.base_model)
+        self._check_optimizer(req.optimizer_config)
+        if meta["lora"].get("full"):
+            return self._load_full(req, directory, meta)
         held = meta.get("held_rank", meta["lora"]["rank"])
         if held != self.config["lora_rank"]:
             raise ApiError(400, f"{req.path} was saved by a server whose adapters hold rank {held} (--lora-rank); "
@@ -215,13 +254,14 @@ class TrainingRoutes:
                                 f"{self.config['lora_unembed']}: a training checkpoint loads on a server with "
                                 f"--lora-unembed {'train' if meta.get('head_adapter') else 'skip'} (its sampler "
                                 "weights, plain PEFT, load anywhere)")
-        self._check_base(req.base_model)
-        self._check_optimizer(req.optimizer_config)
         load = {"op": "load_state", "args": {"path": directory, "optimizer": bool(req.optimizer)}}
         to_result = lambda model_id: lambda v: _json({"path": req.path, "model_id": model_id,  # noqa: E731
                                                      "type": "load_weights"})
         if req.model_id is not None:          # an existing client loads a checkpoint
             rec = self.model(req.model_id)
+            if rec.lora.get("full"):
+                raise ApiError(400, f"{req.path} holds LoRA adapters (rank {meta['lora']['rank']}); {rec.model_id} "
+                                    "is a full-fine-tuning client: it loads full training checkpoints only")
             if rec.lora["rank"] != meta["lora"]["rank"]:
                 raise ApiError(400, f"{req.path} holds rank-{meta['lora']['rank']} adapters; {rec.model_id} has "
                                     f"rank {rec.lora['rank']}")
@@ -232,6 +272,27 @@ class TrainingRoutes:
         self.session(req.session_id)
         lora = dict(meta["lora"], seed=0)
         model_id, create = self._new_model(req.session_id, req.model_seq_id, lora, req.user_metadata)
+        self.job("create_model", create, lambda v: None, on_error=lambda: self.forget_model(model_id))
+        load["args"]["model_id"] = model_id
+        return self.job("load_weights", load, to_result(model_id))
+
+    def _load_full(self, req, directory, meta):
+        """A full-fine-tuning training checkpoint into its client, or into a new one (the SDK's
+        ``create_training_client_from_state``)."""
+        load = {"op": "load_state", "args": {"path": directory, "optimizer": bool(req.optimizer)}}
+        to_result = lambda model_id: lambda v: _json({"path": req.path, "model_id": model_id,  # noqa: E731
+                                                     "type": "load_weights"})
+        if req.model_id is not None:
+            rec = self.model(req.model_id)
+            if not rec.lora.get("full"):
+                raise ApiError(400, f"{req.path} is a full-fine-tuning checkpoint (every weight); {rec.model_id} is a "
+                                    f"LoRA client (rank {rec.lora['rank']}): load it into a client of rank 0")
+            load["args"]["model_id"] = rec.model_id
+            return self.job("load_weights", load, to_result(rec.model_id), model_id=rec.model_id, seq_id=req.seq_id)
+        if req.session_id is None or req.model_seq_id is None:
+            raise ApiError(400, "load_weights: give model_id and seq_id, or session_id and model_seq_id")
+        self.session(req.session_id)
+        model_id, create = self._new_model(req.session_id, req.model_seq_id, dict(meta["lora"]), req.user_metadata)
         self.job("create_model", create, lambda v: None, on_error=lambda: self.forget_model(model_id))
         load["args"]["model_id"] = model_id
         return self.job("load_weights", load, to_result(model_id))
