@@ -181,7 +181,7 @@ def test_one_full_client_alone(server):
         server.client.create_lora_training_client(base_model=server.model, rank=4).result()
     with pytest.raises(tinker.BadRequestError, match="train_attn.*False"):
         server.client.create_lora_training_client(base_model=server.model, rank=0, train_attn=False).result()
-    rest = server.client.create_rest_client()
+    rest = tinker.RestClient(base_url=server.url, api_key=KEY)
     run = rest.get_training_run(tc.model_id).result()
     assert run.is_lora is False and run.lora_rank is None
     _unload(server, tc)
