@@ -64,12 +64,16 @@ def _data(seed, n=3, *, loss="cross_entropy", lps=None):
         length = int(g.integers(6, 14))
         full = g.integers(3, 99, length + 1)
         x, y = full[:-1].astype(np.int64), full[1:].astype(np.int64)
+        weights, noise, adv = (g.random(length) > 0.25).astype(np.float32), g.normal(0, 0.3, length), \
+            g.normal(0, 1, length).astype(np.float32)          # drawn alike for every loss: the same tokens
         inputs = {"target_tokens": y}
         if loss == "cross_entropy":
-            inputs["weights"] = (g.random(length) > 0.25).astype(np.float32)
+            inputs["weights"] = weights
         else:
-            inputs["logprobs"] = (lps[i] + g.normal(0, 0.3, length)).astype(np.float32)
-            inputs["advantages"] = g.normal(0, 1, length).astype(np.float32)
+            inputs["logprobs"] = (lps[i] + noise).astype(np.float32)
+            inputs["advantages"] = adv
+            if loss == "gspo":
+                inputs["sequence_ratio_mask"] = (np.arange(length) >= 2).astype(np.float32)
         out.append((x.tolist(), inputs))
     return out
 
@@ -109,38 +113,46 @@ def _forward_lp(tc, prompt):
     return tc.forward(_datums([datum]), "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
 
 
+LOSSES = [("cross_entropy", None), ("ppo", None), ("importance_sampling", None), ("cispo", None),
+          ("dro", {"beta": 0.5}), ("gspo", None), ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})]
+
+
 def test_full_steps_equal_transformers_adamw_and_sampling_follows(server):
-    """Two steps (cross_entropy, then ppo on the model's own log-probs; weight decay and clipping) against
-    transformers + torch.optim.AdamW over every parameter: loss:sum, log-probs, gradient norm, every weight after
-    the steps (<= 1e-5); the parallm sampler then samples the trained weights (its log-probs equal the trained
-    model's), the base model's sampling client still the base."""
+    """A step per loss of the server (cross_entropy, then the RL losses on the model's own log-probs; weight decay
+    and clipping) against transformers + torch.optim.AdamW over every parameter: loss:sum, log-probs, gradient
+    norm, every weight after the steps (<= 1e-5); the parallm sampler then samples the trained weights (its
+    log-probs equal the trained model's), the base model's sampling client still the base."""
     tc = _full(server)
     info = tc.get_info()
     assert info.is_lora is False and info.lora_rank is None
     ref = _hf_model(server.model)
-    opt, worst_lp = None, 0.0
-    for step, loss_fn in enumerate(("cross_entropy", "ppo")):
+    opt, worst_lp, clipped, rel = None, 0.0, 0, [0.0, 0.0]
+    for step, (loss_fn, config) in enumerate(LOSSES):
         probe = _data(300 + step)
         lps = [th.target_logprobs(ref, x, inp["target_tokens"]).detach().numpy() for x, inp in probe]
         data = _data(300 + step, loss=loss_fn, lps=lps)
-        res = tc.forward_backward(_datums(data), loss_fn).result()
+        res = tc.forward_backward(_datums(data), loss_fn, config).result()
         got = tc.optim_step(types.AdamParams(**ADAM)).result()
-        ref_loss, ref_lps, opt = th.reference_step(ref, data, loss_fn, {}, ADAM, opt)
+        ref_loss, ref_lps, opt = th.reference_step(ref, data, loss_fn, config or {}, ADAM, opt)
         for out, want in zip(res.loss_fn_outputs, ref_lps):
             lp = out["logprobs"].to_numpy()
             worst_lp = max(worst_lp, float(np.abs(lp - want.numpy()).max()))
         assert worst_lp <= 1e-5, worst_lp
         assert abs(res.metrics["loss:sum"] - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss)), (res.metrics, ref_loss)
         norm = th.reference_step.grad_norm
+        rel = [max(rel[0], abs(res.metrics["loss:sum"] - ref_loss) / max(1.0, abs(ref_loss))),
+               max(rel[1], abs(got.metrics["grad_norm:mean"] - norm) / norm)]
         assert abs(got.metrics["grad_norm:mean"] - norm) <= 1e-5 * norm, (got.metrics, norm)
-        assert norm > ADAM["grad_clip_norm"]               # the clipping is exercised
+        clipped += norm > ADAM["grad_clip_norm"]
+    assert clipped >= 2, clipped                            # the clipping is exercised
     path, directory = _snapshot(server, tc, "after")
     weights = _weights(directory)
     worst = _worst(weights, ref)
     assert worst <= 1e-5, worst
     moved = _worst(weights, _hf_model(server.model))   # a break that must fail: the weights did move
     assert moved > 1e-3, moved
-    print(f"full steps: log-probs {worst_lp:.2e}, weights {worst:.2e} (moved {moved:.2e})")
+    print(f"full steps: log-probs {worst_lp:.2e}, loss {rel[0]:.2e} / grad norm {rel[1]:.2e} relative, weights "
+          f"{worst:.2e} (moved {moved:.2e})")
     # the parallm sampler samples the trained weights: from the client's own model, then (after another step)
     # from the snapshot's files
     prompt = [5, 40, 41, 42, 7, 60, 61, 9, 22]

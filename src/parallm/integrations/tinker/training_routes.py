@@ -77,8 +77,9 @@ class TrainingRoutes:
                                 "unload it first (TrainingClient.unload_model / its session's end)")
         if lora.get("full") and self.models:
             names = sorted(self.models)
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
             raise ApiError(400, f"a full-fine-tuning client (rank 0) is refused: {len(names)} LoRA client(s) live "
-                                f"on this server's base model ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); "
+                                f"on this server's base model ({shown}); "
                                 "a full client changes every weight of the base they share: unload them first")
 
     def _check_base(self, base_model):
