@@ -13,6 +13,7 @@ One concern per module:
   :mod:`.sampling_routes`: the routes that do work; :mod:`.futures`: request ids and long-polled results;
 - :mod:`.dispatch`: rank 0 broadcasts each work item to every rank, errors reach every request, never a hang;
 - :mod:`.trainer`: what every rank does per item; :mod:`.clients`: several LoRA clients on one model;
+  :mod:`.full`: a full-fine-tuning client (LoRA rank 0) on a model of its own;
   :mod:`.batch`: datums -> parallm batches and the loss hook; :mod:`.losses`: Tinker's losses;
 - :mod:`.sampling`: vLLM (``vllm serve``) or parallm's own forwards; :mod:`.checkpoints`: ``tinker://`` paths.
 """
