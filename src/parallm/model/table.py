@@ -91,6 +91,9 @@ CONDITIONS = {
 LAYER_CONDITIONS = {
     "moe_layer": lambda spec, layer: spec.is_moe_layer(layer),
     "dense_layer": lambda spec, layer: not spec.is_moe_layer(layer),
+    # DeepSeek-V4: MoE layers whose experts come from the token ids (tid2eid), and the top-k ones (correction bias)
+    "hash_layer": lambda spec, layer: spec.is_moe_layer(layer) and spec.moe.is_hash_layer(layer),
+    "topk_layer": lambda spec, layer: spec.is_moe_layer(layer) and not spec.moe.is_hash_layer(layer),
     # hybrid models (Qwen3-Next, Qwen3.5): Gated DeltaNet layers and the attention layers between them
     "linear_layer": lambda spec, layer: spec.is_linear_layer(layer),
     "attention_layer": lambda spec, layer: not spec.is_linear_layer(layer),

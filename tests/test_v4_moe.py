@@ -1,0 +1,411 @@
+"""DeepSeek-V4's MoE block (parallm's MoEBlock with the sqrtsoftplus router, hash routing, clamped SiLU experts and
+shared expert) against transformers 5.25's ``DeepseekV4SparseMoeBlock``, weights copied, fp32: outputs and the
+gradients of the inputs and of every parameter, a hash layer and a top-k layer, the correction bias changing the
+choice, the clamps active, the load-balancing loss as transformers defines it (hash layers left out); then tp 2,
+ep 2, tp2·ep2 (padded, and packed + sequence parallelism) on 4 gloo ranks. Breaks that must fail: a hash layer
+routed by the router, the clamp dropped, the bias used in the weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import helpers
+
+E, K, H, I, V = 8, 2, 32, 16, 40
+LIMIT = 1.5
+LAYER_TYPES = ["hash_moe", "moe", "moe"]
+TOL = 1e-5
+
+
+def v4_config(**overrides):
+    import transformers
+    kw = dict(vocab_size=V, hidden_size=H, moe_intermediate_size=I, num_hidden_layers=3, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=16, q_lora_rank=16, n_routed_experts=E, num_experts_per_tok=K,
+              hc_mult=2, o_groups=2, o_lora_rank=8, index_n_heads=2, index_head_dim=16, index_topk=4,
+              sliding_window=8, mlp_layer_types=list(LAYER_TYPES), swiglu_limit=LIMIT, routed_scaling_factor=1.5,
+              output_router_logits=True, router_aux_loss_coef=0.01)
+    kw.update(overrides)
+    return transformers.DeepseekV4Config(**kw)
+
+
+def decoder_spec(cfg):
+    from parallm.families.deepseek_v4_moe import v4_moe_spec
+    from parallm.model.positions.rope import RopeSpec
+    from parallm.model.spec import DecoderSpec
+    return DecoderSpec(family="deepseek_v4", architecture="DeepseekV4ForCausalLM", model_type="deepseek_v4",
+                       hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers, num_heads=2, num_kv_heads=1,
+                       head_dim=16, intermediate_size=cfg.moe_intermediate_size, vocab_size=cfg.vocab_size,
+                       rms_norm_eps=1e-6, rope=RopeSpec(dim=16, theta=10000.0, kind="default"),
+                       moe=v4_moe_spec(cfg))
+
+
+def hf_block(cfg, layer: int, seed: int = 0):
+    """transformers' block of ``layer``, weights drawn large enough that the clamps bite, a random correction
+    bias (top-k layers) or tid2eid table (hash layers)."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4SparseMoeBlock
+    g = torch.Generator().manual_seed(seed + 100 * layer)
+    block = DeepseekV4SparseMoeBlock(cfg, layer)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        if block.is_hash:
+            block.gate.tid2eid.copy_(torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(V)]))
+        else:
+            block.gate.e_score_correction_bias.copy_(torch.randn(E, generator=g) * 0.1)
+    return block
+
+
+def _shard(t, dim, tp, rank):
+    return t.chunk(tp, dim=dim)[rank]
+
+
+def hf_pieces(block, *, tp=1, rank=0, experts=None):
+    """parallm's tensors (by local name) for TP rank ``rank`` of ``tp`` holding ``experts``, from the HF block."""
+    experts = range(E) if experts is None else experts
+    gu = block.experts.gate_up_proj.detach()[list(experts)]           # [E_local, 2I, H]
+    gate, up = gu.chunk(2, dim=1)
+    shared = block.shared_experts
+    out = {"router.weight": block.gate.weight.detach(),
+           "experts.linear_fc1.weight": torch.cat([_shard(gate, 1, tp, rank), _shard(up, 1, tp, rank)], dim=1),
+           "experts.linear_fc2.weight": _shard(block.experts.down_proj.detach()[list(experts)], 2, tp, rank),
+           "shared_experts.linear_fc1.weight": torch.cat([_shard(shared.gate_proj.weight.detach(), 0, tp, rank),
+                                                          _shard(shared.up_proj.weight.detach(), 0, tp, rank)]),
+           "shared_experts.linear_fc2.weight": _shard(shared.down_proj.weight.detach(), 1, tp, rank)}
+    if block.is_hash:
+        out["router.tid2eid"] = block.gate.tid2eid.detach()
+    else:
+        out["router.e_score_correction_bias"] = block.gate.e_score_correction_bias.detach()
+    return out
+
+
+def hf_grads(block, *, tp=1, rank=0, experts=None):
+    """The HF block's parameter gradients as parallm's shards (same mapping as :func:`hf_pieces`)."""
+    experts = range(E) if experts is None else experts
+    gate, up = block.experts.gate_up_proj.grad[list(experts)].chunk(2, dim=1)
+    shared = block.shared_experts
+    return {"router.weight": block.gate.weight.grad,
+            "experts.linear_fc1.weight": torch.cat([_shard(gate, 1, tp, rank), _shard(up, 1, tp, rank)], dim=1),
+            "experts.linear_fc2.weight": _shard(block.experts.down_proj.grad[list(experts)], 2, tp, rank),
+            "shared_experts.linear_fc1.weight": torch.cat([_shard(shared.gate_proj.weight.grad, 0, tp, rank),
+                                                           _shard(shared.up_proj.weight.grad, 0, tp, rank)]),
+            "shared_experts.linear_fc2.weight": _shard(shared.down_proj.weight.grad, 1, tp, rank)}
+
+
+def parallm_block(cfg, layer, hf, *, tp=1, rank=0, sequence_parallel=False):
+    from megatron.core import ModelParallelConfig
+
+    from parallm.model.layers.moe import MoEBlock
+    from parallm.parallel.state import current_dims
+    dims = current_dims()
+    config = ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
+                                 params_dtype=torch.float32, use_cpu_initialization=True,
+                                 perform_initialization=False)
+    if sequence_parallel:
+        from parallm.parallel.cpu_compat import enable_megatron_sequence_parallel_on_cpu
+        enable_megatron_sequence_parallel_on_cpu()
+    block = MoEBlock(decoder_spec(cfg), config, dims, None, layer=layer)
+    pieces = hf_pieces(hf, tp=tp, rank=rank, experts=block.experts_held)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            p.copy_(pieces.pop(name))
+    assert not pieces, f"not loaded: {sorted(pieces)}"
+    return block
+
+
+def batch(seed=0, b=2, s=5, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, s, H, generator=g) * scale
+    ids = torch.randint(0, V, (b, s), generator=g)
+    grad = torch.randn(b, s, H, generator=g)
+    return x, ids, grad
+
+
+def run_hf(block, x, ids, grad):
+    x = x.clone().requires_grad_()
+    block.zero_grad()
+    out = block(x, input_ids=ids)
+    out.backward(grad)
+    return out.detach(), x.grad
+
+
+def run_parallm(block, x, ids, grad):
+    """[B, S, H] -> parallm's [S, B, H] rows; returns output and input gradient back in [B, S, H]."""
+    xs = x.transpose(0, 1).contiguous().requires_grad_()
+    block.zero_grad()
+    out = block(xs, token_ids=ids.transpose(0, 1).contiguous())
+    out.backward(grad.transpose(0, 1))
+    return out.detach().transpose(0, 1), xs.grad.transpose(0, 1)
+
+
+def _err(a, b):
+    return (a.float() - b.float()).abs().max().item()
+
+
+@pytest.mark.parametrize("layer", [0, 1], ids=["hash_moe", "moe"])
+def test_block_matches_transformers(world_of_one, layer):
+    """Outputs, input gradients and every parameter's gradient equal transformers' to 1e-5 (fp32), with the
+    clamps active on the routed and the shared experts."""
+    cfg = v4_config()
+    hf = hf_block(cfg, layer)
+    block = parallm_block(cfg, layer, hf)
+    assert block.is_hash == (layer == 0) and (block.router.tid2eid is not None) == (layer == 0)
+    x, ids, grad = batch(scale=1.0)
+    pre = torch.cat([x.reshape(-1, H) @ hf.experts.gate_up_proj[e].detach().T for e in range(E)])
+    assert (pre.abs() > LIMIT).float().mean() > 0.2, "the clamp must be active"
+    out_hf, dx_hf = run_hf(hf, x, ids, grad)
+    out, dx = run_parallm(block, x, ids, grad)
+    errs = {"out": _err(out, out_hf), "dx": _err(dx, dx_hf)}
+    want = hf_grads(hf)
+    for name, p in block.named_parameters():
+        if p.requires_grad:
+            errs[name] = _err(p.grad, want[name])
+        else:
+            assert p.grad is None and name in ("router.tid2eid", "router.e_score_correction_bias")
+    print(f"layer {layer}: max errors {errs}")
+    assert max(errs.values()) <= TOL, errs
+    assert block.router.tid2eid is None or block.router.tid2eid.dtype == torch.int64
+
+
+def test_hash_layer_routes_by_token_id(world_of_one):
+    """The hash layer's experts are tid2eid of the token ids: other token ids, other output; no token ids: an
+    error; and (break) a hash layer routed by its router differs from transformers."""
+    cfg = v4_config()
+    hf = hf_block(cfg, 0)
+    block = parallm_block(cfg, 0, hf)
+    x, ids, grad = batch(seed=1)
+    out_hf, _ = run_hf(hf, x, ids, grad)
+    out, _ = run_parallm(block, x, ids, grad)
+    assert _err(out, out_hf) <= TOL
+    with pytest.raises(ValueError, match="token_ids"):
+        block(x.transpose(0, 1))
+    with pytest.raises(ValueError, match="shape"):
+        block(x.transpose(0, 1), token_ids=ids)               # [B, S] for an [S, B, H] input
+    other, _ = run_parallm(block, x, (ids + 1) % V, grad)
+    assert _err(other, out_hf) > 1e-3
+    # break: route the hash layer with its router (top-k of the scores)
+    block.router.is_hash = False
+    block.router.e_score_correction_bias = torch.nn.Parameter(torch.zeros(E), requires_grad=False)
+    broken, _ = run_parallm(block, x, ids, grad)
+    assert _err(broken, out_hf) > 1e-3
+
+
+def test_correction_bias_chooses_and_does_not_weight(world_of_one, monkeypatch):
+    """A bias that changes which experts win: still transformers' output; (break) the bias used in the weights
+    differs."""
+    from parallm.model.layers.routing import ScoreRouter, sigmoid_weights, sqrtsoftplus
+    cfg = v4_config()
+    hf = hf_block(cfg, 1)
+    with torch.no_grad():
+        hf.gate.e_score_correction_bias.zero_()
+        hf.gate.e_score_correction_bias[3] = 5.0             # expert 3 wins for every token
+    block = parallm_block(cfg, 1, hf)
+    x, ids, grad = batch(seed=2)
+    h = x.transpose(0, 1).reshape(-1, H)
+    scores = sqrtsoftplus(block.router.logits(h))
+    chosen = block.router.choose(scores, None)
+    plain = torch.topk(scores, K, dim=-1).indices
+    assert (chosen == 3).any(-1).all() and not (plain == 3).any(-1).all(), "the bias must change the choice"
+    out_hf, _ = run_hf(hf, x, ids, grad)
+    out, _ = run_parallm(block, x, ids, grad)
+    assert _err(out, out_hf) <= TOL
+
+    def biased(self, scores, experts):
+        return sigmoid_weights(scores + self.e_score_correction_bias, experts, norm_topk_prob=True,
+                               routed_scaling_factor=self.routed_scaling_factor)
+    monkeypatch.setattr(ScoreRouter, "weights", biased)
+    broken, _ = run_parallm(block, x, ids, grad)
+    assert _err(broken, out_hf) > 1e-3
+
+
+def test_clamp_dropped_differs(world_of_one):
+    """(break) the routed experts' or the shared expert's clamp dropped: no longer transformers' output."""
+    cfg = v4_config()
+    hf = hf_block(cfg, 1)
+    x, ids, grad = batch(seed=3)
+    out_hf, _ = run_hf(hf, x, ids, grad)
+    block = parallm_block(cfg, 1, hf)
+    block.experts.activation = "silu"
+    broken, _ = run_parallm(block, x, ids, grad)
+    assert _err(broken, out_hf) > 1e-3
+    block = parallm_block(cfg, 1, hf)
+    block.shared_experts.limit = None
+    broken, _ = run_parallm(block, x, ids, grad)
+    assert _err(broken, out_hf) > 1e-3
+
+
+def _aux_run(cfg, blocks, hfs, inputs, mask, mode):
+    """parallm's load-balancing loss over the layers (one microbatch), its value and the router gradients of
+    ``sum(out) + coef * aux``."""
+    from parallm.model.layers.moe_aux import AuxScales, MoEAux
+    coef = cfg.router_aux_loss_coef
+    aux = MoEAux()
+    aux.mode, aux.num_layers = mode, len(decoder_spec(cfg).moe.balanced_layers)
+    aux.start(AuxScales(coef, 1))
+    aux.scales.tokens[0] = -1                  # a scalar loss: weight coef / num_microbatches
+    tokens = mask.transpose(0, 1).reshape(-1)
+    total = 0
+    for block, (x, ids) in zip(blocks, inputs):
+        block.aux = aux
+        block.zero_grad()
+        total = total + block(x.transpose(0, 1), tokens, token_ids=ids.transpose(0, 1)).sum()
+    total.backward()
+    values = aux.stop()
+    return sum(v for _, v in values), [b.router.weight.grad.clone() for b in blocks]
+
+
+@pytest.mark.parametrize("mode", ["pooled", "per_layer"])
+def test_load_balancing_loss_is_transformers(world_of_one, mode):
+    """transformers' ``load_balancing_loss_func`` over the top-k layers' router logits (softmax and its top-k,
+    not the routed experts), padded rows masked, the hash layer left out: ``pooled`` equals it (value and router
+    gradients of ``coef * aux``); ``per_layer`` (Megatron's) is the sum of each layer's own."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4TopKRouter,
+                                                                      load_balancing_loss_func)
+    cfg = v4_config()
+    hfs = [hf_block(cfg, layer) for layer in range(3)]
+    blocks = [parallm_block(cfg, layer, hf) for layer, hf in enumerate(hfs)]
+    inputs = [batch(seed=10 + layer)[:2] for layer in range(3)]
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    logits = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: logits.append(out[0]))
+             for hf in hfs for m in hf.modules() if isinstance(m, DeepseekV4TopKRouter)]
+    total = sum(hf(x, input_ids=ids).sum() for hf, (x, ids) in zip(hfs, inputs))
+    for hook in hooks:
+        hook.remove()
+    assert len(logits) == 2                       # the hash layer's logits are not recorded
+    if mode == "pooled":
+        want = load_balancing_loss_func(tuple(logits), E, K, mask)
+    else:
+        want = sum(load_balancing_loss_func((lg,), E, K, mask) for lg in logits)
+    (total + cfg.router_aux_loss_coef * want).backward()
+    got, grads = _aux_run(cfg, blocks, hfs, inputs, mask, mode)
+    errs = [abs(float(got) - float(want))] + [_err(g, hf.gate.weight.grad) for g, hf in zip(grads, hfs)]
+    print(f"{mode}: aux {float(got):.6f} vs {float(want):.6f}, errors {errs}")
+    assert max(errs) <= TOL, errs
+    # (break) the routed experts counted instead of the softmax's top-k: another value
+    assert abs(float(load_balancing_loss_func(tuple(logits), E, K, mask)) - float(
+        sum(load_balancing_loss_func((lg,), E, K, mask) for lg in logits))) > 1e-4
+
+
+def test_spec_reads_and_refuses():
+    from parallm.families.deepseek_v4_moe import V4_MOE_ROWS, v4_moe_spec
+    spec = v4_moe_spec(v4_config())
+    assert (spec.router, spec.activation, spec.hash_layers, spec.balanced_layers, spec.layers) == \
+        ("sqrtsoftplus", "clamped_silu", (0,), (1, 2), (0, 1, 2))
+    assert (spec.swiglu_limit, spec.shared_expert_limit, spec.routed_scaling_factor, spec.score_bias,
+            spec.shared_expert_intermediate_size, spec.aux_loss_coef) == (LIMIT, LIMIT, 1.5, True, I, 0.01)
+    for change, needle in ((dict(scoring_func="softmax"), "scoring_func"), (dict(n_shared_experts=2), "n_shared"),
+                           (dict(swiglu_limit=0.0), "swiglu_limit"), (dict(num_experts_per_tok=9), "exceeds")):
+        cfg = v4_config()
+        for k, v in change.items():
+            setattr(cfg, k, v)
+        with pytest.raises(ValueError, match=needle):
+            v4_moe_spec(cfg)
+    cfg = v4_config()
+    cfg.mlp_layer_types = ["hash_moe", "moe"]
+    with pytest.raises(ValueError, match="mlp_layer_types"):
+        v4_moe_spec(cfg)
+    names = {r.local: r.hf for r in V4_MOE_ROWS}
+    assert names["layers.{l}.mlp.router.tid2eid"] == ("model.layers.{i}.ffn.gate.tid2eid",)
+    assert names["layers.{l}.mlp.experts.linear_fc1.weight"] == ("model.layers.{i}.ffn.experts.{e}.w1.weight",
+                                                                 "model.layers.{i}.ffn.experts.{e}.w3.weight")
+
+
+def test_table_rows_cover_what_save_pretrained_writes(tmp_path):
+    """Every MoE tensor transformers' save_pretrained writes is named by exactly one V4_MOE_ROWS row of its layer
+    (the hash layer's tid2eid, the others' bias), with its shape."""
+    import transformers
+    from safetensors import safe_open
+
+    from parallm.families.deepseek_v4_moe import V4_MOE_ROWS
+    from parallm.model.table import resolve_shape
+    cfg = v4_config()
+    transformers.DeepseekV4ForCausalLM(cfg).save_pretrained(tmp_path)
+    saved = {}
+    for f in tmp_path.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            saved.update({k: st.get_tensor(k) for k in st.keys() if ".ffn." in k})
+    spec = decoder_spec(cfg)
+    named = {}
+    for row in V4_MOE_ROWS:
+        for layer in range(3):
+            if not (row.applies(spec, "causal_lm", 1) and row.applies_to_layer(spec, layer)):
+                continue
+            for hf, shape in zip(row.hf, row.shapes):
+                for e in (range(E) if row.per_expert else [None]):
+                    name = hf.format(i=layer, e=e)
+                    assert name not in named
+                    named[name] = resolve_shape(shape, spec)
+    assert set(named) == set(saved), (set(named) ^ set(saved))
+    for name, shape in named.items():
+        assert tuple(saved[name].shape) == shape, name
+    assert saved["model.layers.0.ffn.gate.tid2eid"].dtype == torch.int64
+
+
+# -- distributed: tp 2, ep 2, tp2·ep2 (padded, packed + SP) on 4 gloo ranks ---------------------------------------
+
+LAYOUTS = [dict(tp=2, ep=1, packed=False, sp=False), dict(tp=1, ep=2, packed=False, sp=False),
+           dict(tp=2, ep=2, packed=False, sp=False), dict(tp=2, ep=2, packed=True, sp=True)]
+
+
+def _rank_case(cfg, layer, lay, dims):
+    """This rank's output / input-gradient rows and parameter gradients, and the HF references."""
+    tp, rank = lay["tp"], dims.tp_rank
+    hf = hf_block(cfg, layer)
+    block = parallm_block(cfg, layer, hf, tp=tp, rank=rank, sequence_parallel=lay["sp"])
+    x, ids, grad = batch(seed=20 + dims.dp_rank, b=2, s=6)
+    out_hf, dx_hf = run_hf(hf, x, ids, grad)
+    own = hf_grads(hf, tp=tp, rank=rank, experts=block.experts_held)
+    if lay["packed"]:          # [T, 1, H] rows, T / tp of them on this rank under SP
+        rows = lambda t: t.reshape(-1, 1, *t.shape[2:]).chunk(tp)[rank]      # noqa: E731
+        xs, tok, g = rows(x).contiguous().requires_grad_(), rows(ids).contiguous(), rows(grad)
+        want_out, want_dx = rows(out_hf), rows(dx_hf)
+    else:
+        xs = x.transpose(0, 1).contiguous().requires_grad_()
+        tok, g = ids.transpose(0, 1).contiguous(), grad.transpose(0, 1)
+        want_out, want_dx = out_hf.transpose(0, 1), dx_hf.transpose(0, 1)
+    out = block(xs, token_ids=tok)
+    out.backward(g)
+    grads = {n: p.grad for n, p in block.named_parameters() if p.requires_grad}
+    if lay["sp"]:              # the router's gradient is a partial sum over TP under SP
+        torch.distributed.all_reduce(grads["router.weight"], group=dims.tp_group)
+    errs = {"out": _err(out, want_out), "dx": _err(xs.grad, want_dx)}
+    # expert gradients: summed over the expert-parallel group's batches (each rank's own batch elsewhere)
+    expert_names = ("experts.linear_fc1.weight", "experts.linear_fc2.weight")
+    for n in expert_names:
+        want = own[n].clone()
+        if dims.ep > 1:
+            torch.distributed.all_reduce(want, group=dims.ep_group)
+        errs[n] = _err(grads[n], want)
+    for n in grads:
+        if n not in expert_names:
+            errs[n] = _err(grads[n], own[n])
+    return errs
+
+
+def rank_layouts(rank, world, layouts):
+    import parallm
+    from parallm.parallel.state import current_dims
+    cfg = v4_config()
+    results = []
+    for lay in layouts:
+        parallm.init_parallel(tp=lay["tp"], ep=lay["ep"])
+        try:
+            dims = current_dims()
+            for layer in (0, 1):
+                results.append((str(lay), layer, _rank_case(cfg, layer, lay, dims)))
+        finally:
+            parallm.destroy_parallel()
+    return results
+
+
+@pytest.mark.timeout(600)
+def test_layouts_match_transformers():
+    results = helpers.run_ranks(rank_layouts, 4, LAYOUTS, timeout=560)
+    worst = {}
+    for rank_results in results:
+        for lay, layer, errs in rank_results:
+            key = (lay, layer)
+            worst[key] = max(worst.get(key, 0.0), max(errs.values()))
+            assert max(errs.values()) <= TOL, (lay, layer, errs)
+    print("max errors per layout / layer:", worst)
