@@ -142,13 +142,16 @@ def _err(a, b):
     return (a.float() - b.float()).abs().max().item()
 
 
+@pytest.mark.parametrize("kernel", ["grouped_mm", "loop"])
 @pytest.mark.parametrize("layer", [0, 1], ids=["hash_moe", "moe"])
-def test_block_matches_transformers(world_of_one, layer):
+def test_block_matches_transformers(world_of_one, layer, kernel, monkeypatch):
     """Outputs, input gradients and every parameter's gradient equal transformers' to 1e-5 (fp32), with the
-    clamps active on the routed and the shared experts."""
+    clamps active on the routed and the shared experts, on both expert kernels."""
+    monkeypatch.setenv("PARALLM_MOE_EXPERTS", kernel)
     cfg = v4_config()
     hf = hf_block(cfg, layer)
     block = parallm_block(cfg, layer, hf)
+    assert block.experts.kernel == kernel
     assert block.is_hash == (layer == 0) and (block.router.tid2eid is not None) == (layer == 0)
     x, ids, grad = batch(scale=1.0)
     pre = torch.cat([x.reshape(-1, H) @ hf.experts.gate_up_proj[e].detach().T for e in range(E)])
@@ -283,8 +286,41 @@ def test_load_balancing_loss_is_transformers(world_of_one, mode):
     print(f"{mode}: aux {float(got):.6f} vs {float(want):.6f}, errors {errs}")
     assert max(errs) <= TOL, errs
     # (break) the routed experts counted instead of the softmax's top-k: another value
-    assert abs(float(load_balancing_loss_func(tuple(logits), E, K, mask)) - float(
-        sum(load_balancing_loss_func((lg,), E, K, mask) for lg in logits))) > 1e-4
+    from parallm.model.layers.moe import MoEBlock
+    real = MoEBlock.route_scores
+
+    def routed_counted(self, *args):
+        probs, _, weights, choices = real(self, *args)
+        return probs, choices, weights, choices
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(MoEBlock, "route_scores", routed_counted)
+        broken, _ = _aux_run(cfg, blocks, hfs, inputs, mask, mode)
+    assert abs(float(broken) - float(want)) > 1e-4
+
+
+def test_router_replay_of_a_hash_layer(world_of_one):
+    """Router replay: a hash layer records tid2eid's experts like any MoE layer, and replaying them gives the
+    same bits; replaying other experts routes with those (weights: the router's scores of them)."""
+    from parallm.model.layers.routing import RouterReplay
+    cfg = v4_config()
+    hf = hf_block(cfg, 0)
+    block = parallm_block(cfg, 0, hf)
+    block.replay = RouterReplay()
+    block.replay.start(None, record=True)
+    x, ids, _ = batch(seed=4)
+    xs, tok = x.transpose(0, 1), ids.transpose(0, 1)
+    with torch.no_grad():
+        out = block(xs, token_ids=tok)
+        recorded = block.replay.rows[0]
+        block.replay.start(None, record=False)
+        assert torch.equal(recorded, hf.gate.tid2eid[tok.reshape(-1)])
+        real = torch.ones(recorded.shape[0], dtype=torch.bool)
+        assert torch.equal(block(xs, routed=(recorded, real), token_ids=tok), out)
+        other = (recorded + 1) % E
+        replayed = block(xs, routed=(other, real), token_ids=tok)
+        with torch.no_grad():
+            hf.gate.tid2eid.copy_((hf.gate.tid2eid + 1) % E)
+        assert _err(replayed, hf(x, input_ids=ids).transpose(0, 1)) <= TOL
 
 
 def test_spec_reads_and_refuses():
@@ -372,11 +408,13 @@ def _rank_case(cfg, layer, lay, dims):
     errs = {"out": _err(out, want_out), "dx": _err(xs.grad, want_dx)}
     # expert gradients: summed over the expert-parallel group's batches (each rank's own batch elsewhere)
     expert_names = ("experts.linear_fc1.weight", "experts.linear_fc2.weight")
+    every = hf_grads(hf, tp=tp, rank=rank)                 # every expert's gradient on this rank's batch
+    held = torch.tensor(list(block.experts_held))
     for n in expert_names:
-        want = own[n].clone()
+        want = every[n].clone()
         if dims.ep > 1:
             torch.distributed.all_reduce(want, group=dims.ep_group)
-        errs[n] = _err(grads[n], want)
+        errs[n] = _err(grads[n], want.index_select(0, held))
     for n in grads:
         if n not in expert_names:
             errs[n] = _err(grads[n], own[n])
