@@ -447,3 +447,159 @@ def test_layouts_match_transformers():
             worst[key] = max(worst.get(key, 0.0), max(errs.values()))
             assert max(errs.values()) <= TOL, (lay, layer, errs)
     print("max errors per layout / layer:", worst)
+
+
+# -- tid2eid through the weight paths (an int64 ``integer`` row, never cast) --------------------------------------
+
+def _tid2eid_entry():
+    from types import SimpleNamespace
+
+    from parallm.families.deepseek_v4_moe import V4_MOE_ROWS
+    row = next(r for r in V4_MOE_ROWS if r.local.endswith("tid2eid"))
+    return row, SimpleNamespace(row=row, hf=("model.layers.0.ffn.gate.tid2eid",))
+
+
+def test_tid2eid_row_is_int64_on_every_weight_path():
+    """The loader's broadcast wire carries int64 as int64 (a float shard for it, or int64 for a float parameter,
+    is refused); a float checkpoint tensor is refused for it; the directory save's header says I64; the export
+    stream carries its bits (any wire dtype) and views them back as int64; the stream metadata says int64."""
+    from parallm.checkpoint.cast import copy_cast_
+    from parallm.checkpoint.export_plan import bit_dtypes
+    from parallm.checkpoint.loader import _wire
+    from parallm.checkpoint.saver import plan_files
+    from parallm.errors import CheckpointError
+    from parallm.model.table import row_dtype
+    row, entry = _tid2eid_entry()
+    assert row.integer and not row.trained and row_dtype(row, torch.bfloat16) == torch.int64
+    table = torch.randint(0, E, (V, K))
+    wire = _wire(table, row_dtype(row, torch.bfloat16), entry.hf, "cpu")
+    assert wire.dtype == torch.int64 and torch.equal(wire, table)
+    with pytest.raises(CheckpointError, match="checkpoint dtype"):
+        _wire(table.float(), torch.int64, entry.hf, "cpu")
+    with pytest.raises(CheckpointError, match="checkpoint dtype"):
+        _wire(table, torch.bfloat16, entry.hf, "cpu")
+    dst = torch.zeros(V, K, dtype=torch.int64)
+    copy_cast_(dst, table, entry.hf)
+    assert torch.equal(dst, table)
+    with pytest.raises(CheckpointError, match="not a integer|not an integer|integer type"):
+        copy_cast_(dst, table.float(), entry.hf)
+    (f,) = plan_files([(entry.hf[0], (V, K)), ("x.weight", (4, 4))], torch.bfloat16, 1 << 30,
+                      fp32={entry.hf[0]: torch.int64})
+    assert f["data_bytes"] == V * K * 8 + 16 * 2 and b'"I64"' in f["header"]
+    for wire_dtype in (torch.bfloat16, torch.float32, torch.float64):
+        assert bit_dtypes([entry], wire_dtype) == {entry.hf[0]: torch.int64}
+        bits = table.contiguous().view(wire_dtype)           # what the stream carries, then views back
+        assert torch.equal(bits.clone().view(torch.int64), table)
+
+
+def test_random_init_zeros_an_integer_row():
+    from parallm.checkpoint.random_init import RandomSource
+    src = RandomSource("model.layers.0.ffn.gate.tid2eid", (V, K), kind="normal", std=0.02, seed=0, dtype=torch.int64)
+    assert not src.is_floating
+    got = src.read(0, 0, V)
+    assert got.dtype == torch.int64 and not got.any()
+
+
+# -- a whole model with V4's MoE rows: tid2eid loaded, saved, exported bit for bit (a test family: LLaMA attention
+#    and norms around DeepSeek-V4's MoE; the real V4 family is the lead's) ------------------------------------------
+
+TEST_ARCH = "V4MoeTestForCausalLM"
+
+
+def _test_family():
+    from parallm.families.deepseek_v4_moe import V4_MOE_ROWS, v4_moe_spec
+    from parallm.families.moe_common import moe_table
+    from parallm.families.registry import FAMILIES, Family, base_spec_kwargs, register
+    from parallm.model.spec import DecoderSpec
+    if "v4moe_test" not in FAMILIES:
+        register(Family(name="v4moe_test", model_types=("v4moe_test",), architectures=(TEST_ARCH,),
+                        spec=lambda c: DecoderSpec(**base_spec_kwargs(c, "v4moe_test"), moe=v4_moe_spec(c)),
+                        table=moe_table(V4_MOE_ROWS), causal_architecture=TEST_ARCH, value_architecture=TEST_ARCH))
+
+
+def test_model_config():
+    import transformers
+    return transformers.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=3,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                    architectures=[TEST_ARCH], n_routed_experts=E, num_experts_per_tok=K,
+                                    moe_intermediate_size=I, swiglu_limit=LIMIT, routed_scaling_factor=1.5,
+                                    mlp_layer_types=list(LAYER_TYPES), n_shared_experts=1,
+                                    scoring_func="sqrtsoftplus")
+
+
+test_model_config.__test__ = False
+
+
+def _checkpoint(chunks):
+    """A random model's state dict with a random tid2eid and correction bias."""
+    import parallm
+    sd = parallm.save_hf_weights(chunks)
+    g = torch.Generator().manual_seed(7)
+    sd["model.layers.0.ffn.gate.tid2eid"] = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(V)])
+    for layer in (1, 2):
+        sd[f"model.layers.{layer}.ffn.gate.bias"] = torch.randn(E, generator=g)
+    return sd
+
+
+def _same(got: dict, want: dict):
+    assert set(got) == set(want), set(got) ^ set(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+
+
+def test_whole_model_carries_tid2eid_bit_for_bit(world_of_one, tmp_path):
+    """build_model (random init: tid2eid zeros, int64) -> load a state dict -> the dict save, a bf16 directory
+    save and a bf16 export give tid2eid back as int64, bit for bit; it has no gradient."""
+    import parallm
+    from safetensors.torch import load_file
+    _test_family()
+    chunks = parallm.build_model(test_model_config(), init="random")
+    router = chunks[0].layers[0].mlp.router
+    assert router.tid2eid.dtype == torch.int64 and not router.tid2eid.requires_grad and not router.tid2eid.any()
+    assert chunks[0].layers[1].mlp.router.tid2eid is None
+    assert chunks[0].moe_aux.num_layers == 2
+    sd = _checkpoint(chunks)
+    parallm.load_hf_weights(chunks, sd)
+    assert torch.equal(router.tid2eid, sd["model.layers.0.ffn.gate.tid2eid"])
+    _same(parallm.save_hf_weights(chunks), sd)
+    parallm.save_hf_weights(chunks, tmp_path / "bf16", dtype=torch.bfloat16)
+    saved = {}
+    for f in (tmp_path / "bf16").glob("*.safetensors"):
+        saved.update(load_file(str(f)))
+    for k in ("model.layers.0.ffn.gate.tid2eid", "model.layers.1.ffn.gate.bias"):
+        assert saved[k].dtype == sd[k].dtype and torch.equal(saved[k], sd[k]), k
+    exported = {n: t.clone() for n, t in parallm.export_hf_tensors(chunks, dtype=torch.bfloat16)}
+    for k in ("model.layers.0.ffn.gate.tid2eid", "model.layers.2.ffn.gate.bias"):
+        assert exported[k].dtype == sd[k].dtype and torch.equal(exported[k], sd[k]), k
+    meta = {m.name: m.dtype for m in parallm.export_metadata(chunks, dtype=torch.bfloat16)}
+    assert meta["model.layers.0.ffn.gate.tid2eid"] == torch.int64
+
+
+def rank_broadcast(rank, world, sd):
+    import parallm
+    _test_family()
+    parallm.init_parallel(tp=2, ep=2)
+    try:
+        chunks = parallm.build_model(test_model_config())
+        report = parallm.load_hf_weights(chunks, sd if rank == 0 else {}, mode="broadcast")
+        table = chunks[0].layers[0].mlp.router.tid2eid.clone()
+        exported = {n: t.clone() for n, t in parallm.export_hf_tensors(chunks, dtype=torch.bfloat16)
+                    if n.endswith("tid2eid") or n.endswith("gate.bias")}
+        saved = parallm.save_hf_weights(chunks)
+        return report.mode, table, exported, {k: v for k, v in saved.items() if ".gate." in k}
+    finally:
+        parallm.destroy_parallel()
+
+
+@pytest.mark.timeout(300)
+def test_tid2eid_broadcast_load_and_export_at_tp2_ep2(world_of_one):
+    import parallm
+    _test_family()
+    sd = _checkpoint(parallm.build_model(test_model_config(), init="random"))
+    results = helpers.run_ranks(rank_broadcast, 4, sd, timeout=280)
+    want = sd["model.layers.0.ffn.gate.tid2eid"]
+    for rank, (mode, table, exported, saved) in enumerate(results):
+        assert mode == "broadcast" and table.dtype == torch.int64 and torch.equal(table, want), rank
+        for k, t in exported.items():
+            assert t.dtype == sd[k].dtype and torch.equal(t, sd[k]), (rank, k)
+    _same(results[0][3], {k: v for k, v in sd.items() if ".gate." in k})

@@ -44,7 +44,7 @@ V4_MOE_ROWS = (
         when=("moe_layer", "topk_layer"), trained=False, keep_fp32=True,
         fused=(MEMORY + "gate.e_score_correction_bias",)),
     Row(MLP + "router.tid2eid", (BLOCK + "gate.tid2eid",), "copy", "layer", ((V, K),),
-        when=("moe_layer", "hash_layer"), trained=False, fused=(MEMORY + "gate.tid2eid",)),
+        when=("moe_layer", "hash_layer"), trained=False, integer=True, fused=(MEMORY + "gate.tid2eid",)),
     Row(MLP + "experts.linear_fc1.weight", (BLOCK + "experts.{e}.w1.weight", BLOCK + "experts.{e}.w3.weight"),
         "gate_up", "layer", ((EI, H), (EI, H)), when=("moe_layer",), per_expert=True,
         fused=(MEMORY + "experts.gate_up_proj",)),
