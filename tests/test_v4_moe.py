@@ -575,8 +575,11 @@ def test_whole_model_carries_tid2eid_bit_for_bit(world_of_one, tmp_path):
     assert meta["model.layers.0.ffn.gate.tid2eid"] == torch.int64
 
 
-def rank_broadcast(rank, world, sd):
+def rank_broadcast(rank, world, sd, ckpt):
+    """tp2·ep2: broadcast load, export, dict save, an optimizer and a training checkpoint; then tp1·ep4 loads the
+    training checkpoint."""
     import parallm
+    from parallm.train.optim import build_optimizer
     _test_family()
     parallm.init_parallel(tp=2, ep=2)
     try:
@@ -586,20 +589,34 @@ def rank_broadcast(rank, world, sd):
         exported = {n: t.clone() for n, t in parallm.export_hf_tensors(chunks, dtype=torch.bfloat16)
                     if n.endswith("tid2eid") or n.endswith("gate.bias")}
         saved = parallm.save_hf_weights(chunks)
-        return report.mode, table, exported, {k: v for k, v in saved.items() if ".gate." in k}
+        optimizer = build_optimizer(chunks, lr=1e-3)
+        owned = [p for p, _ in optimizer.owned()]
+        assert not any(p is chunks[0].layers[0].mlp.router.tid2eid for p in owned)
+        parallm.save_checkpoint(ckpt, chunks, optimizer, step=3)
     finally:
         parallm.destroy_parallel()
+    parallm.init_parallel(tp=1, ep=4)
+    try:
+        chunks = parallm.build_model(test_model_config())
+        parallm.load_checkpoint(ckpt, chunks, build_optimizer(chunks, lr=1e-3))
+        reloaded = chunks[0].layers[0].mlp.router.tid2eid.clone()
+    finally:
+        parallm.destroy_parallel()
+    return report.mode, table, exported, {k: v for k, v in saved.items() if ".gate." in k}, reloaded
 
 
 @pytest.mark.timeout(300)
-def test_tid2eid_broadcast_load_and_export_at_tp2_ep2(world_of_one):
+def test_tid2eid_broadcast_load_export_and_training_checkpoint(world_of_one, tmp_path):
+    """tp2·ep2: the broadcast load sends tid2eid as int64; the bf16 export and the dict save give it back bit for
+    bit; the optimizer leaves it out; a training checkpoint saved at tp2·ep2 loads it at tp1·ep4 bit for bit."""
     import parallm
     _test_family()
     sd = _checkpoint(parallm.build_model(test_model_config(), init="random"))
-    results = helpers.run_ranks(rank_broadcast, 4, sd, timeout=280)
+    results = helpers.run_ranks(rank_broadcast, 4, sd, str(tmp_path / "ckpt"), timeout=280)
     want = sd["model.layers.0.ffn.gate.tid2eid"]
-    for rank, (mode, table, exported, saved) in enumerate(results):
+    for rank, (mode, table, exported, saved, reloaded) in enumerate(results):
         assert mode == "broadcast" and table.dtype == torch.int64 and torch.equal(table, want), rank
+        assert reloaded.dtype == torch.int64 and torch.equal(reloaded, want), rank
         for k, t in exported.items():
             assert t.dtype == sd[k].dtype and torch.equal(t, sd[k]), (rank, k)
     _same(results[0][3], {k: v for k, v in sd.items() if ".gate." in k})
