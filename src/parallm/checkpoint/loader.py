@@ -31,11 +31,11 @@ from ..families import family_of
 from ..model.loaded import mark_loaded
 from ..model.sharding import SlabSource, TensorSource, make_shard
 from ..model.table import (Entry, all_entries, chunk_entries, entry_view, expected_hf_shapes,  # noqa: F401
-                           fused_layout, held_params, model_entries)
+                           fused_layout, held_params, integer_hf_names, model_entries, row_dtype)
 from ..parallel.errors import exchange_rows, gather_objects, remote_error, status_of
 from ..parallel.state import ParallelDims, as_chunks, dims_of, require_initialized
 from ..progress import bar
-from .cast import WIRE_DTYPES, check_cast, copy_cast_
+from .cast import LOAD_WIRE_DTYPES, check_cast, copy_cast_
 from .fp8 import DequantizedSource, block_size_of, fp8_plan
 from .int4 import int4_config, int4_view
 from .mxfp4 import is_mxfp4, mxfp4_view
@@ -305,7 +305,9 @@ def _open_and_check(source, spec, task, layout: ParallelDims, *, strict: bool, a
             return stored(name) if scale is None else DequantizedSource(stored(name), stored(scale), fp8_block)
     aliases, init, fused = check_checkpoint(present, spec, task, expected, strict=strict, where=where,
                                             fused=fused_layout(table, spec, task=task, pp=layout.pp))
-    check_floating([fused[k].name if k in fused else aliases.get(k, k) for k in expected if k not in init],
+    ints = integer_hf_names(table, spec, task=task, pp=layout.pp)     # int64 rows (tid2eid): not weights
+    check_floating([fused[k].name if k in fused else aliases.get(k, k) for k in expected
+                    if k not in init and k not in ints],
                    lambda n: raw(n).is_floating, where=where)
 
     def get(name):
@@ -380,7 +382,10 @@ def _wire(shard: torch.Tensor, model_dtype: torch.dtype, names, device) -> torch
     checkpoint's and the parameter's dtype ``model_dtype`` (a bf16 checkpoint for an fp32 model travels in bf16
     and is widened by the receiver's copy into its parameter)."""
     check_cast(shard, model_dtype, names)
-    if shard.dtype not in WIRE_DTYPES or shard.element_size() > torch.empty((), dtype=model_dtype).element_size():
+    if model_dtype.is_floating_point != shard.dtype.is_floating_point:
+        raise CheckpointError(f"{', '.join(names)}: checkpoint dtype {shard.dtype} for a {model_dtype} parameter")
+    if shard.dtype not in LOAD_WIRE_DTYPES or \
+            shard.element_size() > torch.empty((), dtype=model_dtype).element_size():
         shard = shard.to(model_dtype)
     return shard.to(device=device).contiguous()
 
@@ -405,7 +410,7 @@ def _broadcast_load(needs, mine, everything, params, get, layout: ParallelDims, 
                 if status.item() < 0:
                     raise _recv_failure(-status.item(), device)
                 param = params[i]
-                wire_dtype = WIRE_DTYPES[status.item()]
+                wire_dtype = LOAD_WIRE_DTYPES[status.item()]
                 direct = wire_dtype == param.dtype and param.data.is_contiguous()
                 buf = param.data if direct else torch.empty(param.shape, dtype=wire_dtype, device=device)
                 dist.recv(buf, src=0)
@@ -433,9 +438,10 @@ def _broadcast_load(needs, mine, everything, params, get, layout: ParallelDims, 
             sources = [get(n) for n in entry.hf]
             for tp_rank, ranks in needers[i].items():
                 shard = make_shard(entry.kind, sources, tp_rank, layout.tp, spec, padded_vocab)
-                # a keep_fp32 row (fp32 in a model of any dtype) travels in the checkpoint's dtype up to fp32
-                wire = _wire(shard, torch.float32 if entry.row.keep_fp32 else model_dtype, entry.hf, device)
-                status.fill_(WIRE_DTYPES.index(wire.dtype))
+                # a keep_fp32 row (fp32 in a model of any dtype) travels in the checkpoint's dtype up to fp32,
+                # an integer row (int64) as int64
+                wire = _wire(shard, row_dtype(entry.row, model_dtype), entry.hf, device)
+                status.fill_(LOAD_WIRE_DTYPES.index(wire.dtype))
                 for rank in ranks:
                     sending_to = rank
                     dist.send(status, dst=rank)

@@ -87,7 +87,8 @@ class DecoderLayer(nn.Module):
             self.layer_scalar = nn.Parameter(torch.empty(1, dtype=config.params_dtype, device=device),
                                              requires_grad=False)
         # The spec says which layers route over experts (model/layers/moe.py); the others keep the dense MLP.
-        self.mlp = MoEBlock(spec, config, dims, device) if spec.is_moe_layer(layer_number) else MLP(spec, config)
+        self.mlp = MoEBlock(spec, config, dims, device, layer=layer_number) if spec.is_moe_layer(layer_number) \
+            else MLP(spec, config)
 
     def _one_block(self, spec, config, tp, device, *, backend, dims, cp_attn, mamba_kernel):
         """Nemotron-H's layer: ``norm`` then the one mixer of ``spec.block_kind`` (``self_attention``: Mamba-2 or
@@ -101,7 +102,8 @@ class DecoderLayer(nn.Module):
             self.self_attention = Attention(spec, config, tp, device, backend=backend, cp_group=cp_group,
                                             cp_attn=cp_attn, window=spec.window(self.layer_number))
         else:
-            self.mlp = MoEBlock(spec, config, dims, device) if self.block == "moe" else MLP(spec, config)
+            self.mlp = MoEBlock(spec, config, dims, device, layer=self.layer_number) if self.block == "moe" \
+                else MLP(spec, config)
 
     def forward(self, x, cos, sin, ctx, tokens=None, routed=None):
         """``tokens``: real-row mask of ``x`` for a MoE layer's load-balancing loss (None: not computed / all

@@ -339,6 +339,11 @@ class DecoderSpec:
     def shared_expert_intermediate_size(self) -> int:
         return self.moe.shared_expert_intermediate_size if self.moe else 0
 
+    @property
+    def moe_top_k(self) -> int:
+        """Experts per token (DeepSeek-V4's ``tid2eid [vocab, top_k]`` rows name it)."""
+        return self.moe.top_k if self.moe else 0
+
     # shapes the multi-head latent attention rows name (0 without MLA)
     @property
     def q_lora_rank(self) -> int:
