@@ -48,3 +48,164 @@ def test_matches_transformers(world_of_one, kind, packed):
     ref = cases.hf_reference(layer, cfg, x, LENGTHS, r)
     got = cases.run(spec, ref[3], cases.LAYER[kind], x, LENGTHS, r, packed=packed)
     _check(got, ref, (kind, packed))
+
+
+def test_yarn_compress_rope(world_of_one):
+    """A YaRN compress rope (attention factor forced to 1, as transformers' V4 config does) on CSA and HCA."""
+    cfg = cases.hf_config(yarn=True)
+    assert cfg.rope_parameters["compress"]["rope_type"] == "yarn"
+    assert cfg.rope_parameters["compress"]["attention_factor"] == 1.0
+    spec = cases.parallm_spec(cfg)
+    for kind in ("csa", "hca"):
+        layer = cases.hf_layer(cfg, kind)
+        x, r = _batch(cfg.hidden_size)
+        ref = cases.hf_reference(layer, cfg, x, LENGTHS, r)
+        _check(cases.run(spec, ref[3], cases.LAYER[kind], x, LENGTHS, r, packed=True), ref, ("yarn", kind))
+
+
+def _hf_index_scores(layer, cfg, x, n):
+    """transformers' indexer scores ``[n, entries]`` (future entries -inf) of the first row's first n tokens."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+    idx = layer.compressor.indexer
+    captured = {}
+    hook = idx.scorer.register_forward_hook(lambda m, a, out: captured.setdefault("s", out))
+    xb = x[:1, :n]
+    pos = torch.arange(n)[None]
+    with torch.no_grad():
+        q_resid = layer.q_a_norm(layer.q_a_proj(xb))
+        idx(xb, q_resid, pos, None, 0)
+    hook.remove()
+    scores = captured["s"][0]
+    ent = torch.arange(scores.shape[-1])
+    return scores.masked_fill(ent[None] >= ((torch.arange(n) + 1) // idx.compress_rate)[:, None], float("-inf"))
+
+
+def test_csa_selection_matters_without_ties(world_of_one):
+    """The premise of the CSA tests: top-k (2) is below the visible entries for most queries, with no tie at the
+    cut (ReLU zeros make exact ties likely: a tie would let the tie rules differ); and a wider top-k (every
+    visible entry) changes the output, so the selection is what the parity tests check."""
+    cfg = cases.hf_config()
+    layer = cases.hf_layer(cfg, "csa")
+    x, r = _batch(cfg.hidden_size)
+    for b, n in enumerate(LENGTHS):
+        scores = _hf_index_scores(layer, cfg, x[b:b + 1], n)
+        visible = torch.isfinite(scores).sum(-1)
+        assert int((visible > cfg.index_topk).sum()) >= n // 2
+        top = scores.sort(-1, descending=True).values
+        cut = visible > cfg.index_topk
+        k = cfg.index_topk
+        gap = (top[cut, k - 1] - top[cut, k]).abs()
+        assert float(gap.min()) > 1e-4, gap
+    ref = cases.hf_reference(layer, cfg, x, LENGTHS, r)
+    wide = cases.hf_config(topk=16)
+    spec = cases.parallm_spec(wide)
+    out = cases.run(spec, ref[3], cases.LAYER["csa"], x, LENGTHS, r, packed=False)[0]
+    assert cases.max_err(out, ref[0], _real_mask()) > 1e-3
+
+
+def _broken(monkeypatch, what):
+    from parallm.model.layers import v4_attention, v4_layout
+    if what == "sink dropped":
+        kernel = v4_attention.sparse_latent_attention
+        monkeypatch.setattr(v4_attention, "sparse_latent_attention",
+                            lambda *a, sink=None, **k: kernel(*a, sink=None, **k))
+    elif what == "pool shifted":
+        make = v4_layout.V4Layout._make_entries
+
+        def shifted(self, rate):
+            e = make(self, rate)
+            e.rows = (e.rows + self.stride[0]).clamp(max=self.keys - 1)
+            return e
+        monkeypatch.setattr(v4_layout.V4Layout, "_make_entries", shifted)
+    elif what == "no de-rotation":
+        rope = v4_attention.rope_tail
+        calls = []
+
+        def skip_third(x, cos, sin):
+            calls.append(1)
+            return x if len(calls) % 3 == 0 else rope(x, cos, sin)
+        monkeypatch.setattr(v4_attention, "rope_tail", skip_third)
+
+
+@pytest.mark.parametrize("what,kinds", [("sink dropped", ("sliding",)), ("pool shifted", ("hca", "csa")),
+                                        ("no de-rotation", ("sliding", "hca"))])
+def test_breaks_fail(world_of_one, monkeypatch, what, kinds):
+    cfg = cases.hf_config()
+    spec = cases.parallm_spec(cfg)
+    x, r = _batch(cfg.hidden_size)
+    for kind in kinds:
+        ref = cases.hf_reference(cases.hf_layer(cfg, kind), cfg, x, LENGTHS, r)
+        with monkeypatch.context() as m:
+            _broken(m, what)
+            out = cases.run(spec, ref[3], cases.LAYER[kind], x, LENGTHS, r, packed=True)[0]
+        assert cases.max_err(out, ref[0], _real_mask()) > 1e-3, (what, kind)
+
+
+def test_sparse_kernel_sink_gradients():
+    """The blocked sparse kernel with a sink (it computes in fp32) against a dense fp32 autograd reference:
+    values and q / kv / sink gradients, blocks of two queries, empty slots and a query that sees nothing (zero
+    output, only its sink's gradient... none: its output is zero whatever the sink)."""
+    from parallm.model.layers.dsa import sparse_latent_attention
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(7, 3, 8, generator=g)
+    kv = torch.randn(10, 8, generator=g)
+    sink = torch.randn(3, generator=g)
+    grad = torch.randn(7, 3, 8, generator=g)
+    index = torch.randint(0, 10, (7, 4), generator=g, dtype=torch.int32)
+    index[1, 2:] = -1
+    index[4] = -1
+
+    def dense(q, kv, sink):
+        rows = kv[index.clamp_min(0).long()]                                      # [7, 4, 8]
+        s = torch.einsum("qhd,qkd->qhk", q, rows) * 0.3
+        s = s.masked_fill((index < 0)[:, None, :], float("-inf"))
+        logits = torch.cat([s, sink[None, :, None].expand(7, 3, 1)], -1)
+        return torch.einsum("qhk,qkd->qhd", logits.softmax(-1)[..., :-1], rows)
+
+    results = []
+    for fn in (lambda a, b, c: sparse_latent_attention(a, b, index, scale=0.3, dv=8, sink=c, budget=64), dense):
+        leaves = [t.clone().requires_grad_() for t in (q, kv, sink)]
+        out = fn(*leaves)
+        (out * grad).sum().backward()
+        results.append([out.detach()] + [t.grad for t in leaves])
+    for got, want, name in zip(results[0], results[1], ("out", "q", "kv", "sink")):
+        assert torch.allclose(got, want, atol=1e-5, rtol=0), (name, float((got - want).abs().max()))
+    assert float(results[0][0][4].abs().max()) == 0.0
+    assert float(results[0][3].abs().max()) > 1e-2           # the sinks' gradient is no zero
+
+
+def test_no_square_tensor(world_of_one, monkeypatch):
+    """S = 1024 on one row, CSA and HCA: the largest tensor any operation of the forward and backward makes stays
+    below S * S / 8 elements (the kernel's and the indexer's blocks made small so that a square one would
+    show)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from parallm.model.layers import dsa, indexer
+    from parallm.model.layers.attention import Packing, make_packing
+    monkeypatch.setattr(indexer, "SCORE_BUDGET", 1 << 15)
+    monkeypatch.setattr(dsa, "GATHER_BUDGET", 1 << 15)
+    cfg = cases.hf_config(topk=8, csa_rate=4, hca_rate=64, window=16)
+    spec = cases.parallm_spec(cfg)
+    s = 1024
+
+    class Largest(TorchDispatchMode):
+        biggest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    Largest.biggest = max(Largest.biggest, t.numel())
+            return out
+
+    for kind in ("csa", "hca"):
+        state = {k: v for k, v in cases.hf_reference(cases.hf_layer(cfg, kind), cfg, torch.randn(1, 8, 32), [8],
+                                                       torch.randn(1, 8, 32))[3].items()}
+        attn = cases.build(spec, state, cases.LAYER[kind])
+        ctx: Packing = make_packing(torch.ones(1, s, dtype=torch.bool))
+        ctx.positions = torch.arange(s)[:, None]
+        x = torch.randn(s, 1, cfg.hidden_size, requires_grad=True)
+        Largest.biggest = 0
+        with Largest():
+            attn(x, None, None, ctx).sum().backward()
+        assert Largest.biggest < s * s // 8, (kind, Largest.biggest)

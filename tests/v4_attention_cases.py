@@ -25,17 +25,17 @@ SPLIT1 = ("o_b_proj.weight",)                                  # along dim 1
 def hf_config(*, yarn: bool = False, window: int = 4, topk: int = 2, csa_rate: int = 2, hca_rate: int = 4,
               heads: int = 4, o_groups: int = 2):
     from transformers import DeepseekV4Config
-    compress = {"rope_type": "default", "rope_theta": 160000.0}
-    if yarn:
-        compress = {"rope_type": "yarn", "rope_theta": 160000.0, "factor": 4.0,
-                    "original_max_position_embeddings": 8, "beta_fast": 32, "beta_slow": 1}
+    # the checkpoints' flat form: transformers nests it into "main" (default, rope_theta) and "compress" (the
+    # yarn parameters, compress_rope_theta, attention_factor 1)
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32,
+            "beta_slow": 1} if yarn else {"rope_type": "default"}
     cfg = DeepseekV4Config(
         vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=heads, head_dim=16, q_lora_rank=12,
         o_groups=o_groups, o_lora_rank=8, sliding_window=window, index_n_heads=3, index_head_dim=8,
         index_topk=topk, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, hc_mult=2,
         layer_types=list(KINDS.values()), partial_rotary_factor=0.5, mlp_layer_types=["moe"] * 3,
         compress_rates={"compressed_sparse_attention": csa_rate, "heavily_compressed_attention": hca_rate},
-        rope_parameters={"main": {"rope_type": "default", "rope_theta": 10000.0}, "compress": compress},
+        rope_parameters=rope, rope_theta=10000.0, compress_rope_theta=160000.0,
         max_position_embeddings=64)
     cfg._attn_implementation = "eager"
     return cfg
