@@ -156,12 +156,11 @@ def _context_split(ctx: ContextSplit) -> V4Layout:
         lengths = _real_lengths(ctx, sizes)
         base, stride = starts, torch.ones_like(starts)
     else:
-        lengths = ctx.real.bool().sum(1)           # local only: the row's real tokens come from the full batch
         lengths = _real_lengths(ctx, None)
         doc = torch.arange(ctx.width, device=dev).repeat(ctx.rows)
         base = torch.arange(ctx.width, device=dev)
         stride = torch.full((ctx.width,), ctx.width, dtype=torch.long, device=dev)
-    return V4Layout(keys=ctx.cp * ctx.slots, base=base, stride=stride,
+    return V4Layout(keys=ctx.order.numel() * ctx.width, base=base, stride=stride,
                     length=torch.tensor(lengths, dtype=torch.long, device=dev), lengths=lengths, q_doc=doc,
                     q_idx=torch.where(real, pos, 0), q_real=real)
 
