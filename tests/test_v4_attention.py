@@ -209,3 +209,66 @@ def test_no_square_tensor(world_of_one, monkeypatch):
         with Largest():
             attn(x, None, None, ctx).sum().backward()
         assert Largest.biggest < s * s // 8, (kind, Largest.biggest)
+
+
+def test_bf16_close_to_transformers(world_of_one):
+    """bf16 (the fp32-kept parameters fp32 on both sides: sinks, position biases, norms): parallm's output
+    within bf16 rounding of transformers' (which attends in bf16 where parallm accumulates in fp32), on every
+    kind, packed; and far from it with the sinks dropped (the tolerance is not vacuous)."""
+    from parallm.model.decoder import make_config
+    from parallm.model.layers.attention import make_packing, pack_tokens, unpack_tokens
+    from parallm.model.layers.v4_attention import V4Attention
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+    cfg = cases.hf_config()
+    spec = cases.parallm_spec(cfg)
+    x, _ = _batch(cfg.hidden_size)
+    mask = _real_mask()
+    ctx = make_packing(mask)
+    ctx.positions = pack_tokens((mask.long().cumsum(-1) - 1).clamp(min=0), ctx)[:, None]
+    xs = torch.stack([pack_tokens(x[..., k], ctx) for k in range(x.shape[-1])], -1)[:, None].bfloat16()
+    keep32 = ("sinks", "position_bias", "q_a_norm", "kv_norm")
+    for kind in cases.LAYER:
+        layer = cases.hf_layer(cfg, kind)
+        for name, p in layer.named_parameters():
+            if not any(k in name for k in keep32):
+                p.data = p.data.bfloat16()
+        rotary = DeepseekV4RotaryEmbedding(cfg)
+        want = torch.zeros(x.shape, dtype=torch.bfloat16)
+        with torch.no_grad():
+            for b, n in enumerate(LENGTHS):
+                xb, pos = x[b:b + 1, :n].bfloat16(), torch.arange(n)[None]
+                emb = {t: rotary(xb, pos, layer_type=t) for t in ("main", "compress")}
+                want[b, :n] = layer(xb, emb, pos, cases.hf_mask(n, cfg.sliding_window).bfloat16())[0][0]
+        state = {cases.RENAMES.get(k, k): v for k, v in layer.state_dict().items()}
+        attn = V4Attention(spec, make_config(tp=1, pp=1, vpp=None, dtype=torch.bfloat16, sequence_parallel=False), 1,
+                           layer_number=cases.LAYER[kind])
+        with torch.no_grad():
+            for name, p in attn.named_parameters():
+                assert p.dtype == (torch.float32 if any(k in name for k in keep32) else torch.bfloat16), name
+                p.copy_(state[name])
+            got = unpack_tokens(attn(xs, None, None, ctx)[:, 0], ctx).transpose(0, 1)
+            attn.sinks.fill_(-1e4)
+            unsunk = unpack_tokens(attn(xs, None, None, ctx)[:, 0], ctx).transpose(0, 1)
+        scale = float(want[mask].float().abs().max())
+        err = cases.max_err(got.float(), want.float(), mask) / scale
+        print(f"bf16 {kind}: relative error {err:.2e}")
+        assert err < 2e-2, (kind, err)
+        assert cases.max_err(unsunk.float(), want.float(), mask) / scale > 5 * err, kind
+
+
+def test_refusals(world_of_one):
+    """Left padding (transformers pools such a row from its padding on) and a missing ctx.positions are refused
+    with the numbers."""
+    from parallm.model.layers.attention import PaddedRows
+    cfg = cases.hf_config()
+    spec = cases.parallm_spec(cfg)
+    state = cases.hf_reference(cases.hf_layer(cfg, "hca"), cfg, torch.randn(1, 4, 32), [4], torch.randn(1, 4, 32))[3]
+    attn = cases.build(spec, state, cases.LAYER["hca"])
+    keep = torch.tensor([[True, True, True, True], [False, True, True, True]])
+    ctx = PaddedRows(keep)
+    ctx.positions = torch.zeros(4, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"right padding .*rows \[1\]"):
+        attn(torch.randn(4, 2, 32), None, None, ctx)
+    ctx = PaddedRows(torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="ctx.positions"):
+        attn(torch.randn(4, 2, 32), None, None, ctx)

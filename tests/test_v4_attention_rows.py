@@ -53,6 +53,10 @@ def test_rows_cover_the_checkpoint(tmp_path, world_of_one):
         seen.update(names)
         attn = V4Attention(spec, config, 1, layer_number=layer)
         params = dict(attn.named_parameters())
+        bf16 = make_config(tp=1, pp=1, vpp=None, dtype=torch.bfloat16, sequence_parallel=False)
+        for n, p in V4Attention(spec, bf16, 1, layer_number=layer).named_parameters():
+            row = next(r for r in rows if r.local.endswith("self_attention." + n))
+            assert (p.dtype == torch.float32) == row.keep_fp32, n
         assert sorted(params) == sorted(r.local.split("self_attention.")[1] for r in rows), kind
         for name, r in names.items():
             local = r.local.split("self_attention.")[1]

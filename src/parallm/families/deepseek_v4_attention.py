@@ -8,7 +8,9 @@ sequence parallelism: ``tp_sum="sp"``), ``wq_b`` and ``attn_sink`` split by head
 groups, ``wo_b`` row parallel. Compressed layers (layer conditions ``v4_compressed`` / ``v4_csa`` / ``v4_hca``):
 ``compressor.{wkv, wgate, ape, norm}`` (CSA's two series make ``wkv`` / ``wgate`` / ``ape`` twice as wide), and
 on CSA layers the frozen indexer ``indexer.{wq_b, weights_proj}`` and its own compressor
-``indexer.compressor.{wkv, wgate, ape, norm}`` (``trained=False``).
+``indexer.compressor.{wkv, wgate, ape, norm}`` (``trained=False``). The sinks, the position biases (``ape``) and
+every norm of the attention are fp32 in a model of any dtype (``keep_fp32``: transformers'
+``_keep_in_fp32_modules_strict``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,11 @@ IDX = "v4.index_head_dim"
 
 
 def _row(local, hf, kind, shape, *, when=(), tp_sum="never", trained=True):
-    return Row(_L + local, (_HF + hf,), kind, "layer", (shape,), when=when, tp_sum=tp_sum, trained=trained)
+    # fp32 whatever the model's dtype: transformers' _keep_in_fp32_modules_strict (sinks, position_bias, q_a_norm,
+    # kv_norm: every norm and position bias of the attention, the compressors' and the indexer's too)
+    fp32 = local.endswith(("norm.weight", "position_bias")) or local == "sinks"
+    return Row(_L + local, (_HF + hf,), kind, "layer", (shape,), when=when, tp_sum=tp_sum, trained=trained,
+               keep_fp32=fp32)
 
 
 def _compressor(local: str, hf: str, *, width: str, rate: str, when: tuple, tp_sum: str, trained: bool):

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...parallel.comm import gather_rows_sum_back
 from ...parallel.megatron_import import import_megatron
 from ..context_parallel import ContextSplit
 from .dsa import sparse_latent_attention
@@ -100,11 +101,11 @@ class V4Attention(nn.Module):
         self.rate = {"csa": v.csa_rate, "hca": v.hca_rate}.get(self.kind)
         h, hd = spec.hidden_size, spec.head_dim
         self.q_a_proj = ReplicatedLinear(h, v.q_lora_rank, bias=False, dtype=dtype, device=device)
-        self.q_a_norm = V4RMSNorm(v.q_lora_rank, spec.rms_norm_eps, dtype, device)
+        self.q_a_norm = V4RMSNorm(v.q_lora_rank, spec.rms_norm_eps, device)
         self.q_b_proj = SplitLinear(self.heads * hd, v.q_lora_rank, dtype=dtype, device=device)
         self.kv_proj = ReplicatedLinear(h, hd, bias=False, dtype=dtype, device=device)
-        self.kv_norm = V4RMSNorm(hd, spec.rms_norm_eps, dtype, device)
-        self.sinks = nn.Parameter(torch.empty(self.heads, dtype=dtype, device=device))
+        self.kv_norm = V4RMSNorm(hd, spec.rms_norm_eps, device)
+        self.sinks = nn.Parameter(torch.empty(self.heads, dtype=torch.float32, device=device))    # fp32 always
         self.o_a_proj = SplitLinear(self.groups * v.o_lora_rank, spec.num_heads * hd // v.o_groups, dtype=dtype,
                                     device=device)
         self.o_b_proj = mtp.RowParallelLinear(v.o_groups * v.o_lora_rank, h, config=config, init_method=no_init,
@@ -131,10 +132,9 @@ class V4Attention(nn.Module):
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)
         q = rope_tail(q, cos[:, None], sin[:, None])
         keys_x = xf
-        if isinstance(ctx, ContextSplit):
-            from ...parallel.comm import gather_rows_sum_back
+        if isinstance(ctx, ContextSplit):         # every rank's tokens, in global order (backward: to their owners)
             keys_x = gather_rows_sum_back(x, self.cp_group).index_select(0, ctx.order).reshape(-1, hidden)
-        keys = self._keys(keys_x, xf, positions, ctx)
+        keys = self._keys(keys_x, positions, lay)
         index = self._index(lay, xf, q_resid, cos, sin, keys_x)
         out = sparse_latent_attention(q, keys, index, scale=self.head_dim ** -0.5, dv=self.head_dim,
                                       sink=self.sinks)
@@ -145,19 +145,13 @@ class V4Attention(nn.Module):
         out, _ = self.o_b_proj(mixed)
         return out
 
-    def _keys(self, keys_x, xf, positions, ctx):
+    def _keys(self, keys_x, positions, lay):
         """The key matrix: the raw kv rows of the key stream, then the compressed entries (into the TP region
         after the concatenation, without sequence parallelism)."""
-        kv = self.kv_norm(self.kv_proj(keys_x))
-        if isinstance(ctx, ContextSplit):
-            from ...parallel.comm import gather_rows_sum_back  # noqa: F401 - the stream's positions, gathered
-            key_pos = _gathered_positions(ctx)
-        else:
-            key_pos = positions
-        kc, ks = v4_cos_sin(self.rope, key_pos)
-        keys = rope_tail(kv, kc, ks)
+        kc, ks = v4_cos_sin(self.rope, positions if lay.key_pos is None else lay.key_pos)
+        keys = rope_tail(self.kv_norm(self.kv_proj(keys_x)), kc, ks)
         if self.compressor is not None:
-            keys = torch.cat([keys, self.compressor(keys_x, v4_layout(ctx), self.rope)])
+            keys = torch.cat([keys, self.compressor(keys_x, lay, self.rope)])
         if self.tp > 1 and not self.sequence_parallel:
             keys = mtp.copy_to_tensor_model_parallel_region(keys)
         return keys
@@ -185,19 +179,3 @@ def _positions(ctx, s: int, b: int) -> torch.Tensor:
     if pos.numel() != s * b:
         raise ValueError(f"ctx.positions has {pos.numel()} entries for {s} x {b} activation rows")
     return pos.long()
-
-
-def _gathered_positions(ctx: ContextSplit) -> torch.Tensor:
-    """Every key-stream row's position under context parallelism: its index in its document (real tokens; the
-    padding's are unused)."""
-    lay = v4_layout(ctx)
-    n = lay.keys // max(int(lay.base.numel()) if not ctx.packed else 1, 1)
-    if ctx.packed:
-        sizes = torch.tensor([2 * ctx.cp * c for _, c in ctx.segments], dtype=torch.long, device=lay.base.device)
-        g = torch.arange(lay.keys, device=lay.base.device)
-        doc = torch.repeat_interleave(torch.arange(sizes.numel(), device=g.device), sizes, output_size=int(
-            sizes.sum()))
-        out = torch.zeros(lay.keys, dtype=torch.long, device=g.device)
-        out[:doc.numel()] = g[:doc.numel()] - lay.base[doc]
-        return out
-    return torch.arange(n, device=lay.base.device)[:, None].expand(n, ctx.width).reshape(-1)

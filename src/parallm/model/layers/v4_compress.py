@@ -37,11 +37,12 @@ from .v4_layout import V4Layout
 
 
 class V4RMSNorm(nn.Module):
-    """transformers' ``DeepseekV4RMSNorm``: ``(weight * x_fp32 * rsqrt(mean(x^2) + eps)).to(x.dtype)``."""
+    """transformers' ``DeepseekV4RMSNorm``: ``(weight * x_fp32 * rsqrt(mean(x^2) + eps)).to(x.dtype)``, its weight
+    fp32 in a model of any dtype (transformers' ``_keep_in_fp32_modules_strict``: ``q_a_norm``, ``kv_norm``)."""
 
-    def __init__(self, size: int, eps: float, dtype, device=None):
+    def __init__(self, size: int, eps: float, device=None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device))
+        self.weight = nn.Parameter(torch.empty(size, dtype=torch.float32, device=device))
         self.eps = eps
 
     def forward(self, x):
@@ -90,8 +91,9 @@ class V4Compressor(nn.Module):
         out = 2 * width if overlap else width
         self.kv_proj = ReplicatedLinear(hidden, out, bias=False, dtype=dtype, device=device)
         self.gate_proj = ReplicatedLinear(hidden, out, bias=False, dtype=dtype, device=device)
-        self.position_bias = nn.Parameter(torch.empty(rate, out, dtype=dtype, device=device))
-        self.kv_norm = V4RMSNorm(width, eps, dtype, device)
+        # fp32 in a model of any dtype, as transformers keeps it (_keep_in_fp32_modules_strict)
+        self.position_bias = nn.Parameter(torch.empty(rate, out, dtype=torch.float32, device=device))
+        self.kv_norm = V4RMSNorm(width, eps, device)
 
     def forward(self, x: torch.Tensor, lay: V4Layout, rope) -> torch.Tensor:
         """x ``[keys, H]`` (the key stream's tokens) -> the entries ``[E, width]``, RoPE'd."""

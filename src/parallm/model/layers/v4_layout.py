@@ -55,7 +55,8 @@ class V4Layout:
     """One batch's documents (see the module docstring). Device tensors: ``base`` / ``stride`` / ``length``
     ``[D]`` (length: real tokens), ``q_doc`` / ``q_idx`` / ``q_real`` ``[Q]`` for the queries (this rank's rows in
     activation order: ``[S * B]`` padded, ``[T]`` packed, the local slots under CP). ``keys``: rows of the key
-    stream."""
+    stream; ``key_pos``: its rows' positions (their index in their document) where the key stream is not the
+    queries' (context parallelism), else None."""
     keys: int
     base: torch.Tensor
     stride: torch.Tensor
@@ -64,6 +65,7 @@ class V4Layout:
     q_doc: torch.Tensor
     q_idx: torch.Tensor
     q_real: torch.Tensor
+    key_pos: torch.Tensor | None = None      # the key stream's positions where it is not the queries' (CP)
     _entries: dict = field(default_factory=dict, repr=False)
 
     def window(self, window: int) -> torch.Tensor:
@@ -160,9 +162,20 @@ def _context_split(ctx: ContextSplit) -> V4Layout:
         doc = torch.arange(ctx.width, device=dev).repeat(ctx.rows)
         base = torch.arange(ctx.width, device=dev)
         stride = torch.full((ctx.width,), ctx.width, dtype=torch.long, device=dev)
-    return V4Layout(keys=ctx.order.numel() * ctx.width, base=base, stride=stride,
-                    length=torch.tensor(lengths, dtype=torch.long, device=dev), lengths=lengths, q_doc=doc,
-                    q_idx=torch.where(real, pos, 0), q_real=real)
+    length = torch.tensor(lengths, dtype=torch.long, device=dev)
+    keys = ctx.order.numel() * ctx.width
+    return V4Layout(keys=keys, base=base, stride=stride, length=length, lengths=lengths, q_doc=doc,
+                    q_idx=torch.where(real, pos, 0), q_real=real, key_pos=_key_positions(keys, base, stride, length))
+
+
+def _key_positions(keys: int, base, stride, length) -> torch.Tensor:
+    """Each key-stream row's index in its document (0 for rows of no document / padding)."""
+    out = torch.zeros(keys, dtype=torch.long, device=base.device)
+    doc = torch.repeat_interleave(torch.arange(base.numel(), device=base.device), length,
+                                  output_size=int(sum(length.tolist())))
+    idx = torch.arange(doc.numel(), device=base.device) - (torch.cumsum(length, 0) - length)[doc]
+    out[base[doc] + idx * stride[doc]] = idx
+    return out
 
 
 def _real_lengths(ctx: ContextSplit, sizes) -> list:
@@ -173,11 +186,9 @@ def _real_lengths(ctx: ContextSplit, sizes) -> list:
     real = real.index_select(0, ctx.order)                             # global order
     if sizes is None:
         return real.sum(0).tolist()
-    flat = real[:, 0]
-    bounds = [0]
-    for n in sizes:
-        bounds.append(bounds[-1] + n)
-    return [int(flat[a:e].sum()) for a, e in zip(bounds[:-1], bounds[1:])]
+    ends = torch.tensor(sizes, dtype=torch.long, device=real.device).cumsum(0)
+    counts = torch.cat([real.new_zeros(1, dtype=torch.long), real[:, 0].long().cumsum(0)])
+    return (counts[ends] - counts[ends - torch.tensor(sizes, dtype=torch.long, device=real.device)]).tolist()
 
 
 def v4_layout(ctx) -> V4Layout:
