@@ -32,6 +32,7 @@ of each layer.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
@@ -103,6 +104,10 @@ LAYER_CONDITIONS = {
     "mamba_block": lambda spec, layer: spec.block_kind(layer) == "mamba",
     "attention_block": lambda spec, layer: spec.block_kind(layer) == "attention",
     "mlp_block": lambda spec, layer: spec.block_kind(layer) == "mlp",
+    # DeepSeek-V4's attention kinds (spec.v4.layer_kinds): compressed (csa or hca), csa (with an indexer), hca
+    "v4_compressed": lambda spec, layer: spec.v4 is not None and spec.v4.kind(layer) in ("csa", "hca"),
+    "v4_csa": lambda spec, layer: spec.v4 is not None and spec.v4.kind(layer) == "csa",
+    "v4_hca": lambda spec, layer: spec.v4 is not None and spec.v4.kind(layer) == "hca",
 }
 
 
@@ -335,9 +340,35 @@ def row_dtype(row: Row, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if row.keep_fp32 else dtype
 
 
+def _spec_value(term: str, spec: DecoderSpec) -> int:
+    if term.isdigit():
+        return int(term)
+    value = spec
+    for part in term.split("."):
+        value = getattr(value, part)
+    return int(value)
+
+
+def resolve_dim(dim, spec: DecoderSpec) -> int:
+    """One declared dimension as a number: an int, a DecoderSpec attribute name (dotted: ``"v4.q_lora_rank"``), or
+    a product / exact quotient of those and integer literals (``"2*head_dim"``, ``"q_size/v4.o_groups"``, left
+    to right)."""
+    if isinstance(dim, int):
+        return dim
+    tokens = re.split(r"([*/])", dim.replace(" ", ""))
+    value = _spec_value(tokens[0], spec)
+    for op, term in zip(tokens[1::2], tokens[2::2]):
+        n = _spec_value(term, spec)
+        if op == "/" and value % n:
+            raise ValueError(f"shape {dim!r}: {value} is not divisible by {n}")
+        value = value * n if op == "*" else value // n
+    return value
+
+
 def resolve_shape(shape, spec: DecoderSpec) -> tuple[int, ...]:
-    """A row's declared shape (ints or DecoderSpec attribute names) as numbers."""
-    return tuple(d if isinstance(d, int) else int(getattr(spec, d)) for d in shape)
+    """A row's declared shape (ints, DecoderSpec attribute names or products of them: :func:`resolve_dim`) as
+    numbers."""
+    return tuple(resolve_dim(d, spec) for d in shape)
 
 
 def expected_hf_shapes(table, spec: DecoderSpec, *, task: str, pp: int) -> dict[str, tuple[int, ...]]:
