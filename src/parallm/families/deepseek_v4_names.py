@@ -26,9 +26,16 @@ them through :mod:`parallm.checkpoint.fp8` / :mod:`parallm.checkpoint.fp4` like 
 
 from __future__ import annotations
 
-from ..checkpoint.fp4 import fp4_scale_shape, is_packed, packed_shape
-from ..checkpoint.fp8 import DOT_SCALE, SCALE_SUFFIX
+import torch
+
 from ..errors import CheckpointError
+
+# The scale spellings and the FP4 layout of parallm.checkpoint.fp8 / fp4, restated: families/ sits below
+# checkpoint/ (the loader imports the families), so it cannot import them. tests/test_v4_checkpoint.py checks the
+# listing against the loader's view of a real checkpoint.
+DOT_SCALE, SCALE_SUFFIX = ".scale", "_scale_inv"
+FP4_GROUP = 32
+_PACKED = (torch.int8,) + tuple(getattr(torch, n) for n in ("float4_e2m1fn_x2",) if hasattr(torch, n))
 
 MODEL = "model."
 MTP_PREFIX = "mtp."
@@ -115,9 +122,9 @@ def mtp_tensors(present: dict, dtypes: dict | None = None) -> tuple[tuple[str, t
         shape = mtp[name]
         scale = scales.get(name)
         if scale is not None:
-            packed = is_packed(dtypes.get(name)) if dtypes is not None else (
-                len(shape) >= 2 and mtp[scale] == fp4_scale_shape(shape) and shape[-2] > 1)
+            packed = dtypes.get(name) in _PACKED if dtypes is not None else (
+                len(shape) >= 2 and mtp[scale] == (*shape[:-1], -(-2 * shape[-1] // FP4_GROUP)) and shape[-2] > 1)
             if packed:
-                shape = packed_shape(shape)
+                shape = (*shape[:-1], 2 * shape[-1])
         out.append((name, shape))
     return tuple(out)
