@@ -85,7 +85,7 @@ def test_fp8_dot_scale_names():
                      dict(dtypes, **{"a.weight_scale_inv": torch.float32}), BLOCK, where="ckpt")
     with pytest.raises(CheckpointError, match=r"a.weight is float8 .*a.weight_scale_inv or a.scale"):
         fp8.fp8_plan({"a.weight": (32, 32)}, {"a.weight": q.dtype}, BLOCK, where="ckpt")
-    with pytest.raises(CheckpointError, match=r"scale of a.weight has shape \[1, 1\]"):
+    with pytest.raises(CheckpointError, match=r"a.scale has shape \[1, 1\]"):
         fp8.fp8_plan(dict(present, **{"a.scale": (1, 1)}), dtypes, BLOCK, where="ckpt")
     state = fp8.dequantize_state_dict({"a.weight": q, "a.scale": s}, dtype=torch.float32, block=BLOCK)
     assert list(state) == ["a.weight"] and torch.equal(state["a.weight"], _tf_dequantize(q, s))

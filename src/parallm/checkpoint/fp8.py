@@ -143,18 +143,19 @@ def scale_grid(shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> tuple[
 
 
 def check_scale(name: str, weight_shape, weight_dtype: torch.dtype, scale_shape, scale_dtype: torch.dtype,
-                block: tuple[int, int] = BLOCK) -> None:
+                block: tuple[int, int] = BLOCK, scale: str | None = None) -> None:
     """Raise :class:`CheckpointError` naming ``name`` (the weight's checkpoint name) when its scale cannot
     dequantise it: a non-float8 weight, a scale that is not a float tensor, or a grid that is not the block
-    grid of the weight. Reads metadata only."""
+    grid of the weight. Reads metadata only. ``scale``: the scale's name (default ``<name>_scale_inv``)."""
+    scale = scale or scale_name(name)
     if not is_fp8(weight_dtype):
-        raise CheckpointError(f"{name} has a block scale but is {weight_dtype}, not a float8 weight")
+        raise CheckpointError(f"{name} has a block scale {scale} but is {weight_dtype}, not a float8 weight")
     if not is_scale_dtype(scale_dtype):
-        raise CheckpointError(f"the scale of {name} is {scale_dtype}; block scales must be floating point "
+        raise CheckpointError(f"{scale} is {scale_dtype}; block scales must be floating point "
                               "(float32 / bfloat16 / float8_e8m0fnu) or uint8 UE8M0 exponents")
     want = scale_grid(tuple(weight_shape), block)
     if tuple(scale_shape) != want:
-        raise CheckpointError(f"the scale of {name} has shape {list(scale_shape)}; a {list(weight_shape)} weight in "
+        raise CheckpointError(f"{scale} has shape {list(scale_shape)}; a {list(weight_shape)} weight in "
                               f"{block[0]}x{block[1]} blocks needs {list(want)}")
 
 
@@ -204,10 +205,10 @@ def dequantize_state_dict(state: Mapping[str, torch.Tensor], *, dtype: torch.dty
                 raise CheckpointError(f"{name} is {tensor.dtype} but the checkpoint has no {scale_name(name)} "
                                       f"(one scale per {block[0]}x{block[1]} block): a plain cast would load wrong "
                                       "weights")
-            check_scale(name, tensor.shape, tensor.dtype, scale.shape, scale.dtype, block)
+            check_scale(name, tensor.shape, tensor.dtype, scale.shape, scale.dtype, block, pairs[name])
             out[name] = dequantize(tensor, scale, block=block, dtype=dtype)
         elif scale is not None:
-            check_scale(name, tensor.shape, tensor.dtype, scale.shape, scale.dtype, block)  # raises: not float8
+            check_scale(name, tensor.shape, tensor.dtype, scale.shape, scale.dtype, block, pairs[name])  # raises
         else:
             out[name] = tensor
     for weight, scale in pairs.items():
@@ -269,7 +270,7 @@ def fp8_plan(present: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.
     for weight, scale in sorted(scales.items()):
         if weight not in present:
             raise CheckpointError(f"{where}: {scale} is a block scale without its weight {weight}")
-        check_scale(weight, present[weight], dtypes[weight], present[scale], dtypes[scale], block)
+        check_scale(weight, present[weight], dtypes[weight], present[scale], dtypes[scale], block, scale)
     unscaled = [n for n in fp8 if n not in scales]
     if unscaled:
         raise CheckpointError(f"{where}: {', '.join(unscaled[:4])} is float8 but the checkpoint has no "
