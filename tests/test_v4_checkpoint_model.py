@@ -117,7 +117,7 @@ def test_mixed_spellings_and_missing_scales_refused(world_of_one, checkpoints, t
     root, hub, _ = checkpoints
     chunks = parallm.build_model(str(root / "hub"), dtype=torch.float32)
     cases = {
-        "mixed": (dict(hub, **{"model.layers.0.attn_norm.weight": hub["layers.0.attn_norm.weight"]}),
+        "mixed": (dict(hub, **{"model.layers.0.attn_norm.weight": hub["layers.0.attn_norm.weight"].clone()}),
                   r"mixing the Hub names .*model\.layers\.0\.attn_norm\.weight"),
         "no_fp8_scale": ({k: v for k, v in hub.items() if k != "layers.1.attn.wq_a.scale"},
                          r"layers\.1\.attn\.wq_a\.weight is float8 but the checkpoint has no"),
