@@ -1,6 +1,6 @@
 """A DeepSeek-V4 checkpoint as the Hub ships it (FP8 attention / shared-expert linears with UE8M0 ``X.scale``,
 FP4 routed experts, the Hub's names, an MTP layer; quantised by the test from a tiny model transformers saved)
-loaded by parallm through its public API equals transformers' ``from_pretrained(...,
+loaded by parallm through its public API (one rank, and tp2·ep2 in slice and broadcast mode) equals transformers' ``from_pretrained(...,
 quantization_config=FineGrainedFP8Config(dequantize=True))``: the weights bit for bit (fp32 and bf16), the logits
 to 1e-5; saved in transformers' save names, dequantised, and read back bit for bit; the legacy
 ``DeepseekV3ForCausalLM`` config of the same checkpoint loads the same model; a checkpoint mixing both spellings
@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import helpers
 import parallm
 from parallm.errors import CheckpointError
 from v4_checkpoint_helpers import (BLOCK, fp4_by_definition, mtp_layer, quantize_state, save_tiny_v4,
@@ -132,3 +133,34 @@ def test_mixed_spellings_and_missing_scales_refused(world_of_one, checkpoints, t
         (path / "config.json").write_text(json.dumps(config))
         with pytest.raises(CheckpointError, match=pattern):
             parallm.load_hf_weights(chunks, str(path))
+
+
+def rank_load(rank, world, path, ids, mask):
+    """tp2·ep2: each rank reads only its experts' FP4 bytes and its TP slices (slice mode), or receives them from
+    rank 0 (broadcast); rank 0 returns the logits and the save of each."""
+    parallm.init_parallel(tp=2, ep=2)
+    out = {}
+    for mode in ("slice", "broadcast"):
+        chunks = parallm.build_model(path, dtype=torch.float32)
+        report = parallm.load_hf_weights(chunks, path, mode=mode)
+        logits = parallm.forward(chunks, ids, mask)
+        saved = parallm.save_hf_weights(chunks)
+        if rank == 0:
+            out[mode] = (report.mode, logits, saved)
+    parallm.destroy_parallel()
+    return out
+
+
+def test_hub_checkpoint_tp2_ep2(checkpoints):
+    root, hub, refs = checkpoints
+    ref, expected = refs[torch.float32]
+    ids, mask = _batch(ref.config.vocab_size)
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask).logits
+    results = helpers.run_ranks(rank_load, 4, str(root / "hub"), ids, mask, timeout=600)
+    for mode, (used, logits, saved) in results[0].items():
+        assert used == mode
+        err = (logits - want)[mask.bool()].abs().max().item()
+        print(f"tp2·ep2 {mode}: max |logits - transformers'| = {err:.3g}")
+        assert err < 1e-5
+        _check_saved(saved, expected, hub)
