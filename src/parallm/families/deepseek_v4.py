@@ -23,9 +23,11 @@ from ..model.positions.rope import RopeSpec
 from ..model.positions.yarn import yarn_spec_from_params
 from ..model.spec import DecoderSpec
 from ..model.table import Row
-from .deepseek_v3 import base_kwargs_without_rope, mtp_layers_of
+from .deepseek_v3 import base_kwargs_without_rope
 from .deepseek_v4_attention import V4_ATTENTION_ROWS
 from .deepseek_v4_moe import V4_MOE_ROWS, v4_moe_spec
+from .deepseek_v4_names import checkpoint_names, mtp_tensors
+from .hybrid_common import CARRIED_MTP_ROW
 from .registry import Family, register
 
 MODEL_TYPES = ("deepseek_v4",)
@@ -90,10 +92,13 @@ def deepseek_v4_spec(config) -> DecoderSpec:
         raise ValueError("DeepSeek-V4 with attention_bias / mlp_bias is not supported (transformers' V4 has no "
                          "biases in its projections)")
     v4 = _v4_attention_spec(config)
-    kwargs = base_kwargs_without_rope(config, "deepseek_v4")
+    # transformers maps intermediate_size onto moe_intermediate_size (the shared expert's width); to_dict has no key
+    kwargs = base_kwargs_without_rope(dict(config.to_dict(), intermediate_size=config.moe_intermediate_size),
+                                      "deepseek_v4")
     kwargs.update(num_kv_heads=1, head_dim=int(config.head_dim), rope=v4.main_rope)
-    return DecoderSpec(**kwargs, norm_weight_fp32=True, v4=v4, moe=v4_moe_spec(config),
-                       mtp_layers=mtp_layers_of(config))
+    # the MTP layer(s) are mtp.{j}.* in the checkpoint (not DeepSeek-V3's model.layers.{L + j}): carried, listed
+    # from the checkpoint's headers by mtp_tensors (build_model(mtp=...))
+    return DecoderSpec(**kwargs, norm_weight_fp32=True, v4=v4, moe=v4_moe_spec(config))
 
 
 # -- the weight table -----------------------------------------------------------------------------------------
@@ -129,6 +134,7 @@ DEEPSEEK_V4_TABLE: tuple[Row, ...] = (
     Row("output_layer.weight", ("model.embed_tokens.weight",), "vocab", "last", ((V, H),),
         when=("causal_lm", "tied_copy"), save=False, tied="copy"),
     Row("score.weight", ("score.weight",), "copy", "last", ((1, H),), when=("value",), tp_sum="sp"),
+    CARRIED_MTP_ROW,
 )
 
 DEEPSEEK_V4 = register(Family(
@@ -139,4 +145,6 @@ DEEPSEEK_V4 = register(Family(
     table=DEEPSEEK_V4_TABLE,
     causal_architecture="DeepseekV4ForCausalLM",
     value_architecture="DeepseekV4ForSequenceClassification",
+    mtp_tensors=mtp_tensors,
+    checkpoint_names=checkpoint_names,
 ))

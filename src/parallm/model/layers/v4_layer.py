@@ -44,7 +44,7 @@ class V4Layer(nn.Module):
         self.self_attention = V4Attention(spec, config, tp, device, layer_number=layer_number, cp_group=cp_group,
                                           tp_group=tp_group)
         self.post_attention_layernorm = norm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
-        self.mlp = MoEBlock(spec, config, dims, device)
+        self.mlp = MoEBlock(spec, config, dims, device, layer=layer_number)
 
     def forward(self, x, cos, sin, ctx, tokens=None, routed=None):
         streams = x.unflatten(-1, (self.n, self.hidden))
