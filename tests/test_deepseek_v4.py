@@ -220,3 +220,44 @@ def test_deepseek_v4_layouts_against_transformers(tmp_path):
     results = helpers.run_ranks(rank_cases, WORLD, cases)
     layout_harness.check(cases, results, tol=TOL)
     assert {"break_sinkhorn", "break_pool", "break_hash"} <= set(results[0][0])
+
+
+def rank_bf16(rank, world, ckpt, ids, mask, ref):
+    import parallm
+    parallm.init_parallel(tp=world)
+    chunks = parallm.build_model(ckpt, dtype=torch.bfloat16)
+    parallm.load_hf_weights(chunks, ckpt)
+    fp32 = sorted({n.split(".")[-2] + "." + n.split(".")[-1] for c in chunks for n, p in c.named_parameters()
+                   if p.dtype == torch.float32})
+    diff = helpers.max_diff_real(parallm.forward(chunks, ids, mask).float(), ref, mask)
+    sd = parallm.save_hf_weights(chunks)
+    parallm.destroy_parallel()
+    return fp32, diff, {k: str(v.dtype) for k, v in sd.items()} if rank == 0 else None
+
+
+@pytest.mark.timeout(600)
+def test_bf16_keeps_transformers_fp32_modules(tmp_path):
+    """bf16 at tp2: the modules transformers keeps in fp32 (hyper-connections, norms, sinks, position biases, the
+    correction bias) are fp32 parameters, saved in fp32; against the fp32 model's logits, parallm's bf16 error is
+    no larger than twice transformers' own bf16 error (bf16 rounding moves the indexer's top-k, so both drift)."""
+    import transformers
+    model = make_model(v4_config(), seed=5)
+    ckpt = str(tmp_path / "m")
+    model.save_pretrained(ckpt)
+    ids, mask = right_padded_batch(V4["vocab_size"], batch=4, seq=SEQ, seed=5)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
+    assert hf.model.layers[0].attn_hc.fn.dtype == torch.float32 and hf.model.norm.weight.dtype == torch.float32
+    from parallm.verify.reference import hf_output
+    with torch.no_grad():
+        ref = hf_output(model, ids, mask)
+        hf_error = helpers.max_diff_real(hf_output(hf, ids, mask).float(), ref, mask)
+    results = helpers.run_ranks(rank_bf16, 2, ckpt, ids, mask, ref)
+    fp32, diff, saved = results[0]
+    for name in ("attn_hc.fn", "ffn_hc.scale", "hc_head.hc_fn", "input_layernorm.weight", "final_norm.weight",
+                 "self_attention.sinks"):
+        assert any(n.endswith(name.split(".", 1)[-1]) for n in fp32), (name, fp32)
+    assert saved["model.layers.1.hc_attn_fn"] == "torch.float32" and saved["model.norm.weight"] == "torch.float32"
+    assert saved["model.layers.1.attn.wq_a.weight"] == "torch.bfloat16"
+    ours = max(r[1] for r in results)
+    print(f"bf16 vs the fp32 model: parallm {ours:.3f}, transformers {hf_error:.3f}")
+    assert ours <= 2 * hf_error + 1e-2, (ours, hf_error)

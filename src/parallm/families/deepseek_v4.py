@@ -111,25 +111,29 @@ def _layer_hc_rows(block: str) -> tuple[Row, ...]:
     """``attn_hc`` / ``ffn_hc`` of a layer: ``model.layers.{i}.hc_{attn,ffn}_{fn,base,scale}``."""
     hf = LAYER + f"hc_{block}_"
     shapes = {"fn": (("hc_mix_width", "stream_width"),), "base": (("hc_mix_width",),), "scale": ((3,),)}
-    return tuple(Row(f"layers.{{l}}.{block}_hc.{p}", (hf + p,), "copy", "layer", shapes[p], tp_sum="sp")
-                 for p in ("fn", "base", "scale"))
+    return tuple(Row(f"layers.{{l}}.{block}_hc.{p}", (hf + p,), "copy", "layer", shapes[p], tp_sum="sp",
+                     keep_fp32=True) for p in ("fn", "base", "scale"))
 
 
-HEAD_HC_ROWS = tuple(Row(f"hc_head.{p}", (f"model.hc_head.{p}",), "copy", "last", (shape,), tp_sum="sp")
+# fp32 in a model of any dtype, as transformers keeps them (_keep_in_fp32_modules_strict): the hyper-connections,
+# the layer norms and the final norm (the attention's and the MoE's own fp32 rows are in their row tables)
+HEAD_HC_ROWS = tuple(Row(f"hc_head.{p}", (f"model.hc_head.{p}",), "copy", "last", (shape,), tp_sum="sp",
+                         keep_fp32=True)
                      for p, shape in (("hc_fn", ("hc_mult", "stream_width")), ("hc_base", ("hc_mult",)),
                                       ("hc_scale", (1,))))
 
 DEEPSEEK_V4_TABLE: tuple[Row, ...] = (
     Row("embedding.weight", ("model.embed_tokens.weight",), "vocab", "first", ((V, H),), tied="embedding"),
     *_layer_hc_rows("attn"),
-    Row("layers.{l}.input_layernorm.weight", (LAYER + "attn_norm.weight",), "copy", "layer", ((H,),), tp_sum="sp"),
+    Row("layers.{l}.input_layernorm.weight", (LAYER + "attn_norm.weight",), "copy", "layer", ((H,),), tp_sum="sp",
+        keep_fp32=True),
     *V4_ATTENTION_ROWS,
     *_layer_hc_rows("ffn"),
     Row("layers.{l}.post_attention_layernorm.weight", (LAYER + "ffn_norm.weight",), "copy", "layer", ((H,),),
-        tp_sum="sp"),
+        tp_sum="sp", keep_fp32=True),
     *V4_MOE_ROWS,
     *HEAD_HC_ROWS,
-    Row("final_norm.weight", ("model.norm.weight",), "copy", "last", ((H,),), tp_sum="sp"),
+    Row("final_norm.weight", ("model.norm.weight",), "copy", "last", ((H,),), tp_sum="sp", keep_fp32=True),
     Row("output_layer.weight", ("head.weight",), "vocab", "last", ((V, H),), when=("causal_lm", "untied")),
     Row("output_layer.weight", ("model.embed_tokens.weight",), "vocab", "last", ((V, H),),
         when=("causal_lm", "tied_copy"), save=False, tied="copy"),

@@ -262,7 +262,9 @@ class DecoderChunk(ChunkIO, nn.Module):
         """The last stage's final norm and head (output layer, value score or none), and the carried
         multi-token-prediction tensors / layers."""
         task, pre_process = self.task, self.pre_process
-        self.final_norm = norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
+        # DeepSeek-V4 keeps its final norm's weight in fp32 in a model of any dtype, as transformers does
+        norm_dtype = torch.float32 if spec.v4 is not None else config.params_dtype
+        self.final_norm = norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, norm_dtype, device)
         if spec.v4 is not None:          # DeepSeek-V4: the streams collapsed before the final norm
             self.hc_head = HyperHead(spec.hidden_size, spec.v4.hc_mult, eps=spec.v4.hc_eps,
                                      norm_eps=spec.rms_norm_eps, device=device)

@@ -15,6 +15,7 @@ computes its own RoPE from ``ctx.positions``.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .hyper_connections import HyperConnection, mix_streams
@@ -37,13 +38,13 @@ class V4Layer(nn.Module):
         hc = dict(sinkhorn_iters=v4.hc_sinkhorn_iters, eps=v4.hc_eps, norm_eps=spec.rms_norm_eps, device=device)
         self.attn_hc = HyperConnection(spec.hidden_size, v4.hc_mult, **hc)
         self.ffn_hc = HyperConnection(spec.hidden_size, v4.hc_mult, **hc)
-        norm = norm_class(spec)
-        self.input_layernorm = norm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
+        norm = norm_class(spec)     # fp32 weights in a model of any dtype, as transformers keeps V4's norms
+        self.input_layernorm = norm(spec.hidden_size, spec.rms_norm_eps, torch.float32, device)
         cp_group = dims.cp_group if dims is not None and dims.cp > 1 else None
         tp_group = dims.tp_group if dims is not None and dims.tp > 1 else None
         self.self_attention = V4Attention(spec, config, tp, device, layer_number=layer_number, cp_group=cp_group,
                                           tp_group=tp_group)
-        self.post_attention_layernorm = norm(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
+        self.post_attention_layernorm = norm(spec.hidden_size, spec.rms_norm_eps, torch.float32, device)
         self.mlp = MoEBlock(spec, config, dims, device, layer=layer_number)
 
     def forward(self, x, cos, sin, ctx, tokens=None, routed=None):
