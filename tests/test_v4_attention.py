@@ -175,16 +175,17 @@ def test_sparse_kernel_sink_gradients():
 
 
 def test_no_square_tensor(world_of_one, monkeypatch):
-    """S = 1024 on one row, CSA and HCA: the largest tensor any operation of the forward and backward makes stays
-    below S * S / 8 elements (the kernel's and the indexer's blocks made small so that a square one would
-    show)."""
+    """S = 1024 on one row, CSA and HCA (rate 4: 256 entries a late query sees, so the HCA index made whole,
+    S x (window + 256), would exceed the bound): the largest tensor any operation of the forward and backward
+    makes stays below S * S / 8 elements (the kernel's and the indexer's blocks made small so that a square one
+    would show)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from parallm.model.layers import dsa, indexer
     from parallm.model.layers.attention import Packing, make_packing
     monkeypatch.setattr(indexer, "SCORE_BUDGET", 1 << 15)
     monkeypatch.setattr(dsa, "GATHER_BUDGET", 1 << 15)
-    cfg = cases.hf_config(topk=8, csa_rate=4, hca_rate=64, window=16)
+    cfg = cases.hf_config(topk=8, csa_rate=4, hca_rate=4, window=16)
     spec = cases.parallm_spec(cfg)
     s = 1024
 
@@ -209,6 +210,9 @@ def test_no_square_tensor(world_of_one, monkeypatch):
         with Largest():
             attn(x, None, None, ctx).sum().backward()
         assert Largest.biggest < s * s // 8, (kind, Largest.biggest)
+    from parallm.model.layers.v4_layout import V4Index, v4_layout
+    whole = V4Index(v4_layout(ctx), cfg.sliding_window, rate=4).shape
+    assert whole[0] * whole[1] > s * s // 8, whole             # the bound would catch a whole HCA index
 
 
 def test_bf16_close_to_transformers(world_of_one):

@@ -57,7 +57,7 @@ from .dsa import sparse_latent_attention
 from .mla import ReplicatedLinear
 from .mlp import no_init
 from .v4_compress import V4Compressor, V4Indexer, V4RMSNorm, rope_tail, v4_cos_sin
-from .v4_layout import v4_layout
+from .v4_layout import V4Index, v4_layout
 
 mtp = import_megatron().tensor_parallel
 
@@ -156,15 +156,12 @@ class V4Attention(nn.Module):
             keys = mtp.copy_to_tensor_model_parallel_region(keys)
         return keys
 
-    def _index(self, lay, xf, q_resid, cos, sin, keys_x):
-        """``[Q, window (+ entries)]`` int32 rows of the key matrix each query attends to, -1: empty."""
-        parts = [lay.window(self.window)]
-        if self.kind == "hca":
-            parts.append(lay.compressed(self.rate, lay.keys))
-        elif self.kind == "csa":
+    def _index(self, lay, xf, q_resid, cos, sin, keys_x) -> V4Index:
+        """Each query's rows of the key matrix (:class:`V4Index`, made block by block by the kernel)."""
+        if self.kind == "csa":
             sel = self.indexer.select(xf, q_resid, cos, sin, lay, self.rope, keys_x=keys_x)
-            parts.append(torch.where(sel >= 0, sel + lay.keys, sel))
-        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+            return V4Index(lay, self.window, selected=sel)
+        return V4Index(lay, self.window, rate=self.rate if self.kind == "hca" else None)
 
 
 def _positions(ctx, s: int, b: int) -> torch.Tensor:
