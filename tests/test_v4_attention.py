@@ -33,7 +33,10 @@ def _check(got, ref, what):
     assert sorted(grads) == sorted(k for k in r_grads if not k.startswith("indexer.")), (sorted(grads),
                                                                                           sorted(r_grads))
     errs.update({k: cases.max_err(grads[k], r_grads[k]) for k in grads})
+    weak = [k for k in grads if float(r_grads[k].abs().max()) < 1e-3]
+    assert not weak, (what, weak)                 # every trained parameter's gradient is checked, none is ~0
     worst = max(errs.values())
+    print(f"{what}: worst error {worst:.2e} ({max(errs, key=errs.get)})")
     assert worst <= TOL, (what, errs)
     return worst
 
