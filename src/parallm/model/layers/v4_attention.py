@@ -83,7 +83,9 @@ def check_v4_tp(spec, tp: int) -> None:
 
 class V4Attention(nn.Module):
     """One DeepSeek-V4 attention layer (see the module docstring), called like every attention layer:
-    ``forward(x, cos, sin, ctx)`` with ``ctx.positions`` set (cos / sin unused)."""
+    ``forward(x, cos, sin, ctx)`` with ``ctx.positions`` set (cos / sin unused). ``layer_number``: the global
+    layer index (its kind: ``spec.v4.kind``); ``cp_group``: the context-parallel group (a ContextSplit's keys
+    are gathered over it); ``tp_group``: given to ``o_b_proj`` (None: megatron-core's default TP group)."""
 
     def __init__(self, spec, config, tp: int, device=None, *, layer_number: int, cp_group=None, tp_group=None):
         super().__init__()
@@ -109,7 +111,8 @@ class V4Attention(nn.Module):
         self.o_a_proj = SplitLinear(self.groups * v.o_lora_rank, spec.num_heads * hd // v.o_groups, dtype=dtype,
                                     device=device)
         self.o_b_proj = mtp.RowParallelLinear(v.o_groups * v.o_lora_rank, h, config=config, init_method=no_init,
-                                              bias=False, input_is_parallel=True, skip_bias_add=False)
+                                              bias=False, input_is_parallel=True, skip_bias_add=False,
+                                              tp_group=tp_group)
         self.compressor = None if self.rate is None else V4Compressor(
             h, hd, self.rate, overlap=self.kind == "csa", eps=spec.rms_norm_eps, dtype=dtype, device=device)
         self.indexer = V4Indexer(spec, dtype, device) if self.kind == "csa" else None
