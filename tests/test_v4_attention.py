@@ -68,7 +68,6 @@ def test_yarn_compress_rope(world_of_one):
 
 def _hf_index_scores(layer, cfg, x, n):
     """transformers' indexer scores ``[n, entries]`` (future entries -inf) of the first row's first n tokens."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
     idx = layer.compressor.indexer
     captured = {}
     hook = idx.scorer.register_forward_hook(lambda m, a, out: captured.setdefault("s", out))

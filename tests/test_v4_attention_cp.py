@@ -19,15 +19,12 @@ RUNS = [(kind, packed) for kind in ("sliding", "hca", "csa") for packed in (Fals
 
 def run_cp(spec, state, layer, x, r, packed, sp=False, *, cp, tp, cp_rank, tp_rank, cp_group):
     from parallm.model.context_parallel import split_batch
-    from parallm.model.decoder import make_config
-    from parallm.model.layers.v4_attention import V4Attention
     b, s, h = x.shape
     mask = torch.arange(s)[None] < torch.tensor(LENGTHS)[:, None]
     pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
     split = split_batch(torch.zeros(b, s, dtype=torch.long), pos, mask.long(), cp=cp, rank=cp_rank, packed=packed,
                         multiple=tp if sp else 1)
-    attn = cases.build(spec, state, layer, tp=tp, rank=tp_rank, sp=sp)
-    attn = _with_cp(attn, cp_group)
+    attn = cases.build(spec, state, layer, tp=tp, rank=tp_rank, sp=sp, cp_group=cp_group)
     origin = split.origin.view(cp, split.rows, split.width)[cp_rank]                  # [rows, width]
     real = (origin >= 0)[..., None].float()
     xs = (x.reshape(b * s, h)[origin.clamp(min=0)] * real).detach().requires_grad_()
@@ -39,11 +36,6 @@ def run_cp(spec, state, layer, x, r, packed, sp=False, *, cp, tp, cp_rank, tp_ra
     (out * rs).sum().backward()
     grads = {n: p.grad for n, p in attn.named_parameters() if p.grad is not None}
     return out.detach() * real, xs.grad * real, grads, origin
-
-
-def _with_cp(attn, group):
-    attn.cp_group = group
-    return attn
 
 
 def cp_rank_fn(rank, world, runs, tp):

@@ -92,8 +92,9 @@ class SparseLatentAttention(torch.autograd.Function):
     q ``[Q, h, D]``, kv ``[N, D]`` (one key row per token, shared by every head; its first ``dv`` channels are the
     value), index ``[Q, k]`` int32 (-1: an empty slot, FlashMLA's form; or any object with ``.shape`` whose
     ``index[a:e]`` makes those rows' int32 index, block by block: DeepSeek-V4's, never whole). Returns ``[Q, h,
-    dv]`` in q's dtype (fp32 softmax and accumulation); a query without a valid key gets zeros. Blocks of queries: at most :data:`GATHER_BUDGET` gathered elements at a
-    time; the backward recomputes each block from the saved log-sum-exp."""
+    dv]`` in q's dtype (fp32 softmax and accumulation); a query without a valid key gets zeros. Blocks of
+    queries: at most :data:`GATHER_BUDGET` gathered elements at a time; the backward recomputes each block from
+    the saved log-sum-exp."""
 
     @staticmethod
     def forward(ctx, q, kv, index, scale, dv, budget, sink=None):
