@@ -278,3 +278,25 @@ def test_refusals(world_of_one):
     ctx = PaddedRows(torch.ones(2, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="ctx.positions"):
         attn(torch.randn(4, 2, 32), None, None, ctx)
+
+
+def test_sgd_step_leaves_the_indexer(world_of_one):
+    """A CSA layer's training step (SGD over every parameter): the indexer (and its compressor) unchanged, bit
+    for bit, the rest moved."""
+    cfg = cases.hf_config()
+    spec = cases.parallm_spec(cfg)
+    x, r = _batch(cfg.hidden_size)
+    state = cases.hf_reference(cases.hf_layer(cfg, "csa"), cfg, x, LENGTHS, r)[3]
+    from parallm.model.layers.attention import make_packing, pack_tokens
+    attn = cases.build(spec, state, cases.LAYER["csa"])
+    before = {n: p.detach().clone() for n, p in attn.named_parameters()}
+    mask = _real_mask()
+    ctx = make_packing(mask)
+    ctx.positions = pack_tokens((mask.long().cumsum(-1) - 1).clamp(min=0), ctx)[:, None]
+    xs = torch.stack([pack_tokens(x[..., k], ctx) for k in range(x.shape[-1])], -1)[:, None]
+    opt = torch.optim.SGD(attn.parameters(), lr=0.1)
+    attn(xs, None, None, ctx).square().sum().backward()
+    opt.step()
+    for n, p in attn.named_parameters():
+        same = torch.equal(p, before[n])
+        assert same == n.startswith("indexer."), n
