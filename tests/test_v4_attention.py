@@ -33,7 +33,10 @@ def _check(got, ref, what):
     assert sorted(grads) == sorted(k for k in r_grads if not k.startswith("indexer.")), (sorted(grads),
                                                                                           sorted(r_grads))
     errs.update({k: cases.max_err(grads[k], r_grads[k]) for k in grads})
+    weak = [k for k in grads if float(r_grads[k].abs().max()) < 1e-3]
+    assert not weak, (what, weak)                 # every trained parameter's gradient is checked, none is ~0
     worst = max(errs.values())
+    print(f"{what}: worst error {worst:.2e} ({max(errs, key=errs.get)})")
     assert worst <= TOL, (what, errs)
     return worst
 
@@ -65,7 +68,6 @@ def test_yarn_compress_rope(world_of_one):
 
 def _hf_index_scores(layer, cfg, x, n):
     """transformers' indexer scores ``[n, entries]`` (future entries -inf) of the first row's first n tokens."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
     idx = layer.compressor.indexer
     captured = {}
     hook = idx.scorer.register_forward_hook(lambda m, a, out: captured.setdefault("s", out))
@@ -175,16 +177,17 @@ def test_sparse_kernel_sink_gradients():
 
 
 def test_no_square_tensor(world_of_one, monkeypatch):
-    """S = 1024 on one row, CSA and HCA: the largest tensor any operation of the forward and backward makes stays
-    below S * S / 8 elements (the kernel's and the indexer's blocks made small so that a square one would
-    show)."""
+    """S = 1024 on one row, CSA and HCA (rate 4: 256 entries a late query sees, so the HCA index made whole,
+    S x (window + 256), would exceed the bound): the largest tensor any operation of the forward and backward
+    makes stays below S * S / 8 elements (the kernel's and the indexer's blocks made small so that a square one
+    would show)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from parallm.model.layers import dsa, indexer
     from parallm.model.layers.attention import Packing, make_packing
     monkeypatch.setattr(indexer, "SCORE_BUDGET", 1 << 15)
     monkeypatch.setattr(dsa, "GATHER_BUDGET", 1 << 15)
-    cfg = cases.hf_config(topk=8, csa_rate=4, hca_rate=64, window=16)
+    cfg = cases.hf_config(topk=8, csa_rate=4, hca_rate=4, window=16)
     spec = cases.parallm_spec(cfg)
     s = 1024
 
@@ -209,6 +212,9 @@ def test_no_square_tensor(world_of_one, monkeypatch):
         with Largest():
             attn(x, None, None, ctx).sum().backward()
         assert Largest.biggest < s * s // 8, (kind, Largest.biggest)
+    from parallm.model.layers.v4_layout import V4Index, v4_layout
+    whole = V4Index(v4_layout(ctx), cfg.sliding_window, rate=4).shape
+    assert whole[0] * whole[1] > s * s // 8, whole             # the bound would catch a whole HCA index
 
 
 def test_bf16_close_to_transformers(world_of_one):
@@ -272,3 +278,25 @@ def test_refusals(world_of_one):
     ctx = PaddedRows(torch.ones(2, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="ctx.positions"):
         attn(torch.randn(4, 2, 32), None, None, ctx)
+
+
+def test_sgd_step_leaves_the_indexer(world_of_one):
+    """A CSA layer's training step (SGD over every parameter): the indexer (and its compressor) unchanged, bit
+    for bit, the rest moved."""
+    cfg = cases.hf_config()
+    spec = cases.parallm_spec(cfg)
+    x, r = _batch(cfg.hidden_size)
+    state = cases.hf_reference(cases.hf_layer(cfg, "csa"), cfg, x, LENGTHS, r)[3]
+    from parallm.model.layers.attention import make_packing, pack_tokens
+    attn = cases.build(spec, state, cases.LAYER["csa"])
+    before = {n: p.detach().clone() for n, p in attn.named_parameters()}
+    mask = _real_mask()
+    ctx = make_packing(mask)
+    ctx.positions = pack_tokens((mask.long().cumsum(-1) - 1).clamp(min=0), ctx)[:, None]
+    xs = torch.stack([pack_tokens(x[..., k], ctx) for k in range(x.shape[-1])], -1)[:, None]
+    opt = torch.optim.SGD(attn.parameters(), lr=0.1)
+    attn(xs, None, None, ctx).square().sum().backward()
+    opt.step()
+    for n, p in attn.named_parameters():
+        same = torch.equal(p, before[n])
+        assert same == n.startswith("indexer."), n

@@ -104,14 +104,14 @@ def hf_reference(layer, cfg, x, lengths, r):
     return out, gx, grads, state
 
 
-def build(spec, state, layer: int, *, tp: int = 1, rank: int = 0, sp: bool = False):
+def build(spec, state, layer: int, *, tp: int = 1, rank: int = 0, sp: bool = False, cp_group=None):
     from parallm.model.decoder import make_config
     from parallm.model.layers.v4_attention import V4Attention
     from parallm.parallel.cpu_compat import enable_megatron_sequence_parallel_on_cpu
     config = make_config(tp=tp, pp=1, vpp=None, dtype=torch.float32, sequence_parallel=sp)
     if config.sequence_parallel:
         enable_megatron_sequence_parallel_on_cpu()
-    attn = V4Attention(spec, config, tp, layer_number=layer)
+    attn = V4Attention(spec, config, tp, layer_number=layer, cp_group=cp_group)
     params = dict(attn.named_parameters())
     assert sorted(params) == sorted(state), (sorted(params), sorted(state))
     with torch.no_grad():

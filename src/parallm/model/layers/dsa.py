@@ -90,9 +90,11 @@ class SparseLatentAttention(torch.autograd.Function):
     per-head ``sink`` logit in the denominator when given).
 
     q ``[Q, h, D]``, kv ``[N, D]`` (one key row per token, shared by every head; its first ``dv`` channels are the
-    value), index ``[Q, k]`` int32 (-1: an empty slot, FlashMLA's form). Returns ``[Q, h, dv]`` in q's dtype (fp32 softmax and accumulation); a query
-    without a valid key gets zeros. Blocks of queries: at most :data:`GATHER_BUDGET` gathered elements at a
-    time; the backward recomputes each block from the saved log-sum-exp."""
+    value), index ``[Q, k]`` int32 (-1: an empty slot, FlashMLA's form; or any object with ``.shape`` whose
+    ``index[a:e]`` makes those rows' int32 index, block by block: DeepSeek-V4's, never whole). Returns ``[Q, h,
+    dv]`` in q's dtype (fp32 softmax and accumulation); a query without a valid key gets zeros. Blocks of
+    queries: at most :data:`GATHER_BUDGET` gathered elements at a time; the backward recomputes each block from
+    the saved log-sum-exp."""
 
     @staticmethod
     def forward(ctx, q, kv, index, scale, dv, budget, sink=None):
@@ -104,13 +106,16 @@ class SparseLatentAttention(torch.autograd.Function):
             out[a:a + step], lse[a:a + step] = _block_forward(q[a:a + step], kv, index[a:a + step], scale, dv)
         if sink is not None:         # each head's sink logit in the denominator: out and lse corrected once
             out, lse = add_sink(out, lse, sink)
-        ctx.save_for_backward(q, kv, index, out, lse, sink)
-        ctx.scale, ctx.dv, ctx.step = scale, dv, step
+        lazy = not isinstance(index, torch.Tensor)      # an index made block by block (index[a:e], .shape)
+        ctx.save_for_backward(q, kv, None if lazy else index, out, lse, sink)
+        ctx.scale, ctx.dv, ctx.step, ctx.lazy = scale, dv, step, index if lazy else None
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         *saved, sink = ctx.saved_tensors
+        if ctx.lazy is not None:
+            saved[2] = ctx.lazy
         ctx.saved = tuple(saved)
         dq, dkv, *rest = _sparse_backward(ctx, grad)
         dsink = None

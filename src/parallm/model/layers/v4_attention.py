@@ -57,7 +57,7 @@ from .dsa import sparse_latent_attention
 from .mla import ReplicatedLinear
 from .mlp import no_init
 from .v4_compress import V4Compressor, V4Indexer, V4RMSNorm, rope_tail, v4_cos_sin
-from .v4_layout import v4_layout
+from .v4_layout import V4Index, v4_layout
 
 mtp = import_megatron().tensor_parallel
 
@@ -83,7 +83,9 @@ def check_v4_tp(spec, tp: int) -> None:
 
 class V4Attention(nn.Module):
     """One DeepSeek-V4 attention layer (see the module docstring), called like every attention layer:
-    ``forward(x, cos, sin, ctx)`` with ``ctx.positions`` set (cos / sin unused)."""
+    ``forward(x, cos, sin, ctx)`` with ``ctx.positions`` set (cos / sin unused). ``layer_number``: the global
+    layer index (its kind: ``spec.v4.kind``); ``cp_group``: the context-parallel group (a ContextSplit's keys
+    are gathered over it); ``tp_group``: given to ``o_b_proj`` (None: megatron-core's default TP group)."""
 
     def __init__(self, spec, config, tp: int, device=None, *, layer_number: int, cp_group=None, tp_group=None):
         super().__init__()
@@ -109,7 +111,8 @@ class V4Attention(nn.Module):
         self.o_a_proj = SplitLinear(self.groups * v.o_lora_rank, spec.num_heads * hd // v.o_groups, dtype=dtype,
                                     device=device)
         self.o_b_proj = mtp.RowParallelLinear(v.o_groups * v.o_lora_rank, h, config=config, init_method=no_init,
-                                              bias=False, input_is_parallel=True, skip_bias_add=False)
+                                              bias=False, input_is_parallel=True, skip_bias_add=False,
+                                              tp_group=tp_group)
         self.compressor = None if self.rate is None else V4Compressor(
             h, hd, self.rate, overlap=self.kind == "csa", eps=spec.rms_norm_eps, dtype=dtype, device=device)
         self.indexer = V4Indexer(spec, dtype, device) if self.kind == "csa" else None
@@ -156,15 +159,12 @@ class V4Attention(nn.Module):
             keys = mtp.copy_to_tensor_model_parallel_region(keys)
         return keys
 
-    def _index(self, lay, xf, q_resid, cos, sin, keys_x):
-        """``[Q, window (+ entries)]`` int32 rows of the key matrix each query attends to, -1: empty."""
-        parts = [lay.window(self.window)]
-        if self.kind == "hca":
-            parts.append(lay.compressed(self.rate, lay.keys))
-        elif self.kind == "csa":
+    def _index(self, lay, xf, q_resid, cos, sin, keys_x) -> V4Index:
+        """Each query's rows of the key matrix (:class:`V4Index`, made block by block by the kernel)."""
+        if self.kind == "csa":
             sel = self.indexer.select(xf, q_resid, cos, sin, lay, self.rope, keys_x=keys_x)
-            parts.append(torch.where(sel >= 0, sel + lay.keys, sel))
-        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+            return V4Index(lay, self.window, selected=sel)
+        return V4Index(lay, self.window, rate=self.rate if self.kind == "hca" else None)
 
 
 def _positions(ctx, s: int, b: int) -> torch.Tensor:

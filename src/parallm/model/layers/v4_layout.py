@@ -68,12 +68,13 @@ class V4Layout:
     key_pos: torch.Tensor | None = None      # the key stream's positions where it is not the queries' (CP)
     _entries: dict = field(default_factory=dict, repr=False)
 
-    def window(self, window: int) -> torch.Tensor:
-        """``[Q, window]`` int32: each query's raw keys (key-stream rows), its own first, -1 where the window
-        reaches before its document's start (or for a query that is no real token)."""
-        back = self.q_idx[:, None] - torch.arange(window, device=self.q_idx.device)
-        ok = (back >= 0) & self.q_real[:, None]
-        rows = self.base[self.q_doc][:, None] + back * self.stride[self.q_doc][:, None]
+    def window(self, window: int, a: int = 0, e: int | None = None) -> torch.Tensor:
+        """``[e - a, window]`` int32: queries ``a .. e - 1``'s raw keys (key-stream rows), its own first, -1 where
+        the window reaches before its document's start (or for a query that is no real token)."""
+        doc, idx = self.q_doc[a:e], self.q_idx[a:e]
+        back = idx[:, None] - torch.arange(window, device=idx.device)
+        ok = (back >= 0) & self.q_real[a:e, None]
+        rows = self.base[doc][:, None] + back * self.stride[doc][:, None]
         return torch.where(ok, rows, -1).to(torch.int32)
 
     def entries(self, rate: int) -> Entries:
@@ -97,12 +98,13 @@ class V4Layout:
         return Entries(count=count, first=first, rows=rows, prev_ok=j >= 1, visible=visible, total=total,
                        most=max(count_l, default=0))
 
-    def compressed(self, rate: int, offset: int) -> torch.Tensor:
-        """``[Q, most]`` int32: every compressed entry each query sees (HCA), as rows ``offset + entry`` of the
-        keys, -1 in the rest."""
-        e = self.entries(rate)
-        m = torch.arange(e.most, device=self.q_idx.device)
-        return torch.where(m < e.visible[:, None], offset + e.first[self.q_doc][:, None] + m, -1).to(torch.int32)
+    def compressed(self, rate: int, offset: int, a: int = 0, e: int | None = None) -> torch.Tensor:
+        """``[e - a, most]`` int32: every compressed entry queries ``a .. e - 1`` see (HCA), as rows ``offset +
+        entry`` of the keys, -1 in the rest."""
+        ent = self.entries(rate)
+        m = torch.arange(ent.most, device=self.q_idx.device)
+        first = offset + ent.first[self.q_doc[a:e]][:, None]
+        return torch.where(m < ent.visible[a:e, None], first + m, -1).to(torch.int32)
 
     def entry_ranges(self, rate: int) -> KeyRanges:
         """The indexer's :class:`KeyRanges` over the entries of ``rate`` (one stream, width 1): query ``t`` sees
@@ -113,6 +115,33 @@ class V4Layout:
             hi = lo + e.visible - 1
             e.ranges = KeyRanges(width=1, lo=lo.cpu(), hi=hi.cpu(), key_rows=e.total, real=None, longest=e.most)
         return e.ranges
+
+
+class V4Index:
+    """Each query's rows of the key matrix (the raw kv rows of the key stream, then the entries from row
+    ``layout.keys``), int32, -1 in empty slots, made block by block (``index[a:e]``, ``.shape``) for the sparse
+    kernel, never whole: its sliding window, then on HCA layers (``rate``) every entry it sees, on CSA layers the
+    indexer's ``selected`` entries ``[Q, topk]`` (entry numbers, -1: none)."""
+
+    def __init__(self, lay: V4Layout, window: int, *, rate: int | None = None,
+                 selected: torch.Tensor | None = None):
+        self.lay, self.window, self.rate, self.selected = lay, window, rate, selected
+        extra = selected.shape[1] if selected is not None else lay.entries(rate).most if rate else 0
+        self.shape = (int(lay.q_idx.numel()), window + extra)
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        a, e, _ = rows.indices(self.shape[0])
+        parts = [self.lay.window(self.window, a, e)]
+        if self.selected is not None:
+            sel = self.selected[a:e]
+            parts.append(torch.where(sel >= 0, sel + self.lay.keys, sel))
+        elif self.rate:
+            parts.append(self.lay.compressed(self.rate, self.lay.keys, a, e))
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    def full(self) -> torch.Tensor:
+        """The whole index ``[Q, width]`` (tests)."""
+        return self[0:self.shape[0]]
 
 
 def _padded(ctx: PaddedRows) -> V4Layout:
