@@ -618,6 +618,9 @@ def test_tid2eid_broadcast_load_export_and_training_checkpoint(world_of_one, tmp
     for rank, (mode, table, exported, saved, reloaded) in enumerate(results):
         assert mode == "broadcast" and table.dtype == torch.int64 and torch.equal(table, want), rank
         assert reloaded.dtype == torch.int64 and torch.equal(reloaded, want), rank
+        for k, t in exported.items():
+            assert t.dtype == sd[k].dtype and torch.equal(t, sd[k]), (rank, k)
+    _same(results[0][3], {k: v for k, v in sd.items() if ".gate." in k})
     from safetensors.torch import load_file
     parallm.checkpoint_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), dtype=torch.bfloat16)
     offline = {}
@@ -625,6 +628,3 @@ def test_tid2eid_broadcast_load_export_and_training_checkpoint(world_of_one, tmp
         offline.update(load_file(str(f)))
     k = "model.layers.0.ffn.gate.tid2eid"
     assert offline[k].dtype == torch.int64 and torch.equal(offline[k], sd[k])
-        for k, t in exported.items():
-            assert t.dtype == sd[k].dtype and torch.equal(t, sd[k]), (rank, k)
-    _same(results[0][3], {k: v for k, v in sd.items() if ".gate." in k})
