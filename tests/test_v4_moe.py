@@ -608,7 +608,8 @@ def rank_broadcast(rank, world, sd, ckpt):
 @pytest.mark.timeout(300)
 def test_tid2eid_broadcast_load_export_and_training_checkpoint(world_of_one, tmp_path):
     """tp2·ep2: the broadcast load sends tid2eid as int64; the bf16 export and the dict save give it back bit for
-    bit; the optimizer leaves it out; a training checkpoint saved at tp2·ep2 loads it at tp1·ep4 bit for bit."""
+    bit; the optimizer leaves it out; a training checkpoint saved at tp2·ep2 loads it at tp1·ep4 bit for bit, and
+    its offline bf16 conversion (checkpoint_to_hf) writes it as int64."""
     import parallm
     _test_family()
     sd = _checkpoint(parallm.build_model(test_model_config(), init="random"))
@@ -620,3 +621,10 @@ def test_tid2eid_broadcast_load_export_and_training_checkpoint(world_of_one, tmp
         for k, t in exported.items():
             assert t.dtype == sd[k].dtype and torch.equal(t, sd[k]), (rank, k)
     _same(results[0][3], {k: v for k, v in sd.items() if ".gate." in k})
+    from safetensors.torch import load_file
+    parallm.checkpoint_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), dtype=torch.bfloat16)
+    offline = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        offline.update(load_file(str(f)))
+    k = "model.layers.0.ffn.gate.tid2eid"
+    assert offline[k].dtype == torch.int64 and torch.equal(offline[k], sd[k])
