@@ -299,6 +299,10 @@ def test_legacy_config_reads_as_v4(tiny, tmp_path):
         assert getattr(config, key) == getattr(model.config, key), key
     assert config.quantization_config["expert_dtype"] == "fp4" and fp4.expert_dtype_of(config) == "fp4"
     assert isinstance(registry.load_config(raw), DeepseekV4Config)
+    from transformers import AutoConfig
+    trap = AutoConfig.from_pretrained(path)          # transformers itself reads it as DeepSeek-V3
+    assert type(trap).__name__ == "DeepseekV3Config"
+    assert registry.load_config(trap).layer_types == model.config.layer_types
     v4 = [f for f in registry.FAMILIES.values() if registry.V4_ARCHITECTURE in f.architectures]
     if v4:
         assert registry.family_for(raw) is v4[0]

@@ -113,8 +113,9 @@ def test_hub_checkpoint_bf16_weights_equal_transformers(world_of_one, checkpoint
 
 
 def test_mixed_spellings_and_missing_scales_refused(world_of_one, checkpoints, tmp_path):
-    """A checkpoint holding both the Hub names and transformers' save names is refused naming a tensor of each;
-    an FP8 weight without its scale, and an FP4 weight without its scale, are refused by name."""
+    """A checkpoint holding both the Hub names and transformers' save names is refused naming a tensor of each; a
+    missing tensor is named (in the table's spelling, the error saying how the Hub's names were read); an FP8
+    weight without its scale, and an FP4 weight without its scale, are refused by name."""
     root, hub, _ = checkpoints
     chunks = parallm.build_model(str(root / "hub"), dtype=torch.float32)
     cases = {
@@ -122,6 +123,9 @@ def test_mixed_spellings_and_missing_scales_refused(world_of_one, checkpoints, t
                   r"mixing the Hub names .*model\.layers\.0\.attn_norm\.weight"),
         "no_fp8_scale": ({k: v for k, v in hub.items() if k != "layers.1.attn.wq_a.scale"},
                          r"layers\.1\.attn\.wq_a\.weight is float8 but the checkpoint has no"),
+        "missing": ({k: v for k, v in hub.items() if not k.startswith("layers.1.attn.wo_b.")},
+                    r"names read as the table's: embed\.weight as model\.embed_tokens\.weight.*missing tensor\(s\):"
+                    r" model\.layers\.1\.attn\.wo_b\.weight"),
         "no_fp4_scale": ({k: v for k, v in hub.items() if k != "layers.2.ffn.experts.3.w2.scale"},
                          r"layers\.2\.ffn\.experts\.3\.w2\.weight is packed FP4"),
     }
