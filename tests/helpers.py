@@ -76,11 +76,12 @@ def save_checkpoint(model, path: str, *, max_shard_size: str | None = None) -> s
 
 
 def nan_fill(chunks) -> None:
-    """Every parameter NaN: a load that succeeds must overwrite each one."""
+    """Every parameter NaN (an integer table, DeepSeek-V4's tid2eid: -1): a load that succeeds must overwrite each
+    one."""
     with torch.no_grad():
         for c in chunks:
             for p in c.parameters():
-                p.fill_(float("nan"))
+                p.fill_(float("nan") if p.is_floating_point() else -1)
 
 
 def assert_same_state(got: dict, want: dict) -> None:

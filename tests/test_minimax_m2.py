@@ -18,8 +18,6 @@ at tp2 (attention and the experts' w1 / w2 / w3) in a 2-rank spawn.
 
 from __future__ import annotations
 
-import collections
-import copy
 import json
 import os
 
@@ -27,9 +25,8 @@ import pytest
 import torch
 
 import helpers
-from parallm.verify.reference import causal_lm_loss, hf_output
+import layout_harness
 
-LR = 0.5
 WORLD = 4
 TOL = 2e-5
 SEQ = 14
@@ -134,51 +131,21 @@ def test_inspect_describes_qk_norm_and_partial_rotary(tmp_path, capsys):
 
 # -- distributed -----------------------------------------------------------------------------------------------
 
-# name, layout (tp, pp, cp, ep, nmb), build kwargs, options
+# name, layout (tp, pp, cp, ep, nmb), build kwargs, breaks measured
 CASES = [
-    ("tp2 dp2 padded, logprobs, breaks", dict(tp=2), {}, dict(logprobs=True, breaks=True)),
-    ("tp2 ep2 packed+SP, logprobs+entropy", dict(tp=2, ep=2), {"packed": True, "sequence_parallel": True},
-     dict(entropy=True)),
-    ("pp2 dp2 mb2", dict(pp=2, nmb=2), {}, {}),
-    ("cp2 dp2 ep2 packed", dict(cp=2, ep=2), {"packed": True}, dict(logprobs=True)),
-    ("tp4 (2 KV heads on 2 ranks each: the k norm counts each once)", dict(tp=4), {}, {}),
+    ("tp2 dp2 padded, breaks", dict(tp=2), {}, True),
+    ("tp2 ep2 packed+SP", dict(tp=2, ep=2), {"packed": True, "sequence_parallel": True}, False),
+    ("pp2 dp2 mb2", dict(pp=2, nmb=2), {}, False),
+    ("cp2 dp2 ep2 packed", dict(cp=2, ep=2), {"packed": True}, False),
+    ("tp4 (2 KV heads on 2 ranks each: the k norm counts each once)", dict(tp=4), {}, False),
 ]
 
 
-def reference_step(model, ids, mask, pieces, tmp):
-    model = copy.deepcopy(model)
-    model.zero_grad()
-    size = ids.shape[0] // pieces
-    loss = torch.stack([causal_lm_loss(hf_output(model, ids[i:i + size], mask[i:i + size]), ids[i:i + size],
-                                       mask[i:i + size]) for i in range(0, ids.shape[0], size)]).mean()
-    loss.backward()
-    with torch.no_grad():
-        norm = torch.stack([p.grad.pow(2).sum() for p in model.parameters() if p.grad is not None]).sum().sqrt()
-        for p in model.parameters():
-            if p.grad is not None:
-                p -= LR * p.grad
-        after = hf_output(model, ids, mask)
-    return loss.item(), helpers.hub_state_dict(model, tmp), after, norm.item()
-
-
 def make_cases(tmp_path):
-    cases = []
-    for i, (name, layout, build, opts) in enumerate(CASES):
-        layout = dict(dict(tp=1, pp=1, cp=1, ep=1, nmb=1), **layout)
-        model = make_model(minimax_config(), seed=70 + i)
-        ckpt = str(tmp_path / f"m{i}")
-        ckpt_sd = helpers.hub_state_dict(model, ckpt)
-        ids, mask = helpers.padded_batch(101, batch=8, seq=SEQ, seed=i)
-        dp = WORLD // (layout["tp"] * layout["pp"] * layout["cp"])
-        loss, new_sd, after, norm = reference_step(model, ids, mask, dp * layout["nmb"], str(tmp_path / f"s{i}"))
-        with torch.no_grad():
-            ref = hf_output(model, ids, mask)
-        lsm = ref.log_softmax(-1)
-        lp = lsm[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
-        cases.append(dict(name=name, ckpt=ckpt, ids=ids, mask=mask, build=build, ref=ref, ref_sd=ckpt_sd,
-                          ref_loss=loss, ref_new_sd=new_sd, ref_after=after, ref_norm=norm, opts=opts,
-                          ref_logprobs=lp, ref_entropy=-(lsm.exp() * lsm).sum(-1), **layout))
-    return cases
+    return [layout_harness.make_case(name, make_model(minimax_config(), seed=70 + i), tmp_path, i,
+                                     *helpers.padded_batch(101, batch=8, seq=SEQ, seed=i), layout=layout,
+                                     build=build, world=WORLD, breaks=breaks)
+            for i, (name, layout, build, breaks) in enumerate(CASES)]
 
 
 def _breaks(chunks, case) -> dict:
@@ -189,107 +156,28 @@ def _breaks(chunks, case) -> dict:
     saved = qk_norm.tp_mean
     qk_norm.tp_mean = lambda x, group: x                  # each rank's own heads' mean
     try:
-        out["break_qk_norm"] = helpers.max_diff_real(parallm.forward(chunks, ids, mask), case["ref"], mask)
+        out["qk_norm"] = helpers.max_diff_real(parallm.forward(chunks, ids, mask), case["ref"], mask)
     finally:
         qk_norm.tp_mean = saved
     route = routing.sigmoid_route
     routing.sigmoid_route = lambda h, w, bias, **kw: route(h, w, None, **kw)
     try:
-        out["break_bias"] = helpers.max_diff_real(parallm.forward(chunks, ids, mask), case["ref"], mask)
+        out["bias"] = helpers.max_diff_real(parallm.forward(chunks, ids, mask), case["ref"], mask)
     finally:
         routing.sigmoid_route = route
     return out
 
 
-def _outputs(chunks, case) -> dict:
-    import parallm
-    ids, mask, opts = case["ids"], case["mask"], case["opts"]
-    got = parallm.forward(chunks, ids, mask)
-    res = dict(fwd=helpers.max_diff_real(got, case["ref"], mask))
-    keep = (mask[:, 1:] * mask[:, :-1]).bool()
-    if opts.get("logprobs"):
-        lp = parallm.forward(chunks, ids, mask, output="logprobs")
-        res["logprobs"] = (lp[:, :-1][keep] - case["ref_logprobs"][keep]).abs().max().item()
-    if opts.get("entropy"):
-        lp, ent = tuple(parallm.forward(chunks, ids, mask, output="logprobs+entropy"))
-        res["logprobs"] = (lp[:, :-1][keep] - case["ref_logprobs"][keep]).abs().max().item()
-        real = mask.bool()
-        res["entropy"] = (ent[real] - case["ref_entropy"][real]).abs().max().item()
-    if opts.get("breaks"):
-        res.update(_breaks(chunks, case))
-    return res
-
-
-def _save_and_export(rank, chunks, case) -> None:
-    import parallm
-    sd = parallm.save_hf_weights(chunks)
-    if rank == 0:
-        helpers.assert_same_state(sd, case["ref_sd"])
-    names = []
-    for name, t in parallm.export_hf_tensors(chunks):
-        names.append(name)
-        assert torch.equal(t, case["ref_sd"][name]), (case["name"], name)
-    dup = [n for n, k in collections.Counter(names).items() if k > 1]
-    assert not dup and set(names) == set(case["ref_sd"]), (case["name"], dup)
-
-
 def rank_cases(rank, world, cases):
-    import parallm
-    from parallm.parallel.state import current_dims
-    out = []
-    for case in cases:
-        parallm.init_parallel(tp=case["tp"], pp=case["pp"], cp=case["cp"], ep=case["ep"])
-        lay = current_dims()
-        ids, mask = case["ids"], case["mask"]
-        chunks = parallm.build_model(case["ckpt"], **case["build"])
-        helpers.nan_fill(chunks)
-        parallm.load_hf_weights(chunks, case["ckpt"])
-        res = _outputs(chunks, case)
-        _save_and_export(rank, chunks, case)
-        per = ids.shape[0] // lay.dp
-        sl = slice(lay.dp_rank * per, (lay.dp_rank + 1) * per)
-        loss = parallm.forward_backward(chunks, ids[sl], mask[sl], loss_fn=causal_lm_loss,
-                                        num_microbatches=case["nmb"])
-        parallm.finalize_grads(chunks)
-        norm = parallm.clip_grad_norm_(chunks, float("inf"))
-        with torch.no_grad():
-            for c in chunks:
-                for p in c.parameters():
-                    if p.requires_grad:
-                        p -= LR * p.grad
-        after = parallm.forward(chunks, ids, mask)
-        new_sd = parallm.save_hf_weights(chunks)
-        if rank == 0:
-            ref_new = case["ref_new_sd"]
-            assert new_sd.keys() == ref_new.keys(), sorted(set(new_sd) ^ set(ref_new))
-            res["weights"] = max((new_sd[k] - ref_new[k]).abs().max().item() for k in ref_new)
-            res["worst"] = max(ref_new, key=lambda k: (new_sd[k] - ref_new[k]).abs().max().item())
-        res.update(loss=abs(loss.item() - case["ref_loss"]), norm=abs(norm.item() - case["ref_norm"]) / case["ref_norm"],
-                   after=helpers.max_diff_real(after, case["ref_after"], mask))
-        out.append(res)
-        parallm.destroy_parallel()
-    return out
+    return layout_harness.rank_cases(rank, world, cases, breaks=_breaks)
 
 
 @pytest.mark.timeout(600)
 def test_minimax_m2_layouts_against_transformers(tmp_path):
     cases = make_cases(tmp_path)
     results = helpers.run_ranks(rank_cases, WORLD, cases)
-    print()
-    for i, case in enumerate(cases):
-        per_rank = [r[i] for r in results]
-        worst = {k: max(r.get(k, 0.0) for r in per_rank) for k in ("fwd", "loss", "norm", "after", "logprobs",
-                                                                   "entropy")}
-        print(f"{case['name']:<64} " + " ".join(f"{k} {v:.1e}" for k, v in worst.items())
-              + f" weights {per_rank[0]['weights']:.1e} ({per_rank[0]['worst']})"
-              + (f" breaks: qk norm per rank {per_rank[0]['break_qk_norm']:.1e}, bias ignored "
-                 f"{per_rank[0]['break_bias']:.1e}" if "break_bias" in per_rank[0] else ""))
-        assert worst["fwd"] < TOL and worst["logprobs"] < TOL and worst["entropy"] < TOL, case["name"]
-        assert worst["loss"] < TOL and worst["norm"] < 1e-5 and per_rank[0]["weights"] < TOL, case["name"]
-        assert worst["after"] < 1e-4, case["name"]
-        if case["opts"].get("breaks"):      # each break on purpose moves the output far past the tolerance
-            assert min(r["break_qk_norm"] for r in per_rank) > 1e-3, case["name"]
-            assert min(r["break_bias"] for r in per_rank) > 1e-3, case["name"]
+    layout_harness.check(cases, results, tol=TOL)
+    assert all({"break_qk_norm", "break_bias"} <= set(results[0][i]) for i, c in enumerate(cases) if c["breaks"])
 
 
 @pytest.mark.timeout(600)

@@ -126,7 +126,8 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
         chunk.hf_config = getattr(config, "_raw", config)
         chunk.hf_source = source
         chunk.moe_aux.mode = aux_loss
-        chunk.moe_aux.num_layers = len(spec.moe.layers) if spec.moe is not None else 0
+        # the layers whose router the loss reads (DeepSeek-V4's hash layers are not among them)
+        chunk.moe_aux.num_layers = len(spec.moe.balanced_layers) if spec.moe is not None else 0
     if init == "random":
         from ..checkpoint.random_init import init_random
         init_random(chunks, seed=seed)

@@ -192,8 +192,9 @@ def moe_facts(spec, *, dtype: str, tp: int) -> dict | None:
     relu2 = moe.activation == "relu2"             # Nemotron-H: ungated, in the latent space when it has one
     sizes = (moe.latent_size or spec.hidden_size, (1 if relu2 else 2) * width, width)
     kernel = expert_kernel(device, torch_dtype, sizes) if width else "loop"
-    activation = moe.activation if moe.activation in ("silu", "relu2") else \
-        f"clamped SwiGLU (limit {moe.swiglu_limit:g}, alpha {moe.swiglu_alpha:g})"
+    activation = {"silu": "silu", "relu2": "relu2",
+                  "clamped_silu": f"clamped SiLU (gate <= {moe.swiglu_limit:g}, |up| <= {moe.swiglu_limit:g})"}.get(
+        moe.activation) or f"clamped SwiGLU (limit {moe.swiglu_limit:g}, alpha {moe.swiglu_alpha:g})"
     return dict(experts=moe.num_experts, top_k=moe.top_k, layers=len(moe.layers),
                 expert_width=moe.expert_intermediate_size, shared_width=moe.shared_expert_intermediate_size,
                 tensors_per_layer=3 + int(moe.score_bias) + int(moe.router_bias) + 2 * int(moe.expert_bias)
@@ -241,7 +242,7 @@ def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, ep=Non
                     mtp_tensors=len(spec.carried_mtp),
                     mtp_parameters=sum(math.prod(shape) for _, shape in spec.carried_mtp),
                     layer_pattern=_layer_pattern(spec), sinks=spec.attn_sinks,
-                    sparse_attention=dsa_facts(spec)),
+                    sparse_attention=dsa_facts(spec), deepseek_v4=v4_facts(spec)),
         parameters=sum(dtypes.values()), tensors=len(tensors), dtypes=dtypes, dtype=main,
         dtype_bytes=itemsize.get(main, 4), files=files, problem=ck["problem"], notes=ck["notes"],
         valid_tp=[tp for tp in range(1, spec.num_heads + 1) if _splits(check_tp, spec, tp)],
@@ -305,8 +306,9 @@ def _linear_heads(spec) -> str | None:
 def dsa_facts(spec) -> dict | None:
     """DeepSeek Sparse Attention's indexer (None without one): its heads, top-k, RoPE layout, the layers that
     reuse another layer's selection, its parameters per layer (replicated on every TP rank, frozen; weights_proj
-    fp32), and the memory a batch's selection takes per token (int64 indices and their validity, per layer with an
-    indexer; the blocked scores are transient: no [S, S] tensor)."""
+    fp32), and the memory a selection takes per token while it is held (int32 indices, -1 in empty slots: only
+    the selections a later shared layer reads are kept, each until its last reader; the blocked scores are
+    transient: no [S, S] tensor)."""
     d = spec.dsa
     if d is None:
         return None
@@ -315,4 +317,20 @@ def dsa_facts(spec) -> dict | None:
     return dict(heads=d.n_heads, head_dim=d.head_dim, topk=d.topk,
                 rope="interleaved" if d.rope_interleave else "half-split", shared_layers=list(d.shared),
                 indexer_layers=sum(spec.has_indexer(i) for i in range(spec.num_layers)),
-                params_per_layer=params, selection_bytes_per_token=d.topk * 9)
+                params_per_layer=params, selection_bytes_per_token=d.topk * 4)
+
+
+def v4_facts(spec) -> dict | None:
+    """DeepSeek-V4's attention kinds and hyper-connections (None for other families): each layer's kind
+    (``S`` sliding window only, ``C`` compressed sparse, ``H`` heavily compressed), the compression rates, the
+    indexer, the window, the streams, and which layers route by token id."""
+    v4 = spec.v4
+    if v4 is None:
+        return None
+    moe = spec.moe
+    return dict(pattern="".join({"sliding": "S", "csa": "C", "hca": "H"}[k] for k in v4.layer_kinds),
+                csa_rate=v4.csa_rate, hca_rate=v4.hca_rate, window=v4.sliding_window, index_heads=v4.index_heads,
+                index_head_dim=v4.index_head_dim, index_topk=v4.index_topk, hc_mult=v4.hc_mult,
+                sinkhorn_iters=v4.hc_sinkhorn_iters, q_lora_rank=v4.q_lora_rank, o_groups=v4.o_groups,
+                o_lora_rank=v4.o_lora_rank, rope_dim=v4.rope_dim,
+                hash_layers=list(getattr(moe, "hash_layers", ()) or ()))

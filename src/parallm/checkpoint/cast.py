@@ -28,6 +28,8 @@ from ..model.table import entry_tensor
 
 # The floating dtypes weights travel in between ranks; a dtype's index here is its code in a status word.
 WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# what the loader's broadcast may carry: the floating wire dtypes and int64 (an ``integer`` row: DeepSeek-V4's tid2eid)
+LOAD_WIRE_DTYPES = WIRE_DTYPES + (torch.int64,)
 
 # What to suggest instead of a dtype that overflowed.
 _WIDER = {torch.float16: "bfloat16 or float32", torch.bfloat16: "float32", torch.float32: "float64"}
@@ -83,10 +85,11 @@ def check_entry_casts(mine, dtype: torch.dtype, *, instead: str) -> None:
 def copy_cast_(dst: torch.Tensor, src: torch.Tensor, names, *, instead: str = "build the model") -> None:
     """``dst.copy_(src)`` converting to ``dst.dtype`` in the same pass, after :func:`check_cast`. Integer / bool
     sources for a floating-point destination are refused (their bits are not weights)."""
-    if dst.dtype.is_floating_point and not src.dtype.is_floating_point:
+    if dst.dtype.is_floating_point != src.dtype.is_floating_point:
         names = [names] if isinstance(names, str) else list(names)
-        raise CheckpointError(f"{', '.join(names)}: checkpoint dtype {src.dtype} is not a floating-point type "
-                              f"(the model parameter is {dst.dtype})")
+        raise CheckpointError(f"{', '.join(names)}: checkpoint dtype {src.dtype} is not a "
+                              f"{'floating-point' if dst.dtype.is_floating_point else 'n integer'} type (the model "
+                              f"parameter is {dst.dtype})")
     check_cast(src, dst.dtype, names, instead=instead)
     dst.copy_(src)
 

@@ -237,9 +237,10 @@ def open_stream(chunks, *, dtype=None, bucket_bytes=DEFAULT_BUCKET_BYTES, dst_ra
             cache["plans"].pop(next(iter(cache["plans"])))
         cache["plans"][key] = plan
     device = next(chunks[0].parameters()).device
-    for i in params:        # fp32 rows in a 2-byte stream: their bits, two wire elements per value
-        if any(n in plan.fp32_bits for n in everything[i].hf):
-            params[i] = params[i].detach().float().contiguous().view(wire)
+    for i in params:        # fp32 rows in a 2-byte stream, int64 rows in any: their bits, as wire elements
+        kept = [plan.bit_dtypes.get(n, torch.float32) for n in everything[i].hf if n in plan.fp32_bits]
+        if kept:
+            params[i] = params[i].detach().to(kept[0]).contiguous().view(wire)
     state = _StreamState(what, layout, plan)
     stream = _run(plan, cache["buffers"], params, dst, wire, device, layout, bool(copy), state, out)
     next(stream)   # to its first (internal) yield: from here on close() / garbage collection reach its handlers

@@ -28,7 +28,7 @@ import torch
 
 from ..families import family_of
 from ..model.sharding import make_layout
-from ..model.table import expected_hf_shapes
+from ..model.table import expected_hf_shapes, row_dtype
 
 
 class TensorMeta(NamedTuple):
@@ -97,6 +97,9 @@ class Plan:
     # HF names whose fp32 bits travel as pairs of 2-byte wire elements (keep_fp32 rows in a bf16 / fp16 stream):
     # their planned shape has a last dim twice the real one; destinations view them back as float32
     fp32_bits: frozenset = frozenset()
+    # the dtype each of those names is viewed back as (float32; int64 for an ``integer`` row, whose bits travel in a
+    # stream of any dtype: int64 values are never converted)
+    bit_dtypes: dict = dataclasses.field(default_factory=dict)
 
     def order(self) -> list[str]:
         """Every HF name, in the order the stream yields them."""
@@ -141,7 +144,7 @@ def plan_buckets(entries, bucket_numel: int, direct_numel: int, *, aligned=froze
     buckets, current, used = [], [], 0
     for entry, hf_shapes, pieces in entries:
         parts = _parts_of(entry, pieces, bucket_numel, direct_numel)
-        cost = sum(math.prod(s) + ((entry, k) in aligned) for k, s in enumerate(hf_shapes)) \
+        cost = sum(math.prod(s) + _ratio(aligned, (entry, k)) - 1 for k, s in enumerate(hf_shapes)) \
             + sum(p.numel for p in parts if not p.direct)
         if current and used + cost > bucket_numel:
             buckets.append(_layout_bucket(current, aligned))
@@ -153,12 +156,21 @@ def plan_buckets(entries, bucket_numel: int, direct_numel: int, *, aligned=froze
     return buckets
 
 
+def _ratio(aligned, key) -> int:
+    """Wire elements per value of an HF tensor carried as bits: ``aligned`` a set (2: fp32 in a 2-byte stream)
+    or a mapping to the ratio (int64: 8 bytes over the wire's element size)."""
+    if isinstance(aligned, dict):
+        return aligned.get(key, 1)
+    return 2 if key in aligned else 1
+
+
 def _layout_bucket(entries, aligned=frozenset()) -> Bucket:
     outputs, places, offset = [], {}, 0
     for entry, hf_shapes, _ in entries:
         for k, shape in enumerate(hf_shapes):
-            if (entry, k) in aligned and offset % 2:
-                offset += 1         # an element no tensor uses: the next one starts 4-byte aligned
+            r = _ratio(aligned, (entry, k))
+            if offset % r:
+                offset += r - offset % r    # elements no tensor uses: the next one starts aligned for its view
             outputs.append((entry, k, offset))
             places[(entry, k)] = (offset, math.prod(shape) // _rows(shape) if math.prod(shape) else 0)
             offset += math.prod(shape)
@@ -196,7 +208,7 @@ def stream_metadata(everything, spec, *, task: str, pp: int, dtype: torch.dtype)
     order (buckets hold consecutive entries, each entry whole, its HF tensors in the entry's order). A
     ``keep_fp32`` row's tensors come in float32 whatever ``dtype``."""
     shapes = expected_hf_shapes(family_of(spec).table, spec, task=task, pp=pp)
-    return [TensorMeta(name, torch.float32 if e.row.keep_fp32 else dtype, shapes[name])
+    return [TensorMeta(name, row_dtype(e.row, dtype), shapes[name])
             for _, e in saved_entries(everything) for name in e.hf]
 
 
@@ -204,6 +216,20 @@ def stream_metadata(everything, spec, *, task: str, pp: int, dtype: torch.dtype)
 # rank t is the t-th of tp equal pieces of the HF tensor's bits along dim 0 (copy: the whole tensor; column: rows
 # [t n/tp, (t+1) n/tp) are elements [2 t n/tp, 2 (t+1) n/tp) of a 1-D tensor's bits, or those rows of a 2-D one's)
 FP32_BIT_KINDS = ("copy", "column")
+
+
+def bit_dtypes(everything, wire: torch.dtype) -> dict:
+    """HF name -> the dtype whose raw bits a stream of ``wire`` elements carries for it: float32 for
+    :func:`fp32_bit_names`, int64 for every ``integer`` row (DeepSeek-V4's ``tid2eid``: never converted, its
+    bits travel as ``8 / wire.itemsize`` wire elements per value, the last dim multiplied by that)."""
+    out = dict.fromkeys(fp32_bit_names(everything, wire), torch.float32)
+    for _, e in saved_entries(everything):
+        if e.row.integer:
+            if e.row.kind not in FP32_BIT_KINDS:
+                raise RuntimeError(f"internal error: integer row {e.row.local} has layout {e.row.kind!r}; its bits "
+                                   f"can travel only in layouts {FP32_BIT_KINDS}")
+            out.update(dict.fromkeys(e.hf, torch.int64))
+    return out
 
 
 def fp32_bit_names(everything, wire: torch.dtype) -> frozenset:
@@ -230,11 +256,14 @@ def make_plan(tp_of, dp_of, held, everything, *, world: int, tp: int, pp: int, s
     rank r holds entry i of ``everything`` (every rank's row of the exchange); ``wire``: the stream's dtype
     (:func:`fp32_bit_names` travel as pairs of its elements)."""
     shapes = expected_hf_shapes(family_of(spec).table, spec, task=task, pp=pp)
-    bits = fp32_bit_names(everything, wire)
-    shapes = {n: (s[:-1] + (2 * s[-1],) if n in bits else s) for n, s in shapes.items()}
-    entries, names, aligned = [], {}, set()
+    kinds = bit_dtypes(everything, wire)
+    bits = frozenset(kinds)
+    size = torch.empty((), dtype=wire).element_size()
+    ratio = {n: torch.empty((), dtype=d).element_size() // size for n, d in kinds.items()}
+    shapes = {n: (s[:-1] + (ratio[n] * s[-1],) if n in bits else s) for n, s in shapes.items()}
+    entries, names, aligned = [], {}, {}
     for i, entry in saved_entries(everything):
-        aligned.update((i, k) for k, n in enumerate(entry.hf) if n in bits)
+        aligned.update(((i, k), ratio[n]) for k, n in enumerate(entry.hf) if n in bits)
         hf_shapes = [shapes[n] for n in entry.hf]
         tp_layout = make_layout(entry.row.kind, spec, padded_vocab)
         pieces = []
@@ -246,7 +275,7 @@ def make_plan(tp_of, dp_of, held, everything, *, world: int, tp: int, pp: int, s
             pieces.append((t, src, tp_layout.shard_shape(t, tp, hf_shapes), tp_layout.blocks(t, tp, hf_shapes)))
         entries.append((i, hf_shapes, pieces))
         names[i] = tuple(entry.hf)
-    return Plan(plan_buckets(entries, numel, direct_numel, aligned=aligned), names, shapes, bits)
+    return Plan(plan_buckets(entries, numel, direct_numel, aligned=aligned), names, shapes, bits, kinds)
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:

@@ -294,7 +294,8 @@ def _destination(plan: Plan, buffers: _Buffers, params, dst, wire, device, layou
         tensors = []
         for name, offset, shape in placed:
             tensor = out.narrow(0, offset, math.prod(shape)).view(shape)
-            tensors.append((name, tensor.view(torch.float32) if name in plan.fp32_bits else tensor))
+            tensors.append((name, tensor.view(plan.bit_dtypes.get(name, torch.float32)) if name in plan.fp32_bits
+                            else tensor))
         out = staging = host = None
         for item in tensors:
             st.yielded += 1

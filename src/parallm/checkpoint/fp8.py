@@ -21,6 +21,14 @@ grid (``rows // scale_rows``, wrong for ragged shapes), the block size here is t
 
 :func:`dequantize` also takes a slice of a weight (``start``: where it begins in the full tensor) with the full
 scale grid, so a loader that reads only a rank's rows or columns dequantises exactly those.
+
+DeepSeek-V4's spellings (``quantization_config: {..., "scale_fmt": "ue8m0"}``; transformers' ``Fp8Dequantize``
+reads them all): the scale of ``X.weight`` may be stored as ``X.scale`` (the Hub checkpoints' name, which
+transformers renames to ``X.weight_scale_inv``), and a scale may be UE8M0: ``float8_e8m0fnu`` (the value is
+``2 ** (e - 127)``, exact in fp32) or ``uint8`` exponent bytes, read as ``2 ** (b - 127)`` exactly as transformers
+computes it (:func:`scale_values`; never the byte's own value). A ``.scale`` is paired with its weight only when
+that weight is float8 (a float ``X.weight`` beside an ``X.scale`` is two tensors of their own); FP4 weights with
+their scales are :mod:`parallm.checkpoint.fp4`'s.
 """
 
 from __future__ import annotations
@@ -34,6 +42,10 @@ from ..model.sharding import Source
 
 BLOCK = (128, 128)
 SCALE_SUFFIX = "_scale_inv"
+DOT_SCALE = ".scale"            # DeepSeek-V4's name of X.weight's scale: X.scale
+UE8M0_BIAS = 127.0
+SCALE_FMTS = (None, "float", "ue8m0")
+EXPERT_DTYPES = (None, "fp8", "fp4")
 # float8 storage dtypes this torch has (e8m0 is a scale format, not a weight format)
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
                    if hasattr(torch, n))
@@ -47,6 +59,46 @@ def is_fp8(dtype: torch.dtype) -> bool:
 def scale_name(weight_name: str) -> str:
     """``x.weight`` -> ``x.weight_scale_inv`` (the checkpoint's name of the weight's block scales)."""
     return weight_name + SCALE_SUFFIX
+
+
+def scale_names(weight_name: str) -> tuple[str, ...]:
+    """Every name a checkpoint may give ``weight_name``'s scales: ``x.weight_scale_inv``, and for ``x.weight``
+    DeepSeek-V4's ``x.scale``."""
+    if weight_name.endswith(".weight"):
+        return (scale_name(weight_name), weight_name[: -len(".weight")] + DOT_SCALE)
+    return (scale_name(weight_name),)
+
+
+def scale_pairs(present, dtypes: Mapping[str, torch.dtype], is_weight) -> dict[str, str]:
+    """``{weight: its scale's name}`` for every scale tensor of a checkpoint: ``X_scale_inv`` for ``X`` (any
+    weight present), ``X.scale`` for ``X.weight`` when ``is_weight(dtype of X.weight)`` (a quantised dtype: a
+    ``.scale`` beside a float weight is no scale). A weight with both spellings is a :class:`CheckpointError`."""
+    out: dict[str, str] = {}
+    for name in present:
+        if name.endswith(SCALE_SUFFIX):
+            weight = name[: -len(SCALE_SUFFIX)]
+        elif name.endswith(DOT_SCALE) and is_weight(dtypes.get(name[: -len(DOT_SCALE)] + ".weight")):
+            weight = name[: -len(DOT_SCALE)] + ".weight"
+        else:
+            continue
+        if weight in out:
+            raise CheckpointError(f"{weight} has two scales, {out[weight]} and {name}")
+        out[weight] = name
+    return out
+
+
+def is_scale_dtype(dtype) -> bool:
+    """Whether ``dtype`` can hold block scales: a float format that is no float8 weight format (float32,
+    bfloat16, float16, float8_e8m0fnu), or uint8 (UE8M0 exponent bytes)."""
+    return dtype == torch.uint8 or dtype is not None and dtype.is_floating_point and dtype not in FP8_DTYPES
+
+
+def scale_values(scale: torch.Tensor) -> torch.Tensor:
+    """A scale tensor's fp32 values: ``uint8`` holds UE8M0 exponents, ``2 ** (b - 127)`` (computed as
+    transformers' ``Fp8Dequantize`` does); every float format (``float8_e8m0fnu`` included) converts exactly."""
+    if scale.dtype == torch.uint8:
+        return (scale.to(torch.float32) - UE8M0_BIAS).exp2()
+    return scale.to(torch.float32)
 
 
 def block_size_of(config) -> tuple[int, int] | None:
@@ -67,6 +119,10 @@ def block_size_of(config) -> tuple[int, int] | None:
         raise CheckpointError(f"quantization_config.quant_method={method!r} is not supported (parallm dequantises "
                               "FP8 block checkpoints, quant_method 'fp8', MXFP4 experts, 'mxfp4', and INT4 "
                               "pack-quantized weights, 'compressed-tensors')")
+    for key, allowed in (("scale_fmt", SCALE_FMTS), ("expert_dtype", EXPERT_DTYPES)):
+        if q.get(key) not in allowed:
+            raise CheckpointError(f"quantization_config.{key}={q.get(key)!r} is not supported (parallm reads "
+                                  f"{', '.join(repr(a) for a in allowed if a)})")
     block = q.get("weight_block_size")
     if not block or len(block) != 2 or any(not isinstance(b, int) or b <= 0 for b in block):
         raise CheckpointError(f"an FP8 checkpoint without a valid weight_block_size (got {block!r}): parallm "
@@ -87,19 +143,19 @@ def scale_grid(shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> tuple[
 
 
 def check_scale(name: str, weight_shape, weight_dtype: torch.dtype, scale_shape, scale_dtype: torch.dtype,
-                block: tuple[int, int] = BLOCK) -> None:
+                block: tuple[int, int] = BLOCK, scale: str | None = None) -> None:
     """Raise :class:`CheckpointError` naming ``name`` (the weight's checkpoint name) when its scale cannot
     dequantise it: a non-float8 weight, a scale that is not a float tensor, or a grid that is not the block
-    grid of the weight. Reads metadata only."""
+    grid of the weight. Reads metadata only. ``scale``: the scale's name (default ``<name>_scale_inv``)."""
+    scale = scale or scale_name(name)
     if not is_fp8(weight_dtype):
-        raise CheckpointError(f"{name} has a block scale {scale_name(name)} but is {weight_dtype}, not a float8 "
-                              "weight")
-    if not scale_dtype.is_floating_point or scale_dtype in FP8_DTYPES:
-        raise CheckpointError(f"{scale_name(name)} is {scale_dtype}; block scales must be floating point "
-                              "(float32 / bfloat16 / float8_e8m0fnu)")
+        raise CheckpointError(f"{name} has a block scale {scale} but is {weight_dtype}, not a float8 weight")
+    if not is_scale_dtype(scale_dtype):
+        raise CheckpointError(f"{scale} is {scale_dtype}; block scales must be floating point "
+                              "(float32 / bfloat16 / float8_e8m0fnu) or uint8 UE8M0 exponents")
     want = scale_grid(tuple(weight_shape), block)
     if tuple(scale_shape) != want:
-        raise CheckpointError(f"{scale_name(name)} has shape {list(scale_shape)}; a {list(weight_shape)} weight in "
+        raise CheckpointError(f"{scale} has shape {list(scale_shape)}; a {list(weight_shape)} weight in "
                               f"{block[0]}x{block[1]} blocks needs {list(want)}")
 
 
@@ -108,8 +164,8 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, *, block: tuple[in
     """``weight * scale_inv`` block by block, computed in fp32 and returned in ``dtype``.
 
     ``weight``: float8 ``[..., r, c]``, the whole tensor or a slice of it beginning at row / column ``start`` of
-    the full tensor (leading dims whole); ``scale_inv``: the full tensor's scale grid (``[..., R, C]``). Rows and
-    columns of a ragged edge block use that block's scale."""
+    the full tensor (leading dims whole); ``scale_inv``: the full tensor's scale grid (``[..., R, C]``, any
+    format :func:`scale_values` reads). Rows and columns of a ragged edge block use that block's scale."""
     if not is_fp8(weight.dtype):
         raise ValueError(f"dequantize: weight is {weight.dtype}, not float8")
     r0, c0 = start
@@ -123,7 +179,7 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, *, block: tuple[in
     out = weight.to(torch.float32)
     # each row's scales ([..., rows, C]: small), applied one column block at a time, in place: no weight-sized
     # scale tensor; every element is the fp32 product weight * scale of its block
-    row_scales = scale_inv.to(device=weight.device, dtype=torch.float32).index_select(-2, row_block)
+    row_scales = scale_values(scale_inv.to(device=weight.device)).index_select(-2, row_block)
     for b in range(first, last + 1 if cols else first):
         lo, hi = max(b * bc, c0) - c0, min((b + 1) * bc, c0 + cols) - c0
         out[..., lo:hi].mul_(row_scales[..., b:b + 1])
@@ -133,27 +189,31 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, *, block: tuple[in
 def dequantize_state_dict(state: Mapping[str, torch.Tensor], *, dtype: torch.dtype = torch.bfloat16,
                           block: tuple[int, int] = BLOCK) -> dict[str, torch.Tensor]:
     """A state dict with every float8 weight replaced by its dequantised ``dtype`` tensor and the scales
-    removed; other tensors unchanged. A float8 tensor without its ``_scale_inv``, a scale of the wrong grid or
-    dtype, and a scale without its weight are a :class:`CheckpointError` naming the tensor."""
+    removed (``X_scale_inv``, or ``X.scale`` for a float8 ``X.weight``); other tensors unchanged. A float8 tensor
+    without its scale, a scale of the wrong grid or dtype, and a scale without its weight are a
+    :class:`CheckpointError` naming the tensor."""
+    dtypes = {k: v.dtype for k, v in state.items()}
+    pairs = scale_pairs(state, dtypes, is_fp8)
+    scales = set(pairs.values())
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        if name.endswith(SCALE_SUFFIX):
-            weight = name[: -len(SCALE_SUFFIX)]
-            if weight not in state:
-                raise CheckpointError(f"{name} is a block scale without its weight {weight}")
+        if name in scales:
             continue
-        scale = state.get(scale_name(name))
+        scale = state.get(pairs[name]) if name in pairs else None
         if is_fp8(tensor.dtype):
             if scale is None:
                 raise CheckpointError(f"{name} is {tensor.dtype} but the checkpoint has no {scale_name(name)} "
                                       f"(one scale per {block[0]}x{block[1]} block): a plain cast would load wrong "
                                       "weights")
-            check_scale(name, tensor.shape, tensor.dtype, scale.shape, scale.dtype, block)
+            check_scale(name, tensor.shape, tensor.dtype, scale.shape, scale.dtype, block, pairs[name])
             out[name] = dequantize(tensor, scale, block=block, dtype=dtype)
         elif scale is not None:
-            check_scale(name, tensor.shape, tensor.dtype, scale.shape, scale.dtype, block)  # raises: not float8
+            check_scale(name, tensor.shape, tensor.dtype, scale.shape, scale.dtype, block, pairs[name])  # raises
         else:
             out[name] = tensor
+    for weight, scale in pairs.items():
+        if weight not in state:
+            raise CheckpointError(f"{scale} is a block scale without its weight {weight}")
     return out
 
 
@@ -178,7 +238,7 @@ class DequantizedSource(Source):
 
     def _scales(self) -> torch.Tensor:
         if self._scale is None:
-            self._scale = self.scale.full().to(torch.float32)
+            self._scale = scale_values(self.scale.full())
         return self._scale
 
     def read(self, dim, start, stop):
@@ -193,12 +253,13 @@ class DequantizedSource(Source):
 
 def fp8_plan(present: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.dtype],
              block: tuple[int, int] | None, *, where: str) -> dict[str, str]:
-    """Which checkpoint tensors are float8 weights with block scales: ``{weight name: its scale's name}``, every
-    pairing checked (:func:`check_scale`) from metadata alone. ``block``: the config's
-    (:func:`block_size_of`); None: a checkpoint without a quantization config, which must hold no float8 tensor
-    and no scale. Raises :class:`CheckpointError` naming each problem (a float8 weight without its scale, a scale
-    without its weight or of the wrong grid, float8 weights where the config declares no quantization)."""
-    scales = {n[: -len(SCALE_SUFFIX)]: n for n in present if n.endswith(SCALE_SUFFIX)}
+    """Which checkpoint tensors are float8 weights with block scales: ``{weight name: its scale's name}``
+    (``X_scale_inv``, or DeepSeek-V4's ``X.scale`` for a float8 ``X.weight``), every pairing checked
+    (:func:`check_scale`) from metadata alone. ``block``: the config's (:func:`block_size_of`); None: a
+    checkpoint without a quantization config, which must hold no float8 tensor and no scale. Raises
+    :class:`CheckpointError` naming each problem (a float8 weight without its scale, a scale without its weight
+    or of the wrong grid, float8 weights where the config declares no quantization)."""
+    scales = scale_pairs(present, dtypes, is_fp8)
     fp8 = sorted(n for n, d in dtypes.items() if is_fp8(d))
     if block is None:
         if fp8 or scales:
@@ -209,10 +270,10 @@ def fp8_plan(present: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.
     for weight, scale in sorted(scales.items()):
         if weight not in present:
             raise CheckpointError(f"{where}: {scale} is a block scale without its weight {weight}")
-        check_scale(weight, present[weight], dtypes[weight], present[scale], dtypes[scale], block)
+        check_scale(weight, present[weight], dtypes[weight], present[scale], dtypes[scale], block, scale)
     unscaled = [n for n in fp8 if n not in scales]
     if unscaled:
         raise CheckpointError(f"{where}: {', '.join(unscaled[:4])} is float8 but the checkpoint has no "
-                              f"{scale_name(unscaled[0])} (one scale per {block[0]}x{block[1]} block): a plain cast "
-                              "would load wrong weights")
+                              f"{' or '.join(scale_names(unscaled[0]))} (one scale per {block[0]}x{block[1]} block):"
+                              " a plain cast would load wrong weights")
     return scales

@@ -27,6 +27,13 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+# DeepSeek-V4's scale and FP4 formats, where this torch has them: UE8M0 block scales, packed e2m1 pairs
+SAFETENSORS_DTYPES.update({code: getattr(torch, name) for code, name in (("F8_E8M0", "float8_e8m0fnu"),
+                                                                         ("F4", "float4_e2m1fn_x2"))
+                           if hasattr(torch, name)})
+# safetensors counts an F4 tensor's last dim in 4-bit values; torch's float4_e2m1fn_x2 (what a read returns) in
+# bytes of two: a source reports torch's shape, so that shapes and reads agree
+PACKED_PAIRS = ("F4",)
 
 
 class MissingCheckpointError(CheckpointError, FileNotFoundError):
@@ -42,8 +49,11 @@ class SliceSource(Source):
         self._handle = handle
         meta = handle.get_slice(name)
         self.name = name
-        self.shape = tuple(meta.get_shape())
         self.dtype_code = meta.get_dtype()          # safetensors' code: "F32", "BF16", "I32", ...
+        shape = tuple(meta.get_shape())
+        if self.dtype_code in PACKED_PAIRS and shape:
+            shape = (*shape[:-1], shape[-1] // 2)
+        self.shape = shape
         self._view = None
 
     @property

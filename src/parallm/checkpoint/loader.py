@@ -31,11 +31,12 @@ from ..families import family_of
 from ..model.loaded import mark_loaded
 from ..model.sharding import SlabSource, TensorSource, make_shard
 from ..model.table import (Entry, all_entries, chunk_entries, entry_view, expected_hf_shapes,  # noqa: F401
-                           fused_layout, held_params, model_entries)
+                           fused_layout, held_params, integer_hf_names, model_entries, row_dtype)
 from ..parallel.errors import exchange_rows, gather_objects, remote_error, status_of
 from ..parallel.state import ParallelDims, as_chunks, dims_of, require_initialized
 from ..progress import bar
-from .cast import WIRE_DTYPES, check_cast, copy_cast_
+from .cast import LOAD_WIRE_DTYPES, check_cast, copy_cast_
+from .fp4 import expert_dtype_of, fp4_view
 from .fp8 import DequantizedSource, block_size_of, fp8_plan
 from .int4 import int4_config, int4_view
 from .mxfp4 import is_mxfp4, mxfp4_view
@@ -227,7 +228,8 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
             block = block_size_of(chunks[0].hf_config)     # FP8 block checkpoints: dequantised while read
             get, init = _open_and_check(source, spec, task, layout, strict=strict, allow_pickle=allow_pickle,
                                         fp8_block=block, mxfp4=is_mxfp4(chunks[0].hf_config),
-                                        int4=int4_config(chunks[0].hf_config))
+                                        int4=int4_config(chunks[0].hf_config),
+                                        fp4=expert_dtype_of(chunks[0].hf_config) == "fp4")
             own = [(e, c) for e, c in mine if not set(e.hf) & set(init)]
             mark_loaded(chunks, False)      # from here on a failure leaves a partial load
             _fill_all(own, get, layout, progress)
@@ -271,7 +273,7 @@ def load_hf_weights(chunks, source, *, mode: str = "auto", strict: bool = True,
 
 
 def _open_and_check(source, spec, task, layout: ParallelDims, *, strict: bool, allow_pickle: bool,
-                    fp8_block: tuple[int, int] | None = None, mxfp4: bool = False, int4=None):
+                    fp8_block: tuple[int, int] | None = None, mxfp4: bool = False, int4=None, fp4: bool = False):
     """Open this rank's source and check every tensor's name, shape and dtype at once. Returns
     ``(get, initialised)``: ``get(hf_name)`` gives the :class:`Source` to read (value-head aliases applied).
 
@@ -281,8 +283,12 @@ def _open_and_check(source, spec, task, layout: ParallelDims, *, strict: bool, a
     it a float8 tensor or a scale is an error naming it. ``mxfp4``: the config declares MXFP4 experts: each
     ``X_blocks`` / ``X_scales`` pair is read as X (:class:`~parallm.checkpoint.mxfp4.Mxfp4Source`). ``int4``: the
     config's compressed-tensors INT4 settings (:func:`~parallm.checkpoint.int4.int4_config`): each pack-quantized
-    module is read as its weight (:class:`~parallm.checkpoint.int4.Int4Source`)."""
-    table = family_of(spec).table
+    module is read as its weight (:class:`~parallm.checkpoint.int4.Int4Source`). ``fp4``: the config declares
+    FP4 experts (``expert_dtype: "fp4"``): each packed weight is read through its scale
+    (:class:`~parallm.checkpoint.fp4.Fp4Source`). A family with ``checkpoint_names`` (DeepSeek-V4's Hub
+    spelling) has its checkpoint's names mapped to the table's first."""
+    family = family_of(spec)
+    table = family.table
     expected = expected_hf_shapes(table, spec, task=task, pp=layout.pp)
     if isinstance(source, dict):
         present, where = tensor_shapes(source), "state dict"
@@ -292,9 +298,12 @@ def _open_and_check(source, spec, task, layout: ParallelDims, *, strict: bool, a
         ckpt = HFCheckpoint(source, allow_pickle=allow_pickle)
         raw, where = ckpt.source, ckpt.path
         present = {k: raw(k).shape for k in ckpt.keys()}
+    if family.checkpoint_names is not None:
+        present, raw, where = _renamed(present, raw, family.checkpoint_names, where)
     present, dtypes, raw = mxfp4_view(present, {k: getattr(raw(k), "dtype", None) for k in present}, raw,
                                       declared=mxfp4, where=where)
     present, dtypes, raw = int4_view(present, dtypes, raw, int4, where=where)
+    present, dtypes, raw = fp4_view(present, dtypes, raw, declared=fp4, where=where)
     scales = fp8_plan(present, dtypes, fp8_block, where=where)
     if scales:
         stored = raw
@@ -305,7 +314,9 @@ def _open_and_check(source, spec, task, layout: ParallelDims, *, strict: bool, a
             return stored(name) if scale is None else DequantizedSource(stored(name), stored(scale), fp8_block)
     aliases, init, fused = check_checkpoint(present, spec, task, expected, strict=strict, where=where,
                                             fused=fused_layout(table, spec, task=task, pp=layout.pp))
-    check_floating([fused[k].name if k in fused else aliases.get(k, k) for k in expected if k not in init],
+    ints = integer_hf_names(table, spec, task=task, pp=layout.pp)     # int64 rows (tid2eid): not weights
+    check_floating([fused[k].name if k in fused else aliases.get(k, k) for k in expected
+                    if k not in init and k not in ints],
                    lambda n: raw(n).is_floating, where=where)
 
     def get(name):
@@ -316,6 +327,22 @@ def _open_and_check(source, spec, task, layout: ParallelDims, *, strict: bool, a
             return raw(part.name)
         return SlabSource(raw(part.name), part.expert, part.part, part.parts)
     return get, init
+
+
+def _renamed(present: dict, raw, rename, where: str):
+    """``present`` and ``raw`` under the table's names (``rename``: the family's ``checkpoint_names``, checkpoint
+    name -> table name), and ``where`` saying so when a name changed; two tensors mapped to one name are an
+    error naming both."""
+    to_table = rename(present)
+    back: dict[str, str] = {}
+    for name, table_name in to_table.items():
+        if table_name in back:
+            raise CheckpointError(f"{where}: {back[table_name]} and {name} both stand for {table_name}")
+        back[table_name] = name
+    moved = sorted(n for n, t in to_table.items() if n != t)
+    if moved:
+        where = f"{where} (names read as the table's: {moved[0]} as {to_table[moved[0]]}, ...)"
+    return {t: present[n] for n, t in to_table.items()}, lambda name: raw(back.get(name, name)), where
 
 
 def _readers(mode: str, kinds: list[str]) -> list[bool]:
@@ -380,7 +407,10 @@ def _wire(shard: torch.Tensor, model_dtype: torch.dtype, names, device) -> torch
     checkpoint's and the parameter's dtype ``model_dtype`` (a bf16 checkpoint for an fp32 model travels in bf16
     and is widened by the receiver's copy into its parameter)."""
     check_cast(shard, model_dtype, names)
-    if shard.dtype not in WIRE_DTYPES or shard.element_size() > torch.empty((), dtype=model_dtype).element_size():
+    if model_dtype.is_floating_point != shard.dtype.is_floating_point:
+        raise CheckpointError(f"{', '.join(names)}: checkpoint dtype {shard.dtype} for a {model_dtype} parameter")
+    if shard.dtype not in LOAD_WIRE_DTYPES or \
+            shard.element_size() > torch.empty((), dtype=model_dtype).element_size():
         shard = shard.to(model_dtype)
     return shard.to(device=device).contiguous()
 
@@ -405,7 +435,7 @@ def _broadcast_load(needs, mine, everything, params, get, layout: ParallelDims, 
                 if status.item() < 0:
                     raise _recv_failure(-status.item(), device)
                 param = params[i]
-                wire_dtype = WIRE_DTYPES[status.item()]
+                wire_dtype = LOAD_WIRE_DTYPES[status.item()]
                 direct = wire_dtype == param.dtype and param.data.is_contiguous()
                 buf = param.data if direct else torch.empty(param.shape, dtype=wire_dtype, device=device)
                 dist.recv(buf, src=0)
@@ -433,9 +463,10 @@ def _broadcast_load(needs, mine, everything, params, get, layout: ParallelDims, 
             sources = [get(n) for n in entry.hf]
             for tp_rank, ranks in needers[i].items():
                 shard = make_shard(entry.kind, sources, tp_rank, layout.tp, spec, padded_vocab)
-                # a keep_fp32 row (fp32 in a model of any dtype) travels in the checkpoint's dtype up to fp32
-                wire = _wire(shard, torch.float32 if entry.row.keep_fp32 else model_dtype, entry.hf, device)
-                status.fill_(WIRE_DTYPES.index(wire.dtype))
+                # a keep_fp32 row (fp32 in a model of any dtype) travels in the checkpoint's dtype up to fp32,
+                # an integer row (int64) as int64
+                wire = _wire(shard, row_dtype(entry.row, model_dtype), entry.hf, device)
+                status.fill_(LOAD_WIRE_DTYPES.index(wire.dtype))
                 for rank in ranks:
                     sending_to = rank
                     dist.send(status, dst=rank)

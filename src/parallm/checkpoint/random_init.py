@@ -25,7 +25,7 @@ import torch
 
 from ..model.loaded import mark_loaded
 from ..model.sharding import Source
-from ..model.table import expected_hf_shapes, model_entries
+from ..model.table import expected_hf_shapes, integer_hf_names, model_entries
 from ..parallel.state import as_chunks, dims_of
 
 ROWS = 64                      # rows per generator block
@@ -48,14 +48,14 @@ class RandomSource(Source):
     """One HF tensor of the random model, read slice by slice like a checkpoint's (see the module
     docstring)."""
 
-    def __init__(self, name: str, shape, *, kind: str, std: float, seed: int):
+    def __init__(self, name: str, shape, *, kind: str, std: float, seed: int, dtype: torch.dtype = torch.float32):
         self.name, self.shape, self.kind, self.std = name, tuple(int(s) for s in shape), kind, float(std)
-        self.dtype = torch.float32
+        self.dtype = dtype      # int64: an integer row (DeepSeek-V4's tid2eid), zeros as transformers inits it
         self.key = (int(seed) * 1000003 + zlib.crc32(name.encode())) % (1 << 62)
 
     @property
     def is_floating(self) -> bool:
-        return True
+        return self.dtype.is_floating_point
 
     def _block(self, k: int) -> torch.Tensor:
         start = k * ROWS
@@ -66,6 +66,8 @@ class RandomSource(Source):
     def read(self, dim: int, start: int, stop: int) -> torch.Tensor:
         shape = list(self.shape)
         shape[dim] = stop - start
+        if not self.dtype.is_floating_point:
+            return torch.zeros(shape, dtype=self.dtype)
         if self.kind != "normal" or stop <= start:
             return torch.full(shape, 1.0 if self.kind == "ones" else 0.0, dtype=torch.float32)
         if dim == 0:
@@ -92,12 +94,13 @@ def init_random(chunks, *, seed: int = 0) -> None:
     std = float(std if std is not None else DEFAULT_STD)
     shapes = expected_hf_shapes(chunks[0].table, spec, task=task, pp=layout.pp)
     mine, _ = model_entries(chunks, layout)
+    ints = integer_hf_names(chunks[0].table, spec, task=task, pp=layout.pp)
     mark_loaded(chunks, False)
 
     def get(name):
         shape = shapes[name]
         return RandomSource(name, shape, kind=init_kind(name, len(shape), zero_centered_norm=spec.zero_centered_norm),
-                            std=std, seed=seed)
+                            std=std, seed=seed, dtype=torch.int64 if name in ints else torch.float32)
     _fill_all(mine, get, layout, progress=False)
     mark_loaded(chunks)
 

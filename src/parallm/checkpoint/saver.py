@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..families import family_of
-from ..model.table import entry_view, expected_hf_shapes, model_entries, stack_experts, stacked_saves
+from ..model.table import entry_view, expected_hf_shapes, model_entries, row_dtype, stack_experts, stacked_saves
 from ..model.loaded import require_loaded
 from ..parallel.errors import run_local
 from ..parallel.state import ParallelDims, as_chunks, dims_of, require_initialized
@@ -88,8 +88,8 @@ def _merge_entry(entry, view, shards, *, dtype, device) -> dict[str, torch.Tenso
     tensors while training changes it."""
     param, tp_layout = view
     out = {}
-    if entry.row.keep_fp32:          # the router's weight and selection bias: fp32 whatever the model's dtype
-        dtype = torch.float32
+    if entry.row.keep_fp32 or entry.row.integer:   # fp32 (the router's selection bias) / int64 (tid2eid)
+        dtype = row_dtype(entry.row, dtype)
     for name, tensor in zip(entry.hf, tp_layout.merge(shards)):
         tensor = tensor.to(device=device, dtype=dtype or tensor.dtype).contiguous()   # checked by _check_saveable
         if tensor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
@@ -232,18 +232,27 @@ def _check_saveable(chunks, layout: ParallelDims, dtype) -> None:
 
 # the dtypes a weight directory may be saved in (safetensors codes from the one map in hf_dir)
 _ST_DTYPES = {SAFETENSORS_DTYPES[code]: code for code in ("F64", "F32", "F16", "BF16")}
+_ST_KEPT = {**_ST_DTYPES, torch.int64: "I64"}      # what a kept row may be (float32, int64: DeepSeek-V4's tid2eid)
+
+
+def _held(name: str, kept, dtype: torch.dtype) -> torch.dtype:
+    """A saved tensor's dtype: ``kept[name]`` (a mapping) / float32 (a set) for the kept rows, else ``dtype``."""
+    if isinstance(kept, dict):
+        return kept.get(name, dtype)
+    return torch.float32 if name in kept else dtype
 
 
 def plan_files(tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, limit: int, *,
                fp32: frozenset | set = frozenset()) -> list[dict]:
     """Split ``(name, shape)`` (global order) into safetensors files of at most ``limit`` bytes and compute each
-    file's header and tensor offsets; every tensor in ``dtype``, those named in ``fp32`` in float32. Pure: every
+    file's header and tensor offsets; every tensor in ``dtype``, those named in ``fp32`` in float32 (a set) or in
+    their dtype (a mapping name -> dtype: int64 rows too). Pure: every
     rank computes the same plan without talking to the others."""
     if dtype not in _ST_DTYPES:
         raise ValueError(f"cannot save dtype {dtype}; use one of {sorted(str(d) for d in _ST_DTYPES)}")
     groups, current, size = [], [], 0
     for name, shape in tensors:
-        n = torch.empty((), dtype=torch.float32 if name in fp32 else dtype).element_size()
+        n = torch.empty((), dtype=_held(name, fp32, dtype)).element_size()
         for d in shape:
             n *= d
         if current and size + n > limit:
@@ -258,7 +267,7 @@ def plan_files(tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, l
         fname = SINGLE_NAME if len(groups) == 1 else f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
         header, offsets, pos = {"__metadata__": {"format": "pt"}}, {}, 0
         for name, shape, n in group:
-            code = _ST_DTYPES[torch.float32 if name in fp32 else dtype]
+            code = _ST_KEPT[_held(name, fp32, dtype)]
             header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [pos, pos + n]}
             offsets[name] = (pos, shape)
             pos += n
@@ -274,9 +283,10 @@ def plan_files(tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, l
 def file_tensors(everything, shapes: dict) -> tuple[list[tuple[str, tuple[int, ...]]], set, dict]:
     """What a saved directory holds, in global order: ``(name, shape)`` of every saved tensor (the per-expert
     tensors of ``save_fused`` rows replaced by the stacked tensor ``[E, ...]`` they are slabs of, at the place of
-    the first), the names kept in fp32 (``keep_fp32`` rows), and :func:`~parallm.model.table.stacked_saves`."""
+    the first), the kept names' dtypes (``keep_fp32`` rows: float32, ``integer`` rows: int64), and
+    :func:`~parallm.model.table.stacked_saves`."""
     stacked = stacked_saves(everything)
-    out, seen, fp32 = [], set(), set()
+    out, seen, fp32 = [], set(), {}
     counts: dict[str, int] = {}
     for fused, _ in stacked.values():
         counts[fused] = counts.get(fused, 0) + 1
@@ -285,8 +295,8 @@ def file_tensors(everything, shapes: dict) -> tuple[list[tuple[str, tuple[int, .
             continue
         for n in e.hf:
             name = stacked[n][0] if n in stacked else n
-            if e.row.keep_fp32:
-                fp32.add(name)
+            if e.row.keep_fp32 or e.row.integer:
+                fp32[name] = row_dtype(e.row, torch.float32)
             if name not in seen:
                 seen.add(name)
                 out.append((name, (counts[name],) + tuple(shapes[n]) if n in stacked else tuple(shapes[n])))
@@ -329,7 +339,7 @@ def _save_dir(chunks, layout: ParallelDims, out_dir: str, *, dtype, overwrite: b
     where = {n: (f["name"], *f["tensors"][n]) for f in files for n in f["tensors"]}
     for name, (fused, e) in stacked.items():      # expert e's slab of the stacked tensor it is saved into
         fname, start, _ = where[fused]
-        elsize = torch.empty((), dtype=torch.float32 if fused in fp32 else dtype).element_size()
+        elsize = torch.empty((), dtype=_held(fused, fp32, dtype)).element_size()
         slab = elsize * math.prod(shapes[name])
         where[name] = (fname, start + e * slab, shapes[name])
 
@@ -360,7 +370,7 @@ def _save_dir(chunks, layout: ParallelDims, out_dir: str, *, dtype, overwrite: b
             try:
                 for _, entry, chunk in bar(wanted, desc="parallm save", rank=layout.rank, progress=progress):
                     param, tp_layout = entry_view(chunk, entry)
-                    out_dtype = torch.float32 if entry.row.keep_fp32 else dtype
+                    out_dtype = row_dtype(entry.row, dtype)
                     elsize = torch.empty((), dtype=out_dtype).element_size()
                     local = param.detach().to(device="cpu", dtype=out_dtype)      # checked by _check_saveable
                     hf_shapes = [shapes[n] for n in entry.hf]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.table import entry_tensor, expected_hf_shapes, held_params, model_entries
+from ..model.table import entry_tensor, expected_hf_shapes, held_params, model_entries, row_dtype
 from ..parallel.errors import exchange_rows
 from ..parallel.state import as_chunks, dims_of, require_initialized
 from .export_plan import saved_entries
@@ -115,7 +115,7 @@ def hf_shard_map(chunks, *, what: str = "hf_shard_map") -> list[HFShard]:
     out = []
     for i, entry in saved_entries(everything):
         slots = tuple((name, tuple(shapes[name])) for name in entry.hf)
-        dtype = torch.float32 if entry.row.keep_fp32 else model_dtype
+        dtype = row_dtype(entry.row, model_dtype)
         pieces: tuple[Piece, ...] = ()
         if held[layout.rank][i]:
             holders = [r for r in range(layout.world) if held[r][i] and tp_of[r] == layout.tp_rank]

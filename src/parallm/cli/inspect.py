@@ -125,6 +125,7 @@ def render(report: dict) -> str:
         *([f"hybrid        Gated DeltaNet layers {c['linear_layers']} ({c['linear_heads']}); full attention "
            f"(output-gated) on the other {c['layers'] - len(c['linear_layers'])}"] if c.get("linear_layers") else []),
         *([_dsa_line(c["sparse_attention"])] if c.get("sparse_attention") else []),
+        *(_v4_lines(c["deepseek_v4"]) if c.get("deepseek_v4") else []),
         *([f"carried       {c['carried']} tensors ({_count(c['carried_parameters'])} params: the vision tower) held "
            "on the first stage, loaded, saved and exported unchanged, never run nor trained"]
           if c.get("carried") else []),
@@ -211,5 +212,20 @@ def _dsa_line(d: dict) -> str:
     shared = f"; layers {d['shared_layers']} reuse the previous full layer's selection" if d["shared_layers"] else ""
     return (f"sparse attn   DeepSeek Sparse Attention: indexer {d['heads']} heads x {d['head_dim']} ({d['rope']} "
             f"RoPE), top-{d['topk']} keys per query on {d['indexer_layers']} layers{shared}; indexer "
-            f"{_count(d['params_per_layer'])} params per layer, replicated over TP, frozen; selection "
-            f"{d['selection_bytes_per_token']} bytes per token per indexer layer")
+            f"{_count(d['params_per_layer'])} params per layer, replicated over TP, frozen; a selection takes "
+            f"{d['selection_bytes_per_token']} bytes per token (int32), held only until the last shared layer "
+            "that reads it")
+
+
+def _v4_lines(d: dict) -> list[str]:
+    """DeepSeek-V4's layer kinds and hyper-connections, for a newcomer who has not read the paper."""
+    hashed = f"; layers {d['hash_layers']} pick experts from the token id (hash routing)" if d["hash_layers"] else ""
+    return [f"attention     DeepSeek-V4, per layer {d['pattern']}: S = a sliding window of {d['window']} keys only; "
+            f"C = that plus compressed sparse attention (every {d['csa_rate']} tokens pooled into one key, the "
+            f"indexer's top-{d['index_topk']} of them per query, {d['index_heads']} indexer heads x "
+            f"{d['index_head_dim']}); H = the window plus heavily compressed attention (every {d['hca_rate']} "
+            "tokens pooled, all visible ones attended); one key = value head, a sink per head, q-LoRA "
+            f"{d['q_lora_rank']}, output in {d['o_groups']} groups of rank {d['o_lora_rank']}, RoPE on the last "
+            f"{d['rope_dim']} channels",
+            f"residual      {d['hc_mult']} hyper-connection streams mixed around every block (Sinkhorn "
+            f"{d['sinkhorn_iters']} steps), collapsed before the final norm{hashed}"]

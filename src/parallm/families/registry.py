@@ -29,6 +29,10 @@ class Family:
     # (checkpoint prefix, in-memory prefix) pairs where transformers holds a module under another path than the
     # checkpoint names it (Nemotron-H: ``backbone.`` is ``model.``): PEFT names adapters by the in-memory path
     peft_renames: tuple[tuple[str, str], ...] = ()
+    # A checkpoint's tensor names -> {checkpoint name: table name}, applied by the loader before anything else, for
+    # a family whose released checkpoints spell names otherwise than transformers saves them (DeepSeek-V4's Hub
+    # names: :func:`parallm.families.deepseek_v4_names.checkpoint_names`); None: the table's names as they are
+    checkpoint_names: Callable[[object], dict] | None = None
 
 
 FAMILIES: dict[str, Family] = {}
@@ -49,8 +53,53 @@ def _get(config, key, default=None):
     return getattr(config, key, default)
 
 
+# Keys only DeepSeek-V4 configs have. V4-Flash's first configs say ``architectures: ["DeepseekV3ForCausalLM"]``
+# (model_type deepseek_v3) and carry these; read as DeepSeek-V3 they would build a silently wrong model, so such a
+# config is read as V4 (transformers' DeepseekV4Config folds the legacy keys: compress_ratios -> layer_types,
+# num_hash_layers -> mlp_layer_types, compress_rate_csa / _hca -> compress_rates, qk_rope_head_dim ->
+# partial_rotary_factor, a top-level expert_dtype into quantization_config).
+V4_ONLY_KEYS = ("compress_ratios", "compress_rate_csa", "compress_rate_hca", "compress_rates", "num_hash_layers",
+                "hc_mult", "hc_sinkhorn_iters", "hc_eps", "o_groups", "o_lora_rank", "compress_rope_theta")
+V4_ARCHITECTURE = "DeepseekV4ForCausalLM"
+
+
+def _config_as_dict(config) -> dict:
+    if isinstance(config, dict):
+        return config
+    if isinstance(config, _DictConfig):
+        return config._raw
+    return config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+
+
+def is_legacy_v4(config) -> bool:
+    """Whether ``config`` (object or config.json dict) says DeepSeek-V3 (``model_type: deepseek_v3`` or
+    ``DeepseekV3ForCausalLM``) but carries keys only DeepSeek-V4 has (:data:`V4_ONLY_KEYS`)."""
+    d = _config_as_dict(config)
+    v3 = d.get("model_type") == "deepseek_v3" or "DeepseekV3ForCausalLM" in (d.get("architectures") or [])
+    return v3 and any(d.get(k) is not None for k in V4_ONLY_KEYS)
+
+
+def legacy_v4_config(config):
+    """A legacy V4 config (:func:`is_legacy_v4`) as transformers' ``DeepseekV4Config`` built from its keys
+    (``model_type: deepseek_v4``, ``architectures: ["DeepseekV4ForCausalLM"]``), the legacy keys folded in."""
+    from transformers import DeepseekV4Config
+    d = {k: v for k, v in _config_as_dict(config).items()
+         if k not in ("model_type", "architectures", "auto_map", "transformers_version")}
+    out = DeepseekV4Config(**d)
+    out.architectures = [V4_ARCHITECTURE]
+    return out
+
+
 def family_for(config) -> Family:
-    """The family of an HF config (object or config.json dict), or a ValueError listing what is supported."""
+    """The family of an HF config (object or config.json dict), or a ValueError listing what is supported. A
+    legacy DeepSeek-V4 config (:func:`is_legacy_v4`) is V4's, never DeepSeek-V3's."""
+    if is_legacy_v4(config):
+        for f in FAMILIES.values():
+            if V4_ARCHITECTURE in f.architectures:
+                return f
+        raise ValueError(f"this config says DeepseekV3ForCausalLM but carries DeepSeek-V4 keys "
+                         f"({', '.join(k for k in V4_ONLY_KEYS if _config_as_dict(config).get(k) is not None)}): it is a DeepSeek-V4"
+                         f" config, and this parallm has no {V4_ARCHITECTURE} family (it is not read as DeepSeek-V3)")
     archs = _get(config, "architectures") or []
     for f in FAMILIES.values():
         if any(a in f.architectures for a in archs):
@@ -79,8 +128,15 @@ def load_config(hf_config):
     """A PretrainedConfig, a checkpoint directory, a config.json path, or a dict -> a config object.
 
     Directories / files are read as plain JSON (no transformers model code is imported), so config.json files
-    written by transformers 4.x (``rope_theta`` / ``rope_scaling``) and 5.x (``rope_parameters``) both work.
+    written by transformers 4.x (``rope_theta`` / ``rope_scaling``) and 5.x (``rope_parameters``) both work. A
+    legacy DeepSeek-V4 config (``DeepseekV3ForCausalLM`` with V4 keys, :func:`is_legacy_v4`), file, dict or
+    object, becomes transformers' ``DeepseekV4Config`` (:func:`legacy_v4_config`).
     """
+    config = _load_config(hf_config)
+    return legacy_v4_config(config) if is_legacy_v4(config) else config
+
+
+def _load_config(hf_config):
     if isinstance(hf_config, (str, os.PathLike)):
         path = os.fspath(hf_config)
         if os.path.isdir(path):

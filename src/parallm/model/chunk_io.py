@@ -10,7 +10,8 @@ import torch
 
 from ..parallel.megatron_import import import_megatron
 from .context_parallel import ContextSplit, split_batch
-from .layers.attention import Packing, unpack_tokens
+from .layers.attention import Packing, pack_tokens, unpack_tokens
+from .layers.hyper_connections import expand_streams
 from .layers.routing import moe_layer_indices, tokens_of_rows
 from .logprobs import token_stats_head
 
@@ -94,6 +95,25 @@ class ChunkIO:
             out = unpack_tokens(out[:, 0], ctx)                           # [S, B, ...], zeros at padding
         return out
 
+    def _streams(self, x):
+        """DeepSeek-V4: the embeddings copied into the hyper-connection streams, ``[.., hc_mult * H]``; else
+        ``x``."""
+        return x if self.spec.v4 is None else expand_streams(x, self.spec.v4.hc_mult)
+
+    def _v4_context(self, ctx, input_ids, positions, split) -> None:
+        """What DeepSeek-V4's layers read from the batch context: ``ctx.positions`` (the positions the chunk
+        rotates by: ``[S, B]`` padded, ``[T, 1]`` packed, the CP share's) and ``ctx.token_ids`` (the token id of
+        each row of the activations, with their leading shape: this TP rank's share under sequence parallelism),
+        on every pipeline stage."""
+        if split is not None:
+            ids = split.ids
+        elif isinstance(ctx, Packing):
+            ids = pack_tokens(input_ids, ctx)[None]
+        else:
+            ids = input_ids
+        ctx.positions = positions
+        ctx.token_ids = self._my_rows(ids.transpose(0, 1))
+
     def _scale_embeddings(self, x):
         """The embeddings times the spec's embed_scale (Gemma's ``sqrt(hidden_size)``), a scalar tensor cast to the
         activations' dtype first as transformers' ``Gemma4TextScaledWordEmbedding`` casts its buffer), or ``x``."""
@@ -149,7 +169,7 @@ class ChunkIO:
         context parallelism this rank's share (``[rows, width, H]`` of the split, rows / tp under sequence
         parallelism). Every rank of a pipeline computes it from the batch it holds; one host sync for all of them
         when packed or packing inside."""
-        h = self.spec.hidden_size
+        h = self.spec.stream_width
         tp = self.config.tensor_model_parallel_size
         multiple = tp if self.sequence_parallel else 1
         splits = [batch[2] if len(batch) > 2 else None for batch in batches]

@@ -27,6 +27,7 @@ from .context_parallel import ContextSplit, resolve_cp_attn
 from .layers.attention import (AttnBackend, Packing, PaddedRows, both_layouts, make_packing, pack_tokens,
                                resolve_attn_impl)
 from .layers.gqa import Attention
+from .layers.hyper_connections import HyperHead
 from .layers.gated_deltanet import GatedDeltaNet, resolve_kernel as resolve_gdn_kernel
 from .layers.dsa import DSAttention, check_dsa_stages
 from .layers.mamba2 import Mamba2Mixer, check_mamba_layout, resolve_kernel as resolve_mamba_kernel
@@ -86,7 +87,8 @@ class DecoderLayer(nn.Module):
             self.layer_scalar = nn.Parameter(torch.empty(1, dtype=config.params_dtype, device=device),
                                              requires_grad=False)
         # The spec says which layers route over experts (model/layers/moe.py); the others keep the dense MLP.
-        self.mlp = MoEBlock(spec, config, dims, device) if spec.is_moe_layer(layer_number) else MLP(spec, config)
+        self.mlp = MoEBlock(spec, config, dims, device, layer=layer_number) if spec.is_moe_layer(layer_number) \
+            else MLP(spec, config)
 
     def _one_block(self, spec, config, tp, device, *, backend, dims, cp_attn, mamba_kernel):
         """Nemotron-H's layer: ``norm`` then the one mixer of ``spec.block_kind`` (``self_attention``: Mamba-2 or
@@ -100,7 +102,8 @@ class DecoderLayer(nn.Module):
             self.self_attention = Attention(spec, config, tp, device, backend=backend, cp_group=cp_group,
                                             cp_attn=cp_attn, window=spec.window(self.layer_number))
         else:
-            self.mlp = MoEBlock(spec, config, dims, device) if self.block == "moe" else MLP(spec, config)
+            self.mlp = MoEBlock(spec, config, dims, device, layer=self.layer_number) if self.block == "moe" \
+                else MLP(spec, config)
 
     def forward(self, x, cos, sin, ctx, tokens=None, routed=None):
         """``tokens``: real-row mask of ``x`` for a MoE layer's load-balancing loss (None: not computed / all
@@ -232,8 +235,11 @@ class DecoderChunk(ChunkIO, nn.Module):
         # Mamba-2 layers' kernel (model/layers/mamba2.py; None without them), kept as chunk.mamba_kernel
         mamba = resolve_mamba_kernel(device=as_device(device), dtype=config.params_dtype) if spec.mamba else None
         self.mamba_kernel = mamba.name if mamba is not None else None
-        self.layers = nn.ModuleList(DecoderLayer(spec, config, tp, i, device, backend=backend, dims=dims,
-                                                 cp_attn=cp_kernel, gdn_kernel=gdn, mamba_kernel=mamba)
+        layer_class = DecoderLayer
+        if spec.v4 is not None:          # DeepSeek-V4: hyper-connected layers (model/layers/v4_layer.py)
+            from .layers.v4_layer import V4Layer as layer_class
+        self.layers = nn.ModuleList(layer_class(spec, config, tp, i, device, backend=backend, dims=dims,
+                                                cp_attn=cp_kernel, gdn_kernel=gdn, mamba_kernel=mamba)
                                     for i in layers)
         self.moe_aux = MoEAux()  # load-balancing loss of this chunk's MoE layers (forward_backward turns it on)
         self.router_replay = RouterReplay()   # routed_experts / return_routed_experts (forward, forward_backward)
@@ -256,7 +262,12 @@ class DecoderChunk(ChunkIO, nn.Module):
         """The last stage's final norm and head (output layer, value score or none), and the carried
         multi-token-prediction tensors / layers."""
         task, pre_process = self.task, self.pre_process
-        self.final_norm = norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype, device)
+        # DeepSeek-V4 keeps its final norm's weight in fp32 in a model of any dtype, as transformers does
+        norm_dtype = torch.float32 if spec.v4 is not None else config.params_dtype
+        self.final_norm = norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, norm_dtype, device)
+        if spec.v4 is not None:          # DeepSeek-V4: the streams collapsed before the final norm
+            self.hc_head = HyperHead(spec.hidden_size, spec.v4.hc_mult, eps=spec.v4.hc_eps,
+                                     norm_eps=spec.rms_norm_eps, device=device)
         if task == "hidden":
             pass  # a headless model (verl's ParallelLlamaModel): final-normed hidden states
         elif task == "causal_lm":
@@ -333,11 +344,13 @@ class DecoderChunk(ChunkIO, nn.Module):
             x = self.embedding(ids)  # sequence parallel: reduce-scattered to [T/tp, 1, H] already
             if not self.sequence_parallel:
                 x = x.transpose(0, 1).contiguous()                       # [S, B, H] / [T, 1, H]
-            x = self._scale_embeddings(self._no_grad_at_pad_tokens(x, ids))
+            x = self._streams(self._scale_embeddings(self._no_grad_at_pad_tokens(x, ids)))
         else:
             if self.input_tensor is None:
                 raise RuntimeError("DecoderChunk without pre_process needs set_input_tensor() before forward")
             x = self.input_tensor
+        if self.spec.v4 is not None:        # DeepSeek-V4: what its attention and hash routing read
+            self._v4_context(ctx, input_ids, positions, split)
         if self.spec.yarn is not None:      # YaRN: its frequencies and the cos / sin attention factor
             cos, sin = yarn_cos_sin(self.spec.yarn, positions)
         else:
@@ -369,6 +382,8 @@ class DecoderChunk(ChunkIO, nn.Module):
             self._record_routing(attention_mask, ctx)
         if not self.post_process:
             return x
+        if hasattr(self, "hc_head"):
+            x = self.hc_head(x)
         return self._head(self.final_norm(x), ctx, split, input_ids, attention_mask, stats)
 
     def forward(self, input_ids, position_ids, attention_mask):
@@ -409,7 +424,7 @@ def prepare_config(spec: DecoderSpec, dims, *, task: str, dtype, sequence_parall
                          sequence_parallel=sequence_parallel)
     # The TransformerConfig fields Megatron's schedules read from a model's config, set once here: the chunks of
     # a rank share this config (as a Megatron model's chunks share one) and none of them writes to it.
-    for name, value in (("hidden_size", spec.hidden_size), ("calculate_per_token_loss", False),
+    for name, value in (("hidden_size", spec.stream_width), ("calculate_per_token_loss", False),
                         ("fine_grained_activation_offloading", False)):
         if not hasattr(config, name):
             setattr(config, name, value)

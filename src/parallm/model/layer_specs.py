@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 from .layers.routing import check_grouping
 
-ROUTERS = ("softmax", "sigmoid_grouped", "topk_softmax")
+ROUTERS = ("softmax", "sigmoid_grouped", "topk_softmax", "sqrtsoftplus")
 # what the routed experts compute between their two projections (:mod:`parallm.model.layers.moe`)
-ACTIVATIONS = ("silu", "clamped_swiglu", "relu2")   # relu2: relu(up x)^2, no gate (Nemotron-H)
+# relu2: relu(up x)^2, no gate (Nemotron-H); clamped_silu: silu(clamp(gate, max=L)) * clamp(up, -L, L) (DeepSeek-V4)
+ACTIVATIONS = ("silu", "clamped_swiglu", "relu2", "clamped_silu")
 # how a routed expert's weights are held and named (one expert's slab of the stacked parameter)
 EXPERT_LAYOUTS = ("rows", "interleaved_columns")
 
@@ -45,6 +46,17 @@ class MoESpec:
     ``expert_layout`` ``"interleaved_columns"`` holds an expert's ``gate_up`` as ``[H, 2 I]`` with gate / up in
     the even / odd columns and ``down`` as ``[I, H]`` (transformers' gpt-oss layout: no transpose or de-interleave
     on the way in or out), ``"rows"`` as ``[gate; up]`` ``[2 I, H]`` and ``[H, I]`` (every other family).
+
+    DeepSeek-V4 (``router="sqrtsoftplus"``, :func:`parallm.families.deepseek_v4_moe.v4_moe_spec`): scores
+    ``sqrt(softplus(x W^T))``, the ``top_k`` experts of ``scores + e_score_correction_bias`` (``score_bias``),
+    weights the chosen scores / (their sum + 1e-20) * ``routed_scaling_factor`` (always renormalised: no groups,
+    ``norm_topk_prob`` must be True). ``hash_layers`` (a subset of ``layers``): their experts are the frozen int64
+    table ``tid2eid[token_id]`` ``[vocab, top_k]`` (no correction bias there), the weights computed as above from
+    the learned router; :meth:`MoEBlock.forward` needs the token ids there. ``activation="clamped_silu"``:
+    ``silu(clamp(gate, max=limit)) * clamp(up, -limit, limit)`` (``swiglu_limit``, no alpha);
+    ``shared_expert_limit``: the same clamps on the shared expert (V4's ``DeepseekV4MLP``). The load-balancing
+    loss of this router reads ``softmax(logits)`` and its top-k (transformers' ``load_balancing_loss_func`` on
+    the recorded router logits), of the non-hash layers only (:attr:`balanced_layers`).
     """
     num_experts: int
     top_k: int
@@ -69,6 +81,18 @@ class MoESpec:
     # fc2_latent_proj [H, latent] after (the router and the shared expert see the hidden states); None: no latent
     latent_size: int | None = None
     latent_bias: bool = False
+    # DeepSeek-V4: the MoE layers whose experts come from the token ids (tid2eid), and the shared expert's clamp
+    hash_layers: tuple[int, ...] = ()
+    shared_expert_limit: float | None = None
+
+    @property
+    def balanced_layers(self) -> tuple[int, ...]:
+        """The MoE layers whose router the load-balancing loss reads: all but the hash layers (transformers
+        records the router logits of ``DeepseekV4TopKRouter`` only)."""
+        return tuple(layer for layer in self.layers if layer not in self.hash_layers)
+
+    def is_hash_layer(self, layer: int) -> bool:
+        return layer in self.hash_layers
 
     def __post_init__(self):
         if self.router not in ROUTERS:
@@ -78,7 +102,10 @@ class MoESpec:
         if self.expert_layout not in EXPERT_LAYOUTS:
             raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {self.expert_layout!r}")
         clamp = (self.swiglu_limit, self.swiglu_alpha)
-        if self.activation == "clamped_swiglu":
+        self._check_v4()
+        if self.activation == "clamped_silu":
+            pass
+        elif self.activation == "clamped_swiglu":
             bad = [f"{k}={v!r}" for k, v in zip(("swiglu_limit", "swiglu_alpha"), clamp)
                    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0]
             if bad:
@@ -86,6 +113,8 @@ class MoESpec:
         elif clamp != (None, None):
             raise ValueError(f"swiglu_limit / swiglu_alpha apply to activation='clamped_swiglu' only (got "
                              f"{self.activation!r})")
+        if self.router == "sqrtsoftplus":
+            return
         if self.router_bias and self.router != "topk_softmax":
             raise ValueError(f"a trained router bias is the topk_softmax router's (got router={self.router!r})")
         if self.router in ("softmax", "topk_softmax"):
@@ -97,6 +126,34 @@ class MoESpec:
                                  "does)")
         else:
             check_grouping(self.num_experts, self.top_k, self.n_group, self.topk_group)
+
+    def _check_v4(self) -> None:
+        """DeepSeek-V4's fields: the clamped SiLU's limit, the sqrtsoftplus router's options, the hash layers."""
+        def positive(v):
+            return not isinstance(v, bool) and isinstance(v, (int, float)) and v > 0
+        if self.activation == "clamped_silu" and (not positive(self.swiglu_limit) or self.swiglu_alpha is not None):
+            raise ValueError(f"the clamped SiLU needs a positive swiglu_limit and no swiglu_alpha (got swiglu_limit="
+                             f"{self.swiglu_limit!r}, swiglu_alpha={self.swiglu_alpha!r})")
+        if self.shared_expert_limit is not None and not (positive(self.shared_expert_limit)
+                                                         and self.shared_expert_intermediate_size > 0):
+            raise ValueError(f"shared_expert_limit={self.shared_expert_limit!r} needs a positive limit and a shared "
+                             f"expert (shared_expert_intermediate_size={self.shared_expert_intermediate_size})")
+        if self.router == "sqrtsoftplus":
+            extras = {k for k, v in (("n_group", self.n_group != 1), ("topk_group", self.topk_group != 1),
+                                     ("router_bias", self.router_bias), ("norm_topk_prob=False",
+                                                                         not self.norm_topk_prob)) if v}
+            if extras:
+                raise ValueError(f"the sqrtsoftplus router takes none of {sorted(extras)} (it always "
+                                 "renormalises, has no groups and no trained bias)")
+            if self.top_k > self.num_experts:
+                raise ValueError(f"num_experts_per_tok={self.top_k} exceeds n_routed_experts={self.num_experts}")
+        if self.hash_layers:
+            if self.router != "sqrtsoftplus":
+                raise ValueError(f"hash layers route with the sqrtsoftplus router's weights (got router="
+                                 f"{self.router!r})")
+            stray = sorted(set(self.hash_layers) - set(self.layers))
+            if stray:
+                raise ValueError(f"hash layers {stray} are not MoE layers (MoE layers: {list(self.layers)})")
 
 
 @dataclass(frozen=True)

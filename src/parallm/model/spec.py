@@ -115,6 +115,22 @@ class DecoderSpec:
     # DeepSeek-V4 (families/deepseek_v4.py): its attention kinds and hyper-connection streams; None: other families
     v4: V4Spec | None = None
 
+    @property
+    def stream_width(self) -> int:
+        """The width of the hidden state between layers (what crosses a pipeline stage): ``hidden_size``, or
+        DeepSeek-V4's ``hc_mult`` hyper-connection streams of it."""
+        return self.hidden_size * self.hc_mult
+
+    @property
+    def hc_mult(self) -> int:
+        """DeepSeek-V4's hyper-connection streams (1 for every other family)."""
+        return self.v4.hc_mult if self.v4 is not None else 1
+
+    @property
+    def hc_mix_width(self) -> int:
+        """The rows of a V4 hyper-connection's projection: ``pre``, ``post`` and ``comb``, ``(2 + n) n``."""
+        return (2 + self.hc_mult) * self.hc_mult
+
     def __post_init__(self):
         # only the fields that existing families never set are checked here (tests replace() sizes freely)
         if self.yarn is not None and (self.rope.kind != "default" or self.rope.dim != self.yarn.dim):
@@ -322,6 +338,11 @@ class DecoderSpec:
     @property
     def shared_expert_intermediate_size(self) -> int:
         return self.moe.shared_expert_intermediate_size if self.moe else 0
+
+    @property
+    def moe_top_k(self) -> int:
+        """Experts per token (DeepSeek-V4's ``tid2eid [vocab, top_k]`` rows name it)."""
+        return self.moe.top_k if self.moe else 0
 
     # shapes the multi-head latent attention rows name (0 without MLA)
     @property

@@ -32,6 +32,7 @@ of each layer.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
@@ -91,6 +92,9 @@ CONDITIONS = {
 LAYER_CONDITIONS = {
     "moe_layer": lambda spec, layer: spec.is_moe_layer(layer),
     "dense_layer": lambda spec, layer: not spec.is_moe_layer(layer),
+    # DeepSeek-V4: MoE layers whose experts come from the token ids (tid2eid), and the top-k ones (correction bias)
+    "hash_layer": lambda spec, layer: spec.is_moe_layer(layer) and spec.moe.is_hash_layer(layer),
+    "topk_layer": lambda spec, layer: spec.is_moe_layer(layer) and not spec.moe.is_hash_layer(layer),
     # hybrid models (Qwen3-Next, Qwen3.5): Gated DeltaNet layers and the attention layers between them
     "linear_layer": lambda spec, layer: spec.is_linear_layer(layer),
     "attention_layer": lambda spec, layer: not spec.is_linear_layer(layer),
@@ -100,6 +104,10 @@ LAYER_CONDITIONS = {
     "mamba_block": lambda spec, layer: spec.block_kind(layer) == "mamba",
     "attention_block": lambda spec, layer: spec.block_kind(layer) == "attention",
     "mlp_block": lambda spec, layer: spec.block_kind(layer) == "mlp",
+    # DeepSeek-V4's attention kinds (spec.v4.layer_kinds): compressed (csa or hca), csa (with an indexer), hca
+    "v4_compressed": lambda spec, layer: spec.v4 is not None and spec.v4.kind(layer) in ("csa", "hca"),
+    "v4_csa": lambda spec, layer: spec.v4 is not None and spec.v4.kind(layer) == "csa",
+    "v4_hca": lambda spec, layer: spec.v4 is not None and spec.v4.kind(layer) == "hca",
 }
 
 
@@ -125,6 +133,8 @@ class Row:
     #                                 ([E, *shape], gpt-oss): loads read expert e's slab of it, the dict and
     #                                 directory saves write every expert stacked into it; the per-expert names
     #                                 (hf) are what the export stream and training checkpoints use
+    integer: bool = False           # an int64 tensor (DeepSeek-V4's tid2eid): held, loaded, saved and exported
+    #                                 as int64 bit for bit, never cast (row_dtype); needs trained=False
     keep_fp32: bool = False         # held, saved and exported in fp32 whatever the model's / requested dtype
     #                                 (DeepSeek's router and selection bias, Gated DeltaNet's A_log)
                                     # (the sigmoid router's weight and bias: transformers'
@@ -148,6 +158,8 @@ class Row:
             raise ValueError(f"row {self.local}: an mtp-stage row needs the condition 'mtp'")
         if self.per_expert and self.stage != "layer":
             raise ValueError(f"row {self.local}: per-expert rows are layer rows")
+        if self.integer and (self.trained or self.keep_fp32):
+            raise ValueError(f"row {self.local}: an integer row is a frozen tensor (trained=False, not keep_fp32)")
         if self.save_fused and not (self.per_expert or self.expert is not None) or self.save_fused and not self.fused:
             raise ValueError(f"row {self.local}: save_fused is for per-expert rows with a fused (stacked) name")
         if self.fused and (self.stage != "layer" or len(self.fused) != (1 if self.per_expert or self.expert is not None
@@ -320,9 +332,43 @@ def stack_experts(state: dict, stacked: dict[str, tuple[str, int]]) -> dict:
     return out
 
 
+def row_dtype(row: Row, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a row's tensors are held, loaded, saved and exported in when the model's (or the requested) dtype
+    is ``dtype``: int64 for an ``integer`` row, float32 for a ``keep_fp32`` row, else ``dtype``."""
+    if row.integer:
+        return torch.int64
+    return torch.float32 if row.keep_fp32 else dtype
+
+
+def _spec_value(term: str, spec: DecoderSpec) -> int:
+    if term.isdigit():
+        return int(term)
+    value = spec
+    for part in term.split("."):
+        value = getattr(value, part)
+    return int(value)
+
+
+def resolve_dim(dim, spec: DecoderSpec) -> int:
+    """One declared dimension as a number: an int, a DecoderSpec attribute name (dotted: ``"v4.q_lora_rank"``), or
+    a product / exact quotient of those and integer literals (``"2*head_dim"``, ``"q_size/v4.o_groups"``, left
+    to right)."""
+    if isinstance(dim, int):
+        return dim
+    tokens = re.split(r"([*/])", dim.replace(" ", ""))
+    value = _spec_value(tokens[0], spec)
+    for op, term in zip(tokens[1::2], tokens[2::2]):
+        n = _spec_value(term, spec)
+        if op == "/" and value % n:
+            raise ValueError(f"shape {dim!r}: {value} is not divisible by {n}")
+        value = value * n if op == "*" else value // n
+    return value
+
+
 def resolve_shape(shape, spec: DecoderSpec) -> tuple[int, ...]:
-    """A row's declared shape (ints or DecoderSpec attribute names) as numbers."""
-    return tuple(d if isinstance(d, int) else int(getattr(spec, d)) for d in shape)
+    """A row's declared shape (ints, DecoderSpec attribute names or products of them: :func:`resolve_dim`) as
+    numbers."""
+    return tuple(resolve_dim(d, spec) for d in shape)
 
 
 def expected_hf_shapes(table, spec: DecoderSpec, *, task: str, pp: int) -> dict[str, tuple[int, ...]]:
@@ -332,6 +378,11 @@ def expected_hf_shapes(table, spec: DecoderSpec, *, task: str, pp: int) -> dict[
         for name, shape in zip(e.hf, e.row.shapes):
             out[name] = resolve_shape(shape, spec)
     return out
+
+
+def integer_hf_names(table, spec: DecoderSpec, *, task: str, pp: int) -> frozenset:
+    """The HF names of the model's ``integer`` rows (int64 in the checkpoint, never weights to cast)."""
+    return frozenset(name for e in all_entries(table, spec, task=task, pp=pp) if e.row.integer for name in e.hf)
 
 
 def model_entries(chunks, layout):

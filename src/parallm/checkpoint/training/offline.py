@@ -98,7 +98,10 @@ def checkpoint_to_hf(path, out_dir, *, dtype: torch.dtype | None = None, overwri
             seen.add(name)
             outputs.append((name, (len(parts[name]),) + shape if n in stacked else shape))
     fp32 |= {stacked[n][0] for n in fp32 if n in stacked}
-    files = plan_files(outputs, dtype, parse_size(max_shard_size), fp32=fp32)
+    kept = dict.fromkeys(fp32, torch.float32)      # + integer tensors (DeepSeek-V4's tid2eid) in their own dtype
+    kept.update({n: stored[f"model/{n}"].properties.dtype for n, _ in names
+                 if not stored[f"model/{n}"].properties.dtype.is_floating_point})
+    files = plan_files(outputs, dtype, parse_size(max_shard_size), fp32=kept)
     check_target(out_dir, overwrite)
     tmp = make_tmp_beside(out_dir)
     try:
@@ -110,7 +113,7 @@ def checkpoint_to_hf(path, out_dir, *, dtype: torch.dtype | None = None, overwri
                               what="checkpoint_to_hf")
             out = {}
             for name, ns in members.items():
-                t = [cast(full[f"{sources[n]}/{n}"], torch.float32 if name in fp32 else dtype, n, instead="export")
+                t = [cast(full[f"{sources[n]}/{n}"], kept.get(name, dtype), n, instead="export")
                      for n in ns]
                 out[name] = (torch.stack(t) if name in parts else t[0]).contiguous()
             save_file(out, os.path.join(tmp, f["name"]), metadata={"format": "pt"})

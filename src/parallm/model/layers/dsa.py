@@ -48,6 +48,7 @@ import torch
 from ...parallel.megatron_import import import_megatron
 from ..context_parallel import ContextSplit
 from .attention import PaddedRows
+from .blocks import add_sink, sink_grad
 from .indexer import Indexer, key_ranges
 from .mla import MLAttention
 
@@ -85,29 +86,42 @@ def _block_forward(q, kv, index, scale: float, dv: int):
 
 
 class SparseLatentAttention(torch.autograd.Function):
-    """``out[t, h] = softmax_j(scale * q[t, h] . kv[index[t, j]]) over valid j, of kv[index[t, j], :dv]``.
+    """``out[t, h] = softmax_j(scale * q[t, h] . kv[index[t, j]]) over valid j, of kv[index[t, j], :dv]`` (with a
+    per-head ``sink`` logit in the denominator when given).
 
     q ``[Q, h, D]``, kv ``[N, D]`` (one key row per token, shared by every head; its first ``dv`` channels are the
-    value), index ``[Q, k]`` int32 (-1: an empty slot, FlashMLA's form). Returns ``[Q, h, dv]`` in q's dtype (fp32 softmax and accumulation); a query
-    without a valid key gets zeros. Blocks of queries: at most :data:`GATHER_BUDGET` gathered elements at a
-    time; the backward recomputes each block from the saved log-sum-exp."""
+    value), index ``[Q, k]`` int32 (-1: an empty slot, FlashMLA's form; or any object with ``.shape`` whose
+    ``index[a:e]`` makes those rows' int32 index, block by block: DeepSeek-V4's, never whole). Returns ``[Q, h,
+    dv]`` in q's dtype (fp32 softmax and accumulation); a query without a valid key gets zeros. Blocks of
+    queries: at most :data:`GATHER_BUDGET` gathered elements at a time; the backward recomputes each block from
+    the saved log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, kv, index, scale, dv, budget):
+    def forward(ctx, q, kv, index, scale, dv, budget, sink=None):
         n_q, h, _ = q.shape
         out = torch.empty(n_q, h, dv, dtype=torch.float32, device=q.device)
         lse = torch.empty(n_q, h, dtype=torch.float32, device=q.device)
         step = _block_rows(index.shape[1], kv.shape[-1], budget)
         for a in range(0, n_q, step):
             out[a:a + step], lse[a:a + step] = _block_forward(q[a:a + step], kv, index[a:a + step], scale, dv)
-        ctx.save_for_backward(q, kv, index, out, lse)
-        ctx.scale, ctx.dv, ctx.step = scale, dv, step
+        if sink is not None:         # each head's sink logit in the denominator: out and lse corrected once
+            out, lse = add_sink(out, lse, sink)
+        lazy = not isinstance(index, torch.Tensor)      # an index made block by block (index[a:e], .shape)
+        ctx.save_for_backward(q, kv, None if lazy else index, out, lse, sink)
+        ctx.scale, ctx.dv, ctx.step, ctx.lazy = scale, dv, step, index if lazy else None
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.saved = ctx.saved_tensors
-        return _sparse_backward(ctx, grad)
+        *saved, sink = ctx.saved_tensors
+        if ctx.lazy is not None:
+            saved[2] = ctx.lazy
+        ctx.saved = tuple(saved)
+        dq, dkv, *rest = _sparse_backward(ctx, grad)
+        dsink = None
+        if sink is not None and ctx.needs_input_grad[6]:
+            dsink = sink_grad(saved[3], saved[4], grad, sink).to(sink.dtype)
+        return (dq, dkv, *rest, dsink)
 
 
 def _sparse_backward(ctx, grad):
@@ -137,9 +151,11 @@ def _sparse_backward(ctx, grad):
     return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None, None
 
 
-def sparse_latent_attention(q, kv, index, *, scale: float, dv: int, budget: int | None = None):
-    """:class:`SparseLatentAttention` (the ``"torch"`` kernel)."""
-    return SparseLatentAttention.apply(q, kv, index, scale, dv, budget)
+def sparse_latent_attention(q, kv, index, *, scale: float, dv: int, budget: int | None = None, sink=None):
+    """:class:`SparseLatentAttention` (the ``"torch"`` kernel). ``sink``: None, or each head's sink logit ``[h]``
+    (fp32) counted once in every query's softmax denominator (gpt-oss / DeepSeek-V4 sinks; its gradient
+    ``-sum_t p_sink[t, h] * (grad[t, h] . out[t, h])``)."""
+    return SparseLatentAttention.apply(q, kv, index, scale, dv, budget, sink)
 
 
 try:  # optional CUDA kernel: FlashMLA's sparse prefill (forward only)

@@ -28,10 +28,16 @@ class MLP(nn.Module):
     TP rank), down row-parallel; ``hidden_act="relu2"`` (Nemotron-H): ``down(relu(up x)^2)``, ungated,
     ``linear_fc1`` up alone; ``hidden_act="gelu_pytorch_tanh"`` (Gemma): ``down(gelu_tanh(gate x) * up x)``,
 torch's tanh-approximated GELU as transformers' ``GELUTanh``. ``width`` (default: the spec's intermediate size) and ``bias`` (default: the spec's
-    ``mlp_bias``)."""
+    ``mlp_bias``). ``limit`` (DeepSeek-V4's shared expert, transformers' ``DeepseekV4MLP``): the gate clamped
+    above at ``limit`` and up to ``[-limit, limit]`` before ``silu(gate) * up``."""
 
-    def __init__(self, spec: DecoderSpec, config, *, width: int | None = None, bias: bool | None = None):
+    def __init__(self, spec: DecoderSpec, config, *, width: int | None = None, bias: bool | None = None,
+                 limit: float | None = None):
         super().__init__()
+        self.limit = limit
+        if limit is not None and spec.hidden_act != "silu":
+            raise ValueError(f"the clamped gated MLP (limit={limit}) is a SiLU MLP, not hidden_act="
+                             f"{spec.hidden_act!r}")
         width = spec.intermediate_size if width is None else width
         bias = spec.mlp_bias if bias is None else bias
         # relu2 (Nemotron-H): no gate, ``down(relu(up x)^2)``, linear_fc1 is up alone
@@ -48,5 +54,7 @@ torch's tanh-approximated GELU as transformers' ``GELUTanh``. ``width`` (default
             h, _ = self.linear_fc2(torch.square(F.relu(h)))
             return h
         gate, up = h.chunk(2, dim=-1)
+        if self.limit is not None:
+            gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
         h, _ = self.linear_fc2(self.act(gate) * up)
         return h

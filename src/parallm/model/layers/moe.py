@@ -68,7 +68,8 @@ from .moe_kernels import (KERNEL_ENV, KERNELS, PROBED_DEVICE_TYPES, _choose_kern
                           empty_group_problem, expert_kernel, grouped_mm_support)
 from .moe_aux import (AuxScales, MoEAux, _AttachAux, _AttachPooled,  # noqa: F401 (AuxScales, MoEAux: here too)
                       balance_fractions, load_balancing_loss)
-from .routing import GroupLimitedRouter, RouterReplay, sigmoid_weights, softmax_weights, topk_softmax_weights
+from .routing import (GroupLimitedRouter, RouterReplay, ScoreRouter, sigmoid_weights, softmax_weights, sqrtsoftplus,
+                      topk_softmax_weights)
 from ..spec import DecoderSpec
 
 mtp = import_megatron().tensor_parallel
@@ -141,6 +142,14 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, *, limit: float, alpha:
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def clamped_silu(gate: torch.Tensor, up: torch.Tensor, *, limit: float) -> torch.Tensor:
+    """DeepSeek-V4's expert activation, transformers' ``DeepseekV4Experts._apply_gate`` (and its shared
+    ``DeepseekV4MLP``) op for op: ``silu(clamp(gate, max=limit)) * clamp(up, -limit, limit)``."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
 def _group_of_rows(counts_device: torch.Tensor, rows: int, dtype) -> torch.Tensor:
     """``[rows, E_local]`` one-hot of each row's local expert (rows grouped by expert, ``counts_device`` of each),
     from the groups' bounds alone (no host sync)."""
@@ -184,6 +193,8 @@ class Experts(nn.Module):
         gate, up = (h[..., 0::2], h[..., 1::2]) if self.columns else h.chunk(2, dim=-1)
         if self.activation == "silu":
             return F.silu(gate) * up
+        if self.activation == "clamped_silu":
+            return clamped_silu(gate, up, limit=self.limit)
         return clamped_swiglu(gate, up, limit=self.limit, alpha=self.alpha)
 
     def forward(self, rows: torch.Tensor, counts: list[int], counts_device: torch.Tensor) -> torch.Tensor:
@@ -231,7 +242,8 @@ class SharedExpert(MLP):
     parallm_param_kind = "replicated"   # gate_weight (the linears' own weights are megatron layers)
 
     def __init__(self, spec: DecoderSpec, config, gate: bool, device):
-        super().__init__(spec, config, width=spec.moe.shared_expert_intermediate_size, bias=False)
+        super().__init__(spec, config, width=spec.moe.shared_expert_intermediate_size, bias=False,
+                         limit=spec.moe.shared_expert_limit)
         if gate:
             self.gate_weight = nn.Parameter(torch.empty(1, spec.hidden_size, dtype=config.params_dtype,
                                                         device=device))
@@ -246,9 +258,13 @@ class SharedExpert(MLP):
 class MoEBlock(nn.Module):
     """Router + routed experts (+ shared expert) of one layer; replaces the dense MLP (see the module doc)."""
 
-    def __init__(self, spec: DecoderSpec, config, dims, device):
+    def __init__(self, spec: DecoderSpec, config, dims, device, *, layer: int | None = None):
+        """``layer``: the global index of the decoder layer (which DeepSeek-V4 hash layers need to know)."""
         super().__init__()
         moe = spec.moe
+        self.is_hash = layer is not None and moe.is_hash_layer(layer)
+        if moe.hash_layers and layer is None:
+            raise ValueError("a MoE spec with hash layers needs MoEBlock(..., layer=) (the decoder layer's index)")
         tp = config.tensor_model_parallel_size
         self.num_experts, self.top_k, self.norm_topk_prob = moe.num_experts, moe.top_k, moe.norm_topk_prob
         self.hidden = spec.hidden_size
@@ -272,6 +288,11 @@ class MoEBlock(nn.Module):
                                              topk_group=moe.topk_group, norm_topk_prob=moe.norm_topk_prob,
                                              routed_scaling_factor=moe.routed_scaling_factor,
                                              score_bias=moe.score_bias, device=device)
+        elif moe.router == "sqrtsoftplus":    # DeepSeek-V4: model-dtype weight, fp32 bias or the int64 tid2eid
+            self.router = ScoreRouter(moe.num_experts, spec.hidden_size, top_k=moe.top_k,
+                                      routed_scaling_factor=moe.routed_scaling_factor,
+                                      hash_vocab=spec.vocab_size if self.is_hash else None,
+                                      dtype=config.params_dtype, device=device)
         else:
             self.router = Router((moe.num_experts, spec.hidden_size), config.params_dtype, device,
                                  bias=(moe.num_experts,) if moe.router_bias else None)
@@ -326,6 +347,24 @@ class MoEBlock(nn.Module):
             weights = softmax_weights(probs, choices, norm_topk_prob=self.norm_topk_prob)
         return probs, weights, choices
 
+    def route_scores(self, h, routed=None, token_ids=None):
+        """DeepSeek-V4's routing (:class:`~parallm.model.layers.routing.ScoreRouter`): (probs, balance choices,
+        weights, choices). ``probs`` ``[N, E]`` fp32 and the balance choices ``[N, k]`` are what transformers'
+        load-balancing loss reads from the recorded logits: ``softmax(logits)`` (in the logits' dtype) and its
+        top-k, not the routed experts (None in a hash layer: its logits are not recorded). ``weights`` / ``choices``
+        route the tokens; under router replay the real rows take the given experts (in a hash layer too: there the
+        replay gives back what ``tid2eid`` chose) and the weights are the router's scores of them."""
+        logits = self.router.logits(h)
+        scores = sqrtsoftplus(logits)
+        choices = self.router.choose(scores, token_ids)
+        if routed is not None:
+            choices = torch.where(routed[1][:, None], routed[0], choices)
+        weights = self.router.weights(scores, choices).float()
+        if self.is_hash:
+            return None, None, weights, choices
+        probs = torch.softmax(logits, dim=-1)
+        return probs.float(), torch.topk(probs, self.top_k, dim=-1).indices, weights, choices
+
     def _into_tp_region(self, h, weights, choices):
         if self.sequence_parallel:
             h = mtp.gather_from_sequence_parallel_region(h, True, group=self.tp_group)
@@ -358,28 +397,37 @@ class MoEBlock(nn.Module):
         rows = combine(self.experts(rows, plan.local_counts, plan.local_counts_device), plan)  # sorted-slot order
         return weighted_sum(rows, weights.to(rows.dtype), slots)
 
-    def forward(self, x, tokens=None, routed=None):
+    def forward(self, x, tokens=None, routed=None, token_ids=None):
         """x: ``[S, B, H]`` (or ``[T / tp, 1, H]`` under sequence parallelism). ``tokens``: 1 for the real rows
         of ``x.reshape(-1, H)`` (the load-balancing loss counts those only); None: all rows are real.
         ``routed``: router replay's ``(experts [N, k], real [N])`` for those rows (:meth:`route`); the
         load-balancing loss then counts the experts routed with (the replayed ones) against the router's
-        probabilities, as usual."""
+        probabilities, as usual (DeepSeek-V4: the top-k of the softmax, as transformers). ``token_ids``: int64, the
+        leading shape of ``x``, the token id of each row (DeepSeek-V4's hash layers route by it; a hash layer
+        without it raises)."""
         shape = x.shape
         h = x.reshape(-1, self.hidden)
-        probs, weights, choices = self.route(h, routed)
+        if isinstance(self.router, ScoreRouter):
+            if token_ids is not None and tuple(token_ids.shape) != tuple(shape[:-1]):
+                raise ValueError(f"token_ids has shape {list(token_ids.shape)}; the MoE input is {list(shape)} "
+                                 f"(one token id per row: {list(shape[:-1])})")
+            probs, balance, weights, choices = self.route_scores(h, routed, token_ids)
+        else:
+            probs, weights, choices = self.route(h, routed)
+            balance = choices
         if self.replay is not None and self.replay.recording:
             self.replay.rows[self.moe_index] = choices.detach()
         aux = pooled = None
         latent = hasattr(self, "fc1_latent_proj")
         if latent:        # the router saw the hidden states; the experts see the latent ones
             h = self.fc1_latent_proj(h)
-        if self.aux is not None and self.aux.scale is not None and torch.is_grad_enabled():
+        if self.aux is not None and self.aux.scale is not None and torch.is_grad_enabled() and probs is not None:
             real = tokens if tokens is not None else torch.ones(h.shape[0], device=h.device)
             if self.aux.mode == "pooled":     # transformers' convention: one loss over every MoE layer
-                pooled = balance_fractions(probs, choices, real, num_experts=self.num_experts,
+                pooled = balance_fractions(probs, balance, real, num_experts=self.num_experts,
                                            tp_group=self.sequence_group)
             else:
-                aux = load_balancing_loss(probs, choices, real, num_experts=self.num_experts,
+                aux = load_balancing_loss(probs, balance, real, num_experts=self.num_experts,
                                           tp_group=self.sequence_group)
         if self.shares and self.sequence_parallel:       # this rank's own tokens are its share
             out = self._routed(h, weights, choices, tp_group=self.tp_group)

@@ -147,6 +147,59 @@ class GroupLimitedRouter(nn.Module):
                              routed_scaling_factor=self.routed_scaling_factor)
 
 
+def sqrtsoftplus(logits: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's router scores, transformers' ``SqrtSoftplusActivation``: ``sqrt(softplus(x))``."""
+    return F.softplus(logits).sqrt()
+
+
+class ScoreRouter(nn.Module):
+    """DeepSeek-V4's router of one MoE layer (transformers' ``DeepseekV4TopKRouter`` / ``DeepseekV4HashRouter``),
+    replicated over TP: ``weight`` ``[E, H]`` in the model dtype (its logits ``h W^T`` in the model dtype, as
+    transformers), scores ``sqrt(softplus(logits))``; a top-k layer chooses the ``top_k`` experts of ``scores +
+    e_score_correction_bias`` (``[E]`` fp32, ``requires_grad=False``: updated by a rule, never by gradients), a
+    hash layer takes them from ``tid2eid[token_id]`` (``[vocab, top_k]`` int64, frozen: a parameter without
+    gradient so the weight table loads, saves and exports it bit for bit, never cast). The weights are the chosen
+    (unbiased) scores / (their sum + 1e-20) * ``routed_scaling_factor``, for the router's own choice and for
+    replayed experts alike (:func:`sigmoid_weights` with ``norm_topk_prob``)."""
+    parallm_param_kind = "replicated"
+
+    def __init__(self, num_experts: int, hidden: int, *, top_k: int, routed_scaling_factor: float,
+                 hash_vocab: int | None, dtype, device=None):
+        super().__init__()
+        self.top_k, self.routed_scaling_factor = top_k, routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device))
+        self.is_hash = hash_vocab is not None
+        if self.is_hash:
+            self.tid2eid = nn.Parameter(torch.zeros(hash_vocab, top_k, dtype=torch.int64, device=device),
+                                        requires_grad=False)
+            self.e_score_correction_bias = None
+        else:
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(num_experts, dtype=torch.float32, device=device), requires_grad=False)
+            self.tid2eid = None
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.weight)
+
+    def choose(self, scores: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
+        """The experts ``[N, k]`` int64: ``tid2eid[token_ids]`` in a hash layer (``token_ids`` ``[N]`` needed),
+        else the top-k of the scores plus the fp32 correction bias (unsorted, as transformers)."""
+        if self.is_hash:
+            if token_ids is None:
+                raise ValueError("a DeepSeek-V4 hash MoE layer chooses its experts from the token ids: "
+                                 "MoEBlock.forward needs token_ids (one per row of its input)")
+            if token_ids.numel() != scores.shape[0]:
+                raise ValueError(f"token_ids has {token_ids.numel()} entries for {scores.shape[0]} rows of the MoE "
+                                 "input (one token id per row)")
+            return self.tid2eid.index_select(0, token_ids.reshape(-1).long())
+        choice = scores + self.e_score_correction_bias.detach()
+        return torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
+
+    def weights(self, scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        return sigmoid_weights(scores, experts, norm_topk_prob=True,
+                               routed_scaling_factor=self.routed_scaling_factor)
+
+
 # -- router replay ---------------------------------------------------------------------------------------------
 
 class RouterReplay:
