@@ -219,22 +219,8 @@ class DecoderChunk(ChunkIO, nn.Module):
             self.embedding = mtp.VocabParallelEmbedding(
                 self.padded_vocab_size, spec.hidden_size, init_method=no_init, config=config,
                 reduce_scatter_embeddings=self.sequence_parallel)
-        backend = resolve_attn_impl(attn_impl, packed=packed, device=as_device(device), dtype=config.params_dtype)
-        # A recurrent hybrid (Gated DeltaNet, Mamba-2) built padded runs batches whose rows are padded only at
-        # their ends through the packed path inside (ChunkIO.packs_inside): its attention needs both kernels.
-        self.pack_inside = not packed and dims.cp == 1 and (spec.linear_attn is not None or spec.mamba is not None)
-        if self.pack_inside:
-            backend = both_layouts(backend, resolve_attn_impl("auto", packed=True, device=as_device(device),
-                                                              dtype=config.params_dtype))
-        self.attn_impl = backend.name
-        cp_kernel = resolve_cp_attn(cp_attn)
-        self.cp_attn = cp_kernel if dims.cp > 1 else None
-        # Gated DeltaNet layers' kernel (model/layers/gated_deltanet.py; None without them), kept as chunk.gdn_kernel
-        gdn = resolve_gdn_kernel(device=as_device(device), dtype=config.params_dtype) if spec.linear_attn else None
-        self.gdn_kernel = gdn.name if gdn is not None else None
-        # Mamba-2 layers' kernel (model/layers/mamba2.py; None without them), kept as chunk.mamba_kernel
-        mamba = resolve_mamba_kernel(device=as_device(device), dtype=config.params_dtype) if spec.mamba else None
-        self.mamba_kernel = mamba.name if mamba is not None else None
+        backend, cp_kernel, gdn, mamba = self._kernels(spec, config, dims, device, attn_impl=attn_impl,
+                                                       packed=packed, cp_attn=cp_attn)
         layer_class = DecoderLayer
         if spec.v4 is not None:          # DeepSeek-V4: hyper-connected layers (model/layers/v4_layer.py)
             from .layers.v4_layer import V4Layer as layer_class
@@ -257,6 +243,27 @@ class DecoderChunk(ChunkIO, nn.Module):
         attach_placements(self, chunk_entries(table, spec, task=task, pp=dims.pp, pre_process=pre_process,
                                               post_process=post_process, layers=layers, experts=experts),
                           pp=dims.pp)
+
+    def _kernels(self, spec, config, dims, device, *, attn_impl: str, packed: bool, cp_attn: str):
+        """The kernels the layers run (attention backend, CP attention, Gated DeltaNet's, Mamba-2's), kept by name
+        on the chunk (``attn_impl``, ``cp_attn``, ``gdn_kernel``, ``mamba_kernel``) and returned for the layers."""
+        on, dtype = as_device(device), config.params_dtype
+        backend = resolve_attn_impl(attn_impl, packed=packed, device=on, dtype=dtype)
+        # A recurrent hybrid (Gated DeltaNet, Mamba-2) built padded runs batches whose rows are padded only at
+        # their ends through the packed path inside (ChunkIO.packs_inside): its attention needs both kernels.
+        self.pack_inside = not packed and dims.cp == 1 and (spec.linear_attn is not None or spec.mamba is not None)
+        if self.pack_inside:
+            backend = both_layouts(backend, resolve_attn_impl("auto", packed=True, device=on, dtype=dtype))
+        self.attn_impl = backend.name
+        cp_kernel = resolve_cp_attn(cp_attn)
+        self.cp_attn = cp_kernel if dims.cp > 1 else None
+        # Gated DeltaNet layers' kernel (model/layers/gated_deltanet.py; None without them), kept as chunk.gdn_kernel
+        gdn = resolve_gdn_kernel(device=on, dtype=dtype) if spec.linear_attn else None
+        self.gdn_kernel = gdn.name if gdn is not None else None
+        # Mamba-2 layers' kernel (model/layers/mamba2.py; None without them), kept as chunk.mamba_kernel
+        mamba = resolve_mamba_kernel(device=on, dtype=dtype) if spec.mamba else None
+        self.mamba_kernel = mamba.name if mamba is not None else None
+        return backend, cp_kernel, gdn, mamba
 
     def _build_head(self, spec, config, tp: int, device, *, dims, backend) -> None:
         """The last stage's final norm and head (output layer, value score or none), and the carried
