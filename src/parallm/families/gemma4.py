@@ -8,16 +8,23 @@ that multiply their weight directly (``Gemma4RMSNorm``: ``x * pow(mean(x^2) + ep
 fp32: ``norm_pow``), the values' weightless RMSNorm (``v_norm``), softmax scale 1.0 (``attn_scale``), proportional RoPE on the
 full layers (RopeSpec kind ``proportional``), each layer's output times its ``layer_scalar``.
 
+The full-attention layers' own attention shape (``per_layer_config``, from ``global_head_dim`` and, with
+``attention_k_eq_v``, ``num_global_key_value_heads``; transformers' default ``global_head_dim`` is 512): the spec's
+``global_layers`` / ``global_head_dim`` / ``global_kv_heads``, their own table rows (``global_attn``: kind
+``qkv_global``, q / k norms and ``o_proj`` of that shape) and their proportional RoPE over the global head dim.
+One global shape, on every full layer: other ``per_layer_config`` overrides are refused naming the layer.
+
 Refused at config parse, naming the field (not implemented): per-layer input embeddings
 (``hidden_size_per_layer_input`` > 0), KV sharing (``num_kv_shared_layers`` > 0), K = V (``attention_k_eq_v``),
-a global head dim or global KV-head count other than the sliding layers' (``global_head_dim`` /
-``num_global_key_value_heads`` / ``per_layer_config``; transformers' default ``global_head_dim`` is 512), the MoE
-block (``enable_moe_block``), ``use_bidirectional_attention``. Every released Gemma 4 checkpoint uses at least one
-of these: none runs yet. Not registered: ``Gemma4ForConditionalGeneration`` (the wrapper).
+the MoE block (``enable_moe_block``), ``use_bidirectional_attention``. Not registered:
+``Gemma4ForConditionalGeneration`` (the wrapper).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from ..model.positions.rope import rope_spec_from_hf_config
 from ..model.table import Row
 from .deepseek_v3 import _config_dict
 from .gemma3 import GEMMA3_TABLE, gemma3_spec
@@ -33,14 +40,42 @@ GLOBAL_HEAD_DIM = 512    # Gemma4TextConfig's default global_head_dim
 ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
 
-GEMMA4_TABLE = GEMMA3_TABLE + (
-    Row("layers.{l}.layer_scalar", ("model.layers.{i}.layer_scalar",), "copy", "layer", ((1,),),
-        when=("layer_scalar",)),
+ATTN = "model.layers.{i}.self_attn."
+GQ, GKV, H = "global_q_size", "global_kv_size", "hidden_size"
+# the attention rows whose shapes depend on the layer's head dim / KV heads: local_attn as Gemma 3's, global_attn
+# with the full layers' own (spec.global_layers)
+SHAPED = {"layers.{l}.self_attention.linear_qkv.weight", "layers.{l}.self_attention.linear_qkv.bias",
+          "layers.{l}.self_attention.q_norm.weight", "layers.{l}.self_attention.k_norm.weight",
+          "layers.{l}.self_attention.linear_proj.weight"}
+GLOBAL_ROWS = (
+    Row("layers.{l}.self_attention.linear_qkv.weight",
+        (ATTN + "q_proj.weight", ATTN + "k_proj.weight", ATTN + "v_proj.weight"), "qkv_global", "layer",
+        ((GQ, H), (GKV, H), (GKV, H)), when=("global_attn",)),
+    Row("layers.{l}.self_attention.linear_qkv.bias",
+        (ATTN + "q_proj.bias", ATTN + "k_proj.bias", ATTN + "v_proj.bias"), "qkv_global", "layer",
+        ((GQ,), (GKV,), (GKV,)), when=("qkv_bias", "global_attn")),
+    Row("layers.{l}.self_attention.q_norm.weight", (ATTN + "q_norm.weight",), "copy", "layer",
+        (("global_head_dim",),), when=("qk_norm", "global_attn"), tp_sum="always"),
+    Row("layers.{l}.self_attention.k_norm.weight", (ATTN + "k_norm.weight",), "copy", "layer",
+        (("global_head_dim",),), when=("qk_norm", "global_attn"), tp_sum="always"),
+    Row("layers.{l}.self_attention.linear_proj.weight", (ATTN + "o_proj.weight",), "row", "layer", ((H, GQ),),
+        when=("global_attn",)),
 )
 
 
+def _table() -> tuple[Row, ...]:
+    out = []
+    for row in GEMMA3_TABLE:
+        out.append(replace(row, when=row.when + ("local_attn",)) if row.local in SHAPED else row)
+        out += [g for g in GLOBAL_ROWS if g.local == row.local and row.local in SHAPED]
+    return tuple(out) + (Row("layers.{l}.layer_scalar", ("model.layers.{i}.layer_scalar",), "copy", "layer",
+                             ((1,),), when=("layer_scalar",)),)
+
+
+GEMMA4_TABLE = _table()
+
+
 def _refuse(raw: dict) -> None:
-    head_dim, nkv = raw["head_dim"], raw.get("num_key_value_heads")
     checks = (
         ("hidden_size_per_layer_input", bool(raw["hidden_size_per_layer_input"]),
          "per-layer input embeddings are not implemented; 0 turns them off"),
@@ -53,20 +88,55 @@ def _refuse(raw: dict) -> None:
     for key, bad, why in checks:
         if bad:
             raise ValueError(f"Gemma 4 with {key}={raw[key]!r} is not supported ({why})")
-    overrides = raw.get("per_layer_config")
-    if overrides is None:           # a config.json transformers has not written: its class default
-        overrides = {"full": {"head_dim": raw.get("global_head_dim") or GLOBAL_HEAD_DIM,
-                              "num_key_value_heads": raw.get("num_global_key_value_heads") or nkv}}
-    for layer, o in overrides.items():
-        for key, base, name in (("head_dim", head_dim, "global_head_dim"),
-                                ("num_key_value_heads", nkv, "num_global_key_value_heads")):
-            if key in o and o[key] not in (None, base):
-                raise ValueError(f"Gemma 4 with {name}={o[key]!r} (layer {layer}) other than the sliding layers' "
-                                 f"{key}={base!r} is not supported (attention of one head shape per model)")
+
+
+def _overrides(raw: dict, types: list[str]) -> dict[int, dict]:
+    """Layer index -> its ``per_layer_config`` overrides (keys given as layer indices, as transformers writes
+    them, or as layer types); a config.json without it gets ``Gemma4TextConfig``'s: the full layers
+    ``global_head_dim`` (default 512) and, with ``attention_k_eq_v``, ``num_global_key_value_heads``."""
+    given = raw.get("per_layer_config")
+    if given is None:
+        o = {"head_dim": raw.get("global_head_dim") or GLOBAL_HEAD_DIM}
+        if raw.get("attention_k_eq_v") and raw.get("num_global_key_value_heads") is not None:
+            o["num_key_value_heads"] = raw["num_global_key_value_heads"]
+        return {i: o for i, t in enumerate(types) if t == "full_attention"}
+    out = {}
+    for key, o in given.items():
+        layers = [i for i, t in enumerate(types) if t == key] if key in types else [int(key)]
+        for i in layers:
+            out.setdefault(i, {}).update(o if isinstance(o, dict) else vars(o))
+    return out
+
+
+def global_shape(raw: dict, types: list[str]) -> tuple[tuple[int, ...], int, int]:
+    """``(global_layers, global_head_dim, global_kv_heads)``: the layers whose attention shape differs from the
+    sliding layers' ``head_dim`` / ``num_key_value_heads``, which must be full-attention layers sharing one shape
+    (a ValueError names the layer otherwise); ``((), 0, 0)`` when none differs."""
+    head_dim, nkv = int(raw["head_dim"]), int(raw.get("num_key_value_heads") or raw["num_attention_heads"])
+    shapes = {}
+    for i, o in sorted(_overrides(raw, types).items()):
+        unknown = sorted(set(o) - {"head_dim", "num_key_value_heads"})
+        if unknown:
+            raise ValueError(f"Gemma 4 per_layer_config of layer {i} sets {unknown}: only head_dim and "
+                             "num_key_value_heads per layer are supported")
+        shape = (int(o.get("head_dim") or head_dim), int(o.get("num_key_value_heads") or nkv))
+        if shape != (head_dim, nkv):
+            if not 0 <= i < len(types) or types[i] != "full_attention":
+                raise ValueError(f"Gemma 4 layer {i} ({types[i] if 0 <= i < len(types) else 'out of range'}) "
+                                 f"with head_dim / num_key_value_heads {shape} other than head_dim={head_dim} / "
+                                 f"num_key_value_heads={nkv}: only full-attention layers may differ")
+            shapes[i] = shape
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    if shapes and (len(set(shapes.values())) > 1 or sorted(shapes) != full):
+        raise ValueError(f"Gemma 4 full layers {full} of different attention shapes {shapes} (layer: (head_dim, "
+                         f"num_key_value_heads); the others {(head_dim, nkv)}): one global shape is supported")
+    if not shapes:
+        return (), 0, 0
+    (gd, gkv), = set(shapes.values())
+    return tuple(sorted(shapes)), gd, gkv
 
 
 def gemma4_spec(config):
-    from dataclasses import replace
     raw = _config_dict(config)
     if raw.get("model_type", "gemma4_text") not in MODEL_TYPES:
         raise ValueError(f"model_type={raw.get('model_type')!r} is not a Gemma 4 text config ({MODEL_TYPES})")
@@ -80,8 +150,14 @@ def gemma4_spec(config):
         n = int(raw["num_hidden_layers"])
         raw["layer_types"] = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
     raw["layer_types"] = list(raw["layer_types"])[:-1] + ["full_attention"]
+    layers, gd, gkv = global_shape(raw, raw["layer_types"])
+    full_rope = raw["rope_parameters"]["full_attention"]
     raw.update(model_type="gemma3_text", query_pre_attn_scalar=1.0, attn_logit_softcapping=None)
     spec = gemma3_spec(raw)
+    if layers:      # the full layers' RoPE spans their own head dim (layer_ropes: None there, i.e. spec.rope)
+        rope = rope_spec_from_hf_config({"rope_parameters": full_rope,
+                                         "max_position_embeddings": raw.get("max_position_embeddings")}, gd)
+        spec = replace(spec, rope=rope, global_layers=layers, global_head_dim=gd, global_kv_heads=gkv)
     return replace(spec, family="gemma4", model_type="gemma4_text", architecture=_arch(raw),
                    zero_centered_norm=False, norm_pow=True, attn_scale=1.0, v_norm=True, layer_scalar=True)
 

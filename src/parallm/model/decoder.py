@@ -76,7 +76,8 @@ class DecoderLayer(nn.Module):
                                               cp_group=cp_group, cp_attn=cp_attn)
         else:
             self.self_attention = Attention(spec, config, tp, device, backend=backend, cp_group=cp_group,
-                                            cp_attn=cp_attn, window=spec.window(layer_number), tp_group=tp_group)
+                                            cp_attn=cp_attn, window=spec.window(layer_number), tp_group=tp_group,
+                                            layer=layer_number)
         self.post_attention_layernorm = norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype,
                                                          device)
         if spec.sandwich_norms:        # Gemma: the attention's and the MLP's outputs normed before the residual

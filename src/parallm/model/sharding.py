@@ -402,6 +402,8 @@ KINDS = {
     "qkv": lambda spec, padded_vocab: QKVSplit(spec.num_heads, spec.num_kv_heads, spec.head_dim,
                                                spec.head_dim * (2 if getattr(spec, "attn_output_gate", False)
                                                                 else 1)),
+    # Gemma 4's full-attention layers: their own head dim and KV-head count (spec.global_layers)
+    "qkv_global": lambda spec, padded_vocab: QKVSplit(spec.num_heads, spec.global_kv_heads, spec.global_head_dim),
     "gate_up": lambda spec, padded_vocab: GateUpSplit(),
     "kv_heads": lambda spec, padded_vocab: KVHeadSplit(spec.num_kv_heads, spec.head_dim),
     # Gated DeltaNet: the conv's [q; k; v] channels split by heads, the fused input projection

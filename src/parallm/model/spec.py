@@ -114,6 +114,13 @@ class DecoderSpec:
     norm_pow: bool = False
     # DeepSeek-V4 (families/deepseek_v4.py): its attention kinds and hyper-connection streams; None: other families
     v4: V4Spec | None = None
+    # Gemma 4's full-attention layers' own attention shape (``global_head_dim``, ``num_global_key_value_heads``:
+    # transformers' ``per_layer_config``): the layers in ``global_layers`` run ``num_heads`` heads of
+    # ``global_head_dim`` over ``global_kv_heads`` KV heads (their table rows: the ``global_attn`` condition; the
+    # others ``local_attn``), every other layer ``head_dim`` / ``num_kv_heads``; (): one shape everywhere
+    global_layers: tuple[int, ...] = ()
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
 
     @property
     def stream_width(self) -> int:
@@ -155,9 +162,14 @@ class DecoderSpec:
             raise ValueError("attn_scale / v_norm are implemented for grouped-query attention layers only (not "
                              "with multi-head latent attention)")
         if self.layer_ropes and (self.yarn is not None or self.mla is not None
-                                 or any(r is not None and (r.dim != self.rope.dim or r.kind == "dynamic")
-                                        for r in self.layer_ropes)):
-            raise ValueError("RoPE per layer needs plain RoPE of one rotary dim (not yarn, dynamic NTK or MLA)")
+                                 or any(r is not None and r.kind == "dynamic" for r in self.layer_ropes)):
+            raise ValueError("RoPE per layer needs plain RoPE (not yarn, dynamic NTK or MLA)")
+        self._check_global_layers()
+        bad = [i for i in range(self.num_layers) if self.layer_ropes and self.layer_rope(i).dim != (
+            self.head_dim_of(i) if self.global_layers else self.rope.dim)]
+        if bad:
+            raise ValueError(f"RoPE per layer rotates each layer's whole head: layers {bad} have a rotary dim other "
+                             "than their head dim")
         if self.hidden_act == "gelu_pytorch_tanh" and self.moe is not None:
             raise ValueError("hidden_act='gelu_pytorch_tanh' is implemented for the dense MLP only (the routed "
                              "experts run silu / clamped SwiGLU / relu2); a mixture-of-experts model with it is "
@@ -181,6 +193,45 @@ class DecoderSpec:
             if self.num_kv_heads != self.num_heads or self.head_dim != self.mla.q_head_dim:
                 raise ValueError("a multi-head latent attention spec has num_kv_heads == num_heads and head_dim == "
                                  f"q_head_dim (got {self.num_kv_heads}, {self.head_dim})")
+
+    def _check_global_layers(self) -> None:
+        if not self.global_layers:
+            return
+        if self.mla is not None or self.linear_attn is not None or self.layer_blocks or self.qk_norm_whole \
+                or self.attn_output_gate or self.yarn is not None:
+            raise ValueError("a head shape per layer (global_layers) is implemented for plain grouped-query "
+                             "attention layers only")
+        if self.global_head_dim < 1 or self.global_kv_heads < 1 or \
+                any(not 0 <= i < self.num_layers for i in self.global_layers):
+            raise ValueError(f"global_layers={self.global_layers} needs global_head_dim ({self.global_head_dim}) "
+                             f"and global_kv_heads ({self.global_kv_heads}) >= 1 and layers in [0, "
+                             f"{self.num_layers})")
+
+    def is_global_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` runs the global attention shape (``global_head_dim`` /
+        ``global_kv_heads``)."""
+        return layer in self.global_layers
+
+    def head_dim_of(self, layer: int) -> int:
+        """Layer ``layer``'s attention head dim."""
+        return self.global_head_dim if self.is_global_layer(layer) else self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        """Layer ``layer``'s KV-head count."""
+        return self.global_kv_heads if self.is_global_layer(layer) else self.num_kv_heads
+
+    @property
+    def kv_head_counts(self) -> tuple[int, ...]:
+        """The KV-head counts of the layers, sorted (two with Gemma 4's global layers of their own count)."""
+        return tuple(sorted({self.num_kv_heads} | ({self.global_kv_heads} if self.global_layers else set())))
+
+    @property
+    def global_q_size(self) -> int:
+        return self.num_heads * self.global_head_dim
+
+    @property
+    def global_kv_size(self) -> int:
+        return self.global_kv_heads * self.global_head_dim
 
     def has_indexer(self, layer: int) -> bool:
         """Whether global layer ``layer`` runs a sparse-attention indexer of its own (MTP layers do)."""
@@ -374,14 +425,17 @@ def check_tp(spec: DecoderSpec, tp: int) -> None:
     problems = []
     if spec.num_heads % tp:
         problems.append(f"num_attention_heads={spec.num_heads} is not divisible by tp={tp}")
-    nkv = spec.num_kv_heads
-    if nkv >= tp and nkv % tp:
-        problems.append(f"num_key_value_heads={nkv} is not divisible by tp={tp}")
-    if nkv < tp and tp % nkv:
-        problems.append(f"num_key_value_heads={nkv} < tp={tp} and tp is not a multiple of it "
-                        "(KV heads can only be replicated in equal blocks)")
-    if spec.num_heads % nkv:
-        problems.append(f"num_attention_heads={spec.num_heads} is not a multiple of num_key_value_heads={nkv}")
+    kv_counts = [("num_key_value_heads", spec.num_kv_heads)]
+    if spec.global_layers:
+        kv_counts.append(("num_global_key_value_heads", spec.global_kv_heads))
+    for name, nkv in kv_counts:
+        if nkv >= tp and nkv % tp:
+            problems.append(f"{name}={nkv} is not divisible by tp={tp}")
+        if nkv < tp and tp % nkv:
+            problems.append(f"{name}={nkv} < tp={tp} and tp is not a multiple of it "
+                            "(KV heads can only be replicated in equal blocks)")
+        if spec.num_heads % nkv:
+            problems.append(f"num_attention_heads={spec.num_heads} is not a multiple of {name}={nkv}")
     la = spec.linear_attn
     if la is not None:
         for name, n in (("linear_num_key_heads", la.num_key_heads), ("linear_num_value_heads", la.num_value_heads)):

@@ -12,6 +12,7 @@ see :mod:`parallm.model.placement`):
     column   split along dim 0 (column-parallel output)
     row      split along dim 1 (row-parallel input)
     qkv      three HF tensors (q, k, v) fused per rank as [q_r; k_r; v_r] (KV heads replicated when nkv < tp)
+    qkv_global  the same for a layer of spec.global_layers (global_head_dim, global_kv_heads: Gemma 4)
     gate_up  two HF tensors (gate, up) fused per rank as [gate_r; up_r]
     gdn_conv a Gated DeltaNet's [q; k; v] channels (in one HF tensor) split by heads, per rank [q_r; k_r; v_r]
     gdn_in   a Gated DeltaNet's input projections fused per rank (Qwen3.5 [q_r; k_r; v_r; z_r; b_r; a_r],
@@ -41,7 +42,7 @@ import torch
 from .placement import placement_of
 from .spec import DecoderSpec
 
-KINDS = ("copy", "vocab", "column", "row", "qkv", "gate_up", "gdn_conv", "gdn_in", "mamba_in", "mamba_conv",
+KINDS = ("copy", "vocab", "column", "row", "qkv", "qkv_global", "gate_up", "gdn_conv", "gdn_in", "mamba_in", "mamba_conv",
          "kv_heads")
 # "mtp": a multi-token-prediction layer's own tensors ({l}: its index j among them, {i}: its HF layer index
 # num_layers + j), held by the chunk with post_process; the decoder layer inside it takes the "layer" rows
@@ -108,6 +109,9 @@ LAYER_CONDITIONS = {
     "v4_compressed": lambda spec, layer: spec.v4 is not None and spec.v4.kind(layer) in ("csa", "hca"),
     "v4_csa": lambda spec, layer: spec.v4 is not None and spec.v4.kind(layer) == "csa",
     "v4_hca": lambda spec, layer: spec.v4 is not None and spec.v4.kind(layer) == "hca",
+    # Gemma 4: the full-attention layers with their own head shape (spec.global_layers) and the others
+    "global_attn": lambda spec, layer: spec.is_global_layer(layer),
+    "local_attn": lambda spec, layer: not spec.is_global_layer(layer),
 }
 
 

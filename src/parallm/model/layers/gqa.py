@@ -2,7 +2,9 @@
 r's ``[q_r; k_r; v_r]``), q / k norms (per head, or over the whole projection), RoPE, the attention kernel of the
 layout (padded, packed, context parallel), attention sinks, the output gate, and Gemma's pieces: a weightless
 RMSNorm over each value head (``spec.v_norm``) and a softmax scale other than ``head_dim ** -0.5``
-(``spec.attn_scale``, folded into the queries: the kernels scale by ``head_dim ** -0.5``)."""
+(``spec.attn_scale``, folded into the queries: the kernels scale by ``head_dim ** -0.5``). A layer of
+``spec.global_layers`` (Gemma 4's full-attention layers) runs its own head dim and KV-head count
+(``spec.head_dim_of`` / ``spec.kv_heads_of``)."""
 
 from __future__ import annotations
 
@@ -35,8 +37,11 @@ def value_rms_norm(v: torch.Tensor, eps: float) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int, device=None, *,
                  backend: AttnBackend, cp_group=None, cp_attn: str = "allgather", window: int | None = None,
-                 tp_group=None):
+                 tp_group=None, layer: int | None = None):
         super().__init__()
+        # this layer's attention shape (Gemma 4's full layers: global_head_dim, global_kv_heads)
+        head_dim = spec.head_dim if layer is None else spec.head_dim_of(layer)
+        nkv = spec.num_kv_heads if layer is None else spec.kv_heads_of(layer)
         self.backend = backend
         self.window = window              # sliding window (spec.window(layer)); None: full causal attention
         self.cp_group = cp_group          # context parallelism: keys and values gathered over it
@@ -45,8 +50,8 @@ class Attention(nn.Module):
         if spec.qk_norm:
             # One weight over head_dim shared by all heads; each TP rank sees only its heads, so its gradient is
             # a partial sum over TP (the table row says tp_sum="always").
-            self.q_norm = norm_class(spec)(spec.head_dim, spec.rms_norm_eps, config.params_dtype, device)
-            self.k_norm = norm_class(spec)(spec.head_dim, spec.rms_norm_eps, config.params_dtype, device)
+            self.q_norm = norm_class(spec)(head_dim, spec.rms_norm_eps, config.params_dtype, device)
+            self.k_norm = norm_class(spec)(head_dim, spec.rms_norm_eps, config.params_dtype, device)
         # MiniMax-M2: one RMS over the whole q / k projection; the TP group joins the ranks' heads (qk_norm.py)
         self.whole_qk, self.whole_qk_group = spec.qk_norm_whole, tp_group
         if spec.qk_norm_whole:
@@ -56,23 +61,23 @@ class Attention(nn.Module):
                                               config.params_dtype, device)
             self.k_norm = WholeProjectionNorm(max(1, spec.num_kv_heads // tp), spec.head_dim, spec.rms_norm_eps,
                                               config.params_dtype, device)
-        self.head_dim = spec.head_dim
+        self.head_dim = head_dim
         # Gemma: the softmax scale (the kernels apply head_dim ** -0.5: the rest multiplies the queries) and the
         # values' weightless RMSNorm
-        factor = None if spec.attn_scale is None else spec.attn_scale * math.sqrt(spec.head_dim)
+        factor = None if spec.attn_scale is None else spec.attn_scale * math.sqrt(head_dim)
         self.q_factor = None if factor is None or factor == 1.0 else factor
         self.v_norm_eps = spec.rms_norm_eps if spec.v_norm else None
         self.nope = spec.nope             # no positions at all (Nemotron-H's attention layers)
         self.num_heads_local = spec.num_heads // tp
-        self.num_kv_local = max(1, spec.num_kv_heads // tp)
+        self.num_kv_local = max(1, nkv // tp)
         # the output gate (Qwen3-Next, Qwen3.5): each query head's rows are [q_h; gate_h] (2 heads' worth)
         self.gated = spec.attn_output_gate
-        local_out = ((2 if self.gated else 1) * self.num_heads_local + 2 * self.num_kv_local) * spec.head_dim
+        local_out = ((2 if self.gated else 1) * self.num_heads_local + 2 * self.num_kv_local) * head_dim
         self.linear_qkv = mtp.ColumnParallelLinear(
             spec.hidden_size, local_out * tp, config=config, init_method=no_init, bias=spec.qkv_bias,
             gather_output=False)
         self.linear_proj = mtp.RowParallelLinear(
-            spec.q_size, spec.hidden_size, config=config, init_method=no_init, bias=spec.o_bias,
+            spec.num_heads * head_dim, spec.hidden_size, config=config, init_method=no_init, bias=spec.o_bias,
             input_is_parallel=True, skip_bias_add=False)
         # gpt-oss: this TP rank's query heads' attention-sink logits (split with the heads), entering each
         # softmax's denominator once (every attention kernel takes ``sink=``)
