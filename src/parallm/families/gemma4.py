@@ -13,10 +13,11 @@ The full-attention layers' own attention shape (``per_layer_config``, from ``glo
 ``global_layers`` / ``global_head_dim`` / ``global_kv_heads``, their own table rows (``global_attn``: kind
 ``qkv_global``, q / k norms and ``o_proj`` of that shape) and their proportional RoPE over the global head dim.
 One global shape, on every full layer: other ``per_layer_config`` overrides are refused naming the layer.
+K = V on the full layers (``attention_k_eq_v``: ``spec.global_k_eq_v``, rows of kind ``qk_global`` without
+``v_proj``): the values are the keys' projection before k_norm / RoPE, then ``v_norm``.
 
 Refused at config parse, naming the field (not implemented): per-layer input embeddings
-(``hidden_size_per_layer_input`` > 0), KV sharing (``num_kv_shared_layers`` > 0), K = V (``attention_k_eq_v``),
-the MoE block (``enable_moe_block``), ``use_bidirectional_attention``. Not registered:
+(``hidden_size_per_layer_input`` > 0), KV sharing (``num_kv_shared_layers`` > 0), the MoE block (``enable_moe_block``), ``use_bidirectional_attention``. Not registered:
 ``Gemma4ForConditionalGeneration`` (the wrapper).
 """
 
@@ -50,10 +51,14 @@ SHAPED = {"layers.{l}.self_attention.linear_qkv.weight", "layers.{l}.self_attent
 GLOBAL_ROWS = (
     Row("layers.{l}.self_attention.linear_qkv.weight",
         (ATTN + "q_proj.weight", ATTN + "k_proj.weight", ATTN + "v_proj.weight"), "qkv_global", "layer",
-        ((GQ, H), (GKV, H), (GKV, H)), when=("global_attn",)),
+        ((GQ, H), (GKV, H), (GKV, H)), when=("global_attn", "not_k_eq_v")),
+    Row("layers.{l}.self_attention.linear_qkv.weight", (ATTN + "q_proj.weight", ATTN + "k_proj.weight"),
+        "qk_global", "layer", ((GQ, H), (GKV, H)), when=("global_attn", "k_eq_v")),
     Row("layers.{l}.self_attention.linear_qkv.bias",
         (ATTN + "q_proj.bias", ATTN + "k_proj.bias", ATTN + "v_proj.bias"), "qkv_global", "layer",
-        ((GQ,), (GKV,), (GKV,)), when=("qkv_bias", "global_attn")),
+        ((GQ,), (GKV,), (GKV,)), when=("qkv_bias", "global_attn", "not_k_eq_v")),
+    Row("layers.{l}.self_attention.linear_qkv.bias", (ATTN + "q_proj.bias", ATTN + "k_proj.bias"), "qk_global",
+        "layer", ((GQ,), (GKV,)), when=("qkv_bias", "global_attn", "k_eq_v")),
     Row("layers.{l}.self_attention.q_norm.weight", (ATTN + "q_norm.weight",), "copy", "layer",
         (("global_head_dim",),), when=("qk_norm", "global_attn"), tp_sum="always"),
     Row("layers.{l}.self_attention.k_norm.weight", (ATTN + "k_norm.weight",), "copy", "layer",
@@ -80,7 +85,6 @@ def _refuse(raw: dict) -> None:
         ("hidden_size_per_layer_input", bool(raw["hidden_size_per_layer_input"]),
          "per-layer input embeddings are not implemented; 0 turns them off"),
         ("num_kv_shared_layers", bool(raw["num_kv_shared_layers"]), "KV sharing between layers is not implemented"),
-        ("attention_k_eq_v", bool(raw["attention_k_eq_v"]), "K = V attention is not implemented"),
         ("enable_moe_block", bool(raw["enable_moe_block"]), "the MoE block beside the MLP is not implemented"),
         ("use_bidirectional_attention", bool(raw.get("use_bidirectional_attention")),
          "parallm's attention is causal"),
@@ -110,8 +114,9 @@ def _overrides(raw: dict, types: list[str]) -> dict[int, dict]:
 
 def global_shape(raw: dict, types: list[str]) -> tuple[tuple[int, ...], int, int]:
     """``(global_layers, global_head_dim, global_kv_heads)``: the layers whose attention shape differs from the
-    sliding layers' ``head_dim`` / ``num_key_value_heads``, which must be full-attention layers sharing one shape
-    (a ValueError names the layer otherwise); ``((), 0, 0)`` when none differs."""
+    sliding layers' ``head_dim`` / ``num_key_value_heads``, which must be every full-attention layer, sharing one
+    shape (a ValueError names the layer otherwise); ``((), 0, 0)`` when none differs. With ``attention_k_eq_v``
+    every full layer is global (K = V there) whatever its shape."""
     head_dim, nkv = int(raw["head_dim"]), int(raw.get("num_key_value_heads") or raw["num_attention_heads"])
     shapes = {}
     for i, o in sorted(_overrides(raw, types).items()):
@@ -131,7 +136,7 @@ def global_shape(raw: dict, types: list[str]) -> tuple[tuple[int, ...], int, int
         raise ValueError(f"Gemma 4 full layers {full} of different attention shapes {shapes} (layer: (head_dim, "
                          f"num_key_value_heads); the others {(head_dim, nkv)}): one global shape is supported")
     if not shapes:
-        return (), 0, 0
+        return (tuple(full), head_dim, nkv) if raw.get("attention_k_eq_v") else ((), 0, 0)
     (gd, gkv), = set(shapes.values())
     return tuple(sorted(shapes)), gd, gkv
 
@@ -157,7 +162,8 @@ def gemma4_spec(config):
     if layers:      # the full layers' RoPE spans their own head dim (layer_ropes: None there, i.e. spec.rope)
         rope = rope_spec_from_hf_config({"rope_parameters": full_rope,
                                          "max_position_embeddings": raw.get("max_position_embeddings")}, gd)
-        spec = replace(spec, rope=rope, global_layers=layers, global_head_dim=gd, global_kv_heads=gkv)
+        spec = replace(spec, rope=rope, global_layers=layers, global_head_dim=gd, global_kv_heads=gkv,
+                       global_k_eq_v=bool(raw["attention_k_eq_v"]))
     return replace(spec, family="gemma4", model_type="gemma4_text", architecture=_arch(raw),
                    zero_centered_norm=False, norm_pow=True, attn_scale=1.0, v_norm=True, layer_scalar=True)
 

@@ -121,6 +121,9 @@ class DecoderSpec:
     global_layers: tuple[int, ...] = ()
     global_head_dim: int = 0
     global_kv_heads: int = 0
+    # K = V on those layers (Gemma 4's ``attention_k_eq_v``): no v projection; the values are the keys' projection
+    # before the k norm and RoPE (then ``v_norm``); their table rows have the ``k_eq_v`` condition
+    global_k_eq_v: bool = False
 
     @property
     def stream_width(self) -> int:
@@ -195,6 +198,8 @@ class DecoderSpec:
                                  f"q_head_dim (got {self.num_kv_heads}, {self.head_dim})")
 
     def _check_global_layers(self) -> None:
+        if self.global_k_eq_v and not self.global_layers:
+            raise ValueError("global_k_eq_v (K = V) applies to the layers of global_layers: none is given")
         if not self.global_layers:
             return
         if self.mla is not None or self.linear_attn is not None or self.layer_blocks or self.qk_norm_whole \

@@ -70,9 +70,12 @@ class Attention(nn.Module):
         self.nope = spec.nope             # no positions at all (Nemotron-H's attention layers)
         self.num_heads_local = spec.num_heads // tp
         self.num_kv_local = max(1, nkv // tp)
+        # K = V (Gemma 4's global layers): the fused projection is [q_r; k_r]; the values are the raw keys
+        self.k_eq_v = layer is not None and spec.global_k_eq_v and spec.is_global_layer(layer)
         # the output gate (Qwen3-Next, Qwen3.5): each query head's rows are [q_h; gate_h] (2 heads' worth)
         self.gated = spec.attn_output_gate
-        local_out = ((2 if self.gated else 1) * self.num_heads_local + 2 * self.num_kv_local) * head_dim
+        local_out = ((2 if self.gated else 1) * self.num_heads_local
+                     + (1 if self.k_eq_v else 2) * self.num_kv_local) * head_dim
         self.linear_qkv = mtp.ColumnParallelLinear(
             spec.hidden_size, local_out * tp, config=config, init_method=no_init, bias=spec.qkv_bias,
             gather_output=False)
@@ -92,8 +95,9 @@ class Attention(nn.Module):
         s, b, _ = qkv.shape
         hq, hkv, d = self.num_heads_local, self.num_kv_local, self.head_dim
         nq = 2 * hq if self.gated else hq                   # gated: query heads interleaved with their gates
-        heads = qkv.view(s, b, nq + 2 * hkv, d)            # [q_r; k_r; v_r] as heads: views, no copies
+        heads = qkv.view(s, b, -1, d)            # [q_r; k_r; v_r] (K = V: [q_r; k_r]) as heads: views, no copies
         q, k = heads[:, :, :nq:nq // hq], heads[:, :, nq:nq + hkv]
+        v = k if self.k_eq_v else heads[:, :, nq + hkv:]     # K = V: the keys' projection, before k_norm / RoPE
         if self.whole_qk:
             q, k = whole_projection_qk_norm(q, k, self.q_norm, self.k_norm, self.whole_qk_group)
         elif hasattr(self, "q_norm"):
@@ -103,7 +107,6 @@ class Attention(nn.Module):
             k = apply_partial_rope(k, cos, sin)
         if self.q_factor is not None:
             q = q * self.q_factor
-        v = heads[:, :, nq + hkv:]
         if self.v_norm_eps is not None:
             v = value_rms_norm(v, self.v_norm_eps)
         extra = {} if self.sinks is None else {"sink": self.sinks}
