@@ -16,8 +16,11 @@ One global shape, on every full layer: other ``per_layer_config`` overrides are 
 K = V on the full layers (``attention_k_eq_v``: ``spec.global_k_eq_v``, rows of kind ``qk_global`` without
 ``v_proj``): the values are the keys' projection before k_norm / RoPE, then ``v_norm``.
 
-Refused at config parse, naming the field (not implemented): per-layer input embeddings
-(``hidden_size_per_layer_input`` > 0), KV sharing (``num_kv_shared_layers`` > 0), the MoE block (``enable_moe_block``), ``use_bidirectional_attention``. Not registered:
+Per-layer input embeddings (``hidden_size_per_layer_input`` P > 0: ``spec.per_layer_input_size``,
+model/layers/per_layer_inputs.py), computed on the first pipeline stage and carried beside the hidden state to the
+later ones; their vocabulary must be the tokens' (``vocab_size_per_layer_input == vocab_size``, as released).
+
+Refused at config parse, naming the field (not implemented): per-layer embeddings of another vocabulary, KV sharing (``num_kv_shared_layers`` > 0), the MoE block (``enable_moe_block``), ``use_bidirectional_attention``. Not registered:
 ``Gemma4ForConditionalGeneration`` (the wrapper).
 """
 
@@ -36,6 +39,7 @@ ARCHITECTURES = ("Gemma4ForCausalLM", "Gemma4TextModel")
 
 GEMMA4_DEFAULTS = dict(head_dim=256, rms_norm_eps=1e-6, sliding_window=512, hidden_activation="gelu_pytorch_tanh",
                        tie_word_embeddings=True, pad_token_id=0, hidden_size_per_layer_input=256,
+                       vocab_size_per_layer_input=262_144,
                        num_kv_shared_layers=0, attention_k_eq_v=False, enable_moe_block=False)
 GLOBAL_HEAD_DIM = 512    # Gemma4TextConfig's default global_head_dim
 ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -68,12 +72,28 @@ GLOBAL_ROWS = (
 )
 
 
+PLE_ROWS = (      # per-layer input embeddings (model/layers/per_layer_inputs.py)
+    Row("per_layer.embedding.weight", ("model.embed_tokens_per_layer.weight",), "vocab", "first",
+        (("vocab_size", "per_layer_input_width"),), when=("per_layer_inputs",)),
+    Row("per_layer.projection.weight", ("model.per_layer_model_projection.weight",), "copy", "first",
+        (("per_layer_input_width", H),), when=("per_layer_inputs",), tp_sum="sp"),
+    Row("per_layer.norm.weight", ("model.per_layer_projection_norm.weight",), "copy", "first",
+        (("per_layer_input_size",),), when=("per_layer_inputs",), tp_sum="sp"),
+    Row("layers.{l}.per_layer.gate.weight", ("model.layers.{i}.per_layer_input_gate.weight",), "copy", "layer",
+        (("per_layer_input_size", H),), when=("per_layer_inputs",), tp_sum="sp"),
+    Row("layers.{l}.per_layer.proj.weight", ("model.layers.{i}.per_layer_projection.weight",), "copy", "layer",
+        ((H, "per_layer_input_size"),), when=("per_layer_inputs",), tp_sum="sp"),
+    Row("layers.{l}.per_layer.norm.weight", ("model.layers.{i}.post_per_layer_input_norm.weight",), "copy",
+        "layer", ((H,),), when=("per_layer_inputs",), tp_sum="sp"),
+)
+
+
 def _table() -> tuple[Row, ...]:
     out = []
     for row in GEMMA3_TABLE:
         out.append(replace(row, when=row.when + ("local_attn",)) if row.local in SHAPED else row)
         out += [g for g in GLOBAL_ROWS if g.local == row.local and row.local in SHAPED]
-    return tuple(out) + (Row("layers.{l}.layer_scalar", ("model.layers.{i}.layer_scalar",), "copy", "layer",
+    return tuple(out) + PLE_ROWS + (Row("layers.{l}.layer_scalar", ("model.layers.{i}.layer_scalar",), "copy", "layer",
                              ((1,),), when=("layer_scalar",)),)
 
 
@@ -82,8 +102,10 @@ GEMMA4_TABLE = _table()
 
 def _refuse(raw: dict) -> None:
     checks = (
-        ("hidden_size_per_layer_input", bool(raw["hidden_size_per_layer_input"]),
-         "per-layer input embeddings are not implemented; 0 turns them off"),
+        ("vocab_size_per_layer_input", bool(raw["hidden_size_per_layer_input"])
+         and raw["vocab_size_per_layer_input"] != raw["vocab_size"],
+         f"per-layer input embeddings of a vocabulary other than the tokens' vocab_size={raw['vocab_size']} are "
+         "not implemented"),
         ("num_kv_shared_layers", bool(raw["num_kv_shared_layers"]), "KV sharing between layers is not implemented"),
         ("enable_moe_block", bool(raw["enable_moe_block"]), "the MoE block beside the MLP is not implemented"),
         ("use_bidirectional_attention", bool(raw.get("use_bidirectional_attention")),
@@ -164,6 +186,7 @@ def gemma4_spec(config):
                                          "max_position_embeddings": raw.get("max_position_embeddings")}, gd)
         spec = replace(spec, rope=rope, global_layers=layers, global_head_dim=gd, global_kv_heads=gkv,
                        global_k_eq_v=bool(raw["attention_k_eq_v"]))
+    spec = replace(spec, per_layer_input_size=int(raw["hidden_size_per_layer_input"] or 0))
     return replace(spec, family="gemma4", model_type="gemma4_text", architecture=_arch(raw),
                    zero_centered_norm=False, norm_pow=True, attn_scale=1.0, v_norm=True, layer_scalar=True)
 

@@ -33,6 +33,7 @@ from .layers.dsa import DSAttention, check_dsa_stages
 from .layers.mamba2 import Mamba2Mixer, check_mamba_layout, resolve_kernel as resolve_mamba_kernel
 from .layers.mla import MLAttention
 from .layers.mlp import MLP, no_init
+from .layers import per_layer_inputs as ple_io
 from .layers.norms import FP32WeightRMSNorm, RMSNorm, ZeroCenteredRMSNorm, norm_class  # noqa: F401
 from .layers.moe import MoEAux, MoEBlock
 from .layers.routing import RouterReplay, moe_layer_indices, rows_of_tokens
@@ -90,6 +91,8 @@ class DecoderLayer(nn.Module):
         # The spec says which layers route over experts (model/layers/moe.py); the others keep the dense MLP.
         self.mlp = MoEBlock(spec, config, dims, device, layer=layer_number) if spec.is_moe_layer(layer_number) \
             else MLP(spec, config)
+        if spec.per_layer_input_size:      # Gemma 4: the layer's per-layer input (layers/per_layer_inputs.py)
+            self.per_layer = ple_io.PerLayerInput(spec, config, layer_number, device)
 
     def _one_block(self, spec, config, tp, device, *, backend, dims, cp_attn, mamba_kernel):
         """Nemotron-H's layer: ``norm`` then the one mixer of ``spec.block_kind`` (``self_attention``: Mamba-2 or
@@ -106,9 +109,10 @@ class DecoderLayer(nn.Module):
             self.mlp = MoEBlock(spec, config, dims, device, layer=self.layer_number) if self.block == "moe" \
                 else MLP(spec, config)
 
-    def forward(self, x, cos, sin, ctx, tokens=None, routed=None):
+    def forward(self, x, cos, sin, ctx, tokens=None, routed=None, per_layer=None):
         """``tokens``: real-row mask of ``x`` for a MoE layer's load-balancing loss (None: not computed / all
-        real). ``routed``: a MoE layer's replayed experts for the rows of ``x`` (:meth:`MoEBlock.route`)."""
+        real). ``routed``: a MoE layer's replayed experts for the rows of ``x`` (:meth:`MoEBlock.route`).
+        ``per_layer``: Gemma 4's per-layer inputs of every layer (``[.., L * P]``; None without them)."""
         if self.block is not None:
             h = self.norm(x)
             if self.mlp is None:
@@ -121,6 +125,8 @@ class DecoderLayer(nn.Module):
         h = self.post_attention_layernorm(x)
         m = self.mlp(h, tokens, routed) if isinstance(self.mlp, MoEBlock) else self.mlp(h)
         x = x + (self.mlp_out_norm(m) if hasattr(self, "mlp_out_norm") else m)
+        if per_layer is not None:
+            x = self.per_layer(x, per_layer)
         return x * self.layer_scalar if hasattr(self, "layer_scalar") else x
 
 
@@ -220,6 +226,8 @@ class DecoderChunk(ChunkIO, nn.Module):
             self.embedding = mtp.VocabParallelEmbedding(
                 self.padded_vocab_size, spec.hidden_size, init_method=no_init, config=config,
                 reduce_scatter_embeddings=self.sequence_parallel)
+        if pre_process and spec.per_layer_input_size:    # Gemma 4: every layer's input, from the first stage
+            self.per_layer = ple_io.PerLayerInputs(spec, config, self.padded_vocab_size, device)
         backend = resolve_attn_impl(attn_impl, packed=packed, device=as_device(device), dtype=config.params_dtype)
         # A recurrent hybrid (Gated DeltaNet, Mamba-2) built padded runs batches whose rows are padded only at
         # their ends through the packed path inside (ChunkIO.packs_inside): its attention needs both kernels.
@@ -346,10 +354,13 @@ class DecoderChunk(ChunkIO, nn.Module):
             if not self.sequence_parallel:
                 x = x.transpose(0, 1).contiguous()                       # [S, B, H] / [T, 1, H]
             x = self._streams(self._scale_embeddings(self._no_grad_at_pad_tokens(x, ids)))
+            per_layer = self.per_layer(x, ids, transpose=not self.sequence_parallel,
+                                       no_grad_at_pad=self._no_grad_at_pad_tokens) \
+                if hasattr(self, "per_layer") else None
         else:
             if self.input_tensor is None:
                 raise RuntimeError("DecoderChunk without pre_process needs set_input_tensor() before forward")
-            x = self.input_tensor
+            x, per_layer = ple_io.split(self.input_tensor, self.spec)   # per-layer inputs travel with it
         if self.spec.v4 is not None:        # DeepSeek-V4: what its attention and hash routing read
             self._v4_context(ctx, input_ids, positions, split)
         if self.spec.yarn is not None:      # YaRN: its frequencies and the cos / sin attention factor
@@ -368,21 +379,22 @@ class DecoderChunk(ChunkIO, nn.Module):
         replay = self.router_replay
         given = replay.current() if replay.active else None      # router replay: [B, S, moe layers, top_k]
         given = rows_of_tokens(given, attention_mask, ctx, share=self._my_rows) if given is not None else None
+        ple = () if per_layer is None else (per_layer,)     # Gemma 4's per-layer inputs, for the layers
         for layer in self.layers:
             routed = (given[0][:, layer.mlp.moe_index], given[1]) \
                 if given is not None and isinstance(layer.mlp, MoEBlock) else None
             if recompute:
                 # Keep only the layer's input; its activations are recomputed in backward (RNG state restored).
                 # The recompute replays the layer: MoE load-balancing losses are then not recorded twice.
-                x = checkpoint(layer, x, cos, sin, ctx, tokens, routed, use_reentrant=False,
+                x = checkpoint(layer, x, cos, sin, ctx, tokens, routed, *ple, use_reentrant=False,
                                preserve_rng_state=True,
                                context_fn=lambda: (contextlib.nullcontext(), self.moe_aux.replaying()))
             else:
-                x = layer(x, cos, sin, ctx, tokens, routed)
+                x = layer(x, cos, sin, ctx, tokens, routed, *ple)
         if replay.recording:
             self._record_routing(attention_mask, ctx)
         if not self.post_process:
-            return x
+            return ple_io.join(x, per_layer)
         if hasattr(self, "hc_head"):
             x = self.hc_head(x)
         return self._head(self.final_norm(x), ctx, split, input_ids, attention_mask, stats)
@@ -425,7 +437,7 @@ def prepare_config(spec: DecoderSpec, dims, *, task: str, dtype, sequence_parall
                          sequence_parallel=sequence_parallel)
     # The TransformerConfig fields Megatron's schedules read from a model's config, set once here: the chunks of
     # a rank share this config (as a Megatron model's chunks share one) and none of them writes to it.
-    for name, value in (("hidden_size", spec.stream_width), ("calculate_per_token_loss", False),
+    for name, value in (("hidden_size", spec.boundary_width), ("calculate_per_token_loss", False),
                         ("fine_grained_activation_offloading", False)):
         if not hasattr(config, name):
             setattr(config, name, value)

@@ -124,12 +124,26 @@ class DecoderSpec:
     # K = V on those layers (Gemma 4's ``attention_k_eq_v``): no v projection; the values are the keys' projection
     # before the k norm and RoPE (then ``v_norm``); their table rows have the ``k_eq_v`` condition
     global_k_eq_v: bool = False
+    # Gemma 4's per-layer input embeddings (``hidden_size_per_layer_input``): P columns of every layer's input
+    # (model/layers/per_layer_inputs.py; their own vocabulary, here the token vocabulary's size); 0: none
+    per_layer_input_size: int = 0
 
     @property
     def stream_width(self) -> int:
         """The width of the hidden state between layers (what crosses a pipeline stage): ``hidden_size``, or
         DeepSeek-V4's ``hc_mult`` hyper-connection streams of it."""
         return self.hidden_size * self.hc_mult
+
+    @property
+    def per_layer_input_width(self) -> int:
+        """Every layer's per-layer input side by side, ``num_layers * per_layer_input_size`` (0 without them)."""
+        return self.num_layers * self.per_layer_input_size
+
+    @property
+    def boundary_width(self) -> int:
+        """The width of what crosses a pipeline-stage boundary: the hidden state (:attr:`stream_width`) and, with
+        Gemma 4's per-layer inputs, every layer's input beside it."""
+        return self.stream_width + self.per_layer_input_width
 
     @property
     def hc_mult(self) -> int:

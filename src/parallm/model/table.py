@@ -78,6 +78,8 @@ CONDITIONS = {
     # Gemma 4's K = V on its global layers (no v projection there) or not
     "k_eq_v": lambda spec, task, pp: spec.global_k_eq_v,
     "not_k_eq_v": lambda spec, task, pp: not spec.global_k_eq_v,
+    # Gemma 4's per-layer input embeddings (model/layers/per_layer_inputs.py)
+    "per_layer_inputs": lambda spec, task, pp: spec.per_layer_input_size > 0,
     # multi-head latent attention (DeepSeek-V3): with / without a q LoRA, the down-projections' bias
     "q_lora": lambda spec, task, pp: spec.mla is not None and spec.mla.q_lora_rank is not None,
     "no_q_lora": lambda spec, task, pp: spec.mla is not None and spec.mla.q_lora_rank is None,
