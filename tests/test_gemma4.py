@@ -10,7 +10,7 @@ gains around 0.5).
 The full layers have their own attention shape (``per_layer_config``: head dim 32 over 1 KV head, the sliding
 layers 16 over 2; their proportional RoPE over 32).
 
-Without a process group: config -> spec, the refusals by name (per-layer embeddings of their own vocabulary, KV sharing, a sliding
+Without a process group: config -> spec, the refusals by name (per-layer embeddings of their own vocabulary, KV sharing without a source, a sliding
 layer of another shape, two global shapes, the MoE block, bidirectional attention), the table against ``save_pretrained``'s names. One 2-rank spawn:
 tp2 padded, tp2 packed + SP (a step on log-probs + entropy), pp2 mb2, cp2 packed. Breaks at tp2 and pp2, each must
 move the logits: the attention's output norm skipped, every layer on the sliding layers' RoPE, the cap off, the layer
@@ -87,7 +87,7 @@ def test_config_table_and_refusals(tmp_path):
     assert all(tuple(hub[k].shape) == s for k, s in shapes.items())
     for bad, match in ((dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=50),
                         "vocab_size_per_layer_input"),
-                       (dict(num_kv_shared_layers=2), "num_kv_shared_layers"),
+                       (dict(num_kv_shared_layers=3), "layer 1 .full_attention. has no earlier"),
                        (dict(per_layer_config={0: GLOBAL}), "layer 0 .sliding_attention."),
                        (dict(per_layer_config={1: GLOBAL, 3: {"head_dim": 64}}), "one global shape"),
                        (dict(per_layer_config={1: GLOBAL}), "one global shape"),

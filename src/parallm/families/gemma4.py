@@ -20,8 +20,14 @@ Per-layer input embeddings (``hidden_size_per_layer_input`` P > 0: ``spec.per_la
 model/layers/per_layer_inputs.py), computed on the first pipeline stage and carried beside the hidden state to the
 later ones; their vocabulary must be the tokens' (``vocab_size_per_layer_input == vocab_size``, as released).
 
-Refused at config parse, naming the field (not implemented): per-layer embeddings of another vocabulary, KV sharing (``num_kv_shared_layers`` > 0), the MoE block (``enable_moe_block``), ``use_bidirectional_attention``. Not registered:
-``Gemma4ForConditionalGeneration`` (the wrapper).
+KV sharing (``num_kv_shared_layers``: ``spec.kv_sources``, model/layers/kv_sharing.py): the last layers reuse the
+keys / values of the last earlier layer of their type, have q_proj alone (``column`` rows) and, with
+``use_double_wide_mlp``, an MLP of twice the intermediate size; a sharing layer and its source on different
+pipeline stages, and layer recomputation, are refused.
+
+Refused at config parse, naming the field (not implemented): per-layer embeddings of another vocabulary, the MoE
+block (``enable_moe_block``), ``use_bidirectional_attention``. Not registered: ``Gemma4ForConditionalGeneration``
+(the wrapper).
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ ARCHITECTURES = ("Gemma4ForCausalLM", "Gemma4TextModel")
 GEMMA4_DEFAULTS = dict(head_dim=256, rms_norm_eps=1e-6, sliding_window=512, hidden_activation="gelu_pytorch_tanh",
                        tie_word_embeddings=True, pad_token_id=0, hidden_size_per_layer_input=256,
                        vocab_size_per_layer_input=262_144,
-                       num_kv_shared_layers=0, attention_k_eq_v=False, enable_moe_block=False)
+                       num_kv_shared_layers=0, attention_k_eq_v=False, enable_moe_block=False,
+                       use_double_wide_mlp=False)
 GLOBAL_HEAD_DIM = 512    # Gemma4TextConfig's default global_head_dim
 ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
@@ -88,11 +95,37 @@ PLE_ROWS = (      # per-layer input embeddings (model/layers/per_layer_inputs.py
 )
 
 
+KV_ROWS = {"layers.{l}.self_attention.linear_qkv.weight", "layers.{l}.self_attention.linear_qkv.bias",
+           "layers.{l}.self_attention.k_norm.weight"}     # absent on KV-sharing layers
+SHARED_ROWS = tuple(      # a KV-sharing layer's projection: q_proj alone, split by query heads
+    Row("layers.{l}.self_attention.linear_qkv." + part, (ATTN + f"q_proj.{part}",), "column", "layer",
+        ((q,) + ((H,) if part == "weight" else ()),), when=("kv_shared_layer", kind) + extra)
+    for part, extra in (("weight", ()), ("bias", ("qkv_bias",))) for q, kind in (("q_size", "local_attn"),
+                                                                                   (GQ, "global_attn")))
+MLP = "model.layers.{i}.mlp."
+WIDE_ROWS = (     # double_wide_mlp: the KV-sharing layers' MLP of twice the intermediate size
+    Row("layers.{l}.mlp.linear_fc1.weight", (MLP + "gate_proj.weight", MLP + "up_proj.weight"), "gate_up", "layer",
+        (("2*intermediate_size", H), ("2*intermediate_size", H)), when=("wide_mlp",)),
+    Row("layers.{l}.mlp.linear_fc2.weight", (MLP + "down_proj.weight",), "row", "layer",
+        ((H, "2*intermediate_size"),), when=("wide_mlp",)),
+)
+
+
+def _conditioned(row: Row, *, local: bool = True) -> Row:
+    """``row`` with the layer conditions of its layer kind: the sliding shape (``local_attn``), a layer with its
+    own keys / values (``kv_layer``), the plain MLP (``plain_mlp``)."""
+    extra = (("local_attn",) if local and row.local in SHAPED else ()) \
+        + (("kv_layer",) if row.local in KV_ROWS else ()) \
+        + (("plain_mlp",) if row.local in {r.local for r in WIDE_ROWS} else ())
+    return replace(row, when=row.when + extra) if extra else row
+
+
 def _table() -> tuple[Row, ...]:
     out = []
     for row in GEMMA3_TABLE:
-        out.append(replace(row, when=row.when + ("local_attn",)) if row.local in SHAPED else row)
-        out += [g for g in GLOBAL_ROWS if g.local == row.local and row.local in SHAPED]
+        out.append(_conditioned(row))
+        out += [_conditioned(g, local=False) for g in GLOBAL_ROWS if g.local == row.local]
+        out += [r for r in SHARED_ROWS + WIDE_ROWS if r.local == row.local]
     return tuple(out) + PLE_ROWS + (Row("layers.{l}.layer_scalar", ("model.layers.{i}.layer_scalar",), "copy", "layer",
                              ((1,),), when=("layer_scalar",)),)
 
@@ -106,7 +139,6 @@ def _refuse(raw: dict) -> None:
          and raw["vocab_size_per_layer_input"] != raw["vocab_size"],
          f"per-layer input embeddings of a vocabulary other than the tokens' vocab_size={raw['vocab_size']} are "
          "not implemented"),
-        ("num_kv_shared_layers", bool(raw["num_kv_shared_layers"]), "KV sharing between layers is not implemented"),
         ("enable_moe_block", bool(raw["enable_moe_block"]), "the MoE block beside the MLP is not implemented"),
         ("use_bidirectional_attention", bool(raw.get("use_bidirectional_attention")),
          "parallm's attention is causal"),
@@ -163,6 +195,23 @@ def global_shape(raw: dict, types: list[str]) -> tuple[tuple[int, ...], int, int
     return tuple(sorted(shapes)), gd, gkv
 
 
+def kv_sources(raw: dict) -> tuple[int | None, ...]:
+    """Each layer's KV source (``Gemma4TextConfig.kv_sharing_modes``): the last ``num_kv_shared_layers`` layers
+    reuse the keys / values of the last earlier layer of their type; () without sharing."""
+    types, n = raw["layer_types"], int(raw["num_kv_shared_layers"] or 0)
+    if not n:
+        return ()
+    first = len(types) - n
+    out = []
+    for i, t in enumerate(types):
+        earlier = [j for j in range(first) if types[j] == t]
+        if i >= first and not earlier:
+            raise ValueError(f"Gemma 4 with num_kv_shared_layers={n}: layer {i} ({t}) has no earlier {t} layer "
+                             f"among the first {first} to reuse the keys / values of")
+        out.append(earlier[-1] if i >= first else None)
+    return tuple(out)
+
+
 def gemma4_spec(config):
     raw = _config_dict(config)
     if raw.get("model_type", "gemma4_text") not in MODEL_TYPES:
@@ -186,7 +235,8 @@ def gemma4_spec(config):
                                          "max_position_embeddings": raw.get("max_position_embeddings")}, gd)
         spec = replace(spec, rope=rope, global_layers=layers, global_head_dim=gd, global_kv_heads=gkv,
                        global_k_eq_v=bool(raw["attention_k_eq_v"]))
-    spec = replace(spec, per_layer_input_size=int(raw["hidden_size_per_layer_input"] or 0))
+    spec = replace(spec, per_layer_input_size=int(raw["hidden_size_per_layer_input"] or 0),
+                   kv_sources=kv_sources(raw), double_wide_mlp=bool(raw["use_double_wide_mlp"]))
     return replace(spec, family="gemma4", model_type="gemma4_text", architecture=_arch(raw),
                    zero_centered_norm=False, norm_pow=True, attn_scale=1.0, v_norm=True, layer_scalar=True)
 

@@ -30,6 +30,7 @@ from .layers.gqa import Attention
 from .layers.hyper_connections import HyperHead
 from .layers.gated_deltanet import GatedDeltaNet, resolve_kernel as resolve_gdn_kernel
 from .layers.dsa import DSAttention, check_dsa_stages
+from .layers.kv_sharing import check_kv_sharing_recompute, check_kv_sharing_stages
 from .layers.mamba2 import Mamba2Mixer, check_mamba_layout, resolve_kernel as resolve_mamba_kernel
 from .layers.mla import MLAttention
 from .layers.mlp import MLP, no_init
@@ -90,7 +91,7 @@ class DecoderLayer(nn.Module):
                                              requires_grad=False)
         # The spec says which layers route over experts (model/layers/moe.py); the others keep the dense MLP.
         self.mlp = MoEBlock(spec, config, dims, device, layer=layer_number) if spec.is_moe_layer(layer_number) \
-            else MLP(spec, config)
+            else MLP(spec, config, width=spec.mlp_width(layer_number))
         if spec.per_layer_input_size:      # Gemma 4: the layer's per-layer input (layers/per_layer_inputs.py)
             self.per_layer = ple_io.PerLayerInput(spec, config, layer_number, device)
 
@@ -431,8 +432,10 @@ def prepare_config(spec: DecoderSpec, dims, *, task: str, dtype, sequence_parall
     check_ep(spec, dims.ep)
     # raises with the numbers if the layers do not split (evenly, or as dims.layer_split says)
     layer_numbers(spec.num_layers, dims.pp, dims.vpp, 0, 0, layers_per_stage=dims.layer_split)
-    check_dsa_stages(spec, [layer_numbers(spec.num_layers, dims.pp, dims.vpp, p, v, layers_per_stage=dims.layer_split)
-                            for p in range(dims.pp) for v in range(dims.vpp)])
+    stages = [layer_numbers(spec.num_layers, dims.pp, dims.vpp, p, v, layers_per_stage=dims.layer_split)
+              for p in range(dims.pp) for v in range(dims.vpp)]
+    check_dsa_stages(spec, stages)
+    check_kv_sharing_stages(spec, stages)       # Gemma 4: a KV-sharing layer and its source in one stage
     config = make_config(tp=dims.tp, pp=dims.pp, vpp=dims.vpp if dims.vpp > 1 else None, dtype=dtype,
                          sequence_parallel=sequence_parallel)
     # The TransformerConfig fields Megatron's schedules read from a model's config, set once here: the chunks of
@@ -455,6 +458,7 @@ def build_chunks(spec: DecoderSpec, *, table, task: str = "causal_lm", dtype=tor
     chunks' ``dims`` carry it)."""
     from ..parallel.state import current_dims
     dims = current_dims().with_layer_split(spec.num_layers, **(pipeline_split or {}))
+    check_kv_sharing_recompute(spec, recompute)
     config = prepare_config(spec, dims, task=task, dtype=dtype, sequence_parallel=sequence_parallel)
     return [DecoderChunk(spec, config, task=task, pre_process=dims.is_first_stage(v),
                          post_process=dims.is_last_stage(v), layers=dims.stage_layers(spec.num_layers, v),

@@ -127,6 +127,11 @@ class DecoderSpec:
     # Gemma 4's per-layer input embeddings (``hidden_size_per_layer_input``): P columns of every layer's input
     # (model/layers/per_layer_inputs.py; their own vocabulary, here the token vocabulary's size); 0: none
     per_layer_input_size: int = 0
+    # Gemma 4's KV sharing (``num_kv_shared_layers``, model/layers/kv_sharing.py): layer i attends with the keys /
+    # values of layer kv_sources[i] (None, or a layer past the end: its own); those layers have only q_proj (table
+    # condition ``kv_shared_layer``), and with ``double_wide_mlp`` an MLP of twice the intermediate size
+    kv_sources: tuple[int | None, ...] = ()
+    double_wide_mlp: bool = False
 
     @property
     def stream_width(self) -> int:
@@ -182,6 +187,7 @@ class DecoderSpec:
                                  or any(r is not None and r.kind == "dynamic" for r in self.layer_ropes)):
             raise ValueError("RoPE per layer needs plain RoPE (not yarn, dynamic NTK or MLA)")
         self._check_global_layers()
+        self._check_kv_sources()
         bad = [i for i in range(self.num_layers) if self.layer_ropes and self.layer_rope(i).dim != (
             self.head_dim_of(i) if self.global_layers else self.rope.dim)]
         if bad:
@@ -211,6 +217,17 @@ class DecoderSpec:
                 raise ValueError("a multi-head latent attention spec has num_kv_heads == num_heads and head_dim == "
                                  f"q_head_dim (got {self.num_kv_heads}, {self.head_dim})")
 
+    def _check_kv_sources(self) -> None:
+        bad = [(i, s) for i, s in enumerate(self.kv_sources) if s is not None and (
+            not 0 <= s < i or self.kv_source(s) is not None or self.is_global_layer(s) != self.is_global_layer(i)
+            or self.window(s) != self.window(i))]
+        if bad:
+            raise ValueError(f"kv_sources: layer i reuses the keys / values of an earlier layer of its own kind "
+                             f"that computes its own; got (layer, source) {bad}")
+        if self.kv_sources and (self.mla is not None or self.linear_attn is not None or self.layer_blocks
+                                or self.v4 is not None or self.qk_norm_whole):
+            raise ValueError("KV sharing is implemented for grouped-query attention layers only")
+
     def _check_global_layers(self) -> None:
         if self.global_k_eq_v and not self.global_layers:
             raise ValueError("global_k_eq_v (K = V) applies to the layers of global_layers: none is given")
@@ -238,6 +255,17 @@ class DecoderSpec:
     def kv_heads_of(self, layer: int) -> int:
         """Layer ``layer``'s KV-head count."""
         return self.global_kv_heads if self.is_global_layer(layer) else self.num_kv_heads
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose keys / values layer ``layer`` reuses (None: it computes its own)."""
+        return self.kv_sources[layer] if layer < len(self.kv_sources) else None
+
+    def is_kv_shared(self, layer: int) -> bool:
+        return self.kv_source(layer) is not None
+
+    def mlp_width(self, layer: int) -> int:
+        """Layer ``layer``'s dense MLP width: doubled on Gemma 4's KV-sharing layers with ``double_wide_mlp``."""
+        return self.intermediate_size * (2 if self.double_wide_mlp and self.is_kv_shared(layer) else 1)
 
     @property
     def kv_head_counts(self) -> tuple[int, ...]:

@@ -118,6 +118,12 @@ LAYER_CONDITIONS = {
     # Gemma 4: the full-attention layers with their own head shape (spec.global_layers) and the others
     "global_attn": lambda spec, layer: spec.is_global_layer(layer),
     "local_attn": lambda spec, layer: not spec.is_global_layer(layer),
+    # Gemma 4's KV sharing: the layers reusing an earlier layer's keys / values (q_proj only), the others; and the
+    # doubled MLP of the sharing layers (double_wide_mlp)
+    "kv_shared_layer": lambda spec, layer: spec.is_kv_shared(layer),
+    "kv_layer": lambda spec, layer: not spec.is_kv_shared(layer),
+    "wide_mlp": lambda spec, layer: spec.mlp_width(layer) != spec.intermediate_size,
+    "plain_mlp": lambda spec, layer: spec.mlp_width(layer) == spec.intermediate_size,
 }
 
 
