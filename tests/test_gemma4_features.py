@@ -19,6 +19,10 @@ move the logits): the cap off, no v_norm (on the K = V layers the values are the
 sliding layers' RoPE, the per-layer inputs skipped (every layer's term; at pp2 the first stage's are still sent),
 the wrong layer's keys / values shared (at tp2: layers 2 and 3 for 4 and 5; at pp2 no other layer of the kind is on
 the stage). The pp2 split keeps each sharing layer with its source; a split that does not is refused naming both.
+
+The ``gemma4`` wrapper (``Gemma4ForConditionalGeneration`` over the same text config, a 1-layer vision tower, no
+audio tower): the table against its checkpoint (``model.language_model.*``, the tower and ``embed_vision`` carried),
+tp2 padded and pp2 against its text-only logits, saves and export bit-exact with the tower.
 """
 
 from __future__ import annotations
@@ -194,3 +198,65 @@ def test_gemma4_features_layouts_against_transformers(tmp_path):
     for key in ("break_cap", "break_v_norm", "break_rope", "break_per_layer"):       # every break measured where asked for
         assert all(key in results[0][i] for i, c in enumerate(cases) if c["breaks"]), key
     assert "break_kv_source" in results[0][0]       # tp2: layers 2 and 3 stand in for 4 and 5
+
+
+# -- the gemma4 wrapper (Gemma4ForConditionalGeneration): the language model trained, the towers carried -------
+
+VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+              head_dim=8, patch_size=4, pooling_kernel_size=2, position_embedding_size=64)
+
+
+def wrapper_model(seed: int):
+    import transformers
+    text = features_config()
+    cfg = transformers.Gemma4Config(text_config=text.to_dict(), vision_config=VISION, audio_config=None)
+    model = transformers.Gemma4ForConditionalGeneration(cfg)
+    helpers.randomize_(model, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand(b.shape, generator=g))
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")) and "language_model" in name:
+                p.mul_(0.5)
+    return model.eval()
+
+
+def test_wrapper_spec_and_table(tmp_path):
+    from parallm.families import spec_from_config
+    from parallm.model.table import expected_hf_shapes
+    model = wrapper_model(0)
+    spec, family = spec_from_config(model.config)
+    assert family.name == "gemma4_vl" and spec.architecture == "Gemma4ForConditionalGeneration"
+    assert spec.global_k_eq_v and spec.per_layer_input_size == 16 and spec.kv_sources[6:] == (4, 5)
+    hub = helpers.hub_state_dict(model, str(tmp_path / "w"))
+    assert any(k.startswith("model.vision_tower.") for k in hub) and any(k.startswith("model.embed_vision.")
+                                                                        for k in hub)
+    shapes = expected_hf_shapes(family.table, spec, task="causal_lm", pp=1)
+    assert set(shapes) == set(hub), sorted(set(shapes) ^ set(hub))[:6]
+    assert all(tuple(hub[k].shape) == s for k, s in shapes.items())
+
+
+WRAPPER_CASES = [
+    ("wrapper tp2 padded, step on logits", dict(tp=2), dict(), "logits"),
+    ("wrapper pp2 padded mb2, step on logits", dict(pp=2, nmb=2), dict(), "logits"),
+]
+
+
+def make_wrapper_cases(tmp_path):
+    cases = []
+    for i, (name, layout, build, loss_on) in enumerate(WRAPPER_CASES):
+        model, (ids, mask) = wrapper_model(seed=70 + i), helpers.padded_batch(101, batch=4, seq=SEQ, seed=i)
+        cases.append(layout_harness.make_case(name, model, tmp_path, i, ids, mask, layout=layout, build=build,
+                                              loss_on=loss_on, spread=_spread(model, ids, mask, layout, loss_on)))
+    return cases
+
+
+@pytest.mark.timeout(600)
+def test_gemma4_wrapper_layouts_against_transformers(tmp_path):
+    cases = make_wrapper_cases(tmp_path)
+    results = helpers.run_ranks(rank_cases, 2, cases)
+    for i, case in enumerate(cases):
+        print(f"transformers sdpa vs eager after the step: {case['spread']:.1e}", end="")
+        layout_harness.check([case], [[r[i]] for r in results], tol=TOL, after_tol=max(1e-4, 2 * case["spread"]))
