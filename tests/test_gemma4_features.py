@@ -195,7 +195,7 @@ def test_gemma4_features_layouts_against_transformers(tmp_path):
         print(f"transformers sdpa vs eager after the step: {case['spread']:.1e}", end="")
         layout_harness.check([case], [[r[i]] for r in results], tol=TOL, break_min=1e-2,
                              after_tol=max(1e-4, 2 * case["spread"]))
-    for key in ("break_cap", "break_v_norm", "break_rope", "break_per_layer"):       # every break measured where asked for
+    for key in ("break_cap", "break_v_norm", "break_rope", "break_per_layer"):   # measured wherever asked for
         assert all(key in results[0][i] for i, c in enumerate(cases) if c["breaks"]), key
     assert "break_kv_source" in results[0][0]       # tp2: layers 2 and 3 stand in for 4 and 5
 

@@ -1,12 +1,12 @@
 """Gemma 4 text (``Gemma4ForCausalLM``, ``model_type: gemma4_text``), the subset parallm runs: config ->
 :class:`~parallm.model.spec.DecoderSpec`, as transformers 5.25's ``modeling_gemma4`` runs it (docs/families.md,
-"Gemma 4").
+"Gemma 4"; the ``gemma4`` wrapper's language model: :mod:`parallm.families.gemma4_vl`).
 
 Runs: Gemma 3 text's layer (sandwich norms, q / k norms per head, RoPE per layer type, sliding / full layers,
 scaled embeddings, the tanh GELU, final logit soft-capping, tied embeddings) with Gemma 4's differences: norms
 that multiply their weight directly (``Gemma4RMSNorm``: ``x * pow(mean(x^2) + eps, -0.5)`` times the weight, in
-fp32: ``norm_pow``), the values' weightless RMSNorm (``v_norm``), softmax scale 1.0 (``attn_scale``), proportional RoPE on the
-full layers (RopeSpec kind ``proportional``), each layer's output times its ``layer_scalar``.
+fp32: ``norm_pow``), the values' weightless RMSNorm (``v_norm``), softmax scale 1.0 (``attn_scale``), proportional
+RoPE on the full layers (RopeSpec kind ``proportional``), each layer's output times its ``layer_scalar``.
 
 The full-attention layers' own attention shape (``per_layer_config``, from ``global_head_dim`` and, with
 ``attention_k_eq_v``, ``num_global_key_value_heads``; transformers' default ``global_head_dim`` is 512): the spec's

@@ -26,7 +26,8 @@ def _as_config(config):
     if isinstance(config, transformers.Gemma4Config):
         return config
     raw = _config_dict(config)
-    return transformers.Gemma4Config(**{k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")})
+    return transformers.Gemma4Config(**{k: v for k, v in raw.items()
+                                        if k not in ("model_type", "transformers_version")})
 
 
 def tower_tensors(config) -> tuple[tuple[str, tuple[int, ...]], ...]:

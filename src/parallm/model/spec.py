@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from .layer_specs import (ACTIVATIONS, EXPERT_LAYOUTS, ROUTERS, DSASpec, GatedDeltaNetSpec,  # noqa: F401
                           Mamba2Spec, MLASpec, MoESpec, V4Spec)
+from .attention_checks import check_attention_per_layer
 from .positions.rope import RopeSpec
 from .positions.yarn import YarnSpec
 
@@ -186,8 +187,7 @@ class DecoderSpec:
         if self.layer_ropes and (self.yarn is not None or self.mla is not None
                                  or any(r is not None and r.kind == "dynamic" for r in self.layer_ropes)):
             raise ValueError("RoPE per layer needs plain RoPE (not yarn, dynamic NTK or MLA)")
-        self._check_global_layers()
-        self._check_kv_sources()
+        check_attention_per_layer(self)      # Gemma 4's global layers and KV sharing (attention_checks.py)
         bad = [i for i in range(self.num_layers) if self.layer_ropes and self.layer_rope(i).dim != (
             self.head_dim_of(i) if self.global_layers else self.rope.dim)]
         if bad:
@@ -216,32 +216,6 @@ class DecoderSpec:
             if self.num_kv_heads != self.num_heads or self.head_dim != self.mla.q_head_dim:
                 raise ValueError("a multi-head latent attention spec has num_kv_heads == num_heads and head_dim == "
                                  f"q_head_dim (got {self.num_kv_heads}, {self.head_dim})")
-
-    def _check_kv_sources(self) -> None:
-        bad = [(i, s) for i, s in enumerate(self.kv_sources) if s is not None and (
-            not 0 <= s < i or self.kv_source(s) is not None or self.is_global_layer(s) != self.is_global_layer(i)
-            or self.window(s) != self.window(i))]
-        if bad:
-            raise ValueError(f"kv_sources: layer i reuses the keys / values of an earlier layer of its own kind "
-                             f"that computes its own; got (layer, source) {bad}")
-        if self.kv_sources and (self.mla is not None or self.linear_attn is not None or self.layer_blocks
-                                or self.v4 is not None or self.qk_norm_whole):
-            raise ValueError("KV sharing is implemented for grouped-query attention layers only")
-
-    def _check_global_layers(self) -> None:
-        if self.global_k_eq_v and not self.global_layers:
-            raise ValueError("global_k_eq_v (K = V) applies to the layers of global_layers: none is given")
-        if not self.global_layers:
-            return
-        if self.mla is not None or self.linear_attn is not None or self.layer_blocks or self.qk_norm_whole \
-                or self.attn_output_gate or self.yarn is not None:
-            raise ValueError("a head shape per layer (global_layers) is implemented for plain grouped-query "
-                             "attention layers only")
-        if self.global_head_dim < 1 or self.global_kv_heads < 1 or \
-                any(not 0 <= i < self.num_layers for i in self.global_layers):
-            raise ValueError(f"global_layers={self.global_layers} needs global_head_dim ({self.global_head_dim}) "
-                             f"and global_kv_heads ({self.global_kv_heads}) >= 1 and layers in [0, "
-                             f"{self.num_layers})")
 
     def is_global_layer(self, layer: int) -> bool:
         """Whether global layer ``layer`` runs the global attention shape (``global_head_dim`` /
