@@ -106,7 +106,8 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     if chunks[0].dims.rank == 0:
         logger.info("build_model: %s %s, %s, attention %s%s", spec.architecture, task, chunks[0].dims.describe(),
                     chunks[0].attn_impl, f" (context parallel: {chunks[0].cp_attn})" if chunks[0].cp_attn else "")
-    kv_replica_group(spec.num_kv_heads)
+    for nkv in spec.kv_head_counts:      # created collectively, in the same order on every rank
+        kv_replica_group(nkv)
     agree_on_kernels(chunks)        # kernel choices differing across ranks: an error on every rank
     agree_on_mtp(spec)             # mtp=None decides per rank, from the directory that rank sees
     attach_main_grad_hooks(chunks)

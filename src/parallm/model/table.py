@@ -12,6 +12,8 @@ see :mod:`parallm.model.placement`):
     column   split along dim 0 (column-parallel output)
     row      split along dim 1 (row-parallel input)
     qkv      three HF tensors (q, k, v) fused per rank as [q_r; k_r; v_r] (KV heads replicated when nkv < tp)
+    qkv_global  the same for a layer of spec.global_layers (global_head_dim, global_kv_heads: Gemma 4)
+    qk_global   K = V on those layers (spec.global_k_eq_v): two HF tensors (q, k) fused per rank as [q_r; k_r]
     gate_up  two HF tensors (gate, up) fused per rank as [gate_r; up_r]
     gdn_conv a Gated DeltaNet's [q; k; v] channels (in one HF tensor) split by heads, per rank [q_r; k_r; v_r]
     gdn_in   a Gated DeltaNet's input projections fused per rank (Qwen3.5 [q_r; k_r; v_r; z_r; b_r; a_r],
@@ -40,7 +42,7 @@ import torch
 from .placement import placement_of
 from .spec import DecoderSpec
 
-KINDS = ("copy", "vocab", "column", "row", "qkv", "gate_up", "gdn_conv", "gdn_in", "mamba_in", "mamba_conv",
+KINDS = ("copy", "vocab", "column", "row", "qkv", "qkv_global", "qk_global", "gate_up", "gdn_conv", "gdn_in", "mamba_in", "mamba_conv",
          "kv_heads")
 # "mtp": a multi-token-prediction layer's own tensors ({l}: its index j among them, {i}: its HF layer index
 # num_layers + j), held by the chunk with post_process; the decoder layer inside it takes the "layer" rows
@@ -72,6 +74,11 @@ CONDITIONS = {
     "expert_bias": lambda spec, task, pp: spec.moe is not None and spec.moe.expert_bias,
     "attn_sinks": lambda spec, task, pp: spec.attn_sinks,
     "layer_scalar": lambda spec, task, pp: spec.layer_scalar,
+    # Gemma 4's K = V on its global layers (no v projection there) or not
+    "k_eq_v": lambda spec, task, pp: spec.global_k_eq_v,
+    "not_k_eq_v": lambda spec, task, pp: not spec.global_k_eq_v,
+    # Gemma 4's per-layer input embeddings (model/layers/per_layer_inputs.py)
+    "per_layer_inputs": lambda spec, task, pp: spec.per_layer_input_size > 0,
     # multi-head latent attention (DeepSeek-V3): with / without a q LoRA, the down-projections' bias
     "q_lora": lambda spec, task, pp: spec.mla is not None and spec.mla.q_lora_rank is not None,
     "no_q_lora": lambda spec, task, pp: spec.mla is not None and spec.mla.q_lora_rank is None,
@@ -107,6 +114,15 @@ LAYER_CONDITIONS = {
     "v4_compressed": lambda spec, layer: spec.v4 is not None and spec.v4.kind(layer) in ("csa", "hca"),
     "v4_csa": lambda spec, layer: spec.v4 is not None and spec.v4.kind(layer) == "csa",
     "v4_hca": lambda spec, layer: spec.v4 is not None and spec.v4.kind(layer) == "hca",
+    # Gemma 4: the full-attention layers with their own head shape (spec.global_layers) and the others
+    "global_attn": lambda spec, layer: spec.is_global_layer(layer),
+    "local_attn": lambda spec, layer: not spec.is_global_layer(layer),
+    # Gemma 4's KV sharing: the layers reusing an earlier layer's keys / values (q_proj only), the others; and the
+    # doubled MLP of the sharing layers (double_wide_mlp)
+    "kv_shared_layer": lambda spec, layer: spec.is_kv_shared(layer),
+    "kv_layer": lambda spec, layer: not spec.is_kv_shared(layer),
+    "wide_mlp": lambda spec, layer: spec.mlp_width(layer) != spec.intermediate_size,
+    "plain_mlp": lambda spec, layer: spec.mlp_width(layer) == spec.intermediate_size,
 }
 
 
