@@ -3,7 +3,8 @@
 Requests are JSON bodies validated by the SDK's own pydantic request types (``tinker.types``, which forbid
 unknown fields: a client whose protocol differs fails there with a message naming the field), except
 ``forward_backward``, which arrives as the SDK's protobuf (``tinker.proto.tinker_public_pb2``, zstd-compressed
-when the client was told to compress). Responses are JSON, except the two results the SDK only accepts as
+when the client was told to compress; a datum's provenance spans decoded as :class:`Span`\ s and checked by
+:mod:`.stability`). Responses are JSON, except the two results the SDK only accepts as
 protobuf: ``ForwardBackwardOutput`` and ``SampleResponse`` (the SDK asks with ``Accept: application/x-protobuf``).
 
 Errors have the SDK's shape: an HTTP error status with a JSON body ``{"error": message, "category": "user" |
@@ -22,8 +23,8 @@ import json
 
 import numpy as np
 
-__all__ = ["DEFAULT_MAX_BODY", "ApiError", "Datum", "FwdBwdRequest", "SDK_LINE", "Span", "check_sdk_version", "decode_forward_backward",
-           "encode_forward_backward_output", "encode_sample_response", "json_body", "parse", "proto_module",
+__all__ = ["DEFAULT_MAX_BODY", "ApiError", "Datum", "FwdBwdRequest", "SDK_LINE", "Span", "check_sdk_version",
+           "decode_forward_backward", "encode_forward_backward_output", "encode_sample_response", "json_body", "parse", "proto_module",
            "request_ids", "unzstd"]
 
 DEFAULT_MAX_BODY = 128 << 20      # bytes of one request body (parallm serve-tinker --max-body-mb)
