@@ -3,7 +3,7 @@
 Requests are JSON bodies validated by the SDK's own pydantic request types (``tinker.types``, which forbid
 unknown fields: a client whose protocol differs fails there with a message naming the field), except
 ``forward_backward``, which arrives as the SDK's protobuf (``tinker.proto.tinker_public_pb2``, zstd-compressed
-when the client was told to compress; a datum's provenance spans decoded as :class:`Span`\ s and checked by
+when the client was told to compress; a datum's provenance spans decoded as :class:`Span` runs and checked by
 :mod:`.stability`). Responses are JSON, except the two results the SDK only accepts as
 protobuf: ``ForwardBackwardOutput`` and ``SampleResponse`` (the SDK asks with ``Accept: application/x-protobuf``).
 
