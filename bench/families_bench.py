@@ -3,6 +3,7 @@ transformers. Not part of the test suite.
 
     python bench/families_bench.py                       # all three parts (about 10-15 min on one thread)
     python bench/families_bench.py --parts gemma4 kimi   # the steps only; --parts int4: the load only
+    python bench/families_bench.py --ct-path /tmp/ct     # the INT4 reference through compressed-tensors (below)
     python bench/families_bench.py --quick               # tiny shapes: checks that the script runs, measures nothing
 
 Steps (batch 2 x 1024, fp32, one thread, tp = pp = ep = 1): parallm.forward_backward against transformers'
@@ -26,14 +27,23 @@ that memory a step frees goes back to the system). Targets (issue 57): time <= 1
 INT4 load: the Kimi checkpoint with every routed expert in compressed-tensors' ``pack-quantized`` INT4 (Kimi's
 scheme: symmetric, group 32, bf16 scales, ``quantization_config`` in ``text_config``), everything else bf16, in
 ~200 MB shards; parallm's ``build_model`` + ``load_hf_weights`` of it (dequantised on load) against transformers'
-load. transformers loads such a checkpoint only through the ``compressed-tensors`` package, which is not
-installed here (not a parallm dependency; tests/test_kimi_k25_parts.py skips its comparison with it), so the
-reference is measured as two parts: transformers' ``from_pretrained`` of the dequantised checkpoint (bf16
-experts, what a dequantising load produces; no dequantisation work: a lower bound of its dequantising load) and
-the dequantisation itself (compressed-tensors' definition in torch, every expert read from the INT4 files); the
-ratio is reported against their sum and against the load alone. Each load runs in a fresh process (a first load
-untimed: imports, lazily imported modules, page cache; the second measured), best of ``--iters``
-processes, with the measured load's peak RSS (all it keeps: the model it built).
+load. transformers loads such a checkpoint only through the ``compressed-tensors`` package, which is not in
+.venv (not a parallm dependency; tests/test_kimi_k25_parts.py skips its comparison with it, and
+tests/test_kimi_k25.py runs transformers on a dequantised copy). So:
+
+* with ``--ct-path DIR`` (or compressed-tensors importable): the reference is transformers' own dequantising
+  load, ``from_pretrained`` of the INT4 directory (checked 2026-12-07 with compressed-tensors 0.20.0 put in a
+  folder by ``pip install --target DIR --no-deps compressed-tensors==0.20.0 loguru``, pydantic from .venv: every
+  language-model tensor equal to the dequantised reference, nothing missing; the ignore list needs transformers'
+  module names for the tower, ``re:.*vision_tower.*``, else compressed-tensors quantizes the tower's Linears and
+  leaves them random);
+* always, a two-part stand-in: transformers' ``from_pretrained`` of the dequantised checkpoint (bf16 experts,
+  what a dequantising load produces; no dequantisation work: a lower bound) and the dequantisation itself
+  (compressed-tensors' definition in torch, every expert read from the INT4 files); the ratio against their sum
+  is the target row when compressed-tensors is absent.
+
+Each load runs in a fresh process (a first load untimed: imports, lazily imported modules, page cache; the second
+measured), best of ``--iters`` processes, with the measured load's peak RSS (all it keeps: the model it built).
 """
 
 from __future__ import annotations
@@ -68,7 +78,9 @@ VISION = dict(patch_size=14, pos_emb_height=16, pos_emb_width=16, pos_emb_time=4
 GROUP = 32
 EXPERT = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
-          "re:vision_tower.*", "re:mm_projector.*"]
+          "re:vision_tower.*", "re:mm_projector.*", "re:.*vision_tower.*", "re:.*mm_projector.*"]
+# the last two: transformers' module names of the tower (model.vision_tower...), which compressed-tensors matches
+# the ignore list against; without them it replaces the tower's Linears by quantized ones and loads them random
 
 
 # -- compressed-tensors pack-quantized INT4 (symmetric), from its definition --------------------------------------
@@ -265,7 +277,7 @@ def run_load(side: str, path: str) -> dict:
             chunks = parallm.build_model(path)
             parallm.load_hf_weights(chunks, path)
             return chunks
-    elif side == "transformers":
+    elif side in ("transformers", "transformers-int4"):   # the latter: through compressed-tensors
         import transformers
 
         def load():
@@ -298,6 +310,8 @@ def run_load(side: str, path: str) -> dict:
 
 def child(args, *extra) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if args.ct_path:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (args.ct_path, env.get("PYTHONPATH")) if p)
     if "--memory-only" in extra or "--load" in extra or args.quick:
         env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
     cmd = [sys.executable, os.path.abspath(__file__), "--iters", str(args.iters)] + (["--quick"] if args.quick else [])
@@ -320,23 +334,43 @@ def steps_rows(model: str, args) -> list:
              f"{m['parallm'] / max(m['transformers'], 1e-9):.2f}", "<= 1.0")]
 
 
+def compressed_tensors_at(ct_path: str | None) -> str | None:
+    """Where the children will import compressed-tensors from (``ct_path`` first, as their PYTHONPATH), or None."""
+    import importlib.machinery
+    spec = importlib.machinery.PathFinder.find_spec("compressed_tensors", ([ct_path] if ct_path else []) + sys.path)
+    return spec.origin if spec else None
+
+
 def load_rows(args) -> list:
     root = tempfile.mkdtemp(prefix="families-bench-int4-")
     int4, deq = kimi_checkpoints(KIMI_QUICK if args.quick else KIMI, root)
     size = {d: sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d)) / 2**20 for d in (int4, deq)}
-    runs = (("parallm", int4), ("transformers", deq), ("dequantise", int4))
+    ct = compressed_tensors_at(args.ct_path)
+    runs = [("parallm", int4), ("transformers", deq), ("dequantise", int4)]
+    if ct:
+        runs.append(("transformers-int4", int4))
     best = {side: min((child(args, "--load", side, path) for _ in range(args.iters)), key=lambda r: r["s"])
             for side, path in runs}
     pl, hf, dq = best["parallm"], best["transformers"], best["dequantise"]
-    print(f"  int4: checkpoint {size[int4]:.0f} MiB INT4 experts, {size[deq]:.0f} MiB dequantised", flush=True)
-    return [("INT4 load: parallm / (transformers' load of the dequantised + the dequantisation)",
-             f"{pl['s']:.2f} s / ({hf['s']:.2f} + {dq['s']:.2f}) s", f"{pl['s'] / (hf['s'] + dq['s']):.2f}",
-             "<= 1.0"),
-            ("INT4 load: parallm / transformers' load of the dequantised alone (a lower bound)",
-             f"{pl['s']:.2f} s / {hf['s']:.2f} s", f"{pl['s'] / hf['s']:.2f}", "report"),
-            ("INT4 load peak RSS: parallm / transformers (dequantised)",
-             f"{pl['peak_mib']:.0f} MiB / {hf['peak_mib']:.0f} MiB", f"{pl['peak_mib'] / max(hf['peak_mib'], 1e-9):.2f}",
-             "report")]
+    print(f"  int4: checkpoint {size[int4]:.0f} MiB INT4 experts, {size[deq]:.0f} MiB dequantised; "
+          f"compressed-tensors {ct or 'not importable: the reference is the two-part stand-in'}", flush=True)
+    rows = []
+    if ct:
+        ref = best["transformers-int4"]
+        rows += [("INT4 load: parallm / transformers' dequantising load (compressed-tensors)",
+                  f"{pl['s']:.2f} s / {ref['s']:.2f} s", f"{pl['s'] / ref['s']:.2f}", "<= 1.0"),
+                 ("INT4 load peak RSS: parallm / transformers (compressed-tensors)",
+                  f"{pl['peak_mib']:.0f} MiB / {ref['peak_mib']:.0f} MiB",
+                  f"{pl['peak_mib'] / max(ref['peak_mib'], 1e-9):.2f}", "report")]
+    return rows + [
+        ("INT4 load: parallm / (transformers' load of the dequantised + the dequantisation)",
+         f"{pl['s']:.2f} s / ({hf['s']:.2f} + {dq['s']:.2f}) s", f"{pl['s'] / (hf['s'] + dq['s']):.2f}",
+         "report" if ct else "<= 1.0"),
+        ("INT4 load: parallm / transformers' load of the dequantised alone (a lower bound)",
+         f"{pl['s']:.2f} s / {hf['s']:.2f} s", f"{pl['s'] / hf['s']:.2f}", "report"),
+        ("INT4 load peak RSS: parallm / transformers (dequantised)",
+         f"{pl['peak_mib']:.0f} MiB / {hf['peak_mib']:.0f} MiB",
+         f"{pl['peak_mib'] / max(hf['peak_mib'], 1e-9):.2f}", "report")]
 
 
 def main(argv=None):
@@ -346,6 +380,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="tiny shapes, 2 x 64: checks the script runs")
+    ap.add_argument("--ct-path", help="a folder holding the compressed-tensors package (and loguru), put on the "
+                    "children's PYTHONPATH: transformers' own dequantising INT4 load becomes the reference")
     ap.add_argument("--steps", choices=("gemma4", "kimi"), help=argparse.SUPPRESS)
     ap.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--load", nargs=2, metavar=("SIDE", "PATH"), help=argparse.SUPPRESS)

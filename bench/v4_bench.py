@@ -231,7 +231,8 @@ def main(argv=None):
                 need, have = sum(estimate_ref_bytes(shapes, args.pattern, s)) + 2**30, mem_available()
                 if need > have:
                     skipped[s] = f"skipped: needs ~{need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB available"
-                    print(f"transformers at S = {s}: {skipped[s]} (--force-ref runs it; --heads 4 halves it)", flush=True)
+                    print(f"transformers at S = {s}: {skipped[s]} (--force-ref runs it; --heads 4 halves it)",
+                          flush=True)
                     continue
             got, why = run_one(path, s, args, env)
             if got is None:
