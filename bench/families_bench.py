@@ -52,6 +52,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -226,7 +227,7 @@ def step_pair(model: str, args):
             c.zero_grad(set_to_none=True)
         losses["parallm"].append(float(parallm.forward_backward(chunks, ids, mask, loss_fn=ce_loss)))
 
-    return hf_step, pl_step, losses, chunks
+    return hf_step, pl_step, losses, chunks, (ckpt if model == "gemma4" else root)
 
 
 def run_steps(model: str, args) -> dict:
@@ -238,7 +239,8 @@ def run_steps(model: str, args) -> dict:
 
     import parallm
     torch.set_num_threads(1)
-    hf_step, pl_step, losses, chunks = step_pair(model, args)
+    hf_step, pl_step, losses, chunks, tmp = step_pair(model, args)
+    shutil.rmtree(tmp, ignore_errors=True)      # both models are in memory
     out = {}
     if args.memory_only or args.quick:
         hf_step()               # each side's gradients exist before its measured step, as in the timed rounds
@@ -314,7 +316,8 @@ def child(args, *extra) -> dict:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (args.ct_path, env.get("PYTHONPATH")) if p)
     if "--memory-only" in extra or "--load" in extra or args.quick:
         env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
-    cmd = [sys.executable, os.path.abspath(__file__), "--iters", str(args.iters)] + (["--quick"] if args.quick else [])
+    cmd = [sys.executable, os.path.abspath(__file__), "--iters", str(args.iters), "--seq", str(args.seq),
+           "--batch", str(args.batch)] + (["--quick"] if args.quick else [])
     out = subprocess.run(cmd + list(extra), env=env, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{' '.join(extra)} failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
@@ -351,6 +354,7 @@ def load_rows(args) -> list:
         runs.append(("transformers-int4", int4))
     best = {side: min((child(args, "--load", side, path) for _ in range(args.iters)), key=lambda r: r["s"])
             for side, path in runs}
+    shutil.rmtree(root, ignore_errors=True)
     pl, hf, dq = best["parallm"], best["transformers"], best["dequantise"]
     print(f"  int4: checkpoint {size[int4]:.0f} MiB INT4 experts, {size[deq]:.0f} MiB dequantised; "
           f"compressed-tensors {ct or 'not importable: the reference is the two-part stand-in'}", flush=True)

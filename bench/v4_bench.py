@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -241,6 +242,7 @@ def main(argv=None):
                 continue
             by[(path, s)] = got
             print(f"  {path} S = {s}: peak {got['peak_mib']:.0f} MiB, {got['s_best']:.2f} s", flush=True)
+    shutil.rmtree(args.ckpt, ignore_errors=True)
     report(args, shapes, seqs, by, skipped, load)
 
 
