@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 VLLM_TESTS=(tests/test_vllm.py tests/test_vllm_device.py tests/test_vllm_source.py tests/test_vllm_remote.py
             tests/test_vllm_remote_moe.py tests/test_vllm_grpo_serve.py tests/test_vllm_hybrid.py
             tests/test_vllm_lora.py tests/test_vllm_prefix_cache.py tests/test_vllm_serve_lifetime.py
-            tests/test_vllm_gpt_oss.py tests/test_vllm_nemotron_h.py)
+            tests/test_vllm_gpt_oss.py tests/test_vllm_nemotron_h.py tests/test_vllm_deepseek_v4.py)
 VLLM_VENV=${PARALLM_VLLM_VENV:-.venv-vllm}      # where scripts/setup_vllm.sh puts it
 with_vllm=${PARALLM_TEST_VLLM:-1}
 VERL_TESTS=(tests/test_verl.py tests/test_verl_sft.py tests/test_verl_config.py)
