@@ -18,7 +18,8 @@ import weakref
 import torch
 
 from ...checkpoint.lora_io import export_adapter_tensors, peft_config_dict, write_peft_dir
-from ...model.layers.lora import global_entries, lora_config_of, merged_weights
+from ...model.layers.lora import global_entries, lora_config_of
+from ...model.layers.lora_merge import merged_weights
 from ...parallel.errors import gather_objects, run_local
 from ...parallel.state import as_chunks, dims_of, require_initialized
 from .client import Connection
