@@ -1,8 +1,8 @@
 """Model families parallm's vLLM integration refuses, with the reason, before an engine starts or a tensor moves
 (rather than failing obscurely inside vLLM or in the name check of a push).
 
-DeepSeek-V4 (``DeepseekV4ForCausalLM``), measured with vLLM 0.32's CPU build (docs/families.md, "DeepSeek-V4:
-vLLM"): vLLM registers the architecture and, for a checkpoint shaped as its CPU kernels require (``head_dim``
+DeepSeek-V4 (``DeepseekV4ForCausalLM``), measured with vLLM 0.32's CPU build (docs/deepseek_v4.md, "vLLM"):
+vLLM registers the architecture and, for a checkpoint shaped as its CPU kernels require (``head_dim``
 512, ``index_head_dim`` 128, a 64-channel RoPE, Hub tensor names, ``topk_method: noaux_tc``), builds the model and
 loads its weights; its first forward then fails in the sparse sliding-window attention's metadata
 (``vllm/v1/attention/ops/metadata.py``, ``compute_token_to_req_indices``), which launches a Triton kernel: the
@@ -22,7 +22,7 @@ DEEPSEEK_V4_REASON = (
     "fails in the sparse sliding-window attention's metadata (vllm/v1/attention/ops/metadata.py, "
     "compute_token_to_req_indices launches a Triton kernel; the CPU build has no Triton CPU backend: "
     "\"TypeError: 'function' object is not subscriptable\"); pushes into GPU builds are untested and parallm exports "
-    "transformers' tensor names, not the Hub names vLLM's V4 loader reads (docs/families.md)")
+    "transformers' tensor names, not the Hub names vLLM's V4 loader reads (docs/deepseek_v4.md)")
 
 _REFUSED = {"deepseek_v4": DEEPSEEK_V4_REASON}
 _ARCHITECTURES = {"DeepseekV4ForCausalLM": "deepseek_v4", "DeepseekV4Model": "deepseek_v4"}
