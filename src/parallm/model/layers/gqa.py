@@ -104,7 +104,7 @@ class Attention(nn.Module):
         s, b, _ = qkv.shape
         hq, hkv, d = self.num_heads_local, self.num_kv_local, self.head_dim
         nq = 2 * hq if self.gated else hq                   # gated: query heads interleaved with their gates
-        heads = qkv.view(s, b, -1, d)            # [q_r; k_r; v_r] (K = V: [q_r; k_r]) as heads: views, no copies
+        heads = qkv.view(s, b, qkv.shape[-1] // d, d)     # [q_r; k_r; v_r] (K = V: [q_r; k_r]) as heads: views
         q = heads[:, :, :nq:nq // hq]
         if self.kv_source is not None:       # KV sharing: only the queries are this layer's
             return self._attend(self._queries(q, cos, sin), *kv_sharing.take(
