@@ -94,8 +94,9 @@ def preflight(args) -> str:
     directory, found = _model(args)
     _experts(args, found["spec"])
     _tokenizer(directory)
-    if (getattr(args, "engines", 1) > 1 or getattr(args, "engine_tp", 1) > 1) and args.sampler not in ("vllm", "auto"):
-        _fail(f"--engines {args.engines} / --engine-tp {args.engine_tp} are vLLM engines: they need --sampler vllm "
+    if (getattr(args, "engines", 1) > 1 or getattr(args, "engine_tp", 1) > 1 or getattr(args, "full_engine", False)) \
+            and args.sampler not in ("vllm", "auto"):
+        _fail(f"--engines / --engine-tp / --full-engine are vLLM engines: they need --sampler vllm "
               f"(this launch: --sampler {args.sampler})")
     if args.sampler == "vllm":
         try:

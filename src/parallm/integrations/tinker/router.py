@@ -14,6 +14,11 @@ parallelism, ``--engine-tp``). The router sends every sampling request to one en
   (vLLM keeps no state a retry could resume from), its sessions move to the other engines at their next request,
   and the others keep serving. With no engine left every request fails at once saying so.
 
+A full-fine-tuning client's snapshots (``--full-engine``): one more engine, without LoRA and outside the
+rotation, whose weights parallm pushes (``push_weights`` over ``parallm_shm``, :mod:`.sampling_routes`); it
+serves the newest pushed snapshot only (a sampling client of an older one is refused, it would get other
+weights), and its requests go nowhere else.
+
 Sampler snapshots reach every live engine: a snapshot is loaded into each one as it is saved
 (:meth:`preload`, in the background; an engine also loads it on first use), and unloaded from each when
 it is released.
@@ -24,9 +29,11 @@ from __future__ import annotations
 import logging
 import threading
 
-from .sampling import SampleJob, SamplerDead
+from .sampling import SampleInputError, SampleJob, SamplerDead
 
-__all__ = ["EngineRouter"]
+__all__ = ["EngineRouter", "FULL_PUSH"]
+
+FULL_PUSH = "parallm-full-push:"      # a pushed full snapshot's handle (no directory): FULL_PUSH + model id + count
 
 log = logging.getLogger("parallm.tinker")
 
@@ -35,10 +42,12 @@ class EngineRouter:
     """``engines``: objects with ``sample(job)``, ``wait()``, ``state()``, ``close()``, ``release(dir)``,
     ``preload(dir)``, ``alive()``, ``pid()``, ``url`` (:class:`~.sampling.VllmSampler`)."""
 
-    def __init__(self, engines: list, *, watch_interval: float = 0.5):
+    def __init__(self, engines: list, *, watch_interval: float = 0.5, full_engine=None):
         if not engines:
             raise ValueError("EngineRouter: at least one engine")
         self.engines = list(engines)
+        self.full_engine = full_engine               # the pushed engine (--full-engine), or None
+        self.full_current: str | None = None         # the FULL_PUSH handle it holds now
         self.lock = threading.Lock()
         self.inflight = [0] * len(engines)
         self.served = [0] * len(engines)
@@ -62,11 +71,14 @@ class EngineRouter:
     def pids(self) -> list[int]:
         return [e.pid() for e in self.engines]
 
+    def _all(self) -> list:
+        return self.engines + ([self.full_engine] if self.full_engine is not None else [])
+
     def state(self) -> str:
-        states = [e.state() for e in self.engines]
+        states = [e.state() for e in self._all()]
         if any(s == "starting" for s in states):
             return "starting"
-        live = [i for i, s in enumerate(states) if s == "ready" and i not in self.out]
+        live = [i for i, s in enumerate(states[:len(self.engines)]) if s == "ready" and i not in self.out]
         if live:
             return "ready"
         return f"failed: every engine failed ({'; '.join(self._why(i, s) for i, s in enumerate(states))})"
@@ -82,13 +94,13 @@ class EngineRouter:
                      "sessions": self.assigned[i]} for i, e in enumerate(self.engines)]
 
     def wait(self) -> str:
-        for e in self.engines:
+        for e in self._all():
             e.wait()
         return self.state()
 
     def close(self) -> None:
         self._stop.set()
-        for e in self.engines:
+        for e in self._all():
             e.close()
 
     # -- routing ----------------------------------------------------------------------------------------------------
@@ -130,6 +142,8 @@ class EngineRouter:
             self.served[i] += 1
 
     def sample(self, job: SampleJob):
+        if job.adapter_dir is not None and job.adapter_dir.startswith(FULL_PUSH):
+            return self._sample_full(job)
         key = job.session or (f"dir:{job.adapter_dir}" if job.adapter_dir else "base")
         i = self.pick(key)
         try:
@@ -143,6 +157,14 @@ class EngineRouter:
                               "engine(s) keep serving: send the request again") from None
         finally:
             self.done(i)
+
+    def _sample_full(self, job: SampleJob):
+        if self.full_engine is None or job.adapter_dir != self.full_current:
+            raise SampleInputError("this full-fine-tuning snapshot is no longer on the engine (a newer one was "
+                                   "pushed, or its client was unloaded): the engine holds one snapshot, the "
+                                   "newest: create a new sampling client")
+        job = SampleJob(**{**job.__dict__, "adapter_dir": None})
+        return self.full_engine.sample(job)
 
     # -- snapshots reach every live engine ----------------------------------------------------------------------------
     def preload(self, adapter_dir: str) -> None:

@@ -115,17 +115,19 @@ class VllmSampler:
 
     def __init__(self, model_dir: str, *, lora_rank: int, max_model_len: int, max_loras: int = 4,
                  timeout: float = 600.0, python: str | None = None, head: dict | None = None,
-                 tensor_parallel_size: int = 1, head_support: HeadSupport | None = None):
+                 tensor_parallel_size: int = 1, head_support: HeadSupport | None = None, pushed: bool = False):
         from ..vllm import serve
         self.max_model_len, self.timeout = max_model_len, timeout
         self.name = "base"
-        args = ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", str(max_loras),
-                "--generation-config", "vllm", "--served-model-name", self.name, "--max-logprobs", str(TOPK_MAX)]
+        # pushed: an engine without LoRA whose weights parallm pushes (push_weights: the full-fine-tuning client's
+        # snapshots, router.py); its weight-transfer routes need vLLM's development mode
+        args = ([] if pushed else ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", str(max_loras)])
+        args += ["--generation-config", "vllm", "--served-model-name", self.name, "--max-logprobs", str(TOPK_MAX)]
         self.key = secrets.token_urlsafe(32)       # this engine's own key: no unauthenticated side door
         env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_API_KEY": self.key}
         self.server = serve(model_dir, max_model_len=max_model_len, args=args, env=env, python=python, wait=False,
-                            dev_mode=False, tensor_parallel_size=tensor_parallel_size)
+                            dev_mode=pushed, tensor_parallel_size=tensor_parallel_size)
         self.url = self.server.url
         # the model holds head adapters: {"arch", "zero_adapter"} (engine_adapters.py: what the engine is given)
         self.head = head

@@ -20,6 +20,7 @@ from . import protocol
 from .protocol import ApiError
 from .sampling import TOPK_MAX, SampleInputError, SampleJob, SamplerDead
 from .full import is_full_snapshot
+from .router import FULL_PUSH
 from .service import _types
 
 __all__ = ["SamplingRoutes"]
@@ -62,6 +63,28 @@ class SamplingRoutes:
         return self.job("save_weights_for_sampler", item, result, model_id=rec.model_id, seq_id=req.seq_id,
                         error=error, on_error=lambda: self.drop_from_memory(version))
 
+    def push_full(self, rec, req, *, error=None) -> dict:
+        """The ephemeral save of a full-fine-tuning client with ``--full-engine``: its weights pushed into that
+        engine (``push_weights`` over a ``parallm_shm`` connection, collective over the trainer ranks), nothing
+        written; the sampling session names the push (:data:`.router.FULL_PUSH`), which stays sampleable until
+        the next push."""
+        engine = self.sampler.full_engine
+        state = engine.wait()
+        if state != "ready" and error is None:
+            error = f"save_weights_for_sampler: the full-fine-tuning engine is not usable ({state})"
+        with self.lock:
+            self._full_pushes = getattr(self, "_full_pushes", 0) + 1
+            handle = f"{FULL_PUSH}{rec.model_id}:{self._full_pushes}"
+        self.sampler.full_current = None          # sessions of the snapshot it held are refused from now on
+        item = {"op": "push_full", "args": {"model_id": rec.model_id, "url": engine.url}}
+
+        def result(v):
+            self.sampler.full_current = handle
+            sid = self.new_sampling_session(rec.session_id, req.sampling_session_seq_id, None, handle)
+            return ("json", {"path": None, "sampling_session_id": sid, "type": "save_weights_for_sampler"})
+        return self.job("save_weights_for_sampler", item, result, model_id=rec.model_id, seq_id=req.seq_id,
+                        error=error)
+
     def keep_in_memory(self, model_id: str, directory: str) -> None:
         with self.lock:
             mine = self.__dict__.setdefault("memory_snapshots", {}).setdefault(model_id, [])
@@ -100,7 +123,9 @@ class SamplingRoutes:
             raise ApiError(400, f"{name or 'this snapshot'} holds a full-fine-tuning client's weights (a Hugging "
                                 f"Face checkpoint at {directory}); this server's {type(self.sampler).__name__} "
                                 "samples LoRA snapshots and the base only: start the server with --sampler parallm, "
-                                "or serve the directory with vLLM (vllm serve <directory>)")
+                                "or with --full-engine and sample an ephemeral snapshot "
+                                "(save_weights_and_get_sampling_client: pushed into that engine), or serve the "
+                                "directory with vLLM (vllm serve <directory>)")
 
     def route_get_sampler(self, body, sampler_id):
         s = self.samplers.get(sampler_id)
@@ -113,6 +138,8 @@ class SamplingRoutes:
             s = self.samplers.get(req.sampling_session_id)
             if s is None:
                 raise ApiError(404, f"unknown sampling session {req.sampling_session_id!r}")
+            if s["adapter_dir"] is not None and s["adapter_dir"].startswith(FULL_PUSH):
+                return s["adapter_dir"]             # the router refuses it once a newer push replaced it
             if s["adapter_dir"] is not None and not os.path.isdir(s["adapter_dir"]):
                 raise ApiError(404, f"the snapshot sampling session {req.sampling_session_id} was created from "
                                     f"({s['model_path'] or 'an unnamed snapshot'}) is gone: saved again under the "

@@ -118,7 +118,11 @@ def _engines(args, directory, config, facts):
                            timeout=args.sampler_timeout, head=head, head_support=support,
                            tensor_parallel_size=getattr(args, "engine_tp", 1))
                for _ in range(getattr(args, "engines", 1))]
-    return EngineRouter(engines)
+    full = None
+    if getattr(args, "full_engine", False):
+        full = VllmSampler(directory, lora_rank=0, max_model_len=config["max_context"], timeout=args.sampler_timeout,
+                           tensor_parallel_size=getattr(args, "engine_tp", 1), pushed=True)
+    return EngineRouter(engines, full_engine=full)
 
 
 def _memory_root(args, sampler) -> str | None:
@@ -158,7 +162,7 @@ def _announce(args, url: str, sampler) -> None:
             "sampler_pid": sampler.pid() if hasattr(sampler, "pid") else None,
             "sampler_url": (getattr(sampler, "url", None) or [None])[0],     # engine 0's; each takes its own key
             "engine_urls": getattr(sampler, "url", None), "engine_pids": sampler.pids() if hasattr(sampler, "pids")
-            else None,
+            else None, "full_engine_url": getattr(getattr(sampler, "full_engine", None), "url", None),
             "sampler": sampler.state() if sampler is not None else "none"}
     info["sampler_ready"] = info["sampler"] in ("ready", "none")
     if args.ready_file:
