@@ -86,13 +86,6 @@ class EngineRouter:
     def _why(self, i: int, state: str) -> str:
         return f"engine {i}: {self.out.get(i) or state}".splitlines()[0]
 
-    def describe(self) -> list[dict]:
-        """Per engine: its url, pid, state, requests in flight, requests served, sessions stuck to it."""
-        with self.lock:
-            return [{"url": e.url, "pid": e.pid(), "state": "out: " + self.out[i].splitlines()[0] if i in self.out
-                     else e.state(), "inflight": self.inflight[i], "served": self.served[i],
-                     "sessions": self.assigned[i]} for i, e in enumerate(self.engines)]
-
     def wait(self) -> str:
         for e in self._all():
             e.wait()
