@@ -26,7 +26,8 @@ VERL_TESTS=(tests/test_verl.py tests/test_verl_sft.py tests/test_verl_config.py)
 VERL_VENV=${PARALLM_VERL_VENV:-.venv-verl}      # where scripts/setup_verl.sh puts it
 with_verl=${PARALLM_TEST_VERL:-1}
 TINKER_TESTS=(tests/test_tinker.py tests/test_tinker_full.py tests/test_tinker_layouts.py tests/test_tinker_ranks.py tests/test_tinker_vllm.py
-              tests/test_tinker_hostile.py tests/test_tinker_operations.py tests/test_tinker_push.py)
+              tests/test_tinker_hostile.py tests/test_tinker_operations.py tests/test_tinker_stability.py
+              tests/test_tinker_push.py)
 TINKER_VENV=${PARALLM_TINKER_VENV:-.venv-tinker}  # where scripts/setup_tinker.sh puts it
 with_tinker=${PARALLM_TEST_TINKER:-1}
 KERNEL_TESTS=(tests/test_kernels_interpreted.py)

@@ -81,7 +81,7 @@ def _reference_costs(model, spec, task):
 ])
 def test_forward_costs_count_what_transformers_builds(family, overrides, task):
     from parallm.families import spec_from_config
-    from parallm.model.table import forward_costs
+    from parallm.model.stage_costs import forward_costs
     cfg = helpers.tiny_config(family, **overrides)
     spec, fam = spec_from_config(cfg)
     model = helpers.make_hf_model(cfg, seed=0, task=task)
@@ -135,7 +135,7 @@ def test_forward_costs_of_deepseek_v3_latent_attention_and_dense_first_layer():
     from test_deepseek_parts import deepseek_config
 
     from parallm.families import spec_from_config
-    from parallm.model.table import forward_costs
+    from parallm.model.stage_costs import forward_costs
     cfg = deepseek_config(num_hidden_layers=3)
     spec, fam = spec_from_config(cfg)
     model = helpers.make_hf_model(cfg, seed=0)

@@ -7,10 +7,13 @@ softmax scale 1, the values' RMSNorm, sandwich norms, q / k norms, soft-cap 0.5,
 weight and each layer's ``layer_scalar`` non-trivial (the scalars U(0.5, 1.5): transformers' are ones; q / k norm
 gains around 0.5).
 
-Without a process group: config -> spec, the refusals by name (per-layer embeddings, KV sharing, K = V, the global
-head dim, the MoE block, bidirectional attention), the table against ``save_pretrained``'s names. One 2-rank spawn:
+The full layers have their own attention shape (``per_layer_config``: head dim 32 over 1 KV head, the sliding
+layers 16 over 2; their proportional RoPE over 32).
+
+Without a process group: config -> spec, the refusals by name (per-layer embeddings of their own vocabulary, KV sharing without a source, a sliding
+layer of another shape, two global shapes, the MoE block, bidirectional attention), the table against ``save_pretrained``'s names. One 2-rank spawn:
 tp2 padded, tp2 packed + SP (a step on log-probs + entropy), pp2 mb2, cp2 packed. Breaks at tp2 and pp2, each must
-move the logits: the attention's output norm skipped, every layer on the full layers' RoPE, the cap off, the layer
+move the logits: the attention's output norm skipped, every layer on the sliding layers' RoPE, the cap off, the layer
 scalar ignored, no v_norm.
 """
 
@@ -29,8 +32,10 @@ from test_gemma4_pieces import rl_loss, stats_of, stats_of_grad
 LR = 0.5
 TOL = 2e-5
 SEQ = 12
+GLOBAL = {"head_dim": 32, "num_key_value_heads": 1}     # the full layers' own attention shape
 GEMMA4 = dict(hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=16, global_head_dim=16, hidden_size_per_layer_input=0, vocab_size=101, sliding_window=4,
+              head_dim=16, hidden_size_per_layer_input=0,
+              per_layer_config={1: GLOBAL, 3: GLOBAL}, vocab_size=101, sliding_window=4,
               final_logit_softcapping=0.5,
               layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
               rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
@@ -71,6 +76,8 @@ def test_config_table_and_refusals(tmp_path):
     assert spec.norm_pow and spec.v_norm and spec.layer_scalar and spec.attn_scale == 1.0
     assert spec.layer_windows == (4, None, 4, None) and spec.tie_word_embeddings and spec.pad_token_id == 0
     assert spec.rope.kind == "proportional" and spec.rope.proportion == 0.25 and spec.rope.theta == 1e6
+    assert spec.global_layers == (1, 3) and spec.global_head_dim == 32 and spec.global_kv_heads == 1
+    assert spec.rope.dim == 32 and spec.layer_rope(0).dim == 16 and spec.head_dim == 16 and spec.num_kv_heads == 2
     assert [spec.layer_rope(i).kind for i in range(4)] == ["default", "proportional"] * 2
     assert spec.embed_scale == 8.0 and spec.final_logit_softcap == 0.5 and spec.hidden_act == "gelu_pytorch_tanh"
     assert spec.architecture == "Gemma4ForCausalLM" and spec.model_type == "gemma4_text"
@@ -78,10 +85,12 @@ def test_config_table_and_refusals(tmp_path):
     shapes = expected_hf_shapes(family.table, spec, task="causal_lm", pp=1)
     assert set(shapes) == set(hub), sorted(set(shapes) ^ set(hub))[:6]
     assert all(tuple(hub[k].shape) == s for k, s in shapes.items())
-    for bad, match in ((dict(hidden_size_per_layer_input=8), "hidden_size_per_layer_input"),
-                       (dict(num_kv_shared_layers=2), "num_kv_shared_layers"),
-                       (dict(attention_k_eq_v=True), "attention_k_eq_v"),
-                       (dict(global_head_dim=32), "global_head_dim=32"),
+    for bad, match in ((dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=50),
+                        "vocab_size_per_layer_input"),
+                       (dict(num_kv_shared_layers=3), "layer 1 .full_attention. has no earlier"),
+                       (dict(per_layer_config={0: GLOBAL}), "layer 0 .sliding_attention."),
+                       (dict(per_layer_config={1: GLOBAL, 3: {"head_dim": 64}}), "one global shape"),
+                       (dict(per_layer_config={1: GLOBAL}), "one global shape"),
                        (dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16),
                         "enable_moe_block"),
                        (dict(use_bidirectional_attention="all"), "use_bidirectional_attention")):
@@ -90,9 +99,15 @@ def test_config_table_and_refusals(tmp_path):
     # a config.json without per_layer_config / global_head_dim: transformers' default global_head_dim is 512
     raw = gemma4_config().to_dict()
     raw.pop("per_layer_config")
-    with pytest.raises(ValueError, match="global_head_dim=512"):
-        spec_from_config(raw)
-    assert spec_from_config(dict(raw, global_head_dim=16))[0].head_dim == 16
+    assert spec_from_config(raw)[0].global_head_dim == 512
+    assert spec_from_config(dict(raw, global_head_dim=16))[0].global_layers == ()     # one shape: plain rows
+    same = spec_from_config(dict(raw, global_head_dim=32, num_global_key_value_heads=1))[0]
+    assert (same.global_layers, same.global_head_dim, same.global_kv_heads) == ((1, 3), 32, 2)   # no K = V: 2
+    with pytest.raises(ValueError, match="num_global_key_value_heads=3 is not divisible by tp=2"):
+        from parallm.model.spec import check_tp
+        check_tp(spec_from_config(dict(gemma4_config().to_dict(), per_layer_config={
+            "1": {"head_dim": 32, "num_key_value_heads": 3}, "3": {"head_dim": 32, "num_key_value_heads": 3}},
+            num_key_value_heads=4))[0], 2)
 
 
 # -- distributed -----------------------------------------------------------------------------------------------
@@ -162,7 +177,7 @@ def _breaks(chunks, case) -> dict:
             if key == "attn_out_norm":
                 m.attn_out_norm = torch.nn.Identity()
             elif key == "rope":
-                m.rope = spec.rope                  # every layer on the full layers' RoPE
+                m.rope = spec.layer_rope(0)         # every layer on the sliding layers' RoPE
             elif key == "layer_scalar":
                 m.layer_scalar = torch.nn.Parameter(torch.ones_like(scalar), requires_grad=False)
             elif key == "v_norm":

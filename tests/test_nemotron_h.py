@@ -224,7 +224,7 @@ def test_balanced_split_costs_the_block_kinds():
 
     from parallm.api import balanced_layers_per_stage
     from parallm.families import spec_from_config
-    from parallm.model.table import balance_costs, forward_costs, mixing_costs
+    from parallm.model.stage_costs import balance_costs, forward_costs, mixing_costs
     from parallm.parallel.stages import balanced_sizes
     pattern = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
     cfg = nemotron_config(pattern, hidden_size=2688, mamba_num_heads=64, mamba_head_dim=64, n_groups=8,

@@ -651,7 +651,7 @@ def test_balanced_split_costs_the_two_layer_kinds():
     from the split that equal layer costs give (or the weights alone), and its dearest stage is cheaper."""
     from parallm.api import balanced_layers_per_stage
     from parallm.families import spec_from_config
-    from parallm.model.table import balance_costs, forward_costs, mixing_costs
+    from parallm.model.stage_costs import balance_costs, forward_costs, mixing_costs
     from parallm.parallel.stages import balanced_sizes
     lin, full = "linear_attention", "full_attention"
     types = [lin, lin, lin, full] * 2 + [lin, full, full, full]

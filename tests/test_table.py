@@ -135,9 +135,9 @@ def test_family_tables_are_well_formed():
                 assert "{l}" in row.local and all("{i}" in h for h in row.hf)
             else:
                 assert "{l}" not in row.local and all("{i}" not in h for h in row.hf)
-            if row.kind == "qkv":
+            if row.kind in ("qkv", "qkv_global"):
                 assert len(row.hf) == 3
-            elif row.kind == "gate_up":
+            elif row.kind in ("gate_up", "qk_global"):     # qk_global: Gemma 4's K = V (q, k)
                 assert len(row.hf) == 2
             elif row.kind == "gdn_in":     # Qwen3.5's in_proj_qkv / _z / _b / _a, Qwen3-Next's _qkvz / _ba
                 assert len(row.hf) in (4, 2)

@@ -85,18 +85,7 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     """
     require_initialized("build_model")
     dtype = model_dtype(dtype)
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
-    if aux_loss not in AUX_LOSSES:
-        raise ValueError(f"aux_loss must be one of {AUX_LOSSES}, got {aux_loss!r}")
-    if aux_loss == "pooled" and current_dims().pp > 1:
-        raise ValueError(f"aux_loss='pooled' needs pp=1 (got pp={current_dims().pp}): transformers' pooled "
-                         "load-balancing loss couples every MoE layer's routing of a microbatch, which the "
-                         "pipeline stages hold apart; use aux_loss='per_layer' (Megatron's) with pipeline "
-                         "parallelism")
-    if init not in INITS:
-        raise ValueError(f"init must be one of {INITS} ('empty': load the weights next; 'random': random "
-                         f"weights from seed), got {init!r}")
+    _check_options(recompute=recompute, aux_loss=aux_loss, init=init)
     from ..checkpoint.hf_dir import config_source
     hf_config = config_source(hf_config, revision=revision, what="build_model")
     config = load_config(hf_config)
@@ -117,17 +106,12 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     if chunks[0].dims.rank == 0:
         logger.info("build_model: %s %s, %s, attention %s%s", spec.architecture, task, chunks[0].dims.describe(),
                     chunks[0].attn_impl, f" (context parallel: {chunks[0].cp_attn})" if chunks[0].cp_attn else "")
-    kv_replica_group(spec.num_kv_heads)
+    for nkv in spec.kv_head_counts:      # created collectively, in the same order on every rank
+        kv_replica_group(nkv)
     agree_on_kernels(chunks)        # kernel choices differing across ranks: an error on every rank
     agree_on_mtp(spec)             # mtp=None decides per rank, from the directory that rank sees
     attach_main_grad_hooks(chunks)
-    source = _source_dir(hf_config)
-    for chunk in chunks:
-        chunk.hf_config = getattr(config, "_raw", config)
-        chunk.hf_source = source
-        chunk.moe_aux.mode = aux_loss
-        # the layers whose router the loss reads (DeepSeek-V4's hash layers are not among them)
-        chunk.moe_aux.num_layers = len(spec.moe.balanced_layers) if spec.moe is not None else 0
+    _describe(chunks, spec, getattr(config, "_raw", config), _source_dir(hf_config), aux_loss)
     if init == "random":
         from ..checkpoint.random_init import init_random
         init_random(chunks, seed=seed)
@@ -138,6 +122,31 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
 
 
 INITS = ("empty", "random")
+
+
+def _check_options(*, recompute, aux_loss: str, init: str) -> None:
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    if aux_loss not in AUX_LOSSES:
+        raise ValueError(f"aux_loss must be one of {AUX_LOSSES}, got {aux_loss!r}")
+    if aux_loss == "pooled" and current_dims().pp > 1:
+        raise ValueError(f"aux_loss='pooled' needs pp=1 (got pp={current_dims().pp}): transformers' pooled "
+                         "load-balancing loss couples every MoE layer's routing of a microbatch, which the "
+                         "pipeline stages hold apart; use aux_loss='per_layer' (Megatron's) with pipeline "
+                         "parallelism")
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS} ('empty': load the weights next; 'random': random "
+                         f"weights from seed), got {init!r}")
+
+
+def _describe(chunks, spec, hf_config, source, aux_loss: str) -> None:
+    """What each chunk keeps of where it came from (config, source directory) and its MoE loss convention."""
+    for chunk in chunks:
+        chunk.hf_config = hf_config
+        chunk.hf_source = source
+        chunk.moe_aux.mode = aux_loss
+        # the layers whose router the loss reads (DeepSeek-V4's hash layers are not among them)
+        chunk.moe_aux.num_layers = len(spec.moe.balanced_layers) if spec.moe is not None else 0
 AUX_LOSSES = ("per_layer", "pooled")
 
 
@@ -171,11 +180,11 @@ def balanced_layers_per_stage(spec, *, task: str, pp: int, vpp: int = 1, seq_len
     over ``pp x vpp`` virtual stages: :func:`parallm.parallel.stages.balanced_sizes` of the per-token
     multiply-adds of each layer (its weights, and its token mixing at sequences of ``seq_len`` tokens: attention
     scores, or a Gated DeltaNet layer's recurrence) and of the ``task``'s head
-    (:func:`parallm.model.table.balance_costs`; ``seq_len`` None: 4096, at most ``max_position_embeddings``;
+    (:func:`parallm.model.stage_costs.balance_costs`; ``seq_len`` None: 4096, at most ``max_position_embeddings``;
     build_model uses the default, pass this function's result as ``layers_per_stage`` for another length).
     None at ``pp * vpp == 1``. The same on every rank (a pure function of the config)."""
     from ..families import family_of
-    from ..model.table import balance_costs
+    from ..model.stage_costs import balance_costs
     from ..parallel.stages import balanced_sizes
     if pp * vpp == 1:
         return None

@@ -192,9 +192,12 @@ def moe_facts(spec, *, dtype: str, tp: int) -> dict | None:
     relu2 = moe.activation == "relu2"             # Nemotron-H: ungated, in the latent space when it has one
     sizes = (moe.latent_size or spec.hidden_size, (1 if relu2 else 2) * width, width)
     kernel = expert_kernel(device, torch_dtype, sizes) if width else "loop"
-    activation = {"silu": "silu", "relu2": "relu2",
-                  "clamped_silu": f"clamped SiLU (gate <= {moe.swiglu_limit:g}, |up| <= {moe.swiglu_limit:g})"}.get(
-        moe.activation) or f"clamped SwiGLU (limit {moe.swiglu_limit:g}, alpha {moe.swiglu_alpha:g})"
+    if moe.activation in ("silu", "relu2"):
+        activation = moe.activation
+    elif moe.activation == "clamped_silu":
+        activation = f"clamped SiLU (gate <= {moe.swiglu_limit:g}, |up| <= {moe.swiglu_limit:g})"
+    else:
+        activation = f"clamped SwiGLU (limit {moe.swiglu_limit:g}, alpha {moe.swiglu_alpha:g})"
     return dict(experts=moe.num_experts, top_k=moe.top_k, layers=len(moe.layers),
                 expert_width=moe.expert_intermediate_size, shared_width=moe.shared_expert_intermediate_size,
                 tensors_per_layer=3 + int(moe.score_bias) + int(moe.router_bias) + 2 * int(moe.expert_bias)

@@ -89,7 +89,8 @@ class _VerlBase(DecoderChunk):
         super().__init__(spec, mp_config, task=self._task, packed=self._rmpad, **kw)
         self.hf_config = config
         self.megatron_config = megatron_config
-        kv_replica_group(spec.num_kv_heads)
+        for nkv in spec.kv_head_counts:
+            kv_replica_group(nkv)
 
     def forward(self, *, input_ids, attention_mask=None, position_ids=None):
         require_loaded(self, f"{type(self).__name__}.forward")   # local: every rank's chunks share the state

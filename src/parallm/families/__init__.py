@@ -11,7 +11,8 @@ from . import nemotron_h  # noqa: F401,E402  (registration)
 from . import kimi_k25  # noqa: F401,E402  (registration: the Kimi-K2.5 / K2.6 wrapper)
 from . import minimax_m2  # noqa: F401,E402  (registration)
 from . import gemma3  # noqa: F401,E402  (registration: Gemma 3 text)
-from . import gemma4  # noqa: F401,E402  (registration: Gemma 4 text, the subset docs/families.md names)
+from . import gemma4  # noqa: F401,E402  (registration: Gemma 4 text)
+from . import gemma4_vl  # noqa: F401,E402  (registration: the Gemma 4 wrapper's language model)
 from . import deepseek_v4  # noqa: F401,E402  (registration: DeepSeek-V4)
 from .registry import FAMILIES, Family, family_of, load_config, spec_from_config, supported_architectures
 

@@ -164,12 +164,12 @@ class ChunkIO:
     def boundary_shapes(self, batches) -> list[tuple[int, int, int]]:
         """The shape of the activation (and of its gradient) that crosses a pipeline-stage boundary for each
         ``(input_ids, attention_mask)`` (or ``(input_ids, attention_mask, context_split)``) of ``batches``:
-        ``[S, B, H]`` padded; ``[T, 1, H]`` packed (or packed inside: :meth:`packs_inside`), ``T`` the real
+        ``[S, B, H]`` padded (H: the spec's ``boundary_width``); ``[T, 1, H]`` packed (or packed inside: :meth:`packs_inside`), ``T`` the real
         tokens rounded up as :func:`make_packing` rounds them, divided by tp under sequence parallelism; under
         context parallelism this rank's share (``[rows, width, H]`` of the split, rows / tp under sequence
         parallelism). Every rank of a pipeline computes it from the batch it holds; one host sync for all of them
         when packed or packing inside."""
-        h = self.spec.stream_width
+        h = self.spec.boundary_width
         tp = self.config.tensor_model_parallel_size
         multiple = tp if self.sequence_parallel else 1
         splits = [batch[2] if len(batch) > 2 else None for batch in batches]

@@ -30,9 +30,11 @@ from .layers.gqa import Attention
 from .layers.hyper_connections import HyperHead
 from .layers.gated_deltanet import GatedDeltaNet, resolve_kernel as resolve_gdn_kernel
 from .layers.dsa import DSAttention, check_dsa_stages
+from .layers.kv_sharing import check_kv_sharing_recompute, check_kv_sharing_stages
 from .layers.mamba2 import Mamba2Mixer, check_mamba_layout, resolve_kernel as resolve_mamba_kernel
 from .layers.mla import MLAttention
 from .layers.mlp import MLP, no_init
+from .layers import per_layer_inputs as ple_io
 from .layers.norms import FP32WeightRMSNorm, RMSNorm, ZeroCenteredRMSNorm, norm_class  # noqa: F401
 from .layers.moe import MoEAux, MoEBlock
 from .layers.routing import RouterReplay, moe_layer_indices, rows_of_tokens
@@ -76,7 +78,8 @@ class DecoderLayer(nn.Module):
                                               cp_group=cp_group, cp_attn=cp_attn)
         else:
             self.self_attention = Attention(spec, config, tp, device, backend=backend, cp_group=cp_group,
-                                            cp_attn=cp_attn, window=spec.window(layer_number), tp_group=tp_group)
+                                            cp_attn=cp_attn, window=spec.window(layer_number), tp_group=tp_group,
+                                            layer=layer_number)
         self.post_attention_layernorm = norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, config.params_dtype,
                                                          device)
         if spec.sandwich_norms:        # Gemma: the attention's and the MLP's outputs normed before the residual
@@ -88,7 +91,9 @@ class DecoderLayer(nn.Module):
                                              requires_grad=False)
         # The spec says which layers route over experts (model/layers/moe.py); the others keep the dense MLP.
         self.mlp = MoEBlock(spec, config, dims, device, layer=layer_number) if spec.is_moe_layer(layer_number) \
-            else MLP(spec, config)
+            else MLP(spec, config, width=spec.mlp_width(layer_number))
+        if spec.per_layer_input_size:      # Gemma 4: the layer's per-layer input (layers/per_layer_inputs.py)
+            self.per_layer = ple_io.PerLayerInput(spec, config, layer_number, device)
 
     def _one_block(self, spec, config, tp, device, *, backend, dims, cp_attn, mamba_kernel):
         """Nemotron-H's layer: ``norm`` then the one mixer of ``spec.block_kind`` (``self_attention``: Mamba-2 or
@@ -105,9 +110,10 @@ class DecoderLayer(nn.Module):
             self.mlp = MoEBlock(spec, config, dims, device, layer=self.layer_number) if self.block == "moe" \
                 else MLP(spec, config)
 
-    def forward(self, x, cos, sin, ctx, tokens=None, routed=None):
+    def forward(self, x, cos, sin, ctx, tokens=None, routed=None, per_layer=None):
         """``tokens``: real-row mask of ``x`` for a MoE layer's load-balancing loss (None: not computed / all
-        real). ``routed``: a MoE layer's replayed experts for the rows of ``x`` (:meth:`MoEBlock.route`)."""
+        real). ``routed``: a MoE layer's replayed experts for the rows of ``x`` (:meth:`MoEBlock.route`).
+        ``per_layer``: Gemma 4's per-layer inputs of every layer (``[.., L * P]``; None without them)."""
         if self.block is not None:
             h = self.norm(x)
             if self.mlp is None:
@@ -120,6 +126,8 @@ class DecoderLayer(nn.Module):
         h = self.post_attention_layernorm(x)
         m = self.mlp(h, tokens, routed) if isinstance(self.mlp, MoEBlock) else self.mlp(h)
         x = x + (self.mlp_out_norm(m) if hasattr(self, "mlp_out_norm") else m)
+        if per_layer is not None:
+            x = self.per_layer(x, per_layer)
         return x * self.layer_scalar if hasattr(self, "layer_scalar") else x
 
 
@@ -219,22 +227,10 @@ class DecoderChunk(ChunkIO, nn.Module):
             self.embedding = mtp.VocabParallelEmbedding(
                 self.padded_vocab_size, spec.hidden_size, init_method=no_init, config=config,
                 reduce_scatter_embeddings=self.sequence_parallel)
-        backend = resolve_attn_impl(attn_impl, packed=packed, device=as_device(device), dtype=config.params_dtype)
-        # A recurrent hybrid (Gated DeltaNet, Mamba-2) built padded runs batches whose rows are padded only at
-        # their ends through the packed path inside (ChunkIO.packs_inside): its attention needs both kernels.
-        self.pack_inside = not packed and dims.cp == 1 and (spec.linear_attn is not None or spec.mamba is not None)
-        if self.pack_inside:
-            backend = both_layouts(backend, resolve_attn_impl("auto", packed=True, device=as_device(device),
-                                                              dtype=config.params_dtype))
-        self.attn_impl = backend.name
-        cp_kernel = resolve_cp_attn(cp_attn)
-        self.cp_attn = cp_kernel if dims.cp > 1 else None
-        # Gated DeltaNet layers' kernel (model/layers/gated_deltanet.py; None without them), kept as chunk.gdn_kernel
-        gdn = resolve_gdn_kernel(device=as_device(device), dtype=config.params_dtype) if spec.linear_attn else None
-        self.gdn_kernel = gdn.name if gdn is not None else None
-        # Mamba-2 layers' kernel (model/layers/mamba2.py; None without them), kept as chunk.mamba_kernel
-        mamba = resolve_mamba_kernel(device=as_device(device), dtype=config.params_dtype) if spec.mamba else None
-        self.mamba_kernel = mamba.name if mamba is not None else None
+        if pre_process and spec.per_layer_input_size:    # Gemma 4: every layer's input, from the first stage
+            self.per_layer = ple_io.PerLayerInputs(spec, config, self.padded_vocab_size, device)
+        backend, cp_kernel, gdn, mamba = self._kernels(spec, config, dims, device, attn_impl=attn_impl,
+                                                       packed=packed, cp_attn=cp_attn)
         layer_class = DecoderLayer
         if spec.v4 is not None:          # DeepSeek-V4: hyper-connected layers (model/layers/v4_layer.py)
             from .layers.v4_layer import V4Layer as layer_class
@@ -257,6 +253,27 @@ class DecoderChunk(ChunkIO, nn.Module):
         attach_placements(self, chunk_entries(table, spec, task=task, pp=dims.pp, pre_process=pre_process,
                                               post_process=post_process, layers=layers, experts=experts),
                           pp=dims.pp)
+
+    def _kernels(self, spec, config, dims, device, *, attn_impl: str, packed: bool, cp_attn: str):
+        """The kernels the layers run (attention backend, CP attention, Gated DeltaNet's, Mamba-2's), kept by name
+        on the chunk (``attn_impl``, ``cp_attn``, ``gdn_kernel``, ``mamba_kernel``) and returned for the layers."""
+        on, dtype = as_device(device), config.params_dtype
+        backend = resolve_attn_impl(attn_impl, packed=packed, device=on, dtype=dtype)
+        # A recurrent hybrid (Gated DeltaNet, Mamba-2) built padded runs batches whose rows are padded only at
+        # their ends through the packed path inside (ChunkIO.packs_inside): its attention needs both kernels.
+        self.pack_inside = not packed and dims.cp == 1 and (spec.linear_attn is not None or spec.mamba is not None)
+        if self.pack_inside:
+            backend = both_layouts(backend, resolve_attn_impl("auto", packed=True, device=on, dtype=dtype))
+        self.attn_impl = backend.name
+        cp_kernel = resolve_cp_attn(cp_attn)
+        self.cp_attn = cp_kernel if dims.cp > 1 else None
+        # Gated DeltaNet layers' kernel (model/layers/gated_deltanet.py; None without them), kept as chunk.gdn_kernel
+        gdn = resolve_gdn_kernel(device=on, dtype=dtype) if spec.linear_attn else None
+        self.gdn_kernel = gdn.name if gdn is not None else None
+        # Mamba-2 layers' kernel (model/layers/mamba2.py; None without them), kept as chunk.mamba_kernel
+        mamba = resolve_mamba_kernel(device=on, dtype=dtype) if spec.mamba else None
+        self.mamba_kernel = mamba.name if mamba is not None else None
+        return backend, cp_kernel, gdn, mamba
 
     def _build_head(self, spec, config, tp: int, device, *, dims, backend) -> None:
         """The last stage's final norm and head (output layer, value score or none), and the carried
@@ -345,10 +362,13 @@ class DecoderChunk(ChunkIO, nn.Module):
             if not self.sequence_parallel:
                 x = x.transpose(0, 1).contiguous()                       # [S, B, H] / [T, 1, H]
             x = self._streams(self._scale_embeddings(self._no_grad_at_pad_tokens(x, ids)))
+            per_layer = self.per_layer(x, ids, transpose=not self.sequence_parallel,
+                                       no_grad_at_pad=self._no_grad_at_pad_tokens) \
+                if hasattr(self, "per_layer") else None
         else:
             if self.input_tensor is None:
                 raise RuntimeError("DecoderChunk without pre_process needs set_input_tensor() before forward")
-            x = self.input_tensor
+            x, per_layer = ple_io.split(self.input_tensor, self.spec)   # per-layer inputs travel with it
         if self.spec.v4 is not None:        # DeepSeek-V4: what its attention and hash routing read
             self._v4_context(ctx, input_ids, positions, split)
         if self.spec.yarn is not None:      # YaRN: its frequencies and the cos / sin attention factor
@@ -367,21 +387,22 @@ class DecoderChunk(ChunkIO, nn.Module):
         replay = self.router_replay
         given = replay.current() if replay.active else None      # router replay: [B, S, moe layers, top_k]
         given = rows_of_tokens(given, attention_mask, ctx, share=self._my_rows) if given is not None else None
+        ple = () if per_layer is None else (per_layer,)     # Gemma 4's per-layer inputs, for the layers
         for layer in self.layers:
             routed = (given[0][:, layer.mlp.moe_index], given[1]) \
                 if given is not None and isinstance(layer.mlp, MoEBlock) else None
             if recompute:
                 # Keep only the layer's input; its activations are recomputed in backward (RNG state restored).
                 # The recompute replays the layer: MoE load-balancing losses are then not recorded twice.
-                x = checkpoint(layer, x, cos, sin, ctx, tokens, routed, use_reentrant=False,
+                x = checkpoint(layer, x, cos, sin, ctx, tokens, routed, *ple, use_reentrant=False,
                                preserve_rng_state=True,
                                context_fn=lambda: (contextlib.nullcontext(), self.moe_aux.replaying()))
             else:
-                x = layer(x, cos, sin, ctx, tokens, routed)
+                x = layer(x, cos, sin, ctx, tokens, routed, *ple)
         if replay.recording:
             self._record_routing(attention_mask, ctx)
         if not self.post_process:
-            return x
+            return ple_io.join(x, per_layer)
         if hasattr(self, "hc_head"):
             x = self.hc_head(x)
         return self._head(self.final_norm(x), ctx, split, input_ids, attention_mask, stats)
@@ -418,13 +439,15 @@ def prepare_config(spec: DecoderSpec, dims, *, task: str, dtype, sequence_parall
     check_ep(spec, dims.ep)
     # raises with the numbers if the layers do not split (evenly, or as dims.layer_split says)
     layer_numbers(spec.num_layers, dims.pp, dims.vpp, 0, 0, layers_per_stage=dims.layer_split)
-    check_dsa_stages(spec, [layer_numbers(spec.num_layers, dims.pp, dims.vpp, p, v, layers_per_stage=dims.layer_split)
-                            for p in range(dims.pp) for v in range(dims.vpp)])
+    stages = [layer_numbers(spec.num_layers, dims.pp, dims.vpp, p, v, layers_per_stage=dims.layer_split)
+              for p in range(dims.pp) for v in range(dims.vpp)]
+    check_dsa_stages(spec, stages)
+    check_kv_sharing_stages(spec, stages)       # Gemma 4: a KV-sharing layer and its source in one stage
     config = make_config(tp=dims.tp, pp=dims.pp, vpp=dims.vpp if dims.vpp > 1 else None, dtype=dtype,
                          sequence_parallel=sequence_parallel)
     # The TransformerConfig fields Megatron's schedules read from a model's config, set once here: the chunks of
     # a rank share this config (as a Megatron model's chunks share one) and none of them writes to it.
-    for name, value in (("hidden_size", spec.stream_width), ("calculate_per_token_loss", False),
+    for name, value in (("hidden_size", spec.boundary_width), ("calculate_per_token_loss", False),
                         ("fine_grained_activation_offloading", False)):
         if not hasattr(config, name):
             setattr(config, name, value)
@@ -442,6 +465,7 @@ def build_chunks(spec: DecoderSpec, *, table, task: str = "causal_lm", dtype=tor
     chunks' ``dims`` carry it)."""
     from ..parallel.state import current_dims
     dims = current_dims().with_layer_split(spec.num_layers, **(pipeline_split or {}))
+    check_kv_sharing_recompute(spec, recompute)
     config = prepare_config(spec, dims, task=task, dtype=dtype, sequence_parallel=sequence_parallel)
     return [DecoderChunk(spec, config, task=task, pre_process=dims.is_first_stage(v),
                          post_process=dims.is_last_stage(v), layers=dims.stage_layers(spec.num_layers, v),

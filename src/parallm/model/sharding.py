@@ -207,6 +207,37 @@ class QKVSplit(TPLayout):
         return f"QKVSplit(heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}{gate})"
 
 
+class QKSplit(QKVSplit):
+    """K = V (Gemma 4's full layers with ``attention_k_eq_v``): two HF tensors (q, k) fused per rank as
+    ``[q_r; k_r]``, the KV heads split (or replicated) as :class:`QKVSplit`'s; the values are the keys'
+    projection, so there is no v block."""
+    name = "qk"
+    sources = 2
+
+    def shard(self, sources, rank, tp):
+        q, k = sources
+        full = shard_qkv(q, k, k, rank, tp, **self._kw())
+        return full[:full.shape[0] - len(kv_heads_of_rank(rank, tp, self.num_kv_heads)) * self.head_dim]
+
+    def merge(self, shards):
+        tp = len(shards)
+        rows = len(kv_heads_of_rank(0, tp, self.num_kv_heads)) * self.head_dim
+        q, k, _ = merge_qkv([torch.cat([s, s[s.shape[0] - rows:]]) for s in shards], **self._kw())
+        return [q, k]
+
+    def blocks(self, rank, tp, hf_shapes):
+        return super().blocks(rank, tp, hf_shapes)[:2]
+
+    def replica_rows(self, rank, tp):
+        if self.num_kv_heads >= tp:
+            return None
+        nq = self.num_heads // tp * self.q_head_dim
+        return nq, nq + self.head_dim
+
+    def __repr__(self):
+        return f"QKSplit(heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim})"
+
+
 class KVHeadSplit(TPLayout):
     """One HF tensor whose rows are the KV heads (``[num_kv_heads * head_dim, ...]``), split as the fused QKV's k
     rows: rank r holds the KV heads its query heads use; with fewer KV heads than ranks each rank holds one,
@@ -402,6 +433,10 @@ KINDS = {
     "qkv": lambda spec, padded_vocab: QKVSplit(spec.num_heads, spec.num_kv_heads, spec.head_dim,
                                                spec.head_dim * (2 if getattr(spec, "attn_output_gate", False)
                                                                 else 1)),
+    # Gemma 4's full-attention layers: their own head dim and KV-head count (spec.global_layers)
+    "qkv_global": lambda spec, padded_vocab: QKVSplit(spec.num_heads, spec.global_kv_heads, spec.global_head_dim),
+    # and with K = V (attention_k_eq_v) only q and k
+    "qk_global": lambda spec, padded_vocab: QKSplit(spec.num_heads, spec.global_kv_heads, spec.global_head_dim),
     "gate_up": lambda spec, padded_vocab: GateUpSplit(),
     "kv_heads": lambda spec, padded_vocab: KVHeadSplit(spec.num_kv_heads, spec.head_dim),
     # Gated DeltaNet: the conv's [q; k; v] channels split by heads, the fused input projection

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from .layer_specs import (ACTIVATIONS, EXPERT_LAYOUTS, ROUTERS, DSASpec, GatedDeltaNetSpec,  # noqa: F401
                           Mamba2Spec, MLASpec, MoESpec, V4Spec)
+from .attention_checks import check_attention_per_layer
 from .positions.rope import RopeSpec
 from .positions.yarn import YarnSpec
 
@@ -114,12 +115,41 @@ class DecoderSpec:
     norm_pow: bool = False
     # DeepSeek-V4 (families/deepseek_v4.py): its attention kinds and hyper-connection streams; None: other families
     v4: V4Spec | None = None
+    # Gemma 4's full-attention layers' own attention shape (``global_head_dim``, ``num_global_key_value_heads``:
+    # transformers' ``per_layer_config``): the layers in ``global_layers`` run ``num_heads`` heads of
+    # ``global_head_dim`` over ``global_kv_heads`` KV heads (their table rows: the ``global_attn`` condition; the
+    # others ``local_attn``), every other layer ``head_dim`` / ``num_kv_heads``; (): one shape everywhere
+    global_layers: tuple[int, ...] = ()
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+    # K = V on those layers (Gemma 4's ``attention_k_eq_v``): no v projection; the values are the keys' projection
+    # before the k norm and RoPE (then ``v_norm``); their table rows have the ``k_eq_v`` condition
+    global_k_eq_v: bool = False
+    # Gemma 4's per-layer input embeddings (``hidden_size_per_layer_input``): P columns of every layer's input
+    # (model/layers/per_layer_inputs.py; their own vocabulary, here the token vocabulary's size); 0: none
+    per_layer_input_size: int = 0
+    # Gemma 4's KV sharing (``num_kv_shared_layers``, model/layers/kv_sharing.py): layer i attends with the keys /
+    # values of layer kv_sources[i] (None, or a layer past the end: its own); those layers have only q_proj (table
+    # condition ``kv_shared_layer``), and with ``double_wide_mlp`` an MLP of twice the intermediate size
+    kv_sources: tuple[int | None, ...] = ()
+    double_wide_mlp: bool = False
 
     @property
     def stream_width(self) -> int:
         """The width of the hidden state between layers (what crosses a pipeline stage): ``hidden_size``, or
         DeepSeek-V4's ``hc_mult`` hyper-connection streams of it."""
         return self.hidden_size * self.hc_mult
+
+    @property
+    def per_layer_input_width(self) -> int:
+        """Every layer's per-layer input side by side, ``num_layers * per_layer_input_size`` (0 without them)."""
+        return self.num_layers * self.per_layer_input_size
+
+    @property
+    def boundary_width(self) -> int:
+        """The width of what crosses a pipeline-stage boundary: the hidden state (:attr:`stream_width`) and, with
+        Gemma 4's per-layer inputs, every layer's input beside it."""
+        return self.stream_width + self.per_layer_input_width
 
     @property
     def hc_mult(self) -> int:
@@ -155,9 +185,14 @@ class DecoderSpec:
             raise ValueError("attn_scale / v_norm are implemented for grouped-query attention layers only (not "
                              "with multi-head latent attention)")
         if self.layer_ropes and (self.yarn is not None or self.mla is not None
-                                 or any(r is not None and (r.dim != self.rope.dim or r.kind == "dynamic")
-                                        for r in self.layer_ropes)):
-            raise ValueError("RoPE per layer needs plain RoPE of one rotary dim (not yarn, dynamic NTK or MLA)")
+                                 or any(r is not None and r.kind == "dynamic" for r in self.layer_ropes)):
+            raise ValueError("RoPE per layer needs plain RoPE (not yarn, dynamic NTK or MLA)")
+        check_attention_per_layer(self)      # Gemma 4's global layers and KV sharing (attention_checks.py)
+        bad = [i for i in range(self.num_layers) if self.layer_ropes and self.layer_rope(i).dim != (
+            self.head_dim_of(i) if self.global_layers else self.rope.dim)]
+        if bad:
+            raise ValueError(f"RoPE per layer rotates each layer's whole head: layers {bad} have a rotary dim other "
+                             "than their head dim")
         if self.hidden_act == "gelu_pytorch_tanh" and self.moe is not None:
             raise ValueError("hidden_act='gelu_pytorch_tanh' is implemented for the dense MLP only (the routed "
                              "experts run silu / clamped SwiGLU / relu2); a mixture-of-experts model with it is "
@@ -181,6 +216,43 @@ class DecoderSpec:
             if self.num_kv_heads != self.num_heads or self.head_dim != self.mla.q_head_dim:
                 raise ValueError("a multi-head latent attention spec has num_kv_heads == num_heads and head_dim == "
                                  f"q_head_dim (got {self.num_kv_heads}, {self.head_dim})")
+
+    def is_global_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` runs the global attention shape (``global_head_dim`` /
+        ``global_kv_heads``)."""
+        return layer in self.global_layers
+
+    def head_dim_of(self, layer: int) -> int:
+        """Layer ``layer``'s attention head dim."""
+        return self.global_head_dim if self.is_global_layer(layer) else self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        """Layer ``layer``'s KV-head count."""
+        return self.global_kv_heads if self.is_global_layer(layer) else self.num_kv_heads
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose keys / values layer ``layer`` reuses (None: it computes its own)."""
+        return self.kv_sources[layer] if layer < len(self.kv_sources) else None
+
+    def is_kv_shared(self, layer: int) -> bool:
+        return self.kv_source(layer) is not None
+
+    def mlp_width(self, layer: int) -> int:
+        """Layer ``layer``'s dense MLP width: doubled on Gemma 4's KV-sharing layers with ``double_wide_mlp``."""
+        return self.intermediate_size * (2 if self.double_wide_mlp and self.is_kv_shared(layer) else 1)
+
+    @property
+    def kv_head_counts(self) -> tuple[int, ...]:
+        """The KV-head counts of the layers, sorted (two with Gemma 4's global layers of their own count)."""
+        return tuple(sorted({self.num_kv_heads} | ({self.global_kv_heads} if self.global_layers else set())))
+
+    @property
+    def global_q_size(self) -> int:
+        return self.num_heads * self.global_head_dim
+
+    @property
+    def global_kv_size(self) -> int:
+        return self.global_kv_heads * self.global_head_dim
 
     def has_indexer(self, layer: int) -> bool:
         """Whether global layer ``layer`` runs a sparse-attention indexer of its own (MTP layers do)."""
@@ -374,14 +446,17 @@ def check_tp(spec: DecoderSpec, tp: int) -> None:
     problems = []
     if spec.num_heads % tp:
         problems.append(f"num_attention_heads={spec.num_heads} is not divisible by tp={tp}")
-    nkv = spec.num_kv_heads
-    if nkv >= tp and nkv % tp:
-        problems.append(f"num_key_value_heads={nkv} is not divisible by tp={tp}")
-    if nkv < tp and tp % nkv:
-        problems.append(f"num_key_value_heads={nkv} < tp={tp} and tp is not a multiple of it "
-                        "(KV heads can only be replicated in equal blocks)")
-    if spec.num_heads % nkv:
-        problems.append(f"num_attention_heads={spec.num_heads} is not a multiple of num_key_value_heads={nkv}")
+    kv_counts = [("num_key_value_heads", spec.num_kv_heads)]
+    if spec.global_layers:
+        kv_counts.append(("num_global_key_value_heads", spec.global_kv_heads))
+    for name, nkv in kv_counts:
+        if nkv >= tp and nkv % tp:
+            problems.append(f"{name}={nkv} is not divisible by tp={tp}")
+        if nkv < tp and tp % nkv:
+            problems.append(f"{name}={nkv} < tp={tp} and tp is not a multiple of it "
+                            "(KV heads can only be replicated in equal blocks)")
+        if spec.num_heads % nkv:
+            problems.append(f"num_attention_heads={spec.num_heads} is not a multiple of {name}={nkv}")
     la = spec.linear_attn
     if la is not None:
         for name, n in (("linear_num_key_heads", la.num_key_heads), ("linear_num_value_heads", la.num_value_heads)):

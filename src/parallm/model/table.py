@@ -12,6 +12,8 @@ see :mod:`parallm.model.placement`):
     column   split along dim 0 (column-parallel output)
     row      split along dim 1 (row-parallel input)
     qkv      three HF tensors (q, k, v) fused per rank as [q_r; k_r; v_r] (KV heads replicated when nkv < tp)
+    qkv_global  the same for a layer of spec.global_layers (global_head_dim, global_kv_heads: Gemma 4)
+    qk_global   K = V on those layers (spec.global_k_eq_v): two HF tensors (q, k) fused per rank as [q_r; k_r]
     gate_up  two HF tensors (gate, up) fused per rank as [gate_r; up_r]
     gdn_conv a Gated DeltaNet's [q; k; v] channels (in one HF tensor) split by heads, per rank [q_r; k_r; v_r]
     gdn_in   a Gated DeltaNet's input projections fused per rank (Qwen3.5 [q_r; k_r; v_r; z_r; b_r; a_r],
@@ -34,14 +36,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from fractions import Fraction
 
 import torch
 
 from .placement import placement_of
 from .spec import DecoderSpec
 
-KINDS = ("copy", "vocab", "column", "row", "qkv", "gate_up", "gdn_conv", "gdn_in", "mamba_in", "mamba_conv",
+KINDS = ("copy", "vocab", "column", "row", "qkv", "qkv_global", "qk_global", "gate_up", "gdn_conv", "gdn_in", "mamba_in", "mamba_conv",
          "kv_heads")
 # "mtp": a multi-token-prediction layer's own tensors ({l}: its index j among them, {i}: its HF layer index
 # num_layers + j), held by the chunk with post_process; the decoder layer inside it takes the "layer" rows
@@ -73,6 +74,11 @@ CONDITIONS = {
     "expert_bias": lambda spec, task, pp: spec.moe is not None and spec.moe.expert_bias,
     "attn_sinks": lambda spec, task, pp: spec.attn_sinks,
     "layer_scalar": lambda spec, task, pp: spec.layer_scalar,
+    # Gemma 4's K = V on its global layers (no v projection there) or not
+    "k_eq_v": lambda spec, task, pp: spec.global_k_eq_v,
+    "not_k_eq_v": lambda spec, task, pp: not spec.global_k_eq_v,
+    # Gemma 4's per-layer input embeddings (model/layers/per_layer_inputs.py)
+    "per_layer_inputs": lambda spec, task, pp: spec.per_layer_input_size > 0,
     # multi-head latent attention (DeepSeek-V3): with / without a q LoRA, the down-projections' bias
     "q_lora": lambda spec, task, pp: spec.mla is not None and spec.mla.q_lora_rank is not None,
     "no_q_lora": lambda spec, task, pp: spec.mla is not None and spec.mla.q_lora_rank is None,
@@ -108,6 +114,15 @@ LAYER_CONDITIONS = {
     "v4_compressed": lambda spec, layer: spec.v4 is not None and spec.v4.kind(layer) in ("csa", "hca"),
     "v4_csa": lambda spec, layer: spec.v4 is not None and spec.v4.kind(layer) == "csa",
     "v4_hca": lambda spec, layer: spec.v4 is not None and spec.v4.kind(layer) == "hca",
+    # Gemma 4: the full-attention layers with their own head shape (spec.global_layers) and the others
+    "global_attn": lambda spec, layer: spec.is_global_layer(layer),
+    "local_attn": lambda spec, layer: not spec.is_global_layer(layer),
+    # Gemma 4's KV sharing: the layers reusing an earlier layer's keys / values (q_proj only), the others; and the
+    # doubled MLP of the sharing layers (double_wide_mlp)
+    "kv_shared_layer": lambda spec, layer: spec.is_kv_shared(layer),
+    "kv_layer": lambda spec, layer: not spec.is_kv_shared(layer),
+    "wide_mlp": lambda spec, layer: spec.mlp_width(layer) != spec.intermediate_size,
+    "plain_mlp": lambda spec, layer: spec.mlp_width(layer) == spec.intermediate_size,
 }
 
 
@@ -427,88 +442,3 @@ def held_params(mine, everything) -> tuple[list[int], dict]:
         holds[order[(e.row, e.layer)]] = 1
         params[order[(e.row, e.layer)]] = entry_tensor(chunk, e)
     return holds, params
-
-
-def forward_costs(table, spec: DecoderSpec, *, task: str) -> tuple[list[int], int]:
-    """Multiply-adds per token of each decoder layer's forward and of the head, estimated from the weights the
-    table declares: every matrix of a layer costs its size (a linear), a routed expert's matrices ``top_k /
-    num_experts`` of theirs (a token visits ``top_k`` experts), vectors (norms, biases) nothing; the head costs
-    ``vocab x hidden`` (causal_lm), ``hidden`` (value) or nothing (hidden). Not counted: the attention scores
-    themselves (``~ seq x head_dim`` per head, the same in every layer, so long sequences make the layers
-    relatively dearer than this says), elementwise work, the embedding lookup and the carried MTP layers (never
-    run). What :func:`parallm.parallel.stages.balanced_sizes` balances."""
-    from fractions import Fraction
-    layers = [Fraction(0)] * spec.num_layers
-    for e in chunk_entries(table, spec, task=task, pp=1, pre_process=False, post_process=False,
-                           layers=range(spec.num_layers)):
-        share = Fraction(spec.moe.top_k, spec.moe.num_experts) if e.expert is not None else Fraction(1)
-        for shape in e.row.shapes:
-            full = resolve_shape(shape, spec)
-            if len(full) == 2:
-                layers[e.layer] += share * full[0] * full[1]
-    head = {"causal_lm": spec.vocab_size * spec.hidden_size, "value": spec.hidden_size}.get(task, 0)
-    return [round(c) for c in layers], head
-
-
-# Tokens per sequence at which balance_costs counts the attention scores when none is given: a typical training
-# length (capped by the model's max_position_embeddings), not a measured optimum.
-BALANCE_SEQ_LEN = 4096
-
-
-def mamba_mixing_cost(mb) -> int:
-    """Multiply-adds per token of a Mamba-2 layer's chunked SSD scan beyond its weights, per head: within the
-    chunk the ``C B^T`` scores and their weighted inputs, ``c (n + p)`` (chunk ``c``), the chunk state written and
-    read, ``2 p n``; plus the depthwise conv, ``conv_dim x kernel``. Independent of the length."""
-    c, n, p = mb.chunk_size, mb.state_size, mb.head_dim
-    return mb.num_heads * (c * (n + p) + 2 * p * n) + mb.conv_dim * mb.conv_kernel
-
-
-def mixing_costs(spec: DecoderSpec, *, seq_len: int) -> list[int]:
-    """Multiply-adds per token of each layer's token mixing beyond its weights, for sequences of ``seq_len``
-    tokens: an attention layer's scores and weighted values, ``heads x (qk_dim + v_dim) x keys``, ``keys`` the
-    keys a query sees on average (``(seq_len + 1) / 2`` causal, fewer under a sliding window); a Gated DeltaNet
-    layer's chunked gated delta rule per value head, ``3 dk dv`` (reading, correcting and updating the ``dk x dv``
-    state) ``+ C (3 dk + 2 dv) + C^2 / 3`` (the within-chunk products and the triangular solve, chunk ``C`` =
-    64), plus its depthwise conv, ``conv_dim x kernel``, independent of the length. At long sequences an
-    attention layer costs far more than a Gated DeltaNet layer of the same weights, which is what a hybrid
-    model's pipeline split must know. One-block layers (Nemotron-H): a Mamba-2 layer :func:`mamba_mixing_cost`,
-    an MLP / MoE layer nothing."""
-    from .layers.gated_deltanet import CHUNK
-    lin = spec.linear_attn
-    gdn_layers = set(lin.layers) if lin is not None else set()
-    if lin is not None:
-        dk, dv, hv, hk, c = lin.key_head_dim, lin.value_head_dim, lin.num_value_heads, lin.num_key_heads, CHUNK
-        gdn = hv * (3 * dk * dv + c * (3 * dk + 2 * dv) + c * c // 3) + (2 * hk * dk + hv * dv) * lin.conv_kernel
-    if spec.mla is not None:
-        qk, v = spec.mla.qk_rope_head_dim + spec.mla.qk_nope_head_dim, spec.mla.v_head_dim
-    else:
-        qk = v = spec.head_dim
-    out = []
-    for i in range(spec.num_layers):
-        if i in gdn_layers:
-            out.append(gdn)
-            continue
-        kind = spec.block_kind(i)
-        if kind in ("mlp", "moe"):          # one-block layers (Nemotron-H): no token mixing
-            out.append(0)
-            continue
-        if kind == "mamba":
-            out.append(mamba_mixing_cost(spec.mamba))
-            continue
-        w = spec.layer_windows[i] if i < len(spec.layer_windows) else None
-        n = seq_len
-        keys = Fraction(n + 1, 2) if w is None or w >= n else Fraction(w * (w + 1), 2 * n) + Fraction((n - w) * w, n)
-        out.append(round(spec.num_heads * (qk + v) * keys))
-    return out
-
-
-def balance_costs(table, spec: DecoderSpec, *, task: str, seq_len: int | None = None) -> tuple[list[int], int]:
-    """Per layer and for the head, multiply-adds per token: :func:`forward_costs` (the weights) plus
-    :func:`mixing_costs` at ``seq_len`` (None: :data:`BALANCE_SEQ_LEN`, at most the model's
-    ``max_position_embeddings``). What ``layers_per_stage="balanced"`` evens out."""
-    if seq_len is None:
-        seq_len = min(BALANCE_SEQ_LEN, spec.rope.max_position_embeddings or BALANCE_SEQ_LEN)
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len must be a positive whole number of tokens, got {seq_len!r}")
-    layers, head = forward_costs(table, spec, task=task)
-    return [a + b for a, b in zip(layers, mixing_costs(spec, seq_len=seq_len))], head

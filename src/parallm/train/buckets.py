@@ -155,7 +155,8 @@ def _needs_correction(p, dims, spec) -> bool:
     """Whether finalize_grads corrects ``p``'s gradient over a model-parallel group before the data-parallel
     reduction (so its bucket must wait for finalize_grads)."""
     pl = placement_of(p)
-    kv_replicated = spec.num_kv_heads < dims.tp and pl.layout.replica_rows(dims.tp_rank, dims.tp) is not None
+    kv_replicated = getattr(pl.layout, "num_kv_heads", spec.num_kv_heads) < dims.tp \
+        and pl.layout.replica_rows(dims.tp_rank, dims.tp) is not None
     return kv_replicated or pl.tied is not None or (pl.tp_sum and dims.tp > 1)
 
 

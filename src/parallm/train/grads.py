@@ -77,12 +77,14 @@ def finalize_grads(chunks) -> None:
     params = [p for c in chunks for p in c.parameters() if p.requires_grad]
     placed = [(p, placement_of(p)) for p in params]
 
-    kv_group = kv_replica_group(spec.num_kv_heads)
-    if kv_group is not None:
+    for nkv in spec.kv_head_counts:     # one KV-head count per layer shape (Gemma 4's full layers: their own)
+        kv_group = kv_replica_group(nkv)
+        if kv_group is None:
+            continue
         grads = []
         for p, pl in placed:
             rows = pl.layout.replica_rows(layout.tp_rank, layout.tp)
-            if rows is not None:
+            if rows is not None and getattr(pl.layout, "num_kv_heads", spec.num_kv_heads) == nkv:
                 grads.append(_grad(p)[rows[0]:rows[1]])
         kv = [g.contiguous() for g in grads]
         _all_reduce_coalesced(kv, kv_group)

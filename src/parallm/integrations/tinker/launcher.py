@@ -79,6 +79,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest request body accepted, MiB (larger: 413, never read)")
     p.add_argument("--max-sample-tokens", type=int, default=1 << 20,
                    help="cap on num_samples x max_tokens of one sampling request")
+    p.add_argument("--stability-ttl", type=float, default=86400.0,
+                   help="seconds a record_stability_info sample stays recorded after its last use (default a day)")
+    p.add_argument("--stability-max-tokens", type=int, default=1 << 28,
+                   help="most tokens recorded for record_stability_info samples (int32 each); past it such "
+                        "sampling requests are refused")
     p.add_argument("--keep-sampler-snapshots", type=int, default=8,
                    help="sampler snapshots kept per training client, newest first (0: keep all); older ones are "
                         "deleted with their engine-side adapters")

@@ -21,7 +21,7 @@ tokens its ``sequence_ratio_mask`` marks (required, at least one token). ``dro``
 Not offered (a :class:`LossInputError` naming why): ``stable_reinforce`` (the SDK 0.38 and Tinker's documentation
 give its inputs: samples recorded with ``record_stability_info=True``, provenance spans naming their
 ``sequence_id``, a ``kl_coeff`` config; but not its objective, nor what the recorded "stability information" is:
-docs/tinker.md quotes them) and ``custom`` with a server-side
+docs/tinker.md quotes them; the protocol around it is in place, :mod:`.stability`) and ``custom`` with a server-side
 loss id (the SDK runs ``forward_backward_custom`` on the client when the server does not announce server-side
 losses, which this server does not). ``forward_backward_custom`` itself works: the SDK turns the client's loss into
 a ``cross_entropy`` request whose weights are ``-dC/dlogprobs``.
@@ -52,10 +52,12 @@ LOSSES = {
     "gspo": (("target_tokens", "logprobs", "advantages", "sequence_ratio_mask"), CLIP_KEYS, CLIP_KEYS),
 }
 REFUSED = {
-    "stable_reinforce": "stable_reinforce is not offered by parallm's Tinker server: the tinker SDK (0.38) defines "
-                        "its inputs (samples recorded with record_stability_info=True, provenance spans naming their "
-                        "sequence_id, loss_fn_config kl_coeff) but neither its objective nor the stability "
-                        "information the sampler records (use ppo, cispo, gspo or importance_sampling)",
+    "stable_reinforce": "stable_reinforce is not offered by parallm's Tinker server: its objective is unpublished "
+                        "(the tinker SDK 0.38 and Tinker's documentation define its inputs, not the loss). In "
+                        "place: sampling with record_stability_info=True records each sample under a "
+                        "server-assigned sequence_id, and datums' provenance spans naming them are checked "
+                        "(session, offsets, tokens, one-day expiry renewed by use); the loss is what is missing "
+                        "(train these datums with ppo, cispo, gspo or importance_sampling)",
     "custom": "server-side custom losses (loss_fn='custom' with a loss_id) are not offered by parallm's Tinker "
               "server; forward_backward_custom with a Python loss runs on the client and works",
 }

@@ -88,6 +88,9 @@ def preflight(args) -> str:
         value = getattr(args, name, 1)
         if value is not None and value < 1:
             _fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if getattr(args, "stability_ttl", 1.0) <= 0 or getattr(args, "stability_max_tokens", 1) < 1:
+        _fail(f"--stability-ttl ({args.stability_ttl}) and --stability-max-tokens ({args.stability_max_tokens}) "
+              "must be positive")
     if getattr(args, "keep_sampler_snapshots", 0) < 0:
         _fail(f"--keep-sampler-snapshots must be 0 (keep all) or more, got {args.keep_sampler_snapshots}")
     _nodes(args)

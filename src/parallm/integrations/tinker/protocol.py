@@ -3,7 +3,8 @@
 Requests are JSON bodies validated by the SDK's own pydantic request types (``tinker.types``, which forbid
 unknown fields: a client whose protocol differs fails there with a message naming the field), except
 ``forward_backward``, which arrives as the SDK's protobuf (``tinker.proto.tinker_public_pb2``, zstd-compressed
-when the client was told to compress). Responses are JSON, except the two results the SDK only accepts as
+when the client was told to compress; a datum's provenance spans decoded as :class:`Span` runs and checked by
+:mod:`.stability`). Responses are JSON, except the two results the SDK only accepts as
 protobuf: ``ForwardBackwardOutput`` and ``SampleResponse`` (the SDK asks with ``Accept: application/x-protobuf``).
 
 Errors have the SDK's shape: an HTTP error status with a JSON body ``{"error": message, "category": "user" |
@@ -22,8 +23,8 @@ import json
 
 import numpy as np
 
-__all__ = ["DEFAULT_MAX_BODY", "ApiError", "Datum", "FwdBwdRequest", "SDK_LINE", "check_sdk_version", "decode_forward_backward",
-           "encode_forward_backward_output", "encode_sample_response", "json_body", "parse", "proto_module",
+__all__ = ["DEFAULT_MAX_BODY", "ApiError", "Datum", "FwdBwdRequest", "SDK_LINE", "Span", "check_sdk_version",
+           "decode_forward_backward", "encode_forward_backward_output", "encode_sample_response", "json_body", "parse", "proto_module",
            "request_ids", "unzstd"]
 
 DEFAULT_MAX_BODY = 128 << 20      # bytes of one request body (parallm serve-tinker --max-body-mb)
@@ -93,10 +94,20 @@ def json_body(raw: bytes, *, route: str) -> dict:
 
 # -- forward_backward: the SDK's protobuf -----------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """One provenance run (the SDK's ``PromptProvenanceSpan`` / ``SampledProvenanceSpan``)."""
+    kind: str                       # "prompt" | "sampled"
+    sequence_id: str
+    offset: int
+    length: int
+
+
 @dataclasses.dataclass
 class Datum:
     tokens: np.ndarray              # int64 [N]: the model input
     inputs: dict                    # loss_fn_inputs: name -> numpy array (float32 / int64), densified
+    spans: tuple | None = None      # (model_input_spans, loss_fn_input_spans): lists of Span, or None (no provenance)
 
 
 @dataclasses.dataclass
@@ -209,9 +220,30 @@ def _request_of(pb, msg) -> FwdBwdRequest:
         ids = np.concatenate(tokens).astype(np.int64) if tokens else np.zeros(0, np.int64)
         inputs = {k: _tensor(pb, t, what=f"forward_backward: datum {i} loss_fn_inputs[{k!r}]", rows=len(ids))
                   for k, t in d.loss_fn_inputs.items()}
-        data.append(Datum(ids, inputs))
+        data.append(Datum(ids, inputs, _spans(d, i)))
     return FwdBwdRequest(model_id=msg.model_id, seq_id=int(msg.seq_id), loss_fn=msg.loss_fn,
                          loss_fn_config=config, forward_only=bool(msg.forward_only), data=data)
+
+
+def _spans(d, i: int) -> tuple | None:
+    """A datum's provenance spans (the wire has no None: no span in either list is no provenance)."""
+    if not len(d.model_input_spans) and not len(d.loss_fn_input_spans):
+        return None
+    out = []
+    for field in ("model_input_spans", "loss_fn_input_spans"):
+        runs = []
+        for j, msg in enumerate(getattr(d, field)):
+            kind = msg.WhichOneof("span")
+            if kind is None:
+                raise ApiError(400, f"forward_backward: datum {i} {field}[{j}] is neither a prompt nor a sampled span")
+            arm = getattr(msg, kind)
+            if arm.offset < 0 or arm.length < 0 or not arm.sequence_id:
+                raise ApiError(400, f"forward_backward: datum {i} {field}[{j}]: offset {arm.offset} and length "
+                                    f"{arm.length} must be >= 0 and the sequence_id non-empty")
+            runs.append(Span("prompt" if kind == "prompt_tokens" else "sampled", arm.sequence_id, int(arm.offset),
+                             int(arm.length)))
+        out.append(runs)
+    return tuple(out)
 
 
 def encode_forward_backward_output(outputs: list, metrics: dict) -> bytes:

@@ -3,7 +3,8 @@
 pool of rank 0, beside the training work, through the configured sampler (:mod:`.sampling`).
 
 Not offered (a 400 naming the parameter): top-k log-probs, ``target_prompt_logprobs``, ``prompt_alt_tokens_k``,
-``prompt_logprobs_last_n``, ``record_stability_info`` (StableReinforce), image / audio chunks.
+``prompt_logprobs_last_n``, image / audio chunks. ``record_stability_info``: the samples' ids and tokens recorded
+(:mod:`.stability`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class SamplingRoutes:
             if sid in self.samplers:
                 sid = f"{sid}.{len(self.samplers)}"
             self.samplers[sid] = {"base_model": self.config["model_name"], "model_path": model_path,
-                                  "adapter_dir": adapter_dir}
+                                  "adapter_dir": adapter_dir, "session_id": session_id}
         return sid
 
     # -- ephemeral snapshots: in memory, never in the checkpoint directory ---------------------------------------
@@ -165,8 +166,7 @@ class SamplingRoutes:
                 raise ApiError(400, f"asample: {name}={k}: this server returns 0 to {TOPK_MAX} log-probs per position")
         unsupported = [name for name, on in (("target_prompt_logprobs", req.target_prompt_logprobs is not None),
                                              ("prompt_alt_tokens_k", req.prompt_alt_tokens_k),
-                                             ("prompt_logprobs_last_n", req.prompt_logprobs_last_n is not None),
-                                             ("record_stability_info", bool(req.record_stability_info))) if on]
+                                             ("prompt_logprobs_last_n", req.prompt_logprobs_last_n is not None)) if on]
         if unsupported:
             raise ApiError(400, f"asample: {', '.join(unsupported)} not offered by parallm's Tinker server")
         if req.num_samples < 1:
@@ -223,14 +223,26 @@ class SamplingRoutes:
                         prompt_logprobs=bool(req.prompt_logprobs), adapter_dir=adapter_dir,
                         max_model_len=self.config["max_context"], topk_prompt=req.topk_prompt_logprobs,
                         topk_sample=req.topk_sample_logprobs, session=req.sampling_session_id)
+        ids = self.stability_ids(req, tokens)           # record_stability_info: recorded ids (stability.py)
         rid = self.futures.create("sample")
-        self._pool().submit(self._run_sample, rid, job)
+        self._pool().submit(self._run_sample, rid, job, ids)
         return {"request_id": rid, "model_id": None,
-                "sample_sequence_ids": [f"{rid}.{k}" for k in range(req.num_samples)]}
+                "sample_sequence_ids": ids or [f"{rid}.{k}" for k in range(req.num_samples)]}
 
-    def _run_sample(self, rid: str, job: SampleJob) -> None:
+    def stability_ids(self, req, tokens) -> list | None:
+        if not req.record_stability_info:
+            return None
+        s = self.samplers.get(req.sampling_session_id) if req.sampling_session_id is not None else None
+        if s is None or s.get("session_id") is None:
+            raise ApiError(400, "asample: record_stability_info needs a sampling session (a SamplingClient): the "
+                                "records are session-scoped")
+        self.session(s["session_id"])
+        return self.stability.assign(s["session_id"], tokens, req.num_samples)
+
+    def _run_sample(self, rid: str, job: SampleJob, ids=None) -> None:
         try:
             res = self.sampler.sample(job)
+            self.stability.sampled(ids, [seq[0] for seq in res.sequences])     # before the client can name them
             self.futures.resolve(rid, ("proto", protocol.encode_sample_response(
                 res.sequences, res.prompt_logprobs, topk_sampled=res.topk_sampled, topk_prompt=res.topk_prompt)))
         except SamplerDead as e:
@@ -240,3 +252,5 @@ class SamplingRoutes:
         except Exception as e:  # noqa: BLE001 - every error reaches the request
             log.exception("sampling failed")
             self.futures.fail(rid, f"sampling failed: {type(e).__name__}: {e}", category="server")
+        finally:
+            self.stability.settle(ids)

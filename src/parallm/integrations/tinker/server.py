@@ -70,7 +70,8 @@ def _config(args, directory, facts, template, chunks) -> dict:
             "tokenizer_id": directory if has_tok else (args.model_name or args.model), "lora_rank": args.lora_rank,
             "lora_alpha": args.lora_alpha, "lora_unembed": args.lora_unembed, "adapter_template": template,
             "session_warning": warn, "max_body": args.max_body_mb << 20, "max_sample_tokens": args.max_sample_tokens,
-            "keep_sampler_snapshots": args.keep_sampler_snapshots,
+            "keep_sampler_snapshots": args.keep_sampler_snapshots, "stability_ttl_s": args.stability_ttl,
+            "stability_max_tokens": args.stability_max_tokens,
             "num_experts": chunks[0].spec.moe.num_experts if chunks[0].spec.moe is not None else 1}
 
 
@@ -143,6 +144,7 @@ def _janitor(service, stop: threading.Event):
         try:
             service.skip_gaps()
             service.expire_sessions()
+            service.stability.prune()
             if ticks % 6 == 0:
                 service.expire_checkpoints()
         except Exception:  # noqa: BLE001 - keep the janitor alive

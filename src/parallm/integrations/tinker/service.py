@@ -3,7 +3,8 @@ capabilities, futures, training runs and checkpoint listings. Training routes: :
 :mod:`.sampling_routes`. The HTTP plumbing (:mod:`.http`) maps ``(method, path)`` to the ``route_*`` methods.
 
 Sessions expire after ``session_timeout_s`` without a heartbeat (the SDK sends one every 10 s): their training
-clients are dropped from the model (their checkpoints stay on disk).
+clients are dropped from the model (their checkpoints stay on disk), and their recorded samples
+(:mod:`.stability`) are forgotten.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from . import protocol
 from .futures import FutureStore
 from .records import RunRecords
 from .protocol import ApiError
+from .stability import DAY_S, StabilityStore
 
 __all__ = ["ModelRecord", "ServiceBase"]
 
@@ -57,6 +59,8 @@ class ServiceBase:
         self._run = secrets.token_hex(3)        # session ids (and the model ids and checkpoint paths made from
         #                                         them) differ from one server start to the next
         self.records = RunRecords(checkpoints)   # runs and sessions on disk (operations.py)
+        self.stability = StabilityStore(ttl=config.get("stability_ttl_s", DAY_S),   # record_stability_info samples
+                                        max_tokens=config.get("stability_max_tokens", 1 << 28))
 
     # -- futures and ordering ------------------------------------------------------------------------------------
     def job(self, kind: str, item: dict, to_result, *, model_id: str | None = None, seq_id: int | None = None,
@@ -156,6 +160,7 @@ class ServiceBase:
             mine = [m for m, rec in self.models.items() if rec.session_id == sid]
             for mid in mine:
                 self.models.pop(mid)
+        self.stability.end_session(sid)
         for mid in mine:
             self.leader.submit({"op": "drop_client", "args": {"model_id": mid}}, lambda ok, v, c: None)
 

@@ -171,7 +171,8 @@ class TrainingRoutes:
     def route_forward_backward(self, raw: bytes, encoding: str | None):
         req = protocol.decode_forward_backward(raw, encoding=encoding, max_body=self.config["max_body"])
         try:
-            self.model(req.model_id)
+            rec = self.model(req.model_id)
+            self.stability.check(rec.session_id, req.data)      # provenance spans (stability.py); renews them
         except ApiError as e:
             e.ids = (req.model_id, req.seq_id)
             raise

@@ -2,7 +2,9 @@
 r's ``[q_r; k_r; v_r]``), q / k norms (per head, or over the whole projection), RoPE, the attention kernel of the
 layout (padded, packed, context parallel), attention sinks, the output gate, and Gemma's pieces: a weightless
 RMSNorm over each value head (``spec.v_norm``) and a softmax scale other than ``head_dim ** -0.5``
-(``spec.attn_scale``, folded into the queries: the kernels scale by ``head_dim ** -0.5``)."""
+(``spec.attn_scale``, folded into the queries: the kernels scale by ``head_dim ** -0.5``). A layer of
+``spec.global_layers`` (Gemma 4's full-attention layers) runs its own head dim and KV-head count
+(``spec.head_dim_of`` / ``spec.kv_heads_of``)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from ...parallel.state import as_device
 from ..context_parallel import CP_KERNELS, ContextSplit
 from ..positions.yarn import apply_partial_rope
 from ..spec import DecoderSpec
+from . import kv_sharing
 from .attention import AttnBackend, Packing, block_kernel
 from .mlp import no_init
 from .norms import norm_class
@@ -35,8 +38,18 @@ def value_rms_norm(v: torch.Tensor, eps: float) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int, device=None, *,
                  backend: AttnBackend, cp_group=None, cp_attn: str = "allgather", window: int | None = None,
-                 tp_group=None):
+                 tp_group=None, layer: int | None = None):
         super().__init__()
+        # Gemma 4's KV sharing (layers/kv_sharing.py): a reader takes its source's keys / values (q_proj only);
+        # a source keeps them on the batch context for its readers
+        self.layer_number = layer
+        self.kv_source = None if layer is None else spec.kv_source(layer)
+        readers = kv_sharing.last_readers(spec)
+        self.keeps_kv = layer in readers
+        self.drops_kv = self.kv_source is not None and readers.get(self.kv_source) == layer
+        # this layer's attention shape (Gemma 4's full layers: global_head_dim, global_kv_heads)
+        head_dim = spec.head_dim if layer is None else spec.head_dim_of(layer)
+        nkv = spec.num_kv_heads if layer is None else spec.kv_heads_of(layer)
         self.backend = backend
         self.window = window              # sliding window (spec.window(layer)); None: full causal attention
         self.cp_group = cp_group          # context parallelism: keys and values gathered over it
@@ -45,8 +58,9 @@ class Attention(nn.Module):
         if spec.qk_norm:
             # One weight over head_dim shared by all heads; each TP rank sees only its heads, so its gradient is
             # a partial sum over TP (the table row says tp_sum="always").
-            self.q_norm = norm_class(spec)(spec.head_dim, spec.rms_norm_eps, config.params_dtype, device)
-            self.k_norm = norm_class(spec)(spec.head_dim, spec.rms_norm_eps, config.params_dtype, device)
+            self.q_norm = norm_class(spec)(head_dim, spec.rms_norm_eps, config.params_dtype, device)
+            if self.kv_source is None:
+                self.k_norm = norm_class(spec)(head_dim, spec.rms_norm_eps, config.params_dtype, device)
         # MiniMax-M2: one RMS over the whole q / k projection; the TP group joins the ranks' heads (qk_norm.py)
         self.whole_qk, self.whole_qk_group = spec.qk_norm_whole, tp_group
         if spec.qk_norm_whole:
@@ -56,23 +70,26 @@ class Attention(nn.Module):
                                               config.params_dtype, device)
             self.k_norm = WholeProjectionNorm(max(1, spec.num_kv_heads // tp), spec.head_dim, spec.rms_norm_eps,
                                               config.params_dtype, device)
-        self.head_dim = spec.head_dim
+        self.head_dim = head_dim
         # Gemma: the softmax scale (the kernels apply head_dim ** -0.5: the rest multiplies the queries) and the
         # values' weightless RMSNorm
-        factor = None if spec.attn_scale is None else spec.attn_scale * math.sqrt(spec.head_dim)
+        factor = None if spec.attn_scale is None else spec.attn_scale * math.sqrt(head_dim)
         self.q_factor = None if factor is None or factor == 1.0 else factor
         self.v_norm_eps = spec.rms_norm_eps if spec.v_norm else None
         self.nope = spec.nope             # no positions at all (Nemotron-H's attention layers)
         self.num_heads_local = spec.num_heads // tp
-        self.num_kv_local = max(1, spec.num_kv_heads // tp)
+        self.num_kv_local = max(1, nkv // tp)
+        # K = V (Gemma 4's global layers): the fused projection is [q_r; k_r]; the values are the raw keys
+        self.k_eq_v = layer is not None and spec.global_k_eq_v and spec.is_global_layer(layer)
         # the output gate (Qwen3-Next, Qwen3.5): each query head's rows are [q_h; gate_h] (2 heads' worth)
         self.gated = spec.attn_output_gate
-        local_out = ((2 if self.gated else 1) * self.num_heads_local + 2 * self.num_kv_local) * spec.head_dim
+        kv_rows = 0 if self.kv_source is not None else 1 if self.k_eq_v else 2
+        local_out = ((2 if self.gated else 1) * self.num_heads_local + kv_rows * self.num_kv_local) * head_dim
         self.linear_qkv = mtp.ColumnParallelLinear(
             spec.hidden_size, local_out * tp, config=config, init_method=no_init, bias=spec.qkv_bias,
             gather_output=False)
         self.linear_proj = mtp.RowParallelLinear(
-            spec.q_size, spec.hidden_size, config=config, init_method=no_init, bias=spec.o_bias,
+            spec.num_heads * head_dim, spec.hidden_size, config=config, init_method=no_init, bias=spec.o_bias,
             input_is_parallel=True, skip_bias_add=False)
         # gpt-oss: this TP rank's query heads' attention-sink logits (split with the heads), entering each
         # softmax's denominator once (every attention kernel takes ``sink=``)
@@ -87,8 +104,13 @@ class Attention(nn.Module):
         s, b, _ = qkv.shape
         hq, hkv, d = self.num_heads_local, self.num_kv_local, self.head_dim
         nq = 2 * hq if self.gated else hq                   # gated: query heads interleaved with their gates
-        heads = qkv.view(s, b, nq + 2 * hkv, d)            # [q_r; k_r; v_r] as heads: views, no copies
-        q, k = heads[:, :, :nq:nq // hq], heads[:, :, nq:nq + hkv]
+        heads = qkv.view(s, b, -1, d)            # [q_r; k_r; v_r] (K = V: [q_r; k_r]) as heads: views, no copies
+        q = heads[:, :, :nq:nq // hq]
+        if self.kv_source is not None:       # KV sharing: only the queries are this layer's
+            return self._attend(self._queries(q, cos, sin), *kv_sharing.take(
+                ctx, self.layer_number, self.kv_source, last=self.drops_kv), ctx, heads, s, b)
+        k = heads[:, :, nq:nq + hkv]
+        v = k if self.k_eq_v else heads[:, :, nq + hkv:]     # K = V: the keys' projection, before k_norm / RoPE
         if self.whole_qk:
             q, k = whole_projection_qk_norm(q, k, self.q_norm, self.k_norm, self.whole_qk_group)
         elif hasattr(self, "q_norm"):
@@ -98,9 +120,24 @@ class Attention(nn.Module):
             k = apply_partial_rope(k, cos, sin)
         if self.q_factor is not None:
             q = q * self.q_factor
-        v = heads[:, :, nq + hkv:]
         if self.v_norm_eps is not None:
             v = value_rms_norm(v, self.v_norm_eps)
+        if self.keeps_kv:
+            kv_sharing.keep(ctx, self.layer_number, k, v)
+        return self._attend(q, k, v, ctx, heads, s, b)
+
+    def _queries(self, q, cos, sin):
+        """A KV-sharing layer's queries: q_norm, RoPE, the softmax scale's factor."""
+        if hasattr(self, "q_norm"):
+            q = self.q_norm(q)
+        if not self.nope:
+            q = apply_partial_rope(q, cos, sin)
+        return q if self.q_factor is None else q * self.q_factor
+
+    def _attend(self, q, k, v, ctx, heads, s, b):
+        """The attention kernel of the layout, the output gate and the output projection."""
+        hq, d = self.num_heads_local, self.head_dim
+        nq = 2 * hq if self.gated else hq
         extra = {} if self.sinks is None else {"sink": self.sinks}
         if isinstance(ctx, ContextSplit):
             out = self.cp_fn(q, k, v, ctx, self.cp_group, self.cp_block, window=self.window,

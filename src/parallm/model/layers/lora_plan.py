@@ -24,7 +24,7 @@ HEAD = "lm_head"
 # families whose layers parallm can adapt (plain GQA or multi-head latent attention; experts as transformers 5
 # stacks them)
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3",
-                      "gpt_oss", "deepseek_v32", "glm_moe_dsa", "nemotron_h", "minimax_m2")
+                      "gpt_oss", "deepseek_v32", "glm_moe_dsa", "nemotron_h", "minimax_m2", "kimi_k25")
 # Mamba-2's input projection (Nemotron-H): adapted like a column-parallel linear whose rows are the in_proj's
 # [z; x; B; C; dt] parts, B's rows split over TP as the weight's (PEFT refuses out_proj / conv1d on Mamba models)
 MAMBA_LINEAR = ("in_proj",)
@@ -35,6 +35,9 @@ MAMBA_LINEAR = ("in_proj",)
 # routed experts, and so does parallm.
 PEFT_EXPERT_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "minimax_m2")
 # (MiniMax-M2: transformers maps minimax_m2 to mixtral's pattern, w1 / w3 / w2 -> gate_up_proj / down_proj)
+# (Kimi-K2.5 / K2.6 is not among them: PEFT 0.21 has no pattern for the kimi_k25 wrapper, so on its language model
+# it adapts the dense layers' and the shared experts' nn.Linear MLPs and leaves the INT4 routed experts alone, as
+# Qwen2-MoE; so does parallm)
 # (DeepSeek-V3.2 and GLM-5 too: transformers maps both to qwen2_moe's pattern, as deepseek_v3. Their indexer is
 # never adapted: frozen, run without gradient; its wq_b / wk / weights_proj are no target name of parallm's)
 # parallm's MLA parameters (in a layer's self_attention) -> the kind of their adapter (see layer_slots)
