@@ -125,7 +125,11 @@ def hub_name(name: str) -> str:
            "model.hc_head.hc_scale": "hc_head_scale"}
     if name in top:
         return top[name]
-    return name[len("model."):] if name.startswith("model.layers.") else name
+    if not name.startswith("model.layers."):
+        return name
+    # the released checkpoints name the attention's KV norm attn.kv_norm (DeepSeek's inference code; vLLM's
+    # loader); transformers saves it as attn.norm
+    return name[len("model."):].replace(".attn.norm.", ".attn.kv_norm.")
 
 
 def is_routed_expert(name: str) -> bool:

@@ -176,7 +176,7 @@ def export_hf_tensors(chunks, *, dtype: torch.dtype | None = None, bucket_bytes=
 
 def _merged_stream(chunks, kwargs):
     """:func:`export_hf_tensors` of the merged weights (LoRA), restored when the stream ends."""
-    from ..model.layers.lora import merged_weights
+    from ..model.layers.lora_merge import merged_weights
     with merged_weights(chunks):
         yield from open_stream(chunks, **kwargs)[0]
 

@@ -29,6 +29,7 @@ from ..errors import CheckpointError
 from ..families import family_of
 from ..model.layers.lora import (HEAD, PEFT_EXPERT_FAMILIES, LoraConfig, add_lora, global_entries,
                                  chunk_lora_entries, lora_config_of)
+from ..model.layers.lora_plan import V4_PEFT_EXCLUDE
 from ..model.placement import placement_of
 from ..model.sharding import Source
 from ..parallel.comm import all_gather_single
@@ -177,6 +178,9 @@ def peft_config_dict(chunks) -> dict:
         "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "fan_in_fan_out": False,
         "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
         "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "lora_bias": False,
+        # DeepSeek-V4: the target leaves (kv_proj, gate_proj, q_b_proj) name compressor / indexer modules too,
+        # which parallm never adapts; PEFT is told to leave them (and the grouped o_a_proj) alone
+        **({"exclude_modules": V4_PEFT_EXCLUDE} if chunk.spec.v4 is not None else {}),
     }
 
 
@@ -237,6 +241,10 @@ def config_from_peft(peft: dict, chunk, sidecar: dict | None = None) -> LoraConf
                     ("lora_bias", False), ("fan_in_fan_out", False)):
         if peft.get(key, ok) not in (ok, None) and not (key == "lora_dropout" and peft.get(key) == 0):
             raise CheckpointError(f"PEFT adapter with {key}={peft.get(key)!r}: parallm's LoRA runs {key}={ok!r} only")
+    exclude = peft.get("exclude_modules")
+    if exclude and not (chunk.spec.v4 is not None and exclude == V4_PEFT_EXCLUDE):
+        raise CheckpointError(f"PEFT adapter with exclude_modules={exclude!r}: parallm reads only the exclusion its "
+                              f"own DeepSeek-V4 adapters carry ({V4_PEFT_EXCLUDE!r})")
     if peft.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"not a LoRA adapter (peft_type {peft.get('peft_type')!r})")
     targets = peft.get("target_modules") or []

@@ -196,12 +196,12 @@ def save_hf_weights(chunks, out_dir=None, *, dtype: torch.dtype | None = None, o
     disappeared since is a warning, and the weights are still saved.
 
     ``merged=True``: a model with LoRA adapters saves ``W + B A * alpha / r`` under the base's names
-    (:func:`parallm.model.layers.lora.merged_weights`: merged in place, restored bit for bit afterwards).
+    (:func:`parallm.model.layers.lora_merge.merged_weights`: merged in place, restored bit for bit afterwards).
 
     A model whose weights were never loaded is refused on every rank (:mod:`parallm.model.loaded`).
     """
     if merged:
-        from ..model.layers.lora import merged_weights
+        from ..model.layers.lora_merge import merged_weights
         with merged_weights(chunks):
             return save_hf_weights(chunks, out_dir, dtype=dtype, overwrite=overwrite, max_shard_size=max_shard_size,
                                    progress=progress, source=source)

@@ -1,7 +1,7 @@
 """DeepSeek-V4 (``DeepseekV4ForCausalLM``, ``model_type`` ``deepseek_v4``: V4-Flash, V4-Pro, V4.1): config ->
 :class:`~parallm.model.spec.DecoderSpec`, and its weight table.
 
-What differs from every other family (transformers 5.25's ``models/deepseek_v4``; docs/families.md):
+What differs from every other family (transformers 5.25's ``models/deepseek_v4``; docs/deepseek_v4.md):
 
 * **Hyper-connections** (:mod:`parallm.model.layers.hyper_connections`): ``hc_mult`` residual streams, mixed
   before and after each block by Sinkhorn-normalised weights, collapsed by ``hc_head`` before the final norm.

@@ -11,7 +11,9 @@ parallm's V4 weight table names tensors as transformers' ``DeepseekV4ForCausalLM
     norm.weight                      model.norm.weight
     hc_head_fn / _base / _scale      model.hc_head.hc_fn / hc_base / hc_scale
     head.weight                      head.weight
-    layers.{i}.<rest>                model.layers.{i}.<rest>   (<rest> the same: attn.*, ffn.*, hc_attn_fn, ...)
+    layers.{i}.<rest>                model.layers.{i}.<rest>   (<rest> the same: attn.*, ffn.*, hc_attn_fn, ...,
+                                                               except the attention's KV norm:)
+    layers.{i}.attn.kv_norm.weight   model.layers.{i}.attn.norm.weight
     mtp.{j}.<rest>                   mtp.{j}.<rest>            (transformers drops them; parallm carries them)
 
 Block scales follow their weight (``layers.{i}.attn.wq_a.scale`` -> ``model.layers.{i}.attn.wq_a.scale``).
@@ -47,13 +49,19 @@ _SAVE_TOP = {v: k for k, v in _HUB_TOP.items()}
 _HUB_LAYERS, _SAVE_LAYERS = "layers.", "model.layers."
 
 
+# the attention's KV norm: attn.kv_norm on the Hub (DeepSeek's inference code, vLLM's loader), attn.norm in
+# transformers' saves (its conversion renames every ".norm." to ".kv_norm." on load, so save_pretrained writes the
+# attention's back as attn.norm; the compressors' norms are compressor.norm in both)
+_HUB_KV_NORM, _SAVE_KV_NORM = ".attn.kv_norm.", ".attn.norm."
+
+
 def hub_to_hf(name: str) -> str:
     """A Hub checkpoint name -> transformers' save name (names of neither form, such as ``head.weight`` and
     ``mtp.*``, are the same in both)."""
     if name in _HUB_TOP:
         return _HUB_TOP[name]
     if name.startswith(_HUB_LAYERS):
-        return MODEL + name
+        return MODEL + name.replace(_HUB_KV_NORM, _SAVE_KV_NORM)
     return name
 
 
@@ -62,7 +70,7 @@ def hf_to_hub(name: str) -> str:
     if name in _SAVE_TOP:
         return _SAVE_TOP[name]
     if name.startswith(_SAVE_LAYERS):
-        return name[len(MODEL):]
+        return name[len(MODEL):].replace(_SAVE_KV_NORM, _HUB_KV_NORM)
     return name
 
 

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ...parallel.errors import agree
+from .unsupported import refuse_checkpoint
 
 __all__ = ["GPU_MEMORY_SHARE", "KV_CACHE_BYTES", "gpu_memory_default", "launch"]
 
@@ -262,6 +263,7 @@ def launch(model_dir, *, rank: int = 0, **llm_kwargs):
     such directory, a head size vLLM's CPU attention does not support, vLLM's own errors) is raised on every
     rank.
     """
+    refuse_checkpoint(model_dir, "launch")              # every rank alike: the same directory
     world, me = _world()
     if not (isinstance(rank, int) and 0 <= rank < world):
         raise ValueError(f"launch: rank must be a global rank of the world of {world} (0..{world - 1}), "

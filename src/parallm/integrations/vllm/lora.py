@@ -18,11 +18,13 @@ import weakref
 import torch
 
 from ...checkpoint.lora_io import export_adapter_tensors, peft_config_dict, write_peft_dir
-from ...model.layers.lora import global_entries, lora_config_of, merged_weights
+from ...model.layers.lora import global_entries, lora_config_of
+from ...model.layers.lora_merge import merged_weights
 from ...parallel.errors import gather_objects, run_local
 from ...parallel.state import as_chunks, dims_of, require_initialized
 from .client import Connection
 from .push import push_weights
+from .unsupported import refuse_family
 
 __all__ = ["push_adapter"]
 
@@ -80,6 +82,7 @@ def push_adapter(chunks, llm, *, rank: int = 0, name: str = "parallm", dtype: to
     engine on ``rank``, a rank too large for the engine) are raised on every rank."""
     require_initialized("push_adapter")
     chunks = as_chunks(chunks)
+    refuse_family(chunks[0].spec.family, "push_adapter")
     dims = dims_of(chunks)
 
     def check_model():

@@ -36,6 +36,7 @@ from ...parallel.state import as_chunks, dims_of
 from .client import Connection
 from .fixes import TIED_HEAD, TIED_SOURCE, SinkWriter, cpu_experts_repacked, engine_tensors, mismatch
 from .remote import push_remote
+from .unsupported import refuse_family
 
 __all__ = ["push_weights"]
 
@@ -231,6 +232,7 @@ def push_weights(chunks, llm, *, rank: int = 0, dtype: torch.dtype | None = None
     Returns, on every rank: ``{"bytes": bytes streamed, "seconds": wall time of the slowest rank, "gbps":
     bytes / seconds / 1e9, "tensors": tensors pushed, "buckets": buckets}``.
     """
+    refuse_family(as_chunks(chunks)[0].spec.family, "push_weights")    # every rank alike, before any collective
     if isinstance(llm, Connection):
         return push_remote(chunks, llm, dtype=dtype, bucket_bytes=bucket_bytes)
     t0 = time.perf_counter()

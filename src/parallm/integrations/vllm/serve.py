@@ -26,6 +26,8 @@ import tempfile
 import time
 import urllib.request
 
+from .unsupported import refuse_checkpoint
+
 __all__ = ["Server", "remove_shm_files", "serve", "shm_files"]
 
 _SHM = "/dev/shm"
@@ -175,6 +177,7 @@ def serve(model_dir, *, tensor_parallel_size: int = 1, port: int | None = None, 
     ``wait=False`` returns at once: call :meth:`Server.wait_ready` (several servers then start side by side).
     ``dev_mode=False`` leaves vLLM's development routes (``/collective_rpc``, ``/sleep``, the weight-transfer
     routes: none of them behind vLLM's API key) off, for an engine that only serves requests."""
+    refuse_checkpoint(model_dir, "serve")
     port = port or _free_port()
     cmd = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", os.fspath(model_dir),
            "--port", str(port), "--host", "127.0.0.1", "--tensor-parallel-size", str(tensor_parallel_size),

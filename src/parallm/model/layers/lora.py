@@ -63,10 +63,11 @@ from torch import nn
 
 from ...parallel.megatron_import import import_megatron
 from ...parallel.state import as_chunks
-from .lora_plan import (ALL_LINEAR, HEAD, MLA_LINEAR, PEFT_EXPERT_FAMILIES, SUPPORTED_FAMILIES, KVRows, LoraConfig,
-                        LoraEntry, LoraRow, Slot, Stacked, _leaf, _local_rows, global_entries, head_slot,
-                        layer_slots)
+from .lora_plan import (ALL_LINEAR, HEAD, MLA_LINEAR, PEFT_EXPERT_FAMILIES, SUPPORTED_FAMILIES, V4_ADAPTED, KVRows,
+                        LoraConfig, LoraEntry, LoraRow, Slot, Stacked, _local_rows, global_entries, head_slot,
+                        layer_slots, peft_modules)
 from .mla import ReplicatedLinear
+from .v4_attention import SplitLinear
 from .moe import Experts
 from ..params import attach_main_grad_hooks
 from ..placement import Placement, place
@@ -76,7 +77,7 @@ mtp = import_megatron().tensor_parallel
 
 __all__ = ["ALL_LINEAR", "HEAD", "MLA_LINEAR", "PEFT_EXPERT_FAMILIES", "SUPPORTED_FAMILIES", "KVRows", "LoraConfig",
            "LoraEntry", "LoraRow", "Slot", "Stacked", "add_lora", "adapters_disabled", "chunk_lora_entries",
-           "global_entries", "layer_slots", "lora_config_of", "lora_state_of", "merged_weights", "set_adapter_rank"]
+           "global_entries", "layer_slots", "lora_config_of", "lora_state_of", "set_adapter_rank"]
 
 
 # -- the adapters ---------------------------------------------------------------------------------------------
@@ -105,7 +106,7 @@ class Adapter(nn.Module):
         slots = self.slots
         a = self.lora_A[slots[0].part] if len(slots) == 1 else torch.cat([self.lora_A[s.part] for s in slots])
         z = F.linear(x, a)
-        if self.kind == "replicated":
+        if self.kind in ("replicated", "split"):       # split: B's rows this rank's, x already in the TP region
             s = slots[0]
             return F.linear(z, self.lora_B[s.part]) * s.scaling
         if self.kind == "column":
@@ -163,6 +164,17 @@ class LoraRowParallelLinear(mtp.RowParallelLinear):
 class LoraReplicatedLinear(ReplicatedLinear):
     """MLA's replicated down-projection with an :class:`Adapter` (``self.lora``, kind ``"replicated"``) added to
     its output."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        if self.lora.state.enabled:
+            out = out + self.lora(x)
+        return out
+
+
+class LoraSplitLinear(SplitLinear):
+    """DeepSeek-V4's q_b_proj (split by heads, its input already in the TP region) with an :class:`Adapter`
+    (``self.lora``, kind ``"split"``: A replicated, its gradient a partial sum over TP; B split by rows)."""
 
     def forward(self, x):
         out = super().forward(x)
@@ -276,12 +288,18 @@ def add_lora(chunks, config: LoraConfig):
     if found == 0 and _targets_nothing(spec, chunks[0], config):
         raise ValueError(f"LoRA target_modules {config.target_modules!r} match no module of this "
                          f"{spec.architecture} (adaptable: "
-                         f"{', '.join(ALL_LINEAR + (MLA_LINEAR if spec.mla is not None else ()) + (HEAD,))})")
+                         f"{', '.join(_adaptable(spec) + (HEAD,))})")
     for chunk in chunks:
         chunk.lora_config, chunk.lora_state = config, state
         chunk._parallm_norm_plan = None
     attach_main_grad_hooks(chunks)
     return chunks
+
+
+def _adaptable(spec) -> tuple[str, ...]:
+    if spec.v4 is not None:
+        return tuple(V4_ADAPTED) + ("gate_proj", "up_proj", "down_proj")
+    return ALL_LINEAR + (MLA_LINEAR if spec.mla is not None else ())
 
 
 def _targets_nothing(spec, chunk, config) -> bool:
@@ -304,10 +322,11 @@ def _add_to_chunk(chunk, config, state) -> int:
         kind, slots = found
         module = chunk.get_submodule(entry.local.removesuffix(".weight"))
         device = module.weight.device
-        if kind in ("column", "row", "replicated"):
+        if kind in ("column", "row", "replicated", "split"):
             local_rows = None
             if kind == "column":
-                local_rows = [(_leaf(h)[1], n) for h, n in zip(entry.hf, _local_rows(spec, entry, tp, rank))]
+                local_rows = [(p, n) for (_, p), n in zip(peft_modules(spec, entry), _local_rows(spec, entry, tp,
+                                                                                                  rank))]
             _attach(chunk, module, kind, slots, local_rows, state, config, device)
         else:
             experts_module = chunk.get_submodule(entry.local.rsplit(".", 2)[0])
@@ -342,7 +361,7 @@ def _attach(chunk, module, kind, slots, local_rows, state, config, device) -> No
     dims, sp, tp, rank = chunk.dims, chunk.sequence_parallel, chunk.dims.tp, chunk.dims.tp_rank
     dtype = chunk.config.params_dtype
     module.__class__ = {"column": LoraColumnParallelLinear, "row": LoraRowParallelLinear,
-                        "replicated": LoraReplicatedLinear}[kind]
+                        "replicated": LoraReplicatedLinear, "split": LoraSplitLinear}[kind]
     ad = Adapter(kind, slots, local_rows, state, dims, sp)
     for s in slots:
         a = _init_a(s.module, s.r, s.cols, config.seed)
@@ -437,63 +456,3 @@ def adapters_disabled(chunks):
         yield
     finally:
         state.enabled = before
-
-
-def adapted_weights(chunks):
-    """``(weight, adapter)`` of every adapted base weight of this rank (an expert weight's adapter as
-    ``(ExpertAdapter, part)``): what :func:`merged_weights` merges."""
-    for chunk in as_chunks(chunks):
-        for module in chunk.modules():
-            if isinstance(module, (LoraColumnParallelLinear, LoraRowParallelLinear, LoraReplicatedLinear)):
-                yield module.weight, module.lora
-            elif isinstance(module, LoraExperts):
-                yield module.linear_fc1.weight, (module.lora, "gate_up_proj")
-                yield module.linear_fc2.weight, (module.lora, "down_proj")
-
-
-@torch.no_grad()
-def _deltas(weight, what):
-    """``[(view of weight, fp32 delta)]`` for one adapted weight."""
-    if isinstance(what, Adapter):
-        if what.kind in ("row", "replicated"):
-            return [(weight, what.delta(what.slots[0].part))]
-        out, at = [], 0
-        for part, rows in what.local_rows:
-            if part in what.lora_A:
-                out.append((weight[at:at + rows], what.delta(part)))
-            at += rows
-        return out
-    ad, part = what
-    if part not in ad.lora_A:
-        return []
-    delta = torch.bmm(ad.lora_B[part].float(), ad.lora_A[part].float()) * ad.slots[part].scaling
-    return [(weight, delta.transpose(-2, -1) if ad.columns else delta)]
-
-
-@contextlib.contextmanager
-def merged_weights(chunks):
-    """Inside, every adapted base weight holds ``W + B A * scaling`` (computed in fp32, rounded once into the
-    weight's dtype): what an engine without LoRA serves. On exit the original bits are copied back. Each adapted
-    weight is copied aside first, to host memory (on a GPU the merge then costs no device memory beyond one
-    weight's fp32 delta at a time: with expert LoRA the adapted weights are most of the model, and this is when a
-    colocated engine needs the room). No collectives: each rank merges its own shards."""
-    config, chunk = lora_config_of(chunks), as_chunks(chunks)[0]
-    if config is not None and config.targets(HEAD) and chunk.share_embeddings_and_output_weights:
-        raise ValueError("merged export with an lm_head adapter on a model with tied embeddings: lm_head.weight is "
-                         "embed_tokens.weight, so merging B A into it would change the input embedding too. Export "
-                         "the adapter (save_hf_adapter), or train on an untied copy of the base")
-    saved = []
-    try:
-        with torch.no_grad():
-            for weight, what in adapted_weights(chunks):
-                pieces = _deltas(weight, what)
-                if not pieces:
-                    continue
-                saved.append((weight, weight.detach().to("cpu", copy=True)))
-                for view, delta in pieces:
-                    view.copy_((view.float() + delta).to(view.dtype))
-        yield
-    finally:
-        with torch.no_grad():
-            for weight, original in saved:
-                weight.detach().copy_(original, non_blocking=False)

@@ -24,10 +24,22 @@ HEAD = "lm_head"
 # families whose layers parallm can adapt (plain GQA or multi-head latent attention; experts as transformers 5
 # stacks them)
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3",
-                      "gpt_oss", "deepseek_v32", "glm_moe_dsa", "nemotron_h", "minimax_m2", "kimi_k25")
+                      "gpt_oss", "deepseek_v32", "glm_moe_dsa", "nemotron_h", "minimax_m2", "kimi_k25",
+                      "deepseek_v4")
 # Mamba-2's input projection (Nemotron-H): adapted like a column-parallel linear whose rows are the in_proj's
 # [z; x; B; C; dt] parts, B's rows split over TP as the weight's (PEFT refuses out_proj / conv1d on Mamba models)
 MAMBA_LINEAR = ("in_proj",)
+# DeepSeek-V4's attention projections (transformers' DeepseekV4Attention, PEFT's names: q_a_proj / q_b_proj are
+# above) -> the kind of their adapter. o_a_proj (a DeepseekV4GroupedLinear, an nn.Linear subclass whose forward
+# is block-diagonal) is no target: PEFT 0.21 wraps it as a plain Linear and its forward fails ("The size of tensor
+# a (o_lora_rank) must match the size of tensor b (o_groups * o_lora_rank)"), so "all-linear" leaves it and naming
+# it is refused. The compressor's and the indexer's projections are never adapted (see v4_slots)
+V4_LINEAR = ("kv_proj", "o_b_proj")
+V4_ADAPTED = {"q_a_proj": "replicated", "kv_proj": "replicated", "q_b_proj": "split", "o_b_proj": "row"}
+V4_REFUSED = "o_a_proj"
+# what a saved V4 adapter_config.json excludes, so that PEFT (whose "all-linear" and leaf names reach the
+# compressor's and indexer's kv_proj / gate_proj / q_b_proj / weights_proj too) adapts exactly what parallm did
+V4_PEFT_EXCLUDE = r".*\.self_attn\.(compressor|o_a_proj)(\..*)?"
 # MoE families whose MLP target names PEFT 0.21 retargets to the stacked routed experts on transformers 5
 # (peft.utils.transformers_weight_conversion: a conversion pattern for the model type; deepseek_v3 shares
 # qwen2_moe's pattern in transformers' table, as qwen3_moe does). Their dense MLPs and shared experts then get no
@@ -86,7 +98,7 @@ class LoraConfig:
     def targets(self, module: str) -> bool:
         """Whether HF module ``module`` (``model.layers.0.self_attn.q_proj``) is targeted (PEFT's rule)."""
         t = self.target_modules
-        linear = module.rsplit(".", 1)[-1] in ALL_LINEAR + MLA_LINEAR + MAMBA_LINEAR
+        linear = module.rsplit(".", 1)[-1] in ALL_LINEAR + MLA_LINEAR + MAMBA_LINEAR + V4_LINEAR
         if t == "all-linear":
             return linear
         if isinstance(t, str):
@@ -227,6 +239,72 @@ def _leaf(hf_weight: str) -> tuple[str, str]:
     return module, module.rsplit(".", 1)[-1]
 
 
+# DeepSeek-V4: parallm's attention parameter (under layers.{l}.self_attention.) -> transformers' module path under
+# model.layers.{i}.self_attn. (the indexer sits inside the compressor there)
+_V4_MEMORY = (("indexer.compressor.", "compressor.indexer."), ("indexer.weights_proj", "compressor.indexer.scorer."
+                                                                                     "weights_proj"),
+              ("indexer.q_b_proj", "compressor.indexer.q_b_proj"))
+
+
+def peft_modules(spec, entry) -> list[tuple[str, str]]:
+    """``[(module path, leaf)]`` of the HF modules in a table entry's parameter, as PEFT names them: the
+    checkpoint's names, except DeepSeek-V4's, whose checkpoint names (``attn.wq_a``, ``ffn.shared_experts.w1``)
+    differ from transformers' in-memory modules (``self_attn.q_a_proj``, ``mlp.shared_experts.gate_proj``)."""
+    if spec.v4 is None:
+        return [_leaf(h) for h in entry.hf]
+    local = entry.local.split(".", 2)[-1]
+    if local.startswith("self_attention."):
+        name = local.removeprefix("self_attention.")
+        for old, new in _V4_MEMORY:
+            if name.startswith(old):
+                name = new + name[len(old):]
+        return [_leaf(f"model.layers.{entry.layer}.self_attn.{name}")]
+    if entry.row.fused:
+        return [_leaf(f.format(i=entry.layer)) for f in entry.row.fused]
+    return [_leaf(h) for h in entry.hf]
+
+
+def _v4_explicit(config: LoraConfig, module: str, shared_leaves: tuple[str, ...]) -> bool:
+    """Whether ``config`` names ``module`` by more than ``"all-linear"`` or a bare leaf in ``shared_leaves`` (a
+    leaf that names an adaptable projection as well: kv_proj, q_b_proj, gate_proj...)."""
+    t = config.target_modules
+    if isinstance(t, str):
+        return t != "all-linear" and re.fullmatch(t, module) is not None
+    return any(x != "all-linear" and x not in shared_leaves and (module == x or module.endswith("." + x)) for x in t)
+
+
+def _v4_slots(spec, entry, config: LoraConfig, local: str, *, sp: bool):
+    """DeepSeek-V4's attention projections (:data:`V4_ADAPTED`): q_a_proj / kv_proj replicated (the rank's
+    gathered tokens), q_b_proj split by heads (its input already in the TP region: A's gradient is a partial sum
+    over TP), o_b_proj row parallel. o_a_proj, the compressor's and the indexer's projections are refused when
+    named (the compressor's / indexer's by a bare leaf they share with the attention's own projections, or by
+    ``"all-linear"``, are left alone, as the issue asks; PEFT's would adapt them)."""
+    if not local.endswith("proj.weight"):
+        return None
+    (m, p), = peft_modules(spec, entry)
+    name = local.removeprefix("self_attention.").removesuffix(".weight")
+    if "." in name:
+        if _v4_explicit(config, m, tuple(V4_ADAPTED) + ALL_LINEAR):
+            raise ValueError(f"LoRA on {m} is not supported: parallm never adapts DeepSeek-V4's compressor or its "
+                             "(frozen) indexer; adaptable: q_a_proj, q_b_proj, kv_proj, o_b_proj of self_attn and "
+                             "the shared experts' gate/up/down_proj (a regex target must not match the compressor)")
+        return None
+    if name == V4_REFUSED:
+        if _v4_explicit(config, m, ()):
+            raise ValueError(f"LoRA on {m} is not supported: o_a_proj is a grouped (block-diagonal) linear, on "
+                             "which PEFT 0.21's Linear adapter fails; adaptable: q_a_proj, q_b_proj, kv_proj, "
+                             "o_b_proj and the shared experts' gate/up/down_proj")
+        return None
+    if name not in V4_ADAPTED or not config.targets(m):
+        return None
+    rows, cols = resolve_shape(entry.row.shapes[0], spec)
+    kind = V4_ADAPTED[name]
+    a_lay, b_lay, a_sum, b_sum = {"replicated": (Replicated(), Replicated(), sp, sp),
+                                  "split": (Replicated(), Split(0), True, False),
+                                  "row": (Split(1), Replicated(), False, sp)}[kind]
+    return kind, [Slot(m, p, rows, cols, *config.rank_alpha_scaled(m), a_lay, b_lay, a_sum, b_sum)]
+
+
 def _expert_rank_alpha(config: LoraConfig, modules) -> tuple[int, float]:
     """A routed expert's ``(r, alpha)``: the config's (patterns are for dense modules: PEFT rewrites the experts'
     own into ``gate_up_proj`` patterns of its own making)."""
@@ -256,10 +334,12 @@ def head_slot(spec, task: str, config: LoraConfig, *, padded_vocab: int, sp: boo
 
 def layer_slots(spec, entry, config: LoraConfig, *, tp: int, sp: bool) -> tuple[str, list[Slot]] | None:
     """``(kind, slots)`` of the table entry's linear (``"column"``, ``"row"``, ``"replicated"``: MLA's
-    down-projections, ``"experts_fc1"``, ``"experts_fc2"``), None when nothing of it is targeted. Raises for
+    down-projections, ``"split"``: DeepSeek-V4's q_b_proj, ``"experts_fc1"``, ``"experts_fc2"``), None when nothing of it is targeted. Raises for
     targeted modules parallm cannot adapt."""
     local = entry.local.split(".", 2)[-1]          # drop "layers.{l}."
-    modules = [_leaf(h) for h in entry.hf]
+    if spec.v4 is not None and local.startswith("self_attention."):
+        return _v4_slots(spec, entry, config, local, sp=sp)
+    modules = peft_modules(spec, entry)
     hit = [config.targets(m) for m, _ in modules]
     moe = spec.moe is not None
     if spec.mla is not None and local.startswith("self_attention.") and local.endswith(".weight") \

@@ -71,6 +71,9 @@ class SplitLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device))
 
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
 
 def check_v4_tp(spec, tp: int) -> None:
     """ValueError unless heads and output groups split evenly over TP."""
@@ -131,7 +134,7 @@ class V4Attention(nn.Module):
         q_resid = self.q_a_norm(self.q_a_proj(xf))
         q_in = mtp.copy_to_tensor_model_parallel_region(q_resid) if self.tp > 1 and not self.sequence_parallel \
             else q_resid
-        q = F.linear(q_in, self.q_b_proj.weight).view(s * b, self.heads, self.head_dim)
+        q = self.q_b_proj(q_in).view(s * b, self.heads, self.head_dim)
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)
         q = rope_tail(q, cos[:, None], sin[:, None])
         keys_x = xf
