@@ -318,11 +318,15 @@ def test_unnamed_snapshots_are_retained_newest_k(server):
     t0 = time.monotonic()
     clients = [f.result() for f in [tc.save_weights_and_get_sampling_client() for _ in range(200)]]
     took = time.monotonic() - t0
-    kept = [n for n in os.listdir(base) if not n.startswith("_parallm")]
-    versions = os.listdir(os.path.join(base, "_parallm_versions"))
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(base) for f in fs)
-    print(f"200 unnamed snapshots in {took:.1f} s: {len(kept)} kept, {size / 1e3:.0f} kB on disk")
-    assert len(kept) == KEEP and len([v for v in versions if not v.startswith("link-")]) == KEEP, (kept, versions)
+    # unnamed snapshots live in the server's memory root (/dev/shm), never under --checkpoint-dir
+    import glob
+    import urllib.parse
+    assert not os.path.isdir(base) or not os.listdir(base), os.listdir(base)
+    mine = os.path.join("/dev/shm/parallm-tinker-snapshots-*", urllib.parse.quote(tc.model_id, safe="") + "-*")
+    kept = [d for d in glob.glob(mine) if not d.endswith("-engine")]
+    size = sum(os.path.getsize(os.path.join(d, f)) for k in kept for d, _, fs in os.walk(k) for f in fs)
+    print(f"200 unnamed snapshots in {took:.1f} s: {len(kept)} kept, {size / 1e3:.0f} kB in memory")
+    assert len(kept) == KEEP, kept
     lp = clients[-1].compute_logprobs(types.ModelInput.from_ints([5, 6, 7])).result()      # the newest samples
     assert np.isfinite(np.array(lp[1:])).all()
     with pytest.raises((tinker.NotFoundError, tinker.RequestFailedError), match="retired|gone"):

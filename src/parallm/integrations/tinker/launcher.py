@@ -58,6 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "others, said so), refuse (train_unembed=True refused)")
     p.add_argument("--sampler", choices=("auto", "vllm", "parallm", "none"), default="auto",
                    help="vllm: a `vllm serve` engine; parallm: the trainer's forwards; auto: vllm if installed")
+    p.add_argument("--engines", type=int, default=1,
+                   help="vllm sampler: how many `vllm serve` engines, behind one router (requests spread by load, "
+                        "a sampling session kept on one engine, a dead engine out of rotation)")
+    p.add_argument("--full-engine", action="store_true",
+                   help="vllm sampler: one more engine for a full-fine-tuning client's ephemeral snapshots, its "
+                        "weights pushed by parallm (push_weights; vLLM's development routes on, 127.0.0.1 only)")
+    p.add_argument("--engine-tp", type=int, default=1, help="vllm sampler: tensor-parallel workers of each engine")
     p.add_argument("--sampler-timeout", type=float, default=600.0, help="seconds the vLLM engine may take to start")
     p.add_argument("--max-context", type=int, default=None, help="cap on tokens per sequence (default: the model's)")
     p.add_argument("--microbatch-rows", type=int, default=None, help="most datums per microbatch")
@@ -153,7 +160,9 @@ def _argv_of(args) -> list[str]:
     out = []
     for action in parser._actions:
         value = getattr(args, action.dest, None)
-        if action.option_strings and value is not None and action.dest not in ("help", "api_key"):
+        if isinstance(action, argparse._StoreTrueAction):            # a flag: present or not
+            out += [action.option_strings[0]] if value else []
+        elif action.option_strings and value is not None and action.dest not in ("help", "api_key"):
             out += [action.option_strings[0], str(value)]
     return out
 

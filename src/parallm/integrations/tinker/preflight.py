@@ -83,7 +83,8 @@ def _port(host: str, port: int) -> None:
 
 def preflight(args) -> str:
     """Every check above; returns the model directory. Raises SystemExit with one line on the first problem."""
-    for name in ("tp", "pp", "cp", "ep", "dp", "lora_rank", "max_body_mb", "max_sample_tokens"):
+    for name in ("tp", "pp", "cp", "ep", "dp", "lora_rank", "max_body_mb", "max_sample_tokens", "engines",
+                 "engine_tp"):
         value = getattr(args, name, 1)
         if value is not None and value < 1:
             _fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -96,6 +97,10 @@ def preflight(args) -> str:
     directory, found = _model(args)
     _experts(args, found["spec"])
     _tokenizer(directory)
+    if (getattr(args, "engines", 1) > 1 or getattr(args, "engine_tp", 1) > 1 or getattr(args, "full_engine", False)) \
+            and args.sampler not in ("vllm", "auto"):
+        _fail(f"--engines / --engine-tp / --full-engine are vLLM engines: they need --sampler vllm "
+              f"(this launch: --sampler {args.sampler})")
     if args.sampler == "vllm":
         try:
             import vllm  # noqa: F401

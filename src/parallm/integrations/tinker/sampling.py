@@ -62,6 +62,7 @@ class SampleJob:
     max_model_len: int
     topk_prompt: int = 0         # top-k log-probs of every prompt position (0: none)
     topk_sample: int = 0         # top-k log-probs of every sampled token's distribution (0: none)
+    session: str | None = None   # the sampling session (the router keeps a session on one engine)
 
 
 @dataclasses.dataclass
@@ -110,22 +111,27 @@ def max_new_tokens(job: SampleJob) -> int:
 class VllmSampler:
     """A ``vllm serve`` engine for the base model with runtime LoRA loading."""
 
+    serves_full = False          # full-fine-tuning snapshots: the parallm sampler (sampling_routes.py)
+
     def __init__(self, model_dir: str, *, lora_rank: int, max_model_len: int, max_loras: int = 4,
-                 timeout: float = 600.0, python: str | None = None, head: dict | None = None):
+                 timeout: float = 600.0, python: str | None = None, head: dict | None = None,
+                 tensor_parallel_size: int = 1, head_support: HeadSupport | None = None, pushed: bool = False):
         from ..vllm import serve
         self.max_model_len, self.timeout = max_model_len, timeout
         self.name = "base"
-        args = ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", str(max_loras),
-                "--generation-config", "vllm", "--served-model-name", self.name, "--max-logprobs", str(TOPK_MAX)]
+        # pushed: an engine without LoRA whose weights parallm pushes (push_weights: the full-fine-tuning client's
+        # snapshots, router.py); its weight-transfer routes need vLLM's development mode
+        args = ([] if pushed else ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", str(max_loras)])
+        args += ["--generation-config", "vllm", "--served-model-name", self.name, "--max-logprobs", str(TOPK_MAX)]
         self.key = secrets.token_urlsafe(32)       # this engine's own key: no unauthenticated side door
         env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_API_KEY": self.key}
         self.server = serve(model_dir, max_model_len=max_model_len, args=args, env=env, python=python, wait=False,
-                            dev_mode=False)
+                            dev_mode=pushed, tensor_parallel_size=tensor_parallel_size)
         self.url = self.server.url
         # the model holds head adapters: {"arch", "zero_adapter"} (engine_adapters.py: what the engine is given)
         self.head = head
-        self.head_support = HeadSupport(head["arch"], python) if head else None
+        self.head_support = (head_support or HeadSupport(head["arch"], python)) if head else None
         self.loaded: dict[str, str] = {}
         self._count = 0                          # engine-side adapter names handed out (never reused)
         self.gate = _Gate()
@@ -135,6 +141,25 @@ class VllmSampler:
 
     def pid(self) -> int:
         return self.server.process.pid
+
+    def started(self) -> bool:
+        return self._ready
+
+    def alive(self) -> bool:
+        return self.server.alive()
+
+    def mark_dead(self) -> str:
+        """The engine's process group exited: every later request fails at once with the reason (returned)."""
+        if self.dead is None:
+            self.dead = (f"the vLLM sampler (pid {self.server.process.pid}, {self.url}) died (exit code "
+                         f"{self.server.process.returncode}); training continues; the end of its log "
+                         f"{self.server.log}:\n"
+                         f"{self.server.tail()[-800:]}")
+        return self.dead
+
+    def preload(self, adapter_dir: str) -> None:
+        """Load a snapshot's adapter now rather than at its first request (:mod:`.router`)."""
+        self._model(adapter_dir)
 
     def _ensure_ready(self) -> None:
         """The engine starts while the model is built; the first sample waits for it (up to ``timeout``)."""
@@ -180,11 +205,7 @@ class VllmSampler:
                     break
                 time.sleep(0.25)
             if not self.server.alive():
-                self.dead = (f"the vLLM sampler (pid {self.server.process.pid}, {self.url}) died "
-                             f"(exit code {self.server.process.returncode}); training continues, sampling does "
-                             f"not: restart the server. The end of its log {self.server.log}:\n"
-                             f"{self.server.tail()[-800:]}")
-                raise SamplerDead(self.dead) from None
+                raise SamplerDead(self.mark_dead()) from None
             raise RuntimeError(f"the vLLM sampler at {self.url} did not answer {route}: {e}") from None
         try:
             return json.loads(raw) if raw else None

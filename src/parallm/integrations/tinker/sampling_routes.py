@@ -13,11 +13,15 @@ import concurrent.futures
 import logging
 import math
 import os
+import secrets
+import shutil
+import urllib.parse
 
 from . import protocol
 from .protocol import ApiError
 from .sampling import TOPK_MAX, SampleInputError, SampleJob, SamplerDead
 from .full import is_full_snapshot
+from .router import FULL_PUSH
 from .service import _types
 
 __all__ = ["SamplingRoutes"]
@@ -41,6 +45,65 @@ class SamplingRoutes:
                                   "adapter_dir": adapter_dir, "session_id": session_id}
         return sid
 
+    # -- ephemeral snapshots: in memory, never in the checkpoint directory ---------------------------------------
+    def save_to_memory(self, rec, req, *, error=None) -> dict:
+        """The SDK's ephemeral save (``save_weights_and_get_sampling_client``: no name) of a LoRA client: the
+        trainer gathers the adapter (``export_adapter_tensors``, the gather of ``push_adapter``) and rank 0 writes
+        it as a PEFT directory under the server's memory root (a tmpfs: ``/dev/shm``), nothing under
+        ``--checkpoint-dir``; the engines load it from there (:meth:`.router.EngineRouter.preload`). No
+        ``tinker://`` path names it: the sampling session is its only handle. The newest
+        ``--keep-sampler-snapshots`` of a client are kept; older ones are unloaded from every engine and freed."""
+        version = os.path.join(self.config["memory_root"],
+                               f"{urllib.parse.quote(rec.model_id, safe='')}-{secrets.token_hex(8)}")
+        item = {"op": "save_sampler", "args": {"model_id": rec.model_id, "path": version}}
+
+        def result(v):
+            self.keep_in_memory(rec.model_id, version)
+            sid = self.new_sampling_session(rec.session_id, req.sampling_session_seq_id, None, version)
+            return ("json", {"path": None, "sampling_session_id": sid, "type": "save_weights_for_sampler"})
+        return self.job("save_weights_for_sampler", item, result, model_id=rec.model_id, seq_id=req.seq_id,
+                        error=error, on_error=lambda: self.drop_from_memory(version))
+
+    def push_full(self, rec, req, *, error=None) -> dict:
+        """The ephemeral save of a full-fine-tuning client with ``--full-engine``: its weights pushed into that
+        engine (``push_weights`` over a ``parallm_shm`` connection, collective over the trainer ranks), nothing
+        written; the sampling session names the push (:data:`.router.FULL_PUSH`), which stays sampleable until
+        the next push."""
+        engine = self.sampler.full_engine
+        state = engine.wait()
+        if state != "ready" and error is None:
+            error = f"save_weights_for_sampler: the full-fine-tuning engine is not usable ({state})"
+        with self.lock:
+            self._full_pushes = getattr(self, "_full_pushes", 0) + 1
+            handle = f"{FULL_PUSH}{rec.model_id}:{self._full_pushes}"
+        self.sampler.full_current = None          # sessions of the snapshot it held are refused from now on
+        item = {"op": "push_full", "args": {"model_id": rec.model_id, "url": engine.url}}
+
+        def result(v):
+            self.sampler.full_current = handle
+            sid = self.new_sampling_session(rec.session_id, req.sampling_session_seq_id, None, handle)
+            return ("json", {"path": None, "sampling_session_id": sid, "type": "save_weights_for_sampler"})
+        return self.job("save_weights_for_sampler", item, result, model_id=rec.model_id, seq_id=req.seq_id,
+                        error=error)
+
+    def keep_in_memory(self, model_id: str, directory: str) -> None:
+        with self.lock:
+            mine = self.__dict__.setdefault("memory_snapshots", {}).setdefault(model_id, [])
+            mine.append(directory)
+            keep = self.config.get("keep_sampler_snapshots", 0)
+            retired = mine[:-keep] if keep and len(mine) > keep else []
+            del mine[:len(retired)]
+        if hasattr(self.sampler, "preload"):
+            self.sampler.preload(directory)
+        for old in retired:
+            self.drop_from_memory(old)
+
+    def drop_from_memory(self, directory: str) -> None:
+        """An in-memory snapshot retired: unloaded from the engines, its memory freed."""
+        self.release_snapshot(directory)
+        shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(directory.rstrip("/") + "-engine", ignore_errors=True)
+
     def route_create_sampling_session(self, body):
         req = protocol.parse(_types().CreateSamplingSessionRequest, body, route="create_sampling_session")
         self.session(req.session_id)
@@ -61,7 +124,9 @@ class SamplingRoutes:
             raise ApiError(400, f"{name or 'this snapshot'} holds a full-fine-tuning client's weights (a Hugging "
                                 f"Face checkpoint at {directory}); this server's {type(self.sampler).__name__} "
                                 "samples LoRA snapshots and the base only: start the server with --sampler parallm, "
-                                "or serve the directory with vLLM (vllm serve <directory>)")
+                                "or with --full-engine and sample an ephemeral snapshot "
+                                "(save_weights_and_get_sampling_client: pushed into that engine), or serve the "
+                                "directory with vLLM (vllm serve <directory>)")
 
     def route_get_sampler(self, body, sampler_id):
         s = self.samplers.get(sampler_id)
@@ -74,11 +139,14 @@ class SamplingRoutes:
             s = self.samplers.get(req.sampling_session_id)
             if s is None:
                 raise ApiError(404, f"unknown sampling session {req.sampling_session_id!r}")
+            if s["adapter_dir"] is not None and s["adapter_dir"].startswith(FULL_PUSH):
+                return s["adapter_dir"]             # the router refuses it once a newer push replaced it
             if s["adapter_dir"] is not None and not os.path.isdir(s["adapter_dir"]):
                 raise ApiError(404, f"the snapshot sampling session {req.sampling_session_id} was created from "
                                     f"({s['model_path'] or 'an unnamed snapshot'}) is gone: saved again under the "
                                     "same name, deleted, expired (ttl_seconds) or retired (--keep-sampler-snapshots "
-                                    "keeps the newest unnamed snapshots of a client); a sampling client never "
+                                    "keeps the newest unnamed snapshots of a client, on disk or in memory); a "
+                                    "sampling client never "
                                     "samples other weights than it was created from: create a new one")
             self._check_full_snapshot(s["adapter_dir"], s["model_path"])
             return s["adapter_dir"]
@@ -154,7 +222,7 @@ class SamplingRoutes:
         job = SampleJob(prompt=tokens, num_samples=req.num_samples, params=params,
                         prompt_logprobs=bool(req.prompt_logprobs), adapter_dir=adapter_dir,
                         max_model_len=self.config["max_context"], topk_prompt=req.topk_prompt_logprobs,
-                        topk_sample=req.topk_sample_logprobs)
+                        topk_sample=req.topk_sample_logprobs, session=req.sampling_session_id)
         ids = self.stability_ids(req, tokens)           # record_stability_info: recorded ids (stability.py)
         rid = self.futures.create("sample")
         self._pool().submit(self._run_sample, rid, job, ids)

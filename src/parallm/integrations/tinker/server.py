@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 
@@ -84,14 +86,7 @@ def _sampler(args, leader, directory, config, facts):
     if kind == "none":
         return None
     if kind == "vllm":
-        from .sampling import VllmSampler
-        head = None
-        if args.lora_unembed == "train":
-            from .engine_adapters import zero_adapter
-            head = {"arch": facts["arch"], "zero_adapter": zero_adapter(
-                config["adapter_template"], os.path.join(os.path.dirname(config["adapter_template"]), "zero-engine"))}
-        return VllmSampler(directory, lora_rank=args.lora_rank, max_model_len=config["max_context"],
-                           timeout=args.sampler_timeout, head=head)
+        return _engines(args, directory, config, facts)
     eos = facts["eos"]
     eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     tokenizer = None
@@ -107,6 +102,39 @@ def _sampler(args, leader, directory, config, facts):
             raise (SampleInputError if box["c"] == "user" else RuntimeError)(box["v"])
         return box["v"]
     return ParallmSampler(run, max_model_len=config["max_context"], eos=eos, tokenizer=tokenizer)
+
+
+def _engines(args, directory, config, facts):
+    """``--engines`` ``vllm serve`` engines (``--engine-tp`` workers each), started side by side, behind one
+    router (:mod:`.router`)."""
+    from .engine_adapters import HeadSupport, zero_adapter
+    from .router import EngineRouter
+    from .sampling import VllmSampler
+    head, support = None, None
+    if args.lora_unembed == "train":
+        head = {"arch": facts["arch"], "zero_adapter": zero_adapter(
+            config["adapter_template"], os.path.join(os.path.dirname(config["adapter_template"]), "zero-engine"))}
+        support = HeadSupport(facts["arch"])                # asked once for every engine
+    engines = [VllmSampler(directory, lora_rank=args.lora_rank, max_model_len=config["max_context"],
+                           timeout=args.sampler_timeout, head=head, head_support=support,
+                           tensor_parallel_size=getattr(args, "engine_tp", 1))
+               for _ in range(getattr(args, "engines", 1))]
+    full = None
+    if getattr(args, "full_engine", False):
+        full = VllmSampler(directory, lora_rank=0, max_model_len=config["max_context"], timeout=args.sampler_timeout,
+                           tensor_parallel_size=getattr(args, "engine_tp", 1), pushed=True)
+    return EngineRouter(engines, full_engine=full)
+
+
+def _memory_root(args, sampler) -> str | None:
+    """Where ephemeral LoRA snapshots go (sampling_routes.py): a private directory in /dev/shm (the temporary
+    directory where there is none); None (the checkpoint directory, as before) for the parallm sampler across
+    nodes, whose ranks on other nodes read the snapshot too."""
+    from .router import EngineRouter
+    if getattr(args, "nnodes", 1) > 1 and not isinstance(sampler, EngineRouter):
+        return None
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return tempfile.mkdtemp(prefix="parallm-tinker-snapshots-", dir=shm)         # mode 0700
 
 
 def _janitor(service, stop: threading.Event):
@@ -134,7 +162,9 @@ def _announce(args, url: str, sampler) -> None:
     written again once the sampler is ready or failed (``sampler``: its state, as ``healthz`` reports it)."""
     info = {"url": url, "pid": os.getpid(), "time": time.time(),
             "sampler_pid": sampler.pid() if hasattr(sampler, "pid") else None,
-            "sampler_url": getattr(sampler, "url", None),      # a vLLM engine's; it takes only its own key
+            "sampler_url": (getattr(sampler, "url", None) or [None])[0],     # engine 0's; each takes its own key
+            "engine_urls": getattr(sampler, "url", None), "engine_pids": sampler.pids() if hasattr(sampler, "pids")
+            else None, "full_engine_url": getattr(getattr(sampler, "full_engine", None), "url", None),
             "sampler": sampler.state() if sampler is not None else "none"}
     info["sampler_ready"] = info["sampler"] in ("ready", "none")
     if args.ready_file:
@@ -168,6 +198,7 @@ def run_rank(args) -> int:
     leader = Leader(trainer.execute, group)
     config = _config(args, directory, facts, template, chunks)
     sampler = _sampler(args, leader, directory, config, facts)
+    config["memory_root"] = _memory_root(args, sampler)
     service = Service(leader=leader, config=config, checkpoints=store, sampler=sampler,
                       session_timeout_s=args.session_timeout)
     api_key = args.api_key or os.environ.get("PARALLM_TINKER_API_KEY")
@@ -187,6 +218,8 @@ def run_rank(args) -> int:
         httpd.shutdown()
         if sampler is not None:
             sampler.close()
+        if config["memory_root"]:
+            shutil.rmtree(config["memory_root"], ignore_errors=True)
     if leader.lost is None:
         parallm.destroy_parallel()
         return 0

@@ -232,6 +232,18 @@ class Trainer:
             shrink_peft_dir(path, path, rank=st.lora["rank"], big=self.big_rank, num_experts=self.num_experts)
         return {"path": path}
 
+    def op_push_full(self, *, model_id, url):
+        """Push the full-fine-tuning client's weights into the ``--full-engine`` engine at ``url`` (collective:
+        ``connect`` once, then ``push_weights`` over ``parallm_shm``); its statistics on rank 0."""
+        full = self._full(model_id)
+        if full is None:
+            raise ValueError(f"{model_id} is not the full-fine-tuning client")
+        from ..vllm import connect, push_weights
+        if getattr(self, "_full_conn", None) is None:
+            self._full_conn = connect([url], backend="parallm_shm")
+        stats = push_weights(full.chunks, self._full_conn)
+        return {"bytes": stats["bytes"], "seconds": stats["seconds"]} if self.dims.rank == 0 else None
+
     # -- the parallm sampler (no vLLM): forwards of a sampler snapshot or the base model ------------------------
     def use_sampler(self, adapter_dir: str | None):
         """Put a sampler snapshot's adapter into the model (the active client's values are copied out first);

@@ -305,6 +305,10 @@ class TrainingRoutes:
         error = None
         if req.kind != "snapshot":
             error = f"save_weights_for_sampler: kind={req.kind!r} is not offered (snapshot only)"
+        if req.path is None and rec.lora.get("full") and getattr(self.sampler, "full_engine", None) is not None:
+            return self.push_full(rec, req, error=error)           # sampling_routes.py: pushed, not written
+        if req.path is None and self.config.get("memory_root") and not rec.lora.get("full"):
+            return self.save_to_memory(rec, req, error=error)       # sampling_routes.py: no directory on disk
         name = req.path or f"sampler-{secrets.token_hex(6)}"
         version = self.checkpoints.new_version(rec.model_id, name)     # immutable: a new directory per save
         tinker_path = self.checkpoints.tinker_path(rec.model_id, "sampler_weights", name)
