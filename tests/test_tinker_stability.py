@@ -2,7 +2,8 @@
 clients made with ``record_stability_info=True`` get server-assigned ``sequence_id``s; tinker-cookbook's own
 ``trajectory_to_data`` turns a two-turn rollout into a datum whose provenance spans name them, and
 ``forward_backward`` accepts it (its loss equal to the same datum without spans); a wrong offset, a wrong token,
-another session's id, an unrecorded or unknown id, a miscounted tiling are refused (400) and the client goes on;
+another session's id, an unknown `seq-` id, a miscounted tiling are refused (400) and the client goes on (spans
+naming a plain sample's unrecorded `req-` id are accepted unchecked: the cookbook's RL loop sends them);
 an id expires (``--stability-ttl``) unless used, and use renews it; ``stable_reinforce`` stays refused, naming
 what is in place. Then the store itself on a fake clock (expiry, renewal, pruning, reasons, token accounting).
 One tp1 server (parallm sampler) for the module. Runs in .venv-tinker (scripts/test.sh's TINKER_TESTS)."""
@@ -110,8 +111,12 @@ def test_ids_round_trip_into_forward_backward(server, recorded):
     plain = tc.create_sampling_client(tc.save_weights_for_sampler("plain").result().path).result()
     unrecorded = plain.sample(types.ModelInput.from_ints([20, 21]), 1, PARAMS).result().sequences[0].sequence_id
     assert not unrecorded.startswith("seq-")       # not recorded: the SDK still gets an id, which names nothing
-    bad = [dataclasses.replace(s, sequence_id=unrecorded) for s in d.model_input_spans]
-    _refused(tc, _respan(d, model_spans=bad), "was not recorded: only samples made with record_stability_info")
+    # spans naming such ids (what tinker-cookbook's RL loop sends from ordinary sampling clients) are accepted
+    # unchecked: they carry no stability information, and the loss is the datum's without spans
+    plain_spans = [dataclasses.replace(s, sequence_id=unrecorded) for s in d.model_input_spans]
+    plain_loss = [dataclasses.replace(s, sequence_id=unrecorded) for s in d.loss_fn_input_spans]
+    accepted = tc.forward([_respan(d, model_spans=plain_spans, loss_spans=plain_loss)], "importance_sampling").result()
+    assert accepted.metrics["loss:sum"] == without.metrics["loss:sum"]
 
 
 def test_wrong_spans_are_refused(server, recorded):

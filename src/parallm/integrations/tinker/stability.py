@@ -180,6 +180,12 @@ def _runs(spans, field: str, tokens: np.ndarray, lookup, named: set) -> None:
                          "it exactly (Datum.with_provenance)")
     pos = 0
     for j, s in enumerate(spans):
+        if not s.sequence_id.startswith(PREFIX):
+            # a sample made without record_stability_info (its id, req-N.k, names no record): the ordinary RL loop
+            # (tinker-cookbook's trajectory_to_data) attaches such spans; they carry no stability information and
+            # the loss reads none, so they are accepted as they are, unchecked
+            pos += s.length
+            continue
         what = f"{field}[{j}] ({s.kind} span of {s.sequence_id!r}, offset {s.offset}, length {s.length})"
         try:
             rec = lookup(s.sequence_id)
