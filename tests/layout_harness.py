@@ -43,15 +43,22 @@ def stats_of(logits, ids):
     return lp, -(lsm.exp() * lsm).sum(-1)
 
 
-def _step(model, ids, mask, pieces: int, loss_on: str, lr: float):
+def sgd_step(model, ids, mask, pieces: int, loss_on: str, lr: float, *, rl=None, attn_impl: str | None = None):
+    """transformers' side of one SGD step on a copy of ``model``: the loss averaged over ``pieces`` equal slices
+    of the batch (``loss_on`` ``"logits"``: next-token cross entropy; ``"stats"``: ``rl`` (default
+    :func:`rl_loss`) of the log-probs + entropy), then ``(stepped model, loss, gradient norm, its output)``.
+    ``attn_impl``: the copy's attention implementation (transformers' ``_attn_implementation``)."""
+    rl = rl or rl_loss
     model = copy.deepcopy(model)
+    if attn_impl is not None:
+        model.config._attn_implementation = attn_impl
     model.zero_grad()
     size = ids.shape[0] // pieces
     losses = []
     for a in range(0, ids.shape[0], size):
         out = hf_output(model, ids[a:a + size], mask[a:a + size])
         losses.append(causal_lm_loss(out, ids[a:a + size], mask[a:a + size]) if loss_on == "logits"
-                      else rl_loss(stats_of(out, ids[a:a + size]), ids[a:a + size], mask[a:a + size]))
+                      else rl(stats_of(out, ids[a:a + size]), ids[a:a + size], mask[a:a + size]))
     loss = torch.stack(losses).mean()
     loss.backward()
     with torch.no_grad():
@@ -75,7 +82,7 @@ def make_case(name: str, model, tmp, index: int, ids, mask, *, layout: dict, bui
         ref = hf_output(model, ids, mask)
     lp, ent = stats_of(ref, ids)
     model_parallel = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
-    stepped, loss, norm, after = _step(model, ids, mask, (world // model_parallel) * nmb, loss_on, lr)
+    stepped, loss, norm, after = sgd_step(model, ids, mask, (world // model_parallel) * nmb, loss_on, lr)
     new_sd = helpers.hub_state_dict(stepped, str(tmp / f"s{index}"))
     return dict(name=name, layout=layout, nmb=nmb, ckpt=ckpt, ids=ids, mask=mask, build=build or {},
                 loss_on=loss_on, lr=lr, breaks=breaks, ref=ref, ref_sd=ckpt_sd, ref_lp=lp, ref_ent=ent,

@@ -19,15 +19,15 @@ scalar ignored, no v_norm.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
 import torch
 
 import helpers
+import layout_harness
 from parallm.verify.reference import causal_lm_loss, hf_output
-from test_gemma4_pieces import rl_loss, stats_of, stats_of_grad
+from test_gemma4_pieces import rl_loss, stats_of
 
 LR = 0.5
 TOL = 2e-5
@@ -122,22 +122,9 @@ CASES = [
 
 def _step(model, ids, mask, nmb, loss_on, impl):
     """transformers' SGD step with attention ``impl``: loss, gradient norm, the stepped model, its output."""
-    model = copy.deepcopy(model)
-    model.config._attn_implementation = impl
-    size = ids.shape[0] // nmb
-    losses = []
-    for a in range(0, ids.shape[0], size):
-        out = hf_output(model, ids[a:a + size], mask[a:a + size])
-        losses.append(causal_lm_loss(out, ids[a:a + size], mask[a:a + size]) if loss_on == "logits"
-                      else rl_loss(stats_of_grad(out, ids[a:a + size]), ids[a:a + size], mask[a:a + size]))
-    loss = torch.stack(losses).mean()
-    loss.backward()
-    with torch.no_grad():
-        norm = torch.stack([p.grad.pow(2).sum() for p in model.parameters() if p.grad is not None]).sum().sqrt()
-        for p in model.parameters():
-            if p.grad is not None:
-                p -= LR * p.grad
-        return loss, norm, model, hf_output(model, ids, mask)
+    stepped, loss, norm, after = layout_harness.sgd_step(model, ids, mask, nmb, loss_on, LR, rl=rl_loss,
+                                                         attn_impl=impl)
+    return loss, norm, stepped, after
 
 
 def make_cases(tmp_path):
@@ -159,8 +146,8 @@ def make_cases(tmp_path):
         eager_after = _step(model, ids, mask, nmb, loss_on, "eager")[3]
         new_sd = helpers.hub_state_dict(stepped, str(tmp_path / f"s{i}"))
         cases.append(dict(name=name, layout=layout, nmb=nmb, ckpt=ckpt, ids=ids, mask=mask, build=build,
-                          loss_on=loss_on, ref=ref, ref_sd=ckpt_sd, ref_lp=lp, ref_ent=ent, ref_loss=loss.item(),
-                          ref_norm=norm.item(), ref_after=after, ref_new_sd=new_sd,
+                          loss_on=loss_on, ref=ref, ref_sd=ckpt_sd, ref_lp=lp, ref_ent=ent, ref_loss=loss,
+                          ref_norm=norm, ref_after=after, ref_new_sd=new_sd,
                           spread=helpers.max_diff_real(after, eager_after, mask)))
     return cases
 

@@ -26,13 +26,13 @@ Proportional inverse frequencies equal transformers' ``_compute_proportional_rop
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
 import torch
 
 import helpers
+import layout_harness
 from parallm.verify.reference import causal_lm_loss, hf_output
 
 CAP = 0.5
@@ -210,33 +210,15 @@ def make_cases(tmp_path):
         with torch.no_grad():
             ref = hf_output(model, ids, mask)
         lp, ent = stats_of(ref, ids)
-        stepped = copy.deepcopy(model)
         nmb = layout.pop("nmb", 1)
-        size = ids.shape[0] // nmb
-        losses = []
-        for a in range(0, ids.shape[0], size):
-            out = hf_output(stepped, ids[a:a + size], mask[a:a + size])
-            losses.append(causal_lm_loss(out, ids[a:a + size], mask[a:a + size]) if loss_on == "logits"
-                          else rl_loss(stats_of_grad(out, ids[a:a + size]), ids[a:a + size], mask[a:a + size]))
-        loss = torch.stack(losses).mean()
-        loss.backward()
-        with torch.no_grad():
-            norm = torch.stack([p.grad.pow(2).sum() for p in stepped.parameters() if p.grad is not None]).sum().sqrt()
-            for p in stepped.parameters():
-                if p.grad is not None:
-                    p -= LR * p.grad
-            after = hf_output(stepped, ids, mask)
+        stepped, loss, norm, after = layout_harness.sgd_step(model, ids, mask, nmb, loss_on, LR, rl=rl_loss)
         new_sd = helpers.hub_state_dict(stepped, str(tmp_path / f"s{i}"))
         cases.append(dict(name=name, layout=layout, nmb=nmb, ckpt=ckpt, ids=ids, mask=mask, build=build, loss_on=loss_on, ref=ref,
-                          ref_sd=ckpt_sd, ref_lp=lp, ref_ent=ent, ref_loss=loss.item(), ref_norm=norm.item(),
+                          ref_sd=ckpt_sd, ref_lp=lp, ref_ent=ent, ref_loss=loss, ref_norm=norm,
                           ref_after=after, ref_new_sd=new_sd))
     return cases
 
 
-def stats_of_grad(logits, ids):
-    lsm = logits.float().log_softmax(-1)
-    lp = torch.cat([lsm[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1), lsm.new_zeros(ids.shape[0], 1)], 1)
-    return lp, -(lsm.exp() * lsm).sum(-1)
 
 
 def _with_cap(cap):
