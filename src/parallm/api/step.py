@@ -200,8 +200,9 @@ class LastStage:
     back-propagates zero for the rest of the call, its peers' messages and collectives unchanged, and every rank
     raises once the schedule is over)."""
 
-    def __init__(self, call: Call, loss_fn, temperature, scales):
+    def __init__(self, call: Call, loss_fn, temperature, scales, *, parts=None):
         self.call, self.loss_fn, self.temperature, self.scales = call, loss_fn, temperature, scales
+        self.parts = parts          # forward_backward_parts: per microbatch (loss_fn, divisor); None: the call's
         self.records: dict = {}
         self.failure: list = []
         self.metrics = MetricAccumulator(call.reductions)
@@ -209,15 +210,16 @@ class LastStage:
     def __call__(self, chunk, out, m):
         call = self.call
         ids, pos, mask = call.mbs[m][:3]
+        loss_fn, divisor = (self.loss_fn, call.m) if self.parts is None else self.parts[m]
         result = gather_output(chunk, out, self.temperature, call.request)
         kind, tokens = "empty", 0.0
         if not self.failure and ids.shape[0]:
             try:
                 if call.extra_mbs is None:
-                    returned = self.loss_fn(result, ids, mask)
+                    returned = loss_fn(result, ids, mask)
                 else:
-                    returned = self.loss_fn(result, {"input_ids": ids, "attention_mask": mask, "position_ids": pos,
-                                                     **call.extra_mbs[m]})
+                    returned = loss_fn(result, {"input_ids": ids, "attention_mask": mask, "position_ids": pos,
+                                                **call.extra_mbs[m]})
                 value, tokens, values = loss_parts(returned)
                 kind = "scalar" if tokens is None else "pair"
                 self.metrics.add(values, 1.0 if tokens is None else tokens)
@@ -228,12 +230,13 @@ class LastStage:
         self.records[m] = (value.detach().float(), kind, 0.0 if tokens is None else tokens)
         if self.scales is not None:      # the weight of m's load-balancing loss in the backward (AuxScales)
             self.scales.tokens[m] = -1.0 if kind == "scalar" else tokens
-        return value / call.m if kind == "scalar" else value    # what is back-propagated
+        return value / divisor if kind == "scalar" else value    # what is back-propagated
 
 
-def _run(chunks, layout, call: Call, stage: LastStage, scales) -> list:
+def _run(chunks, layout, call: Call, stage: LastStage, scales, before_step=None) -> list:
     """The schedule (1F1B, interleaved with virtual stages) over the call's microbatches, the load-balancing
-    weights and router replay on around it; returns the chunks' load-balancing values."""
+    weights and router replay on around it; returns the chunks' load-balancing values. ``before_step(m)``: called
+    before each forward and backward step of microbatch ``m``."""
     if scales is not None:
         for chunk in chunks:
             chunk.moe_aux.start(scales)
@@ -241,6 +244,8 @@ def _run(chunks, layout, call: Call, stage: LastStage, scales) -> list:
         start_replay(chunks, call.given, call.m, call.sizes, record=False)
 
     def on_step(kind, m, v):
+        if before_step is not None:
+            before_step(m)
         if scales is not None:
             chunks[v].moe_aux.microbatch = m
         chunks[v].router_replay.microbatch = m

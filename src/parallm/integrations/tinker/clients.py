@@ -66,10 +66,19 @@ def grads_snapshot(params) -> list:
 
 @torch.no_grad()
 def grads_restore(params, snap) -> None:
+    """The gradients ``snap`` holds put back. A bf16 parameter's fp32 ``main_grad`` is written in place; where the
+    snapshot has none (a client that had no backward while the buffer did not exist yet) it is zeroed: left as it
+    was, it would hold the previous client's gradient and the next backward would add to it."""
     for p, (g, mg) in zip(params, snap):
         p.grad = None if g is None else g.clone()
+        current = getattr(p, "main_grad", None)
         if mg is not None:
-            p.main_grad.copy_(mg)
+            if current is None:
+                p.main_grad = mg.clone()
+            else:
+                current.copy_(mg)
+        elif current is not None:
+            current.zero_()
 
 
 class ClientTable:

@@ -74,13 +74,18 @@ def follow(execute, group) -> None:
             return
 
 
+def _groupable(item) -> bool:
+    return item.get("op") == "forward" and bool(item.get("args", {}).get("backward"))
+
+
 class Leader:
     """Rank 0's side: ``submit(item, done)`` from any thread; :meth:`run` (the main thread) executes items in
     submission order and calls ``done(ok, value_or_message, category)`` with rank 0's value or the first
     failing rank's error (category ``"user"`` for input errors, ``"server"`` otherwise)."""
 
-    def __init__(self, execute, group, *, keepalive_s: float = 2.0):
+    def __init__(self, execute, group, *, keepalive_s: float = 2.0, cobatch: int = 1):
         self.execute, self.group, self.keepalive_s = execute, group, keepalive_s
+        self.cobatch = cobatch          # most forward_backward requests of distinct clients run as one item
         self.queue: queue.Queue = queue.Queue()
         self.lost: str | None = None
         self.busy = threading.Event()
@@ -110,11 +115,41 @@ class Leader:
                 if done is not None:
                     done(False, self.lost, "server")
                 continue
+            if self.cobatch > 1 and _groupable(item):
+                item, done = self._group(item, done)
             self.busy.set()
             try:
                 self._one(item, done)
             finally:
                 self.busy.clear()
+
+    def _group(self, item, done):
+        """``item`` with the ``forward_backward`` items of other clients queued right behind it (up to
+        ``cobatch`` in all, stopping at the first other item) as one ``forward_many`` item, and the callback that
+        hands each its own outcome; ``(item, done)`` itself when none follows."""
+        jobs, ids = [(item, done)], {item["args"]["model_id"]}
+        with self.queue.mutex:
+            pending = self.queue.queue
+            while len(jobs) < self.cobatch and pending and pending[0] is not None and _groupable(pending[0][0]) \
+                    and pending[0][0]["args"]["model_id"] not in ids:
+                jobs.append(pending.popleft())
+                ids.add(jobs[-1][0]["args"]["model_id"])
+        if len(jobs) == 1:
+            return item, done
+        dones = [d for _, d in jobs]
+
+        def done_all(ok, value, category):
+            if not ok:
+                for d in dones:
+                    d(False, value, category)
+                return
+            for d, (status, v) in zip(dones, value):
+                if status == "ok":
+                    d(True, v, None)
+                else:
+                    name, message, user = v
+                    d(False, message if user else f"{name}: {message}", "user" if user else "server")
+        return {"op": "forward_many", "args": {"items": [it["args"] for it, _ in jobs]}}, done_all
 
     def _one(self, item, done) -> None:
         started = time.monotonic()

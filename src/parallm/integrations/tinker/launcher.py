@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-tp", type=int, default=1, help="vllm sampler: tensor-parallel workers of each engine")
     p.add_argument("--sampler-timeout", type=float, default=600.0, help="seconds the vLLM engine may take to start")
     p.add_argument("--max-context", type=int, default=None, help="cap on tokens per sequence (default: the model's)")
+    p.add_argument("--cobatch", type=int, default=8,
+                   help="most forward_backward requests of different LoRA clients run as one pass (1: one by one; "
+                        "results are the same bit for bit)")
     p.add_argument("--microbatch-rows", type=int, default=None, help="most datums per microbatch")
     p.add_argument("--checkpoint-dir", default=None,
                    help="where checkpoints go (every rank must see it; default: ./tinker-checkpoints)")

@@ -101,6 +101,8 @@ def preflight(args) -> str:
             and args.sampler not in ("vllm", "auto"):
         _fail(f"--engines / --engine-tp / --full-engine are vLLM engines: they need --sampler vllm "
               f"(this launch: --sampler {args.sampler})")
+    if getattr(args, "cobatch", 1) < 1:
+        _fail(f"--cobatch {args.cobatch} must be >= 1 (1: every request alone)")
     if args.sampler == "vllm":
         try:
             import vllm  # noqa: F401

@@ -195,7 +195,7 @@ def run_rank(args) -> int:
         follow(trainer.execute, group)
         parallm.destroy_parallel()
         return 0
-    leader = Leader(trainer.execute, group)
+    leader = Leader(trainer.execute, group, cobatch=args.cobatch)
     config = _config(args, directory, facts, template, chunks)
     sampler = _sampler(args, leader, directory, config, facts)
     config["memory_root"] = _memory_root(args, sampler)

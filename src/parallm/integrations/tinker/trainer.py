@@ -24,6 +24,7 @@ from parallm.model.layers.lora import lora_config_of, set_adapter_rank
 
 from .batch import make_loss_fn, outputs_of, pack
 from .clients import SAMPLER_PREFIX, ClientState, ClientTable, clone_state_dict, grads_restore, grads_snapshot
+from .cobatch import run_group
 from .full import FullClient, SnapshotModel, is_full_snapshot
 from .ranks import pad_peft_dir, shrink_peft_dir
 
@@ -124,6 +125,15 @@ class Trainer:
                 out = parallm.forward(chunks, packed.batch, output=output,
                                       num_microbatches=packed.microbatches if d.pp > 1 else None)
             outputs_of(out, packed, loss_fn=loss_fn, config=config, captured=captured)
+        return self.rows_result(data, captured)
+
+    def op_forward_many(self, *, items):
+        """Consecutive ``forward_backward`` requests of different clients in one pass where they can be
+        (:mod:`.cobatch`): a list of outcomes, one per item."""
+        return run_group(self, items)
+
+    def rows_result(self, data, captured):
+        """A request's result on rank 0 (None elsewhere) from the rows its ``loss_fn`` captured."""
         rows = self._gather_rows(captured)
         if rows is None:
             return None

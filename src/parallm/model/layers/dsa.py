@@ -334,7 +334,7 @@ class DSAttention(MLAttention):
         lora = getattr(linear, "lora", None)
         if lora is not None and lora.state.enabled:
             slot = lora.slots[0]
-            a, b = lora.lora_A[slot.part], lora.lora_B[slot.part]
+            a, b = lora.factors(slot.part)
             if not self.sequence_parallel and self.tp > 1:
                 # A is replicated and each rank's rows of B use it: its gradient is the sum over TP of every
                 # rank's part (as the adapter's own path makes it; under sequence parallelism finalize_grads sums

@@ -83,10 +83,17 @@ __all__ = ["ALL_LINEAR", "HEAD", "MLA_LINEAR", "PEFT_EXPERT_FAMILIES", "SUPPORTE
 # -- the adapters ---------------------------------------------------------------------------------------------
 
 class LoraState:
-    """Shared by a model's adapters: whether they run (:func:`adapters_disabled` turns them off)."""
+    """Shared by a model's adapters: whether they run (:func:`adapters_disabled` turns them off), and the bank
+    (:func:`factors_banked`): while set, a mapping from a factor parameter to the tensor to use in its place."""
 
     def __init__(self):
         self.enabled = True
+        self.bank: dict | None = None
+
+    def factor(self, param: torch.Tensor) -> torch.Tensor:
+        """``param``, or what the bank puts in its place."""
+        bank = self.bank
+        return param if bank is None else bank.get(param, param)
 
 
 class Adapter(nn.Module):
@@ -102,13 +109,18 @@ class Adapter(nn.Module):
         self.tp, self.tp_group, self.sp = dims.tp, dims.tp_group, sp
         self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()
 
+    def factors(self, part: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A, B)`` of one slot as the adapter runs them now (the bank's tensors while one is set)."""
+        return self.state.factor(self.lora_A[part]), self.state.factor(self.lora_B[part])
+
     def forward(self, x):
         slots = self.slots
-        a = self.lora_A[slots[0].part] if len(slots) == 1 else torch.cat([self.lora_A[s.part] for s in slots])
+        a = self.factors(slots[0].part)[0] if len(slots) == 1 else \
+            torch.cat([self.factors(s.part)[0] for s in slots])
         z = F.linear(x, a)
         if self.kind in ("replicated", "split"):       # split: B's rows this rank's, x already in the TP region
             s = slots[0]
-            return F.linear(z, self.lora_B[s.part]) * s.scaling
+            return F.linear(z, self.factors(s.part)[1]) * s.scaling
         if self.kind == "column":
             if self.sp:
                 z = mtp.gather_from_sequence_parallel_region(z, True, group=self.tp_group)
@@ -116,7 +128,7 @@ class Adapter(nn.Module):
                 z = mtp.copy_to_tensor_model_parallel_region(z, group=self.tp_group)
             zs = dict(zip((s.part for s in slots), z.split([s.r for s in slots], dim=-1)))
             scale = {s.part: s.scaling for s in slots}
-            outs = [F.linear(zs[part], self.lora_B[part]) * scale[part] if part in zs
+            outs = [F.linear(zs[part], self.factors(part)[1]) * scale[part] if part in zs
                     else z.new_zeros(z.shape[:-1] + (rows,)) for part, rows in self.local_rows]
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if self.sp:
@@ -124,7 +136,7 @@ class Adapter(nn.Module):
         elif self.tp > 1:
             z = mtp.reduce_from_tensor_model_parallel_region(z, group=self.tp_group)
         s = slots[0]
-        return F.linear(z, self.lora_B[s.part]) * s.scaling
+        return F.linear(z, self.factors(s.part)[1]) * s.scaling
 
     def head_factors(self):
         """``(A, B, scaling)`` of the output head's adapter (one slot) while adapters are enabled, else None: what
@@ -132,7 +144,7 @@ class Adapter(nn.Module):
         if not self.state.enabled:
             return None
         s = self.slots[0]
-        return self.lora_A[s.part], self.lora_B[s.part], s.scaling
+        return (*self.factors(s.part), s.scaling)
 
     def delta(self, part: str) -> torch.Tensor:
         """``B A * scaling`` of one slot in fp32: this rank's shard of the update of its weight rows (column) or
@@ -234,7 +246,8 @@ class LoraExperts(Experts):
         if not ad.state.enabled or part not in ad.lora_A:
             return y
         counts, offsets, _ = groups
-        delta = expert_lora_delta(x, ad.lora_A[part], ad.lora_B[part], counts, offsets, offsets is not None)
+        delta = expert_lora_delta(x, ad.state.factor(ad.lora_A[part]), ad.state.factor(ad.lora_B[part]), counts,
+                                  offsets, offsets is not None)
         return y + delta * ad.slots[part].scaling
 
 
