@@ -97,10 +97,10 @@ def _rounds(trainer, prefix, together, calls):
         items = _items(prefix, round_)
         if together:
             before = len(calls)
-            outs = trainer.execute({"op": "forward_many", "args": {"items": items}})
-            assert len(calls) == before + 1 and calls[-1] == 4, calls   # one pass of four parts
-            assert all(s == "ok" for s, _ in outs), outs
-            outs = [v for _, v in outs]
+            got = trainer.execute({"op": "forward_many", "args": {"items": items}})
+            assert len(calls) == before + 1 and calls[-1] == 4 and got["together"] == 4, calls  # one pass of four
+            assert all(s == "ok" for s, _ in got["outcomes"]), got
+            outs = [v for _, v in got["outcomes"]]
         else:
             outs = [trainer.execute({"op": "forward", "args": it}) for it in items]
         steps = [trainer.execute({"op": "optim_step", "args": {"model_id": it["model_id"], "adam": ADAM}})
@@ -157,8 +157,8 @@ def _worker(rank, world, model, work, pp, dtype, out_dir):
     # a request whose loss raises inside the pass: its error alone, the others as if alone
     items = _items("alone", 5)
     items[2]["loss_fn"] = "cross_entropy"       # its datums carry no weights: a KeyError in the loss
-    outs = trainer.execute({"op": "forward_many", "args": {"items": items}})
-    status = [s for s, _ in outs]
+    got = trainer.execute({"op": "forward_many", "args": {"items": items}})
+    status = [s for s, _ in got["outcomes"]] + [got["together"]]
     torch.save({"same": same, "worst": worst, "moved": moved, "broken_same": broken_same, "status": status,
                 "calls": calls}, os.path.join(out_dir, f"rank{rank}.pt"))
 
@@ -177,4 +177,4 @@ def test_cobatched_clients_equal_alone_bit_for_bit(tmp_path, pp, dtype):
     assert got["worst"] == 0.0, f"adapters after two co-batched steps differ from alone by {got['worst']}"
     assert got["moved"] > 1e-3, "the clients' adapters did not move apart (the comparison would be vacuous)"
     assert got["broken_same"] is False, "ignoring the adapters' bank went unnoticed"
-    assert got["status"] == ["ok", "ok", "error", "ok"], got["status"]
+    assert got["status"] == ["ok", "ok", "error", "ok", 0], got["status"]    # the pass failed: each alone

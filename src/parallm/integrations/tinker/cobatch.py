@@ -137,19 +137,22 @@ def _together(trainer, items, together) -> list:
 
 def run_group(trainer, items: list) -> list:
     """Every rank: the items (``op_forward``'s arguments) co-batched where they can be, the rest one by one;
-    a list of outcomes in the items' order (``("ok", value)`` / ``("error", ...)``; values on rank 0)."""
+    ``{"outcomes": [...], "together": n}``: an outcome per item in the items' order (``("ok", value)`` /
+    ``("error", ...)``; values on rank 0) and how many ran in the one pass (0: none did)."""
     together, alone = _plan(trainer, items)
     outcomes: list = [None] * len(items)
+    ran = 0
     if len(together) > 1:
         try:
             values = _together(trainer, items, together)
             for (i, _), v in zip(together, values):
                 outcomes[i] = ("ok", v)
+            ran = len(together)
         except Exception:  # noqa: BLE001 - every rank raised (forward_backward agrees): each request alone
             alone = sorted(alone + [i for i, _ in together])
     else:
         alone = sorted(alone + [i for i, _ in together])
     for i in alone:
         outcomes[i] = _outcome(lambda: trainer.op_forward(**items[i]))
-    return outcomes
+    return {"outcomes": outcomes, "together": ran}
 

@@ -86,6 +86,7 @@ class Leader:
     def __init__(self, execute, group, *, keepalive_s: float = 2.0, cobatch: int = 1):
         self.execute, self.group, self.keepalive_s = execute, group, keepalive_s
         self.cobatch = cobatch          # most forward_backward requests of distinct clients run as one item
+        self.cobatched = {"passes": 0, "requests": 0}       # co-batched passes so far (healthz reports them)
         self.queue: queue.Queue = queue.Queue()
         self.lost: str | None = None
         self.busy = threading.Event()
@@ -143,7 +144,10 @@ class Leader:
                 for d in dones:
                     d(False, value, category)
                 return
-            for d, (status, v) in zip(dones, value):
+            if value["together"]:
+                self.cobatched = {"passes": self.cobatched["passes"] + 1,
+                                  "requests": self.cobatched["requests"] + value["together"]}
+            for d, (status, v) in zip(dones, value["outcomes"]):
                 if status == "ok":
                     d(True, v, None)
                 else:

@@ -187,11 +187,13 @@ class ServiceBase:
 
     # -- routes without a model ------------------------------------------------------------------------------------
     def route_healthz(self, body):
-        """``status`` (the SDK reads only that) and the sampler's state: ``ready``, ``starting``, ``failed: why``
-        or ``none``."""
+        """``status`` (the SDK reads only that), the sampler's state (``ready``, ``starting``, ``failed: why`` or
+        ``none``) and the leader's co-batching counts (``cobatch``: passes that ran several clients' requests,
+        and the requests they ran)."""
         state = self.sampler.state() if self.sampler is not None and hasattr(self.sampler, "state") else \
             ("ready" if self.sampler is not None else "none")
-        return {"status": "ok", "sampler": state}
+        counts = getattr(self.leader, "cobatched", None)
+        return {"status": "ok", "sampler": state, "cobatch": dict(counts) if counts is not None else None}
 
     def route_client_config(self, body):
         req = protocol.parse(_types().ClientConfigRequest, body, route="client/config")
