@@ -77,10 +77,25 @@ def test_spec_table_and_refusals(tmp_path):
                        (dict(moe_intermediate_size=0), "moe_intermediate_size=0")):
         with pytest.raises(ValueError, match=match):
             spec_from_config(moe_config(**bad))
-    with pytest.raises(ValueError, match="moe_intermediate_size=16 is not divisible by tp=3|not divisible"):
-        from parallm.model.spec import check_tp
-        check_tp(spec_from_config(moe_config(moe_intermediate_size=16, num_attention_heads=6,
-                                             num_key_value_heads=3, num_global_key_value_heads=3))[0], 3)
+    from parallm.model.spec import check_tp
+    with pytest.raises(ValueError, match="moe_intermediate_size=15 is not divisible by tp=2"):
+        check_tp(spec_from_config(moe_config(moe_intermediate_size=15))[0], 2)
+
+
+def test_inspect_describes_the_moe_block(tmp_path, capsys):
+    import parallm
+    from parallm.cli import main
+    ckpt = str(tmp_path / "m")
+    make_model(0).save_pretrained(ckpt)
+    report = parallm.inspect_checkpoint(ckpt, tp=2, ep=2)
+    moe = report["moe"]
+    assert moe["router"] == "gemma4" and moe["beside_mlp"] and moe["activation"] == "tanh GELU"
+    assert moe["tensors_per_layer"] == 10 and moe["experts"] == 4 and report["problem"] is None
+    assert report["config"]["global_head_dim"] == 32 and report["config"]["rotary_dim"] is None
+    assert main(["inspect", ckpt]) == 0
+    text = capsys.readouterr().out
+    assert "beside the layer's dense MLP, router on the residual" in text and "tanh GELU" in text, text
+    assert "full layers' head dim 32" in text and "rotary 32 of 16" not in text, text
 
 
 CASES = [      # (name, layout, build, loss on, world)
