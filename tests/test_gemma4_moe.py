@@ -178,3 +178,70 @@ def test_gemma4_moe_tp2_ep2_packed_sp(tmp_path):
     cases = make_cases(tmp_path, 4)
     results = helpers.run_ranks(rank_cases, 4, cases, timeout=600)
     layout_harness.check(cases, results, tol=TOL)
+
+
+# -- router replay --------------------------------------------------------------------------------------------------
+
+def _hf_replayed(model, ids, mask, given):
+    """transformers' logits with every layer's router made to route with ``given`` ``[B, S, L, k]`` (weights: the
+    router's probabilities of those experts renormalised, times ``per_expert_scale``, as parallm replays), and
+    transformers' own choices ``[B, S, L, k]`` of the plain forward."""
+    from parallm.verify.reference import hf_output
+    b, s = ids.shape
+    own, originals = [], []
+    for i, layer in enumerate(model.model.layers):
+        router, original = layer.router, layer.router.forward
+        originals.append((router, original))
+
+        def replay(h, router=router, original=original, i=i):
+            probs, _, _ = original(h)
+            idx = given[:, :, i].reshape(b * s, -1)
+            w = probs.gather(1, idx)
+            return probs, w / w.sum(-1, keepdim=True) * router.per_expert_scale[idx], idx
+        router.forward = replay
+    try:
+        with torch.no_grad():
+            replayed = hf_output(model, ids, mask)
+    finally:
+        for router, _ in originals:
+            del router.forward
+    hooks = [layer.router.register_forward_hook(lambda m, i, o: own.append(o[2].view(b, s, -1)))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        hf_output(model, ids, mask)
+    for h in hooks:
+        h.remove()
+    return replayed, torch.stack(own, dim=2)
+
+
+def rank_replay(rank, world, ckpt, ids, mask, given):
+    import parallm
+    parallm.init_parallel(tp=2)
+    chunks = parallm.build_model(ckpt, sequence_parallel=True, packed=True)
+    parallm.load_hf_weights(chunks, ckpt)
+    with torch.no_grad():
+        replayed = parallm.forward(chunks, ids, mask, routed_experts=given)
+        _, own = parallm.forward(chunks, ids, mask, return_routed_experts=True)
+    parallm.destroy_parallel()
+    return replayed, own
+
+
+@pytest.mark.timeout(600)
+def test_router_replay_against_transformers(tmp_path):
+    model, (ids, mask) = make_model(seed=50), helpers.padded_batch(101, batch=4, seq=SEQ, seed=9)
+    g = torch.Generator().manual_seed(9)
+    b, s, n_layers = ids.shape[0], ids.shape[1], len(model.model.layers)
+    given = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(b * s * n_layers)]).view(b, s, n_layers, 2)
+    ref, hf_own = _hf_replayed(model, ids, mask, given)
+    with torch.no_grad():
+        from parallm.verify.reference import hf_output
+        plain = hf_output(model, ids, mask)
+    ckpt = str(tmp_path / "m")
+    model.save_pretrained(ckpt)
+    (replayed, own), _ = helpers.run_ranks(rank_replay, 2, ckpt, ids, mask, given, timeout=300)
+    real = mask.bool()
+    diff, moved = helpers.max_diff_real(replayed, ref, mask), helpers.max_diff_real(ref, plain, mask)
+    print(f"\nreplayed logits vs transformers routed alike: {diff:.1e} (replay moves transformers' logits {moved:.1e})")
+    assert diff < TOL and moved > 1e-2
+    assert torch.equal(own[real].sort(-1).values, hf_own[real].sort(-1).values)
+    assert bool((own[~real] == -1).all())
