@@ -245,3 +245,24 @@ def test_router_replay_against_transformers(tmp_path):
     assert diff < TOL and moved > 1e-2
     assert torch.equal(own[real].sort(-1).values, hf_own[real].sort(-1).values)
     assert bool((own[~real] == -1).all())
+
+
+def test_wrapper_with_the_moe_block_table(tmp_path):
+    """The ``gemma4`` wrapper (Gemma4ForConditionalGeneration, what the 26B-A4B checkpoint is) over the MoE text
+    config: its table names the checkpoint's language-model tensors (experts stacked) and carries the tower."""
+    import transformers
+    from parallm.families import spec_from_config
+    from parallm.model.table import all_entries, expected_hf_shapes, stacked_saves
+    from test_gemma4_features import VISION
+    cfg = transformers.Gemma4Config(text_config=moe_config().to_dict(), vision_config=VISION, audio_config=None)
+    model = transformers.Gemma4ForConditionalGeneration(cfg)
+    helpers.randomize_(model, seed=3)
+    spec, family = spec_from_config(model.config)
+    assert family.name == "gemma4_vl" and spec.moe is not None and spec.moe.beside_mlp
+    hub = helpers.hub_state_dict(model, str(tmp_path / "w"))
+    shapes = expected_hf_shapes(family.table, spec, task="causal_lm", pp=1)
+    stacked = stacked_saves(all_entries(family.table, spec, task="causal_lm", pp=1))
+    saved = {stacked[n][0] if n in stacked else n for n in shapes}
+    assert saved == set(hub), sorted(saved ^ set(hub))[:6]
+    assert "model.language_model.layers.1.experts.gate_up_proj" in hub
+    assert all(tuple(hub[k].shape) == s for k, s in shapes.items() if k in hub)
