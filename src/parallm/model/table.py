@@ -43,7 +43,8 @@ import torch
 from .placement import placement_of
 from .spec import DecoderSpec
 
-KINDS = ("copy", "vocab", "column", "row", "qkv", "qkv_global", "qk_global", "gate_up", "gate_up_rows", "gdn_conv", "gdn_in", "mamba_in", "mamba_conv",
+KINDS = ("copy", "vocab", "column", "row", "qkv", "qkv_global", "qk_global", "gate_up", "gate_up_rows", "gdn_conv",
+         "gdn_in", "mamba_in", "mamba_conv",
          "kv_heads")
 # "mtp": a multi-token-prediction layer's own tensors ({l}: its index j among them, {i}: its HF layer index
 # num_layers + j), held by the chunk with post_process; the decoder layer inside it takes the "layer" rows

@@ -165,7 +165,8 @@ class Experts(nn.Module):
     odd columns) and ``linear_fc2.weight [E_local, I / tp, H]``. ``bias``: ``linear_fc1.bias [E_local, 2 I / tp]``
     and ``linear_fc2.bias [E_local, H]``, the latter added by TP rank 0 only (``add_down_bias``), so the
     row-parallel sum over TP adds it once. ``activation``: ``"silu"`` (``silu(gate) * up``) or
-    ``"clamped_swiglu"`` (:func:`clamped_swiglu` with ``limit`` / ``alpha``). ``forward`` computes every local
+    ``"clamped_swiglu"`` (:func:`clamped_swiglu` with ``limit`` / ``alpha``), ``"gelu_tanh"`` (Gemma 4:
+    ``gelu_tanh(gate) * up``). ``forward`` computes every local
     expert's TP shard ``down_r(act(gate_r x, up_r x))`` (a partial sum over TP ranks) on its rows."""
 
     def __init__(self, n_local: int, hidden: int, width_local: int, dtype, device, *, layout: str = "rows",
