@@ -11,6 +11,7 @@ test_gemma4_moe.py leave out, against transformers 5.25 in fp32 through tests/la
 The output after the step is held to max(1e-4, 2 x transformers' own sdpa-vs-eager spread after the same step), as
 test_gemma4_features.py holds it (softmax scale 1 and 8 layers make it sensitive).
 
+* `parallm inspect` on the dense model (the MoE one: test_gemma4_moe.py).
 * bf16 smoke (tp2, dense and MoE): the bf16 model's loss within bf16 rounding of the fp32 loss, a
   ``forward_backward`` step with every parameter's fp32 ``main_grad`` finite.
 """
@@ -126,3 +127,17 @@ def test_bf16_smoke_dense_and_moe(tmp_path):
               f"dtypes {r0['dtypes']}")
         assert "torch.bfloat16" in r0["dtypes"] and not r0["bad_grads"], r0    # every fp32 main_grad finite
         assert abs(r0["loss"] - fp32) < 0.02 * fp32 and abs(r0["step"] - r0["loss"]) < 1e-2 * fp32, (r0, fp32)
+
+
+def test_inspect_dense(tmp_path, capsys):
+    """``parallm inspect`` on the dense 8-layer model (global head dim, K = V, per-layer inputs, KV sharing)."""
+    import parallm
+    from parallm.cli import main
+    ckpt = str(tmp_path / "d")
+    dense_model(0).save_pretrained(ckpt)
+    report = parallm.inspect_checkpoint(ckpt, tp=2)
+    assert report["problem"] is None and report["moe"] is None and report["family"] == "gemma4"
+    assert report["config"]["global_head_dim"] == 32 and report["config"]["rotary_dim"] is None
+    assert main(["inspect", ckpt]) == 0
+    text = capsys.readouterr().out
+    assert "full layers' head dim 32" in text and "rotary 32 of 16" not in text, text

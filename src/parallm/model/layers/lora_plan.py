@@ -14,6 +14,7 @@ import torch
 from ..sharding import Block, PartsSplit, Replicated, Split, TPLayout, VocabSplit, _as_source, kv_heads_of_rank
 from ..spec import padded_vocab_size
 from ..table import chunk_entries, resolve_shape
+from .lora_gemma4 import check_gemma4_targets
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # multi-head latent attention's own projections (transformers' DeepseekV3Attention; q_proj and o_proj are above)
@@ -25,10 +26,8 @@ HEAD = "lm_head"
 # stacks them)
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3",
                       "gpt_oss", "deepseek_v32", "glm_moe_dsa", "nemotron_h", "minimax_m2", "kimi_k25",
-                      "deepseek_v4", "gemma4", "gemma4_vl")
-# Gemma 4: the nn.Linear modules PEFT's "all-linear" adapts beyond the attention / MLP projections (the per-layer
-# inputs' and the router's), which parallm does not adapt: refused (see _check_gemma4)
-GEMMA4_OTHER_LINEAR = ("per_layer_model_projection", "per_layer_input_gate", "per_layer_projection", "router.proj")
+                      "deepseek_v4", "gemma4")
+# (gemma4_vl, the wrapper, is not among them: PEFT's module names would reach its vision tower too; not tried)
 # Mamba-2's input projection (Nemotron-H): adapted like a column-parallel linear whose rows are the in_proj's
 # [z; x; B; C; dt] parts, B's rows split over TP as the weight's (PEFT refuses out_proj / conv1d on Mamba models)
 MAMBA_LINEAR = ("in_proj",)
@@ -343,8 +342,8 @@ def layer_slots(spec, entry, config: LoraConfig, *, tp: int, sp: bool) -> tuple[
     down-projections, ``"split"``: DeepSeek-V4's q_b_proj, ``"experts_fc1"``, ``"experts_fc2"``), None when nothing of it is targeted. Raises for
     targeted modules parallm cannot adapt."""
     local = entry.local.split(".", 2)[-1]          # drop "layers.{l}."
-    if spec.family in ("gemma4", "gemma4_vl"):
-        _check_gemma4(spec, config)
+    if spec.family == "gemma4":
+        check_gemma4_targets(spec, config)
     if spec.v4 is not None and local.startswith("self_attention."):
         return _v4_slots(spec, entry, config, local, sp=sp)
     modules = peft_modules(spec, entry)
@@ -419,20 +418,6 @@ def _attention_shape(spec, layer: int) -> tuple[int, int, int]:
     """``(q rows, KV heads, head dim)`` of layer ``layer``'s fused QKV (the q rows doubled with an output gate)."""
     d = spec.head_dim_of(layer)
     return spec.num_heads * d * (2 if spec.attn_output_gate else 1), spec.kv_heads_of(layer), d
-
-
-def _check_gemma4(spec, config: LoraConfig) -> None:
-    """Gemma 4: PEFT's "all-linear" also adapts the per-layer inputs' linears (``per_layer_model_projection``,
-    each layer's ``per_layer_input_gate`` / ``per_layer_projection``) and the MoE router's ``proj``, which parallm
-    does not adapt: refused (with the model's names) rather than adapting less than PEFT would; naming them is
-    refused too."""
-    others = [m for m in GEMMA4_OTHER_LINEAR
-              if (m.startswith("per_layer") and spec.per_layer_input_size) or (m == "router.proj" and spec.moe)]
-    t = config.target_modules
-    named = [m for m in others if config.targets(f"model.layers.0.{m}") or config.targets(f"model.{m}")]
-    if others and (t == "all-linear" or (not isinstance(t, str) and "all-linear" in t) or named):
-        raise ValueError(f"LoRA on Gemma 4's {', '.join(named or others)} is not supported (PEFT's 'all-linear' "
-                         "adapts them); name the attention / MLP projections instead (q/k/v/o_proj, gate/up/down_proj)")
 
 
 def _routed_expert_slots(spec, entry, config, modules, hit, *, local: str, tp: int):
