@@ -91,8 +91,8 @@ def test_config_table_and_refusals(tmp_path):
                        (dict(per_layer_config={0: GLOBAL}), "layer 0 .sliding_attention."),
                        (dict(per_layer_config={1: GLOBAL, 3: {"head_dim": 64}}), "one global shape"),
                        (dict(per_layer_config={1: GLOBAL}), "one global shape"),
-                       (dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16),
-                        "enable_moe_block"),
+                       (dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=None),
+                        "moe_intermediate_size=None"),
                        (dict(use_bidirectional_attention="all"), "use_bidirectional_attention")):
         with pytest.raises(ValueError, match=match):
             spec_from_config(gemma4_config(**bad))

@@ -194,6 +194,8 @@ def moe_facts(spec, *, dtype: str, tp: int) -> dict | None:
     kernel = expert_kernel(device, torch_dtype, sizes) if width else "loop"
     if moe.activation in ("silu", "relu2"):
         activation = moe.activation
+    elif moe.activation == "gelu_tanh":
+        activation = "tanh GELU"
     elif moe.activation == "clamped_silu":
         activation = f"clamped SiLU (gate <= {moe.swiglu_limit:g}, |up| <= {moe.swiglu_limit:g})"
     else:
@@ -202,7 +204,9 @@ def moe_facts(spec, *, dtype: str, tp: int) -> dict | None:
                 expert_width=moe.expert_intermediate_size, shared_width=moe.shared_expert_intermediate_size,
                 tensors_per_layer=3 + int(moe.score_bias) + int(moe.router_bias) + 2 * int(moe.expert_bias)
                 + (2 + int(moe.shared_expert_gate) if moe.shared_expert_intermediate_size else 0)
-                + (2 * (1 + int(moe.latent_bias)) if moe.latent_size else 0),
+                + (2 * (1 + int(moe.latent_bias)) if moe.latent_size else 0)
+                + (7 if moe.beside_mlp else 0),     # Gemma 4: router scales, 3 norms, the dense MLP's 2 beside
+                beside_mlp=moe.beside_mlp,
                 router=moe.router, router_bias=moe.router_bias, expert_bias=moe.expert_bias, activation=activation,
                 kernel=kernel, device=device,
                 kernel_note=(grouped_mm_support(device, torch_dtype, sizes) if width else
@@ -236,7 +240,8 @@ def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, ep=Non
                     tied=spec.tie_word_embeddings, qkv_bias=spec.qkv_bias, o_bias=spec.o_bias, mlp_bias=spec.mlp_bias,
                     rope="none" if spec.nope else "yarn" if spec.yarn is not None else spec.rope.kind,
                     rope_theta=None if spec.nope else spec.rope.theta,
-                    rotary_dim=None if spec.nope else spec.rotary_dim,
+                    rotary_dim=None if spec.nope or spec.layer_ropes else spec.rotary_dim,
+                    global_head_dim=spec.global_head_dim if spec.global_layers else None,
                     qk_norm="whole projection" if spec.qk_norm_whole else "per head" if spec.qk_norm else None,
                     rms_norm_eps=spec.rms_norm_eps, latent_attention=spec.mla is not None,
                     mtp_layers=spec.carried_mtp_layers, linear_layers=list(_linear_layers(spec)),

@@ -104,7 +104,8 @@ def _rope(c: dict) -> str:
     rot = c.get("rotary_dim")
     partial = f", rotary {rot} of {c['head_dim']} channels" if rot is not None and rot != c["head_dim"] else ""
     norm = {"per head": "; qk norm per head", "whole projection": "; qk norm over the whole projection (all heads)"}
-    return f"rope {c['rope']} (theta {c['rope_theta']:g}{partial})" + norm.get(c.get("qk_norm"), "")
+    per_type = "; full layers' head dim " + str(c["global_head_dim"]) if c.get("global_head_dim") else ""
+    return f"rope {c['rope']} (theta {c['rope_theta']:g}{partial}{per_type})" + norm.get(c.get("qk_norm"), "")
 
 
 def render(report: dict) -> str:
@@ -173,7 +174,9 @@ def _moe_lines(report: dict) -> list[str]:
         shared = f", shared expert {moe['shared_width']} wide" if moe["shared_width"] else ""
         lines.append(f"experts       {moe['experts']} per MoE layer ({moe['layers']} layers), top-{moe['top_k']}, "
                      f"{moe['expert_width']} wide{shared}; {moe['tensors_per_layer']} parameter tensors per MoE "
-                     "layer (each rank's experts stacked per projection)")
+                     "layer (each rank's experts stacked per projection)"
+                     + ("; beside the layer's dense MLP, router on the residual (Gemma 4)" if moe.get("beside_mlp")
+                        else ""))
         fmt = ("MXFP4 in the checkpoint (FP4 values, a power-of-two scale per 32; dequantised on load into "
                f"{report['dtype']})" if "mxfp4" in report["dtypes"] else
                "compressed-tensors INT4 pack-quantized in the checkpoint (8 int4 values per int32 word, a scale per "

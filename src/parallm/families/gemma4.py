@@ -25,9 +25,11 @@ keys / values of the last earlier layer of their type, have q_proj alone (``colu
 ``use_double_wide_mlp``, an MLP of twice the intermediate size; a sharing layer and its source on different
 pipeline stages, and layer recomputation, are refused.
 
-Refused at config parse, naming the field (not implemented): per-layer embeddings of another vocabulary, the MoE
-block (``enable_moe_block``), ``use_bidirectional_attention``. Not registered: ``Gemma4ForConditionalGeneration``
-(the wrapper).
+The MoE block beside the MLP (``enable_moe_block``: :mod:`parallm.families.gemma4_moe`, the layer
+:mod:`parallm.model.layers.moe_beside`): every layer's dense MLP plus routed experts, the router on the residual.
+
+Refused at config parse, naming the field (not implemented): per-layer embeddings of another vocabulary,
+``use_bidirectional_attention``. The ``gemma4`` wrapper: :mod:`parallm.families.gemma4_vl`.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from ..model.positions.rope import rope_spec_from_hf_config
 from ..model.table import Row
 from .deepseek_v3 import _config_dict
 from .gemma3 import GEMMA3_TABLE, gemma3_spec
+from .gemma4_moe import MOE_ROWS, gemma4_moe_spec
 from .registry import Family, register
 
 MODEL_TYPES = ("gemma4_text",)
@@ -126,8 +129,8 @@ def _table() -> tuple[Row, ...]:
         out.append(_conditioned(row))
         out += [_conditioned(g, local=False) for g in GLOBAL_ROWS if g.local == row.local]
         out += [r for r in SHARED_ROWS + WIDE_ROWS if r.local == row.local]
-    return tuple(out) + PLE_ROWS + (Row("layers.{l}.layer_scalar", ("model.layers.{i}.layer_scalar",), "copy", "layer",
-                             ((1,),), when=("layer_scalar",)),)
+    return tuple(out) + MOE_ROWS + PLE_ROWS + (Row("layers.{l}.layer_scalar", ("model.layers.{i}.layer_scalar",),
+                                                   "copy", "layer", ((1,),), when=("layer_scalar",)),)
 
 
 GEMMA4_TABLE = _table()
@@ -139,7 +142,6 @@ def _refuse(raw: dict) -> None:
          and raw["vocab_size_per_layer_input"] != raw["vocab_size"],
          f"per-layer input embeddings of a vocabulary other than the tokens' vocab_size={raw['vocab_size']} are "
          "not implemented"),
-        ("enable_moe_block", bool(raw["enable_moe_block"]), "the MoE block beside the MLP is not implemented"),
         ("use_bidirectional_attention", bool(raw.get("use_bidirectional_attention")),
          "parallm's attention is causal"),
     )
@@ -236,7 +238,8 @@ def gemma4_spec(config):
         spec = replace(spec, rope=rope, global_layers=layers, global_head_dim=gd, global_kv_heads=gkv,
                        global_k_eq_v=bool(raw["attention_k_eq_v"]))
     spec = replace(spec, per_layer_input_size=int(raw["hidden_size_per_layer_input"] or 0),
-                   kv_sources=kv_sources(raw), double_wide_mlp=bool(raw["use_double_wide_mlp"]))
+                   kv_sources=kv_sources(raw), double_wide_mlp=bool(raw["use_double_wide_mlp"]),
+                   moe=gemma4_moe_spec(raw))
     return replace(spec, family="gemma4", model_type="gemma4_text", architecture=_arch(raw),
                    zero_centered_norm=False, norm_pow=True, attn_scale=1.0, v_norm=True, layer_scalar=True)
 

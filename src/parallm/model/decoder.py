@@ -37,6 +37,7 @@ from .layers.mlp import MLP, no_init
 from .layers import per_layer_inputs as ple_io
 from .layers.norms import FP32WeightRMSNorm, RMSNorm, ZeroCenteredRMSNorm, norm_class  # noqa: F401
 from .layers.moe import MoEAux, MoEBlock
+from .layers.moe_beside import DenseBesideMoE
 from .layers.routing import RouterReplay, moe_layer_indices, rows_of_tokens
 from .placement import attach_placements
 from .positions.rope import rope_cos_sin
@@ -90,7 +91,9 @@ class DecoderLayer(nn.Module):
             self.layer_scalar = nn.Parameter(torch.empty(1, dtype=config.params_dtype, device=device),
                                              requires_grad=False)
         # The spec says which layers route over experts (model/layers/moe.py); the others keep the dense MLP.
-        self.mlp = MoEBlock(spec, config, dims, device, layer=layer_number) if spec.is_moe_layer(layer_number) \
+        # Gemma 4's MoE layers run the dense MLP and the routed experts side by side (layers/moe_beside.py).
+        moe_block = DenseBesideMoE if spec.moe is not None and spec.moe.beside_mlp else MoEBlock
+        self.mlp = moe_block(spec, config, dims, device, layer=layer_number) if spec.is_moe_layer(layer_number) \
             else MLP(spec, config, width=spec.mlp_width(layer_number))
         if spec.per_layer_input_size:      # Gemma 4: the layer's per-layer input (layers/per_layer_inputs.py)
             self.per_layer = ple_io.PerLayerInput(spec, config, layer_number, device)
@@ -124,7 +127,10 @@ class DecoderLayer(nn.Module):
         a = self.self_attention(self.input_layernorm(x), cos, sin, ctx)
         x = x + (self.attn_out_norm(a) if hasattr(self, "attn_out_norm") else a)
         h = self.post_attention_layernorm(x)
-        m = self.mlp(h, tokens, routed) if isinstance(self.mlp, MoEBlock) else self.mlp(h)
+        if isinstance(self.mlp, DenseBesideMoE):        # Gemma 4: the router reads the residual
+            m = self.mlp(h, tokens, routed, residual=x)
+        else:
+            m = self.mlp(h, tokens, routed) if isinstance(self.mlp, MoEBlock) else self.mlp(h)
         x = x + (self.mlp_out_norm(m) if hasattr(self, "mlp_out_norm") else m)
         if per_layer is not None:
             x = self.per_layer(x, per_layer)

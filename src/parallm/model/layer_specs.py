@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 from .layers.routing import check_grouping
 
-ROUTERS = ("softmax", "sigmoid_grouped", "topk_softmax", "sqrtsoftplus")
+ROUTERS = ("softmax", "sigmoid_grouped", "topk_softmax", "sqrtsoftplus", "gemma4")
 # what the routed experts compute between their two projections (:mod:`parallm.model.layers.moe`)
 # relu2: relu(up x)^2, no gate (Nemotron-H); clamped_silu: silu(clamp(gate, max=L)) * clamp(up, -L, L) (DeepSeek-V4)
-ACTIVATIONS = ("silu", "clamped_swiglu", "relu2", "clamped_silu")
+# gelu_tanh: gelu_tanh(gate x) * up x (Gemma 4's experts, transformers' GELUTanh)
+ACTIVATIONS = ("silu", "clamped_swiglu", "relu2", "clamped_silu", "gelu_tanh")
 # how a routed expert's weights are held and named (one expert's slab of the stacked parameter)
 EXPERT_LAYOUTS = ("rows", "interleaved_columns")
 
@@ -57,6 +58,12 @@ class MoESpec:
     ``shared_expert_limit``: the same clamps on the shared expert (V4's ``DeepseekV4MLP``). The load-balancing
     loss of this router reads ``softmax(logits)`` and its top-k (transformers' ``load_balancing_loss_func`` on
     the recorded router logits), of the non-hash layers only (:attr:`balanced_layers`).
+
+    Gemma 4 (``router="gemma4"``, ``beside_mlp``; :mod:`parallm.model.layers.moe_beside`): the routed block runs
+    beside the dense MLP, not instead of it. Its router reads the layer's residual (not the experts' input):
+    weightless RMSNorm, times ``scale`` ``[H]`` and ``H^-0.5``, logits, softmax, top-k renormalised, times
+    ``per_expert_scale[e]``; the experts (``activation="gelu_tanh"``) read ``pre_feedforward_layernorm_2`` of the
+    residual; the two outputs are normed apart and summed.
     """
     num_experts: int
     top_k: int
@@ -84,6 +91,8 @@ class MoESpec:
     # DeepSeek-V4: the MoE layers whose experts come from the token ids (tid2eid), and the shared expert's clamp
     hash_layers: tuple[int, ...] = ()
     shared_expert_limit: float | None = None
+    # Gemma 4: the routed block beside the dense MLP (its own norms; the router on the residual)
+    beside_mlp: bool = False
 
     @property
     def balanced_layers(self) -> tuple[int, ...]:
@@ -117,7 +126,10 @@ class MoESpec:
             return
         if self.router_bias and self.router != "topk_softmax":
             raise ValueError(f"a trained router bias is the topk_softmax router's (got router={self.router!r})")
-        if self.router in ("softmax", "topk_softmax"):
+        if self.beside_mlp != (self.router == "gemma4"):
+            raise ValueError(f"beside_mlp={self.beside_mlp} goes with router='gemma4' only (got router="
+                             f"{self.router!r})")
+        if self.router in ("softmax", "topk_softmax", "gemma4"):
             extras = {k: v for k, v in (("n_group", self.n_group != 1), ("topk_group", self.topk_group != 1),
                                         ("routed_scaling_factor", self.routed_scaling_factor != 1.0),
                                         ("score_bias", self.score_bias)) if v}

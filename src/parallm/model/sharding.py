@@ -438,6 +438,8 @@ KINDS = {
     # and with K = V (attention_k_eq_v) only q and k
     "qk_global": lambda spec, padded_vocab: QKSplit(spec.num_heads, spec.global_kv_heads, spec.global_head_dim),
     "gate_up": lambda spec, padded_vocab: GateUpSplit(),
+    # one HF tensor [gate; up] (a routed expert's slab of Gemma 4's experts.gate_up_proj), per rank [gate_r; up_r]
+    "gate_up_rows": lambda spec, padded_vocab: PartsSplit((spec.moe.expert_intermediate_size,) * 2),
     "kv_heads": lambda spec, padded_vocab: KVHeadSplit(spec.num_kv_heads, spec.head_dim),
     # Gated DeltaNet: the conv's [q; k; v] channels split by heads, the fused input projection
     "gdn_conv": lambda spec, padded_vocab: PartsSplit((spec.gdn_key_dim, spec.gdn_key_dim, spec.gdn_value_dim)),

@@ -193,9 +193,9 @@ class DecoderSpec:
         if bad:
             raise ValueError(f"RoPE per layer rotates each layer's whole head: layers {bad} have a rotary dim other "
                              "than their head dim")
-        if self.hidden_act == "gelu_pytorch_tanh" and self.moe is not None:
+        if self.hidden_act == "gelu_pytorch_tanh" and self.moe is not None and self.moe.activation != "gelu_tanh":
             raise ValueError("hidden_act='gelu_pytorch_tanh' is implemented for the dense MLP only (the routed "
-                             "experts run silu / clamped SwiGLU / relu2); a mixture-of-experts model with it is "
+                             "experts run it only as activation='gelu_tanh'); a mixture-of-experts model with it is "
                              "not supported")
         if self.qk_norm and self.qk_norm_whole:
             raise ValueError("qk_norm (per head) and qk_norm_whole (over the whole projection) exclude each other")

@@ -15,6 +15,7 @@ see :mod:`parallm.model.placement`):
     qkv_global  the same for a layer of spec.global_layers (global_head_dim, global_kv_heads: Gemma 4)
     qk_global   K = V on those layers (spec.global_k_eq_v): two HF tensors (q, k) fused per rank as [q_r; k_r]
     gate_up  two HF tensors (gate, up) fused per rank as [gate_r; up_r]
+    gate_up_rows  one HF tensor [gate; up] (Gemma 4's stacked experts' slab) split per rank as [gate_r; up_r]
     gdn_conv a Gated DeltaNet's [q; k; v] channels (in one HF tensor) split by heads, per rank [q_r; k_r; v_r]
     gdn_in   a Gated DeltaNet's input projections fused per rank (Qwen3.5 [q_r; k_r; v_r; z_r; b_r; a_r],
              Qwen3-Next [qkvz_r; ba_r])
@@ -42,7 +43,8 @@ import torch
 from .placement import placement_of
 from .spec import DecoderSpec
 
-KINDS = ("copy", "vocab", "column", "row", "qkv", "qkv_global", "qk_global", "gate_up", "gdn_conv", "gdn_in", "mamba_in", "mamba_conv",
+KINDS = ("copy", "vocab", "column", "row", "qkv", "qkv_global", "qk_global", "gate_up", "gate_up_rows", "gdn_conv",
+         "gdn_in", "mamba_in", "mamba_conv",
          "kv_heads")
 # "mtp": a multi-token-prediction layer's own tensors ({l}: its index j among them, {i}: its HF layer index
 # num_layers + j), held by the chunk with post_process; the decoder layer inside it takes the "layer" rows

@@ -14,6 +14,7 @@ import torch
 from ..sharding import Block, PartsSplit, Replicated, Split, TPLayout, VocabSplit, _as_source, kv_heads_of_rank
 from ..spec import padded_vocab_size
 from ..table import chunk_entries, resolve_shape
+from .lora_gemma4 import check_gemma4_targets
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # multi-head latent attention's own projections (transformers' DeepseekV3Attention; q_proj and o_proj are above)
@@ -25,7 +26,8 @@ HEAD = "lm_head"
 # stacks them)
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3",
                       "gpt_oss", "deepseek_v32", "glm_moe_dsa", "nemotron_h", "minimax_m2", "kimi_k25",
-                      "deepseek_v4")
+                      "deepseek_v4", "gemma4")
+# (gemma4_vl, the wrapper, is not among them: PEFT's module names would reach its vision tower too; not tried)
 # Mamba-2's input projection (Nemotron-H): adapted like a column-parallel linear whose rows are the in_proj's
 # [z; x; B; C; dt] parts, B's rows split over TP as the weight's (PEFT refuses out_proj / conv1d on Mamba models)
 MAMBA_LINEAR = ("in_proj",)
@@ -137,6 +139,9 @@ class KVRows(TPLayout):
 
     def __init__(self, num_kv_heads: int, head_dim: int):
         self.nkv, self.d = num_kv_heads, head_dim
+        # read by finalize_grads / the grad buckets: which KV-head count's replica group sums these rows (Gemma 4's
+        # global layers have their own count)
+        self.num_kv_heads = num_kv_heads
 
     def _rows(self, rank, tp):
         kv = kv_heads_of_rank(rank, tp, self.nkv)
@@ -337,6 +342,8 @@ def layer_slots(spec, entry, config: LoraConfig, *, tp: int, sp: bool) -> tuple[
     down-projections, ``"split"``: DeepSeek-V4's q_b_proj, ``"experts_fc1"``, ``"experts_fc2"``), None when nothing of it is targeted. Raises for
     targeted modules parallm cannot adapt."""
     local = entry.local.split(".", 2)[-1]          # drop "layers.{l}."
+    if spec.family == "gemma4":
+        check_gemma4_targets(spec, config)
     if spec.v4 is not None and local.startswith("self_attention."):
         return _v4_slots(spec, entry, config, local, sp=sp)
     modules = peft_modules(spec, entry)
@@ -358,8 +365,9 @@ def layer_slots(spec, entry, config: LoraConfig, *, tp: int, sp: bool) -> tuple[
     if local == "self_attention.linear_qkv.weight":
         if not any(hit):
             return None
-        rows = (spec.q_size * (2 if spec.attn_output_gate else 1), spec.kv_size, spec.kv_size)
-        kv = KVRows(spec.num_kv_heads, spec.head_dim)
+        q, nkv, d = _attention_shape(spec, entry.layer)      # Gemma 4's global layers: their own shape
+        rows = (q, nkv * d, nkv * d)          # a K = V or KV-sharing layer's modules: q / k or q alone (zip)
+        kv = KVRows(nkv, d)
         layouts = (Split(0), kv, kv)
         return "column", [Slot(m, p, n, spec.hidden_size, *config.rank_alpha_scaled(m), Replicated(), lay, sp, False)
                           for (m, p), n, lay, h in zip(modules, rows, layouts, hit) if h]
@@ -378,8 +386,8 @@ def layer_slots(spec, entry, config: LoraConfig, *, tp: int, sp: bool) -> tuple[
         if not hit[0]:
             return None
         (m, p), = modules
-        return "row", [Slot(m, p, spec.hidden_size, spec.q_size, *config.rank_alpha_scaled(m), Split(1), Replicated(),
-                            False, sp)]
+        return "row", [Slot(m, p, spec.hidden_size, spec.num_heads * spec.head_dim_of(entry.layer),
+                            *config.rank_alpha_scaled(m), Split(1), Replicated(), False, sp)]
     if moe and spec.moe.expert_layout == "interleaved_columns" and local.startswith("mlp.experts."):
         return _column_expert_slots(spec, entry, config, modules, hit, tp=tp)
     mlp = local in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight", "mlp.shared_experts.linear_fc1.weight",
@@ -404,6 +412,12 @@ def layer_slots(spec, entry, config: LoraConfig, *, tp: int, sp: bool) -> tuple[
                          "adapts q/k/v/o_proj, gate/up/down_proj, routed experts and multi-head latent attention's "
                          "q_a/q_b/kv_a/kv_b projections only (not Gated DeltaNet or other projections)")
     return None
+
+
+def _attention_shape(spec, layer: int) -> tuple[int, int, int]:
+    """``(q rows, KV heads, head dim)`` of layer ``layer``'s fused QKV (the q rows doubled with an output gate)."""
+    d = spec.head_dim_of(layer)
+    return spec.num_heads * d * (2 if spec.attn_output_gate else 1), spec.kv_heads_of(layer), d
 
 
 def _routed_expert_slots(spec, entry, config, modules, hit, *, local: str, tp: int):
@@ -451,9 +465,9 @@ def _column_expert_slots(spec, entry, config, modules, hit, *, tp: int):
 def _local_rows(spec, entry, tp, rank) -> list[int]:
     """This TP rank's rows of each HF module fused in a column-parallel weight (qkv: ``q_r, k_r, v_r``; gate/up)."""
     if entry.local.endswith("linear_qkv.weight"):
-        q = spec.q_size * (2 if spec.attn_output_gate else 1) // tp
-        kv = len(kv_heads_of_rank(rank, tp, spec.num_kv_heads)) * spec.head_dim
-        return [q, kv, kv]
+        q, nkv, d = _attention_shape(spec, entry.layer)
+        kv = len(kv_heads_of_rank(rank, tp, nkv)) * d
+        return [q // tp, kv, kv]
     return [resolve_shape(sh, spec)[0] // tp for sh in entry.row.shapes]
 
 

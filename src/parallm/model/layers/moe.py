@@ -68,8 +68,8 @@ from .moe_kernels import (KERNEL_ENV, KERNELS, PROBED_DEVICE_TYPES, _choose_kern
                           empty_group_problem, expert_kernel, grouped_mm_support)
 from .moe_aux import (AuxScales, MoEAux, _AttachAux, _AttachPooled,  # noqa: F401 (AuxScales, MoEAux: here too)
                       balance_fractions, load_balancing_loss)
-from .routing import (GroupLimitedRouter, RouterReplay, ScoreRouter, sigmoid_weights, softmax_weights, sqrtsoftplus,
-                      topk_softmax_weights)
+from .routing import (Gemma4Router, GroupLimitedRouter, RouterReplay, ScoreRouter, sigmoid_weights, softmax_weights,
+                      sqrtsoftplus, topk_softmax_weights)
 from ..spec import DecoderSpec
 
 mtp = import_megatron().tensor_parallel
@@ -165,7 +165,8 @@ class Experts(nn.Module):
     odd columns) and ``linear_fc2.weight [E_local, I / tp, H]``. ``bias``: ``linear_fc1.bias [E_local, 2 I / tp]``
     and ``linear_fc2.bias [E_local, H]``, the latter added by TP rank 0 only (``add_down_bias``), so the
     row-parallel sum over TP adds it once. ``activation``: ``"silu"`` (``silu(gate) * up``) or
-    ``"clamped_swiglu"`` (:func:`clamped_swiglu` with ``limit`` / ``alpha``). ``forward`` computes every local
+    ``"clamped_swiglu"`` (:func:`clamped_swiglu` with ``limit`` / ``alpha``), ``"gelu_tanh"`` (Gemma 4:
+    ``gelu_tanh(gate) * up``). ``forward`` computes every local
     expert's TP shard ``down_r(act(gate_r x, up_r x))`` (a partial sum over TP ranks) on its rows."""
 
     def __init__(self, n_local: int, hidden: int, width_local: int, dtype, device, *, layout: str = "rows",
@@ -195,6 +196,8 @@ class Experts(nn.Module):
             return F.silu(gate) * up
         if self.activation == "clamped_silu":
             return clamped_silu(gate, up, limit=self.limit)
+        if self.activation == "gelu_tanh":     # Gemma 4: transformers' GELUTanh on the gate
+            return F.gelu(gate, approximate="tanh") * up
         return clamped_swiglu(gate, up, limit=self.limit, alpha=self.alpha)
 
     def forward(self, rows: torch.Tensor, counts: list[int], counts_device: torch.Tensor) -> torch.Tensor:
@@ -293,6 +296,9 @@ class MoEBlock(nn.Module):
                                       routed_scaling_factor=moe.routed_scaling_factor,
                                       hash_vocab=spec.vocab_size if self.is_hash else None,
                                       dtype=config.params_dtype, device=device)
+        elif moe.router == "gemma4":          # Gemma 4: on the residual, with its scale and per-expert scale
+            self.router = Gemma4Router(moe.num_experts, spec.hidden_size, top_k=moe.top_k, eps=spec.rms_norm_eps,
+                                       dtype=config.params_dtype, device=device)
         else:
             self.router = Router((moe.num_experts, spec.hidden_size), config.params_dtype, device,
                                  bias=(moe.num_experts,) if moe.router_bias else None)
@@ -330,6 +336,12 @@ class MoEBlock(nn.Module):
                 weights = sigmoid_weights(scores, choices, norm_topk_prob=self.router.norm_topk_prob,
                                           routed_scaling_factor=self.router.routed_scaling_factor)
             return scores, weights, choices
+        if isinstance(self.router, Gemma4Router):
+            probs, weights, choices = self.router(h)
+            if routed is not None:
+                choices = torch.where(routed[1][:, None], routed[0], choices)
+                weights = self.router.weights(probs, choices)
+            return probs, weights, choices
         logits = F.linear(h, self.router.weight, self.router.bias).float()
         probs = torch.softmax(logits, dim=-1)
         if self.router_kind == "topk_softmax":       # gpt-oss: top-k of the logits, softmax over those k
@@ -397,23 +409,25 @@ class MoEBlock(nn.Module):
         rows = combine(self.experts(rows, plan.local_counts, plan.local_counts_device), plan)  # sorted-slot order
         return weighted_sum(rows, weights.to(rows.dtype), slots)
 
-    def forward(self, x, tokens=None, routed=None, token_ids=None):
+    def forward(self, x, tokens=None, routed=None, token_ids=None, router_x=None):
         """x: ``[S, B, H]`` (or ``[T / tp, 1, H]`` under sequence parallelism). ``tokens``: 1 for the real rows
         of ``x.reshape(-1, H)`` (the load-balancing loss counts those only); None: all rows are real.
         ``routed``: router replay's ``(experts [N, k], real [N])`` for those rows (:meth:`route`); the
         load-balancing loss then counts the experts routed with (the replayed ones) against the router's
         probabilities, as usual (DeepSeek-V4: the top-k of the softmax, as transformers). ``token_ids``: int64, the
         leading shape of ``x``, the token id of each row (DeepSeek-V4's hash layers route by it; a hash layer
-        without it raises)."""
+        without it raises). ``router_x``: what the router reads when it is not ``x`` (Gemma 4: the residual, shaped
+        as ``x``)."""
         shape = x.shape
         h = x.reshape(-1, self.hidden)
+        r = h if router_x is None else router_x.reshape(-1, self.hidden)
         if isinstance(self.router, ScoreRouter):
             if token_ids is not None and tuple(token_ids.shape) != tuple(shape[:-1]):
                 raise ValueError(f"token_ids has shape {list(token_ids.shape)}; the MoE input is {list(shape)} "
                                  f"(one token id per row: {list(shape[:-1])})")
-            probs, balance, weights, choices = self.route_scores(h, routed, token_ids)
+            probs, balance, weights, choices = self.route_scores(r, routed, token_ids)
         else:
-            probs, weights, choices = self.route(h, routed)
+            probs, weights, choices = self.route(r, routed)
             balance = choices
         if self.replay is not None and self.replay.recording:
             self.replay.rows[self.moe_index] = choices.detach()

@@ -200,6 +200,39 @@ class ScoreRouter(nn.Module):
                                routed_scaling_factor=self.routed_scaling_factor)
 
 
+class Gemma4Router(nn.Module):
+    """Gemma 4's router of one MoE layer (transformers' ``Gemma4TextRouter``), replicated over TP: ``weight``
+    ``[E, H]`` (``router.proj``), ``scale`` ``[H]`` and ``per_expert_scale`` ``[E]``, all in the model dtype. For
+    the layer's residual ``h`` ``[N, H]``: the logits of ``rms(h) * scale * H^-0.5`` (``rms`` weightless, in fp32,
+    cast back, as ``Gemma4RMSNorm(with_scale=False)``), their softmax in fp32, its top-k renormalised to sum to 1,
+    each weight times ``per_expert_scale`` of its expert (op for op as transformers)."""
+    parallm_param_kind = "replicated"
+
+    def __init__(self, num_experts: int, hidden: int, *, top_k: int, eps: float, dtype, device=None):
+        super().__init__()
+        self.top_k, self.eps, self.root = top_k, eps, hidden ** -0.5
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device))
+        self.scale = nn.Parameter(torch.empty(hidden, dtype=dtype, device=device))
+        self.per_expert_scale = nn.Parameter(torch.empty(num_experts, dtype=dtype, device=device))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        x = h.float()
+        normed = (x * torch.pow(x.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)).to(h.dtype)
+        return F.linear(normed * self.scale * self.root, self.weight)
+
+    def weights(self, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The combine weights ``[N, k]`` fp32 of ``experts`` from the fp32 ``probs``: renormalised over the k,
+        times ``per_expert_scale`` (for the router's own top-k and for replayed experts alike)."""
+        return softmax_weights(probs, experts, norm_topk_prob=True) * self.per_expert_scale[experts]
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(probs ``[N, E]`` fp32, weights ``[N, k]`` fp32, experts ``[N, k]``) for the residual ``h`` ``[N, H]``."""
+        probs = torch.softmax(self.logits(h), dim=-1, dtype=torch.float32)
+        top, experts = torch.topk(probs, self.top_k, dim=-1)
+        top = top / top.sum(dim=-1, keepdim=True)
+        return probs, top * self.per_expert_scale[experts], experts
+
+
 # -- router replay ---------------------------------------------------------------------------------------------
 
 class RouterReplay:
