@@ -10,7 +10,10 @@ engine built by verl's ``EngineRegistry`` on 2 gloo ranks (as tests/test_verl_de
 MoE families, dp2 for Gemma 4): ``infer_batch``'s log-probs of verl's padding-free batches (left-padded prompts
 packed away) against ``parallm.forward`` on the same rows, then one PPO ``train_batch`` with verl's ``ppo_loss``:
 a finite loss, every trained weight moved and exactly the never-trained tensors unchanged (the routers'
-correction biases, Gemma 4's layer scalars, the Kimi vision tower).
+correction biases, Gemma 4's layer scalars, the Kimi vision tower). Kimi-K2.5 runs a second time from the same
+checkpoint with its routed experts in compressed-tensors' INT4 pack-quantized format (group 32, symmetric, as
+released; quantised here from the format's definition, tests/test_kimi_k25.py): the engine's experts as loaded
+equal their dequantisation bit for bit, and the dequantised experts train.
 
 The reference is parallm's forward (which equals transformers 5.25 on these models: tests/test_kimi_k25.py,
 test_gemma4_features.py, test_minimax_m2.py, test_qwen3_6.py): .venv-verl's transformers 5.10.4 has no
@@ -20,6 +23,7 @@ fix_kimi_k25_config`), so the checkpoints are written by parallm (5.25's save na
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -33,7 +37,9 @@ import helpers  # noqa: E402
 import test_verl  # noqa: E402
 
 VOCAB = 101
-LAYOUTS = {"kimi_k25": {"ep": 2}, "gemma4": {"tp": 1}, "minimax_m2": {"ep": 2}, "qwen3_6": {"ep": 2}}
+NAMES = fc.FAMILIES + ("kimi_k25_int4",)
+LAYOUTS = {"kimi_k25": {"ep": 2}, "kimi_k25_int4": {"ep": 2}, "gemma4": {"tp": 1}, "minimax_m2": {"ep": 2},
+           "qwen3_6": {"ep": 2}}
 # never trained: the routers' correction biases (no gradient), Gemma 4's per-layer scalars (buffers in
 # transformers), the carried vision tower
 FROZEN = ("e_score_correction_bias", "layer_scalar")
@@ -43,6 +49,37 @@ def _frozen(name: str) -> bool:
     return name.endswith(FROZEN) or name.startswith(("vision_tower.", "mm_projector."))
 
 
+def _write_int4(src, path):
+    """The Kimi checkpoint at ``src`` as the released ones ship it: every routed expert's weight in
+    compressed-tensors' INT4 pack-quantized format (group 32, symmetric: tests/test_kimi_k25.py's quantiser, from
+    the format's definition) with its ``quantization_config``; the dequantised experts (what the load must give)
+    saved beside it as ``dequantized.pt``."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from test_kimi_k25 import EXPERT, dequantize, quant_config, quantize
+    state, out, deq = load_file(os.path.join(src, "model.safetensors")), {}, {}
+    for name, t in state.items():
+        if EXPERT.match(name):
+            parts = quantize(t, 32, True)
+            out.update({name[:-len("weight")] + k: v for k, v in parts.items()})
+            deq[name] = dequantize(parts, 32).float()
+        else:
+            out[name] = t
+    os.makedirs(path, exist_ok=True)
+    save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = quant_config(32, True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(src, f), path)
+    torch.save(deq, os.path.join(path, "dequantized.pt"))
+    return len(deq)
+
+
 def _write(rank, world, root):
     import vllm_engines
     out = {}
@@ -50,6 +87,8 @@ def _write(rank, world, root):
         path = fc.write(os.path.join(root, name), fc.CONFIGS[name](VOCAB), seed=3)
         vllm_engines.write_tokenizer(path, VOCAB)
         out[name] = sorted(os.listdir(path))
+    out["experts"] = _write_int4(os.path.join(root, "kimi_k25"), os.path.join(root, "kimi_k25_int4"))
+    out["kimi_k25_int4"] = sorted(os.listdir(os.path.join(root, "kimi_k25_int4")))
     return out
 
 
@@ -76,7 +115,12 @@ def _family(e_rank, world, path, layout):
         tr = e.train_batch(test_verl._verl_batch([e_rank], world), loss_function=lambda model_output, data,
                            dp_group=None: ppo_loss(cfg, model_output, data, dp_group))
     after = {k: v.detach().clone() for k, v in parallm.export_hf_tensors(e.chunks)}
-    return {"lp": max((a[:-1] - b[:-1]).abs().max().item() for a, b in zip(lp, want)),
+    int4 = os.path.join(path, "dequantized.pt")
+    loaded = None
+    if os.path.exists(int4):        # the INT4 experts as loaded against their dequantisation (bit for bit)
+        deq = torch.load(int4)
+        loaded = max((before[k] - v).abs().max().item() for k, v in deq.items())
+    return {"int4_loaded": loaded,"lp": max((a[:-1] - b[:-1]).abs().max().item() for a, b in zip(lp, want)),
             "loss": float(sum(tr["loss"])), "tensors": len(before),
             "unchanged": sorted(k for k in before if torch.equal(before[k], after[k])),
             "frozen": sorted(k for k in before if _frozen(k))}
@@ -85,13 +129,14 @@ def _family(e_rank, world, path, layout):
 def _engine_rank(rank, world, root):
     os.environ.update(test_verl.ENV)
     import verl  # noqa: F401  (loads parallm.integrations.verl: the CPU platform, the kimi_k25 config)
-    return {name: _family(rank, world, os.path.join(root, name), LAYOUTS[name]) for name in fc.FAMILIES}
+    return {name: _family(rank, world, os.path.join(root, name), LAYOUTS[name]) for name in NAMES}
 
 
 @pytest.mark.timeout(600)
 def test_families_through_the_verl_engine(tmp_path):
     root = str(tmp_path)
     files = helpers.run_ranks(_write, 1, root, timeout=180)[0]
+    assert files.pop("experts") == 48, "2 MoE layers x 8 experts x gate / up / down"
     for name, names in files.items():
         assert "model.safetensors" in names and "tokenizer.json" in names, (name, names)
     results = helpers.run_ranks(_engine_rank, 2, root, timeout=560)
@@ -105,6 +150,7 @@ def test_families_through_the_verl_engine(tmp_path):
             assert math.isfinite(rep["loss"]), (name, rep["loss"])
             # exactly the never-trained tensors unchanged by the step: every other one moved
             assert rep["unchanged"] == rep["frozen"], (name, sorted(set(rep["unchanged"]) ^ set(rep["frozen"])))
+        assert reps["kimi_k25_int4"]["int4_loaded"] == 0.0, reps["kimi_k25_int4"]["int4_loaded"]
     kinds = {name: len(rep["frozen"]) for name, rep in results[0].items()}
     assert kinds["kimi_k25"] > 10 and kinds["gemma4"] == 8 and kinds["minimax_m2"] == 2, kinds
     assert kinds["qwen3_6"] == 0, kinds
