@@ -19,15 +19,18 @@ cd "$(dirname "$0")/.."
 VLLM_TESTS=(tests/test_vllm.py tests/test_vllm_device.py tests/test_vllm_source.py tests/test_vllm_remote.py
             tests/test_vllm_remote_moe.py tests/test_vllm_grpo_serve.py tests/test_vllm_hybrid.py
             tests/test_vllm_lora.py tests/test_vllm_prefix_cache.py tests/test_vllm_serve_lifetime.py
-            tests/test_vllm_gpt_oss.py tests/test_vllm_nemotron_h.py tests/test_vllm_deepseek_v4.py)
+            tests/test_vllm_gpt_oss.py tests/test_vllm_nemotron_h.py tests/test_vllm_deepseek_v4.py
+            tests/test_vllm_families.py)
 VLLM_VENV=${PARALLM_VLLM_VENV:-.venv-vllm}      # where scripts/setup_vllm.sh puts it
 with_vllm=${PARALLM_TEST_VLLM:-1}
-VERL_TESTS=(tests/test_verl.py tests/test_verl_sft.py tests/test_verl_config.py tests/test_verl_deepseek_v4.py)
+VERL_TESTS=(tests/test_verl.py tests/test_verl_sft.py tests/test_verl_config.py tests/test_verl_deepseek_v4.py
+            tests/test_verl_families.py)
 VERL_VENV=${PARALLM_VERL_VENV:-.venv-verl}      # where scripts/setup_verl.sh puts it
 with_verl=${PARALLM_TEST_VERL:-1}
 TINKER_TESTS=(tests/test_tinker.py tests/test_tinker_full.py tests/test_tinker_layouts.py tests/test_tinker_ranks.py tests/test_tinker_vllm.py
               tests/test_tinker_hostile.py tests/test_tinker_operations.py tests/test_tinker_stability.py
-              tests/test_tinker_deepseek_v4.py tests/test_tinker_push.py tests/test_tinker_cobatch_sdk.py)
+              tests/test_tinker_deepseek_v4.py tests/test_tinker_push.py tests/test_tinker_cobatch_sdk.py
+              tests/test_tinker_families.py)
 TINKER_VENV=${PARALLM_TINKER_VENV:-.venv-tinker}  # where scripts/setup_tinker.sh puts it
 with_tinker=${PARALLM_TEST_TINKER:-1}
 KERNEL_TESTS=(tests/test_kernels_interpreted.py)

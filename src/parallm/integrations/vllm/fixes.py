@@ -12,16 +12,20 @@ process, so the fixes travel with the backend).
   (:data:`TIED_SOURCE`, :data:`TIED_HEAD`).
 * :class:`SinkWriter`: vLLM 0.32's gpt-oss loader drops attention sinks in a layer-wise reload; they are written
   after it instead.
+* :func:`kernel_scan_tolerates_proxies`: vLLM 0.32's in-process CPU engine fails to start beside numba (Kimi-K2.5's
+  image processor).
 """
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import re
 
 import torch
 
-__all__ = ["TIED_HEAD", "TIED_SOURCE", "SinkWriter", "cpu_experts_repacked", "engine_tensors", "mismatch"]
+__all__ = ["TIED_HEAD", "TIED_SOURCE", "SinkWriter", "cpu_experts_repacked", "engine_tensors",
+           "kernel_scan_tolerates_proxies", "mismatch"]
 
 TIED_SOURCE, TIED_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -191,3 +195,27 @@ def _tp_rank_size() -> tuple[int, int]:
         return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     except (ImportError, AssertionError):
         return 0, 1
+
+
+def _mapping_vars(obj):
+    """``vars(obj)``, or an empty dict where an object answers ``__dict__`` with something that is not a
+    mapping."""
+    found = vars(obj)
+    return found if isinstance(found, collections.abc.Mapping) else {}
+
+
+def kernel_scan_tolerates_proxies() -> None:
+    """vLLM 0.32's CPU worker registers its Triton-kernel overrides by scanning every module in ``sys.modules`` and
+    reading ``vars(value).get("kernel")`` of each object that has a ``__dict__``
+    (``vllm/triton_utils/dispatcher.py``, ``_rebind_kernels``). In an in-process engine that scan runs in the
+    process that built the engine's input processor; for Kimi-K2.5 that processor is vLLM's fused image processor,
+    which imports numba, and llvmlite's ``ffi.lib`` answers every attribute, ``__dict__`` included, with a function
+    wrapper: the engine fails to start with "AttributeError: '_lib_fn_wrapper' object has no attribute 'get'".
+    The dispatcher module's ``vars`` is shadowed by :func:`_mapping_vars` (such objects hold no kernel); a no-op
+    where vLLM has no dispatcher. Idempotent."""
+    try:
+        from vllm.triton_utils import dispatcher
+    except ImportError:
+        return
+    if hasattr(dispatcher, "_rebind_kernels"):
+        dispatcher.vars = _mapping_vars

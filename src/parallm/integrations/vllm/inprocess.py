@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ...parallel.errors import agree
+from .fixes import kernel_scan_tolerates_proxies
 from .unsupported import refuse_checkpoint
 
 __all__ = ["GPU_MEMORY_SHARE", "KV_CACHE_BYTES", "gpu_memory_default", "launch"]
@@ -211,6 +212,7 @@ def _start_engine(model_dir, llm_kwargs: dict):
     _check_head_dim(_read_config(model_dir))
     device = _cuda_device()
     kwargs = _engine_kwargs(model_dir, llm_kwargs, device)
+    kernel_scan_tolerates_proxies()                     # Kimi-K2.5's image processor brings numba: see there
     with _process_state_kept(), _engine_on_device(device):
         llm = vllm.LLM(model=os.fspath(model_dir), **kwargs)
     _keep_groups_at_shutdown(llm)

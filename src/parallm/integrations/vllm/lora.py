@@ -82,7 +82,7 @@ def push_adapter(chunks, llm, *, rank: int = 0, name: str = "parallm", dtype: to
     engine on ``rank``, a rank too large for the engine) are raised on every rank."""
     require_initialized("push_adapter")
     chunks = as_chunks(chunks)
-    refuse_family(chunks[0].spec.family, "push_adapter")
+    refuse_family(chunks[0].spec.family, "push_adapter", local=not isinstance(llm, Connection))
     dims = dims_of(chunks)
 
     def check_model():

@@ -232,7 +232,8 @@ def push_weights(chunks, llm, *, rank: int = 0, dtype: torch.dtype | None = None
     Returns, on every rank: ``{"bytes": bytes streamed, "seconds": wall time of the slowest rank, "gbps":
     bytes / seconds / 1e9, "tensors": tensors pushed, "buckets": buckets}``.
     """
-    refuse_family(as_chunks(chunks)[0].spec.family, "push_weights")    # every rank alike, before any collective
+    # every rank alike, before any collective; a connection's engines already run the model elsewhere
+    refuse_family(as_chunks(chunks)[0].spec.family, "push_weights", local=not isinstance(llm, Connection))
     if isinstance(llm, Connection):
         return push_remote(chunks, llm, dtype=dtype, bucket_bytes=bucket_bytes)
     t0 = time.perf_counter()
