@@ -44,14 +44,28 @@ def _model_facts(model: str) -> tuple[str, dict]:
         cfg = json.load(f)
     text = cfg.get("text_config", cfg)
     return directory, {"vocab": int(text["vocab_size"]), "arch": (cfg.get("architectures") or ["?"])[0],
+                       "model_type": cfg.get("model_type"),
                        "max_position": int(text.get("max_position_embeddings") or 4096),
                        "eos": cfg.get("eos_token_id", text.get("eos_token_id"))}
 
 
-def _build(args, directory):
+# The adapters' targets: PEFT's "all-linear" (every attention and MLP projection, routed experts included), except
+# on families where "all-linear" reaches linears parallm does not adapt (Gemma 4's per-layer-input projections and
+# router: model/layers/lora_gemma4.py), which get the attention and MLP projections by name (what Tinker's
+# train_attn / train_mlp stand for).
+ATTN_MLP = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+BY_NAME = ("gemma4", "gemma4_text")
+
+
+def _lora_targets(args, facts):
+    if facts.get("model_type") in BY_NAME:
+        return ATTN_MLP + (("lm_head",) if args.lora_unembed == "train" else ())
+    return ("all-linear", "lm_head") if args.lora_unembed == "train" else "all-linear"
+
+
+def _build(args, directory, facts):
     parallm.init_parallel(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, timeout_s=args.timeout)
-    targets = ("all-linear", "lm_head") if args.lora_unembed == "train" else "all-linear"
-    lora = parallm.LoraConfig(args.lora_rank, args.lora_alpha, targets)
+    lora = parallm.LoraConfig(args.lora_rank, args.lora_alpha, _lora_targets(args, facts))
     chunks = parallm.build_model(directory, lora=lora, dtype=getattr(torch, args.dtype))
     parallm.load_hf_weights(chunks, directory)
     opt = parallm.build_optimizer(chunks, lr=1e-4, betas=(0.9, 0.95), eps=1e-12)
@@ -184,7 +198,7 @@ def _announce(args, url: str, sampler) -> None:
 def run_rank(args) -> int:
     """Every rank: build, then serve (rank 0) or follow. Returns the exit code."""
     directory, facts = _model_facts(args.model)
-    chunks, opt = _build(args, directory)
+    chunks, opt = _build(args, directory, facts)
     store = CheckpointStore(args.checkpoint_dir)
     template = os.path.join(store.root, "_parallm_init", "template")
     parallm.save_hf_adapter(chunks, template, overwrite=True)
