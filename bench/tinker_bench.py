@@ -21,8 +21,9 @@ moves the ratio, so take figures on a quiet machine. Where a round's fixed cost 
 ("Benchmark").
 
 Models: ``tiny`` (the tests' Qwen3: hidden 128, 2 layers, vocab 112) and ``moe`` (a Qwen3-MoE shape: hidden
-512, 4 layers, 8 heads / 4 KV heads, 16 experts of width 256, top 4, vocab 32000). Target: server <= 1.2x
-direct. ``--quick``: the tiny model, 2 timed rounds (checks the script, not for figures).
+512, 4 layers, 8 heads / 4 KV heads, 16 experts of width 256, top 4, vocab 32000). Target: server <= 1.1x
+direct at both shapes (issue 58; issue 47's was 1.2x); each row says whether it is met. ``--quick``: the tiny
+model, 2 timed rounds (checks the script, not for figures).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import run_world  # noqa: E402
 
 ROWS, LENGTH, RANK = 16, 256, 32
+TARGET = 1.1          # issue 58: the SDK round at most 1.1x the direct call, at the tiny and the MoE shape
 
 
 def make_model(path: str, kind: str) -> str:
@@ -153,11 +155,11 @@ def main() -> None:
             rows.append((kind, d, s, s / d))
             print(f"{kind}: direct {[round(t, 3) for t in direct]} s, server {[round(t, 3) for t in served]} s",
                   flush=True)
-    print(f"\n| model | direct round (s) | SDK round (s) | server / direct |  (batch {ROWS} x {LENGTH}, tp2, "
-          f"LoRA r={RANK}, median of {reps})")
-    print("|---|---|---|---|")
+    print(f"\n| model | direct round (s) | SDK round (s) | server / direct | <= {TARGET}x |  (batch {ROWS} x "
+          f"{LENGTH}, tp2, LoRA r={RANK}, median of {reps})")
+    print("|---|---|---|---|---|")
     for kind, d, s, ratio in rows:
-        print(f"| {kind} | {d:.3f} | {s:.3f} | {ratio:.2f}x |")
+        print(f"| {kind} | {d:.3f} | {s:.3f} | {ratio:.2f}x | {'met' if ratio <= TARGET else 'missed'} |")
 
 
 if __name__ == "__main__":
