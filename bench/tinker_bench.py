@@ -58,6 +58,11 @@ def make_model(path: str, kind: str) -> str:
     config = AutoConfig.for_model(**cfg, max_position_embeddings=1024, tie_word_embeddings=False)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    # the server refuses a model directory without a tokenizer (docs/tinker.md); the tests' character-level one
+    # (100 tokens) fits both vocabularies; the batch's random token ids need no tokenizer
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from tinker_helpers import write_char_tokenizer
+    write_char_tokenizer(path)
     return path
 
 
@@ -105,6 +110,7 @@ def _server(ckpt, vocab, reps, work) -> list[float]:
            os.path.join(work, "ckpt")]
     log = open(os.path.join(work, "server.log"), "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    client = None
     try:
         while not os.path.exists(ready):
             if proc.poll() is not None:
@@ -127,6 +133,11 @@ def _server(ckpt, vocab, reps, work) -> list[float]:
                 times.append(time.perf_counter() - t0)
         return times
     finally:
+        if client is not None:       # ends the SDK's heartbeat and telemetry threads before the server goes
+            try:
+                client.close("success").result(timeout=30)
+            except Exception:  # noqa: BLE001 - the rounds are timed; a server that went away is no matter
+                pass
         proc.terminate()
         try:
             proc.wait(60)
