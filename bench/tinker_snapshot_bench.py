@@ -28,7 +28,7 @@ the engine holds the adapter: the difference is about the engine's adapter load)
 
 Models: ``tiny`` (the tests' Qwen3: hidden 128, 2 layers, character tokenizer, vocab 112; adapter 0.4 MB) and
 ``dense`` (a Qwen3 of hidden 1024, 8 layers, 16 heads / 8 KV heads of 64, intermediate 2816, the same
-tokenizer; adapter ~23 MB fp32) so the ratio is not all fixed costs. ``--quick``: tiny, 2 rounds (checks the
+tokenizer; adapter 19.3 MB fp32) so the ratio is not all fixed costs. ``--quick``: tiny, 2 rounds (checks the
 script, not for figures).
 """
 
