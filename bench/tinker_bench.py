@@ -21,8 +21,9 @@ moves the ratio, so take figures on a quiet machine. Where a round's fixed cost 
 ("Benchmark").
 
 Models: ``tiny`` (the tests' Qwen3: hidden 128, 2 layers, vocab 112) and ``moe`` (a Qwen3-MoE shape: hidden
-512, 4 layers, 8 heads / 4 KV heads, 16 experts of width 256, top 4, vocab 32000). Target: server <= 1.2x
-direct. ``--quick``: the tiny model, 2 timed rounds (checks the script, not for figures).
+512, 4 layers, 8 heads / 4 KV heads, 16 experts of width 256, top 4, vocab 32000). Target: server <= 1.1x
+direct at both shapes (issue 58; issue 47's was 1.2x); each row says whether it is met. ``--quick``: the tiny
+model, 2 timed rounds (checks the script, not for figures).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import run_world  # noqa: E402
 
 ROWS, LENGTH, RANK = 16, 256, 32
+TARGET = 1.1          # issue 58: the SDK round at most 1.1x the direct call, at the tiny and the MoE shape
 
 
 def make_model(path: str, kind: str) -> str:
@@ -56,6 +58,11 @@ def make_model(path: str, kind: str) -> str:
     config = AutoConfig.for_model(**cfg, max_position_embeddings=1024, tie_word_embeddings=False)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    # the server refuses a model directory without a tokenizer (docs/tinker.md); the tests' character-level one
+    # (100 tokens) fits both vocabularies; the batch's random token ids need no tokenizer
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from tinker_helpers import write_char_tokenizer
+    write_char_tokenizer(path)
     return path
 
 
@@ -103,6 +110,7 @@ def _server(ckpt, vocab, reps, work) -> list[float]:
            os.path.join(work, "ckpt")]
     log = open(os.path.join(work, "server.log"), "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    client = None
     try:
         while not os.path.exists(ready):
             if proc.poll() is not None:
@@ -125,6 +133,11 @@ def _server(ckpt, vocab, reps, work) -> list[float]:
                 times.append(time.perf_counter() - t0)
         return times
     finally:
+        if client is not None:       # ends the SDK's heartbeat and telemetry threads before the server goes
+            try:
+                client.close("success").result(timeout=30)
+            except Exception:  # noqa: BLE001 - the rounds are timed; a server that went away is no matter
+                pass
         proc.terminate()
         try:
             proc.wait(60)
@@ -153,11 +166,11 @@ def main() -> None:
             rows.append((kind, d, s, s / d))
             print(f"{kind}: direct {[round(t, 3) for t in direct]} s, server {[round(t, 3) for t in served]} s",
                   flush=True)
-    print(f"\n| model | direct round (s) | SDK round (s) | server / direct |  (batch {ROWS} x {LENGTH}, tp2, "
-          f"LoRA r={RANK}, median of {reps})")
-    print("|---|---|---|---|")
+    print(f"\n| model | direct round (s) | SDK round (s) | server / direct | <= {TARGET}x |  (batch {ROWS} x "
+          f"{LENGTH}, tp2, LoRA r={RANK}, median of {reps})")
+    print("|---|---|---|---|---|")
     for kind, d, s, ratio in rows:
-        print(f"| {kind} | {d:.3f} | {s:.3f} | {ratio:.2f}x |")
+        print(f"| {kind} | {d:.3f} | {s:.3f} | {ratio:.2f}x | {'met' if ratio <= TARGET else 'missed'} |")
 
 
 if __name__ == "__main__":

@@ -83,8 +83,8 @@ def _datums(data):
 
 def _close(a: dict, b: dict, atol):
     assert set(a) == set(b), sorted(set(a) ^ set(b))[:4]
-    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-    assert worst <= atol, f"adapters differ by {worst:.3g}"
+    worst, key = max((float((a[k].float() - b[k].float()).abs().max()), k) for k in a)
+    assert worst <= atol, f"adapters differ by {worst:.3g} ({key}; {sum(float((a[k].float() - b[k].float()).abs().max()) > atol for k in a)} of {len(a)} tensors over)"
     return worst
 
 

