@@ -262,52 +262,99 @@ def run_steps(model: str, args) -> dict:
 
 # -- the INT4 load ----------------------------------------------------------------------------------------------
 
-def run_load(side: str, path: str) -> dict:
-    """Two loads in this process, the second measured (the first untimed: imports, lazily loaded modules and the
-    page cache warm): seconds and peak RSS above the level before it."""
-    import gc
+LOADS = {   # side -> (checkpoint, what it does); each ends with every weight in memory (the end states below)
+    "parallm": ("int4", "parallm build_model + load_hf_weights, fp32: every weight fp32, experts dequantised"),
+    "parallm-bf16": ("int4", "the same in bf16 (build_model dtype=bf16)"),
+    "transformers-int4": ("int4", "transformers from_pretrained(dtype=fp32) through compressed-tensors: experts "
+                          "dequantised but left bf16 (the scales' dtype), the rest fp32"),
+    "transformers-int4-fp32": ("int4", "the same, then its bf16 experts cast to fp32 (parallm's end state)"),
+    "transformers-int4-bf16": ("int4", "from_pretrained(dtype=bf16) through compressed-tensors: all bf16"),
+    "transformers": ("deq", "from_pretrained(dtype=fp32) of the dequantised checkpoint (no dequantisation)"),
+    "dequantise": ("int4", "the dequantisation alone, by the definition, from the INT4 files"),
+}
 
+
+def _loader(side: str, path: str):
+    """The load function of one side (:data:`LOADS`)."""
     import torch
-    torch.set_num_threads(1)
-    if side == "parallm":
+    if side.startswith("parallm"):
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                           PARALLM_PROGRESS="0")
         import parallm
         parallm.init_parallel(tp=1)
+        dtype = torch.bfloat16 if side.endswith("bf16") else torch.float32
 
         def load():
-            chunks = parallm.build_model(path)
+            chunks = parallm.build_model(path, dtype=dtype)
             parallm.load_hf_weights(chunks, path)
             return chunks
-    elif side in ("transformers", "transformers-int4"):   # the latter: through compressed-tensors
+        return load
+    if side.startswith("transformers"):
         import transformers
+        dtype = torch.bfloat16 if side.endswith("bf16") else torch.float32
 
         def load():
-            return transformers.Kimi_K25ForConditionalGeneration.from_pretrained(path, attn_implementation="sdpa",
-                                                                                  dtype=torch.float32)
-    else:                   # the dequantisation alone, by the definition, from the INT4 files
-        from safetensors import safe_open
+            model = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(path, attn_implementation="sdpa",
+                                                                                    dtype=dtype)
+            if side.endswith("fp32"):      # transformers refuses model.float() on a quantized model
+                torch.nn.Module.float(model)
+            return model
+        return load
+    from safetensors import safe_open
 
-        def load():
-            out = {}
-            for f in sorted(os.listdir(path)):
-                if f.endswith(".safetensors"):
-                    with safe_open(os.path.join(path, f), "pt") as st:
-                        for k in st.keys():
-                            if k.endswith(".weight_packed"):
-                                stem = k[:-len("weight_packed")]
-                                out[stem] = dequantize(st.get_tensor(k), st.get_tensor(stem + "weight_scale"),
-                                                       st.get_tensor(stem + "weight_shape").tolist()).float()
-            return out
+    def load():
+        out = {}
+        for f in sorted(os.listdir(path)):
+            if f.endswith(".safetensors"):
+                with safe_open(os.path.join(path, f), "pt") as st:
+                    for k in st.keys():
+                        if k.endswith(".weight_packed"):
+                            stem = k[:-len("weight_packed")]
+                            out[stem] = dequantize(st.get_tensor(k), st.get_tensor(stem + "weight_scale"),
+                                                   st.get_tensor(stem + "weight_shape").tolist()).float()
+        return out
+    return load
+
+
+def end_state(kept) -> dict:
+    """What a load kept: tensors by (kind, dtype), kind ``expert`` for routed experts' weights, ``packed`` for
+    tensors still pack-quantized (``weight_packed`` / int32), else ``other``."""
+    import torch
+    if isinstance(kept, dict):
+        named = kept.items()
+    else:
+        modules = kept if isinstance(kept, (list, tuple)) else [kept]
+        named = [(n, t) for m in modules for n, t in m.state_dict().items()]
+    counts = {}
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):     # megatron's _extra_state entries
+            continue
+        kind = ("packed" if "weight_packed" in name or t.dtype == torch.int32 else
+                "expert" if "experts" in name and "shared" not in name and t.dim() >= 2 else "other")
+        key = f"{kind} {str(t.dtype).replace('torch.', '')}"
+        counts[key] = counts.get(key, 0) + t.numel()
+    return counts
+
+
+def run_load(side: str, path: str) -> dict:
+    """Two loads in this process, the second measured (the first untimed: imports, lazily loaded modules and the
+    page cache warm): wall seconds, process CPU seconds, peak RSS above the level before it, and the end state
+    (:func:`end_state`)."""
+    import gc
+
+    import torch
+    torch.set_num_threads(1)
+    load = _loader(side, path)
     load()
     gc.collect()
     before = rss_anon()
     with PeakRss() as peak:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         kept = load()
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    state = end_state(kept)
     del kept
-    return {"s": seconds, "peak_mib": (peak.peak - before) / 2**20}
+    return {"s": seconds, "cpu": cpu, "peak_mib": (peak.peak - before) / 2**20, "state": state}
 
 
 def child(args, *extra) -> dict:
@@ -344,37 +391,45 @@ def compressed_tensors_at(ct_path: str | None) -> str | None:
     return spec.origin if spec else None
 
 
+def _ratio_rows(label: str, pl: dict, ref: dict, target: str) -> list:
+    return [(f"{label}: wall", f"{pl['s']:.2f} s / {ref['s']:.2f} s", f"{pl['s'] / ref['s']:.2f}", target),
+            (f"{label}: CPU time", f"{pl['cpu']:.2f} s / {ref['cpu']:.2f} s", f"{pl['cpu'] / ref['cpu']:.2f}", ""),
+            (f"{label}: peak RSS", f"{pl['peak_mib']:.0f} MiB / {ref['peak_mib']:.0f} MiB",
+             f"{pl['peak_mib'] / max(ref['peak_mib'], 1e-9):.2f}", "report")]
+
+
 def load_rows(args) -> list:
     root = tempfile.mkdtemp(prefix="families-bench-int4-")
-    int4, deq = kimi_checkpoints(KIMI_QUICK if args.quick else KIMI, root)
-    size = {d: sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d)) / 2**20 for d in (int4, deq)}
+    dirs = dict(zip(("int4", "deq"), kimi_checkpoints(KIMI_QUICK if args.quick else KIMI, root)))
+    size = {k: sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d)) / 2**20 for k, d in dirs.items()}
     ct = compressed_tensors_at(args.ct_path)
-    runs = [("parallm", int4), ("transformers", deq), ("dequantise", int4)]
-    if ct:
-        runs.append(("transformers-int4", int4))
-    best = {side: min((child(args, "--load", side, path) for _ in range(args.iters)), key=lambda r: r["s"])
-            for side, path in runs}
+    sides = [s for s in LOADS if ct or not s.startswith("transformers-int4")]
+    best = {}
+    for _ in range(args.iters):          # the sides interleaved, best of --iters processes each
+        for side in sides:
+            r = child(args, "--load", side, dirs[LOADS[side][0]])
+            if side not in best or r["s"] < best[side]["s"]:
+                best[side] = r
+            best[side]["cpu"] = min(best[side]["cpu"], r["cpu"])
     shutil.rmtree(root, ignore_errors=True)
-    pl, hf, dq = best["parallm"], best["transformers"], best["dequantise"]
-    print(f"  int4: checkpoint {size[int4]:.0f} MiB INT4 experts, {size[deq]:.0f} MiB dequantised; "
+    print(f"  int4: checkpoint {size['int4']:.0f} MiB INT4 experts, {size['deq']:.0f} MiB dequantised; "
           f"compressed-tensors {ct or 'not importable: the reference is the two-part stand-in'}", flush=True)
+    for side in sides:
+        print(f"    {side}: {LOADS[side][1]}; kept {best[side]['state']}", flush=True)
+    pl, hf, dq = best["parallm"], best["transformers"], best["dequantise"]
     rows = []
     if ct:
-        ref = best["transformers-int4"]
-        rows += [("INT4 load: parallm / transformers' dequantising load (compressed-tensors)",
-                  f"{pl['s']:.2f} s / {ref['s']:.2f} s", f"{pl['s'] / ref['s']:.2f}", "<= 1.0"),
-                 ("INT4 load peak RSS: parallm / transformers (compressed-tensors)",
-                  f"{pl['peak_mib']:.0f} MiB / {ref['peak_mib']:.0f} MiB",
-                  f"{pl['peak_mib'] / max(ref['peak_mib'], 1e-9):.2f}", "report")]
-    return rows + [
-        ("INT4 load: parallm / (transformers' load of the dequantised + the dequantisation)",
-         f"{pl['s']:.2f} s / ({hf['s']:.2f} + {dq['s']:.2f}) s", f"{pl['s'] / (hf['s'] + dq['s']):.2f}",
-         "report" if ct else "<= 1.0"),
-        ("INT4 load: parallm / transformers' load of the dequantised alone (a lower bound)",
-         f"{pl['s']:.2f} s / {hf['s']:.2f} s", f"{pl['s'] / hf['s']:.2f}", "report"),
-        ("INT4 load peak RSS: parallm / transformers (dequantised)",
-         f"{pl['peak_mib']:.0f} MiB / {hf['peak_mib']:.0f} MiB",
-         f"{pl['peak_mib'] / max(hf['peak_mib'], 1e-9):.2f}", "report")]
+        rows += _ratio_rows("INT4 load fp32: parallm / transformers (compressed-tensors), experts then cast to "
+                            "fp32 (same end state)", pl, best["transformers-int4-fp32"], "<= 1.0")
+        rows += _ratio_rows("INT4 load bf16: parallm / transformers (compressed-tensors) (same end state)",
+                            best["parallm-bf16"], best["transformers-int4-bf16"], "<= 1.0")
+        rows += _ratio_rows("INT4 load fp32: parallm / transformers (compressed-tensors) as it ends (experts bf16)",
+                            pl, best["transformers-int4"], "report")
+    stand_in = dict(s=hf["s"] + dq["s"], cpu=hf["cpu"] + dq["cpu"], peak_mib=hf["peak_mib"])
+    rows += _ratio_rows("INT4 load fp32: parallm / (transformers' load of the dequantised + the dequantisation)",
+                        pl, stand_in, "report" if ct else "<= 1.0")[:2]
+    return rows + [("INT4 load fp32: parallm / transformers' load of the dequantised alone (a lower bound)",
+                    f"{pl['s']:.2f} s / {hf['s']:.2f} s", f"{pl['s'] / hf['s']:.2f}", "report")]
 
 
 def main(argv=None):
