@@ -62,10 +62,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import PeakRss, free_port, rss_anon, table, write_shards  # noqa: E402
 
 GEMMA4 = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=6, num_attention_heads=8,
-              num_key_value_heads=4, head_dim=256, global_head_dim=256, sliding_window=512, vocab_size=16384,
-              final_logit_softcapping=30.0)
+              num_key_value_heads=4, head_dim=256, global_head_dim=512, num_global_key_value_heads=1,
+              attention_k_eq_v=True, sliding_window=512, vocab_size=16384, final_logit_softcapping=30.0,
+              hidden_size_per_layer_input=0, num_kv_shared_layers=0)
 GEMMA4_QUICK = dict(GEMMA4, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
-                    head_dim=32, global_head_dim=32, sliding_window=16, vocab_size=256)
+                    head_dim=32, global_head_dim=64, sliding_window=16, vocab_size=256)
 KIMI = dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256, kv_lora_rank=512,
             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, num_experts_per_tok=8,
             moe_intermediate_size=256, n_shared_experts=1, intermediate_size=2560, num_hidden_layers=4,
@@ -191,7 +192,7 @@ def step_pair(model: str, args):
         shapes = GEMMA4_QUICK if args.quick else GEMMA4
         n = shapes["num_hidden_layers"]
         cfg = transformers.Gemma4TextConfig(
-            **shapes, hidden_size_per_layer_input=0, layer_types=["sliding_attention"] * (n - 1) + ["full_attention"],
+            **shapes, layer_types=["sliding_attention"] * (n - 1) + ["full_attention"],
             rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                                 "rope_theta": 1e6},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},

@@ -195,6 +195,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | 
     rows, groups = scale.shape
     if q.shape != (rows, groups * group_size):
         raise ValueError(f"{tuple(q.shape)} values do not make {rows} rows of {groups} groups of {group_size}")
+    if zero_point is not None and zero_point.shape != scale.shape:
+        raise ValueError(f"zero points {tuple(zero_point.shape)} do not match scales {tuple(scale.shape)}")
     out = q.reshape(rows, groups, group_size).to(scale.dtype)
     if zero_point is not None:
         out.sub_(zero_point.to(scale.dtype).unsqueeze(-1))
