@@ -12,11 +12,15 @@ and process CPU time) after one warm-up each, in one process per model; each sid
 step above its level before it in a second process (started with glibc's ``MALLOC_MMAP_THRESHOLD_`` at 1 MiB, so
 that memory a step frees goes back to the system). Targets (issue 57): time <= 1.0x, memory <= 1.0x.
 
-* Gemma 4 (``Gemma4ForCausalLM``; the subset parallm runs, families/gemma4.py: no per-layer input embeddings, no
-  KV sharing, no K = V, no MoE block, ``global_head_dim`` = ``head_dim``): Gemma-4-31B's shape (hidden 5376, 32
-  heads of 256, 16 KV heads, MLP 21504, window 1024, five sliding layers to one full, soft-cap 30, vocab 262144,
-  tied) scaled: hidden 1024, 8 heads of 256, 4 KV heads, MLP 4096, window 512, 6 layers (5 sliding, 1 full, the
-  full one with proportional RoPE at factor 0.25), soft-cap 30, vocab 16384, tied. transformers: sdpa.
+* Gemma 4 (``Gemma4ForCausalLM``): Gemma-4-31B's released text shape (hidden 5376, 60 layers, 32 heads; sliding
+  layers: head dim 256 over 16 KV heads, window 1024; full layers (every sixth): their own head dim
+  ``global_head_dim`` 512 over ``num_global_key_value_heads`` 4 with K = V (``attention_k_eq_v``: no v_proj, the
+  values are the keys' projection), proportional RoPE at 0.25; MLP 21504, soft-cap 30, vocab 262144, tied; no
+  per-layer input embeddings (``hidden_size_per_layer_input`` 0), no KV sharing, no MoE block: those are the E2B /
+  E4B and 26B-A4B checkpoints') scaled: hidden 1024, 8 heads, sliding head dim 256 over 4 KV heads, window 512;
+  full: head dim 512 over 1 KV head, K = V; MLP 4096, 6 layers (5 sliding, 1 full), soft-cap 30, vocab 16384,
+  tied. transformers: sdpa (its sliding layers attend through a [S, S] mask: every key computed, the window masked;
+  parallm's attend only the tiles the window reaches).
 * Kimi-K2.5 (``KimiK25ForConditionalGeneration`` over a DeepSeek-V3 text model): Kimi-K2's text shape (hidden
   7168, 64 MLA heads, q_lora 1536, kv_lora 512, nope 128 + rope 64, v 128, 384 experts top-8 of 2048 + 1 shared,
   first layer dense, sigmoid routing with a correction bias, scale 2.827, vocab 163840) scaled: hidden 1024, 8
@@ -26,24 +30,36 @@ that memory a step frees goes back to the system). Targets (issue 57): time <= 1
 
 INT4 load: the Kimi checkpoint with every routed expert in compressed-tensors' ``pack-quantized`` INT4 (Kimi's
 scheme: symmetric, group 32, bf16 scales, ``quantization_config`` in ``text_config``), everything else bf16, in
-~200 MB shards; parallm's ``build_model`` + ``load_hf_weights`` of it (dequantised on load) against transformers'
-load. transformers loads such a checkpoint only through the ``compressed-tensors`` package, which is not in
-.venv (not a parallm dependency; tests/test_kimi_k25_parts.py skips its comparison with it, and
-tests/test_kimi_k25.py runs transformers on a dequantised copy). So:
+~200 MB shards; parallm's ``build_model`` + ``load_hf_weights`` of it (experts dequantised on load, bit-identical
+to compressed-tensors' ``dequantize``) against transformers' loads. transformers reads such a checkpoint only
+through the ``compressed-tensors`` package, which is not in .venv (not a parallm dependency;
+tests/test_kimi_k25_parts.py skips its comparison with it). With ``--ct-path DIR`` (or compressed-tensors
+importable; checked 2026-12-07 with compressed-tensors 0.20.0 put in a folder by ``pip install --target DIR
+--no-deps compressed-tensors==0.20.0 loguru``, pydantic from .venv) the references are transformers'
+``from_pretrained`` of the INT4 directory. What that load ends with (checked, and printed by each run: every kept
+tensor counted by kind and dtype): the routed experts **dequantised** (transformers 5.25 fuses them into
+``gate_up_proj`` / ``down_proj`` parameters, which are not ``nn.Linear`` modules, so its
+``CompressedTensorsDequantize`` load operation decompresses them whatever ``dequantize`` / ``run_compressed`` says:
+nothing stays ``weight_packed``, and ``CompressedTensorsConfig(dequantize=True)`` loads the same), but held in
+the scales' dtype (bf16) even when ``dtype=float32`` is asked; everything else in the asked dtype. So there is no
+packed (compressed) load of these experts to compare with. The sides (:data:`LOADS`):
 
-* with ``--ct-path DIR`` (or compressed-tensors importable): the reference is transformers' own dequantising
-  load, ``from_pretrained`` of the INT4 directory (checked 2026-12-07 with compressed-tensors 0.20.0 put in a
-  folder by ``pip install --target DIR --no-deps compressed-tensors==0.20.0 loguru``, pydantic from .venv: every
-  language-model tensor equal to the dequantised reference, nothing missing; the ignore list needs transformers'
-  module names for the tower, ``re:.*vision_tower.*``, else compressed-tensors quantizes the tower's Linears and
-  leaves them random);
-* always, a two-part stand-in: transformers' ``from_pretrained`` of the dequantised checkpoint (bf16 experts,
-  what a dequantising load produces; no dequantisation work: a lower bound) and the dequantisation itself
-  (compressed-tensors' definition in torch, every expert read from the INT4 files); the ratio against their sum
-  is the target row when compressed-tensors is absent.
+* ``parallm`` (fp32) against ``transformers-int4-fp32``: transformers' INT4 load then its bf16 experts cast to fp32
+  (``nn.Module.float``; transformers refuses ``model.float()`` on a quantized model): the same end state, every
+  weight fp32, the experts' values equal. A target row.
+* ``parallm-bf16`` against ``transformers-int4-bf16`` (``dtype=bfloat16``): the same end state, all bf16. A target
+  row. (transformers' bf16 load maps the checkpoint's bf16 tensors without copying them, so its peak RSS is
+  below the model's size.)
+* ``parallm`` against ``transformers-int4`` as it ends (experts bf16, half the bytes of parallm's fp32 ones):
+  reported.
+* without compressed-tensors, a two-part stand-in (the target row then): ``transformers``, ``from_pretrained`` of
+  the dequantised checkpoint (no dequantisation work: a lower bound), plus ``dequantise``, the dequantisation by
+  the definition in torch from the INT4 files.
 
 Each load runs in a fresh process (a first load untimed: imports, lazily imported modules, page cache; the second
-measured), best of ``--iters`` processes, with the measured load's peak RSS (all it keeps: the model it built).
+measured), the sides interleaved, best of ``--iters`` processes (wall; CPU time, all threads of the process, the
+figure to read on a loaded machine), with the measured load's peak anonymous RSS above its level before the load
+(glibc's mmap threshold at 1 MiB, as for the steps).
 """
 
 from __future__ import annotations
