@@ -106,13 +106,12 @@ class SparseLatentAttention(torch.autograd.Function):
         union = paths is not None         # blocks on the union path where it pays (sparse_union)
         if union:
             step = min(step, UNION_ROWS)
-        for a in range(0, n_q, step):
-            idx = index[a:a + step]
+        for rows, idx in _blocks(index, n_q, step, union):
             plan = union_of(idx) if union else None
             if plan is None:
-                out[a:a + step], lse[a:a + step] = _block_forward(q[a:a + step], kv, idx, scale, dv)
+                out[rows], lse[rows] = _block_forward(q[rows], kv, idx, scale, dv)
             else:
-                out[a:a + step], lse[a:a + step] = union_forward(q[a:a + step], kv, *plan, scale, dv)
+                out[rows], lse[rows] = union_forward(q[rows], kv, *plan, scale, dv)
             if union:
                 key = "gathered" if plan is None else "union"
                 paths[key] = paths.get(key, 0) + 1
@@ -136,6 +135,19 @@ class SparseLatentAttention(torch.autograd.Function):
         return (dq, dkv, *rest, dsink, None)
 
 
+def _blocks(index, n_q: int, step: int, union: bool):
+    """The kernel's blocks: ``(rows, index rows)``, rows a slice of ``step`` queries; on the union path, where
+    the index has an ``order`` (V4's padded batches: the queries document by document), ``step`` queries of that
+    order (a long tensor), so that a block's queries share their keys."""
+    order = getattr(index, "order", None) if union else None
+    for a in range(0, n_q, step):
+        if order is None:
+            yield slice(a, a + step), index[a:a + step]
+        else:
+            rows = order[a:a + step]
+            yield rows, index.take(rows)
+
+
 def _sparse_backward(ctx, grad):
     """The blocked backward of the sparse latent attention from ``ctx.saved`` = (q, kv, index, out fp32, lse fp32):
     each block's gathered rows and probabilities recomputed."""
@@ -145,25 +157,23 @@ def _sparse_backward(ctx, grad):
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     g_all = grad.float()
     union = getattr(ctx, "union", False)
-    for a in range(0, q.shape[0], step):
-        idx = index[a:a + step]
+    for qr, idx in _blocks(index, q.shape[0], step, union):
         plan = union_of(idx) if union else None
         if plan is not None:                  # the union path (the forward's choice: the same index)
-            dq[a:a + step], drows = union_backward(q[a:a + step], kv, *plan, out[a:a + step], lse[a:a + step],
-                                                   g_all[a:a + step], scale, dv)
+            dq[qr], drows = union_backward(q[qr], kv, *plan, out[qr], lse[qr], g_all[qr], scale, dv)
             dkv.index_add_(0, plan[0], drows)
             continue
         rows, ok = _gather_rows(kv, idx)
-        qb = q[a:a + step].float()
+        qb = q[qr].float()
         scores = (torch.bmm(qb, rows.transpose(1, 2)) * scale).masked_fill(~ok[:, None, :], float("-inf"))
-        base = lse[a:a + step]
+        base = lse[qr]
         base = torch.where(torch.isinf(base), torch.zeros_like(base), base)
         p = torch.exp(scores - base[..., None])                                  # [b, h, k]
-        g = g_all[a:a + step]
+        g = g_all[qr]
         dp = torch.bmm(g, rows[..., :dv].transpose(1, 2))                       # [b, h, k]
-        delta = (g * out[a:a + step]).sum(-1, keepdim=True)
+        delta = (g * out[qr]).sum(-1, keepdim=True)
         ds = p * (dp - delta) * scale
-        dq[a:a + step] = torch.bmm(ds, rows)
+        dq[qr] = torch.bmm(ds, rows)
         drows = torch.bmm(ds.transpose(1, 2), qb)                                # [b, k, D]
         drows[..., :dv] += torch.bmm(p.transpose(1, 2), g)
         dkv.index_add_(0, idx.clamp_min(0).reshape(-1), drows.reshape(-1, kv.shape[-1]))   # empty slots: ds = 0
