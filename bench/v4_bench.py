@@ -23,7 +23,9 @@ started with glibc's ``MALLOC_MMAP_THRESHOLD_`` at 1 MiB so that freed blocks go
 checkpoint (transformers: ``from_pretrained``, eager, fp32; parallm: ``build_model`` + ``load_hf_weights``), makes
 a seeded full-length batch, and reports the peak anonymous RSS during its first step above the level before it
 (weights and batch made before; gradients allocated inside the step on both sides: each step frees them first),
-then the best wall time of ``--iters`` more steps; the two sides' losses at the smallest S are compared.
+then the best wall time of ``--iters`` more steps and the best process CPU time (one thread: less moved by
+other work on a busy machine than the wall time, though not immune to it: shared caches and memory bandwidth);
+the two sides' losses at the smallest S are compared.
 
 Fits? transformers' eager attention builds ``[B, heads, S, S + compressed]`` fp32 scores per layer and keeps two
 of them for the backward (the softmax output and the contiguous copy its ``probs[..., :-1] @ v`` makes), with
@@ -46,6 +48,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import free_port, peak_and_best, table  # noqa: E402
@@ -152,8 +155,14 @@ def one(path: str, s: int, args) -> dict:
             for c in chunks:
                 c.zero_grad(set_to_none=True)
             losses.append(float(parallm.forward_backward(chunks, ids, mask, loss_fn=ce_loss)))
-    peak, best = peak_and_best(step, args.iters)
-    return {"path": path, "s": s, "peak_mib": peak, "s_best": best, "loss": losses[0]}
+    cpu = []
+
+    def timed():
+        t0 = time.process_time()
+        step()
+        cpu.append(time.process_time() - t0)
+    peak, best = peak_and_best(timed, args.iters)
+    return {"path": path, "s": s, "peak_mib": peak, "s_best": best, "cpu_best": min(cpu[1:]), "loss": losses[0]}
 
 
 def run_one(path, s, args, env) -> tuple[dict | None, str | None]:
@@ -187,9 +196,12 @@ def report(args, shapes, seqs, by, skipped, load):
         rows.append([s, f"{new['peak_mib']:.0f}", f"{old['peak_mib']:.0f}" if old else skipped.get(s, "not run"),
                      f"{(kept + transient) / 2**20:.0f}",
                      f"{new['peak_mib'] / old['peak_mib']:.3f}" if old else "-", f"{new['s_best']:.2f}",
-                     f"{old['s_best']:.2f}" if old else "-", f"{new['s_best'] / old['s_best']:.2f}" if old else "-"])
+                     f"{old['s_best']:.2f}" if old else "-", f"{new['s_best'] / old['s_best']:.2f}" if old else "-",
+                     f"{new['cpu_best']:.2f}", f"{old['cpu_best']:.2f}" if old else "-",
+                     f"{new['cpu_best'] / old['cpu_best']:.2f}" if old else "-"])
     print(table(rows, ["S", "parallm peak MiB", "transformers peak MiB", "its scores' estimate MiB",
-                       "memory ratio (<= 0.5)", "parallm s", "transformers s", "time ratio (<= 1.0)"]))
+                       "memory ratio (<= 0.5)", "parallm s", "transformers s", "time ratio (<= 1.0)",
+                       "parallm CPU s", "transformers CPU s", "CPU time ratio"]))
     small, large = by[("parallm", seqs[0])], by[("parallm", seqs[-1])]
     print(f"parallm: peak grows {large['peak_mib'] / max(small['peak_mib'], 1e-9):.2f}x for {seqs[-1] / seqs[0]:.0f}x "
           f"the tokens (linear: {seqs[-1] / seqs[0]:.0f}x); time {large['s_best'] / small['s_best']:.2f}x")

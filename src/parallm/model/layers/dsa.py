@@ -51,6 +51,7 @@ from .attention import PaddedRows
 from .blocks import add_sink, sink_grad
 from .indexer import Indexer, key_ranges
 from .mla import MLAttention
+from .sparse_union import UNION_ROWS, union_backward, union_forward, union_of
 
 mtp = import_megatron().tensor_parallel
 
@@ -97,18 +98,28 @@ class SparseLatentAttention(torch.autograd.Function):
     the saved log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, kv, index, scale, dv, budget, sink=None):
+    def forward(ctx, q, kv, index, scale, dv, budget, sink=None, paths=None):
         n_q, h, _ = q.shape
         out = torch.empty(n_q, h, dv, dtype=torch.float32, device=q.device)
         lse = torch.empty(n_q, h, dtype=torch.float32, device=q.device)
         step = _block_rows(index.shape[1], kv.shape[-1], budget)
-        for a in range(0, n_q, step):
-            out[a:a + step], lse[a:a + step] = _block_forward(q[a:a + step], kv, index[a:a + step], scale, dv)
+        union = paths is not None         # blocks on the union path where it pays (sparse_union)
+        if union:
+            step = min(step, UNION_ROWS)
+        for rows, idx in _blocks(index, n_q, step, union):
+            plan = union_of(idx) if union else None
+            if plan is None:
+                out[rows], lse[rows] = _block_forward(q[rows], kv, idx, scale, dv)
+            else:
+                out[rows], lse[rows] = union_forward(q[rows], kv, *plan, scale, dv)
+            if union:
+                key = "gathered" if plan is None else "union"
+                paths[key] = paths.get(key, 0) + 1
         if sink is not None:         # each head's sink logit in the denominator: out and lse corrected once
             out, lse = add_sink(out, lse, sink)
         lazy = not isinstance(index, torch.Tensor)      # an index made block by block (index[a:e], .shape)
         ctx.save_for_backward(q, kv, None if lazy else index, out, lse, sink)
-        ctx.scale, ctx.dv, ctx.step, ctx.lazy = scale, dv, step, index if lazy else None
+        ctx.scale, ctx.dv, ctx.step, ctx.lazy, ctx.union = scale, dv, step, index if lazy else None, union
         return out.to(q.dtype)
 
     @staticmethod
@@ -121,7 +132,20 @@ class SparseLatentAttention(torch.autograd.Function):
         dsink = None
         if sink is not None and ctx.needs_input_grad[6]:
             dsink = sink_grad(saved[3], saved[4], grad, sink).to(sink.dtype)
-        return (dq, dkv, *rest, dsink)
+        return (dq, dkv, *rest, dsink, None)
+
+
+def _blocks(index, n_q: int, step: int, union: bool):
+    """The kernel's blocks: ``(rows, index rows)``, rows a slice of ``step`` queries; on the union path, where
+    the index has an ``order`` (V4's padded batches: the queries document by document), ``step`` queries of that
+    order (a long tensor), so that a block's queries share their keys."""
+    order = getattr(index, "order", None) if union else None
+    for a in range(0, n_q, step):
+        if order is None:
+            yield slice(a, a + step), index[a:a + step]
+        else:
+            rows = order[a:a + step]
+            yield rows, index.take(rows)
 
 
 def _sparse_backward(ctx, grad):
@@ -132,30 +156,39 @@ def _sparse_backward(ctx, grad):
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     g_all = grad.float()
-    for a in range(0, q.shape[0], step):
-        idx = index[a:a + step]
+    union = getattr(ctx, "union", False)
+    for qr, idx in _blocks(index, q.shape[0], step, union):
+        plan = union_of(idx) if union else None
+        if plan is not None:                  # the union path (the forward's choice: the same index)
+            dq[qr], drows = union_backward(q[qr], kv, *plan, out[qr], lse[qr], g_all[qr], scale, dv)
+            dkv.index_add_(0, plan[0], drows)
+            continue
         rows, ok = _gather_rows(kv, idx)
-        qb = q[a:a + step].float()
+        qb = q[qr].float()
         scores = (torch.bmm(qb, rows.transpose(1, 2)) * scale).masked_fill(~ok[:, None, :], float("-inf"))
-        base = lse[a:a + step]
+        base = lse[qr]
         base = torch.where(torch.isinf(base), torch.zeros_like(base), base)
         p = torch.exp(scores - base[..., None])                                  # [b, h, k]
-        g = g_all[a:a + step]
+        g = g_all[qr]
         dp = torch.bmm(g, rows[..., :dv].transpose(1, 2))                       # [b, h, k]
-        delta = (g * out[a:a + step]).sum(-1, keepdim=True)
+        delta = (g * out[qr]).sum(-1, keepdim=True)
         ds = p * (dp - delta) * scale
-        dq[a:a + step] = torch.bmm(ds, rows)
+        dq[qr] = torch.bmm(ds, rows)
         drows = torch.bmm(ds.transpose(1, 2), qb)                                # [b, k, D]
         drows[..., :dv] += torch.bmm(p.transpose(1, 2), g)
         dkv.index_add_(0, idx.clamp_min(0).reshape(-1), drows.reshape(-1, kv.shape[-1]))   # empty slots: ds = 0
     return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None, None
 
 
-def sparse_latent_attention(q, kv, index, *, scale: float, dv: int, budget: int | None = None, sink=None):
+def sparse_latent_attention(q, kv, index, *, scale: float, dv: int, budget: int | None = None, sink=None,
+                            paths: dict | None = None):
     """:class:`SparseLatentAttention` (the ``"torch"`` kernel). ``sink``: None, or each head's sink logit ``[h]``
     (fp32) counted once in every query's softmax denominator (gpt-oss / DeepSeek-V4 sinks; its gradient
-    ``-sum_t p_sink[t, h] * (grad[t, h] . out[t, h])``)."""
-    return SparseLatentAttention.apply(q, kv, index, scale, dv, budget, sink)
+    ``-sum_t p_sink[t, h] * (grad[t, h] . out[t, h])``). ``paths``: None (every block gathered), or a dict: blocks
+    of :data:`~parallm.model.layers.sparse_union.UNION_ROWS` queries each take the union path where it pays
+    (:func:`~parallm.model.layers.sparse_union.union_of`), and ``paths["union"]`` / ``paths["gathered"]`` count
+    the forward's blocks of each."""
+    return SparseLatentAttention.apply(q, kv, index, scale, dv, budget, sink, paths)
 
 
 try:  # optional CUDA kernel: FlashMLA's sparse prefill (forward only)

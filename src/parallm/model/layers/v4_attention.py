@@ -49,6 +49,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ...parallel.comm import gather_rows_sum_back
 from ...parallel.megatron_import import import_megatron
@@ -57,6 +58,7 @@ from .dsa import sparse_latent_attention
 from .mla import ReplicatedLinear
 from .mlp import no_init
 from .v4_compress import V4Compressor, V4Indexer, V4RMSNorm, rope_tail, v4_cos_sin
+from .v4_compress import rope_tail as _rotate    # the backward's rotations (rope_tail: the forward's)
 from .v4_layout import V4Index, v4_layout
 
 mtp = import_megatron().tensor_parallel
@@ -119,6 +121,9 @@ class V4Attention(nn.Module):
         self.compressor = None if self.rate is None else V4Compressor(
             h, hd, self.rate, overlap=self.kind == "csa", eps=spec.rms_norm_eps, dtype=dtype, device=device)
         self.indexer = V4Indexer(spec, dtype, device) if self.kind == "csa" else None
+        # the kernel's blocks by path ("union" / "gathered", summed over calls) and the CSA calls whose indexer
+        # ran ("indexer"; skipped where no query sees more than index_topk entries)
+        self.paths: dict = {}
 
     def forward(self, x, cos, sin, ctx):
         """x ``[S, B, H]`` / ``[T, 1, H]`` (sequence parallel: this rank's ``[T / tp, 1, H]``), ctx a
@@ -134,22 +139,25 @@ class V4Attention(nn.Module):
         q_resid = self.q_a_norm(self.q_a_proj(xf))
         q_in = mtp.copy_to_tensor_model_parallel_region(q_resid) if self.tp > 1 and not self.sequence_parallel \
             else q_resid
-        q = self.q_b_proj(q_in).view(s * b, self.heads, self.head_dim)
-        q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)
-        q = rope_tail(q, cos[:, None], sin[:, None])
+        # recomputed in the backward: q_b_proj's output and the normed q are not kept (the kernel keeps q)
+        q = checkpoint(self._queries, q_in, cos, sin, use_reentrant=False)
         keys_x = xf
         if isinstance(ctx, ContextSplit):         # every rank's tokens, in global order (backward: to their owners)
             keys_x = gather_rows_sum_back(x, self.cp_group).index_select(0, ctx.order).reshape(-1, hidden)
         keys = self._keys(keys_x, positions, lay)
         index = self._index(lay, xf, q_resid, cos, sin, keys_x)
         out = sparse_latent_attention(q, keys, index, scale=self.head_dim ** -0.5, dv=self.head_dim,
-                                      sink=self.sinks)
-        out = rope_tail(out, cos[:, None], -sin[:, None])
-        grouped = out.reshape(s * b, self.groups, -1)
+                                      sink=self.sinks, paths=self.paths)
         w = self.o_a_proj.weight.view(self.groups, self.o_lora, -1)
-        mixed = torch.einsum("tgi,goi->tgo", grouped, w).reshape(s, b, self.groups * self.o_lora)
+        mixed = _DerotateGroups.apply(out, cos, sin, w).reshape(s, b, self.groups * self.o_lora)
         out, _ = self.o_b_proj(mixed)
         return out
+
+    def _queries(self, q_in, cos, sin):
+        """``rope(rms(q_b_proj(q_in)))`` ``[T, heads, head_dim]``."""
+        q = self.q_b_proj(q_in).view(q_in.shape[0], self.heads, self.head_dim)
+        q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)
+        return rope_tail(q, cos[:, None], sin[:, None])
 
     def _keys(self, keys_x, positions, lay):
         """The key matrix: the raw kv rows of the key stream, then the compressed entries (into the TP region
@@ -164,10 +172,38 @@ class V4Attention(nn.Module):
 
     def _index(self, lay, xf, q_resid, cos, sin, keys_x) -> V4Index:
         """Each query's rows of the key matrix (:class:`V4Index`, made block by block by the kernel)."""
-        if self.kind == "csa":
+        if self.kind == "csa" and lay.entries(self.rate).most > self.indexer.topk:
             sel = self.indexer.select(xf, q_resid, cos, sin, lay, self.rope, keys_x=keys_x)
+            self.paths["indexer"] = self.paths.get("indexer", 0) + 1
             return V4Index(lay, self.window, selected=sel)
-        return V4Index(lay, self.window, rate=self.rate if self.kind == "hca" else None)
+        # HCA, and CSA where no query sees more than index_topk entries: the top-k would take every entry a
+        # query sees, so every one is attended (the same keys; the indexer, frozen, is not run)
+        return V4Index(lay, self.window, rate=self.rate)
+
+
+class _DerotateGroups(torch.autograd.Function):
+    """The attention output ``[T, heads, head_dim]`` de-rotated at its query's position (``rope_tail`` with
+    ``-sin``), then ``o_a_proj`` per group (``w`` ``[groups, o_lora, heads * head_dim / groups]``): ``[T, groups,
+    o_lora]``. Keeps only its input (which the kernel keeps anyway), not the de-rotated copy: the backward
+    recomputes it for ``w``'s gradient and rotates the input's gradient back (``+sin``, the transpose)."""
+
+    @staticmethod
+    def forward(ctx, out, cos, sin, w):
+        ctx.save_for_backward(out, cos, sin, w)
+        grouped = rope_tail(out, cos[:, None], -sin[:, None]).reshape(out.shape[0], w.shape[0], -1)
+        return torch.einsum("tgi,goi->tgo", grouped, w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, cos, sin, w = ctx.saved_tensors
+        dout = dw = None
+        if ctx.needs_input_grad[0]:
+            dgrouped = torch.einsum("tgo,goi->tgi", grad, w).reshape(out.shape)
+            dout = _rotate(dgrouped, cos[:, None], sin[:, None])
+        if ctx.needs_input_grad[3]:
+            grouped = _rotate(out, cos[:, None], -sin[:, None]).reshape(out.shape[0], w.shape[0], -1)
+            dw = torch.einsum("tgo,tgi->goi", grad, grouped)
+        return dout, None, None, dw
 
 
 def _positions(ctx, s: int, b: int) -> torch.Tensor:

@@ -67,10 +67,12 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     cos.shape[-1]`` channels rotated in fp32 (``cos`` / ``sin`` broadcast against ``x[..., :rope // 2]``, cast to
     x's dtype first as transformers does), the leading channels unchanged."""
     half = cos.shape[-1]
-    nope, rope = x[..., :-2 * half], x[..., -2 * half:]
+    nope = x[..., :-2 * half]
+    # a copy of the rope channels: the products below keep it for the backward, not the whole of x
+    rope = x[..., -2 * half:].to(torch.float32, copy=True)
     c = cos.to(x.dtype).float()
     s = sin.to(x.dtype).float()
-    even, odd = rope[..., 0::2].float(), rope[..., 1::2].float()
+    even, odd = rope[..., 0::2], rope[..., 1::2]
     rot = torch.stack([even * c - odd * s, odd * c + even * s], dim=-1).flatten(-2).to(x.dtype)
     return torch.cat([nope, rot], dim=-1)
 

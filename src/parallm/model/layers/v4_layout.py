@@ -66,14 +66,17 @@ class V4Layout:
     q_idx: torch.Tensor
     q_real: torch.Tensor
     key_pos: torch.Tensor | None = None      # the key stream's positions where it is not the queries' (CP)
+    order: torch.Tensor | None = None        # the queries document by document where they are not (padded, B > 1)
     _entries: dict = field(default_factory=dict, repr=False)
 
-    def window(self, window: int, a: int = 0, e: int | None = None) -> torch.Tensor:
+    def window(self, window: int, a: int = 0, e: int | None = None, *, sel=None) -> torch.Tensor:
         """``[e - a, window]`` int32: queries ``a .. e - 1``'s raw keys (key-stream rows), its own first, -1 where
-        the window reaches before its document's start (or for a query that is no real token)."""
-        doc, idx = self.q_doc[a:e], self.q_idx[a:e]
+        the window reaches before its document's start (or for a query that is no real token). ``sel``: the
+        queries instead (a slice or a long tensor of query rows)."""
+        sel = slice(a, e) if sel is None else sel
+        doc, idx = self.q_doc[sel], self.q_idx[sel]
         back = idx[:, None] - torch.arange(window, device=idx.device)
-        ok = (back >= 0) & self.q_real[a:e, None]
+        ok = (back >= 0) & self.q_real[sel][:, None]
         rows = self.base[doc][:, None] + back * self.stride[doc][:, None]
         return torch.where(ok, rows, -1).to(torch.int32)
 
@@ -98,13 +101,14 @@ class V4Layout:
         return Entries(count=count, first=first, rows=rows, prev_ok=j >= 1, visible=visible, total=total,
                        most=max(count_l, default=0))
 
-    def compressed(self, rate: int, offset: int, a: int = 0, e: int | None = None) -> torch.Tensor:
-        """``[e - a, most]`` int32: every compressed entry queries ``a .. e - 1`` see (HCA), as rows ``offset +
-        entry`` of the keys, -1 in the rest."""
+    def compressed(self, rate: int, offset: int, a: int = 0, e: int | None = None, *, sel=None) -> torch.Tensor:
+        """``[e - a, most]`` int32: every compressed entry queries ``a .. e - 1`` (or ``sel``) see (HCA), as rows
+        ``offset + entry`` of the keys, -1 in the rest."""
+        sel = slice(a, e) if sel is None else sel
         ent = self.entries(rate)
         m = torch.arange(ent.most, device=self.q_idx.device)
-        first = offset + ent.first[self.q_doc[a:e]][:, None]
-        return torch.where(m < ent.visible[a:e, None], first + m, -1).to(torch.int32)
+        first = offset + ent.first[self.q_doc[sel]][:, None]
+        return torch.where(m < ent.visible[sel][:, None], first + m, -1).to(torch.int32)
 
     def entry_ranges(self, rate: int) -> KeyRanges:
         """The indexer's :class:`KeyRanges` over the entries of ``rate`` (one stream, width 1): query ``t`` sees
@@ -119,24 +123,31 @@ class V4Layout:
 
 class V4Index:
     """Each query's rows of the key matrix (the raw kv rows of the key stream, then the entries from row
-    ``layout.keys``), int32, -1 in empty slots, made block by block (``index[a:e]``, ``.shape``) for the sparse
-    kernel, never whole: its sliding window, then on HCA layers (``rate``) every entry it sees, on CSA layers the
-    indexer's ``selected`` entries ``[Q, topk]`` (entry numbers, -1: none)."""
+    ``layout.keys``), int32, -1 in empty slots, made block by block (``index[a:e]``, or ``index.take(rows)`` for
+    a long tensor of query rows; ``.shape``) for the sparse kernel, never whole: its sliding window, then on HCA
+    layers (``rate``) every entry it sees, on CSA layers the indexer's ``selected`` entries ``[Q, topk]`` (entry
+    numbers, -1: none). ``order``: the layout's queries document by document (padded, B > 1; else None), the
+    order in which the kernel's union path takes its blocks."""
 
     def __init__(self, lay: V4Layout, window: int, *, rate: int | None = None,
                  selected: torch.Tensor | None = None):
         self.lay, self.window, self.rate, self.selected = lay, window, rate, selected
         extra = selected.shape[1] if selected is not None else lay.entries(rate).most if rate else 0
         self.shape = (int(lay.q_idx.numel()), window + extra)
+        self.order = lay.order
 
     def __getitem__(self, rows: slice) -> torch.Tensor:
         a, e, _ = rows.indices(self.shape[0])
-        parts = [self.lay.window(self.window, a, e)]
+        return self.take(slice(a, e))
+
+    def take(self, rows) -> torch.Tensor:
+        """The index rows of the queries ``rows`` (a slice or a long tensor)."""
+        parts = [self.lay.window(self.window, sel=rows)]
         if self.selected is not None:
-            sel = self.selected[a:e]
+            sel = self.selected[rows]
             parts.append(torch.where(sel >= 0, sel + self.lay.keys, sel))
         elif self.rate:
-            parts.append(self.lay.compressed(self.rate, self.lay.keys, a, e))
+            parts.append(self.lay.compressed(self.rate, self.lay.keys, sel=rows))
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
     def full(self) -> torch.Tensor:
@@ -155,9 +166,10 @@ def _padded(ctx: PaddedRows) -> V4Layout:
     length = keep.sum(1)
     idx = torch.arange(s, device=dev)[:, None].expand(s, b).reshape(-1)
     doc = torch.arange(b, device=dev)[None, :].expand(s, b).reshape(-1)
+    order = torch.arange(s * b, device=dev).view(s, b).transpose(0, 1).reshape(-1) if b > 1 else None
     return V4Layout(keys=s * b, base=torch.arange(b, device=dev), stride=torch.full((b,), b, device=dev),
                     length=length, lengths=length.tolist(), q_doc=doc, q_idx=idx,
-                    q_real=keep.transpose(0, 1).reshape(-1))
+                    q_real=keep.transpose(0, 1).reshape(-1), order=order)
 
 
 def _packed(ctx: Packing) -> V4Layout:
