@@ -12,6 +12,7 @@ Most tests run the front end in this process on a stand-in service (the routes t
 - a body over the limit is refused from its header and never read: the client cannot push it through (the
   connection is closed, not drained); chunked bodies, malformed lengths (aiohttp's own parse error, in the SDK's
   JSON error body), missing / wrong keys, unknown routes; a path routed as sent (``..`` not resolved);
+- ``Expect: 100-continue`` answered only after the checks;
 - a refused ordered request consumes its seq id; a route's bug is a 500 naming the exception;
 - shutdown with a poll and a route in flight returns promptly and frees the port.
 
@@ -240,6 +241,22 @@ def test_oversized_body_is_refused_unread():
                 sent += s.send(chunk)
         assert sent < total // 8, f"{sent >> 20} MiB of a refused body went through"
     assert stub.calls == []
+
+
+def test_expect_continue_only_after_the_checks():
+    """A client that sends ``Expect: 100-continue`` (curl, for bodies over 1 kB) gets the interim 100 once the
+    route, key and size passed, and the refusal instead of it when they did not (its body never sent)."""
+    stub = Stub()
+    with serving(stub, max_body=1 << 20) as srv:
+        with _connect(srv) as s:
+            _send(s, "POST", "/api/v1/telemetry", b"", {"Content-Length": "2", "Expect": "100-continue"})
+            assert _read(s)[0] == 100
+            s.sendall(b"{}")
+            assert _read(s)[0] == 200
+        with _connect(srv) as s:
+            _send(s, "POST", "/api/v1/telemetry", b"", {"Content-Length": str(2 << 20), "Expect": "100-continue"})
+            assert _read(s)[0] == 413
+    assert stub.calls == [("telemetry",)]
 
 
 def test_refusals_before_the_body():

@@ -7,10 +7,10 @@ carries it.
   writes a response's headers and a small body in one send: no delayed-ACK stall, issue 47).
 - The headers are checked on the loop (:func:`.frontend.check_request`: version, route, key, size; pure, no
   lock) before a byte of the body is read; a refused request is answered and its connection closed at once
-  (``lingering_time=0``: aiohttp does not drain an unread body). aiohttp's own parse errors (a malformed
-  ``Content-Length``, a bad request line) get the SDK's JSON error body too (:class:`_Protocol`). Request
-  bodies reach the routes as sent (``auto_decompress=False``: a zstd body is the forward_backward route's to
-  expand, under its own cap).
+  (``lingering_time=0``: aiohttp does not drain an unread body); ``Expect: 100-continue`` is answered only once
+  the checks passed. aiohttp's own parse errors (a malformed ``Content-Length``, a bad request line) get the
+  SDK's JSON error body too (:class:`_Protocol`). Request bodies reach the routes as sent
+  (``auto_decompress=False``: a zstd body is the forward_backward route's to expand, under its own cap).
 - Route handlers are synchronous Python that may block briefly (the service's lock, the dispatcher's queue, a
   checkpoint archive built in memory): they run on a pool of :data:`ROUTE_THREADS` threads
   (``run_in_executor``), never on the loop.
@@ -123,6 +123,9 @@ class HttpServer:
                                                 max_body=self.max_body)
         except ApiError as e:                        # the body is still in the socket: this connection is done
             return _response(e.status, json.dumps(e.body()).encode(), JSON, close=True)
+        if length and request.version == (1, 1) and request.headers.get("Expect", "").lower() == "100-continue":
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")     # curl's large bodies: sent only
+            request.writer.output_size = 0                                     # once the checks passed
         try:
             raw = await request.content.readexactly(length) if length else b""
         except asyncio.IncompleteReadError as e:
