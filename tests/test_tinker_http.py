@@ -378,6 +378,7 @@ def test_server_stops_with_a_poll_in_flight(tmp_path):
         srv.proc.wait(60)
         took = time.perf_counter() - t0
         waiter.join(30)
+        print(f"SIGTERM to exit with a poll in flight: {took:.2f} s; the poll: {answer}")
         assert not waiter.is_alive() and answer["took"] < 2.0 + took + 5, answer
         assert answer.get("body", {}).get("type", "try_again") == "try_again", answer
         assert took < 20, f"the server took {took:.1f} s to stop with a poll in flight"
