@@ -336,6 +336,19 @@ def test_shutdown_with_a_poll_and_a_route_in_flight():
         busy.close()
 
 
+def test_a_poll_arriving_while_stopping_is_not_held():
+    """Between shutdown's start and the connections' close, a poll on a pending request answers ``try_again``
+    at once (it must not fall through to the route, which would hold the loop for the whole poll timeout)."""
+    stub = Stub()
+    with serving(stub) as srv, _connect(srv, timeout=5) as s:
+        rid = stub.futures.create("forward")
+        srv._loop.call_soon_threadsafe(setattr, srv, "_stopped", True)        # shutdown's first step alone
+        t0 = time.perf_counter()
+        _send(s, "POST", "/api/v1/retrieve_future", _poll_body(rid))
+        status, _, body = _read(s)
+        assert json.loads(body)["type"] == "try_again" and time.perf_counter() - t0 < 2.0
+
+
 def test_server_stops_with_a_poll_in_flight(tmp_path):
     """The real server (server.py's stop path): SIGTERM while ``retrieve_future`` waits on a request that
     cannot run yet (seq id 2 of a client whose seq id 1 never came) stops every rank within seconds."""

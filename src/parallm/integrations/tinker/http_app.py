@@ -155,7 +155,7 @@ class HttpServer:
         except ValueError:
             return None
         rid = body.get("request_id") if isinstance(body, dict) else None
-        if not isinstance(rid, str) or self._stopped:
+        if not isinstance(rid, str):
             return None
         store, loop = self.service.futures, self._loop
         waiter = loop.create_future()
@@ -165,15 +165,14 @@ class HttpServer:
                 loop.call_soon_threadsafe(_settle, waiter)
             except RuntimeError:                       # the loop is closed: the server stopped
                 pass
-        if not store.watch(rid, wake):
-            return None
-        self._polls.add(waiter)
-        try:
-            await asyncio.wait([waiter], timeout=LONG_POLL_S)
-        finally:
-            self._polls.discard(waiter)
-            store.unwatch(rid, wake)
-        entry = store.get(rid)
+        if not self._stopped and store.watch(rid, wake):
+            self._polls.add(waiter)
+            try:
+                await asyncio.wait([waiter], timeout=LONG_POLL_S)
+            finally:
+                self._polls.discard(waiter)
+                store.unwatch(rid, wake)
+        entry = store.get(rid)                         # pending here: try_again (the route would wait)
         if entry is None or entry.done:
             return None
         return {"type": "try_again", "request_id": rid, "queue_state": "active"}
