@@ -32,6 +32,8 @@ if ! "$VENV/bin/python" -c "import tinker_cookbook, tinker; assert tinker.__vers
     "termcolor>=2.0.0" "tiktoken>=0.12.0"
 else
   "$VENV/bin/pip" install -q --no-deps -e .
+  # the server's HTTP layer (the tinker extra's aiohttp): a venv made before it was in the extra may lack it
+  "$VENV/bin/python" -c "import aiohttp" 2>/dev/null || "$VENV/bin/pip" install -q "aiohttp>=3.10,<4"
 fi
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"$VENV/bin/python" -c "import tinker, tinker_cookbook, vllm, parallm; print('tinker', tinker.__version__)"
+"$VENV/bin/python" -c "import tinker, tinker_cookbook, vllm, aiohttp, parallm; print('tinker', tinker.__version__)"

@@ -30,7 +30,7 @@ with_verl=${PARALLM_TEST_VERL:-1}
 TINKER_TESTS=(tests/test_tinker.py tests/test_tinker_full.py tests/test_tinker_layouts.py tests/test_tinker_ranks.py tests/test_tinker_vllm.py
               tests/test_tinker_hostile.py tests/test_tinker_operations.py tests/test_tinker_stability.py
               tests/test_tinker_deepseek_v4.py tests/test_tinker_push.py tests/test_tinker_cobatch_sdk.py
-              tests/test_tinker_families.py tests/test_tinker_engines.py)
+              tests/test_tinker_families.py tests/test_tinker_engines.py tests/test_tinker_http.py)
 TINKER_VENV=${PARALLM_TINKER_VENV:-.venv-tinker}  # where scripts/setup_tinker.sh puts it
 with_tinker=${PARALLM_TEST_TINKER:-1}
 KERNEL_TESTS=(tests/test_kernels_interpreted.py)

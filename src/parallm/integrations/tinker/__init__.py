@@ -7,7 +7,8 @@ One concern per module:
 
 - :mod:`.launcher`: the command's options, starting the ranks; :mod:`.server`: one rank (build the model, then
   serve or follow);
-- :mod:`.frontend`: HTTP (routes, API key, error bodies); :mod:`.protocol`: the SDK's wire format (JSON request
+- :mod:`.frontend`: what a request means (routes, API key, size, error bodies); :mod:`.http_app`: the HTTP
+  server carrying it (aiohttp: keep-alive, async long polls); :mod:`.protocol`: the SDK's wire format (JSON request
   types, the protobuf of ``forward_backward`` and of its results, version check);
 - :mod:`.service`: sessions, futures, per-client request order, listings; :mod:`.training_routes` and
   :mod:`.sampling_routes`: the routes that do work; :mod:`.futures`: request ids and long-polled results;

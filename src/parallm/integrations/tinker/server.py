@@ -19,7 +19,7 @@ import parallm
 
 from .checkpoints import CheckpointStore
 from .dispatch import Leader, follow, new_control_group
-from .frontend import start_http
+from .http_app import start_http
 from .operations import OperationsRoutes
 from .preflight import TOKENIZER_FILES
 from .sampling import ParallmSampler, SampleInputError
