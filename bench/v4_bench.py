@@ -148,7 +148,7 @@ def one(path: str, s: int, args) -> dict:
                           PARALLM_PROGRESS="0")
         import parallm
         parallm.init_parallel(tp=1)
-        chunks = parallm.build_model(args.ckpt)
+        chunks = parallm.build_model(args.ckpt, recompute=args.recompute)
         parallm.load_hf_weights(chunks, args.ckpt)
 
         def step():
@@ -168,7 +168,8 @@ def one(path: str, s: int, args) -> dict:
 def run_one(path, s, args, env) -> tuple[dict | None, str | None]:
     extra = ["--quick"] if args.quick else []
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", path, str(s), "--ckpt", args.ckpt,
-                          "--iters", str(args.iters), "--pattern", args.pattern] + extra,
+                          "--iters", str(args.iters), "--pattern", args.pattern]
+                         + (["--recompute", args.recompute] if args.recompute else []) + extra,
                          env=env, capture_output=True, text=True)
     if out.returncode == 0:
         return json.loads(out.stdout.strip().splitlines()[-1]), None
@@ -178,7 +179,7 @@ def run_one(path, s, args, env) -> tuple[dict | None, str | None]:
 
 
 def report(args, shapes, seqs, by, skipped, load):
-    print(f"load average before: {load:.2f}; pattern {args.pattern} ({', '.join(KINDS[c] for c in args.pattern)}); "
+    print(f"parallm recompute: {args.recompute}; load average before: {load:.2f}; pattern {args.pattern} ({', '.join(KINDS[c] for c in args.pattern)}); "
           f"{shapes}; batch 1, fp32, one thread" + ("  (--quick: not a measurement)" if args.quick else ""))
     first = by.get(("transformers", seqs[0]))
     if first:
@@ -217,6 +218,8 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=1, help="timed steps after the measured first one (default 1)")
     ap.add_argument("--heads", type=int, default=8, help="attention heads = indexer heads (default 8; a multiple of "
                     "o_groups 2): transformers' scores grow with it")
+    ap.add_argument("--recompute", choices=("full",), default=None,
+                    help="parallm's activation recomputation (build_model(recompute=...)); transformers runs as is")
     ap.add_argument("--force-ref", action="store_true", help="run transformers whatever its memory estimate")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--one", nargs=2, metavar=("PATH", "S"), help=argparse.SUPPRESS)
