@@ -9,6 +9,11 @@ gate/up/down_proj: PEFT adapts each layer's dense MLP (nn.Linear) and not the st
 nn.Linear; no conversion pattern for gemma4 in PEFT 0.21), and so does parallm. One 2-rank spawn: tp2 padded and
 tp2 packed + SP (at tp2 the global layers' one KV head is replicated). "all-linear" is refused, naming the
 per-layer inputs' linears and the router's ``proj`` that PEFT's "all-linear" would adapt too.
+
+The targets ``parallm serve-tinker`` gives Gemma 4 (those above and the tied ``lm_head``) on the dense model:
+every factor's gradient of a summed next-token loss at tp2 against PEFT's in float64, within twice PEFT's own fp32
+distance to its float64 gradients (this model rounds its gradients at ~1e-5 of their largest in transformers
+itself: docs/families.md, "Tinker, Gemma 4's step"); a gradient 1e-3 off in one tensor must fail the check.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import pytest
 import torch
 
 import helpers
+from test_gemma4_features import make_model as dense_model
 from test_gemma4_layouts import moe_model
 import test_lora
 from test_lora import ALPHA, EPS, LR, R, WD, _adapted, _assert_case, _check_run, _peft_state, _randomize_adapter, \
@@ -119,3 +125,81 @@ def test_gemma4_lora_against_peft(tmp_path):
     for key in ("all-linear", "named"):
         assert res[key] is not None and "per_layer_input_gate" in res[key] and "not supported" in res[key], res[key]
     assert "router.proj" in res["all-linear"], res["all-linear"]
+
+
+def _rel_error(got, want) -> float:
+    """The worst factor's max |got - want| over its largest |want| (the factors whose gradient is not zero)."""
+    return max(((got[k].double() - want[k]).abs().max() / want[k].abs().max()).item() for k in want
+               if want[k].abs().max() > 0)
+
+
+def _peft_grads(ckpt, adapter, dtype, ids, mask):
+    """PEFT's gradient of every factor (the names save_pretrained writes) of the summed next-token NLL."""
+    import parallm
+    import transformers
+    base = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)
+    model = peft.PeftModel.from_pretrained(base, adapter, is_trainable=True).to(dtype)
+    total, _ = token_nll(model(input_ids=ids, attention_mask=mask, position_ids=parallm.default_position_ids(mask))
+                         .logits, ids, mask)
+    total.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(p.grad)
+    return {k: v.double().clone() for k, v in peft.get_peft_model_state_dict(model).items() if ".lora_" in k}
+
+
+def _summed_nll(logits, ids, mask):
+    return token_nll(logits, ids, mask)[0], torch.tensor(1.0)
+
+
+def _tp2_grads(rank, world, ckpt, adapter, targets, batch):
+    """parallm's gradient of every factor in PEFT's names (the gradients exported as the factors)."""
+    import parallm
+    from parallm.model.layers.lora import chunk_lora_entries
+    parallm.init_parallel(tp=2)
+    chunks = parallm.build_model(ckpt, lora=parallm.LoraConfig(R, ALPHA, targets))
+    parallm.load_hf_weights(chunks, ckpt)
+    parallm.load_hf_adapter(chunks, adapter)
+    parallm.forward_backward(chunks, *batch, loss_fn=_summed_nll)
+    parallm.finalize_grads(chunks)
+    with torch.no_grad():
+        for e, c in chunk_lora_entries(chunks):
+            p = c.get_parameter(e.local)
+            grad = p.grad if getattr(p, "main_grad", None) is None else p.main_grad
+            p.copy_(grad)
+    out = dict(parallm.export_adapter_tensors(chunks))
+    parallm.destroy_parallel()
+    return out if rank == 0 else None
+
+
+@pytest.mark.timeout(300)
+def test_gemma4_lora_tied_head_gradients_against_float64(tmp_path):
+    targets = list(TARGETS) + ["lm_head"]
+    base = dense_model(5, tie_word_embeddings=True)
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.mul_(0.5)
+    assert base.lm_head.weight is base.model.embed_tokens.weight and base.config.final_logit_softcapping == 0.5
+    ckpt = helpers.save_checkpoint(base, str(tmp_path / "ckpt"))
+    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=targets,
+                                                                     lora_dropout=0.0))
+    _randomize_adapter(model, 7)
+    adapter = str(tmp_path / "adapter")
+    model.save_pretrained(adapter)
+    ids, mask = helpers.padded_batch(101, batch=4, seq=12, seed=3)
+    f32 = _peft_grads(ckpt, adapter, torch.float32, ids, mask)
+    f64 = _peft_grads(ckpt, adapter, torch.float64, ids, mask)
+    assert {"base_model.model.lm_head.lora_A.weight", "base_model.model.lm_head.lora_B.weight"} <= set(f64)
+    assert any(".layers.7.mlp.gate_proj.lora_A" in k for k in f64)         # the double-wide MLP of a shared layer
+    got = helpers.run_ranks(_tp2_grads, 2, ckpt, adapter, targets, (ids, mask), timeout=240)[0]
+    assert set(got) == set(f64), set(got) ^ set(f64)
+    own, err = _rel_error(f32, f64), _rel_error(got, f64)
+    tol = max(2 * own, 1e-6)
+    print(f"\nGemma 4 LoRA gradients vs PEFT fp64: parallm tp2 {err:.1e}, PEFT fp32 {own:.1e} (tolerance {tol:.1e})")
+    assert tol < 1e-4, tol          # the check stays sharp: a 1e-3 error in one tensor fails it (below)
+    assert err <= tol, (err, tol)
+    broken = dict(got, **{"base_model.model.lm_head.lora_B.weight": got["base_model.model.lm_head.lora_B.weight"] *
+                          (1 + 1e-3)})
+    assert _rel_error(broken, f64) > tol
