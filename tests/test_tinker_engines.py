@@ -21,7 +21,6 @@ import re
 import subprocess
 import sys
 import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -51,47 +50,16 @@ def _start(work: str, model: str, extra: list[str]) -> th.Server:
         srv.model, srv.work = model, work
         srv.client = tinker.ServiceClient(base_url=srv.url, api_key="tml-any")
         deadline = time.monotonic() + 900
-        while not _ready(srv)["sampler_ready"]:
-            state = _ready(srv)["sampler"]
+        while not th.ready_info(srv)["sampler_ready"]:
+            state = th.ready_info(srv)["sampler"]
             assert time.monotonic() < deadline and not state.startswith("failed"), (state, srv.tail())
             time.sleep(1)
-        srv.engines = _ready(srv)["engine_urls"]
-        srv.engine_pids = _ready(srv)["engine_pids"]
+        srv.engines = th.ready_info(srv)["engine_urls"]
+        srv.engine_pids = th.ready_info(srv)["engine_pids"]
         return srv
     except BaseException:
         srv.stop()
         raise
-
-
-def _ready(srv) -> dict:
-    with open(srv.ready) as f:
-        return json.load(f)
-
-
-def _served(url: str) -> float:
-    """vLLM's own count of finished requests (its /metrics)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as res:
-        text = res.read().decode()
-    return sum(float(m) for m in re.findall(r'^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)$', text, re.M))
-
-
-def _files(root: str) -> dict:
-    out = {}
-    for dirpath, _, names in os.walk(root):
-        for n in names:
-            p = os.path.join(dirpath, n)
-            out[os.path.relpath(p, root)] = os.path.getsize(p)
-    return out
-
-
-def _datum(tokens):
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": np.array(tokens[1:]),
-                                       "weights": np.ones(len(tokens) - 1, np.float32)})
-
-
-def _forward_lp(tc, tokens):
-    return tc.forward([_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
 
 
 def _group_titles(pgid: int) -> list[str]:
@@ -107,7 +75,7 @@ def test_cookbook_rl_loop_with_two_engines(tmp_path):
     srv = _start(work, model, ["--engines", "2"])
     try:
         assert len(srv.engines) == 2
-        before = [_served(u) for u in srv.engines]
+        before = [th.vllm_served(u) for u in srv.engines]
         log_dir = os.path.join(work, "rl")
         env = dict(os.environ, TINKER_API_KEY="tml-any", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         run = subprocess.run([sys.executable, os.path.join(HERE, "tinker_cookbook_runs.py"), "rl", srv.url,
@@ -116,7 +84,7 @@ def test_cookbook_rl_loop_with_two_engines(tmp_path):
         with open(os.path.join(log_dir, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f if line.strip()]
         reward = [r["env/all/reward/total"] for r in rows if "env/all/reward/total" in r]
-        served = [_served(u) - b for u, b in zip(srv.engines, before)]
+        served = [th.vllm_served(u) - b for u, b in zip(srv.engines, before)]
         print("cookbook rl (two engines) env/all/reward/total by step:", [round(x, 3) for x in reward],
               "; requests served per engine:", served)
         assert len(reward) == 8 and np.mean(reward[-3:]) > np.mean(reward[:2]) + 0.2
@@ -137,21 +105,21 @@ def test_engine_tp2_ephemeral_snapshot(tmp_path):
         tc = srv.client.create_lora_training_client(base_model=model, rank=RANK, seed=3).result()
         g = np.random.default_rng(3)
         for _ in range(2):
-            tc.forward_backward([_datum(g.integers(3, 99, 12).tolist()) for _ in range(4)], "cross_entropy").result()
+            tc.forward_backward([th.next_token_datum(g.integers(3, 99, 12).tolist()) for _ in range(4)], "cross_entropy").result()
             tc.optim_step(ADAM).result()
         prompt = g.integers(3, 99, 10).tolist()
-        want = _forward_lp(tc, prompt)
+        want = th.forward_logprobs(tc, prompt)
         ckpt = os.path.join(work, "ckpt")
-        files = _files(ckpt)
+        files = th.file_sizes(ckpt)
         sc = tc.save_weights_and_get_sampling_client().result()
-        assert _files(ckpt) == files, "an ephemeral snapshot wrote under --checkpoint-dir"
+        assert th.file_sizes(ckpt) == files, "an ephemeral snapshot wrote under --checkpoint-dir"
         lp = sc.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
         assert lp[0] is None
         worst = float(np.abs(np.array(lp[1:]) - want).max())
         res = sc.sample(types.ModelInput.from_ints(prompt), 2,
                         types.SamplingParams(max_tokens=6, seed=3, stop=[])).result()
         for s in res.sequences:
-            got = _forward_lp(tc, prompt + s.tokens)[len(prompt) - 1:]
+            got = th.forward_logprobs(tc, prompt + s.tokens)[len(prompt) - 1:]
             worst = max(worst, float(np.abs(np.array(s.logprobs) - got).max()))
         print("engine tp2, ephemeral snapshot: max |log-prob - trainer| =", worst)
         assert worst < 1e-4

@@ -157,11 +157,11 @@ def server(tmp_path_factory):
         srv.model, srv.work = model, work
         srv.client = tinker.ServiceClient(base_url=srv.url, api_key="tml-any")
         deadline = time.monotonic() + 600
-        while not _ready(srv)["sampler_ready"]:
-            assert time.monotonic() < deadline and not _ready(srv)["sampler"].startswith("failed"), _ready(srv)
+        while not th.ready_info(srv)["sampler_ready"]:
+            assert time.monotonic() < deadline and not th.ready_info(srv)["sampler"].startswith("failed"), th.ready_info(srv)
             time.sleep(1)
-        srv.engines = _ready(srv)["engine_urls"]
-        srv.engine_pids = _ready(srv)["engine_pids"]
+        srv.engines = th.ready_info(srv)["engine_urls"]
+        srv.engine_pids = th.ready_info(srv)["engine_pids"]
         yield srv
     finally:
         if srv is not None:
@@ -170,48 +170,17 @@ def server(tmp_path_factory):
         assert not left, f"the server left its memory root in /dev/shm: {left}"
 
 
-def _ready(srv) -> dict:
-    with open(srv.ready) as f:
-        return json.load(f)
-
-
-def _served(url: str) -> float:
-    """vLLM's own count of finished requests (its /metrics)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as res:
-        text = res.read().decode()
-    return sum(float(m) for m in re.findall(r'^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)$', text, re.M))
-
-
 def _running(url: str) -> float:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as res:
         text = res.read().decode()
     return sum(float(m) for m in re.findall(r'^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$', text, re.M))
 
 
-def _files(root: str) -> dict:
-    out = {}
-    for dirpath, _, names in os.walk(root):
-        for n in names:
-            p = os.path.join(dirpath, n)
-            out[os.path.relpath(p, root)] = os.path.getsize(p)
-    return out
-
-
-def _datum(tokens):
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": np.array(tokens[1:]),
-                                       "weights": np.ones(len(tokens) - 1, np.float32)})
-
-
-def _forward_lp(tc, tokens):
-    return tc.forward([_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
-
-
 def _trained(server, seed):
     tc = server.client.create_lora_training_client(base_model=server.model, rank=RANK, seed=seed).result()
     g = np.random.default_rng(seed)
     for _ in range(2):
-        tc.forward_backward([_datum(g.integers(3, 99, 12).tolist()) for _ in range(4)], "cross_entropy").result()
+        tc.forward_backward([th.next_token_datum(g.integers(3, 99, 12).tolist()) for _ in range(4)], "cross_entropy").result()
         tc.optim_step(ADAM).result()
     return tc
 
@@ -237,19 +206,19 @@ def test_full_fine_tuning_snapshot_pushed(server):
         prompt = g.integers(3, 99, 10).tolist()
         worst, clients = 0.0, []
         for step in range(2):
-            tc.forward_backward([_datum(g.integers(3, 99, 12).tolist()) for _ in range(3)], "cross_entropy").result()
+            tc.forward_backward([th.next_token_datum(g.integers(3, 99, 12).tolist()) for _ in range(3)], "cross_entropy").result()
             tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
-            files = _files(ckpt)
+            files = th.file_sizes(ckpt)
             sc = tc.save_weights_and_get_sampling_client().result()
-            assert _files(ckpt) == files, "a pushed full snapshot wrote under --checkpoint-dir"
+            assert th.file_sizes(ckpt) == files, "a pushed full snapshot wrote under --checkpoint-dir"
             clients.append(sc)
-            want = _forward_lp(tc, prompt)
+            want = th.forward_logprobs(tc, prompt)
             lp = sc.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
             worst = max(worst, float(np.abs(np.array(lp[1:]) - want).max()))
             res = sc.sample(types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=5, seed=4,
                                                                                        stop=[])).result()
             for s in res.sequences:
-                got = _forward_lp(tc, prompt + s.tokens)[len(prompt) - 1:]
+                got = th.forward_logprobs(tc, prompt + s.tokens)[len(prompt) - 1:]
                 worst = max(worst, float(np.abs(np.array(s.logprobs) - got).max()))
         print("full fine-tuning snapshot pushed: max |log-prob - trainer| =", worst)
         assert worst < 1e-4
@@ -265,12 +234,12 @@ def test_full_fine_tuning_snapshot_pushed(server):
 def test_ephemeral_lora_snapshot_in_memory_through_two_engines(server):
     tc = _trained(server, 7)
     prompt = np.random.default_rng(1).integers(3, 99, 10).tolist()
-    want = _forward_lp(tc, prompt)
+    want = th.forward_logprobs(tc, prompt)
     ckpt = os.path.join(server.work, "ckpt")
-    files = _files(ckpt)
-    counts = [_served(u) for u in server.engines]
+    files = th.file_sizes(ckpt)
+    counts = [th.vllm_served(u) for u in server.engines]
     clients = [tc.save_weights_and_get_sampling_client().result() for _ in range(2)]
-    assert _files(ckpt) == files, "an ephemeral snapshot wrote under --checkpoint-dir"
+    assert th.file_sizes(ckpt) == files, "an ephemeral snapshot wrote under --checkpoint-dir"
     roots = glob.glob("/dev/shm/parallm-tinker-snapshots-*")
     assert any(os.listdir(r) for r in roots), "no in-memory snapshot under /dev/shm"
     worst = 0.0
@@ -281,11 +250,11 @@ def test_ephemeral_lora_snapshot_in_memory_through_two_engines(server):
         res = sc.sample(types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=6, seed=3,
                                                                                    stop=[])).result()
         for s in res.sequences:
-            got = _forward_lp(tc, prompt + s.tokens)[len(prompt) - 1:]
+            got = th.forward_logprobs(tc, prompt + s.tokens)[len(prompt) - 1:]
             worst = max(worst, float(np.abs(np.array(s.logprobs) - got).max()))
     print("ephemeral snapshot through two engines: max |log-prob - trainer| =", worst)
     assert worst < 1e-4
-    delta = [_served(u) - c for u, c in zip(server.engines, counts)]
+    delta = [th.vllm_served(u) - c for u, c in zip(server.engines, counts)]
     assert all(d >= 1 for d in delta), f"both engines must serve: {delta}"
     base = server.client.create_sampling_client(base_model=server.model).result()
     blp = np.array(base.compute_logprobs(types.ModelInput.from_ints(prompt)).result()[1:])
@@ -296,10 +265,10 @@ def test_a_session_sticks_to_one_engine(server):
     tc = _trained(server, 9)
     sc = tc.save_weights_and_get_sampling_client().result()
     prompt = [5, 6, 7, 8, 9, 10]
-    counts = [_served(u) for u in server.engines]
+    counts = [th.vllm_served(u) for u in server.engines]
     for k in range(6):
         sc.compute_logprobs(types.ModelInput.from_ints(prompt + [11 + k])).result()
-    delta = sorted(_served(u) - c for u, c in zip(server.engines, counts))
+    delta = sorted(th.vllm_served(u) - c for u, c in zip(server.engines, counts))
     assert delta == [0, 6], f"one engine must serve all of a session's requests: {delta}"
 
 
@@ -323,9 +292,9 @@ def test_kill_one_engine(server):
     tc = _trained(server, 11)
     sc = tc.save_weights_and_get_sampling_client().result()
     prompt = [5, 6, 7, 8]
-    counts = [_served(u) for u in server.engines]
+    counts = [th.vllm_served(u) for u in server.engines]
     sc.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
-    mine = [i for i, (u, c) in enumerate(zip(server.engines, counts)) if _served(u) > c]
+    mine = [i for i, (u, c) in enumerate(zip(server.engines, counts)) if th.vllm_served(u) > c]
     assert len(mine) == 1
     victim, other = mine[0], 1 - mine[0]
     future = sc.sample(types.ModelInput.from_ints(prompt), 8, types.SamplingParams(max_tokens=400, seed=1, stop=[]))
@@ -336,11 +305,11 @@ def test_kill_one_engine(server):
     os.killpg(server.engine_pids[victim], signal.SIGKILL)
     with pytest.raises(tinker.RequestFailedError, match=f"engine {victim} of 2 .* died"):
         future.result()
-    before = _served(server.engines[other])
+    before = th.vllm_served(server.engines[other])
     lp = sc.compute_logprobs(types.ModelInput.from_ints(prompt)).result()           # the same session, moved
-    np.testing.assert_allclose(np.array(lp[1:]), _forward_lp(tc, prompt), atol=1e-4)
+    np.testing.assert_allclose(np.array(lp[1:]), th.forward_logprobs(tc, prompt), atol=1e-4)
     fresh = tc.save_weights_and_get_sampling_client().result()                      # a new snapshot, one engine
     fresh.sample(types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=4, seed=2)).result()
-    assert _served(server.engines[other]) - before >= 2
+    assert th.vllm_served(server.engines[other]) - before >= 2
     health = json.loads(urllib.request.urlopen(server.url + "/api/v1/healthz", timeout=10).read())
     assert health["sampler"] == "ready", health

@@ -275,3 +275,44 @@ def check_topk(sc, model_dir: str, adapter: str | None, prompt: list, *, atol: f
             same(row, v[len(prompt) - 1 + t], i[len(prompt) - 1 + t])
             assert s.tokens[t] not in [x for x, _ in row] or \
                 abs(dict(row)[s.tokens[t]] - s.logprobs[t]) <= atol      # the sampled token's own log-prob agrees
+
+
+# -- shared by the vLLM-engine tests (test_tinker_push.py, test_tinker_engines.py) -----------------------------
+
+def ready_info(srv) -> dict:
+    """The server's ready file (its URL and the engines')."""
+    with open(srv.ready) as f:
+        return json.load(f)
+
+
+def vllm_served(url: str) -> float:
+    """vLLM's own count of finished requests (its /metrics)."""
+    import re
+    import urllib.request
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as res:
+        text = res.read().decode()
+    return sum(float(m) for m in re.findall(r'^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)$', text, re.M))
+
+
+def file_sizes(root: str) -> dict:
+    """Every file under ``root``: relative path -> size."""
+    out = {}
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            p = os.path.join(dirpath, n)
+            out[os.path.relpath(p, root)] = os.path.getsize(p)
+    return out
+
+
+def next_token_datum(tokens):
+    """A cross-entropy datum predicting ``tokens[1:]`` from ``tokens[:-1]`` (weights 1)."""
+    import numpy as np
+    from tinker import types
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": np.array(tokens[1:]),
+                                       "weights": np.ones(len(tokens) - 1, np.float32)})
+
+
+def forward_logprobs(tc, tokens):
+    """A training client's forward log-probs of ``tokens`` (next-token targets)."""
+    return tc.forward([next_token_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
