@@ -45,7 +45,9 @@ ADAPTED = {"kimi_k25": (".self_attn.kv_b_proj.lora_A", ".experts.0."),
            "qwen3_6": (".self_attn.q_proj.lora_A", ".embed_tokens")}
 
 
-# AdamW's eps of the step compared with PEFT's, by family (default 1e-4). The first step moves an entry by
+# AdamW's eps of the step compared with PEFT's, by family (default test_tinker's 1e-8: far below every gradient,
+# so an entry moves by ~lr * sign(g) and the gradients' absolute rounding matters little; eps 1e-4 moved Kimi's
+# factors by 4.4e-5, rounding amplified by lr / (4 eps)). The first step moves an entry by
 # lr * g / (|g| + eps): with eps far below the gradients' rounding an entry whose true gradient is near zero moves by
 # up to +-lr on either side, so the step is only as exact as the gradients' absolute rounding over eps. Gemma 4's
 # tiny checkpoint (scale-1 attention over 8 layers) rounds its summed-loss gradients (up to ~400) at ~1e-5 of the
@@ -130,7 +132,7 @@ def test_lora_client_against_transformers_peft(tmp_path, name):
         ref = _reference(model, snapshot)
         before = _forward_against(tc, ref, tt._data(300), 2e-5)
         # eps: ADAM_EPS (an entry whose true gradient is near zero moves by lr * g / (|g| + eps))
-        adam = dict(tt.ADAM, learning_rate=1e-2, eps=ADAM_EPS.get(name, 1e-4))
+        adam = dict(tt.ADAM, learning_rate=1e-2, eps=ADAM_EPS.get(name, tt.ADAM["eps"]))
         data = tt._data(301)
         tc.forward_backward(tt._datums(data), "cross_entropy").result()
         tc.optim_step(types.AdamParams(**adam)).result()

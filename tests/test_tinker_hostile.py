@@ -342,7 +342,8 @@ def test_key_is_on_no_command_line_and_healthz_names_the_sampler(server):
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             assert KEY.encode() not in f.read(), pid
     status, body = _raw(server, "GET", "/api/v1/healthz")
-    assert status == 200 and body == {"status": "ok", "sampler": "ready"}
+    assert status == 200 and body["status"] == "ok" and body["sampler"] == "ready", body
+    assert set(body) == {"status", "sampler", "cobatch"} and set(body["cobatch"]) == {"passes", "requests"}, body
     with open(server.ready) as f:
         assert json.load(f)["sampler_ready"] is True
 
