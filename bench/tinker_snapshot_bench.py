@@ -45,6 +45,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+from tinker_helpers import file_sizes  # noqa: E402
 RANK = 32
 ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING",
        "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
@@ -100,15 +101,6 @@ def stop_server(proc: subprocess.Popen) -> None:
         pass
 
 
-def files(root: str) -> dict:
-    out = {}
-    for dirpath, _, names in os.walk(root):
-        for n in names:
-            p = os.path.join(dirpath, n)
-            out[os.path.relpath(p, root)] = os.path.getsize(p)
-    return out
-
-
 def datums(rng, n=4, length=24):
     import numpy as np
     from tinker import types
@@ -130,13 +122,13 @@ def first_sample(sc, prompt, seed):
 
 
 def ephemeral(tc, prompt, seed, ckpt):
-    before = files(ckpt)
+    before = file_sizes(ckpt)
     t0 = time.perf_counter()
     sc = tc.save_weights_and_get_sampling_client().result()
     t1 = time.perf_counter()
     out = first_sample(sc, prompt, seed)
     dt = time.perf_counter() - t0
-    assert files(ckpt) == before, "the ephemeral save wrote under --checkpoint-dir"
+    assert file_sizes(ckpt) == before, "the ephemeral save wrote under --checkpoint-dir"
     return dt, out, (t1 - t0, 0.0, dt - (t1 - t0), again(sc, prompt, seed, out))
 
 

@@ -81,6 +81,38 @@ def _datums(data):
     return [types.Datum(model_input=types.ModelInput.from_ints(x), loss_fn_inputs=dict(inp)) for x, inp in data]
 
 
+def step_against_peft(srv, tc, ref, *, eps: float | None = None) -> tuple[float, float, float]:
+    """A LoRA client against ``ref`` (transformers + PEFT on the client's fresh snapshot): the forward, one
+    cross-entropy AdamW step (lr 1e-2; ``eps`` or ADAM's) against PEFT + torch AdamW (every factor within 5e-6), the
+    forward after it, and the sampler's log-probs of the trained snapshot equal to the training forward; returns
+    the three distances (forward before, factors, forward after)."""
+    before = forward_against(tc, ref, _data(300), 2e-5)
+    adam = dict(ADAM, learning_rate=1e-2, eps=ADAM["eps"] if eps is None else eps)
+    data = _data(301)
+    tc.forward_backward(_datums(data), "cross_entropy").result()
+    tc.optim_step(types.AdamParams(**adam)).result()
+    th.reference_step(ref, data, "cross_entropy", {}, adam)
+    factors = _close(th.adapter_tensors(_snapshot(srv, tc, "after")), th.peft_state(ref), atol=5e-6)
+    after = forward_against(tc, ref, _data(302), 2e-5)
+    sc = tc.save_weights_and_get_sampling_client().result()
+    prompt = [5, 9, 12, 7, 3, 40, 41, 60, 61, 70, 12, 13]
+    lp = sc.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+    want = th.forward_logprobs(tc, prompt)
+    np.testing.assert_allclose(np.array(lp[1:]), want, atol=1e-5)
+    return before, factors, after
+
+
+def forward_against(tc, ref, probe, atol):
+    """The client's forward log-probs of ``probe`` against ``ref``'s (worst absolute difference, below ``atol``)."""
+    fwd = tc.forward(_datums(probe), "cross_entropy").result()
+    worst = 0.0
+    for out, (x, inp) in zip(fwd.loss_fn_outputs, probe):
+        want = th.target_logprobs(ref, x, inp["target_tokens"]).detach().numpy()
+        worst = max(worst, float(np.abs(out["logprobs"].to_numpy() - want).max()))
+    assert worst < atol, worst
+    return worst
+
+
 def _close(a: dict, b: dict, atol):
     assert set(a) == set(b), sorted(set(a) ^ set(b))[:4]
     worst, key = max((float((a[k].float() - b[k].float()).abs().max()), k) for k in a)

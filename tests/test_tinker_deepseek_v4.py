@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 
 tinker = pytest.importorskip("tinker") if os.environ.get("PARALLM_REQUIRE_TINKER") != "1" else __import__("tinker")
-from tinker import types  # noqa: E402
 
 import helpers  # noqa: E402
 import test_tinker as tt  # noqa: E402
@@ -36,17 +34,6 @@ def _v4_model(path: str) -> str:
     return path
 
 
-def _forward_against(tc, ref, probe, atol):
-    fwd = tc.forward(tt._datums(probe), "cross_entropy").result()
-    worst = 0.0
-    for out, (x, inp) in zip(fwd.loss_fn_outputs, probe):
-        want = th.target_logprobs(ref, x, inp["target_tokens"]).detach().numpy()
-        got = out["logprobs"].to_numpy()
-        worst = max(worst, float(np.abs(got - want).max()))
-    assert worst < atol, worst
-    return worst
-
-
 def test_v4_lora_client_against_transformers_peft(tmp_path):
     work = str(tmp_path)
     model = _v4_model(os.path.join(work, "model"))
@@ -60,21 +47,7 @@ def test_v4_lora_client_against_transformers_peft(tmp_path):
         assert any(".self_attn.q_b_proj.lora_A" in k for k in names), sorted(names)
         assert not any(".compressor." in k or "o_a_proj" in k for k in names), sorted(names)
         ref = th.peft_model(model, snapshot)
-        before = _forward_against(tc, ref, tt._data(300), 2e-5)
-        adam = dict(tt.ADAM, learning_rate=1e-2)
-        data = tt._data(301)
-        tc.forward_backward(tt._datums(data), "cross_entropy").result()
-        tc.optim_step(types.AdamParams(**adam)).result()
-        th.reference_step(ref, data, "cross_entropy", {}, adam)
-        factors = tt._close(th.adapter_tensors(tt._snapshot(srv, tc, "after")), th.peft_state(ref), atol=5e-6)
-        after = _forward_against(tc, ref, tt._data(302), 2e-5)
-        sc = tc.save_weights_and_get_sampling_client().result()
-        prompt = [5, 9, 12, 7, 3, 40, 41, 60, 61, 70, 12, 13]
-        lp = sc.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
-        want = tc.forward(tt._datums([(prompt[:-1], {"target_tokens": np.array(prompt[1:]),
-                                                     "weights": np.ones(len(prompt) - 1, np.float32)})]),
-                          "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
-        np.testing.assert_allclose(np.array(lp[1:]), want, atol=1e-5)
+        before, factors, after = tt.step_against_peft(srv, tc, ref)
         print(f"V4 over Tinker: forward {before:.2e} (fresh adapter), factors after a step {factors:.2e}, "
               f"forward after it {after:.2e}")
     finally:

@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 
 tinker = pytest.importorskip("tinker") if os.environ.get("PARALLM_REQUIRE_TINKER") != "1" else __import__("tinker")
-from tinker import types  # noqa: E402
 
 import family_checkpoints as fc  # noqa: E402
 import helpers  # noqa: E402
@@ -89,16 +87,6 @@ def _reference(model_dir: str, adapter: str):
     return peft.PeftModel.from_pretrained(base, adapter, is_trainable=True)
 
 
-def _forward_against(tc, ref, probe, atol):
-    fwd = tc.forward(tt._datums(probe), "cross_entropy").result()
-    worst = 0.0
-    for out, (x, inp) in zip(fwd.loss_fn_outputs, probe):
-        want = th.target_logprobs(ref, x, inp["target_tokens"]).detach().numpy()
-        worst = max(worst, float(np.abs(out["logprobs"].to_numpy() - want).max()))
-    assert worst < atol, worst
-    return worst
-
-
 def _lora_family(name: str) -> str | None:
     """parallm's family name of ``name`` when parallm's LoRA does not adapt it yet, else None."""
     from parallm.model.layers.lora_plan import SUPPORTED_FAMILIES
@@ -130,22 +118,8 @@ def test_lora_client_against_transformers_peft(tmp_path, name):
         assert any(yes in k for k in names), sorted(names)
         assert not any(no in k for k in names), sorted(names)
         ref = _reference(model, snapshot)
-        before = _forward_against(tc, ref, tt._data(300), 2e-5)
         # eps: ADAM_EPS (an entry whose true gradient is near zero moves by lr * g / (|g| + eps))
-        adam = dict(tt.ADAM, learning_rate=1e-2, eps=ADAM_EPS.get(name, tt.ADAM["eps"]))
-        data = tt._data(301)
-        tc.forward_backward(tt._datums(data), "cross_entropy").result()
-        tc.optim_step(types.AdamParams(**adam)).result()
-        th.reference_step(ref, data, "cross_entropy", {}, adam)
-        factors = tt._close(th.adapter_tensors(tt._snapshot(srv, tc, "after")), th.peft_state(ref), atol=5e-6)
-        after = _forward_against(tc, ref, tt._data(302), 2e-5)
-        sc = tc.save_weights_and_get_sampling_client().result()
-        prompt = [5, 9, 12, 7, 3, 40, 41, 60, 61, 70, 12, 13]
-        lp = sc.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
-        want = tc.forward(tt._datums([(prompt[:-1], {"target_tokens": np.array(prompt[1:]),
-                                                     "weights": np.ones(len(prompt) - 1, np.float32)})]),
-                          "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
-        np.testing.assert_allclose(np.array(lp[1:]), want, atol=1e-5)
+        before, factors, after = tt.step_against_peft(srv, tc, ref, eps=ADAM_EPS.get(name))
         print(f"{name} over Tinker: {len(names)} adapter tensors, forward {before:.2e} (fresh adapter), factors "
               f"after a step {factors:.2e}, forward after it {after:.2e}")
     finally:

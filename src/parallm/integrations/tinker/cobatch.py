@@ -27,17 +27,9 @@ from parallm.model.params import _accumulate_main_grad, uses_main_grad
 
 from .batch import make_loss_fn, pack
 from .clients import grads_restore, grads_snapshot
+from .dispatch import run_item
 
 __all__ = ["run_group"]
-
-
-def _outcome(fn) -> tuple:
-    """``("ok", value)`` or ``("error", (type name, message, user?))``, as the dispatcher reports one item."""
-    try:
-        return "ok", fn()
-    except Exception as e:  # noqa: BLE001 - each request's error is its own
-        user = isinstance(e, (ValueError, KeyError, TypeError, FileNotFoundError, FileExistsError))
-        return "error", (type(e).__name__, str(e), user)
 
 
 def _plan(trainer, items) -> tuple[list, list]:
@@ -153,6 +145,6 @@ def run_group(trainer, items: list) -> list:
     else:
         alone = sorted(alone + [i for i, _ in together])
     for i in alone:
-        outcomes[i] = _outcome(lambda: trainer.op_forward(**items[i]))
+        outcomes[i] = run_item(trainer.execute, {"op": "forward", "args": items[i]})
     return {"outcomes": outcomes, "together": ran}
 

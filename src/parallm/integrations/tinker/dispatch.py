@@ -27,7 +27,7 @@ import traceback
 
 import torch.distributed as dist
 
-__all__ = ["Leader", "ModelLost", "follow", "new_control_group"]
+__all__ = ["Leader", "ModelLost", "follow", "new_control_group", "run_item"]
 
 log = logging.getLogger("parallm.tinker")
 NOOP = {"op": "noop"}
@@ -43,7 +43,7 @@ def new_control_group(timeout_s: float):
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _run(execute, item) -> tuple:
+def run_item(execute, item) -> tuple:
     """``("ok", value)`` or ``("error", (type name, message, user?))`` of one item on this rank."""
     try:
         return "ok", execute(item)
@@ -60,7 +60,7 @@ def _exchange(item, execute, group) -> list:
     item = box[0]
     if item["op"] == "stop":
         return None
-    outcome = _run(execute, item) if item["op"] != "noop" else ("ok", None)
+    outcome = run_item(execute, item) if item["op"] != "noop" else ("ok", None)
     outcomes = [None] * dist.get_world_size()          # a value stays on its rank (rank 0's is the result):
     dist.all_gather_object(outcomes, outcome if outcome[0] == "error" else ("ok", None), group=group)   # errors travel
     outcomes[dist.get_rank()] = outcome
@@ -72,6 +72,11 @@ def follow(execute, group) -> None:
     while True:
         if _exchange(None, execute, group) is None:
             return
+
+
+def _fail(done, name: str, message: str, user: bool) -> None:
+    """An item's error to its callback: a user error's message as it is, any other named by its type."""
+    done(False, message if user else f"{name}: {message}", "user" if user else "server")
 
 
 def _groupable(item) -> bool:
@@ -151,8 +156,7 @@ class Leader:
                 if status == "ok":
                     d(True, v, None)
                 else:
-                    name, message, user = v
-                    d(False, message if user else f"{name}: {message}", "user" if user else "server")
+                    _fail(d, *v)
         return {"op": "forward_many", "args": {"items": [it["args"] for it, _ in jobs]}}, done_all
 
     def _one(self, item, done) -> None:
@@ -178,7 +182,7 @@ class Leader:
                 if name in ("ParallelError", "DistBackendError", "DistError") or "lost contact" in message:
                     self.lost = f"the parallel model is lost: {message}"
                     self._drain()
-                done(False, message if user else f"{name}: {message}", "user" if user else "server")
+                _fail(done, name, message, user)
                 return
         done(True, outcomes[0][1], None)
 

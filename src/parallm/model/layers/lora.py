@@ -64,8 +64,9 @@ from torch import nn
 from ...parallel.megatron_import import import_megatron
 from ...parallel.state import as_chunks
 from .lora_plan import (ALL_LINEAR, HEAD, MLA_LINEAR, PEFT_EXPERT_FAMILIES, SUPPORTED_FAMILIES, V4_ADAPTED, KVRows,
-                        LoraConfig, LoraEntry, LoraRow, Slot, Stacked, _local_rows, global_entries, head_slot,
+                        LoraConfig, LoraEntry, LoraRow, Slot, _local_rows, global_entries, head_slot,
                         layer_slots, peft_modules)
+from .lora_layouts import Stacked
 from .mla import ReplicatedLinear
 from .v4_attention import SplitLinear
 from .moe import Experts
