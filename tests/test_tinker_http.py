@@ -14,7 +14,10 @@ Most tests run the front end in this process on a stand-in service (the routes t
   JSON error body), missing / wrong keys, unknown routes; a path routed as sent (``..`` not resolved);
 - ``Expect: 100-continue`` answered only after the checks;
 - a refused ordered request consumes its seq id; a route's bug is a 500 naming the exception;
-- shutdown with a poll and a route in flight returns promptly and frees the port.
+- shutdown with a poll and a route in flight returns promptly and frees the port;
+- a streamed answer (the checkpoint archive) reaches the client while its writer still writes, holds a bounded
+  number of chunks when the client does not read, ends its writer when the client leaves, and a writer failing
+  after the headers leaves the client a truncated body (never a complete-looking one).
 
 One test runs the real server (``parallm serve-tinker``, tp1, no sampler): SIGTERM while a long poll waits on a
 request that cannot run (a seq-id gap) stops the server within seconds.
@@ -82,6 +85,11 @@ class Stub:
 
     def route_get_info(self, body):
         return {}["no such key"]
+
+    def route_checkpoint_archive(self, body, model_id, checkpoint_id):
+        if checkpoint_id == "weights/missing":
+            raise ApiError(404, "no such checkpoint")
+        return ("stream", self.produce)
 
     def refuse(self, model_id, seq_id, message):
         self.refused.append((model_id, seq_id, message))
@@ -347,6 +355,108 @@ def test_a_poll_arriving_while_stopping_is_not_held():
         _send(s, "POST", "/api/v1/retrieve_future", _poll_body(rid))
         status, _, body = _read(s)
         assert json.loads(body)["type"] == "try_again" and time.perf_counter() - t0 < 2.0
+
+
+# -- streamed answers -----------------------------------------------------------------------------------------------
+
+ARCHIVE = "/api/v1/training_runs/run-0/checkpoints/weights/big/archive"
+
+
+def _get_streamed(srv, path=ARCHIVE, timeout=30.0):
+    conn = http.client.HTTPConnection(*srv.server_address, timeout=timeout)
+    conn.request("GET", path, headers={"X-API-Key": KEY})
+    return conn, conn.getresponse()
+
+
+def test_streamed_answer_arrives_while_written():
+    """The first chunk reaches the client while the writer waits for the client to have it: the answer is not
+    built whole first; the rest follows and the body ends properly (the final chunk)."""
+    chunk = http_app.STREAM_CHUNK
+    got_first = threading.Event()
+    parts = [bytes([i]) * chunk for i in range(3)] + [b"tail"]
+
+    def produce(out):
+        out.write(parts[0])
+        assert got_first.wait(20), "the first chunk never reached the client"
+        for p in parts[1:]:
+            out.write(p)
+    stub = Stub()
+    stub.produce = produce
+    with serving(stub) as srv:
+        conn, resp = _get_streamed(srv)
+        try:
+            assert resp.status == 200 and resp.getheader("Transfer-Encoding") == "chunked"
+            assert resp.getheader("Content-Type") == "application/gzip"
+            assert resp.read(chunk) == parts[0]
+            got_first.set()
+            assert resp.read() == b"".join(parts[1:])
+        finally:
+            conn.close()
+        status, _, body = _ask(srv, "GET", "/api/v1/training_runs/run-0/checkpoints/weights/missing/archive")
+        assert status == 404 and "no such checkpoint" in body["error"]
+
+
+def test_streamed_answer_holds_few_chunks_when_the_client_does_not_read():
+    """A client that reads nothing stalls the writer after the queue and the sockets' buffers are full (a few
+    chunks of 64), and when it reads, every byte arrives in order."""
+    chunk, total = http_app.STREAM_CHUNK, 64
+    written = []
+
+    def produce(out):
+        for i in range(total):
+            out.write(i.to_bytes(4, "little") * (chunk // 4))
+            written.append(i)
+    stub = Stub()
+    stub.produce = produce
+    with serving(stub) as srv:
+        conn, resp = _get_streamed(srv)
+        try:
+            time.sleep(1.5)                                    # the client reads nothing meanwhile
+            held = len(written)
+            assert held < 24, f"{held} of {total} chunks written while the client read nothing"
+            for i in range(total):
+                assert resp.read(chunk) == i.to_bytes(4, "little") * (chunk // 4), f"chunk {i}"
+            assert resp.read() == b"" and len(written) == total
+        finally:
+            conn.close()
+
+
+def test_streamed_answer_ends_its_writer_when_the_client_leaves():
+    ended, written = threading.Event(), []
+
+    def produce(out):
+        try:
+            while True:
+                out.write(b"x" * http_app.STREAM_CHUNK)
+                written.append(1)
+        finally:
+            ended.set()
+    stub = Stub()
+    stub.produce = produce
+    with serving(stub) as srv:
+        conn, resp = _get_streamed(srv)
+        resp.read(http_app.STREAM_CHUNK)
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        assert ended.wait(20), "the writer kept writing after the client left"
+        assert _ask(srv, "GET", "/api/v1/healthz")[0] == 200
+
+
+def test_streamed_answer_failing_after_the_headers_is_truncated():
+    def produce(out):
+        out.write(b"y" * (http_app.STREAM_CHUNK + 10))
+        raise OSError("disk gone")
+    stub = Stub()
+    stub.produce = produce
+    with serving(stub) as srv:
+        conn, resp = _get_streamed(srv)
+        try:
+            assert resp.status == 200
+            with pytest.raises(http.client.IncompleteRead):
+                resp.read()
+        finally:
+            conn.close()
+        assert _ask(srv, "GET", "/api/v1/healthz")[0] == 200
 
 
 def test_server_stops_with_a_poll_in_flight(tmp_path):

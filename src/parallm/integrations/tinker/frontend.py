@@ -32,7 +32,8 @@ __all__ = ["ROUTES", "check_request", "match_route", "run_route"]
 
 log = logging.getLogger("parallm.tinker")
 JSON = "application/json"
-CONTENT_TYPES = {"json": JSON, "proto": PROTO, "bytes": "application/gzip"}     # a route's ("kind", value)
+# a route's ("kind", value): "stream"'s value is a callable writing the body to a file-like (see http_app)
+CONTENT_TYPES = {"json": JSON, "proto": PROTO, "bytes": "application/gzip", "stream": "application/gzip"}
 
 # (method, path regex) -> service method; path groups become arguments
 ROUTES = [
@@ -116,7 +117,8 @@ def check_request(method: str, path: str, headers, *, api_key: str | None, max_b
 
 
 def run_route(service, name: str, match, raw: bytes, headers, path: str) -> tuple[int, bytes, str]:
-    """One route on its read body: ``(status, body bytes, content type)``; never raises. A refused ordered
+    """One route on its read body: ``(status, body bytes, content type)``, or for a streamed answer
+    ``(200, a callable writing the body to a file-like, content type)``; never raises. A refused ordered
     request consumes its seq id. Synchronous, may block briefly (the service's lock, the dispatcher's queue)."""
     ids = None
     try:
@@ -128,6 +130,8 @@ def run_route(service, name: str, match, raw: bytes, headers, path: str) -> tupl
             ids = request_ids(body)
             result = fn(body, *match.groups())
         kind, value = result if isinstance(result, tuple) else ("json", result)
+        if kind == "stream":
+            return 200, value, CONTENT_TYPES[kind]
         return 200, (value if isinstance(value, bytes) else json.dumps(value).encode()), CONTENT_TYPES.get(kind, JSON)
     except ApiError as e:
         refused = e.ids or ids          # a refused ordered request consumes its seq id (no 60 s stall)

@@ -14,6 +14,12 @@ carries it.
 - Route handlers are synchronous Python that may block briefly (the service's lock, the dispatcher's queue, a
   checkpoint archive built in memory): they run on a pool of :data:`ROUTE_THREADS` threads
   (``run_in_executor``), never on the loop.
+- A streamed answer (a checkpoint archive): the route returns a callable that writes the body; it runs on the
+  pool and its writes reach the loop through a queue of at most :data:`STREAM_QUEUE` chunks of
+  :data:`STREAM_CHUNK` bytes, which the loop sends as HTTP/1.1 chunks while the client reads: a few MiB held
+  whatever the archive's size. A client that stops reading for :data:`STREAM_STALL_S` or goes away ends the
+  writer (its next write raises) and the connection; a writer that fails after the headers were sent closes
+  the connection without the final chunk, so the client sees a truncated body, never a complete-looking one.
 - ``retrieve_future`` is the exception: its long poll is an asyncio wait on the loop, with no thread parked per
   poll. :meth:`.futures.FutureStore.watch` calls back from the thread that completes the future (the
   dispatcher's, a sampler's), which wakes the poll with ``loop.call_soon_threadsafe``; a poll still pending
@@ -44,6 +50,9 @@ __all__ = ["HttpServer", "ROUTE_THREADS", "start_http"]
 log = logging.getLogger("parallm.tinker")
 ROUTE_THREADS = 16         # route handlers at once (each brief); long polls take none
 SHUTDOWN_S = 2.0           # how long shutdown waits for routes still running
+STREAM_CHUNK = 1 << 20     # bytes a streamed answer sends at once
+STREAM_QUEUE = 4           # chunks a streamed answer holds between its writer and the socket
+STREAM_STALL_S = 60.0      # how long a streamed answer's writer waits for the client to read
 
 
 class _Protocol(web.RequestHandler):
@@ -144,7 +153,53 @@ class HttpServer:
                 status, data, content_type = await running
             finally:
                 self._routes.discard(running)
+        if callable(data):
+            return await self._stream(request, data, content_type)
         return _response(status, data, content_type)
+
+    async def _stream(self, request: web.BaseRequest, produce, content_type: str) -> web.StreamResponse:
+        """Send what ``produce(file)`` writes, as it writes it (see the module's docstring)."""
+        resp = web.StreamResponse(status=200, headers={"Content-Type": content_type})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_QUEUE)
+        sink = _Sink(queue, self._loop, request.transport)
+        writing = self._loop.run_in_executor(self._pool, sink.run, produce)
+        self._routes.add(writing)
+        broken, getter = False, None
+        try:
+            while True:
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait({getter, writing}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():                   # the writer returned: send what it left, then end
+                    getter.cancel()
+                    if queue.empty():
+                        break
+                    continue
+                if sink.aborted:
+                    continue
+                try:
+                    await resp.write(getter.result())
+                except (ConnectionError, RuntimeError) as e:       # the client went away
+                    log.warning("streamed answer to %s abandoned: %s", request.remote, e)
+                    sink.aborted = broken = True                    # the writer's next write raises
+            error = writing.result()
+        finally:                                        # also when aiohttp cancels us (the client left)
+            sink.aborted = True
+            if getter is not None and not getter.done():
+                getter.cancel()
+            while not queue.empty():                    # a writer waiting on a full queue goes on (and stops)
+                queue.get_nowait()
+            self._routes.discard(writing)
+        if error is not None or broken:
+            if error is not None:
+                log.error("streamed answer to %s failed after its headers: %s", request.remote, error)
+            resp.force_close()
+            if request.transport is not None:
+                request.transport.abort()              # no final chunk: the client sees a truncated body
+            return resp
+        await resp.write_eof()
+        return resp
 
     async def _long_poll(self, raw: bytes) -> dict | None:
         """Wait (on the loop) until the future the body names is done, at most :data:`LONG_POLL_S`: the SDK's
@@ -200,6 +255,50 @@ class HttpServer:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Sink:
+    """The file a streamed answer's writer writes to (on a pool thread): whole chunks go to the loop's queue,
+    waiting while it is full, at most :data:`STREAM_STALL_S` (then the connection is aborted). ``run`` returns
+    the writer's exception, or None."""
+
+    def __init__(self, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop, transport):
+        self.queue, self.loop, self.transport = queue, loop, transport
+        self.buf, self.aborted, self.stalled = bytearray(), False, False
+
+    def write(self, data) -> int:
+        if self.aborted:
+            raise ConnectionError("the client stopped reading the streamed answer")
+        self.buf += data
+        if len(self.buf) >= STREAM_CHUNK:
+            self._put(bytes(self.buf))
+            self.buf.clear()
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def _put(self, chunk: bytes) -> None:
+        put = asyncio.run_coroutine_threadsafe(self.queue.put(chunk), self.loop)
+        try:
+            put.result(STREAM_STALL_S)
+        except concurrent.futures.TimeoutError:
+            put.cancel()
+            self.aborted = self.stalled = True
+            if self.transport is not None:            # the loop's side may be stuck in a write: unblock it
+                self.loop.call_soon_threadsafe(self.transport.abort)
+            raise ConnectionError(f"the client read nothing of the streamed answer for {STREAM_STALL_S:.0f} s")
+        if self.aborted:
+            raise ConnectionError("the client stopped reading the streamed answer")
+
+    def run(self, produce) -> BaseException | None:
+        try:
+            produce(self)
+            if self.buf:
+                self._put(bytes(self.buf))
+        except BaseException as e:  # noqa: BLE001 - reported by the loop's side
+            return e
+        return None
 
 
 def _settle(waiter: asyncio.Future) -> None:
