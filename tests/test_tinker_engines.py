@@ -8,7 +8,12 @@ unmodified tinker SDK and tinker-cookbook:
 - ``--engine-tp 2``: one engine with two tensor-parallel workers (vLLM's ``mp`` executor) behind the router; a
   LoRA client's ephemeral snapshot (nothing under ``--checkpoint-dir``) sampled there, prompt and sampled
   tokens' log-probs within 1e-4 of the trainer's forward, the base's log-probs differing by more than 1e-3
-  (the check can fail); the engine's process group holds two workers (``VLLM::Worker_TP0`` / ``_TP1``).
+  (the check can fail); the engine's process group holds two workers (``VLLM::Worker_TP0`` / ``_TP1``);
+- ``--engine-url``: an engine the test starts itself (as if on another host: its own served name, its own API
+  key given to the server in ``PARALLM_ENGINE_API_KEY``), sampler snapshots read from ``--snapshot-dir``: a
+  LoRA client's ephemeral snapshot sampled there within 1e-4 of the trainer (nothing under
+  ``--checkpoint-dir``), the engine killed: the next sample an error naming it; the launch refusals (no
+  ``--snapshot-dir``, beside ``--engines``, a wrong key: the engine refused at start naming it).
 
 Each test starts its own server (tp1 trainer; vLLM-CPU engines take most of the wall time) and stops it in
 ``finally``. Runs in .venv-tinker (scripts/test.sh's TINKER_TESTS)."""
@@ -18,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -36,12 +42,12 @@ ADAM = types.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _start(work: str, model: str, extra: list[str]) -> th.Server:
+def _start(work: str, model: str, extra: list[str], env=None) -> th.Server:
     """A tp1 server with the vLLM sampler and ``extra`` options, once its engines are ready."""
     srv = None
     for attempt in range(2):              # a free port taken by another process meanwhile: once more
         try:
-            srv = th.Server(model, work, tp=1, sampler="vllm", lora_rank=RANK, extra=extra, timeout=600)
+            srv = th.Server(model, work, tp=1, sampler="vllm", lora_rank=RANK, extra=extra, timeout=600, env=env)
             break
         except RuntimeError as e:
             if attempt or "EADDRINUSE" not in str(e):
@@ -128,3 +134,77 @@ def test_engine_tp2_ephemeral_snapshot(tmp_path):
         assert np.abs(blp - want).max() > 1e-3        # the check can fail: the base's log-probs differ
     finally:
         srv.stop()
+
+
+def _refusal(model: str, work: str, extra: list[str], env=None) -> str:
+    run = subprocess.run([sys.executable, "-m", "parallm.integrations.tinker", "--model", model, "--port", "0",
+                          "--checkpoint-dir", os.path.join(work, "ckpt"), *extra], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, **(env or {})))
+    assert run.returncode != 0, run.stdout[-2000:]
+    return run.stdout + run.stderr
+
+
+def test_engine_started_elsewhere(tmp_path):
+    from parallm.integrations.vllm.serve import serve
+    work = str(tmp_path)
+    model = th.tiny_model(os.path.join(work, "model"), seed=7)
+    snaps = os.path.join(work, "snapshots")
+    os.makedirs(snaps)
+    assert "give --snapshot-dir" in _refusal(model, work, ["--engine-url", "http://127.0.0.1:1"])
+    assert "not offered beside it" in _refusal(model, work, ["--engine-url", "http://127.0.0.1:1", "--snapshot-dir",
+                                                             snaps, "--engines", "2"])
+    key = secrets.token_urlsafe(16)
+    engine = serve(model, max_model_len=256, dev_mode=False, timeout=900,
+                   args=["--enable-lora", "--max-lora-rank", str(RANK), "--max-logprobs", "64",
+                         "--served-model-name", "someone-elses-name"],
+                   env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_API_KEY": key,
+                        "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_LOGGING_LEVEL": "WARNING"})
+    srv = None
+    try:
+        os.makedirs(os.path.join(work, "bad"))
+        bad = th.Server(model, os.path.join(work, "bad"), tp=1, sampler="vllm", lora_rank=RANK, timeout=600,
+                        extra=["--engine-url", engine.url, "--snapshot-dir", snaps, "--max-context", "256"],
+                        env={"PARALLM_ENGINE_API_KEY": "wrong"})
+        try:
+            deadline = time.monotonic() + 120
+            while not th.ready_info(bad)["sampler"].startswith("failed"):
+                assert time.monotonic() < deadline, th.ready_info(bad)
+                time.sleep(1)
+            assert "refused the key" in th.ready_info(bad)["sampler"] and engine.url in th.ready_info(bad)["sampler"]
+        finally:
+            bad.stop()
+        srv = _start(work, model, ["--engine-url", engine.url, "--snapshot-dir", snaps, "--max-context", "256"],
+                     env={"PARALLM_ENGINE_API_KEY": key})
+        assert srv.engines == [engine.url]
+        tc = srv.client.create_lora_training_client(base_model=model, rank=RANK, seed=5).result()
+        g = np.random.default_rng(5)
+        for _ in range(2):
+            tc.forward_backward([th.next_token_datum(g.integers(3, 99, 12).tolist()) for _ in range(4)],
+                                "cross_entropy").result()
+            tc.optim_step(ADAM).result()
+        prompt = g.integers(3, 99, 10).tolist()
+        want = th.forward_logprobs(tc, prompt)
+        ckpt = os.path.join(work, "ckpt")
+        files = th.file_sizes(ckpt)
+        sc = tc.save_weights_and_get_sampling_client().result()
+        assert th.file_sizes(ckpt) == files, "an ephemeral snapshot wrote under --checkpoint-dir"
+        written = [f for f, _ in th.file_sizes(snaps).items() if f.endswith("adapter_model.safetensors")]
+        assert written, "the snapshot the engine loaded is not under --snapshot-dir"
+        lp = np.array(sc.compute_logprobs(types.ModelInput.from_ints(prompt)).result()[1:])
+        worst = float(np.abs(lp - want).max())
+        print("engine started elsewhere: max |log-prob - trainer| =", worst)
+        assert worst < 1e-4
+        base = srv.client.create_sampling_client(base_model=model).result()
+        blp = np.array(base.compute_logprobs(types.ModelInput.from_ints(prompt)).result()[1:])
+        assert np.abs(blp - want).max() > 1e-3        # the check can fail: the base's log-probs differ
+        engine.kill()
+        with pytest.raises(Exception) as err:
+            sc.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=4, seed=1)).result()
+        assert engine.url in str(err.value), str(err.value)
+        assert srv.proc.poll() is None, "the server must outlive an engine it did not start"
+        srv.stop()
+        assert not os.listdir(snaps), f"the server left snapshots behind: {os.listdir(snaps)}"
+    finally:
+        if srv is not None:
+            srv.stop()
+        engine.stop()

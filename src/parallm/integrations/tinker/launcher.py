@@ -65,6 +65,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="vllm sampler: one more engine for a full-fine-tuning client's ephemeral snapshots, its "
                         "weights pushed by parallm (push_weights; vLLM's development routes on, 127.0.0.1 only)")
     p.add_argument("--engine-tp", type=int, default=1, help="vllm sampler: tensor-parallel workers of each engine")
+    p.add_argument("--engine-url", action="append", default=None, metavar="URL",
+                   help="a `vllm serve` engine started elsewhere (repeat for several; instead of --engines): LoRA "
+                        "on at runtime, the same checkpoint; its API key in PARALLM_ENGINE_API_KEY; needs "
+                        "--snapshot-dir (docs/tinker.md)")
+    p.add_argument("--snapshot-dir", default=None,
+                   help="with --engine-url: where sampler snapshots are written for the engines to load, a "
+                        "directory they read at the same path (a shared filesystem; /dev/shm on this machine)")
     p.add_argument("--sampler-timeout", type=float, default=600.0, help="seconds the vLLM engine may take to start")
     p.add_argument("--max-context", type=int, default=None, help="cap on tokens per sequence (default: the model's)")
     p.add_argument("--cobatch", type=int, default=8,
@@ -165,6 +172,8 @@ def _argv_of(args) -> list[str]:
         value = getattr(args, action.dest, None)
         if isinstance(action, argparse._StoreTrueAction):            # a flag: present or not
             out += [action.option_strings[0]] if value else []
+        elif isinstance(action, argparse._AppendAction):              # repeated: once per value
+            out += [x for v in value or () for x in (action.option_strings[0], str(v))]
         elif action.option_strings and value is not None and action.dest not in ("help", "api_key"):
             out += [action.option_strings[0], str(value)]
     return out

@@ -101,9 +101,10 @@ def preflight(args) -> str:
             and args.sampler not in ("vllm", "auto"):
         _fail(f"--engines / --engine-tp / --full-engine are vLLM engines: they need --sampler vllm "
               f"(this launch: --sampler {args.sampler})")
+    _remote_engines(args)
     if getattr(args, "cobatch", 1) < 1:
         _fail(f"--cobatch {args.cobatch} must be >= 1 (1: every request alone)")
-    if args.sampler == "vllm":
+    if args.sampler == "vllm" and not getattr(args, "engine_url", None):
         try:
             import vllm  # noqa: F401
         except ImportError as e:
@@ -119,6 +120,31 @@ def preflight(args) -> str:
     if getattr(args, "node_rank", 0) == 0:
         _port(args.host, args.port)
     return directory
+
+
+def _remote_engines(args) -> None:
+    """``--engine-url`` (remote_engine.py): instead of the engines the server starts, with a snapshot directory
+    both sides read."""
+    urls = getattr(args, "engine_url", None) or []
+    if not urls:
+        if getattr(args, "snapshot_dir", None):
+            _fail("--snapshot-dir is where --engine-url engines read sampler snapshots: give --engine-url too")
+        return
+    bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+    if bad:
+        _fail(f"--engine-url {bad[0]!r}: expected http://host:port (a `vllm serve` engine's address)")
+    if args.sampler not in ("vllm", "auto"):
+        _fail(f"--engine-url engines are vLLM engines: --sampler {args.sampler} does not use them")
+    if getattr(args, "engines", 1) > 1 or getattr(args, "engine_tp", 1) > 1 or getattr(args, "full_engine", False):
+        _fail("--engine-url replaces the engines the server starts: --engines / --engine-tp / --full-engine are "
+              "not offered beside it (start every engine yourself and give each one's --engine-url)")
+    root = getattr(args, "snapshot_dir", None)
+    if not root:
+        _fail("--engine-url engines load sampler snapshots from a directory (vLLM reads LoRA adapters from disk "
+              "only): give --snapshot-dir, one they read at the same path (a shared filesystem across hosts; "
+              "/dev/shm when they run on this machine)")
+    if not os.path.isdir(root) or not os.access(root, os.W_OK | os.X_OK):
+        _fail(f"--snapshot-dir {root} is not a directory this user can write")
 
 
 def _nodes(args) -> None:

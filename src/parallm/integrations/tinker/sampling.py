@@ -38,6 +38,8 @@ import numpy as np
 import torch
 
 from .engine_adapters import HeadSupport, head_factors_zero, stripped_copy
+from .remote_engine import RemoteServer, engine_key
+from .remote_engine import probe as remote_probe
 
 __all__ = ["ParallmSampler", "SampleInputError", "SampleJob", "SamplerDead", "VllmSampler", "stop_spec"]
 
@@ -115,19 +117,29 @@ class VllmSampler:
 
     def __init__(self, model_dir: str, *, lora_rank: int, max_model_len: int, max_loras: int = 4,
                  timeout: float = 600.0, python: str | None = None, head: dict | None = None,
-                 tensor_parallel_size: int = 1, head_support: HeadSupport | None = None, pushed: bool = False):
-        from ..vllm import serve
+                 tensor_parallel_size: int = 1, head_support: HeadSupport | None = None, pushed: bool = False,
+                 url: str | None = None, probe: tuple[str, str] | None = None):
         self.max_model_len, self.timeout = max_model_len, timeout
         self.name = "base"
-        # pushed: an engine without LoRA whose weights parallm pushes (push_weights: the full-fine-tuning client's
-        # snapshots, router.py); its weight-transfer routes need vLLM's development mode
-        args = ([] if pushed else ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", str(max_loras)])
-        args += ["--generation-config", "vllm", "--served-model-name", self.name, "--max-logprobs", str(TOPK_MAX)]
-        self.key = secrets.token_urlsafe(32)       # this engine's own key: no unauthenticated side door
-        env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-               "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_API_KEY": self.key}
-        self.server = serve(model_dir, max_model_len=max_model_len, args=args, env=env, python=python, wait=False,
-                            dev_mode=pushed, tensor_parallel_size=tensor_parallel_size)
+        # url: an engine started elsewhere (remote_engine.py); probe: (initial adapter, a copy's path) it loads
+        # once at start, so a misconfigured engine is refused then
+        self.remote, self.probe = url is not None, probe
+        if self.remote:
+            self.key = engine_key()
+            self.server = RemoteServer(url, self.key)
+        else:
+            from ..vllm import serve
+            # pushed: an engine without LoRA whose weights parallm pushes (push_weights: the full-fine-tuning
+            # client's snapshots, router.py); its weight-transfer routes need vLLM's development mode
+            args = ([] if pushed else ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras",
+                                       str(max_loras)])
+            args += ["--generation-config", "vllm", "--served-model-name", self.name, "--max-logprobs",
+                     str(TOPK_MAX)]
+            self.key = secrets.token_urlsafe(32)       # this engine's own key: no unauthenticated side door
+            env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                   "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_API_KEY": self.key}
+            self.server = serve(model_dir, max_model_len=max_model_len, args=args, env=env, python=python,
+                                wait=False, dev_mode=pushed, tensor_parallel_size=tensor_parallel_size)
         self.url = self.server.url
         # the model holds head adapters: {"arch", "zero_adapter"} (engine_adapters.py: what the engine is given)
         self.head = head
@@ -139,8 +151,8 @@ class VllmSampler:
         self.dead: str | None = None
         self._ready = False
 
-    def pid(self) -> int:
-        return self.server.process.pid
+    def pid(self) -> int | None:
+        return None if self.remote else self.server.process.pid
 
     def started(self) -> bool:
         return self._ready
@@ -149,8 +161,11 @@ class VllmSampler:
         return self.server.alive()
 
     def mark_dead(self) -> str:
-        """The engine's process group exited: every later request fails at once with the reason (returned)."""
-        if self.dead is None:
+        """The engine's process group exited (an engine elsewhere: stopped answering): every later request fails
+        at once with the reason (returned)."""
+        if self.dead is None and self.remote:
+            self.dead = f"the vLLM sampler died: {self.server.describe()}"
+        elif self.dead is None:
             self.dead = (f"the vLLM sampler (pid {self.server.process.pid}, {self.url}) died (exit code "
                          f"{self.server.process.returncode}); training continues; the end of its log "
                          f"{self.server.log}:\n"
@@ -171,8 +186,21 @@ class VllmSampler:
             try:
                 self.server.wait_ready(self.timeout)
                 self._ready = True
+                if self.remote:
+                    self._check_remote()
             except Exception as e:  # noqa: BLE001 - the sampler is unusable: say why on every request
+                self._ready = False
                 self.dead = f"the vLLM sampler did not start: {e}"
+
+    def _check_remote(self) -> None:
+        """An engine started elsewhere: its base model's name, its context length, and one adapter load."""
+        self.name = self.server.model
+        if self.server.max_model_len is not None and self.server.max_model_len < self.max_model_len:
+            raise RuntimeError(f"the engine at {self.url} serves {self.server.max_model_len} tokens a sequence; "
+                               f"the server's context is {self.max_model_len}: start it with --max-model-len "
+                               f"{self.max_model_len} or give the server --max-context {self.server.max_model_len}")
+        if self.probe is not None:
+            remote_probe(self, *self.probe)
 
     def state(self) -> str:
         """``ready``, ``starting`` or ``failed: <why>`` (what ``healthz`` and the ready file report)."""
@@ -191,16 +219,17 @@ class VllmSampler:
         self._ensure_ready()
         if self.dead is not None:
             raise SamplerDead(self.dead)
-        req = urllib.request.Request(self.url + route, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json",
-                                              "Authorization": f"Bearer {self.key}"})
+        headers = {"Content-Type": "application/json"}
+        if self.key:
+            headers["Authorization"] = f"Bearer {self.key}"
+        req = urllib.request.Request(self.url + route, data=json.dumps(body).encode(), headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as res:
                 raw = res.read()
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"the vLLM sampler refused {route}: {e.code} {e.read().decode()[:500]}") from None
         except (OSError, urllib.error.URLError) as e:
-            for _ in range(20):                   # a killed engine is reaped within moments
+            for _ in range(0 if self.remote else 20):     # a killed engine is reaped within moments
                 if not self.server.alive():
                     break
                 time.sleep(0.25)

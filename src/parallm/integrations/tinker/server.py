@@ -90,7 +90,7 @@ def _config(args, directory, facts, template, chunks) -> dict:
 
 
 def _sampler(args, leader, directory, config, facts):
-    kind = args.sampler
+    kind = "vllm" if getattr(args, "engine_url", None) else args.sampler
     if kind == "auto":
         try:
             import vllm  # noqa: F401
@@ -119,20 +119,29 @@ def _sampler(args, leader, directory, config, facts):
 
 
 def _engines(args, directory, config, facts):
-    """``--engines`` ``vllm serve`` engines (``--engine-tp`` workers each), started side by side, behind one
-    router (:mod:`.router`)."""
+    """``--engines`` ``vllm serve`` engines (``--engine-tp`` workers each), started side by side, or the
+    ``--engine-url`` engines started elsewhere (remote_engine.py), behind one router (:mod:`.router`)."""
     from .engine_adapters import HeadSupport, zero_adapter
     from .router import EngineRouter
     from .sampling import VllmSampler
+    urls = getattr(args, "engine_url", None) or []
+    if urls:               # snapshots go where those engines read them (created here: the zero adapter too)
+        config["memory_root"] = tempfile.mkdtemp(prefix="parallm-tinker-snapshots-", dir=args.snapshot_dir)
     head, support = None, None
     if args.lora_unembed == "train":
-        head = {"arch": facts["arch"], "zero_adapter": zero_adapter(
-            config["adapter_template"], os.path.join(os.path.dirname(config["adapter_template"]), "zero-engine"))}
+        zero_dir = os.path.join(config.get("memory_root") or os.path.dirname(config["adapter_template"]),
+                                "zero-engine")
+        head = {"arch": facts["arch"], "zero_adapter": zero_adapter(config["adapter_template"], zero_dir)}
         support = HeadSupport(facts["arch"])                # asked once for every engine
-    engines = [VllmSampler(directory, lora_rank=args.lora_rank, max_model_len=config["max_context"],
-                           timeout=args.sampler_timeout, head=head, head_support=support,
-                           tensor_parallel_size=getattr(args, "engine_tp", 1))
-               for _ in range(getattr(args, "engines", 1))]
+    common = dict(lora_rank=args.lora_rank, max_model_len=config["max_context"], timeout=args.sampler_timeout,
+                  head=head, head_support=support)
+    if urls:
+        engines = [VllmSampler(directory, url=u, **common,
+                               probe=(config["adapter_template"], os.path.join(config["memory_root"], f"probe-{i}")))
+                   for i, u in enumerate(urls)]
+    else:
+        engines = [VllmSampler(directory, tensor_parallel_size=getattr(args, "engine_tp", 1), **common)
+                   for _ in range(getattr(args, "engines", 1))]
     full = None
     if getattr(args, "full_engine", False):
         full = VllmSampler(directory, lora_rank=0, max_model_len=config["max_context"], timeout=args.sampler_timeout,
@@ -140,11 +149,14 @@ def _engines(args, directory, config, facts):
     return EngineRouter(engines, full_engine=full)
 
 
-def _memory_root(args, sampler) -> str | None:
+def _memory_root(args, sampler, config) -> str | None:
     """Where ephemeral LoRA snapshots go (sampling_routes.py): a private directory in /dev/shm (the temporary
-    directory where there is none); None (the checkpoint directory, as before) for the parallm sampler across
-    nodes, whose ranks on other nodes read the snapshot too."""
+    directory where there is none), or in ``--snapshot-dir`` for ``--engine-url`` engines (made by
+    :func:`_engines`); None (the checkpoint directory, as before) for the parallm sampler across nodes, whose
+    ranks on other nodes read the snapshot too."""
     from .router import EngineRouter
+    if config.get("memory_root"):
+        return config["memory_root"]
     if getattr(args, "nnodes", 1) > 1 and not isinstance(sampler, EngineRouter):
         return None
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
@@ -212,7 +224,7 @@ def run_rank(args) -> int:
     leader = Leader(trainer.execute, group, cobatch=args.cobatch)
     config = _config(args, directory, facts, template, chunks)
     sampler = _sampler(args, leader, directory, config, facts)
-    config["memory_root"] = _memory_root(args, sampler)
+    config["memory_root"] = _memory_root(args, sampler, config)
     service = Service(leader=leader, config=config, checkpoints=store, sampler=sampler,
                       session_timeout_s=args.session_timeout)
     api_key = args.api_key or os.environ.get("PARALLM_TINKER_API_KEY")
