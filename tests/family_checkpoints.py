@@ -94,6 +94,37 @@ def qwen3_6(vocab: int, **overrides) -> dict:
                      bos_token_id=None, eos_token_id=None), **overrides)
 
 
+def qwen3_6_vl(vocab: int, **text) -> dict:
+    """:func:`qwen3_6` as the released checkpoints ship it: the vision-language wrapper
+    (``Qwen3_5MoeForConditionalGeneration``, ``text_config`` / ``vision_config``) with a 2-block vision tower."""
+    text_config = qwen3_6(vocab, **text)
+    del text_config["architectures"]
+    return {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+            "text_config": text_config, "tie_word_embeddings": False,
+            "vision_config": dict(model_type="qwen3_5_moe", depth=2, hidden_size=32, intermediate_size=64,
+                                  num_heads=2, out_hidden_size=64, patch_size=16, spatial_merge_size=2,
+                                  temporal_patch_size=2, num_position_embeddings=64),
+            "image_token_id": vocab - 2, "video_token_id": vocab - 3, "vision_start_token_id": vocab - 4,
+            "vision_end_token_id": vocab - 5}
+
+
+def rewrap(text_path: str, vl_path: str) -> int:
+    """Put the language model of the text checkpoint at ``text_path`` into the wrapper checkpoint at ``vl_path``
+    (``model.*`` -> ``model.language_model.*``, ``lm_head`` as is; the vision tower kept), so both hold the same
+    language model; returns how many tensors were replaced (every one of the text checkpoint's)."""
+    from safetensors.torch import load_file, save_file
+    text = load_file(os.path.join(text_path, "model.safetensors"))
+    vl_file = os.path.join(vl_path, "model.safetensors")
+    vl = load_file(vl_file)
+    renamed = {("model.language_model." + k[len("model."):]) if k.startswith("model.") else k: v
+               for k, v in text.items()}
+    missing = sorted(set(renamed) - set(vl))
+    assert not missing, f"the wrapper has no tensor named {missing[:3]}"
+    vl.update(renamed)
+    save_file(vl, vl_file, metadata={"format": "pt"})
+    return len(renamed)
+
+
 CONFIGS = {"kimi_k25": kimi_k25, "gemma4": gemma4, "minimax_m2": minimax_m2, "qwen3_6": qwen3_6}
 
 

@@ -10,7 +10,10 @@ engine built by verl's ``EngineRegistry`` on 2 gloo ranks (as tests/test_verl_de
 MoE families, dp2 for Gemma 4): ``infer_batch``'s log-probs of verl's padding-free batches (left-padded prompts
 packed away) against ``parallm.forward`` on the same rows, then one PPO ``train_batch`` with verl's ``ppo_loss``:
 a finite loss, every trained weight moved and exactly the never-trained tensors unchanged (the routers'
-correction biases, Gemma 4's layer scalars, the Kimi vision tower). Kimi-K2.5 runs a second time from the same
+correction biases, Gemma 4's layer scalars, the Kimi vision tower). Qwen3.6 runs a second time as released: the
+vision-language wrapper (``Qwen3_5MoeForConditionalGeneration``, a vision tower carried) holding the same language
+model as the text checkpoint (tests/family_checkpoints.py ``rewrap``): its log-probs equal the text model's bit for
+bit and the step leaves the vision tower unchanged. Kimi-K2.5 runs a second time from the same
 checkpoint with its routed experts in compressed-tensors' INT4 pack-quantized format (group 32, symmetric, as
 released; quantised here from the format's definition, tests/test_kimi_k25.py): the engine's experts as loaded
 equal their dequantisation bit for bit, and the dequantised experts train.
@@ -37,16 +40,16 @@ import helpers  # noqa: E402
 import test_verl  # noqa: E402
 
 VOCAB = 101
-NAMES = fc.FAMILIES + ("kimi_k25_int4",)
+NAMES = fc.FAMILIES + ("kimi_k25_int4", "qwen3_6_vl")
 LAYOUTS = {"kimi_k25": {"ep": 2}, "kimi_k25_int4": {"ep": 2}, "gemma4": {"tp": 1}, "minimax_m2": {"ep": 2},
-           "qwen3_6": {"ep": 2}}
+           "qwen3_6": {"ep": 2}, "qwen3_6_vl": {"ep": 2}}
 # never trained: the routers' correction biases (no gradient), Gemma 4's per-layer scalars (buffers in
 # transformers), the carried vision tower
 FROZEN = ("e_score_correction_bias", "layer_scalar")
 
 
 def _frozen(name: str) -> bool:
-    return name.endswith(FROZEN) or name.startswith(("vision_tower.", "mm_projector."))
+    return name.endswith(FROZEN) or name.startswith(("vision_tower.", "mm_projector.", "model.visual."))
 
 
 def _write_int4(src, path):
@@ -88,6 +91,10 @@ def _write(rank, world, root):
         vllm_engines.write_tokenizer(path, VOCAB)
         out[name] = sorted(os.listdir(path))
     out["experts"] = _write_int4(os.path.join(root, "kimi_k25"), os.path.join(root, "kimi_k25_int4"))
+    vl = fc.write(os.path.join(root, "qwen3_6_vl"), fc.qwen3_6_vl(VOCAB), seed=5)
+    vllm_engines.write_tokenizer(vl, VOCAB)
+    out["rewrapped"] = fc.rewrap(os.path.join(root, "qwen3_6"), vl)     # the same language model as qwen3_6
+    out["qwen3_6_vl"] = sorted(os.listdir(vl))
     out["kimi_k25_int4"] = sorted(os.listdir(os.path.join(root, "kimi_k25_int4")))
     return out
 
@@ -120,7 +127,8 @@ def _family(e_rank, world, path, layout):
     if os.path.exists(int4):        # the INT4 experts as loaded against their dequantisation (bit for bit)
         deq = torch.load(int4)
         loaded = max((before[k] - v).abs().max().item() for k, v in deq.items())
-    return {"int4_loaded": loaded,"lp": max((a[:-1] - b[:-1]).abs().max().item() for a, b in zip(lp, want)),
+    return {"int4_loaded": loaded, "lp": max((a[:-1] - b[:-1]).abs().max().item() for a, b in zip(lp, want)),
+            "lp_values": [t.tolist() for t in lp],
             "loss": float(sum(tr["loss"])), "tensors": len(before),
             "unchanged": sorted(k for k in before if torch.equal(before[k], after[k])),
             "frozen": sorted(k for k in before if _frozen(k))}
@@ -137,12 +145,13 @@ def test_families_through_the_verl_engine(tmp_path):
     root = str(tmp_path)
     files = helpers.run_ranks(_write, 1, root, timeout=180)[0]
     assert files.pop("experts") == 48, "2 MoE layers x 8 experts x gate / up / down"
+    assert files.pop("rewrapped") > 50
     for name, names in files.items():
         assert "model.safetensors" in names and "tokenizer.json" in names, (name, names)
     results = helpers.run_ranks(_engine_rank, 2, root, timeout=560)
     for rank, reps in enumerate(results):
         for name, rep in reps.items():
-            print(name, rank, {k: v for k, v in rep.items() if k not in ("unchanged", "frozen")},
+            print(name, rank, {k: v for k, v in rep.items() if k not in ("unchanged", "frozen", "lp_values")},
                   len(rep["unchanged"]), "unchanged")
     for reps in results:
         for name, rep in reps.items():
@@ -154,3 +163,9 @@ def test_families_through_the_verl_engine(tmp_path):
     kinds = {name: len(rep["frozen"]) for name, rep in results[0].items()}
     assert kinds["kimi_k25"] > 10 and kinds["gemma4"] == 8 and kinds["minimax_m2"] == 2, kinds
     assert kinds["qwen3_6"] == 0, kinds
+    # Qwen3.6 as released (the VL wrapper, vision tower carried untouched by the step): the engine's log-probs
+    # equal the text checkpoint's, which holds the same language model (fc.rewrap)
+    assert kinds["qwen3_6_vl"] > 20, kinds
+    for reps in results:
+        vl, text = reps["qwen3_6_vl"]["lp_values"], reps["qwen3_6"]["lp_values"]
+        assert len(vl) == len(text) and all(a == b for a, b in zip(vl, text)), "the wrapper's language model differs"

@@ -105,9 +105,29 @@ def vision_tensors(config) -> tuple[tuple[str, tuple[int, ...]], ...]:
         cfg = vision if not isinstance(vision, dict) else transformers.AutoConfig.for_model(
             raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
         with torch.device("meta"):
-            tower = transformers.AutoModel.from_config(cfg)
+            tower = _vision_model(cfg)
         _VISION_CACHE[key] = tuple(("model.visual." + k, tuple(t.shape)) for k, t in tower.state_dict().items())
     return _VISION_CACHE[key]
+
+
+def _vision_model(cfg):
+    """The vision tower's module for its config: ``AutoModel``'s, or where this transformers does not register
+    the vision config with ``AutoModel`` (5.10 does not for Qwen3.5's), the class of the config's own modeling
+    module whose ``config_class`` it is."""
+    import importlib
+
+    import transformers
+    try:
+        return transformers.AutoModel.from_config(cfg)
+    except ValueError:
+        module = importlib.import_module(type(cfg).__module__.replace(".configuration_", ".modeling_"))
+        found = [o for o in vars(module).values() if isinstance(o, type)
+                 and getattr(o, "config_class", None) is type(cfg) and issubclass(o, transformers.PreTrainedModel)]
+        if len(found) != 1:
+            raise ValueError(f"transformers {transformers.__version__} builds no vision tower for "
+                             f"{type(cfg).__name__} (AutoModel does not know it; {module.__name__} has "
+                             f"{[o.__name__ for o in found]})") from None
+        return found[0](cfg)
 
 
 def vl_spec(config, text_spec_fn, family: str) -> DecoderSpec:
