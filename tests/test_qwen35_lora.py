@@ -8,7 +8,10 @@ replicated at tp2; 4 experts top-2 and the gated shared expert) and Qwen3-Next (
 ``in_proj_qkvz`` / ``in_proj_ba``). Targets: q/k/v/o_proj, the Gated DeltaNet projections as PEFT names them and
 gate/up/down_proj; PEFT adapts the dense MLPs (Qwen3.5), the shared expert and not the routed experts
 (Qwen3.5-MoE: no conversion pattern), the routed experts and not the shared expert (Qwen3-Next: qwen2_moe's
-pattern), and so must parallm (the names are checked on PEFT's side; parallm's must then equal them).
+pattern), and so must parallm (the names are checked on PEFT's side; parallm's must then equal them). And the
+vision-language wrapper of the Qwen3.6-shaped model (``Qwen3_5MoeForConditionalGeneration``, the class of the
+released checkpoints; a 2-block vision tower, carried): PEFT adapts its language model's modules under
+``model.language_model.`` and no vision module, and so does parallm.
 
 Per model, one 2-rank spawn: tp2 padded and tp2 packed + SP, each with PEFT's random adapter loaded
 (``load_hf_adapter``; exported back bit-exact), logits with adapters on and off, one token-mean AdamW step (every
@@ -16,7 +19,8 @@ factor after it against PEFT's); the tp2 run's ``save_hf_adapter`` directory loa
 no missing / unexpected key, the same logits). Breaks that must fail: a Gated DeltaNet input projection's B rows
 from the other TP rank, and q_proj's B rows with each head's query and output-gate rows swapped (logits far off).
 Refusals: "all-linear" on the MoE models (PEFT's reaches ``shared_expert_gate``; Qwen3-Next's the router ``gate``)
-and naming those; "all-linear" on dense Qwen3.5 adapts exactly the named set.
+and naming those, "all-linear" on the wrapper (PEFT's reaches the vision tower); "all-linear" on dense Qwen3.5
+adapts exactly the named set.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ ATTN_MLP = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
 GDN = {"qwen3_5_text": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
        "qwen3_5_moe_text": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
        "qwen3_next": ("in_proj_qkvz", "in_proj_ba", "out_proj")}
-OVERRIDES = {"qwen3_5_moe_text": dict(num_key_value_heads=1)}          # Qwen3.6's one KV head per 8 query heads
+GDN["qwen3_5_moe"] = GDN["qwen3_5_moe_text"]          # the vision-language wrapper (the released Qwen3.6's class)
+# Qwen3.6's one KV head per 8 query heads
+OVERRIDES = {"qwen3_5_moe_text": dict(num_key_value_heads=1), "qwen3_5_moe": dict(num_key_value_heads=1)}
 BREAK_TOL = 1e-3
 
 
@@ -56,7 +62,8 @@ def _reference(model_type, tmp):
     _randomize_adapter(model, 7)
     adapter = str(tmp / "adapter")
     model.save_pretrained(adapter)
-    ids, mask = helpers.padded_batch(cfg.vocab_size, batch=4, seq=12, seed=3)
+    vocab = getattr(cfg, "text_config", cfg).vocab_size
+    ids, mask = helpers.padded_batch(vocab, batch=4, seq=12, seed=3)
     pos = parallm.default_position_ids(mask)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
@@ -154,7 +161,7 @@ def _peft_loads(base, directory, batch):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen3_5_moe"])
 def test_hybrid_lora_against_peft(tmp_path, model_type):
     base, ckpt, adapter, batch, ref, = _reference(model_type, tmp_path)
     names = set(ref["after"])
@@ -165,7 +172,9 @@ def test_hybrid_lora_against_peft(tmp_path, model_type):
     routed = any(".mlp.experts." in k for k in names)
     dense = any(".mlp.gate_proj." in k for k in names)
     assert (dense, shared, routed) == {"qwen3_5_text": (True, False, False), "qwen3_5_moe_text": (False, True, False),
-                                       "qwen3_next": (False, False, True)}[model_type], sorted(names)
+                                       "qwen3_next": (False, False, True),
+                                       "qwen3_5_moe": (False, True, False)}[model_type], sorted(names)
+    assert not any(".visual." in k for k in names)
     res = helpers.run_ranks(_cases, 2, ckpt, adapter, batch, model_type, str(tmp_path), timeout=800)[0]
     mask = batch[1]
     # the logits: within 2 x transformers' own spread (PEFT's merged model against its unmerged one: 1.1e-5 to
@@ -200,6 +209,9 @@ def test_hybrid_lora_against_peft(tmp_path, model_type):
         assert off > BREAK_TOL, (what, off)
     if model_type == "qwen3_5_text":                    # "all-linear" is the named set here
         assert set(res["all-linear"]) == names, set(res["all-linear"]) ^ names
+    elif model_type == "qwen3_5_moe":                   # the wrapper: PEFT's "all-linear" reaches the vision tower
+        assert isinstance(res["all-linear"], str) and "vision tower is not supported" in res["all-linear"]
+        assert "mlp.shared_expert_gate is not supported" in res["named gate"], res["named gate"]
     else:
         for key in ("all-linear", "named gate"):
             assert isinstance(res[key], str) and "mlp.shared_expert_gate" in res[key] and "not supported" in res[key]

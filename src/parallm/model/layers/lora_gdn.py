@@ -1,6 +1,7 @@
 """LoRA on the hybrid Gated DeltaNet families (Qwen3.5 ``qwen3_5``, Qwen3.5-MoE / Qwen3.6 ``qwen3_5_moe``,
-Qwen3-Next ``qwen3_next``) as PEFT 0.21 adapts transformers 5's text models (read by
-:func:`parallm.model.layers.lora_plan.layer_slots`).
+Qwen3-Next ``qwen3_next``) as PEFT 0.21 adapts transformers 5's text models, and the language model of the
+vision-language wrappers (``qwen3_5_vl`` / ``qwen3_5_moe_vl``: PEFT adapts the same modules under
+``model.language_model.``) (read by :func:`parallm.model.layers.lora_plan.layer_slots`).
 
 What PEFT adapts there (names as PEFT matches them):
 
@@ -20,7 +21,9 @@ What PEFT adapts there (names as PEFT matches them):
 * ``"all-linear"``: every nn.Linear but the head: on Qwen3.5 exactly the modules above; on the MoE models also
   each layer's ``shared_expert_gate`` (``[1, H]``), and on Qwen3-Next the router's ``gate.weight`` (added as a
   target parameter by PEFT's conversion). parallm adapts neither: :func:`check_hybrid_targets` refuses
-  ``"all-linear"`` there, and naming them, with the model's names (name the projections instead).
+  ``"all-linear"`` there, and naming them, with the model's names (name the projections instead). On the
+  vision-language wrappers PEFT's ``"all-linear"`` also reaches the vision tower (carried by parallm, never
+  trained): refused too, as is a target naming a vision module.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from ..table import resolve_shape
 
 # the Gated DeltaNet's projections as PEFT names them (Qwen3.5's four input projections, Qwen3-Next's two)
 GDN_LINEAR = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj")
-HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+# the text models, and the vision-language wrappers (their language model adapted, the vision tower never)
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_vl", "qwen3_5_moe_vl")
 # parallm's Gated DeltaNet parameters that carry adapters (under layers.{l}.)
 GDN_ADAPTED = ("self_attention.in_proj.weight", "self_attention.out_proj.weight")
 
@@ -58,10 +62,21 @@ def _refused(spec) -> list[str]:
 def check_hybrid_targets(spec, config) -> None:
     """Refuse (ValueError naming the modules) targets that make PEFT adapt what parallm does not here: on the MoE
     models ``"all-linear"`` (PEFT's adds ``shared_expert_gate``; Qwen3-Next's also the router ``gate``) and those
-    names themselves."""
+    names themselves; on the vision-language wrappers ``"all-linear"`` (PEFT's reaches the vision tower's linears)
+    and any target naming a vision tensor (the tower is carried, never adapted)."""
+    if spec.carried:
+        vision = sorted({n.removesuffix(".weight").rsplit(".", 1)[-1] for n, _ in spec.carried
+                         if n.endswith(".weight") and config.targets(n.removesuffix(".weight"))})
+        if vision or _all_linear(config):
+            raise ValueError(f"LoRA on {spec.architecture}'s vision tower is not supported: "
+                             f"{'target ' + ', '.join(vision) + ' names its modules' if vision else 'all-linear'} "
+                             "(PEFT's 'all-linear' adapts the tower's qkv, proj, linear_fc1, linear_fc2); parallm "
+                             "adapts the language model only: name its projections (q_proj, k_proj, v_proj, o_proj, "
+                             f"{', '.join(gdn_names(spec))}, gate_proj, up_proj, down_proj)")
     others = _refused(spec)
     layer = spec.moe.layers[0] if spec.moe is not None and spec.moe.layers else 0
-    named = [m for m in others if config.targets(f"model.layers.{layer}.mlp.{m}")]
+    prefix = "model.language_model." if spec.carried else "model."
+    named = [m for m in others if config.targets(f"{prefix}layers.{layer}.mlp.{m}")]
     if others and (_all_linear(config) or named):
         names = ", ".join(f"mlp.{m}" for m in (named or others))
         raise ValueError(f"LoRA on {spec.architecture}'s {names} is not supported (PEFT's 'all-linear' adapts "

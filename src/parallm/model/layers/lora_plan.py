@@ -27,8 +27,8 @@ HEAD = "lm_head"
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3",
                       "gpt_oss", "deepseek_v32", "glm_moe_dsa", "nemotron_h", "minimax_m2", "kimi_k25",
                       "deepseek_v4", "gemma4") + HYBRID_FAMILIES
-# (the hybrid Gated DeltaNet families Qwen3.5, Qwen3.5-MoE / Qwen3.6, Qwen3-Next: text models; their
-# vision-language wrappers qwen3_5_vl / qwen3_5_moe_vl are not among them; see lora_gdn)
+# (the hybrid Gated DeltaNet families Qwen3.5, Qwen3.5-MoE / Qwen3.6, Qwen3-Next, and the language model of the
+# Qwen3.5 / Qwen3.6 vision-language wrappers qwen3_5_vl / qwen3_5_moe_vl: see lora_gdn)
 # (gemma4_vl, the wrapper, is not among them: PEFT's module names would reach its vision tower too; not tried)
 # Mamba-2's input projection (Nemotron-H): adapted like a column-parallel linear whose rows are the in_proj's
 # [z; x; B; C; dt] parts, B's rows split over TP as the weight's (PEFT refuses out_proj / conv1d on Mamba models)
