@@ -13,10 +13,11 @@ vision-language wrapper of the Qwen3.6-shaped model (``Qwen3_5MoeForConditionalG
 released checkpoints; a 2-block vision tower, carried): PEFT adapts its language model's modules under
 ``model.language_model.`` and no vision module, and so does parallm.
 
-Per model, one 2-rank spawn: tp2 padded and tp2 packed + SP, each with PEFT's random adapter loaded
+Per model, one 2-rank spawn: tp2 padded and tp2 packed + SP (and cp2 for dense Qwen3.5), each with PEFT's random adapter loaded
 (``load_hf_adapter``; exported back bit-exact), logits with adapters on and off, one token-mean AdamW step (every
 factor after it against PEFT's); the tp2 run's ``save_hf_adapter`` directory loaded by PEFT (its tensors bit-exact,
-no missing / unexpected key, the same logits). Breaks that must fail: a Gated DeltaNet input projection's B rows
+no missing / unexpected key, the same logits) and its adapters-only training checkpoint loaded at tp1 x dp2
+(bit-exact). Breaks that must fail: a Gated DeltaNet input projection's B rows
 from the other TP rank, and q_proj's B rows with each head's query and output-gate rows swapped (logits far off).
 Refusals: "all-linear" on the MoE models (PEFT's reaches ``shared_expert_gate``; Qwen3-Next's the router ``gate``)
 and naming those, "all-linear" on the wrapper (PEFT's reaches the vision tower); "all-linear" on dense Qwen3.5
@@ -121,13 +122,17 @@ def _broken_logits(chunks, batch, what):
 def _cases(rank, world, ckpt, adapter, batch, model_type, tmp):
     import parallm
     out = {}
-    for name, build in (("tp2", {}), ("tp2 packed+SP", dict(packed=True, sequence_parallel=True))):
-        parallm.init_parallel(tp=2)
+    layouts = [("tp2", dict(tp=2), {}), ("tp2 packed+SP", dict(tp=2), dict(packed=True, sequence_parallel=True))]
+    if model_type == "qwen3_5_text":        # context parallelism: the adapters inside in_proj, before the all-to-all
+        layouts.append(("cp2", dict(cp=2), {}))
+    for name, kw, build in layouts:
+        parallm.init_parallel(**kw)
         chunks = _adapted(ckpt, adapter, build)
         loaded = dict(parallm.export_adapter_tensors(chunks))
         res = _check_run(rank, chunks, batch)
         if name == "tp2":
             parallm.save_hf_adapter(chunks, os.path.join(tmp, "saved"), overwrite=True)
+            parallm.save_checkpoint(os.path.join(tmp, "lora_ckpt"), chunks, step=1, overwrite=True)
             with torch.no_grad():
                 after_logits = parallm.forward(chunks, *batch)
         if res is not None:
@@ -136,6 +141,13 @@ def _cases(rank, world, ckpt, adapter, batch, model_type, tmp):
                 res["after_logits"] = after_logits
         out[name] = res
         parallm.destroy_parallel()
+    # the tp2 training checkpoint (adapters only) into a tp1 x dp2 model with the same adapters
+    parallm.init_parallel(tp=1)
+    chunks = parallm.build_model(ckpt, lora=parallm.LoraConfig(R, ALPHA, _targets(model_type)))
+    parallm.load_hf_weights(chunks, ckpt)
+    parallm.load_checkpoint(os.path.join(tmp, "lora_ckpt"), chunks)
+    out["resumed"] = dict(parallm.export_adapter_tensors(chunks))
+    parallm.destroy_parallel()
     parallm.init_parallel(tp=2)
     for what in ("gdn_rank", "gate_rows"):          # (Qwen3-Next's in_proj_qkvz matches "in_proj_qkv" too)
         out[what] = _broken_logits(_adapted(ckpt, adapter, {}), batch, what)
@@ -182,7 +194,7 @@ def test_hybrid_lora_against_peft(tmp_path, model_type):
     # each target group alone stayed within 8.5e-6 of PEFT at tp2, all of them 3.0e-5 under packed + SP)
     tol = max(test_lora.LOGIT_TOL, 2 * ref["spread"])
     print(f"\ntransformers' merged vs unmerged: {ref['spread']:.1e}; logits tolerance {tol:.1e}")
-    for name in ("tp2", "tp2 packed+SP"):
+    for name in ("tp2", "tp2 packed+SP") + (("cp2",) if "cp2" in res else ()):
         out = res[name]
         assert set(out["loaded"]) == set(ref["before"]), set(out["loaded"]) ^ set(ref["before"])
         assert all(torch.equal(out["loaded"][k], ref["before"][k]) for k in ref["before"]), name
@@ -203,6 +215,8 @@ def test_hybrid_lora_against_peft(tmp_path, model_type):
     print(f"saved adapter in PEFT: logits {after:.1e} from parallm's; vs PEFT's own step "
           f"{helpers.max_diff_real(logits, ref['after_logits'], mask):.1e}")
     assert after < tol, after
+    resumed = res["resumed"]                            # the training checkpoint, tp2 -> tp1 x dp2, bit for bit
+    assert set(resumed) == set(tp2["after"]) and all(torch.equal(resumed[k], tp2["after"][k]) for k in resumed)
     for what in ("gdn_rank", "gate_rows"):              # the breaks must fail
         off = helpers.max_diff_real(res[what], ref["logits"], mask)
         print(f"break {what}: logits {off:.1e} off")
