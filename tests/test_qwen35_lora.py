@@ -16,7 +16,8 @@ released checkpoints; a 2-block vision tower, carried): PEFT adapts its language
 Per model, one 2-rank spawn: tp2 padded and tp2 packed + SP (and cp2 for dense Qwen3.5), each with PEFT's random adapter loaded
 (``load_hf_adapter``; exported back bit-exact), logits with adapters on and off, one token-mean AdamW step (every
 factor after it against PEFT's); the tp2 run's ``save_hf_adapter`` directory loaded by PEFT (its tensors bit-exact,
-no missing / unexpected key, the same logits) and its adapters-only training checkpoint loaded at tp1 x dp2
+no missing / unexpected key, the same logits; the merged export equal to its ``merge_and_unload``) and its
+adapters-only training checkpoint loaded at tp1 x dp2
 (bit-exact). Breaks that must fail: a Gated DeltaNet input projection's B rows
 from the other TP rank, and q_proj's B rows with each head's query and output-gate rows swapped (logits far off).
 Refusals: "all-linear" on the MoE models (PEFT's reaches ``shared_expert_gate``; Qwen3-Next's the router ``gate``)
@@ -133,12 +134,13 @@ def _cases(rank, world, ckpt, adapter, batch, model_type, tmp):
         if name == "tp2":
             parallm.save_hf_adapter(chunks, os.path.join(tmp, "saved"), overwrite=True)
             parallm.save_checkpoint(os.path.join(tmp, "lora_ckpt"), chunks, step=1, overwrite=True)
+            merged = dict(parallm.export_hf_tensors(chunks, merged=True, copy=True))
             with torch.no_grad():
                 after_logits = parallm.forward(chunks, *batch)
         if res is not None:
             res["loaded"] = loaded
             if name == "tp2":
-                res["after_logits"] = after_logits
+                res["after_logits"], res["merged"] = after_logits, merged
         out[name] = res
         parallm.destroy_parallel()
     # the tp2 training checkpoint (adapters only) into a tp1 x dp2 model with the same adapters
@@ -163,13 +165,15 @@ def _cases(rank, world, ckpt, adapter, batch, model_type, tmp):
 
 
 def _peft_loads(base, directory, batch):
-    """PEFT's model of ``base`` with the adapter directory parallm saved: (its adapter tensors, its logits)."""
+    """PEFT's model of ``base`` with the adapter directory parallm saved: (its adapter tensors, its logits, its
+    merged weights: ``merge_and_unload``)."""
     import parallm
     model = peft.PeftModel.from_pretrained(copy.deepcopy(base), directory)
     ids, mask = batch
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=parallm.default_position_ids(mask)).logits
-    return _peft_state(model), logits
+    state = _peft_state(model)
+    return state, logits, model.merge_and_unload().state_dict()
 
 
 @pytest.mark.timeout(900)
@@ -208,8 +212,16 @@ def test_hybrid_lora_against_peft(tmp_path, model_type):
         finally:
             test_lora.LOGIT_TOL = saved
     # parallm's saved directory in PEFT: the same tensors bit for bit, the same logits
-    state, logits = _peft_loads(base, os.path.join(tmp_path, "saved"), batch)
+    state, logits, merged = _peft_loads(base, os.path.join(tmp_path, "saved"), batch)
     tp2 = res["tp2"]
+    # the merged export against PEFT's merge_and_unload of the same adapter (every weight both name alike: the
+    # stacked routed experts' names differ, and carry no adapter here)
+    common = set(merged) & set(tp2["merged"])
+    assert any(k.endswith("linear_attn.in_proj_qkv.weight") or k.endswith("linear_attn.in_proj_qkvz.weight")
+               for k in common) and any(k.endswith("self_attn.q_proj.weight") for k in common)
+    off = max((tp2["merged"][k].float() - merged[k].float()).abs().max().item() for k in common)
+    print(f"merged export vs merge_and_unload: {off:.1e} over {len(common)} tensors")
+    assert off < 1e-6, off
     assert set(state) == set(tp2["after"]) and all(torch.equal(state[k], tp2["after"][k]) for k in state)
     after = helpers.max_diff_real(logits, tp2["after_logits"], mask)
     print(f"saved adapter in PEFT: logits {after:.1e} from parallm's; vs PEFT's own step "
