@@ -59,11 +59,26 @@ def _refused(spec) -> list[str]:
     return out
 
 
+# (id(spec), target_modules) -> spec of the checks passed (the spec kept, so that its id is not reused): the
+# check runs once per model and targets, not once per table entry (a released wrapper carries ~330 vision tensors)
+_PASSED: dict = {}
+
+
 def check_hybrid_targets(spec, config) -> None:
     """Refuse (ValueError naming the modules) targets that make PEFT adapt what parallm does not here: on the MoE
     models ``"all-linear"`` (PEFT's adds ``shared_expert_gate``; Qwen3-Next's also the router ``gate``) and those
     names themselves; on the vision-language wrappers ``"all-linear"`` (PEFT's reaches the vision tower's linears)
     and any target naming a vision tensor (the tower is carried, never adapted)."""
+    key = (id(spec), config.target_modules)
+    if _PASSED.get(key) is spec:
+        return
+    _check(spec, config)
+    if len(_PASSED) > 256:
+        _PASSED.clear()
+    _PASSED[key] = spec
+
+
+def _check(spec, config) -> None:
     if spec.carried:
         vision = sorted({n.removesuffix(".weight").rsplit(".", 1)[-1] for n, _ in spec.carried
                          if n.endswith(".weight") and config.targets(n.removesuffix(".weight"))})
