@@ -13,7 +13,8 @@ vision-language wrapper of the Qwen3.6-shaped model (``Qwen3_5MoeForConditionalG
 released checkpoints; a 2-block vision tower, carried): PEFT adapts its language model's modules under
 ``model.language_model.`` and no vision module, and so does parallm.
 
-Per model, one 2-rank spawn: tp2 padded and tp2 packed + SP (and cp2 for dense Qwen3.5), each with PEFT's random adapter loaded
+Per model, one 2-rank spawn: tp2 padded and tp2 packed + SP, and cp2 (dense Qwen3.5) or ep2 (dp2, the MoE
+models: Qwen3-Next's expert adapters split over the ranks), each with PEFT's random adapter loaded
 (``load_hf_adapter``; exported back bit-exact), logits with adapters on and off, one token-mean AdamW step (every
 factor after it against PEFT's); the tp2 run's ``save_hf_adapter`` directory loaded by PEFT (its tensors bit-exact,
 no missing / unexpected key, the same logits; the merged export equal to its ``merge_and_unload``) and its
@@ -126,11 +127,15 @@ def _cases(rank, world, ckpt, adapter, batch, model_type, tmp):
     layouts = [("tp2", dict(tp=2), {}), ("tp2 packed+SP", dict(tp=2), dict(packed=True, sequence_parallel=True))]
     if model_type == "qwen3_5_text":        # context parallelism: the adapters inside in_proj, before the all-to-all
         layouts.append(("cp2", dict(cp=2), {}))
+    else:                                   # expert parallelism (dp2: each replica half the batch, token-mean)
+        layouts.append(("ep2", dict(ep=2), {}))
     for name, kw, build in layouts:
         parallm.init_parallel(**kw)
         chunks = _adapted(ckpt, adapter, build)
         loaded = dict(parallm.export_adapter_tensors(chunks))
-        res = _check_run(rank, chunks, batch)
+        dims = chunks[0].dims
+        per = batch[0].shape[0] // dims.dp
+        res = _check_run(rank, chunks, batch, dp_slice=slice(dims.dp_rank * per, (dims.dp_rank + 1) * per))
         if name == "tp2":
             parallm.save_hf_adapter(chunks, os.path.join(tmp, "saved"), overwrite=True)
             parallm.save_checkpoint(os.path.join(tmp, "lora_ckpt"), chunks, step=1, overwrite=True)
@@ -198,7 +203,7 @@ def test_hybrid_lora_against_peft(tmp_path, model_type):
     # each target group alone stayed within 8.5e-6 of PEFT at tp2, all of them 3.0e-5 under packed + SP)
     tol = max(test_lora.LOGIT_TOL, 2 * ref["spread"])
     print(f"\ntransformers' merged vs unmerged: {ref['spread']:.1e}; logits tolerance {tol:.1e}")
-    for name in ("tp2", "tp2 packed+SP") + (("cp2",) if "cp2" in res else ()):
+    for name in ("tp2", "tp2 packed+SP") + tuple(k for k in ("cp2", "ep2") if k in res):
         out = res[name]
         assert set(out["loaded"]) == set(ref["before"]), set(out["loaded"]) ^ set(ref["before"])
         assert all(torch.equal(out["loaded"][k], ref["before"][k]) for k in ref["before"]), name
