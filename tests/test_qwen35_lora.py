@@ -23,7 +23,8 @@ adapters-only training checkpoint loaded at tp1 x dp2
 from the other TP rank, and q_proj's B rows with each head's query and output-gate rows swapped (logits far off).
 Refusals: "all-linear" on the MoE models (PEFT's reaches ``shared_expert_gate``; Qwen3-Next's the router ``gate``)
 and naming those, "all-linear" on the wrapper (PEFT's reaches the vision tower); "all-linear" on dense Qwen3.5
-adapts exactly the named set.
+adapts exactly the named set. Without a process group: the Gated DeltaNet slots' layouts at tp2 + SP and the
+refusals (the conv, the wrapper's vision tower).
 """
 
 from __future__ import annotations
@@ -249,3 +250,45 @@ def test_hybrid_lora_against_peft(tmp_path, model_type):
     if model_type == "qwen3_next":
         assert "mlp.gate" in res["all-linear"].replace("mlp.shared_expert_gate", ""), res["all-linear"]
         assert "mlp.gate is not supported" in res["named router"], res["named router"]
+
+
+def test_hybrid_lora_plan():
+    """No process group: the Gated DeltaNet slots at tp2 + SP (each input projection's B laid out as its rows of
+    the fused ``in_proj``; A's gradient a partial sum under SP), a partial in_proj target, and the refusals: the
+    depthwise conv, "all-linear" and a vision module on the wrapper."""
+    from parallm.families import spec_from_config
+    from parallm.model.layers.lora import LoraConfig, layer_slots
+    from parallm.model.layers.lora_plan import _local_rows
+    from parallm.model.sharding import PartsSplit, Split
+    from parallm.model.table import all_entries
+
+    def slots(model_type, targets, layer=0):
+        spec, fam = spec_from_config(q35.hybrid_config(model_type))
+        out = {}
+        for e in all_entries(fam.table, spec, task="causal_lm", pp=1):
+            if e.layer == layer and e.index in (None, 0) and e.hf and "lm_head" not in e.hf[0]:
+                found = layer_slots(spec, e, LoraConfig(R, ALPHA, targets), tp=2, sp=True)
+                if found is not None:
+                    out[e.local.split(".", 2)[-1]] = (found[0], found[1], _local_rows(spec, e, 2, 0))
+        return out
+
+    got = slots("qwen3_5_text", GDN["qwen3_5_text"])
+    kind, ins, local = got["self_attention.in_proj.weight"]
+    # in_proj_qkv [q 16; k 16; v 32] by parts, z [32], b [4], a [4]; per rank 32 + 16 + 2 + 2 rows
+    assert kind == "column" and [s.part for s in ins] == ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]
+    assert [s.rows for s in ins] == [64, 32, 4, 4] and local == [32, 16, 2, 2]
+    assert isinstance(ins[0].b_layout, PartsSplit) and ins[0].b_layout.sizes == (16, 16, 32)
+    assert all(isinstance(s.b_layout, Split) for s in ins[1:]) and all(s.a_tp_sum and not s.b_tp_sum for s in ins)
+    kind, (out,), _ = got["self_attention.out_proj.weight"]
+    assert kind == "row" and (out.rows, out.cols, out.a_tp_sum, out.b_tp_sum) == (64, 32, False, True)
+    part = slots("qwen3_5_text", ("in_proj_z",))
+    assert [s.part for s in part["self_attention.in_proj.weight"][1]] == ["in_proj_z"] and len(part) == 1
+    nxt = slots("qwen3_next", GDN["qwen3_next"])["self_attention.in_proj.weight"][1]
+    assert [(s.part, s.rows) for s in nxt] == [("in_proj_qkvz", 96), ("in_proj_ba", 8)]
+    assert all(isinstance(s.b_layout, Split) for s in nxt)
+    with pytest.raises(ValueError, match="conv1d is not supported"):
+        slots("qwen3_5_text", ("conv1d",))
+    for targets, match in (("all-linear", "all-linear"), (("q_proj", "qkv"), "target qkv names its modules")):
+        with pytest.raises(ValueError, match=f"vision tower is not supported: {match}"):
+            slots("qwen3_5", targets)
+    assert "self_attention.in_proj.weight" in slots("qwen3_5", ("in_proj_qkv",))
