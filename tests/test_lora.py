@@ -505,14 +505,15 @@ def test_lora_config_and_refusals():
     assert config_from_peft(peft_cfg, _NoExperts()).seed == 0
     assert config_from_peft(peft_cfg, _NoExperts(), {"seed": 7, "target_modules": "all-linear"}).seed == 7
     assert config_from_peft(dict(peft_cfg, parallm={"seed": 5}), _NoExperts()).seed == 5
-    # Gated DeltaNet's projections and Qwen3-MoE's gate without up: refused, naming the module
+    # Gated DeltaNet's depthwise conv (parallm adapts its projections, tests/test_qwen35_lora.py, not the conv)
+    # and Qwen3-MoE's gate without up: refused, naming the module
     import transformers
     next_cfg = dict(num_hidden_layers=2, full_attention_interval=2, head_dim=32, num_attention_heads=4,
                     num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                     linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                     shared_expert_intermediate_size=48)
     for family, kw, targets, match in (
-            ("qwen3_next", next_cfg, ("in_proj_qkvz",), "in_proj_qkvz is not supported"),
+            ("qwen3_next", next_cfg, ("conv1d",), "conv1d is not supported"),
             ("qwen3_moe", dict(decoder_sparse_step=1, mlp_only_layers=[]), ("gate_proj",), "without up_proj")):
         spec, fam = spec_from_config(helpers.tiny_config(family, **kw))
         with pytest.raises(ValueError, match=match):

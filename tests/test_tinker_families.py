@@ -7,9 +7,9 @@ training client (rank 8, the server's "all-linear") against transformers + PEFT 
 of a fresh adapter, one cross-entropy AdamW step (every factor after it), the forward after it, and the sampler's
 log-probs of the trained snapshot equal to the training forward.
 
-Qwen3.6 (Qwen3.5-MoE) has no LoRA in parallm yet (``lora_plan.SUPPORTED_FAMILIES``): the server refuses to start
-on it, naming the family, and this test checks that refusal; the day the family is in ``SUPPORTED_FAMILIES`` the
-full check below runs for it instead. Gemma 4 runs the full check on its checkpoint with the q / k norm gains
+Qwen3.6 (Qwen3.5-MoE) runs the same check with the targets the server names for it (the attention, Gated
+DeltaNet and MLP projections: PEFT's "all-linear" would reach its ``shared_expert_gate``, which parallm does not
+adapt; model/layers/lora_gdn.py); PEFT adapts its shared expert, not its stacked routed experts. Gemma 4 runs the full check on its checkpoint with the q / k norm gains
 halved and AdamW's eps 1 (``QK_GAIN``, ``ADAM_EPS``): on this tiny model fp32 rounding of the gradients is ~1e-5 of
 their largest in transformers itself, which eps 1e-4 would turn into step differences up to lr.
 
@@ -40,7 +40,7 @@ TOKENS = {"eos_token_id": 1, "bos_token_id": 2, "pad_token_id": 0}
 ADAPTED = {"kimi_k25": (".self_attn.kv_b_proj.lora_A", ".experts.0."),
            "gemma4": (".self_attn.q_proj.lora_A", ".embed_tokens"),
            "minimax_m2": (".self_attn.q_proj.lora_A", ".block_sparse_moe.gate."),
-           "qwen3_6": (".self_attn.q_proj.lora_A", ".embed_tokens")}
+           "qwen3_6": (".linear_attn.in_proj_qkv.lora_A", ".mlp.experts.")}
 
 
 # AdamW's eps of the step compared with PEFT's, by family (default test_tinker's 1e-8: far below every gradient,
@@ -87,26 +87,12 @@ def _reference(model_dir: str, adapter: str):
     return peft.PeftModel.from_pretrained(base, adapter, is_trainable=True)
 
 
-def _lora_family(name: str) -> str | None:
-    """parallm's family name of ``name`` when parallm's LoRA does not adapt it yet, else None."""
-    from parallm.model.layers.lora_plan import SUPPORTED_FAMILIES
-    family = {"gemma4": "gemma4", "qwen3_6": "qwen3_5_moe"}.get(name, name)
-    return None if family in SUPPORTED_FAMILIES else family
-
-
 @pytest.mark.parametrize("name", fc.FAMILIES)
 def test_lora_client_against_transformers_peft(tmp_path, name):
     work = str(tmp_path)
     model = os.path.join(work, "model")
     files = helpers.run_ranks(_write, 1, model, name, timeout=180)[0]
     assert "model.safetensors" in files and "tokenizer.json" in files, files
-    unsupported = _lora_family(name)
-    if unsupported:
-        # the server builds every model with its LoRA banks: without LoRA for the family it refuses to start,
-        # naming it (full fine-tuning clients cannot be served either); the check runs the day LoRA covers it
-        with pytest.raises(RuntimeError, match=f"LoRA is not supported for the {unsupported} family yet"):
-            th.Server(model, work, tp=2, sampler="parallm", lora_rank=tt.RANK, api_key=tt.KEY, cli=True)
-        return
     srv = th.Server(model, work, tp=2, sampler="parallm", lora_rank=tt.RANK, api_key=tt.KEY, cli=True)
     try:
         srv.model, srv.work = model, work

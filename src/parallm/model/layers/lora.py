@@ -44,7 +44,12 @@ the fused ``gate_up_proj`` of rank ``2 r`` (alpha ``2 alpha``) and one over ``do
 ``gate_proj`` and ``up_proj`` must be targeted together. parallm does the same: per local expert ``fc1 A [2r, H]``
 replicated over TP, ``fc1 B [2 I / tp, 2r]`` (rows ``[gate_r; up_r]``), ``fc2 A [r, I / tp]``, ``fc2 B [H, r]``
 replicated, stacked over the rank's experts. As in PEFT, the MLP targets then adapt routed experts only (a MoE
-model's dense layers and shared expert keep no adapter). Gated DeltaNet projections are refused by name.
+model's dense layers and shared expert keep no adapter).
+
+Gated DeltaNet (Qwen3.5, Qwen3.5-MoE / Qwen3.6, Qwen3-Next: :mod:`.lora_gdn`): one column adapter slot per HF input
+projection inside the fused ``in_proj`` (B's rows as that projection's rows of the weight: ``in_proj_qkv``'s
+``[q_r; k_r; v_r]``, ``in_proj_z`` / ``_b`` / ``_a``; Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba``), ``out_proj``
+row parallel.
 
 ``A`` starts as PEFT's (Kaiming-uniform, bound ``1 / sqrt(fan_in)``) from a generator seeded per HF module
 (``LoraConfig.seed``), so every layout starts from the same full A; ``B`` starts at zero.
@@ -66,6 +71,7 @@ from ...parallel.state import as_chunks
 from .lora_plan import (ALL_LINEAR, HEAD, MLA_LINEAR, PEFT_EXPERT_FAMILIES, SUPPORTED_FAMILIES, V4_ADAPTED, KVRows,
                         LoraConfig, LoraEntry, LoraRow, Slot, _local_rows, global_entries, head_slot,
                         layer_slots, peft_modules)
+from .lora_gdn import gdn_names
 from .lora_layouts import Stacked
 from .mla import ReplicatedLinear
 from .v4_attention import SplitLinear
@@ -313,7 +319,7 @@ def add_lora(chunks, config: LoraConfig):
 def _adaptable(spec) -> tuple[str, ...]:
     if spec.v4 is not None:
         return tuple(V4_ADAPTED) + ("gate_proj", "up_proj", "down_proj")
-    return ALL_LINEAR + (MLA_LINEAR if spec.mla is not None else ())
+    return ALL_LINEAR + (MLA_LINEAR if spec.mla is not None else ()) + gdn_names(spec)
 
 
 def _targets_nothing(spec, chunk, config) -> bool:

@@ -12,6 +12,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from ..sharding import PartsSplit, Replicated, Split, TPLayout, VocabSplit, kv_heads_of_rank
 from ..spec import padded_vocab_size
 from ..table import chunk_entries, resolve_shape
+from .lora_gdn import GDN_ADAPTED, HYBRID_FAMILIES, check_hybrid_targets, gdn_slots
 from .lora_gemma4 import check_gemma4_targets
 from .lora_layouts import KVRows
 
@@ -25,7 +26,9 @@ HEAD = "lm_head"
 # stacks them)
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3",
                       "gpt_oss", "deepseek_v32", "glm_moe_dsa", "nemotron_h", "minimax_m2", "kimi_k25",
-                      "deepseek_v4", "gemma4")
+                      "deepseek_v4", "gemma4") + HYBRID_FAMILIES
+# (the hybrid Gated DeltaNet families Qwen3.5, Qwen3.5-MoE / Qwen3.6, Qwen3-Next, and the language model of the
+# Qwen3.5 / Qwen3.6 vision-language wrappers qwen3_5_vl / qwen3_5_moe_vl: see lora_gdn)
 # (gemma4_vl, the wrapper, is not among them: PEFT's module names would reach its vision tower too; not tried)
 # Mamba-2's input projection (Nemotron-H): adapted like a column-parallel linear whose rows are the in_proj's
 # [z; x; B; C; dt] parts, B's rows split over TP as the weight's (PEFT refuses out_proj / conv1d on Mamba models)
@@ -46,7 +49,11 @@ V4_PEFT_EXCLUDE = r".*\.self_attn\.(compressor|o_a_proj)(\..*)?"
 # qwen2_moe's pattern in transformers' table, as qwen3_moe does). Their dense MLPs and shared experts then get no
 # adapter. Qwen2-MoE has no pattern there: PEFT adapts its nn.Linear MLPs (dense layers, shared expert) and not its
 # routed experts, and so does parallm.
-PEFT_EXPERT_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "minimax_m2")
+PEFT_EXPERT_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "minimax_m2",
+                        "qwen3_next")
+# (Qwen3-Next: transformers maps qwen3_next to qwen2_moe's pattern. Qwen3.5-MoE / Qwen3.6 is not among them:
+# qwen3_5_moe_text maps to qwen3_5_text's, which has no expert pattern in PEFT 0.21, so PEFT adapts its shared
+# expert's nn.Linear MLP and leaves the routed experts, as Qwen2-MoE; see lora_gdn)
 # (MiniMax-M2: transformers maps minimax_m2 to mixtral's pattern, w1 / w3 / w2 -> gate_up_proj / down_proj)
 # (Kimi-K2.5 / K2.6 is not among them: PEFT 0.21 has no pattern for the kimi_k25 wrapper, so on its language model
 # it adapts the dense layers' and the shared experts' nn.Linear MLPs and leaves the INT4 routed experts alone, as
@@ -275,6 +282,10 @@ def layer_slots(spec, entry, config: LoraConfig, *, tp: int, sp: bool) -> tuple[
     if spec.v4 is not None and local.startswith("self_attention."):
         return _v4_slots(spec, entry, config, local, sp=sp)
     modules = peft_modules(spec, entry)
+    if spec.family in HYBRID_FAMILIES:
+        check_hybrid_targets(spec, config)
+        if local in GDN_ADAPTED:
+            return gdn_slots(spec, entry, config, modules, sp=sp, slot_cls=Slot)
     hit = [config.targets(m) for m, _ in modules]
     moe = spec.moe is not None
     if spec.mla is not None and local.startswith("self_attention.") and local.endswith(".weight") \
@@ -337,8 +348,8 @@ def layer_slots(spec, entry, config: LoraConfig, *, tp: int, sp: bool) -> tuple[
         return _routed_expert_slots(spec, entry, config, modules, hit, local=local, tp=tp)
     if entry.hf and entry.hf[0].endswith(".weight") and any(hit):
         raise ValueError(f"LoRA on {', '.join(m for (m, _), h in zip(modules, hit) if h)} is not supported: parallm "
-                         "adapts q/k/v/o_proj, gate/up/down_proj, routed experts and multi-head latent attention's "
-                         "q_a/q_b/kv_a/kv_b projections only (not Gated DeltaNet or other projections)")
+                         "adapts q/k/v/o_proj, gate/up/down_proj, routed experts, multi-head latent attention's "
+                         "q_a/q_b/kv_a/kv_b projections and the Gated DeltaNet's projections only")
     return None
 
 
