@@ -292,3 +292,22 @@ def test_hybrid_lora_plan():
         with pytest.raises(ValueError, match=f"vision tower is not supported: {match}"):
             slots("qwen3_5", targets)
     assert "self_attention.in_proj.weight" in slots("qwen3_5", ("in_proj_qkv",))
+
+
+def test_qwen2_moe_shared_expert_gate_refused():
+    """Qwen2-MoE: PEFT's "all-linear" adapts each MoE layer's shared_expert_gate, parallm does not: "all-linear"
+    and naming the gate are refused; the projections by name are adapted."""
+    from parallm.families import spec_from_config
+    from parallm.model.layers.lora import LoraConfig, layer_slots
+    from parallm.model.table import all_entries
+    spec, fam = spec_from_config(helpers.tiny_config("qwen2_moe", decoder_sparse_step=1))
+    assert spec.moe.shared_expert_gate
+
+    def adapted(targets):
+        return [e.local for e in all_entries(fam.table, spec, task="causal_lm", pp=1)
+                if e.layer == 0 and e.hf and layer_slots(spec, e, LoraConfig(R, ALPHA, targets), tp=2, sp=False)]
+    for targets in ("all-linear", ("q_proj", "shared_expert_gate")):
+        with pytest.raises(ValueError, match="shared_expert_gate is not supported"):
+            adapted(targets)
+    got = adapted(("q_proj", "gate_proj", "up_proj", "down_proj"))
+    assert any("shared_expert" in n for n in got) and any("query" in n or "qkv" in n for n in got), got

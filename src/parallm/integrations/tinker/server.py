@@ -51,14 +51,14 @@ def _model_facts(model: str) -> tuple[str, dict]:
 
 # The adapters' targets: PEFT's "all-linear" (every attention and MLP projection, routed experts included), except
 # on families where "all-linear" reaches linears parallm does not adapt (Gemma 4's per-layer-input projections and
-# router: model/layers/lora_gemma4.py; the MoE Gated DeltaNet models' shared_expert_gate and Qwen3-Next's router:
-# model/layers/lora_gdn.py), which get the attention and MLP projections (and the Gated DeltaNet's) by name (what
+# router: model/layers/lora_gemma4.py; the MoE Gated DeltaNet models' and Qwen2-MoE's shared_expert_gate and
+# Qwen3-Next's router: model/layers/lora_gdn.py), which get the attention and MLP projections (and the Gated DeltaNet's) by name (what
 # Tinker's train_attn / train_mlp stand for).
 ATTN_MLP = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 QWEN3_5 = ATTN_MLP + ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 # (the Qwen3.5 / Qwen3.6 vision-language wrappers, qwen3_5 / qwen3_5_moe: "all-linear" would reach the vision tower)
-BY_NAME = {"gemma4": ATTN_MLP, "gemma4_text": ATTN_MLP, "qwen3_5_moe_text": QWEN3_5, "qwen3_5_moe": QWEN3_5,
-           "qwen3_5": QWEN3_5, "qwen3_next": ATTN_MLP + ("in_proj_qkvz", "in_proj_ba", "out_proj")}
+BY_NAME = {"gemma4": ATTN_MLP, "gemma4_text": ATTN_MLP, "qwen2_moe": ATTN_MLP, "qwen3_5_moe_text": QWEN3_5,
+           "qwen3_5_moe": QWEN3_5, "qwen3_5": QWEN3_5, "qwen3_next": ATTN_MLP + ("in_proj_qkvz", "in_proj_ba", "out_proj")}
 
 
 def _lora_targets(args, facts):

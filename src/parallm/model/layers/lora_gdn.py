@@ -100,6 +100,16 @@ def _check(spec, config) -> None:
                          f"{', '.join(gdn_names(spec))} and gate_proj, up_proj, down_proj")
 
 
+def check_shared_gate_targets(spec, config) -> None:
+    """Qwen2-MoE: PEFT's ``"all-linear"`` also adapts each MoE layer's ``shared_expert_gate`` (an
+    ``nn.Linear(H, 1)``), which parallm does not: refuse it (and naming it) rather than adapt another set."""
+    layer = spec.moe.layers[0] if spec.moe.layers else 0
+    if _all_linear(config) or config.targets(f"model.layers.{layer}.mlp.shared_expert_gate"):
+        raise ValueError(f"LoRA on {spec.architecture}'s mlp.shared_expert_gate is not supported (PEFT's "
+                         "'all-linear' adapts it); name the projections instead: q_proj, k_proj, v_proj, o_proj, "
+                         "gate_proj, up_proj, down_proj")
+
+
 def gdn_names(spec) -> tuple[str, ...]:
     """The Gated DeltaNet projections of this model, as PEFT names them."""
     if spec.linear_attn is None:

@@ -12,7 +12,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from ..sharding import PartsSplit, Replicated, Split, TPLayout, VocabSplit, kv_heads_of_rank
 from ..spec import padded_vocab_size
 from ..table import chunk_entries, resolve_shape
-from .lora_gdn import GDN_ADAPTED, HYBRID_FAMILIES, check_hybrid_targets, gdn_slots
+from .lora_gdn import GDN_ADAPTED, HYBRID_FAMILIES, check_hybrid_targets, check_shared_gate_targets, gdn_slots
 from .lora_gemma4 import check_gemma4_targets
 from .lora_layouts import KVRows
 
@@ -282,6 +282,8 @@ def layer_slots(spec, entry, config: LoraConfig, *, tp: int, sp: bool) -> tuple[
     if spec.v4 is not None and local.startswith("self_attention."):
         return _v4_slots(spec, entry, config, local, sp=sp)
     modules = peft_modules(spec, entry)
+    if spec.family == "qwen2_moe" and spec.moe is not None and spec.moe.shared_expert_gate:
+        check_shared_gate_targets(spec, config)
     if spec.family in HYBRID_FAMILIES:
         check_hybrid_targets(spec, config)
         if local in GDN_ADAPTED:
