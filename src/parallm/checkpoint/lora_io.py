@@ -29,6 +29,7 @@ from ..errors import CheckpointError
 from ..families import family_of
 from ..model.layers.lora import (HEAD, PEFT_EXPERT_FAMILIES, LoraConfig, add_lora, global_entries,
                                  chunk_lora_entries, lora_config_of)
+from ..model.layers.lora_gemma4 import GEMMA4_EXPERT_TARGETS, GEMMA4_FAMILIES
 from ..model.layers.lora_plan import V4_PEFT_EXCLUDE
 from ..model.placement import placement_of
 from ..model.sharding import Source
@@ -164,8 +165,9 @@ def peft_config_dict(chunks) -> dict:
     for name, _, parts, _, _ in _peft_layout(chunk, config):
         if parts[0][1] is None:
             modules.add(name.rsplit(".", 2)[0].rsplit(".", 1)[-1])
-        else:
-            params.add(parts[0][0].split(".")[-3])        # ...experts.{e}.gate_up_proj.lora_A.weight
+        else:        # ...experts.{e}.gate_up_proj.lora_A.weight; Gemma 4: "experts.gate_up_proj" (lora_gemma4)
+            leaf = parts[0][0].split(".")[-3]
+            params.add(f"experts.{leaf}" if chunk.spec.family in GEMMA4_FAMILIES else leaf)
     rank_pattern, alpha_pattern = dict(config.rank_pattern), dict(config.alpha_pattern)
     if "gate_up_proj" in params and chunk.spec.family in PEFT_EXPERT_FAMILIES:   # PEFT's conversion doubles it
         rank_pattern[r".*\.gate_up_proj"] = 2 * config.r
@@ -265,7 +267,11 @@ def config_from_peft(peft: dict, chunk, sidecar: dict | None = None) -> LoraConf
 
 
 def _expert_leaves(chunk) -> dict[str, list[str]]:
-    """``{"gate_up_proj": [gate leaf, up leaf], "down_proj": [down leaf]}`` of the model's per-expert rows."""
+    """``{"gate_up_proj": [gate leaf, up leaf], "down_proj": [down leaf]}`` of the model's per-expert rows (Gemma
+    4: ``"experts.down_proj"`` and the bare leaf both map to parallm's ``"experts.down_proj"``: its bare
+    ``"down_proj"`` names the dense MLP, see :mod:`parallm.model.layers.lora_gemma4`)."""
+    if chunk.spec.family in GEMMA4_FAMILIES:
+        return {k: [full] for full in GEMMA4_EXPERT_TARGETS for k in (full, full.split(".")[-1])}
     out = {}
     for row in chunk.table:
         if row.per_expert and row.fused:

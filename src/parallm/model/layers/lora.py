@@ -45,6 +45,8 @@ the fused ``gate_up_proj`` of rank ``2 r`` (alpha ``2 alpha``) and one over ``do
 replicated over TP, ``fc1 B [2 I / tp, 2r]`` (rows ``[gate_r; up_r]``), ``fc2 A [r, I / tp]``, ``fc2 B [H, r]``
 replicated, stacked over the rank's experts. As in PEFT, the MLP targets then adapt routed experts only (a MoE
 model's dense layers and shared expert keep no adapter). Gated DeltaNet projections are refused by name.
+Gemma 4's routed experts (beside the dense MLP): PEFT's ``target_parameters``, rank ``r`` on each, named
+``"experts.gate_up_proj"`` / ``"experts.down_proj"`` here (:mod:`.lora_gemma4`), in the same layout.
 
 ``A`` starts as PEFT's (Kaiming-uniform, bound ``1 / sqrt(fan_in)``) from a generator seeded per HF module
 (``LoraConfig.seed``), so every layout starts from the same full A; ``B`` starts at zero.
