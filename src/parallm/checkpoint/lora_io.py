@@ -29,7 +29,7 @@ from ..errors import CheckpointError
 from ..families import family_of
 from ..model.layers.lora import (HEAD, PEFT_EXPERT_FAMILIES, LoraConfig, add_lora, global_entries,
                                  chunk_lora_entries, lora_config_of)
-from ..model.layers.lora_gemma4 import GEMMA4_EXPERT_TARGETS, GEMMA4_FAMILIES
+from ..model.layers.lora_gemma4 import GEMMA4_EXPERT_TARGETS, GEMMA4_FAMILIES, GEMMA4_VL_PEFT_EXCLUDE
 from ..model.layers.lora_plan import V4_PEFT_EXCLUDE
 from ..model.placement import placement_of
 from ..model.sharding import Source
@@ -182,7 +182,9 @@ def peft_config_dict(chunks) -> dict:
         "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "lora_bias": False,
         # DeepSeek-V4: the target leaves (kv_proj, gate_proj, q_b_proj) name compressor / indexer modules too,
         # which parallm never adapts; PEFT is told to leave them (and the grouped o_a_proj) alone
-        **({"exclude_modules": V4_PEFT_EXCLUDE} if chunk.spec.v4 is not None else {}),
+        # the gemma4 wrapper: its vision / audio towers' projections share the language model's leaf names
+        **({"exclude_modules": V4_PEFT_EXCLUDE} if chunk.spec.v4 is not None else
+           {"exclude_modules": GEMMA4_VL_PEFT_EXCLUDE} if chunk.spec.family == "gemma4_vl" else {}),
     }
 
 
@@ -244,9 +246,13 @@ def config_from_peft(peft: dict, chunk, sidecar: dict | None = None) -> LoraConf
         if peft.get(key, ok) not in (ok, None) and not (key == "lora_dropout" and peft.get(key) == 0):
             raise CheckpointError(f"PEFT adapter with {key}={peft.get(key)!r}: parallm's LoRA runs {key}={ok!r} only")
     exclude = peft.get("exclude_modules")
-    if exclude and not (chunk.spec.v4 is not None and exclude == V4_PEFT_EXCLUDE):
+    # the gemma4 wrapper: any exclusion (of its towers, which parallm never adapts); the file's factors must then
+    # equal the model's adapters exactly (load_hf_adapter: missing / unexpected names refused)
+    if exclude and not (chunk.spec.v4 is not None and exclude == V4_PEFT_EXCLUDE) \
+            and chunk.spec.family != "gemma4_vl":
         raise CheckpointError(f"PEFT adapter with exclude_modules={exclude!r}: parallm reads only the exclusion its "
-                              f"own DeepSeek-V4 adapters carry ({V4_PEFT_EXCLUDE!r})")
+                              f"own DeepSeek-V4 and gemma4-wrapper adapters carry ({V4_PEFT_EXCLUDE!r}, "
+                              f"{GEMMA4_VL_PEFT_EXCLUDE!r})")
     if peft.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"not a LoRA adapter (peft_type {peft.get('peft_type')!r})")
     targets = peft.get("target_modules") or []

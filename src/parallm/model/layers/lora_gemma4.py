@@ -20,6 +20,11 @@ GEMMA4_FAMILIES = ("gemma4", "gemma4_vl")
 GEMMA4_OTHER_LINEAR = ("per_layer_model_projection", "per_layer_input_gate", "per_layer_projection", "router.proj")
 # the routed experts' stacked parameters (PEFT's target_parameters) as parallm's target_modules name them
 GEMMA4_EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
+# what a saved adapter_config.json of the gemma4 wrapper (Gemma4ForConditionalGeneration) excludes, so that PEFT
+# adapts exactly what parallm did: the vision / audio towers hold q/k/v/o_proj, gate/up/down_proj too
+# (Gemma4ClippableLinear, which PEFT 0.21 refuses: "Target module ... is not supported"), and "all-linear" would
+# reach their inner nn.Linear and the embed_vision / embed_audio projections. parallm never adapts them.
+GEMMA4_VL_PEFT_EXCLUDE = r".*\.(vision_tower|audio_tower|embed_vision|embed_audio)(\..*)?"
 
 
 def check_gemma4_targets(spec, config) -> None:
@@ -30,7 +35,8 @@ def check_gemma4_targets(spec, config) -> None:
     others = [m for m in GEMMA4_OTHER_LINEAR
               if (m.startswith("per_layer") and spec.per_layer_input_size) or (m == "router.proj" and spec.moe)]
     t = config.target_modules
-    named = [m for m in others if config.targets(f"model.layers.0.{m}") or config.targets(f"model.{m}")]
+    named = [m for m in others for lm in ("model.", "model.language_model.")
+             if config.targets(f"{lm}layers.0.{m}") or config.targets(f"{lm}{m}")]
     if others and (t == "all-linear" or (not isinstance(t, str) and "all-linear" in t) or named):
         raise ValueError(f"LoRA on Gemma 4's {', '.join(named or others)} is not supported (PEFT's 'all-linear' "
                          "adapts them); name the attention / MLP projections instead (q/k/v/o_proj, gate/up/down_proj"

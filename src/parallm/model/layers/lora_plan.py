@@ -25,8 +25,8 @@ HEAD = "lm_head"
 # stacks them)
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3",
                       "gpt_oss", "deepseek_v32", "glm_moe_dsa", "nemotron_h", "minimax_m2", "kimi_k25",
-                      "deepseek_v4", "gemma4")
-# (gemma4_vl, the wrapper, is not among them: PEFT's module names would reach its vision tower too; not tried)
+                      "deepseek_v4", "gemma4", "gemma4_vl")
+# (gemma4_vl, the wrapper: its language model only; a saved adapter excludes the towers, GEMMA4_VL_PEFT_EXCLUDE)
 # Mamba-2's input projection (Nemotron-H): adapted like a column-parallel linear whose rows are the in_proj's
 # [z; x; B; C; dt] parts, B's rows split over TP as the weight's (PEFT refuses out_proj / conv1d on Mamba models)
 MAMBA_LINEAR = ("in_proj",)
