@@ -5,7 +5,9 @@ PEFT names (``PeftModel.save_pretrained`` with peft 0.21 on transformers 5): ``b
 parameters, targeted through ``target_parameters``) ``base_model.model.model.layers.{i}.mlp.experts.lora_A.weight``
 for the outer wrapper (``down_proj``: A ``[E r, I]``, expert-major, B ``[H, r E]``, column ``k E + e`` = expert e's
 column k) and ``...experts.base_layer.lora_A.weight`` for the inner one (``gate_up_proj``, rank ``2 r``: A
-``[E 2r, H]``, B ``[2 I, 2r E]``); a layer with one of the two has only the outer names. The output head
+``[E 2r, H]``, B ``[2 I, 2r E]``); a layer with one of the two has only the outer names (Gemma 4: the same under
+``model.layers.{i}.experts.``, rank ``r`` on gate_up, its config's ``target_parameters`` ``experts.gate_up_proj`` /
+``experts.down_proj``; the gemma4 wrapper's config also ``exclude_modules`` for the towers). The output head
 (``lm_head`` targeted): ``base_model.model.lm_head.lora_A.weight`` ``[r, H]``, ``...lora_B.weight`` ``[V, r]``
 (the vocabulary padding stripped). PEFT's own save of such an adapter also holds the head's base weight
 (``base_model.model.lm_head.base_layer.weight``: its ``save_embedding_layers``); :func:`load_hf_adapter` checks

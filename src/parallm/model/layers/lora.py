@@ -68,6 +68,7 @@ from ...parallel.state import as_chunks
 from .lora_plan import (ALL_LINEAR, HEAD, MLA_LINEAR, PEFT_EXPERT_FAMILIES, SUPPORTED_FAMILIES, V4_ADAPTED, KVRows,
                         LoraConfig, LoraEntry, LoraRow, Slot, _local_rows, global_entries, head_slot,
                         layer_slots, peft_modules)
+from .lora_gemma4 import GEMMA4_EXPERT_TARGETS, GEMMA4_FAMILIES
 from .lora_layouts import Stacked
 from .mla import ReplicatedLinear
 from .v4_attention import SplitLinear
@@ -315,6 +316,8 @@ def add_lora(chunks, config: LoraConfig):
 def _adaptable(spec) -> tuple[str, ...]:
     if spec.v4 is not None:
         return tuple(V4_ADAPTED) + ("gate_proj", "up_proj", "down_proj")
+    if spec.family in GEMMA4_FAMILIES and spec.moe is not None:
+        return ALL_LINEAR + GEMMA4_EXPERT_TARGETS
     return ALL_LINEAR + (MLA_LINEAR if spec.mla is not None else ())
 
 
