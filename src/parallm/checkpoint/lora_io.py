@@ -278,7 +278,7 @@ def _expert_leaves(chunk) -> dict[str, list[str]]:
     """``{"gate_up_proj": [gate leaf, up leaf], "down_proj": [down leaf]}`` of the model's per-expert rows (Gemma
     4: ``"experts.down_proj"`` and the bare leaf both map to parallm's ``"experts.down_proj"``: its bare
     ``"down_proj"`` names the dense MLP, see :mod:`parallm.model.layers.lora_gemma4`)."""
-    if chunk.spec.family in GEMMA4_FAMILIES:
+    if getattr(getattr(chunk, "spec", None), "family", None) in GEMMA4_FAMILIES:
         return {k: [full] for full in GEMMA4_EXPERT_TARGETS for k in (full, full.split(".")[-1])}
     out = {}
     for row in chunk.table:
