@@ -11,7 +11,9 @@ test_gemma4_moe.py leave out, against transformers 5.25 in fp32 through tests/la
 The output after the step is held to max(1e-4, 2 x transformers' own sdpa-vs-eager spread after the same step), as
 test_gemma4_features.py holds it (softmax scale 1 and 8 layers make it sensitive).
 
-* `parallm inspect` on the dense model (the MoE one: test_gemma4_moe.py).
+* `parallm inspect` on the dense model (the MoE one: test_gemma4_moe.py): the even pp / vpp splits that separate a
+  KV-sharing layer from its source are not offered but listed as refused naming the layers, and refused when asked
+  for (``--pp 4``); the model without KV sharing offers them all.
 * bf16 smoke (tp2, dense and MoE): the bf16 model's loss within bf16 rounding of the fp32 loss, a
   ``forward_backward`` step with every parameter's fp32 ``main_grad`` finite.
 """
@@ -141,3 +143,21 @@ def test_inspect_dense(tmp_path, capsys):
     assert main(["inspect", ckpt]) == 0
     text = capsys.readouterr().out
     assert "full layers' head dim 32" in text and "rotary 32 of 16" not in text, text
+    # KV sharing (6 <- 4, 7 <- 5): the even splits that separate a pair are not offered but listed as refused,
+    # naming the layers, and a layout asking for one is refused as build_model refuses it
+    assert report["pipelines"] == {1: [], 2: []}, report["pipelines"]
+    refused = {(r["pp"], r["vpp"]): r["reason"] for r in report["refused_pipelines"]}
+    assert set(refused) == {(2, 2), (2, 4), (4, 1), (4, 2), (8, 1)}, refused
+    assert "layer 6 reuses the keys / values of layer 4" in refused[(2, 2)]
+    assert "valid pp/vpp  pp 1; pp 2\n" in text and "pp 2 x vpp 2: layer 6 reuses the keys / values of layer 4" in text
+    with pytest.raises(parallm.CheckpointError, match="layer 6 reuses the keys / values of layer 4"):
+        parallm.inspect_checkpoint(ckpt, pp=2, vpp=2)
+    assert main(["inspect", ckpt, "--pp", "4"]) != 0
+    assert "layer 6 reuses the keys / values of layer 4" in capsys.readouterr().err
+    layout = parallm.inspect_checkpoint(ckpt, pp=2, vpp=2, split=dict(layers_per_stage=SPLIT))["layout"]
+    assert layout["split"] == SPLIT
+    # without KV sharing the same layer counts split every even way
+    plain = str(tmp_path / "plain")
+    dense_model(0, num_kv_shared_layers=0).save_pretrained(plain)
+    report = parallm.inspect_checkpoint(plain)
+    assert report["pipelines"] == {1: [], 2: [2, 4], 4: [2], 8: []} and report["refused_pipelines"] == []

@@ -124,8 +124,9 @@ def _int4_shapes(shapes: dict, types: dict, config, tensors: dict, notes: list, 
 def check_split(spec, *, tp: int, pp: int, vpp: int | None, split: dict | None = None,
                 task: str = "causal_lm") -> dict | None:
     """The loader's own split checks, as an InspectError: tp over heads / KV heads / MLP, layers over pp x vpp (evenly,
-    or as ``split``, ``build_model``'s pipeline-split keywords, says). Returns ``split`` with
-    ``layers_per_stage="balanced"`` replaced by build_model's counts for ``task``."""
+    or as ``split``, ``build_model``'s pipeline-split keywords, says), and what build_model checks of the layers each
+    stage holds (:func:`stage_refusal`). Returns ``split`` with ``layers_per_stage="balanced"`` replaced by
+    build_model's counts for ``task``."""
     from ..model.spec import check_tp
     from ..parallel.stages import stage_sizes
     try:
@@ -136,7 +137,48 @@ def check_split(spec, *, tp: int, pp: int, vpp: int | None, split: dict | None =
         stage_sizes(spec.num_layers, pp, vpp or 1, **(split or {}))
     except ValueError as e:
         raise InspectError(str(e)) from None
+    refusal = stage_refusal(spec, pp, vpp or 1, split)
+    if refusal is not None:
+        raise InspectError(refusal)
     return split
+
+
+def stage_refusal(spec, pp: int, vpp: int, split: dict | None = None) -> str | None:
+    """Why ``build_model`` refuses this pipeline split of the layers (whose counts fit) for the layers it puts
+    together (None: it does not): the stage checks it runs, on the same stage ranges: a Gemma 4 KV-sharing layer
+    and the layer whose keys / values it reuses (``num_kv_shared_layers``), or a DeepSeek Sparse Attention shared
+    layer and the layer whose selection it reuses, in different (virtual) stages. The message names both layers."""
+    from ..model.layers.dsa import check_dsa_stages
+    from ..model.layers.kv_sharing import check_kv_sharing_stages
+    from ..parallel.stages import layer_numbers
+    stages = [layer_numbers(spec.num_layers, pp, vpp, p, v, **(split or {})) for p in range(pp) for v in range(vpp)]
+    try:
+        check_dsa_stages(spec, stages)
+        check_kv_sharing_stages(spec, stages)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def even_pipelines(spec) -> tuple[dict, list]:
+    """The even pipeline splits of the layers: ``{pp: [vpp > 1, ...]}`` of those build_model takes (a pp listed
+    only when its vpp 1 split is taken: a vpp split's stage boundaries include vpp 1's, so it is refused whenever
+    vpp 1 is), and ``[{"pp", "vpp", "reason"}]`` of those whose counts divide the layers but whose stages
+    :func:`stage_refusal` refuses (Gemma 4's KV sharing, DSA's shared layers)."""
+    from ..parallel.stages import layer_numbers
+    L, ok, refused = spec.num_layers, {}, []
+    for pp in range(1, L + 1):
+        if not _splits(layer_numbers, L, pp, 1, 0, 0):
+            continue
+        for vpp in [1] + [v for v in range(2, L // pp + 1) if pp > 1 and _splits(layer_numbers, L, pp, v, 0, 0)]:
+            reason = stage_refusal(spec, pp, vpp)
+            if reason is not None:
+                refused.append(dict(pp=pp, vpp=vpp, reason=reason))
+            elif vpp == 1:
+                ok[pp] = []
+            elif pp in ok:
+                ok[pp].append(vpp)
+    return ok, refused
 
 
 def _splits(fn, *args) -> bool:
@@ -218,9 +260,10 @@ def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, ep=Non
     """The report ``parallm inspect`` prints (see the module docstring); ``split``: ``build_model``'s
     pipeline-split keywords for the per-rank memory of ``tp`` / ``pp`` / ``vpp``."""
     from ..model.spec import check_tp
-    from ..parallel.stages import layer_numbers, stage_sizes
+    from ..parallel.stages import stage_sizes
     ck = read_checkpoint(path, task=task)
     spec, tensors, L = ck["spec"], ck["tensors"], ck["spec"].num_layers
+    pipelines, refused = even_pipelines(spec)
     files = {t["file"]: os.path.getsize(os.path.join(path, t["file"])) for t in tensors.values()}
     dtypes, itemsize = {}, {}
     for t in tensors.values():
@@ -254,9 +297,9 @@ def inspect_checkpoint(path: str, *, tp=None, pp=None, vpp=None, dp=None, ep=Non
         parameters=sum(dtypes.values()), tensors=len(tensors), dtypes=dtypes, dtype=main,
         dtype_bytes=itemsize.get(main, 4), files=files, problem=ck["problem"], notes=ck["notes"],
         valid_tp=[tp for tp in range(1, spec.num_heads + 1) if _splits(check_tp, spec, tp)],
-        # pp -> the vpp values (> 1) that split the layers evenly (Megatron's interleaving)
-        pipelines={pp: [v for v in range(2, L // pp + 1) if pp > 1 and _splits(layer_numbers, L, pp, v, 0, 0)]
-                   for pp in range(1, L + 1) if _splits(layer_numbers, L, pp, 1, 0, 0)})
+        # pp -> the vpp values (> 1) that split the layers evenly (Megatron's interleaving) and build_model takes;
+        # the even splits it refuses for the layers they separate (KV sharing, DSA's shared layers), with why
+        pipelines=pipelines, refused_pipelines=refused)
     report["moe"] = moe_facts(spec, dtype=main, tp=tp or 1)
     if any(x is not None for x in (tp, pp, vpp, dp, ep)):
         tp, pp, dp, vpp, ep = tp or 1, pp or 1, dp or 1, vpp if vpp and vpp > 1 else None, ep or 1

@@ -5,7 +5,9 @@ PEFT names (``PeftModel.save_pretrained`` with peft 0.21 on transformers 5): ``b
 parameters, targeted through ``target_parameters``) ``base_model.model.model.layers.{i}.mlp.experts.lora_A.weight``
 for the outer wrapper (``down_proj``: A ``[E r, I]``, expert-major, B ``[H, r E]``, column ``k E + e`` = expert e's
 column k) and ``...experts.base_layer.lora_A.weight`` for the inner one (``gate_up_proj``, rank ``2 r``: A
-``[E 2r, H]``, B ``[2 I, 2r E]``); a layer with one of the two has only the outer names. The output head
+``[E 2r, H]``, B ``[2 I, 2r E]``); a layer with one of the two has only the outer names (Gemma 4: the same under
+``model.layers.{i}.experts.``, rank ``r`` on gate_up, its config's ``target_parameters`` ``experts.gate_up_proj`` /
+``experts.down_proj``; the gemma4 wrapper's config also ``exclude_modules`` for the towers). The output head
 (``lm_head`` targeted): ``base_model.model.lm_head.lora_A.weight`` ``[r, H]``, ``...lora_B.weight`` ``[V, r]``
 (the vocabulary padding stripped). PEFT's own save of such an adapter also holds the head's base weight
 (``base_model.model.lm_head.base_layer.weight``: its ``save_embedding_layers``); :func:`load_hf_adapter` checks
@@ -29,6 +31,7 @@ from ..errors import CheckpointError
 from ..families import family_of
 from ..model.layers.lora import (HEAD, PEFT_EXPERT_FAMILIES, LoraConfig, add_lora, global_entries,
                                  chunk_lora_entries, lora_config_of)
+from ..model.layers.lora_gemma4 import GEMMA4_EXPERT_TARGETS, GEMMA4_FAMILIES, GEMMA4_VL_PEFT_EXCLUDE
 from ..model.layers.lora_plan import V4_PEFT_EXCLUDE
 from ..model.placement import placement_of
 from ..model.sharding import Source
@@ -164,8 +167,9 @@ def peft_config_dict(chunks) -> dict:
     for name, _, parts, _, _ in _peft_layout(chunk, config):
         if parts[0][1] is None:
             modules.add(name.rsplit(".", 2)[0].rsplit(".", 1)[-1])
-        else:
-            params.add(parts[0][0].split(".")[-3])        # ...experts.{e}.gate_up_proj.lora_A.weight
+        else:        # ...experts.{e}.gate_up_proj.lora_A.weight; Gemma 4: "experts.gate_up_proj" (lora_gemma4)
+            leaf = parts[0][0].split(".")[-3]
+            params.add(f"experts.{leaf}" if chunk.spec.family in GEMMA4_FAMILIES else leaf)
     rank_pattern, alpha_pattern = dict(config.rank_pattern), dict(config.alpha_pattern)
     if "gate_up_proj" in params and chunk.spec.family in PEFT_EXPERT_FAMILIES:   # PEFT's conversion doubles it
         rank_pattern[r".*\.gate_up_proj"] = 2 * config.r
@@ -180,7 +184,9 @@ def peft_config_dict(chunks) -> dict:
         "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "lora_bias": False,
         # DeepSeek-V4: the target leaves (kv_proj, gate_proj, q_b_proj) name compressor / indexer modules too,
         # which parallm never adapts; PEFT is told to leave them (and the grouped o_a_proj) alone
-        **({"exclude_modules": V4_PEFT_EXCLUDE} if chunk.spec.v4 is not None else {}),
+        # the gemma4 wrapper: its vision / audio towers' projections share the language model's leaf names
+        **({"exclude_modules": V4_PEFT_EXCLUDE} if chunk.spec.v4 is not None else
+           {"exclude_modules": GEMMA4_VL_PEFT_EXCLUDE} if chunk.spec.family == "gemma4_vl" else {}),
     }
 
 
@@ -242,9 +248,13 @@ def config_from_peft(peft: dict, chunk, sidecar: dict | None = None) -> LoraConf
         if peft.get(key, ok) not in (ok, None) and not (key == "lora_dropout" and peft.get(key) == 0):
             raise CheckpointError(f"PEFT adapter with {key}={peft.get(key)!r}: parallm's LoRA runs {key}={ok!r} only")
     exclude = peft.get("exclude_modules")
-    if exclude and not (chunk.spec.v4 is not None and exclude == V4_PEFT_EXCLUDE):
+    # the gemma4 wrapper: any exclusion (of its towers, which parallm never adapts); the file's factors must then
+    # equal the model's adapters exactly (load_hf_adapter: missing / unexpected names refused)
+    if exclude and not (chunk.spec.v4 is not None and exclude == V4_PEFT_EXCLUDE) \
+            and chunk.spec.family != "gemma4_vl":
         raise CheckpointError(f"PEFT adapter with exclude_modules={exclude!r}: parallm reads only the exclusion its "
-                              f"own DeepSeek-V4 adapters carry ({V4_PEFT_EXCLUDE!r})")
+                              f"own DeepSeek-V4 and gemma4-wrapper adapters carry ({V4_PEFT_EXCLUDE!r}, "
+                              f"{GEMMA4_VL_PEFT_EXCLUDE!r})")
     if peft.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"not a LoRA adapter (peft_type {peft.get('peft_type')!r})")
     targets = peft.get("target_modules") or []
@@ -265,7 +275,11 @@ def config_from_peft(peft: dict, chunk, sidecar: dict | None = None) -> LoraConf
 
 
 def _expert_leaves(chunk) -> dict[str, list[str]]:
-    """``{"gate_up_proj": [gate leaf, up leaf], "down_proj": [down leaf]}`` of the model's per-expert rows."""
+    """``{"gate_up_proj": [gate leaf, up leaf], "down_proj": [down leaf]}`` of the model's per-expert rows (Gemma
+    4: ``"experts.down_proj"`` and the bare leaf both map to parallm's ``"experts.down_proj"``: its bare
+    ``"down_proj"`` names the dense MLP, see :mod:`parallm.model.layers.lora_gemma4`)."""
+    if getattr(getattr(chunk, "spec", None), "family", None) in GEMMA4_FAMILIES:
+        return {k: [full] for full in GEMMA4_EXPERT_TARGETS for k in (full, full.split(".")[-1])}
     out = {}
     for row in chunk.table:
         if row.per_expert and row.fused:

@@ -162,8 +162,22 @@ def render(report: dict) -> str:
                                             for p, v in report["pipelines"].items()))
     lines.append(f"              ({c['layers']} layers split evenly: pp x vpp must divide {c['layers']}; other pp "
                  "with --layers-per-stage or --num-layers-in-first/last-pipeline-stage)")
+    lines += _refused_lines(report.get("refused_pipelines") or [])
     lines += _moe_lines(report) + _memory_lines(report)
     return "\n".join(lines)
+
+
+def _refused_lines(refused: list) -> list[str]:
+    """The even pp / vpp splits build_model refuses for the layers they separate, each with the layers named (the
+    first clause of build_model's message: ``layer 6 reuses the keys / values of layer 4 ...``)."""
+    if not refused:
+        return []
+    lines = ["refused       even splits that put a layer and the layer it reuses in different stages (build_model "
+             "refuses them; keep the pair together with --layers-per-stage):"]
+    for r in refused:
+        split = f"pp {r['pp']}" + (f" x vpp {r['vpp']}" if r["vpp"] > 1 else "")
+        lines.append(f"                {split}: {r['reason'].split(', which another pipeline stage holds')[0]}")
+    return lines
 
 
 def _moe_lines(report: dict) -> list[str]:

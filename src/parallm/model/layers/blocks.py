@@ -23,28 +23,30 @@ from .pieces import (MAX_TILE, TILE_BUDGET, Piece, PiecePlan, _every_pair_visibl
                      clip_piece)
 
 
-def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
-    """fp32 ``x [n, ...]`` with one row of zeros appended: what a tile row of index -1 (``-1 % (n + 1)``) reads."""
-    return torch.cat([x.float(), x.new_zeros((1,) + tuple(x.shape[1:]), dtype=torch.float32)])
-
-
-def _gather_tiles(x, index):
-    """``x [n + 1, h, d]`` rows at ``index [m, T]`` (-1: the zero row) -> ``[m, h, T, d]``."""
-    return x[index % x.shape[0]].permute(0, 2, 1, 3)
+def _gather_tiles(x, index, pad=None):
+    """``x [n, h, d]`` rows at ``index [m, T]`` -> fp32 ``[m, h, T, d]`` (a view of the one gathered copy). A
+    tile row of index -1 (none) reads row 0 instead, with no copy of ``x`` made to give it a row of its own: its
+    value is never seen (a query row's results are dropped, a key row is masked out: -inf scores, so exactly zero
+    weight and exactly zero gradients); ``pad`` (``index < 0``) zeroes those rows of the gathered copy where the
+    backward needs them zero (a row that is no query adds nothing)."""
+    t = x[index.clamp(min=0)].float()
+    if pad is not None:
+        t.masked_fill_(pad.view(pad.shape + (1,) * (t.dim() - 2)), 0.0)
+    return t.permute(0, 2, 1, 3)
 
 
 def tiles_forward(block_fwd, q, k, v, plan: PiecePlan, scale):
     """A plan's pieces by a block kernel over tiles, in fp32 (one ``block_fwd`` call per :data:`TILE_BUDGET` of
     scores, full and banded tiles apart): ``(rows [E], out [E, hq, d], lse [E, hq])``, a query row's partial
-    results once per tile it is in (merge them with :func:`merge_rows`). q ``[R, hq, d]``, k / v ``[K, hkv, d]``."""
+    results once per tile it is in (merge them with :func:`merge_rows`). q ``[R, hq, d]``, k / v ``[K, hkv, d]``.
+    Only the tiles are copied (gathered, in fp32): full tiles hold no missing key (``_Tiles``), banded ones mask
+    theirs."""
     tiles = plan.tiles(q.device)
     hq, d = q.shape[1], q.shape[2]
-    qz, kz, vz = _with_zero_row(q), _with_zero_row(k), _with_zero_row(v)
     rows, outs, lses = [], [], []
     for g, masked in tiles.groups(hq):
         qi, ki, mask, any_key = tiles.build(g, masked)
-        o, lse = block_fwd(_gather_tiles(qz, qi), _gather_tiles(kz, ki), _gather_tiles(vz, ki), False, scale,
-                           mask=mask)
+        o, lse = block_fwd(_gather_tiles(q, qi), _gather_tiles(k, ki), _gather_tiles(v, ki), False, scale, mask=mask)
         lse = lse.masked_fill(~any_key[:, None, :], float("-inf"))       # a row that saw nothing here
         keep = (qi.reshape(-1) >= 0).nonzero().squeeze(-1)
         rows.append(qi.reshape(-1).index_select(0, keep))
@@ -58,23 +60,23 @@ def tiles_forward(block_fwd, q, k, v, plan: PiecePlan, scale):
 
 def tiles_backward(block_bwd, q, k, v, out, lse, grad, plan: PiecePlan, scale, dq, dk, dv) -> None:
     """The gradients of :func:`tiles_forward`'s pieces from the final (merged) ``out [R, hq, d]`` / ``lse [R, hq]``
-    of every query row, added into the fp32 ``dq`` / ``dk`` / ``dv`` (shaped like q / k / v) in place."""
+    of every query row, added into the fp32 ``dq`` / ``dk`` / ``dv`` (shaped like q / k / v) in place. A tile row
+    that is no query gets q, lse and the output's gradient zero (:func:`_gather_tiles`' ``pad``), so it adds
+    exactly zero to every gradient; a missing key row is masked (exactly zero weight): their exact zeros are added
+    into row 0, which leaves it unchanged."""
     tiles = plan.tiles(q.device)
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
-    qz, kz, vz, oz, gz = (_with_zero_row(x) for x in (q, k, v, out, grad))
-    lz = _with_zero_row(lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
-    dqz, dkz, dvz = (x.new_zeros((x.shape[0] + 1,) + tuple(x.shape[1:]), dtype=torch.float32) for x in (q, k, v))
+    lz = lse.masked_fill(torch.isinf(lse), 0.0)[..., None]
     for g, masked in tiles.groups(hq):
         qi, ki, mask, _ = tiles.build(g, masked)
-        gdq, gdk, gdv = block_bwd(_gather_tiles(qz, qi), _gather_tiles(kz, ki), _gather_tiles(vz, ki),
-                                  _gather_tiles(oz, qi), _gather_tiles(lz, qi)[..., 0], _gather_tiles(gz, qi), False,
-                                  scale, mask=mask)
-        dqz.index_add_(0, qi.reshape(-1) % dqz.shape[0], gdq.permute(0, 2, 1, 3).reshape(-1, hq, d))
-        dkz.index_add_(0, ki.reshape(-1) % dkz.shape[0], gdk.permute(0, 2, 1, 3).reshape(-1, hkv, d))
-        dvz.index_add_(0, ki.reshape(-1) % dvz.shape[0], gdv.permute(0, 2, 1, 3).reshape(-1, hkv, d))
-    dq.add_(dqz[:-1])
-    dk.add_(dkz[:-1])
-    dv.add_(dvz[:-1])
+        pad = qi < 0
+        gdq, gdk, gdv = block_bwd(_gather_tiles(q, qi, pad), _gather_tiles(k, ki), _gather_tiles(v, ki),
+                                  _gather_tiles(out, qi), _gather_tiles(lz, qi, pad)[..., 0],
+                                  _gather_tiles(grad, qi, pad), False, scale, mask=mask)
+        qr, kr = qi.reshape(-1).clamp(min=0), ki.reshape(-1).clamp(min=0)
+        dq.index_add_(0, qr, gdq.permute(0, 2, 1, 3).reshape(-1, hq, d))
+        dk.index_add_(0, kr, gdk.permute(0, 2, 1, 3).reshape(-1, hkv, d))
+        dv.index_add_(0, kr, gdv.permute(0, 2, 1, 3).reshape(-1, hkv, d))
 
 
 def merge_rows(acc: torch.Tensor, acc_lse: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,

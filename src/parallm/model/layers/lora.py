@@ -45,6 +45,8 @@ the fused ``gate_up_proj`` of rank ``2 r`` (alpha ``2 alpha``) and one over ``do
 replicated over TP, ``fc1 B [2 I / tp, 2r]`` (rows ``[gate_r; up_r]``), ``fc2 A [r, I / tp]``, ``fc2 B [H, r]``
 replicated, stacked over the rank's experts. As in PEFT, the MLP targets then adapt routed experts only (a MoE
 model's dense layers and shared expert keep no adapter).
+Gemma 4's routed experts (beside the dense MLP): PEFT's ``target_parameters``, rank ``r`` on each, named
+``"experts.gate_up_proj"`` / ``"experts.down_proj"`` here (:mod:`.lora_gemma4`), in the same layout.
 
 Gated DeltaNet (Qwen3.5, Qwen3.5-MoE / Qwen3.6, Qwen3-Next: :mod:`.lora_gdn`): one column adapter slot per HF input
 projection inside the fused ``in_proj`` (B's rows as that projection's rows of the weight: ``in_proj_qkv``'s
@@ -72,6 +74,7 @@ from .lora_plan import (ALL_LINEAR, HEAD, MLA_LINEAR, PEFT_EXPERT_FAMILIES, SUPP
                         LoraConfig, LoraEntry, LoraRow, Slot, _local_rows, global_entries, head_slot,
                         layer_slots, peft_modules)
 from .lora_gdn import gdn_names
+from .lora_gemma4 import GEMMA4_EXPERT_TARGETS, GEMMA4_FAMILIES
 from .lora_layouts import Stacked
 from .mla import ReplicatedLinear
 from .v4_attention import SplitLinear
@@ -319,6 +322,8 @@ def add_lora(chunks, config: LoraConfig):
 def _adaptable(spec) -> tuple[str, ...]:
     if spec.v4 is not None:
         return tuple(V4_ADAPTED) + ("gate_proj", "up_proj", "down_proj")
+    if spec.family in GEMMA4_FAMILIES and spec.moe is not None:
+        return ALL_LINEAR + GEMMA4_EXPERT_TARGETS
     return ALL_LINEAR + (MLA_LINEAR if spec.mla is not None else ()) + gdn_names(spec)
 
 

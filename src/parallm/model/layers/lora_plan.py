@@ -13,7 +13,7 @@ from ..sharding import PartsSplit, Replicated, Split, TPLayout, VocabSplit, kv_h
 from ..spec import padded_vocab_size
 from ..table import chunk_entries, resolve_shape
 from .lora_gdn import GDN_ADAPTED, HYBRID_FAMILIES, check_hybrid_targets, check_shared_gate_targets, gdn_slots
-from .lora_gemma4 import check_gemma4_targets
+from .lora_gemma4 import GEMMA4_FAMILIES, check_gemma4_targets, gemma4_expert_hit
 from .lora_layouts import KVRows
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -26,10 +26,10 @@ HEAD = "lm_head"
 # stacks them)
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3",
                       "gpt_oss", "deepseek_v32", "glm_moe_dsa", "nemotron_h", "minimax_m2", "kimi_k25",
-                      "deepseek_v4", "gemma4") + HYBRID_FAMILIES
+                      "deepseek_v4", "gemma4", "gemma4_vl") + HYBRID_FAMILIES
 # (the hybrid Gated DeltaNet families Qwen3.5, Qwen3.5-MoE / Qwen3.6, Qwen3-Next, and the language model of the
 # Qwen3.5 / Qwen3.6 vision-language wrappers qwen3_5_vl / qwen3_5_moe_vl: see lora_gdn)
-# (gemma4_vl, the wrapper, is not among them: PEFT's module names would reach its vision tower too; not tried)
+# (gemma4_vl, the wrapper: its language model only; a saved adapter excludes the towers, GEMMA4_VL_PEFT_EXCLUDE)
 # Mamba-2's input projection (Nemotron-H): adapted like a column-parallel linear whose rows are the in_proj's
 # [z; x; B; C; dt] parts, B's rows split over TP as the weight's (PEFT refuses out_proj / conv1d on Mamba models)
 MAMBA_LINEAR = ("in_proj",)
@@ -277,7 +277,7 @@ def layer_slots(spec, entry, config: LoraConfig, *, tp: int, sp: bool) -> tuple[
     down-projections, ``"split"``: DeepSeek-V4's q_b_proj, ``"experts_fc1"``, ``"experts_fc2"``), None when nothing of it is targeted. Raises for
     targeted modules parallm cannot adapt."""
     local = entry.local.split(".", 2)[-1]          # drop "layers.{l}."
-    if spec.family == "gemma4":
+    if spec.family in GEMMA4_FAMILIES:
         check_gemma4_targets(spec, config)
     if spec.v4 is not None and local.startswith("self_attention."):
         return _v4_slots(spec, entry, config, local, sp=sp)
@@ -344,6 +344,9 @@ def layer_slots(spec, entry, config: LoraConfig, *, tp: int, sp: bool) -> tuple[
         return "row", [Slot(m, p, sh[0], sh[1], *config.rank_alpha_scaled(m), Split(1), Replicated(), False, sp)]
     if mlp:
         return None            # PEFT on transformers 5 retargets these families' MLP names to the routed experts
+    if spec.family in GEMMA4_FAMILIES and local.startswith("mlp.experts."):      # PEFT's target_parameters
+        hit = [gemma4_expert_hit(config, entry.row.fused[0].format(i=entry.layer))] * len(modules)
+        return _routed_expert_slots(spec, entry, config, modules, hit, local=local, tp=tp, fused_rank=1)
     if local.startswith("mlp.experts.") and spec.family not in PEFT_EXPERT_FAMILIES:
         return None            # PEFT leaves them: transformers 5's stacked experts are no nn.Linear
     if local in ("mlp.experts.linear_fc1.weight", "mlp.experts.linear_fc2.weight"):
@@ -361,9 +364,11 @@ def _attention_shape(spec, layer: int) -> tuple[int, int, int]:
     return spec.num_heads * d * (2 if spec.attn_output_gate else 1), spec.kv_heads_of(layer), d
 
 
-def _routed_expert_slots(spec, entry, config, modules, hit, *, local: str, tp: int):
+def _routed_expert_slots(spec, entry, config, modules, hit, *, local: str, tp: int, fused_rank: int = 2):
     """The routed experts' fc1 (``[gate; up]``, stacked as transformers' ``gate_up_proj``) or fc2 (``down_proj``)
-    as PEFT adapts them in the families of :data:`PEFT_EXPERT_FAMILIES`; None when not targeted."""
+    as PEFT adapts them in the families of :data:`PEFT_EXPERT_FAMILIES` (its conversion: fc1 of rank ``2 r``,
+    alpha ``2 alpha``) or, ``fused_rank=1``, through ``target_parameters`` (Gemma 4: rank ``r`` on each); None
+    when not targeted."""
     if local == "mlp.experts.linear_fc1.weight":
         if not any(hit):
             return None
@@ -374,7 +379,7 @@ def _routed_expert_slots(spec, entry, config, modules, hit, *, local: str, tp: i
         fused = entry.row.fused[0].format(i=entry.layer).removesuffix(".gate_up_proj")
         r, alpha = _expert_rank_alpha(config, modules)
         width = spec.moe.expert_intermediate_size
-        return "experts_fc1", [Slot(fused, "gate_up_proj", 2 * width, spec.hidden_size, 2 * r, alpha / r,
+        return "experts_fc1", [Slot(fused, "gate_up_proj", 2 * width, spec.hidden_size, fused_rank * r, alpha / r,
                                     Replicated(), PartsSplit((width, width)), tp > 1, False)]
     if local == "mlp.experts.linear_fc2.weight":
         if not hit[0]:
