@@ -22,7 +22,9 @@ the stage). The pp2 split keeps each sharing layer with its source; a split that
 
 The ``gemma4`` wrapper (``Gemma4ForConditionalGeneration`` over the same text config, a 1-layer vision tower, no
 audio tower): the table against its checkpoint (``model.language_model.*``, the tower and ``embed_vision`` carried),
-tp2 padded and pp2 against its text-only logits, saves and export bit-exact with the tower.
+tp2 padded and pp2 against its text-only logits, saves and export bit-exact with the tower. With an audio tower
+(whose clipped linears hold 0-d bounds, ``input_min`` ... ``output_max``): loaded at tp1 and tp2 in both load modes,
+saved and exported bit for bit, a training checkpoint round trip; a 0-d tensor used to stop every load.
 """
 
 from __future__ import annotations
@@ -260,3 +262,49 @@ def test_gemma4_wrapper_layouts_against_transformers(tmp_path):
     for i, case in enumerate(cases):
         print(f"transformers sdpa vs eager after the step: {case['spread']:.1e}", end="")
         layout_harness.check([case], [[r[i]] for r in results], tol=TOL, after_tol=max(1e-4, 2 * case["spread"]))
+
+
+AUDIO = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, output_proj_dims=32, conv_kernel_size=3,
+             attention_chunk_size=4, attention_context_left=5)
+
+
+def _audio_rank(rank, world, path, out):
+    import parallm
+    res = {}
+    parallm.init_parallel(tp=world)
+    for mode in ("slice", "broadcast"):
+        chunks = parallm.build_model(path)
+        helpers.nan_fill(chunks)
+        parallm.load_hf_weights(chunks, path, mode=mode)
+        res[mode] = {n: t.clone() for n, t in parallm.export_hf_tensors(chunks)}
+    parallm.save_hf_weights(chunks, f"{out}/hf{world}", overwrite=True)
+    parallm.save_checkpoint(f"{out}/ckpt{world}", chunks, step=1)
+    again = parallm.build_model(path)
+    helpers.nan_fill(again)
+    parallm.load_checkpoint(f"{out}/ckpt{world}", again)
+    res["checkpoint"] = {n: t.clone() for n, t in parallm.export_hf_tensors(again)}
+    parallm.destroy_parallel()
+    return res if rank == 0 else None
+
+
+def test_wrapper_with_audio_tower_round_trips(tmp_path):
+    import glob
+
+    import transformers
+    from safetensors.torch import load_file
+    cfg = transformers.Gemma4Config(text_config=features_config().to_dict(), vision_config=VISION, audio_config=AUDIO)
+    model = transformers.Gemma4ForConditionalGeneration(cfg)
+    helpers.randomize_(model, seed=5)
+    hub = helpers.hub_state_dict(model, str(tmp_path / "w"))
+    zero_d = [k for k, v in hub.items() if v.dim() == 0]
+    assert len(zero_d) >= 8 and all(k.startswith("model.audio_tower.") for k in zero_d), zero_d[:4]
+    for world in (1, 2):
+        res = helpers.run_ranks(_audio_rank, world, str(tmp_path / "w"), str(tmp_path))[0]
+        saved = {}
+        for f in glob.glob(str(tmp_path / f"hf{world}" / "*.safetensors")):
+            saved.update(load_file(f))
+        for what, got in (("saved", saved), *res.items()):
+            assert set(got) == set(hub), (world, what, sorted(set(got) ^ set(hub))[:4])
+            bad = [k for k in hub if got[k].shape != hub[k].shape or got[k].dtype != hub[k].dtype
+                   or not torch.equal(got[k], hub[k])]
+            assert not bad, (world, what, bad[:4])

@@ -39,6 +39,8 @@ class GlobalSlice:
         """The view of ``tensor`` (the parameter, or any state tensor shaped like it) that this slice covers."""
         if self.index is not None:
             tensor = tensor[self.index]
+        if tensor.dim() == 0:                      # a 0-d tensor: the one slice is all of it
+            return tensor
         return tensor.narrow(self.dim, self.start, self.stop - self.start)
 
     @property

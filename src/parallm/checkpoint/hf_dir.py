@@ -68,6 +68,8 @@ class SliceSource(Source):
     def read(self, dim, start, stop):
         if self._view is None:          # the whole tensor as a zero-copy view of the mapping, made once
             self._view = self._handle.get_tensor(self.name)
+            if not self.shape:               # 0-d: one element, read as [1] (Source.full gives it back 0-d)
+                self._view = self._view.reshape(1)
         return self._view.narrow(dim, start, stop - start)
 
 

@@ -107,6 +107,8 @@ def _fill_from_blocks(view, entry: Entry, sources, layout: ParallelDims) -> None
     converting to the parameter's dtype in the same copy (:func:`copy_cast_`): one copy per byte, no
     intermediate shard. Vocab padding rows are zeroed."""
     param, tp_layout = view
+    if param.dim() == 0:                     # a 0-d tensor (Gemma 4's audio clip bounds): its one element as [1]
+        param = param.view(1)
     blocks = tp_layout.blocks(layout.tp_rank, layout.tp, [s.shape for s in sources])
     filled = 0
     with torch.no_grad():

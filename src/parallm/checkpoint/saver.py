@@ -313,7 +313,7 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
 def _write_block(fd: int, start: int, hf_shape, elsize: int, block, local: torch.Tensor) -> None:
     """Write one block of this rank's shard straight into its place in the HF tensor's bytes."""
     dim, a, la, lb = block.dim, block.hf_start, block.local_start, block.local_stop
-    piece = local.narrow(dim, la, lb - la).contiguous()
+    piece = (local if local.dim() else local.reshape(1)).narrow(dim, la, lb - la).contiguous()
     if dim == 0:
         row_bytes = elsize
         for d in hf_shape[1:]:

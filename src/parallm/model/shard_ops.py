@@ -26,6 +26,8 @@ class Source(ABC):
         """Whether the stored dtype is a floating-point type (read from metadata, no data touched)."""
 
     def full(self) -> torch.Tensor:
+        if not self.shape:                  # a 0-d tensor: read(0, 0, 1) is its one element as [1]
+            return self.read(0, 0, 1).reshape(())
         return self.read(0, 0, self.shape[0])
 
 
@@ -40,7 +42,8 @@ class TensorSource(Source):
         return self.tensor.is_floating_point()
 
     def read(self, dim, start, stop):
-        return self.tensor.narrow(dim, start, stop - start)
+        t = self.tensor if self.tensor.dim() else self.tensor.reshape(1)     # 0-d: one element, as [1]
+        return t.narrow(dim, start, stop - start)
 
     def full(self):
         return self.tensor

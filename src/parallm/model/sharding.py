@@ -96,7 +96,7 @@ class Replicated(TPLayout):
         return [shards[0]]
 
     def blocks(self, rank, tp, hf_shapes):
-        n = hf_shapes[0][0]
+        n = hf_shapes[0][0] if hf_shapes[0] else 1         # a 0-d tensor: one element (read / written as [1])
         return [Block(0, 0, 0, n, 0, n, primary=rank == 0)]
 
     def primary_slices(self, rank, tp, local_shape):
