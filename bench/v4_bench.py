@@ -218,7 +218,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=1, help="timed steps after the measured first one (default 1)")
     ap.add_argument("--heads", type=int, default=8, help="attention heads = indexer heads (default 8; a multiple of "
                     "o_groups 2): transformers' scores grow with it")
-    ap.add_argument("--recompute", choices=("full",), default=None,
+    ap.add_argument("--recompute", choices=("full", "moe", "selective"), default=None,
                     help="parallm's activation recomputation (build_model(recompute=...)); transformers runs as is")
     ap.add_argument("--force-ref", action="store_true", help="run transformers whatever its memory estimate")
     ap.add_argument("--quick", action="store_true")
