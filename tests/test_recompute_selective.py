@@ -11,9 +11,9 @@ whole's; the parameters' gradients are sums over the pieces). Breaks that must f
 Two gloo ranks: a tiny DeepSeek-V4 (hash and routed layers, the shared expert, hyper-connections, CSA / HCA
 attention) at tp1 (dp2), tp2, ep2 (dp2) and tp2 packed + SP, and Qwen2-MoE (shared expert with its gate) at
 tp2, ep2 and tp2 packed + SP: one
-training step with each option against the same step without recomputation: Qwen2-MoE's loss and every gradient
-bit for bit; V4's loss equal (within 1e-6) and its gradients within 5e-6 of each tensor's largest entry (the
-streams' gradient summed in another order: see V4_TOL). A dense model refuses ``"moe"``.
+training step with each option against the same step without recomputation: the loss and every gradient bit for
+bit; and V4 at tp2 with its hyper-connections recomputed in pieces of 5 tokens: the loss within 1e-6 relative,
+the gradients within 1e-6 absolute (see the note at HC_TOL). A dense model refuses ``"moe"``.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import helpers
 
 HC_NAMES = ("attn_hc.", "ffn_hc.", "hc_head.")
 HC_TOL = 1e-6
-# A whole V4 model: the streams' gradient is a sum of three terms (the hyper-connection's norm and collapse, the
-# stream mix) which a checkpointed hyper-connection adds in another association: a few ulps of the largest
-# entry, carried through the layers (measured 2.9e-6 at most, relative to each tensor's largest entry).
-V4_TOL = 5e-6
+# A whole V4 model with its hyper-connections in several pieces: the streams' gradient gets the pieces' terms
+# (norm and collapse) already summed before the stream mix's joins them (another association), and the pieces'
+# GEMMs may round differently: gradients within HC_TOL absolute (their entries are <= ~0.1 here; relative to a
+# tensor's largest entry up to 1.7e-5 for hc_head.hc_base, a sum over tokens that mostly cancels).
 
 
 # -- the routed experts, recomputed ---------------------------------------------------------------------------
@@ -239,17 +239,21 @@ def _step(ckpt, recompute, ids, mask, build):
 def rank_models(rank, world, cases):
     import parallm
     out = []
-    for name, ckpt, ids, mask, layout, build in cases:
+    from parallm.model.layers import hyper_connections
+    whole = hyper_connections.CHUNK_ELEMENTS
+    for name, ckpt, ids, mask, layout, build, piece in cases:
         parallm.init_parallel(**layout)
+        hyper_connections.CHUNK_ELEMENTS = piece or whole
         try:
             loss0, grads0 = _step(ckpt, None, ids, mask, build)
             for option in ("moe", "selective"):
                 loss, grads = _step(ckpt, option, ids, mask, build)
                 assert set(grads) == set(grads0)
                 differ = [n for n in grads0 if not torch.equal(grads[n], grads0[n])]
-                worst = max([_rel(grads[n], grads0[n]) for n in differ], default=0.0)
+                worst = max([(grads[n] - grads0[n]).abs().max().item() for n in differ], default=0.0)
                 out.append((name, option, abs(loss - loss0) / abs(loss0), len(differ), worst, len(grads0)))
         finally:
+            hyper_connections.CHUNK_ELEMENTS = whole
             parallm.destroy_parallel()
     return out
 
@@ -264,23 +268,26 @@ def test_models_step_equal_with_and_without_recompute(tmp_path):
     ids, mask = right_padded_batch(v4.vocab_size, batch=4, seq=16, seed=4)
     sp = dict(packed=True, sequence_parallel=True)
     for layout, build in ((dict(tp=1), {}), (dict(tp=2), {}), (dict(ep=2), {}), (dict(tp=2), sp)):
-        cases.append((f"deepseek_v4 {layout} {build}", ckpt, ids, mask, layout, build))
+        cases.append((f"deepseek_v4 {layout} {build}", ckpt, ids, mask, layout, build, None))
+    # hyper-connections in pieces of 5 tokens (16 = 5 + 5 + 5 + 1; a token's streams: batch 4 x 2 x 32)
+    cases.append(("deepseek_v4 tp2 pieces", ckpt, ids, mask, dict(tp=2), {}, 5 * 4 * 2 * 32))
     qwen = helpers.tiny_config("qwen2_moe", num_hidden_layers=2)
     ckpt = helpers.save_checkpoint(helpers.make_hf_model(qwen, seed=5), str(tmp_path / "qwen2_moe"))
     ids, mask = helpers.padded_batch(qwen.vocab_size, seed=6, batch=4, seq=9)
     for layout, build in ((dict(tp=2), {}), (dict(ep=2), {}), (dict(tp=2), sp)):
-        cases.append((f"qwen2_moe {layout} {build}", ckpt, ids, mask, layout, build))
+        cases.append((f"qwen2_moe {layout} {build}", ckpt, ids, mask, layout, build, None))
     results = helpers.run_ranks(rank_models, 2, cases, timeout=560)
-    worst_v4 = 0.0
+    worst_pieces = 0.0
     for rank_results in results:
         for name, option, dloss, differ, worst, count in rank_results:
             assert count > 20, (name, count)
-            if name.startswith("qwen2_moe"):          # no hyper-connections: bit for bit
+            if not name.endswith("pieces"):          # bit for bit
                 assert dloss == 0.0 and differ == 0, (name, option, dloss, differ, worst)
             else:
-                assert dloss <= HC_TOL and worst <= V4_TOL, (name, option, dloss, worst)
-                worst_v4 = max(worst_v4, worst)
-    print(f"DeepSeek-V4: worst relative gradient difference {worst_v4:.2e}")
+                assert dloss <= HC_TOL and worst <= HC_TOL, (name, option, dloss, worst)
+                worst_pieces = max(worst_pieces, worst)
+    assert worst_pieces > 0          # the pieces were taken (they round differently)
+    print(f"DeepSeek-V4, hyper-connections in pieces: worst gradient difference {worst_pieces:.2e}")
 
 
 def test_moe_option_refused_for_a_dense_model(world_of_one, tmp_path):

@@ -10,8 +10,9 @@
 * ``"selective"``: ``"moe"``, and each attention block keeps only its input and runs again in its own backward.
 
 Unlike ``"full"``, the selective options never hold a whole layer's activations at once in the backward: each
-piece is recomputed when its own backward comes, the experts by chunks. Gradients: bit-identical to no
-recomputation except the hyper-connections' own parameters (summed over the token pieces: within ~1e-7).
+piece is recomputed when its own backward comes, the experts by chunks. Loss and gradients: bit for bit those
+without recomputation, unless a hyper-connection is recomputed in several token pieces (then within ~1e-7:
+:func:`parallm.model.layers.hyper_connections.recomputed`).
 """
 
 from __future__ import annotations

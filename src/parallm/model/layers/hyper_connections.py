@@ -56,7 +56,7 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.empty(width, n * hidden, dtype=torch.float32, device=device))
         self.base = nn.Parameter(torch.empty(width, dtype=torch.float32, device=device))
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32, device=device))
-        self.recompute = False      # build_model(recompute="selective"): keep the streams only (see recomputed)
+        self.recompute = False      # build_model(recompute="moe" / "selective"): keep the streams (recomputed)
 
     def forward(self, streams: torch.Tensor):
         """``streams [.., n, H]`` -> ``(post [.., n], comb [.., n, n], collapsed [.., H])`` (post / comb fp32,
@@ -83,20 +83,21 @@ CHUNK_ELEMENTS = 1 << 21     # stream elements a recomputed piece covers (8 MiB 
 
 def recomputed(fn, streams: torch.Tensor):
     """``fn(streams)`` keeping only ``streams`` (which the stream mix after the block keeps anyway) for the
-    backward (``build_model(recompute="selective")``): ``fn`` runs under ``torch.utils.checkpoint`` (non-reentrant)
-    on pieces of at most :data:`CHUNK_ELEMENTS` along the first (token) dimension, its outputs concatenated.
-    What is not kept: the RMS-normed flattened streams ``[.., n H]`` fp32 the projection saves (``[S, 4 H]`` in
-    V4-Flash, per hyper-connection). Every operation is per token, so the pieces give the tokens' outputs as the
-    whole does; the backward's temporaries (six or so stream-sized tensors) are those of one piece, and the
-    parameters' gradients are sums over the pieces (the same terms summed in another order: within ~1e-7 of the
-    whole's)."""
+    backward (``build_model(recompute="moe" / "selective")``): ``fn`` runs under ``torch.utils.checkpoint``
+    (non-reentrant) on pieces of at most :data:`CHUNK_ELEMENTS` along the first (token) dimension, its outputs
+    concatenated. What is not kept: the RMS-normed flattened streams ``[.., n H]`` fp32 the projection saves
+    (``[S, 4 H]`` in V4-Flash, per hyper-connection). Every operation is per token; the backward's temporaries
+    (six or so stream-sized tensors) are those of one piece. One piece is bit for bit the whole; several are
+    not: a piece's small GEMM may round differently from the whole's, the parameters' gradients are sums over the
+    pieces, and the streams' gradient gets the pieces' terms (norm and collapse) already summed before the stream
+    mix's joins them (another association): within ~1e-6 relative (tests/test_recompute_selective.py)."""
     if not torch.is_grad_enabled():
         return fn(streams)
     step = max(1, CHUNK_ELEMENTS // max(1, streams[:1].numel()))
-    parts = [checkpoint(fn, streams[a:a + step], use_reentrant=False, preserve_rng_state=False)
-             for a in range(0, streams.shape[0], step)]
-    if len(parts) == 1:
-        return parts[0]
+    if step >= streams.shape[0]:        # one piece: the very graph of fn(streams), its saved tensors recomputed
+        return checkpoint(fn, streams, use_reentrant=False, preserve_rng_state=False)
+    parts = [checkpoint(fn, piece, use_reentrant=False, preserve_rng_state=False)
+             for piece in streams.split(step, 0)]
     if isinstance(parts[0], torch.Tensor):
         return torch.cat(parts, 0)
     return tuple(torch.cat(p, 0) for p in zip(*parts))

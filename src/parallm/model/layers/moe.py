@@ -185,7 +185,7 @@ class Experts(nn.Module):
         self.activation, self.limit, self.alpha = activation, limit, alpha
         device_type = as_device(device).type
         self.kernel = expert_kernel(device_type, dtype, (hidden, up, width_local))
-        self.recompute = False      # build_model(recompute="selective"): see moe_recompute.recomputed_experts
+        self.recompute = False      # build_model(recompute="moe" / "selective"): see moe_recompute
 
     def act(self, h: torch.Tensor) -> torch.Tensor:
         """The activation of fc1's output ``h`` ``[m, 2 w]``: gate / up are its halves (``rows``) or its even /
@@ -204,7 +204,7 @@ class Experts(nn.Module):
         return clamped_swiglu(gate, up, limit=self.limit, alpha=self.alpha)
 
     def recomputes(self) -> bool:
-        """recompute="selective" applies here (not to adapters: they override :meth:`project`)."""
+        """recompute="moe" / "selective" applies here (not to adapters: they override :meth:`project`)."""
         return self.recompute and torch.is_grad_enabled() and type(self).project is Experts.project
 
     def forward(self, rows: torch.Tensor, counts: list[int], counts_device: torch.Tensor) -> torch.Tensor:
@@ -240,8 +240,7 @@ class Experts(nn.Module):
 
 
 def project_rows(x: torch.Tensor, weight: torch.Tensor, bias, columns: bool, groups) -> torch.Tensor:
-    """One stacked projection (``weight [E, out, in]``, ``[E, in, out]`` when ``columns``; ``bias [E, out]`` or
-    None) of every expert on its rows of ``x``; ``groups`` as :meth:`Experts.forward` makes them."""
+    """Every expert's projection (``weight [E, out, in]``, ``[E, in, out]`` if ``columns``) of its rows of ``x``."""
     counts, offsets, onehot = groups
     mat = weight if columns else weight.transpose(-2, -1)         # [E_local, in, out]
     if offsets is not None:
@@ -311,7 +310,7 @@ class MoEBlock(nn.Module):
         self.aux: MoEAux | None = None      # the chunk's tracker, set by the chunk
         self.replay: RouterReplay | None = None     # the chunk's router replay state, set by the chunk
         self.moe_index = 0                  # this layer's place among the model's MoE layers (set by the chunk)
-        self.recompute_shared = False       # recompute="selective": the shared expert recomputed in the backward
+        self.recompute_shared = False       # recompute="moe" / "selective": the shared expert recomputed
         if moe.router == "sigmoid_grouped":   # DeepSeek-V3 / GLM-4.5: fp32 weight and selection bias
             self.router = GroupLimitedRouter(moe.num_experts, spec.hidden_size, top_k=moe.top_k, n_group=moe.n_group,
                                              topk_group=moe.topk_group, norm_topk_prob=moe.norm_topk_prob,
@@ -430,7 +429,7 @@ class MoEBlock(nn.Module):
         # Deterministic on every device: rows move by gathers whose backward is a gather too (slots_of,
         # weighted_sum) or by permutations; nothing accumulates by index_add / scatter-add, whose colliding atomic
         # adds on CUDA vary in order from run to run.
-        if self.ep == 1 and self.experts.recomputes():    # recompute="selective", no all-to-all: from the tokens
+        if self.ep == 1 and self.experts.recomputes():    # recompute="moe", no all-to-all: kept as the tokens
             plan = dispatch(h, counts, ep=1, group=None)[1]     # (at ep = 1 only the counts: rows pass through)
             rows = recomputed_token_experts(self.experts, h, slots, plan.local_counts, plan.local_counts_device)
             return weighted_sum(rows, weights.to(rows.dtype), slots)

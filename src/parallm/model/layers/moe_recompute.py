@@ -1,4 +1,4 @@
-"""``build_model(recompute="selective")`` for the routed experts: their products recomputed in the backward a few
+"""``build_model(recompute="moe" / "selective")`` for the routed experts: their products recomputed in the backward a few
 experts at a time, so that a MoE layer keeps only the rows its experts received.
 
 The default path (:meth:`parallm.model.layers.moe.Experts.forward` under autograd) keeps, per MoE layer, the
