@@ -1,5 +1,6 @@
-"""``build_model(recompute="moe" / "selective")`` for the routed experts: their products recomputed in the backward a few
-experts at a time, so that a MoE layer keeps only the rows its experts received.
+"""``build_model(recompute="moe" / "selective")`` for the routed experts: their products recomputed in the
+backward a few experts at a time, so that a MoE layer keeps only the rows its experts received, or at ep = 1 the
+tokens those rows repeat (:func:`recomputed_token_experts`: k times smaller).
 
 The default path (:meth:`parallm.model.layers.moe.Experts.forward` under autograd) keeps, per MoE layer, the
 rows (``[M, H]``, M = tokens x top-k on one rank), fc1's output (``[M, 2 I / tp]``), the activation's
@@ -16,7 +17,9 @@ the backward beyond the gradients is one chunk's products.
 Bits: every operation of the forward and of the chunks is one of the default path's, per expert (a grouped GEMM
 of a chunk computes each expert's group as the whole one does on CPU: a loop of ``mm`` per group; the loop
 kernel is a loop anyway), so the outputs and the gradients are those of the default path (the tests check bit
-equality on CPU). Cost: each expert's two GEMMs and activation once more in the backward.
+equality on CPU; on a GPU's grouped kernel a chunk's groups are not guaranteed the whole's bits: not run on
+one). Cost: each expert's two GEMMs and activation once more in the backward, in ``E / chunk`` pieces (on a GPU,
+a larger :data:`CHUNK_ELEMENTS` means fewer launches).
 
 Routing, the dispatch (all-to-all over EP, all-gather over TP) and the weighted sum of the choices are outside
 (their own autograd functions keep what they keep: the weighted sum the expert outputs, ``[M, H]``); adapters
