@@ -6,7 +6,8 @@ experts' own autograd, every activation / layout / bias / kernel, an expert with
 expert a chunk, bit for bit (outputs and every gradient); the token form (rows gathered from the tokens again in
 the backward) against ``slots_of`` + the experts, bit for bit; DeepSeek-V4's hyper-connections recomputed in
 token pieces: outputs and gradients within 1e-6 relative (a piece's small GEMM may round differently from the
-whole's; the parameters' gradients are sums over the pieces). Breaks that must fail: chunks given the wrong experts' slabs, the pieces concatenated out of order.
+whole's; the parameters' gradients are sums over the pieces). Breaks that must fail: chunks given the wrong
+experts' slabs, the pieces concatenated out of order.
 
 Two gloo ranks: a tiny DeepSeek-V4 (hash and routed layers, the shared expert, hyper-connections, CSA / HCA
 attention) at tp1 (dp2), tp2, ep2 (dp2) and tp2 packed + SP, and Qwen2-MoE (shared expert with its gate) at

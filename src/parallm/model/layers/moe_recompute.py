@@ -49,8 +49,9 @@ def expert_chunks(counts: list[int], per_row: int, budget: int = CHUNK_ELEMENTS)
 
 def _chunk_grads(ctx, saved, rows_of, grad, need_rows: bool, put_rows):
     """The backward of both functions (``saved``: their saved tensors): per chunk of experts, their forward again
-    under autograd on the chunk's rows (``rows_of(r0, r1)``) and slabs of the weights; the rows' gradients handed to ``put_rows(r0, r1, g)``,
-    the slabs' written into whole-size weight gradients (zero where an expert got no rows), which are returned."""
+    under autograd on the chunk's rows (``rows_of(r0, r1)``) and slabs of the weights; the rows' gradients
+    handed to ``put_rows(r0, r1, g)``, the slabs' written into whole-size weight gradients (zero where an expert
+    got no rows), which are returned."""
     counts_device, *params = saved[-5:]
     experts, counts = ctx.experts, ctx.counts
     need = ctx.needs_input_grad[-4:]
