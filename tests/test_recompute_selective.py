@@ -14,7 +14,9 @@ attention) at tp1 (dp2), tp2, ep2 (dp2) and tp2 packed + SP, and Qwen2-MoE (shar
 tp2, ep2 and tp2 packed + SP: one
 training step with each option against the same step without recomputation: the loss and every gradient bit for
 bit; and V4 at tp2 with its hyper-connections recomputed in pieces of 5 tokens: the loss within 1e-6 relative,
-the gradients within 1e-6 absolute (see the note at HC_TOL). A dense model refuses ``"moe"``.
+the gradients within 1e-6 absolute (see the note at HC_TOL). A dense model refuses ``"moe"``. One rank: GLM-5
+with shared indexer layers (DeepSeek sparse attention, MoE): the step bit for bit with each option, the shared
+selections held for the attention replays under ``"selective"`` and none left after the backward.
 """
 
 from __future__ import annotations
@@ -299,3 +301,24 @@ def test_moe_option_refused_for_a_dense_model(world_of_one, tmp_path):
         parallm.build_model(ckpt, recompute="moe")
     with pytest.raises(ValueError, match="recompute must be one of"):
         parallm.build_model(ckpt, recompute="attention")
+
+
+@pytest.mark.parametrize("option", ["moe", "selective"])
+def test_shared_indexer_selections_under_recompute(world_of_one, tmp_path, option):
+    """GLM-5 with shared indexer layers (a layer reusing an earlier layer's top-k selection, kept on the layer
+    context for it): under ``"selective"`` the readers' attention replays read the selection in the backward and
+    the source's replay takes it back; the step equals the one without recomputation, bit for bit, and nothing
+    is left on the context."""
+    from test_dsa_memory import _held_at_loss
+    from test_dsa_parts import glm5_config
+    cfg = glm5_config(num_hidden_layers=4, index_topk_freq=2, index_skip_topk_offset=1)
+    ckpt = helpers.save_checkpoint(helpers.make_hf_model(cfg, seed=3), str(tmp_path / "glm5"))
+    ids, mask = helpers.padded_batch(cfg.vocab_size, seed=2, batch=2, seq=40)     # 40 > top-k 16: sparse
+    plain = _held_at_loss(ckpt, ids, mask, recompute=None)
+    got = _held_at_loss(ckpt, ids, mask, recompute=option)
+    assert got[1] == {}, got[1]
+    if option == "selective":
+        assert set(got[0]) == {0, 2}          # held for the replays of the layers reading them
+    assert float(got[2]) == float(plain[2])
+    for name, g in plain[3].items():
+        assert torch.equal(g, got[3][name]), name
