@@ -6,6 +6,8 @@ implementation it has) on the same weights and batch, at S = 2k and 8k, fp32. No
     python bench/v4_bench.py --seqs 2048 4096 8192 --iters 2
     python bench/v4_bench.py --force-ref         # run transformers even where its estimate exceeds MemAvailable
     python bench/v4_bench.py --quick             # tiny shapes: checks that the script runs, measures nothing
+    python bench/v4_bench.py --seqs 2048 --recompute selective   # parallm with build_model(recompute=...)
+    python bench/v4_bench.py --seqs 8192 --parallm-only --recompute moe   # no transformers run (~17 GiB at 8k)
 
 Shapes: V4-Flash's (hidden 4096, 64 heads of 512, one KV head, q_lora 1024, o_groups 8 x o_lora 1024, indexer 64
 heads x 128 top-512, window 128, CSA rate 4, HCA rate 128, hc_mult 4, 256 experts top-6 of width 2048 + a shared
@@ -218,9 +220,11 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=1, help="timed steps after the measured first one (default 1)")
     ap.add_argument("--heads", type=int, default=8, help="attention heads = indexer heads (default 8; a multiple of "
                     "o_groups 2): transformers' scores grow with it")
-    ap.add_argument("--recompute", choices=("full",), default=None,
-                    help="parallm's activation recomputation (build_model(recompute=...)); transformers runs as is")
+    ap.add_argument("--recompute", choices=("full", "moe", "selective"), default=None,
+                    help="parallm's activation recomputation (build_model(recompute=...): docs/deepseek_v4.md); "
+                         "transformers runs as is")
     ap.add_argument("--force-ref", action="store_true", help="run transformers whatever its memory estimate")
+    ap.add_argument("--parallm-only", action="store_true", help="do not run transformers (no ratios)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--one", nargs=2, metavar=("PATH", "S"), help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
@@ -243,6 +247,9 @@ def main(argv=None):
     by, skipped = {}, {}
     for s in seqs:
         for path in ("parallm", "transformers"):
+            if path == "transformers" and args.parallm_only:
+                skipped[s] = "not run (--parallm-only)"
+                continue
             if path == "transformers" and not args.force_ref:
                 need, have = sum(estimate_ref_bytes(shapes, args.pattern, s)) + 2**30, mem_available()
                 if need > have:

@@ -56,7 +56,11 @@ def build_model(hf_config, *, task: str | None = "causal_lm", packed: bool = Fal
     keys: ``"allgather"`` (all-gathered once per layer), ``"ring"`` (passed around the CP group, merged by
     log-sum-exp), or ``"auto"`` (docs/context-parallel.md says which and why); kept as ``chunk.cp_attn``.
     ``recompute="full"``: keep only each decoder layer's input in the forward and recompute its activations in
-    the backward (``torch.utils.checkpoint``, non-reentrant, RNG state restored).
+    the backward (``torch.utils.checkpoint``, non-reentrant, RNG state restored). ``recompute="moe"``: the
+    mixture-of-experts blocks' routed experts (chunk by chunk in the backward), shared experts and DeepSeek-V4's
+    hyper-connection mixes recompute their products, the rest keeps its activations; ``"selective"``: that and
+    each attention block (:mod:`parallm.model.recompute`; ``"moe"`` on a model without experts or
+    hyper-connections is a ValueError).
     Pipeline split (``pp > 1``; default: ``L / (pp * vpp)`` layers per virtual stage): Megatron's
     ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage`` (that many layers on the
     first / last pipeline rank, the rest shared equally by the ranks between; with vpp, each rank's layers

@@ -42,6 +42,7 @@ from .layers.routing import RouterReplay, moe_layer_indices, rows_of_tokens
 from .placement import attach_placements
 from .positions.rope import rope_cos_sin
 from .positions.yarn import yarn_cos_sin
+from .recompute import RECOMPUTE, mark_selective, recomputed_attention  # noqa: F401 (RECOMPUTE: here too)
 from .spec import TASKS, DecoderSpec, check_ep, check_tp, padded_vocab_size
 from .table import chunk_entries
 
@@ -50,16 +51,12 @@ ModelParallelConfig = _megatron.ModelParallelConfig
 mtp = _megatron.tensor_parallel
 
 
-RECOMPUTE = (None, "full")
-
-
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, spec: DecoderSpec, config: ModelParallelConfig, tp: int, layer_number: int, device, *,
                  backend: AttnBackend, dims=None, cp_attn: str = "allgather", gdn_kernel=None, mamba_kernel=None):
         super().__init__()
         self.layer_number = layer_number  # global index in the full model
+        self.recompute_attention = False  # recompute="selective" (mark_selective)
         self.block = spec.block_kind(layer_number)
         if self.block is not None:      # one block per layer (Nemotron-H): norm, then one mixer, residual
             self._one_block(spec, config, tp, device, backend=backend, dims=dims, cp_attn=cp_attn,
@@ -113,6 +110,11 @@ class DecoderLayer(nn.Module):
             self.mlp = MoEBlock(spec, config, dims, device, layer=self.layer_number) if self.block == "moe" \
                 else MLP(spec, config)
 
+    def _attend(self, h, cos, sin, ctx):
+        if self.recompute_attention:        # recompute="selective"
+            return recomputed_attention(self.self_attention, h, cos, sin, ctx)
+        return self.self_attention(h, cos, sin, ctx)
+
     def forward(self, x, cos, sin, ctx, tokens=None, routed=None, per_layer=None):
         """``tokens``: real-row mask of ``x`` for a MoE layer's load-balancing loss (None: not computed / all
         real). ``routed``: a MoE layer's replayed experts for the rows of ``x`` (:meth:`MoEBlock.route`).
@@ -120,11 +122,11 @@ class DecoderLayer(nn.Module):
         if self.block is not None:
             h = self.norm(x)
             if self.mlp is None:
-                return x + self.self_attention(h, cos, sin, ctx)
+                return x + self._attend(h, cos, sin, ctx)
             return x + (self.mlp(h, tokens, routed) if isinstance(self.mlp, MoEBlock) else self.mlp(h))
         if isinstance(cos, dict):          # RoPE per layer type (Gemma): this layer's tables
             cos, sin = cos[self.rope], sin[self.rope]
-        a = self.self_attention(self.input_layernorm(x), cos, sin, ctx)
+        a = self._attend(self.input_layernorm(x), cos, sin, ctx)
         x = x + (self.attn_out_norm(a) if hasattr(self, "attn_out_norm") else a)
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, DenseBesideMoE):        # Gemma 4: the router reads the residual
@@ -197,8 +199,8 @@ class DecoderChunk(ChunkIO, nn.Module):
         ``chunk.dims``); ``attn_impl``: an attention backend of :mod:`parallm.model.layers.attention` or "auto" (the
         resolved name is kept as ``chunk.attn_impl``); ``cp_attn``: the context-parallel attention ("auto",
         "allgather", "ring": :mod:`parallm.model.context_parallel`; kept as ``chunk.cp_attn``, None at cp = 1);
-        ``recompute``: None, or ``"full"`` to recompute every
-        layer's activations in backward."""
+        ``recompute``: None, ``"full"`` to recompute every layer's activations in backward, or ``"moe"`` /
+        ``"selective"`` (:func:`mark_selective`)."""
         super().__init__()
         tp = config.tensor_model_parallel_size
         device = None if config.use_cpu_initialization else torch.cuda.current_device()
@@ -259,6 +261,8 @@ class DecoderChunk(ChunkIO, nn.Module):
         attach_placements(self, chunk_entries(table, spec, task=task, pp=dims.pp, pre_process=pre_process,
                                               post_process=post_process, layers=layers, experts=experts),
                           pp=dims.pp)
+        if recompute in ("moe", "selective"):
+            mark_selective(self, attention=recompute == "selective")
 
     def _kernels(self, spec, config, dims, device, *, attn_impl: str, packed: bool, cp_attn: str):
         """The kernels the layers run (attention backend, CP attention, Gated DeltaNet's, Mamba-2's), kept by name
@@ -387,7 +391,7 @@ class DecoderChunk(ChunkIO, nn.Module):
                                                                                   range(self.spec.num_layers)))}
             cos, sin = ({r: t[i].to(x.device) for r, t in tables.items()} for i in (0, 1))
         recompute = self.recompute == "full" and torch.is_grad_enabled()
-        if recompute:        # the layers' forwards run again in the backward (what a layer keeps on ctx for them)
+        if recompute or self.recompute == "selective":    # layers' (attention's) forwards run again in the backward
             ctx.replays_layers = True
         tokens = self._real_tokens(attention_mask, ctx) if self.moe_aux.scale is not None else None
         replay = self.router_replay

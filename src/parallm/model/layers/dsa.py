@@ -152,6 +152,7 @@ def _sparse_backward(ctx, grad):
     """The blocked backward of the sparse latent attention from ``ctx.saved`` = (q, kv, index, out fp32, lse fp32):
     each block's gathered rows and probabilities recomputed."""
     q, kv, index, out, lse = ctx.saved
+    del ctx.saved       # kept on ctx, ``out`` (this node's own output in fp32) would hold the node: never freed
     scale, dv, step = ctx.scale, ctx.dv, ctx.step
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)

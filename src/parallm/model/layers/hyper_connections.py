@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -55,10 +56,14 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.empty(width, n * hidden, dtype=torch.float32, device=device))
         self.base = nn.Parameter(torch.empty(width, dtype=torch.float32, device=device))
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32, device=device))
+        self.recompute = False      # build_model(recompute="moe" / "selective"): keep the streams (recomputed)
 
     def forward(self, streams: torch.Tensor):
         """``streams [.., n, H]`` -> ``(post [.., n], comb [.., n, n], collapsed [.., H])`` (post / comb fp32,
         collapsed in the streams' dtype)."""
+        return recomputed(self._mix, streams) if self.recompute else self._mix(streams)
+
+    def _mix(self, streams: torch.Tensor):
         n = self.n
         flat = _unweighted_rms(streams.flatten(-2).float(), self.norm_eps)
         mix = F.linear(flat, self.fn.float())
@@ -71,6 +76,31 @@ class HyperConnection(nn.Module):
         comb = sinkhorn(comb, self.sinkhorn_iters, self.eps)
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
         return post, comb, collapsed
+
+
+CHUNK_ELEMENTS = 1 << 21     # stream elements a recomputed piece covers (8 MiB in fp32): see recomputed
+
+
+def recomputed(fn, streams: torch.Tensor):
+    """``fn(streams)`` keeping only ``streams`` (which the stream mix after the block keeps anyway) for the
+    backward (``build_model(recompute="moe" / "selective")``): ``fn`` runs under ``torch.utils.checkpoint``
+    (non-reentrant) on pieces of at most :data:`CHUNK_ELEMENTS` along the first (token) dimension, its outputs
+    concatenated. What is not kept: the RMS-normed flattened streams ``[.., n H]`` fp32 the projection saves
+    (``[S, 4 H]`` in V4-Flash, per hyper-connection). Every operation is per token; the backward's temporaries
+    (six or so stream-sized tensors) are those of one piece. One piece is bit for bit the whole; several are
+    not: a piece's small GEMM may round differently from the whole's, the parameters' gradients are sums over the
+    pieces, and the streams' gradient gets the pieces' terms (norm and collapse) already summed before the stream
+    mix's joins them (another association): within ~1e-6 relative (tests/test_recompute_selective.py)."""
+    if not torch.is_grad_enabled():
+        return fn(streams)
+    step = max(1, CHUNK_ELEMENTS // max(1, streams[:1].numel()))
+    if step >= streams.shape[0]:        # one piece: the very graph of fn(streams), its saved tensors recomputed
+        return checkpoint(fn, streams, use_reentrant=False, preserve_rng_state=False)
+    parts = [checkpoint(fn, piece, use_reentrant=False, preserve_rng_state=False)
+             for piece in streams.split(step, 0)]
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts, 0)
+    return tuple(torch.cat(p, 0) for p in zip(*parts))
 
 
 def mix_streams(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
@@ -91,8 +121,12 @@ class HyperHead(nn.Module):
         self.hc_fn = nn.Parameter(torch.empty(n, n * hidden, dtype=torch.float32, device=device))
         self.hc_base = nn.Parameter(torch.empty(n, dtype=torch.float32, device=device))
         self.hc_scale = nn.Parameter(torch.empty(1, dtype=torch.float32, device=device))
+        self.recompute = False      # as HyperConnection's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return recomputed(self._collapse, x) if self.recompute else self._collapse(x)
+
+    def _collapse(self, x: torch.Tensor) -> torch.Tensor:
         streams = x.unflatten(-1, (self.n, self.hidden))
         mixes = F.linear(_unweighted_rms(x.float(), self.norm_eps), self.hc_fn.float())
         pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps

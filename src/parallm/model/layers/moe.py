@@ -57,6 +57,7 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ...parallel.experts import (combine, dispatch, expert_counts, gather_shares, share_of, share_sizes, slots_of,
                                  sort_slots, weighted_sum)
@@ -64,6 +65,7 @@ from ...parallel.comm import all_gather_single
 from ...parallel.megatron_import import import_megatron
 from ...parallel.state import as_device
 from .mlp import MLP
+from .moe_recompute import recomputed_experts, recomputed_token_experts
 from .moe_kernels import (KERNEL_ENV, KERNELS, PROBED_DEVICE_TYPES, _choose_kernel,  # noqa: F401 (re-exported)
                           empty_group_problem, expert_kernel, grouped_mm_support)
 from .moe_aux import (AuxScales, MoEAux, _AttachAux, _AttachPooled,  # noqa: F401 (AuxScales, MoEAux: here too)
@@ -183,6 +185,7 @@ class Experts(nn.Module):
         self.activation, self.limit, self.alpha = activation, limit, alpha
         device_type = as_device(device).type
         self.kernel = expert_kernel(device_type, dtype, (hidden, up, width_local))
+        self.recompute = False      # build_model(recompute="moe" / "selective"): see moe_recompute
 
     def act(self, h: torch.Tensor) -> torch.Tensor:
         """The activation of fc1's output ``h`` ``[m, 2 w]``: gate / up are its halves (``rows``) or its even /
@@ -200,11 +203,17 @@ class Experts(nn.Module):
             return F.gelu(gate, approximate="tanh") * up
         return clamped_swiglu(gate, up, limit=self.limit, alpha=self.alpha)
 
+    def recomputes(self) -> bool:
+        """recompute="moe" / "selective" applies here (not to adapters: they override :meth:`project`)."""
+        return self.recompute and torch.is_grad_enabled() and type(self).project is Experts.project
+
     def forward(self, rows: torch.Tensor, counts: list[int], counts_device: torch.Tensor) -> torch.Tensor:
         """``rows`` grouped by local expert, ``counts[x]`` of them for local expert x (``counts_device``: the same
         on the device). An expert with no rows still takes part in autograd: its weights get a zero gradient.
         Biases enter through each row's one-hot expert times the stacked bias (a small GEMM: its gradient is a
-        GEMM too, with no accumulation by index)."""
+        GEMM too, with no accumulation by index). :meth:`recomputes`: only ``rows`` kept (:mod:`.moe_recompute`)."""
+        if self.recomputes():
+            return recomputed_experts(self, rows, counts, counts_device)
         offsets = counts_device.cumsum(0).to(torch.int32) if self.kernel == "grouped_mm" else None
         onehot = _group_of_rows(counts_device, rows.shape[0], rows.dtype) \
             if self.linear_fc1.bias is not None else None
@@ -215,15 +224,30 @@ class Experts(nn.Module):
         """fc1 (``part`` ``"gate_up_proj"``) or fc2 (``"down_proj"``) of every local expert on its rows of ``x``,
         bias included (fc2's on TP rank 0 only). ``groups``: ``(counts, offsets, onehot)`` of :meth:`forward`
         (``offsets``: the grouped GEMM's, None: a loop over the experts)."""
-        counts, offsets, onehot = groups
         fc = self.linear_fc1 if part == "gate_up_proj" else self.linear_fc2
-        mat = fc.weight if self.columns else fc.weight.transpose(-2, -1)         # [E_local, in, out]
         bias = fc.bias if part == "gate_up_proj" or self.add_down_bias else None
-        if offsets is not None:
-            y = torch._grouped_mm(x, mat, offs=offsets)
-            return y if bias is None else y + onehot @ bias
-        return torch.cat([xe @ mat[e] if bias is None else torch.addmm(bias[e], xe, mat[e])
-                          for e, xe in enumerate(x.split(counts, dim=0))], dim=0)
+        return project_rows(x, fc.weight, bias, self.columns, groups)
+
+    def compute(self, rows: torch.Tensor, counts: list[int], counts_device: torch.Tensor, params) -> torch.Tensor:
+        """:meth:`forward`'s operations with ``params`` ``(fc1 weight, fc1 bias, fc2 weight, fc2 bias)`` (slabs
+        of ``len(counts)`` experts: :func:`recomputed_experts` recomputes a few experts at a time)."""
+        w1, b1, w2, b2 = params
+        offsets = counts_device.cumsum(0).to(torch.int32) if self.kernel == "grouped_mm" else None
+        onehot = _group_of_rows(counts_device, rows.shape[0], rows.dtype) if b1 is not None else None
+        groups = (counts, offsets, onehot)
+        h = self.act(project_rows(rows, w1, b1, self.columns, groups))
+        return project_rows(h, w2, b2 if self.add_down_bias else None, self.columns, groups)
+
+
+def project_rows(x: torch.Tensor, weight: torch.Tensor, bias, columns: bool, groups) -> torch.Tensor:
+    """Every expert's projection (``weight [E, out, in]``, ``[E, in, out]`` if ``columns``) of its rows of ``x``."""
+    counts, offsets, onehot = groups
+    mat = weight if columns else weight.transpose(-2, -1)         # [E_local, in, out]
+    if offsets is not None:
+        y = torch._grouped_mm(x, mat, offs=offsets)
+        return y if bias is None else y + onehot @ bias
+    return torch.cat([xe @ mat[e] if bias is None else torch.addmm(bias[e], xe, mat[e])
+                      for e, xe in enumerate(x.split(counts, dim=0))], dim=0)
 
 
 class Latent(_Weight):
@@ -286,6 +310,7 @@ class MoEBlock(nn.Module):
         self.aux: MoEAux | None = None      # the chunk's tracker, set by the chunk
         self.replay: RouterReplay | None = None     # the chunk's router replay state, set by the chunk
         self.moe_index = 0                  # this layer's place among the model's MoE layers (set by the chunk)
+        self.recompute_shared = False       # recompute="moe" / "selective": the shared expert recomputed
         if moe.router == "sigmoid_grouped":   # DeepSeek-V3 / GLM-4.5: fp32 weight and selection bias
             self.router = GroupLimitedRouter(moe.num_experts, spec.hidden_size, top_k=moe.top_k, n_group=moe.n_group,
                                              topk_group=moe.topk_group, norm_topk_prob=moe.norm_topk_prob,
@@ -404,6 +429,10 @@ class MoEBlock(nn.Module):
         # Deterministic on every device: rows move by gathers whose backward is a gather too (slots_of,
         # weighted_sum) or by permutations; nothing accumulates by index_add / scatter-add, whose colliding atomic
         # adds on CUDA vary in order from run to run.
+        if self.ep == 1 and self.experts.recomputes():    # recompute="moe", no all-to-all: kept as the tokens
+            plan = dispatch(h, counts, ep=1, group=None)[1]     # (at ep = 1 only the counts: rows pass through)
+            rows = recomputed_token_experts(self.experts, h, slots, plan.local_counts, plan.local_counts_device)
+            return weighted_sum(rows, weights.to(rows.dtype), slots)
         rows, plan = dispatch(slots_of(h, slots), counts, ep=self.ep, group=self.ep_group, tp=self.tp,
                               tp_group=tp_group)
         rows = combine(self.experts(rows, plan.local_counts, plan.local_counts_device), plan)  # sorted-slot order
@@ -459,7 +488,8 @@ class MoEBlock(nn.Module):
             out = self.fc2_latent_proj(out)
         out = out.view(shape)
         if hasattr(self, "shared_experts"):
-            out = out + self.shared_experts(x)
+            out = out + (self.shared_experts(x) if not self.recompute_shared or not torch.is_grad_enabled() else
+                         checkpoint(self.shared_experts, x, use_reentrant=False, preserve_rng_state=False))
         if aux is not None:
             if self.aux.recording:
                 self.aux.record(aux.detach())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .hyper_connections import HyperConnection, mix_streams
 from .moe import MoEBlock
@@ -46,11 +47,17 @@ class V4Layer(nn.Module):
                                           tp_group=tp_group)
         self.post_attention_layernorm = norm(spec.hidden_size, spec.rms_norm_eps, torch.float32, device)
         self.mlp = MoEBlock(spec, config, dims, device, layer=layer_number)
+        self.recompute_attention = False    # recompute="selective": the attention keeps its inputs only
+
+    def _attend(self, h, cos, sin, ctx):
+        if self.recompute_attention and torch.is_grad_enabled():
+            return checkpoint(self.self_attention, h, cos, sin, ctx, use_reentrant=False, preserve_rng_state=True)
+        return self.self_attention(h, cos, sin, ctx)
 
     def forward(self, x, cos, sin, ctx, tokens=None, routed=None):
         streams = x.unflatten(-1, (self.n, self.hidden))
         post, comb, h = self.attn_hc(streams)
-        streams = mix_streams(streams, self.self_attention(self.input_layernorm(h), cos, sin, ctx), post, comb)
+        streams = mix_streams(streams, self._attend(self.input_layernorm(h), cos, sin, ctx), post, comb)
         post, comb, h = self.ffn_hc(streams)
         m = self.mlp(self.post_attention_layernorm(h), tokens, routed, token_ids=ctx.token_ids)
         return mix_streams(streams, m, post, comb).flatten(-2)
