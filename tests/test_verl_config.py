@@ -125,10 +125,17 @@ def test_config_groups(tmp_path, monkeypatch):
     # refused when verl builds the config, naming the key
     for override, words in [("engine.dtype=float16", "dtype"), ("engine.tensor_model_parallel_size=0",
                                                                 "tensor_model_parallel_size"),
-                            ("engine.recompute=selective", "recompute"), ("engine.strategy=fsdp2", "strategy")]:
+                            ("engine.recompute=partial", "recompute"), ("engine.strategy=fsdp2", "strategy")]:
         bad = _compose("sft_trainer_engine", ["engine=parallm", "optim=parallm", override])
         with pytest.raises(Exception, match=words):
             omega_conf_to_dataclass(bad.engine)
+    # every recompute option of build_model is accepted (the config's list is build_model's)
+    from parallm.integrations.verl.config import RECOMPUTE
+    from parallm.model.recompute import RECOMPUTE as BUILD_RECOMPUTE
+    assert RECOMPUTE == BUILD_RECOMPUTE
+    for value in ("moe", "selective"):
+        good = _compose("sft_trainer_engine", ["engine=parallm", "optim=parallm", f"engine.recompute={value}"])
+        assert omega_conf_to_dataclass(good.engine).parallm_options()["recompute"] == value
     bad = _compose("ppo_trainer", ["model_engine=parallm", "actor_rollout_ref.actor.strategy=fsdp2",
                                    "actor_rollout_ref.rollout.n=2",
                                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"])

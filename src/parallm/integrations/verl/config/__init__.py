@@ -23,6 +23,10 @@ from typing import Optional
 
 from verl.workers.config import ActorConfig, CriticConfig, EngineConfig, FSDPOptimizerConfig
 
+# parallm.model.recompute.RECOMPUTE (not imported: verl reads this config before any model code is loaded;
+# tests/test_verl_config.py checks the two agree)
+RECOMPUTE = (None, "full", "moe", "selective")
+
 __all__ = ["ParallmEngineConfig", "ParallmActorConfig", "ParallmCriticConfig", "ParallmOptimizerConfig",
            "LAYOUT_KEYS"]
 
@@ -45,7 +49,7 @@ class ParallmEngineConfig(EngineConfig):
     * ``dtype``: the parameters' dtype, ``float32`` (default) or ``bfloat16`` (fp32 gradients and master weights);
       ``fp32`` / ``bf16`` are accepted as verl spells them elsewhere. float16 is refused (parallm does no loss
       scaling).
-    * ``recompute`` (null or ``"full"``), ``packed`` (remove padding inside the model), ``attn_impl``: as
+    * ``recompute`` (null, ``"full"``, ``"moe"`` or ``"selective"``: :data:`RECOMPUTE`), ``packed`` (remove padding inside the model), ``attn_impl``: as
       ``parallm.build_model`` takes them.
 
     Values are checked here, when verl builds the config, so a bad one fails before any process group exists."""
@@ -78,8 +82,9 @@ class ParallmEngineConfig(EngineConfig):
         if str(self.dtype) not in _DTYPES:
             raise ValueError(f"parallm engine config: dtype {self.dtype!r}; parallm trains in float32 or bfloat16 "
                              f"(known spellings: {sorted(_DTYPES)})")
-        if self.recompute not in (None, "full"):
-            raise ValueError(f"parallm engine config: recompute must be null or 'full', got {self.recompute!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"parallm engine config: recompute must be one of {RECOMPUTE} (null: none), got "
+                             f"{self.recompute!r}")
 
     def parallm_options(self) -> dict:
         """These settings as the engine's option block (``tp``, ``pp``, ``vpp``, ``cp``, ``ep``, ``dtype``,
