@@ -16,7 +16,9 @@ One concern per module:
 - :mod:`.trainer`: what every rank does per item; :mod:`.clients`: several LoRA clients on one model;
   :mod:`.full`: a full-fine-tuning client (LoRA rank 0) on a model of its own;
   :mod:`.batch`: datums -> parallm batches and the loss hook; :mod:`.losses`: Tinker's losses;
-- :mod:`.sampling`: vLLM (``vllm serve``) or parallm's own forwards; :mod:`.checkpoints`: ``tinker://`` paths.
+- :mod:`.sampling`: the sampling jobs and the vLLM (``vllm serve``) engine sampler; :mod:`.parallm_sampler`:
+  parallm's own forwards; :mod:`.router`: several engines; :mod:`.remote_engine`: engines started elsewhere
+  (``--engine-url``); :mod:`.checkpoints`: ``tinker://`` paths.
 """
 
 from .launcher import add_arguments, main, run

@@ -22,7 +22,8 @@ from .dispatch import Leader, follow, new_control_group
 from .http_app import start_http
 from .operations import OperationsRoutes
 from .preflight import TOKENIZER_FILES
-from .sampling import ParallmSampler, SampleInputError
+from .parallm_sampler import ParallmSampler
+from .sampling import SampleInputError
 from .sampling_routes import SamplingRoutes
 from .service import ServiceBase
 from .trainer import Trainer
