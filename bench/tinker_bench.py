@@ -11,7 +11,10 @@ thread each, the first round not timed (warm-up), then ``--reps`` timed rounds; 
 direct  ``parallm.forward_backward(output="logprobs")`` with a summed next-token loss over the batch,
         ``finalize_grads``, ``clip_grad_norm_`` (the norm only), ``opt.step()``, ``zero_grad``: what a user of
         parallm's API calls for one step.
-server  ``parallm serve-tinker --tp 2 --sampler none`` and the SDK from this process: ``forward_backward(data,
+server  ``parallm serve-tinker --tp 2 --sampler none --lora-unembed skip`` (no adapter on the output head, as the
+        direct side: the server's default ``--lora-unembed train`` holds one for every client, which a
+        ``train_unembed=False`` client runs at zero: at the MoE shape's 32000-token vocabulary that is ~15 % more
+        work than the direct side) and the SDK from this process: ``forward_backward(data,
         "cross_entropy")`` and ``optim_step`` submitted back to back, then both results awaited: wall time of the
         round seen by the client (HTTP, the SDK's protobuf, the dispatcher's broadcast, Tinker's per-datum loss,
         the result's way back).
@@ -106,7 +109,8 @@ def _server(ckpt, vocab, reps, work) -> list[float]:
     from tinker import types
     ready = os.path.join(work, "ready.json")
     cmd = [sys.executable, "-m", "parallm.integrations.tinker", "--model", ckpt, "--tp", "2", "--port", "0",
-           "--sampler", "none", "--lora-rank", str(RANK), "--ready-file", ready, "--checkpoint-dir",
+           "--sampler", "none", "--lora-rank", str(RANK), "--lora-unembed", "skip", "--ready-file", ready,
+           "--checkpoint-dir",
            os.path.join(work, "ckpt")]
     log = open(os.path.join(work, "server.log"), "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
