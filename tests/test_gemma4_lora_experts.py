@@ -31,8 +31,8 @@ import torch
 
 import helpers
 from test_gemma4_moe import make_model, moe_config
-from test_lora import (ALPHA, EPS, LR, R, WD, _adapted, _assert_case, _assert_close_dict, _check_run, _hf_logits,
-                       _merged_and_saved, _peft_state, _randomize_adapter, token_nll)
+from test_lora import (ALPHA, R, _adapted, _assert_case, _assert_close_dict, _check_run, _hf_logits, _merged_and_saved,
+                       _randomize_adapter, peft_step)
 
 DENSE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
@@ -46,7 +46,6 @@ def _peft_config():
 
 def _reference(tmp):
     """(checkpoint, adapter dir, batch, reference dict, base model, PEFT model before the step)."""
-    import parallm
     base = make_model(5)
     ckpt = helpers.save_checkpoint(base, str(tmp / "ckpt"))
     model = peft.get_peft_model(copy.deepcopy(base), _peft_config())
@@ -55,19 +54,7 @@ def _reference(tmp):
     model.save_pretrained(adapter)
     start = copy.deepcopy(model)
     ids, mask = helpers.padded_batch(101, batch=4, seq=12, seed=3)
-    pos = parallm.default_position_ids(mask)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        base_logits = base(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-    before = _peft_state(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=WD)
-    total, count = token_nll(model(input_ids=ids, attention_mask=mask, position_ids=pos).logits, ids, mask)
-    (total / count).backward()
-    norm = torch.nn.utils.clip_grad_norm_(params, 1e9).item()
-    opt.step()
-    ref = dict(logits=logits, base_logits=base_logits, before=before, after=_peft_state(model),
-               loss=(total / count).item(), norm=norm)
+    ref = peft_step(model, base, ids, mask)
     return ckpt, adapter, (ids, mask), ref, base, start
 
 

@@ -28,8 +28,8 @@ import helpers
 from test_gemma4_features import VISION
 from test_gemma4_lora_experts import DENSE, EXPERTS
 from test_gemma4_moe import moe_config
-from test_lora import (ALPHA, EPS, LR, R, WD, _adapted, _assert_case, _assert_close_dict, _check_run, _hf_logits,
-                       _peft_state, _randomize_adapter, token_nll)
+from test_lora import (ALPHA, R, _adapted, _assert_case, _assert_close_dict, _check_run, _hf_logits, _randomize_adapter,
+                       token_nll, peft_step)
 
 def wrapper_model(seed: int):
     """The wrapper over test_gemma4_moe.py's text config (router scaled as there) and a 1-layer vision tower (no
@@ -65,7 +65,6 @@ def _peft_config(**kw):
 
 
 def _reference(tmp):
-    import parallm
     base = wrapper_model(9)
     ckpt = helpers.save_checkpoint(base, str(tmp / "ckpt"))
     model = peft.get_peft_model(copy.deepcopy(base), _peft_config())
@@ -73,19 +72,7 @@ def _reference(tmp):
     adapter = str(tmp / "adapter")
     model.save_pretrained(adapter)
     ids, mask = helpers.padded_batch(101, batch=4, seq=12, seed=3)
-    pos = parallm.default_position_ids(mask)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        base_logits = base(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-    before = _peft_state(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=WD)
-    total, count = token_nll(model(input_ids=ids, attention_mask=mask, position_ids=pos).logits, ids, mask)
-    (total / count).backward()
-    norm = torch.nn.utils.clip_grad_norm_(params, 1e9).item()
-    opt.step()
-    ref = dict(logits=logits, base_logits=base_logits, before=before, after=_peft_state(model),
-               loss=(total / count).item(), norm=norm, norm64=_norm64(base, adapter, ids, mask))
+    ref = dict(peft_step(model, base, ids, mask), norm64=_norm64(base, adapter, ids, mask))
     return ckpt, adapter, (ids, mask), ref, base
 
 

@@ -20,8 +20,8 @@ import torch
 
 import helpers
 from test_gpt_oss_parts import gpt_oss_config
-from test_lora import (ALPHA, EPS, LR, R, WD, _adapted, _assert_case, _assert_close_dict, _check_run,
-                       _hf_logits, _merged_and_saved, _peft_state, _randomize_adapter, token_nll)
+from test_lora import (ALPHA, R, _adapted, _assert_case, _assert_close_dict, _check_run, _hf_logits, _merged_and_saved,
+                       _randomize_adapter, peft_step)
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["gate_up_proj", "down_proj"]
@@ -34,7 +34,6 @@ def _peft_config():
 
 def _reference(tmp):
     """(checkpoint, adapter dir, batch, reference dict, base model): PEFT on a tiny gpt-oss, A and B random."""
-    import parallm
     base = helpers.make_hf_model(gpt_oss_config(), seed=0)
     ckpt = helpers.save_checkpoint(base, str(tmp / "gpt_oss_ckpt"))
     model = peft.get_peft_model(copy.deepcopy(base), _peft_config())
@@ -42,19 +41,7 @@ def _reference(tmp):
     adapter = str(tmp / "gpt_oss_adapter")
     model.save_pretrained(adapter)
     ids, mask = helpers.padded_batch(base.config.vocab_size, batch=4, seq=12)
-    pos = parallm.default_position_ids(mask)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        base_logits = base(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-    before = _peft_state(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=WD)
-    total, count = token_nll(model(input_ids=ids, attention_mask=mask, position_ids=pos).logits, ids, mask)
-    (total / count).backward()
-    norm = torch.nn.utils.clip_grad_norm_(params, 1e9).item()
-    opt.step()
-    ref = dict(logits=logits, base_logits=base_logits, before=before, after=_peft_state(model),
-               loss=(total / count).item(), norm=norm)
+    ref = peft_step(model, base, ids, mask)
     return ckpt, adapter, (ids, mask), ref, base
 
 

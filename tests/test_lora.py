@@ -68,7 +68,6 @@ def _peft_state(model) -> dict[str, torch.Tensor]:
 
 def _reference(family: str, tmp, *, overrides=None, targets=TARGETS, tag=""):
     """(checkpoint dir, adapter dir, batch, reference dict)."""
-    import parallm
     cfg = helpers.tiny_config(family, **(overrides or {}))
     base = helpers.make_hf_model(cfg, seed=0)
     ckpt = helpers.save_checkpoint(base, str(tmp / f"{family}{tag}_ckpt"))
@@ -79,21 +78,29 @@ def _reference(family: str, tmp, *, overrides=None, targets=TARGETS, tag=""):
     adapter = str(tmp / f"{family}{tag}_adapter")
     model.save_pretrained(adapter)
     ids, mask = helpers.padded_batch(cfg.vocab_size, batch=4, seq=12)
+    with torch.no_grad():
+        merged = {k: v.clone() for k, v in copy.deepcopy(model).merge_and_unload().state_dict().items()}
+    ref = dict(peft_step(model, base, ids, mask), merged=merged)
+    return ckpt, adapter, (ids, mask), ref, base
+
+
+def peft_step(model, base, ids, mask) -> dict:
+    """The reference every LoRA test compares with: PEFT ``model``'s logits (and ``base``'s), its factors, one
+    AdamW step (LR / EPS / WD) on the mean next-token NLL, the factors after it, the loss and the gradient norm."""
+    import parallm
     pos = parallm.default_position_ids(mask)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
         base_logits = base(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        merged = {k: v.clone() for k, v in copy.deepcopy(model).merge_and_unload().state_dict().items()}
     before = _peft_state(model)
-    params = [p for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=WD)
     total, count = token_nll(model(input_ids=ids, attention_mask=mask, position_ids=pos).logits, ids, mask)
     (total / count).backward()
     norm = torch.nn.utils.clip_grad_norm_(params, 1e9).item()
     opt.step()
-    ref = dict(logits=logits, base_logits=base_logits, before=before, after=_peft_state(model),
-               merged=merged, loss=(total / count).item(), norm=norm)
-    return ckpt, adapter, (ids, mask), ref, base
+    return dict(logits=logits, base_logits=base_logits, before=before, after=_peft_state(model),
+                loss=(total / count).item(), norm=norm)
 
 
 def _check_run(rank, chunks, batch, *, dp_slice=None, extra=None, opt_kw=None):

@@ -12,18 +12,15 @@ import copy
 
 import peft
 import pytest
-import torch
 
 import helpers
-from test_lora import ALPHA, EPS, LR, R, WD, _adapted, _assert_case, _check_run, _peft_state, _randomize_adapter, \
-    token_nll
+from test_lora import ALPHA, R, _adapted, _assert_case, _check_run, _randomize_adapter, peft_step
 from test_nemotron_h import MOE_PATTERN, make_model, nemotron_config
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "up_proj", "down_proj")
 
 
 def _reference(tmp):
-    import parallm
     base = make_model(nemotron_config(MOE_PATTERN), seed=3)
     ckpt = helpers.save_checkpoint(base, str(tmp / "ckpt"))
     config = peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=list(TARGETS), lora_dropout=0.0)
@@ -32,19 +29,7 @@ def _reference(tmp):
     adapter = str(tmp / "adapter")
     model.save_pretrained(adapter)
     ids, mask = helpers.padded_batch(101, batch=4, seq=19)
-    pos = parallm.default_position_ids(mask)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        base_logits = base(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-    before = _peft_state(model)
-    params = [p for n, p in model.named_parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=WD)
-    total, count = token_nll(model(input_ids=ids, attention_mask=mask, position_ids=pos).logits, ids, mask)
-    (total / count).backward()
-    norm = torch.nn.utils.clip_grad_norm_(params, 1e9).item()
-    opt.step()
-    ref = dict(logits=logits, base_logits=base_logits, before=before, after=_peft_state(model),
-               loss=(total / count).item(), norm=norm)
+    ref = peft_step(model, base, ids, mask)
     return ckpt, adapter, (ids, mask), ref
 
 
