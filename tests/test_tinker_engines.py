@@ -68,6 +68,39 @@ def _start(work: str, model: str, extra: list[str], env=None) -> th.Server:
         raise
 
 
+def _ephemeral_snapshot_check(srv, model, work, *, seed, what, samples):
+    """A LoRA client of ``srv`` after two AdamW steps, its ephemeral snapshot (nothing written under
+    ``--checkpoint-dir``): prompt log-probs and, with ``samples``, the sampled tokens' within 1e-4 of the trainer's
+    forward, the base model's more than 1e-3 away (the check can fail). Returns (sampling client, prompt)."""
+    tc = srv.client.create_lora_training_client(base_model=model, rank=RANK, seed=seed).result()
+    g = np.random.default_rng(seed)
+    for _ in range(2):
+        tc.forward_backward([th.next_token_datum(g.integers(3, 99, 12).tolist()) for _ in range(4)],
+                            "cross_entropy").result()
+        tc.optim_step(ADAM).result()
+    prompt = g.integers(3, 99, 10).tolist()
+    want = th.forward_logprobs(tc, prompt)
+    ckpt = os.path.join(work, "ckpt")
+    files = th.file_sizes(ckpt)
+    sc = tc.save_weights_and_get_sampling_client().result()
+    assert th.file_sizes(ckpt) == files, "an ephemeral snapshot wrote under --checkpoint-dir"
+    lp = sc.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+    assert lp[0] is None
+    worst = float(np.abs(np.array(lp[1:]) - want).max())
+    if samples:
+        res = sc.sample(types.ModelInput.from_ints(prompt), samples,
+                        types.SamplingParams(max_tokens=6, seed=3, stop=[])).result()
+        for s in res.sequences:
+            got = th.forward_logprobs(tc, prompt + s.tokens)[len(prompt) - 1:]
+            worst = max(worst, float(np.abs(np.array(s.logprobs) - got).max()))
+    print(f"{what}, ephemeral snapshot: max |log-prob - trainer| =", worst)
+    assert worst < 1e-4
+    base = srv.client.create_sampling_client(base_model=model).result()
+    blp = np.array(base.compute_logprobs(types.ModelInput.from_ints(prompt)).result()[1:])
+    assert np.abs(blp - want).max() > 1e-3        # the check can fail: the base's log-probs differ
+    return sc, prompt
+
+
 def _group_titles(pgid: int) -> list[str]:
     """The command names (process titles) of every process in process group ``pgid``."""
     out = subprocess.run(["ps", "-e", "-o", "pgid=,args="], capture_output=True, text=True).stdout
@@ -108,30 +141,7 @@ def test_engine_tp2_ephemeral_snapshot(tmp_path):
         workers = sorted(t for t in titles if re.search(r"Worker_TP\d", t))
         print("the engine's processes:", titles)
         assert len(workers) == 2, f"the engine must run two tensor-parallel workers: {titles}"
-        tc = srv.client.create_lora_training_client(base_model=model, rank=RANK, seed=3).result()
-        g = np.random.default_rng(3)
-        for _ in range(2):
-            tc.forward_backward([th.next_token_datum(g.integers(3, 99, 12).tolist()) for _ in range(4)], "cross_entropy").result()
-            tc.optim_step(ADAM).result()
-        prompt = g.integers(3, 99, 10).tolist()
-        want = th.forward_logprobs(tc, prompt)
-        ckpt = os.path.join(work, "ckpt")
-        files = th.file_sizes(ckpt)
-        sc = tc.save_weights_and_get_sampling_client().result()
-        assert th.file_sizes(ckpt) == files, "an ephemeral snapshot wrote under --checkpoint-dir"
-        lp = sc.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
-        assert lp[0] is None
-        worst = float(np.abs(np.array(lp[1:]) - want).max())
-        res = sc.sample(types.ModelInput.from_ints(prompt), 2,
-                        types.SamplingParams(max_tokens=6, seed=3, stop=[])).result()
-        for s in res.sequences:
-            got = th.forward_logprobs(tc, prompt + s.tokens)[len(prompt) - 1:]
-            worst = max(worst, float(np.abs(np.array(s.logprobs) - got).max()))
-        print("engine tp2, ephemeral snapshot: max |log-prob - trainer| =", worst)
-        assert worst < 1e-4
-        base = srv.client.create_sampling_client(base_model=model).result()
-        blp = np.array(base.compute_logprobs(types.ModelInput.from_ints(prompt)).result()[1:])
-        assert np.abs(blp - want).max() > 1e-3        # the check can fail: the base's log-probs differ
+        _ephemeral_snapshot_check(srv, model, work, seed=3, what="engine tp2", samples=2)
     finally:
         srv.stop()
 
@@ -176,27 +186,9 @@ def test_engine_started_elsewhere(tmp_path):
         srv = _start(work, model, ["--engine-url", engine.url, "--snapshot-dir", snaps, "--max-context", "256"],
                      env={"PARALLM_ENGINE_API_KEY": key})
         assert srv.engines == [engine.url]
-        tc = srv.client.create_lora_training_client(base_model=model, rank=RANK, seed=5).result()
-        g = np.random.default_rng(5)
-        for _ in range(2):
-            tc.forward_backward([th.next_token_datum(g.integers(3, 99, 12).tolist()) for _ in range(4)],
-                                "cross_entropy").result()
-            tc.optim_step(ADAM).result()
-        prompt = g.integers(3, 99, 10).tolist()
-        want = th.forward_logprobs(tc, prompt)
-        ckpt = os.path.join(work, "ckpt")
-        files = th.file_sizes(ckpt)
-        sc = tc.save_weights_and_get_sampling_client().result()
-        assert th.file_sizes(ckpt) == files, "an ephemeral snapshot wrote under --checkpoint-dir"
-        written = [f for f, _ in th.file_sizes(snaps).items() if f.endswith("adapter_model.safetensors")]
+        sc, prompt = _ephemeral_snapshot_check(srv, model, work, seed=5, what="engine started elsewhere", samples=0)
+        written = [f for f in th.file_sizes(snaps) if f.endswith("adapter_model.safetensors")]
         assert written, "the snapshot the engine loaded is not under --snapshot-dir"
-        lp = np.array(sc.compute_logprobs(types.ModelInput.from_ints(prompt)).result()[1:])
-        worst = float(np.abs(lp - want).max())
-        print("engine started elsewhere: max |log-prob - trainer| =", worst)
-        assert worst < 1e-4
-        base = srv.client.create_sampling_client(base_model=model).result()
-        blp = np.array(base.compute_logprobs(types.ModelInput.from_ints(prompt)).result()[1:])
-        assert np.abs(blp - want).max() > 1e-3        # the check can fail: the base's log-probs differ
         engine.kill()
         with pytest.raises(Exception) as err:
             sc.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=4, seed=1)).result()
