@@ -39,14 +39,9 @@ HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_vl", "qwen3_
 GDN_ADAPTED = ("self_attention.in_proj.weight", "self_attention.out_proj.weight")
 
 
-def _all_linear(config) -> bool:
-    t = config.target_modules
-    return t == "all-linear" or (not isinstance(t, str) and "all-linear" in t)
-
-
 def targeted(config, module: str) -> bool:
     """Whether ``config`` targets Gated DeltaNet module ``module`` (its names, or ``"all-linear"``)."""
-    return config.targets(module) or (_all_linear(config) and module.rsplit(".", 1)[-1] in GDN_LINEAR)
+    return config.targets(module) or (config.all_linear and module.rsplit(".", 1)[-1] in GDN_LINEAR)
 
 
 def _refused(spec) -> list[str]:
@@ -82,7 +77,7 @@ def _check(spec, config) -> None:
     if spec.carried:
         vision = sorted({n.removesuffix(".weight").rsplit(".", 1)[-1] for n, _ in spec.carried
                          if n.endswith(".weight") and config.targets(n.removesuffix(".weight"))})
-        if vision or _all_linear(config):
+        if vision or config.all_linear:
             raise ValueError(f"LoRA on {spec.architecture}'s vision tower is not supported: "
                              f"{'target ' + ', '.join(vision) + ' names its modules' if vision else 'all-linear'} "
                              "(PEFT's 'all-linear' adapts the tower's qkv, proj, linear_fc1, linear_fc2); parallm "
@@ -92,7 +87,7 @@ def _check(spec, config) -> None:
     layer = spec.moe.layers[0] if spec.moe is not None and spec.moe.layers else 0
     prefix = "model.language_model." if spec.carried else "model."
     named = [m for m in others if config.targets(f"{prefix}layers.{layer}.mlp.{m}")]
-    if others and (_all_linear(config) or named):
+    if others and (config.all_linear or named):
         names = ", ".join(f"mlp.{m}" for m in (named or others))
         raise ValueError(f"LoRA on {spec.architecture}'s {names} is not supported (PEFT's 'all-linear' adapts "
                          f"{'them' if len(named or others) > 1 else 'it'}); name the projections instead: q_proj, "
@@ -104,7 +99,7 @@ def check_shared_gate_targets(spec, config) -> None:
     """Qwen2-MoE: PEFT's ``"all-linear"`` also adapts each MoE layer's ``shared_expert_gate`` (an
     ``nn.Linear(H, 1)``), which parallm does not: refuse it (and naming it) rather than adapt another set."""
     layer = spec.moe.layers[0] if spec.moe.layers else 0
-    if _all_linear(config) or config.targets(f"model.layers.{layer}.mlp.shared_expert_gate"):
+    if config.all_linear or config.targets(f"model.layers.{layer}.mlp.shared_expert_gate"):
         raise ValueError(f"LoRA on {spec.architecture}'s mlp.shared_expert_gate is not supported (PEFT's "
                          "'all-linear' adapts it); name the projections instead: q_proj, k_proj, v_proj, o_proj, "
                          "gate_proj, up_proj, down_proj")

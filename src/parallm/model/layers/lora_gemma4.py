@@ -34,10 +34,9 @@ def check_gemma4_targets(spec, config) -> None:
     refused too."""
     others = [m for m in GEMMA4_OTHER_LINEAR
               if (m.startswith("per_layer") and spec.per_layer_input_size) or (m == "router.proj" and spec.moe)]
-    t = config.target_modules
     named = [m for m in others for lm in ("model.", "model.language_model.")
              if config.targets(f"{lm}layers.0.{m}") or config.targets(f"{lm}{m}")]
-    if others and (t == "all-linear" or (not isinstance(t, str) and "all-linear" in t) or named):
+    if others and (config.all_linear or named):
         raise ValueError(f"LoRA on Gemma 4's {', '.join(named or others)} is not supported (PEFT's 'all-linear' "
                          "adapts them); name the attention / MLP projections instead (q/k/v/o_proj, gate/up/down_proj"
                          "; the routed experts: experts.gate_up_proj, experts.down_proj)")

@@ -103,6 +103,12 @@ class LoraConfig:
                 if not isinstance(v, (int, float)) or v <= 0:
                     raise ValueError(f"LoraConfig: {name}[{k!r}] must be positive, got {v!r}")
 
+    @property
+    def all_linear(self) -> bool:
+        """Whether ``target_modules`` is, or holds, ``"all-linear"``."""
+        t = self.target_modules
+        return t == "all-linear" or (not isinstance(t, str) and "all-linear" in t)
+
     def targets(self, module: str) -> bool:
         """Whether HF module ``module`` (``model.layers.0.self_attn.q_proj``) is targeted (PEFT's rule)."""
         t = self.target_modules
@@ -274,35 +280,19 @@ def head_slot(spec, task: str, config: LoraConfig, *, padded_vocab: int, sp: boo
 
 def layer_slots(spec, entry, config: LoraConfig, *, tp: int, sp: bool) -> tuple[str, list[Slot]] | None:
     """``(kind, slots)`` of the table entry's linear (``"column"``, ``"row"``, ``"replicated"``: MLA's
-    down-projections, ``"split"``: DeepSeek-V4's q_b_proj, ``"experts_fc1"``, ``"experts_fc2"``), None when nothing of it is targeted. Raises for
-    targeted modules parallm cannot adapt."""
+    down-projections, ``"split"``: DeepSeek-V4's q_b_proj, ``"experts_fc1"``, ``"experts_fc2"``), None when nothing
+    of it is targeted. Raises for targeted modules parallm cannot adapt."""
     local = entry.local.split(".", 2)[-1]          # drop "layers.{l}."
-    if spec.family in GEMMA4_FAMILIES:
-        check_gemma4_targets(spec, config)
+    _check_family_targets(spec, config)
     if spec.v4 is not None and local.startswith("self_attention."):
         return _v4_slots(spec, entry, config, local, sp=sp)
     modules = peft_modules(spec, entry)
-    if spec.family == "qwen2_moe" and spec.moe is not None and spec.moe.shared_expert_gate:
-        check_shared_gate_targets(spec, config)
-    if spec.family in HYBRID_FAMILIES:
-        check_hybrid_targets(spec, config)
-        if local in GDN_ADAPTED:
-            return gdn_slots(spec, entry, config, modules, sp=sp, slot_cls=Slot)
+    if spec.family in HYBRID_FAMILIES and local in GDN_ADAPTED:
+        return gdn_slots(spec, entry, config, modules, sp=sp, slot_cls=Slot)
     hit = [config.targets(m) for m, _ in modules]
-    moe = spec.moe is not None
     if spec.mla is not None and local.startswith("self_attention.") and local.endswith(".weight") \
             and local.split(".")[1] in MLA_ADAPTED:
-        if not hit[0]:
-            return None
-        (m, p), = modules
-        rows, cols = resolve_shape(entry.row.shapes[0], spec)
-        kind = MLA_ADAPTED[local.split(".")[1]]
-        # A / B layouts and which gradients are partial sums over TP under sequence parallelism: a replicated
-        # (duplicated) linear runs on this rank's tokens only, both factors partial as its own weight (tp_sum "sp")
-        a_lay, b_lay, a_sum, b_sum = {"replicated": (Replicated(), Replicated(), sp, sp),
-                                      "column": (Replicated(), Split(0), sp, False),
-                                      "row": (Split(1), Replicated(), False, sp)}[kind]
-        return kind, [Slot(m, p, rows, cols, *config.rank_alpha_scaled(m), a_lay, b_lay, a_sum, b_sum)]
+        return _mla_slots(spec, entry, config, modules, hit, local, sp=sp)
     if local == "self_attention.linear_qkv.weight":
         if not any(hit):
             return None
@@ -329,6 +319,37 @@ def layer_slots(spec, entry, config: LoraConfig, *, tp: int, sp: bool) -> tuple[
         (m, p), = modules
         return "row", [Slot(m, p, spec.hidden_size, spec.num_heads * spec.head_dim_of(entry.layer),
                             *config.rank_alpha_scaled(m), Split(1), Replicated(), False, sp)]
+    return _mlp_slots(spec, entry, config, modules, hit, local, tp=tp, sp=sp)
+
+
+def _check_family_targets(spec, config) -> None:
+    """The families whose PEFT "all-linear" (or named targets) reach modules parallm does not adapt: refused."""
+    if spec.family in GEMMA4_FAMILIES:
+        check_gemma4_targets(spec, config)
+    if spec.family == "qwen2_moe" and spec.moe is not None and spec.moe.shared_expert_gate:
+        check_shared_gate_targets(spec, config)
+    if spec.family in HYBRID_FAMILIES:
+        check_hybrid_targets(spec, config)
+
+
+def _mla_slots(spec, entry, config, modules, hit, local: str, *, sp: bool):
+    """Multi-head latent attention's projections (:data:`MLA_ADAPTED`)."""
+    if not hit[0]:
+        return None
+    (m, p), = modules
+    rows, cols = resolve_shape(entry.row.shapes[0], spec)
+    kind = MLA_ADAPTED[local.split(".")[1]]
+    # A / B layouts and which gradients are partial sums over TP under sequence parallelism: a replicated
+    # (duplicated) linear runs on this rank's tokens only, both factors partial as its own weight (tp_sum "sp")
+    a_lay, b_lay, a_sum, b_sum = {"replicated": (Replicated(), Replicated(), sp, sp),
+                                  "column": (Replicated(), Split(0), sp, False),
+                                  "row": (Split(1), Replicated(), False, sp)}[kind]
+    return kind, [Slot(m, p, rows, cols, *config.rank_alpha_scaled(m), a_lay, b_lay, a_sum, b_sum)]
+
+
+def _mlp_slots(spec, entry, config, modules, hit, local: str, *, tp: int, sp: bool):
+    """The dense MLPs, shared experts and routed experts; anything else targeted is refused."""
+    moe = spec.moe is not None
     if moe and spec.moe.expert_layout == "interleaved_columns" and local.startswith("mlp.experts."):
         return _column_expert_slots(spec, entry, config, modules, hit, tp=tp)
     mlp = local in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight", "mlp.shared_experts.linear_fc1.weight",

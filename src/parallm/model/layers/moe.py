@@ -65,6 +65,7 @@ from ...parallel.comm import all_gather_single
 from ...parallel.megatron_import import import_megatron
 from ...parallel.state import as_device
 from .mlp import MLP
+from .moe_activations import clamped_silu, clamped_swiglu, swiglu
 from .moe_recompute import recomputed_experts, recomputed_token_experts
 from .moe_kernels import (KERNEL_ENV, KERNELS, PROBED_DEVICE_TYPES, _choose_kernel,  # noqa: F401 (re-exported)
                           empty_group_problem, expert_kernel, grouped_mm_support)
@@ -102,54 +103,6 @@ class Router(_Weight):
     """The router's ``[E, H]`` weight (and gpt-oss's ``[E]`` bias), replicated over TP (megatron-core marks it
     ``sequence_parallel``)."""
     parallm_param_kind = "replicated"
-
-
-class _SwiGLU(torch.autograd.Function):
-    """``silu(gate) * up`` of ``h = [gate | up]`` (the experts' fc1 output, ``[m, 2 w]``), keeping only ``h`` for
-    the backward, which writes both halves of the gradient into one ``[m, 2 w]`` tensor (autograd would keep
-    ``silu(gate)`` as well, and concatenate the two halves' gradients afterwards). The same operations as
-    autograd's, so the same bits in every dtype."""
-
-    @staticmethod
-    def forward(ctx, h):
-        gate, up = h.chunk(2, dim=-1)
-        out = F.silu(gate)
-        out.mul_(up)
-        ctx.save_for_backward(h)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        (h,) = ctx.saved_tensors
-        gate, up = h.chunk(2, dim=-1)
-        out = torch.empty_like(h)
-        grad_gate, grad_up = out.chunk(2, dim=-1)
-        torch.ops.aten.silu.out(gate, out=grad_up)
-        grad_up.mul_(grad)                                  # d/d up = grad * silu(gate)
-        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)   # d/d gate
-        return out
-
-
-def swiglu(h: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``h = [gate | up]`` along the last dim; see :class:`_SwiGLU`."""
-    return _SwiGLU.apply(h)
-
-
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, *, limit: float, alpha: float) -> torch.Tensor:
-    """gpt-oss's expert activation, transformers' ``GptOssExperts._apply_gate`` op for op (the same bits, forward
-    and backward): ``gate`` clamped above at ``limit``, ``up`` to ``[-limit, limit]``, then ``(up + 1) * gate *
-    sigmoid(gate * alpha)``."""
-    gate = gate.clamp(min=None, max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-
-
-def clamped_silu(gate: torch.Tensor, up: torch.Tensor, *, limit: float) -> torch.Tensor:
-    """DeepSeek-V4's expert activation, transformers' ``DeepseekV4Experts._apply_gate`` (and its shared
-    ``DeepseekV4MLP``) op for op: ``silu(clamp(gate, max=limit)) * clamp(up, -limit, limit)``."""
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return F.silu(gate) * up
 
 
 def _group_of_rows(counts_device: torch.Tensor, rows: int, dtype) -> torch.Tensor:
@@ -214,11 +167,14 @@ class Experts(nn.Module):
         GEMM too, with no accumulation by index). :meth:`recomputes`: only ``rows`` kept (:mod:`.moe_recompute`)."""
         if self.recomputes():
             return recomputed_experts(self, rows, counts, counts_device)
-        offsets = counts_device.cumsum(0).to(torch.int32) if self.kernel == "grouped_mm" else None
-        onehot = _group_of_rows(counts_device, rows.shape[0], rows.dtype) \
-            if self.linear_fc1.bias is not None else None
-        groups = (counts, offsets, onehot)
+        groups = self._groups(rows, counts, counts_device, self.linear_fc1.bias is not None)
         return self.project(self.act(self.project(rows, "gate_up_proj", groups)), "down_proj", groups)
+
+    def _groups(self, rows, counts, counts_device, bias: bool) -> tuple:
+        """``(counts, offsets, onehot)``: the grouped GEMM's offsets (None: a loop over the experts), each row's
+        one-hot expert where there are biases."""
+        offsets = counts_device.cumsum(0).to(torch.int32) if self.kernel == "grouped_mm" else None
+        return counts, offsets, (_group_of_rows(counts_device, rows.shape[0], rows.dtype) if bias else None)
 
     def project(self, x: torch.Tensor, part: str, groups) -> torch.Tensor:
         """fc1 (``part`` ``"gate_up_proj"``) or fc2 (``"down_proj"``) of every local expert on its rows of ``x``,
@@ -232,9 +188,7 @@ class Experts(nn.Module):
         """:meth:`forward`'s operations with ``params`` ``(fc1 weight, fc1 bias, fc2 weight, fc2 bias)`` (slabs
         of ``len(counts)`` experts: :func:`recomputed_experts` recomputes a few experts at a time)."""
         w1, b1, w2, b2 = params
-        offsets = counts_device.cumsum(0).to(torch.int32) if self.kernel == "grouped_mm" else None
-        onehot = _group_of_rows(counts_device, rows.shape[0], rows.dtype) if b1 is not None else None
-        groups = (counts, offsets, onehot)
+        groups = self._groups(rows, counts, counts_device, b1 is not None)
         h = self.act(project_rows(rows, w1, b1, self.columns, groups))
         return project_rows(h, w2, b2 if self.add_down_bias else None, self.columns, groups)
 

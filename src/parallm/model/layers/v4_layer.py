@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from ..recompute import recomputed_attention
 from .hyper_connections import HyperConnection, mix_streams
 from .moe import MoEBlock
 from .norms import norm_class
@@ -50,8 +50,8 @@ class V4Layer(nn.Module):
         self.recompute_attention = False    # recompute="selective": the attention keeps its inputs only
 
     def _attend(self, h, cos, sin, ctx):
-        if self.recompute_attention and torch.is_grad_enabled():
-            return checkpoint(self.self_attention, h, cos, sin, ctx, use_reentrant=False, preserve_rng_state=True)
+        if self.recompute_attention:        # recompute="selective"
+            return recomputed_attention(self.self_attention, h, cos, sin, ctx)
         return self.self_attention(h, cos, sin, ctx)
 
     def forward(self, x, cos, sin, ctx, tokens=None, routed=None):
