@@ -32,7 +32,7 @@ import torch
 import helpers
 from test_gemma4_moe import make_model, moe_config
 from test_lora import (ALPHA, R, _adapted, _assert_case, _assert_close_dict, _check_run, _hf_logits, _merged_and_saved,
-                       _randomize_adapter, peft_step)
+                       _randomize_adapter, dp_rows, peft_step)
 
 DENSE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
@@ -111,7 +111,6 @@ def test_reference_gate_up_order_matters(tmp_path):
 
 def _cases(rank, world, ckpt, adapter, batch, tmp):
     import parallm
-    from parallm.parallel.state import current_dims
     results = {}
     for name, env, kw, build in (("tp2 ep2", "auto", dict(tp=2, ep=2), {}),
                                  ("tp2 ep2 loop", "loop", dict(tp=2, ep=2), {}),
@@ -120,10 +119,8 @@ def _cases(rank, world, ckpt, adapter, batch, tmp):
                                  ("ep2 dp4", "auto", dict(ep=2), {})):
         os.environ["PARALLM_MOE_EXPERTS"] = env
         parallm.init_parallel(**kw)
-        dims = current_dims()
         chunks = _adapted(ckpt, adapter, build)
-        per = batch[0].shape[0] // dims.dp
-        out = _check_run(rank, chunks, batch, dp_slice=slice(dims.dp_rank * per, (dims.dp_rank + 1) * per))
+        out = _check_run(rank, chunks, batch, dp_slice=dp_rows(batch))
         if name == "tp2 ep2":
             _merged_and_saved(chunks, out, os.path.join(tmp, "saved"))
         results[name] = out

@@ -29,7 +29,7 @@ from test_gemma4_features import VISION
 from test_gemma4_lora_experts import DENSE, EXPERTS
 from test_gemma4_moe import moe_config
 from test_lora import (ALPHA, R, _adapted, _assert_case, _assert_close_dict, _check_run, _hf_logits, _randomize_adapter,
-                       token_nll, peft_step)
+                       token_nll, dp_rows, peft_step)
 
 def wrapper_model(seed: int):
     """The wrapper over test_gemma4_moe.py's text config (router scaled as there) and a 1-layer vision tower (no
@@ -93,14 +93,11 @@ def _norm64(base, adapter, ids, mask) -> float:
 
 def _cases(rank, world, ckpt, adapter, batch, tmp):
     import parallm
-    from parallm.parallel.state import current_dims
     results = {}
     for name, kw in (("tp2", dict(tp=2)), ("ep2 dp2", dict(ep=2))):
         parallm.init_parallel(**kw)
-        dims = current_dims()
         chunks = _adapted(ckpt, adapter, {})
-        per = batch[0].shape[0] // dims.dp
-        out = _check_run(rank, chunks, batch, dp_slice=slice(dims.dp_rank * per, (dims.dp_rank + 1) * per))
+        out = _check_run(rank, chunks, batch, dp_slice=dp_rows(batch))
         if name == "tp2":
             parallm.save_hf_adapter(chunks, os.path.join(tmp, "saved"), overwrite=True)
         results[name] = out

@@ -21,7 +21,7 @@ import torch
 import helpers
 from test_gpt_oss_parts import gpt_oss_config
 from test_lora import (ALPHA, R, _adapted, _assert_case, _assert_close_dict, _check_run, _hf_logits, _merged_and_saved,
-                       _randomize_adapter, peft_step)
+                       _randomize_adapter, dp_rows, peft_step)
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["gate_up_proj", "down_proj"]
@@ -47,16 +47,13 @@ def _reference(tmp):
 
 def _cases(rank, world, ckpt, adapter, batch, tmp):
     import parallm
-    from parallm.parallel.state import current_dims
     results = {}
     for name, env, build in (("tp2_ep2", "auto", {}), ("tp2_ep2_loop", "loop", {}),
                              ("tp2_ep2_sp", "auto", dict(packed=True, sequence_parallel=True))):
         os.environ["PARALLM_MOE_EXPERTS"] = env
         parallm.init_parallel(tp=2, ep=2)
-        dims = current_dims()
         chunks = _adapted(ckpt, adapter, build)
-        per = batch[0].shape[0] // dims.dp
-        out = _check_run(rank, chunks, batch, dp_slice=slice(dims.dp_rank * per, (dims.dp_rank + 1) * per))
+        out = _check_run(rank, chunks, batch, dp_slice=dp_rows(batch))
         if name == "tp2_ep2":
             _merged_and_saved(chunks, out, os.path.join(tmp, "saved"))
         results[name] = out

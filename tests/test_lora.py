@@ -103,6 +103,14 @@ def peft_step(model, base, ids, mask) -> dict:
                 loss=(total / count).item(), norm=norm)
 
 
+def dp_rows(batch) -> slice:
+    """This data-parallel rank's rows of ``batch`` (``(ids, mask)``), split evenly over the current layout's dp."""
+    from parallm.parallel.state import current_dims
+    dims = current_dims()
+    per = batch[0].shape[0] // dims.dp
+    return slice(dims.dp_rank * per, (dims.dp_rank + 1) * per)
+
+
 def _check_run(rank, chunks, batch, *, dp_slice=None, extra=None, opt_kw=None):
     """On every rank: logits with / without adapters, one step; returns what rank 0 reports."""
     import parallm
@@ -422,7 +430,6 @@ def _check_mla(res, mla, moonlight, tmp_path):
 
 def _four_rank_cases(rank, world, moe, dense, deep, mla, tmp):
     import parallm
-    from parallm.parallel.state import current_dims
     results = {}
     zero = dict(shard_over_dp=True, overlap_grad_reduce=True)
     sp = dict(packed=True, sequence_parallel=True)
@@ -434,11 +441,8 @@ def _four_rank_cases(rank, world, moe, dense, deep, mla, tmp):
             ("dense_pp2_vpp2_zero", deep, dict(pp=2, vpp=2), "auto", zero, {})):
         os.environ["PARALLM_MOE_EXPERTS"] = env
         parallm.init_parallel(**kw)
-        dims = current_dims()
         chunks = _adapted(ckpt, adapter, build)
-        per = batch[0].shape[0] // dims.dp
-        out = _check_run(rank, chunks, batch, dp_slice=slice(dims.dp_rank * per, (dims.dp_rank + 1) * per),
-                         opt_kw=opt_kw)
+        out = _check_run(rank, chunks, batch, dp_slice=dp_rows(batch), opt_kw=opt_kw)
         if name == "moe_tp2_ep2":
             _merged_and_saved(chunks, out, os.path.join(tmp, "moe_saved"))
         results[name] = out

@@ -39,8 +39,8 @@ import torch
 import helpers
 import test_lora
 import test_qwen3_5 as q35
-from test_lora import ALPHA, EPS, LR, R, WD, _adapted, _assert_case, _check_run, _peft_state, _randomize_adapter, \
-    token_nll
+from test_lora import (ALPHA, R, _adapted, _assert_case, _check_run, _peft_state, _randomize_adapter, dp_rows,
+                       peft_step)
 
 ATTN_MLP = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GDN = {"qwen3_5_text": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
@@ -70,22 +70,12 @@ def _reference(model_type, tmp):
     ids, mask = helpers.padded_batch(vocab, batch=4, seq=12, seed=3)
     pos = parallm.default_position_ids(mask)
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        base_logits = base(input_ids=ids, attention_mask=mask, position_ids=pos).logits
         merged = copy.deepcopy(model).merge_and_unload()
-        spread = helpers.max_diff_real(merged(input_ids=ids, attention_mask=mask, position_ids=pos).logits, logits,
-                                       mask)
-    before = _peft_state(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=WD)
-    total, count = token_nll(model(input_ids=ids, attention_mask=mask, position_ids=pos).logits, ids, mask)
-    (total / count).backward()
-    norm = torch.nn.utils.clip_grad_norm_(params, 1e9).item()
-    opt.step()
+        spread = helpers.max_diff_real(merged(input_ids=ids, attention_mask=mask, position_ids=pos).logits,
+                                       model(input_ids=ids, attention_mask=mask, position_ids=pos).logits, mask)
+    ref = peft_step(model, base, ids, mask)
     with torch.no_grad():
-        after_logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-    ref = dict(logits=logits, base_logits=base_logits, before=before, after=_peft_state(model),
-               loss=(total / count).item(), norm=norm, after_logits=after_logits, spread=spread)
+        ref.update(after_logits=model(input_ids=ids, attention_mask=mask, position_ids=pos).logits, spread=spread)
     return base, ckpt, adapter, (ids, mask), ref
 
 
@@ -134,9 +124,7 @@ def _cases(rank, world, ckpt, adapter, batch, model_type, tmp):
         parallm.init_parallel(**kw)
         chunks = _adapted(ckpt, adapter, build)
         loaded = dict(parallm.export_adapter_tensors(chunks))
-        dims = chunks[0].dims
-        per = batch[0].shape[0] // dims.dp
-        res = _check_run(rank, chunks, batch, dp_slice=slice(dims.dp_rank * per, (dims.dp_rank + 1) * per))
+        res = _check_run(rank, chunks, batch, dp_slice=dp_rows(batch))
         if name == "tp2":
             parallm.save_hf_adapter(chunks, os.path.join(tmp, "saved"), overwrite=True)
             parallm.save_checkpoint(os.path.join(tmp, "lora_ckpt"), chunks, step=1, overwrite=True)
